@@ -1,0 +1,120 @@
+"""Fenwick level arithmetic for log-linear attention (spec section 2).
+
+Positions are 0-based and absolute within a sequence. The prefix of query ``t`` is cut into buckets:
+
+    level(t, t) = 0
+    level(t, s) = bit_length(t XOR s)            for s < t
+
+Level l >= 1 of query t is non-empty iff bit l-1 of t is set, and then holds 2^(l-1) keys.
+
+With chunks of C = 2^c tokens (t = tc*C + tl, s = sc*C + sl):
+
+    level(t, s) = bit_length(tl XOR sl)                  same chunk   (levels 0..c)
+    level(t, s) = c + 1 + floor(log2(tc XOR sc))         other chunk  (chunk-level j <-> token level c+1+j)
+
+so every off-diagonal chunk pair carries a single level. For chunk-level j, chunk tc *reads* if bit j
+of tc is 1, *writes* if bit j is 0, and the level's running state resets after every aligned block of
+2^(j+1) chunks. Equivalently (the cascade used by our kernels and the decoder), going from query
+position p-1 to p, levels 0..ctz(p) merge into level ctz(p)+1: a binary counter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "bit_length",
+    "level",
+    "level_matrix",
+    "levels_needed",
+    "chunk_bits",
+    "intra_chunk_levels",
+    "chunk_level_to_token_level",
+    "chunk_reads",
+    "chunk_writes",
+    "chunk_resets_after",
+    "carry_target",
+    "trailing_zeros",
+]
+
+
+def bit_length(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise ``int.bit_length`` of a non-negative integer tensor (exact for int64)."""
+    if x.dtype.is_floating_point or x.dtype == torch.bool:
+        raise TypeError(f"bit_length expects an integer tensor, got dtype {x.dtype}")
+    y = x.to(torch.int64)
+    out = torch.zeros_like(y)
+    for shift in (32, 16, 8, 4, 2, 1):
+        high = (y >> shift) > 0
+        out = out + high.to(torch.int64) * shift
+        y = torch.where(high, y >> shift, y)
+    return out + (y > 0).to(torch.int64)
+
+
+def level(t: torch.Tensor | int, s: torch.Tensor | int) -> torch.Tensor:
+    """Fenwick level of key position ``s`` for query position ``t`` (broadcasting, s <= t assumed)."""
+    t = torch.as_tensor(t, dtype=torch.int64)
+    s = torch.as_tensor(s, dtype=torch.int64)
+    return bit_length(t ^ s)
+
+
+def level_matrix(n: int, start: int = 0, device: torch.device | None = None) -> torch.Tensor:
+    """Levels of all (query, key) pairs of positions start..start+n-1: ``[n, n]`` int64, 0 above the diagonal."""
+    pos = torch.arange(start, start + n, device=device)
+    lev = level(pos[:, None], pos[None, :])
+    return torch.tril(lev)
+
+
+def levels_needed(n: int) -> int:
+    """Number of levels that queries at positions 0..n-1 can touch: ceil(log2 n) + 1 (1 for n = 1)."""
+    if n < 1:
+        raise ValueError(f"levels_needed expects n >= 1 positions, got {n}")
+    return (n - 1).bit_length() + 1
+
+
+def chunk_bits(chunk_size: int) -> int:
+    """c = log2 C for a power-of-two chunk size C."""
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two >= 1, got {chunk_size}")
+    return chunk_size.bit_length() - 1
+
+
+def intra_chunk_levels(chunk_size: int, device: torch.device | None = None) -> torch.Tensor:
+    """Levels inside an aligned chunk: ``[C, C]`` int64, bit_length(tl XOR sl) below the diagonal, 0 above."""
+    chunk_bits(chunk_size)
+    return level_matrix(chunk_size, device=device)
+
+
+def chunk_level_to_token_level(j: int, chunk_size: int) -> int:
+    """Chunk-level j (between chunks) is token level log2(C) + 1 + j."""
+    return chunk_bits(chunk_size) + 1 + j
+
+
+def chunk_reads(chunk: int, j: int) -> bool:
+    """Query chunk ``chunk`` has a non-empty chunk-level-j bucket iff bit j of ``chunk`` is 1."""
+    return bool((chunk >> j) & 1)
+
+
+def chunk_writes(chunk: int, j: int) -> bool:
+    """Chunk ``chunk`` contributes its keys to the chunk-level-j bucket of later chunks iff bit j is 0."""
+    return not chunk_reads(chunk, j)
+
+
+def chunk_resets_after(chunk: int, j: int) -> bool:
+    """The chunk-level-j running state resets after the last chunk of each aligned block of 2^(j+1)."""
+    return (chunk + 1) % (1 << (j + 1)) == 0
+
+
+def trailing_zeros(x: torch.Tensor) -> torch.Tensor:
+    """Count of trailing zero bits of a positive int64 tensor (ctz)."""
+    x = torch.as_tensor(x, dtype=torch.int64)
+    return bit_length(x & -x) - 1
+
+
+def carry_target(position: torch.Tensor | int) -> torch.Tensor:
+    """When token ``position`` (> 0) arrives, levels 0..ctz(position) merge into level ctz(position) + 1.
+
+    Returns that target level (the binary-counter carry of spec section 4); 0 for position 0 (no carry).
+    """
+    p = torch.as_tensor(position, dtype=torch.int64)
+    return torch.where(p > 0, trailing_zeros(torch.clamp(p, min=1)) + 1, torch.zeros_like(p))

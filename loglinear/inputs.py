@@ -1,0 +1,215 @@
+"""Validation of the public ops' arguments and the per-sequence bookkeeping every backend shares.
+
+Every bad input gets a ValueError or TypeError naming the argument, its shape/dtype and what was
+expected, before any kernel runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from loglinear.fenwick import levels_needed
+from loglinear.state import FenwickState
+
+__all__ = ["OpInputs", "check_inputs", "Segment", "segments", "run_segments", "l2norm", "expand_groups"]
+
+
+@dataclass
+class OpInputs:
+    """Validated arguments.  q, k: [B, T, G, K]; v: [B, T, H, V]; g, beta: [B, T, H]; level_scales: [B, T, H, L]."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor | None
+    level_scales: torch.Tensor
+    scale: float
+    initial_state: FenwickState | None
+    cu_seqlens: torch.Tensor | None
+    bounds: list[int] | None  # cu_seqlens on the host
+
+    @property
+    def num_heads(self) -> int:
+        return self.v.shape[2]
+
+
+def _shape(x: torch.Tensor) -> str:
+    return f"shape {tuple(x.shape)}, dtype {x.dtype}"
+
+
+def _check_tensor(name: str, x: object, rank: int, layout: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(x).__name__}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor {layout}, got {_shape(x)}")
+    if x.dim() != rank:
+        raise ValueError(f"{name} must be {layout} ({rank} dims), got {_shape(x)}")
+    return x
+
+
+def _check_cu_seqlens(cu_seqlens: object, batch: int, T: int) -> list[int]:
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        what = _shape(cu_seqlens) if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
+        raise TypeError(f"cu_seqlens must be an int32/int64 tensor [N+1], got {what}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be a 1-D tensor [N+1] with N >= 1, got {_shape(cu_seqlens)}")
+    if batch != 1:
+        raise ValueError(f"cu_seqlens packs sequences along T and needs batch size 1, got B = {batch}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != T or any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must increase strictly from 0 to T = {T}, got {bounds}")
+    return bounds
+
+
+def _check_state(state: object, n_seq: int, H: int, K: int, V: int, device: torch.device) -> FenwickState:
+    if not isinstance(state, FenwickState):
+        raise TypeError(f"initial_state must be a FenwickState, got {type(state).__name__}")
+    N, _, Hs, Ks, Vs = state.levels.shape
+    if (N, Hs, Ks, Vs) != (n_seq, H, K, V):
+        raise ValueError(
+            f"initial_state.levels must be [N, L, H, K, V] = [{n_seq}, L, {H}, {K}, {V}] "
+            f"(N = number of sequences), got {tuple(state.levels.shape)}"
+        )
+    if state.levels.device != device:
+        raise ValueError(f"initial_state is on {state.levels.device}, the inputs on {device}")
+    return state
+
+
+def check_inputs(
+    q: object, k: object, v: object, g: object, beta: object, level_scales: object,
+    scale: float | None, initial_state: object, cu_seqlens: object, *, has_beta: bool,
+) -> OpInputs:
+    """Validate the op's arguments; raise ValueError/TypeError naming the offending one."""
+    q = _check_tensor("q", q, 4, "[B, T, G, K]")
+    k = _check_tensor("k", k, 4, "[B, T, G, K]")
+    v = _check_tensor("v", v, 4, "[B, T, H, V]")
+    g = _check_tensor("g", g, 3, "[B, T, H]")
+    level_scales = _check_tensor("level_scales", level_scales, 4, "[B, T, H, L]")
+    if has_beta:
+        beta = _check_tensor("beta", beta, 3, "[B, T, H]")
+    B, T, G, K = q.shape
+    H = v.shape[2]
+    if T < 1:
+        raise ValueError(f"q must hold at least one token (T >= 1), got {_shape(q)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must match q's shape {tuple(q.shape)} [B, T, G, K], got {_shape(k)}")
+    if v.shape[:2] != (B, T):
+        raise ValueError(f"v must be [B, T, H, V] with B, T = {B}, {T} as in q, got {_shape(v)}")
+    if H % G:
+        raise ValueError(f"the value heads H = {H} (v {tuple(v.shape)}) must be a multiple of the q/k groups G = {G}")
+    named = {"g": g, "level_scales": level_scales} | ({"beta": beta} if has_beta else {})
+    for name, x in named.items():
+        if x.shape[:3] != (B, T, H):
+            layout = "[B, T, H, L]" if name == "level_scales" else "[B, T, H]"
+            raise ValueError(f"{name} must be {layout} with B, T, H = {B}, {T}, {H}, got {_shape(x)}")
+    for name, x in ({"k": k, "v": v} | named).items():
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}; all inputs must share a device")
+    if scale is None:
+        scale = K ** -0.5
+    elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    bounds = _check_cu_seqlens(cu_seqlens, B, T) if cu_seqlens is not None else None
+    n_seq = len(bounds) - 1 if bounds is not None else B
+    state = None
+    if initial_state is not None:
+        state = _check_state(initial_state, n_seq, H, K, v.shape[3], q.device)
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])] if bounds is not None else [T] * B
+    starts = state.positions.tolist() if state is not None else [0] * n_seq
+    needed = max(levels_needed(p + n) for p, n in zip(starts, lengths))
+    if state is not None:
+        needed = max(needed, state.num_levels)
+    if level_scales.shape[3] < needed:
+        raise ValueError(
+            f"level_scales has L = {level_scales.shape[3]} levels ({_shape(level_scales)}), but positions up to "
+            f"{max(p + n for p, n in zip(starts, lengths))} need L >= {needed}"
+        )
+    return OpInputs(q, k, v, g, beta if has_beta else None, level_scales, float(scale), state, cu_seqlens, bounds)
+
+
+def expand_groups(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[B, T, G, D] -> [B, T, H, D]: value head h reads q/k group h // (H // G)."""
+    groups = x.shape[2]
+    return x if groups == num_heads else x.repeat_interleave(num_heads // groups, dim=2)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim (the in-op q/k normalisation of Gated DeltaNet)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+@dataclass
+class Segment:
+    """Rows of the batch (or one packed sequence) that start at the same absolute position."""
+
+    rows: list[int]  # batch rows (varlen: [0])
+    t0: int  # time range [t0, t1)
+    t1: int
+    state_rows: list[int]  # rows of the state (sequence indices)
+    position: int
+
+
+def segments(inp: OpInputs) -> list[Segment]:
+    """Split the call into groups that share a start position: one per packed sequence, or per distinct
+    state position over the batch."""
+    if inp.bounds is not None:
+        pos = inp.initial_state.positions.tolist() if inp.initial_state is not None else [0] * (len(inp.bounds) - 1)
+        return [Segment([0], a, b, [i], pos[i]) for i, (a, b) in enumerate(zip(inp.bounds, inp.bounds[1:]))]
+    B, T = inp.q.shape[:2]
+    pos = inp.initial_state.positions.tolist() if inp.initial_state is not None else [0] * B
+    groups: dict[int, list[int]] = {}
+    for row, p in enumerate(pos):
+        groups.setdefault(p, []).append(row)
+    return [Segment(rows, 0, T, rows, p) for p, rows in groups.items()]
+
+
+Core = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def run_segments(
+    inp: OpInputs, core: Core, output_final_state: bool, *, l2norm_qk: bool = False,
+) -> tuple[torch.Tensor, FenwickState | None]:
+    """Run ``core`` on every segment, in the compute dtype, with q/k expanded to the value heads.
+
+    core(q, k, v, g, beta, level_scales, scale, levels, position) -> (o, levels_out), with
+    q, k: [b, t, H, K]; v: [b, t, H, V]; g, beta: [b, t, H]; level_scales: [b, t, H, L];
+    levels: [b, Ls, H, K, V] or None; position: int shared by the rows.
+    """
+    H = inp.num_heads
+    dtype = torch.float64 if inp.v.dtype == torch.float64 or inp.q.dtype == torch.float64 else torch.float32
+    q, k = inp.q.to(dtype), inp.k.to(dtype)
+    if l2norm_qk:
+        q, k = l2norm(q), l2norm(k)
+    q, k = expand_groups(q, H), expand_groups(k, H)
+    v, g, lam = inp.v.to(dtype), inp.g.to(dtype), inp.level_scales.to(dtype)
+    beta = inp.beta.to(dtype) if inp.beta is not None else torch.ones_like(g)
+    outs, finals, order, positions = [], [], [], []
+    for seg in segments(inp):
+        rows = torch.tensor(seg.rows, device=q.device)
+        pick = lambda x: x.index_select(0, rows)[:, seg.t0 : seg.t1]  # noqa: E731
+        levels = None
+        if inp.initial_state is not None:
+            idx = torch.tensor(seg.state_rows, device=q.device)
+            levels = inp.initial_state.levels.index_select(0, idx).to(dtype)
+        o, lv = core(pick(q), pick(k), pick(v), pick(g), pick(beta), pick(lam), inp.scale, levels, seg.position)
+        outs.append(o)
+        finals.append(lv)
+        order.extend(seg.state_rows)
+        positions.extend([seg.position + seg.t1 - seg.t0] * len(seg.rows))
+    inverse = torch.argsort(torch.tensor(order)).to(q.device)
+    if inp.bounds is not None:
+        o = torch.cat(outs, dim=1)
+    else:
+        o = torch.cat(outs, dim=0).index_select(0, inverse)
+    o = o.to(inp.v.dtype)
+    if not output_final_state:
+        return o, None
+    n_levels = max(f.shape[1] for f in finals)
+    pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, 0, 0, 0, 0, n_levels - x.shape[1]))  # noqa: E731
+    levels = torch.cat([pad(f) for f in finals], dim=0).index_select(0, inverse)
+    pos = torch.tensor(positions)[inverse.cpu()]
+    return o, FenwickState(levels, pos)

@@ -1,0 +1,154 @@
+"""The Fenwick chunk scan: chunkwise log-linear attention for any variant form, in plain PyTorch.
+
+Tokens are placed in chunks aligned to *absolute* positions (C = 2^c), so a call that continues a state
+at position p0 is front-padded with p0 mod C identity tokens. Then (spec sections 2, 4, 5):
+
+  intra   O += (intra * Lambda) V,  Lambda[t, s] = lambda_t[bit_length(tl XOR sl)]      levels 0..c
+  inter   chunk-level buckets H_j (sources in earlier chunks, token level c+1+j) are carried together
+          through one scan over chunks -- the binary-counter cascade at chunk granularity:
+             read:   O_i += sum_j lambda_t[c+1+j] (qt_i H_j)            (one GEMM of depth L*K)
+             update: H_j <- transition_i(H_j) for all j; with m = ctz(chunk+1):
+                     H_m <- deposit_i + sum_{j<m} H_j,  H_j <- 0 for j < m
+  state   the incoming token-level state is first carried past position p0 (levels 0..ctz(p0) merge
+          into ctz(p0)+1); its levels <= c are buckets inside the first chunk, read by query t at level
+          max(l, bit_length(t XOR p0)); its levels > c are the chunk buckets H_j. The outgoing state
+          splits the last chunk into token-level buckets around the last position.
+
+Time O(T C (K + V) + T K V log(T / C)); memory O(T C + K V log T): no T x T tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from loglinear.fenwick import bit_length, carry_target, chunk_bits, intra_chunk_levels, levels_needed
+
+
+def _pad_time(x: torch.Tensor, front: int, back: int) -> torch.Tensor:
+    """Zero-pad dim 1 (time) of [b, T, ...]."""
+    pad = [0, 0] * (x.dim() - 2) + [front, back]
+    return F.pad(x, pad)
+
+
+def _chunked(x: torch.Tensor, C: int) -> torch.Tensor:
+    """[b, T, H, *] -> [b, H, N, C, *]."""
+    b, T, H = x.shape[:3]
+    x = x.reshape(b, T // C, C, H, *x.shape[3:])
+    return x.movedim(3, 1)
+
+
+def _carry_past(levels: torch.Tensor, position: int) -> torch.Tensor:
+    """The cascade's carry for a new token at ``position``: levels 0..ctz(p) merge into ctz(p)+1.  [b, L, H, K, V]."""
+    target = int(carry_target(position))
+    if target == 0:
+        return levels
+    if levels.shape[1] <= target:
+        levels = F.pad(levels, (0, 0, 0, 0, 0, 0, 0, target + 1 - levels.shape[1]))
+    merged = levels[:, :target].sum(1, keepdim=True) + levels[:, target : target + 1]
+    return torch.cat([torch.zeros_like(levels[:, :target]), merged, levels[:, target + 1 :]], dim=1)
+
+
+def _level_scales_at(lam: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """lam: [..., C, L]; idx: [C, M] level per (query, slot) -> [..., C, M] (levels >= L read as 0).
+
+    Only padding rows ever ask for a level >= L: validation guarantees L covers every real query."""
+    inside = idx < lam.shape[-1]
+    picked = torch.gather(lam, -1, torch.where(inside, idx, 0).expand(*lam.shape[:-2], *idx.shape))
+    return picked * inside
+
+
+def chunk_scan(
+    form_cls, q, k, v, g, beta, lam, scale: float, levels: torch.Tensor | None, position: int, chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunkwise log-linear attention of rows sharing the start ``position``.
+
+    q, k: [b, T, H, K]; v: [b, T, H, V]; g, beta: [b, T, H]; lam: [b, T, H, L];
+    levels: [b, Ls, H, K, V] incoming state (or None). Returns o: [b, T, H, V] and the final levels
+    [b, max(Ls, levels_needed(position + T)), H, K, V].
+    """
+    C, c = chunk_size, chunk_bits(chunk_size)
+    b, T, H, K = q.shape
+    V = v.shape[-1]
+    front = position % C
+    Tp = -(-(front + T) // C) * C
+    back = Tp - front - T
+    N, c0 = Tp // C, position // C
+    end = position + T  # tokens consumed after the call
+    pad = lambda x: _chunked(_pad_time(x, front, back), C)  # noqa: E731
+    qc, kc, vc, gc, bc, lc = pad(q), pad(k), pad(v), pad(g), pad(beta), pad(lam)
+    form = form_cls(qc, kc, vc, gc, bc)
+    device = q.device
+
+    # intra-chunk levels 0..c
+    lev = intra_chunk_levels(C, device=device)
+    lam_intra = _level_scales_at(lc, lev)
+    o = (form.intra * lam_intra * torch.ones(C, C, dtype=q.dtype, device=device).tril()) @ vc
+
+    # incoming state: carry past p0, split into in-chunk buckets (levels <= c) and chunk buckets
+    n_chunk_levels = max((end - 1) // C, 1).bit_length()
+    partial = None
+    if levels is not None:
+        levels = _carry_past(levels, position) if position > 0 else levels
+        n_chunk_levels = max(n_chunk_levels, levels.shape[1] - c - 1)
+        levels = F.pad(levels, (0, 0, 0, 0, 0, 0, 0, max(0, c + 1 + n_chunk_levels - levels.shape[1])))
+        partial = levels[:, : c + 1].transpose(1, 2)  # [b, H, c+1, K, V]
+        H_levels = list(levels[:, c + 1 :].unbind(1))  # each [b, H, K, V]
+    else:
+        H_levels = [q.new_zeros(b, H, K, V) for _ in range(n_chunk_levels)]
+
+    abs_pos = c0 * C + torch.arange(C, device=device)
+    outs = []
+    for i in range(N):
+        chunk = c0 + i
+        oi = o[:, :, i]
+        qt = form.qt[:, :, i]  # [b, H, C, K]
+        if i == 0 and partial is not None:
+            slots = torch.arange(c + 1, device=device)
+            idx = torch.maximum(slots[None, :], bit_length(abs_pos ^ position)[:, None])  # [C, c+1]
+            w = _level_scales_at(lc[:, :, 0], idx)
+            oi = oi + torch.einsum("bhtm,bhtk,bhmkv->bhtv", w, qt, partial)
+        if H_levels:
+            stacked = torch.stack(H_levels, dim=2)  # [b, H, J, K, V]
+            idx = (c + 1 + torch.arange(len(H_levels), device=device)).expand(C, -1)
+            w = _level_scales_at(lc[:, :, i], idx)  # [b, H, C, J]
+            oi = oi + torch.einsum("bhtj,bhtk,bhjkv->bhtv", w, qt, stacked)
+        outs.append(oi)
+        if H_levels:
+            flat = torch.stack(H_levels, dim=3).reshape(b, H, K, -1)
+            H_levels = list(form.transition(i, flat).reshape(b, H, K, len(H_levels), V).unbind(3))
+        if i == N - 1:
+            break
+        deposit = form.deposit[:, :, i]
+        if i == 0 and partial is not None:
+            deposit = deposit + form.transition(i, partial.sum(2))
+        m = int(carry_target(chunk + 1)) - 1
+        merged = deposit + sum(H_levels[:m], torch.zeros_like(deposit))
+        H_levels = [torch.zeros_like(deposit)] * m + [merged + H_levels[m]] + H_levels[m + 1 :]
+
+    o = torch.stack(outs, dim=2).movedim(1, 3).reshape(b, Tp, H, V)[:, front : front + T] * scale
+    final = _final_levels(form, H_levels, partial if N == 1 else None, position, end, c0, N, C, c)
+    n_final = max(levels_needed(end), levels.shape[1] if levels is not None else 0)
+    final = F.pad(final, (0, 0, 0, 0, 0, 0, 0, max(0, n_final - final.shape[1])))[:, :n_final]
+    return o, final
+
+
+def _final_levels(form, H_levels, partial, position, end, c0, N, C, c) -> torch.Tensor:
+    """Token-level state around the last position end-1: levels 0..c from the last chunk, then the H_j."""
+    device = form.qt.device
+    last = end - 1
+    local = torch.arange(C, device=device)
+    e = last - (c0 + N - 1) * C
+    lev = bit_length(local ^ e)  # level of each token of the last chunk for query `last`
+    masks = ((lev[None, :] == torch.arange(c + 1, device=device)[:, None]) & (local <= e)[None, :])
+    buckets = form.bucket_states(N - 1, masks.to(form.qt.dtype))  # [b, c+1, H, K, V]
+    if partial is not None:
+        b, H, M, K, V = partial.shape
+        flat = partial.permute(0, 1, 3, 2, 4).reshape(b, H, K, M * V)
+        moved = form.transition(N - 1, flat).reshape(b, H, K, M, V).permute(0, 3, 1, 2, 4)  # [b, M, H, K, V]
+        target = torch.maximum(torch.arange(c + 1, device=device), bit_length(torch.tensor(last ^ position)))
+        route = (target[:, None] == torch.arange(c + 1, device=device)[None, :]).to(moved.dtype)  # [src, dst]
+        buckets = buckets + torch.einsum("sd,bshkv->bdhkv", route, moved)
+    if H_levels:
+        buckets = torch.cat([buckets, torch.stack(H_levels, dim=1)], dim=1)
+    return buckets

@@ -1,0 +1,77 @@
+"""The two generic forms shared by the exact references.
+
+Both forms take inputs already expanded to value heads and cast to the compute dtype:
+q, k: [B, T, H, K]; v: [B, T, H, V]; g, beta: [B, T, H]; level_scales: [B, T, H, L].
+A variant supplies only its transfer matrix (materialized) or its per-token transition (recurrent).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from loglinear.fenwick import carry_target, level_matrix, levels_needed
+
+Transition = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def level_mask(level_scales: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """M^H[b, h, t, s] = lambda_t[level(t, s)] for s <= t, else 0.  level_scales: [B, T, H, L] -> [B, H, T, T]."""
+    B, T, H, L = level_scales.shape
+    lev = level_matrix(T, start=start, device=level_scales.device)  # [T, T]
+    lam = level_scales.permute(0, 2, 1, 3)  # [B, H, T, L]
+    idx = lev[None, None].expand(B, H, T, T)
+    mask = torch.gather(lam, 3, idx)
+    return torch.tril(mask)
+
+
+def materialized(
+    transfer: torch.Tensor, v: torch.Tensor, level_scales: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """O = scale * (transfer * M^H) V.   transfer: [B, H, T, T] (beta_s q_t^T P_{t,s} k_s) -> o: [B, T, H, V]."""
+    weights = transfer * level_mask(level_scales)
+    return scale * torch.einsum("bhts,bshv->bthv", weights, v)
+
+
+def recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    level_scales: torch.Tensor, scale: float, transition: Transition,
+    levels: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-level recurrent cascade of spec section 4, one token at a time.
+
+    levels: [B, Ls, H, K, V] incoming level states (None: empty); positions: [B] tokens already consumed.
+    Per token at absolute position p: (1) carry: levels 0..ctz(p) merge into ctz(p)+1 (p > 0);
+    (2) the token's transition on every level; (3) level 0 += beta k v^T;
+    (4) o = scale * sum_l lambda[l] S[l]^T q.
+    Returns o: [B, T, H, V], the final levels [B, Lf, H, K, V] and positions [B].
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if positions is None:
+        positions = torch.zeros(B, dtype=torch.int64)
+    n_levels = levels_needed(int(positions.max()) + T)
+    if levels is not None:
+        n_levels = max(n_levels, levels.shape[1])
+    if level_scales.shape[-1] < n_levels:
+        raise ValueError(f"level_scales has {level_scales.shape[-1]} levels, {n_levels} are needed")
+    S = q.new_zeros(B, n_levels, H, K, V)
+    if levels is not None:
+        S = S + torch.nn.functional.pad(levels.to(q.dtype), (0, 0, 0, 0, 0, 0, 0, n_levels - levels.shape[1]))
+    lev = torch.arange(n_levels)
+    level0 = (lev == 0).to(q.dtype).to(q.device).view(1, n_levels, 1, 1, 1)
+    outs = []
+    for t in range(T):
+        target = carry_target(positions + t)  # [B]
+        merge = (lev[None] < target[:, None]).to(q.dtype).to(q.device)  # [B, L]
+        into = (lev[None] == target[:, None]) & (target[:, None] > 0)
+        into = into.to(q.dtype).to(q.device)
+        total = (S * merge[..., None, None, None]).sum(1, keepdim=True)
+        S = S * (1 - merge)[..., None, None, None] + into[..., None, None, None] * total
+        S = transition(S, g[:, t], k[:, t], beta[:, t])
+        deposit = torch.einsum("bh,bhk,bhv->bhkv", beta[:, t], k[:, t], v[:, t])
+        S = S + level0 * deposit[:, None]
+        lam = level_scales[:, t, :, :n_levels]  # [B, H, L]
+        outs.append(scale * torch.einsum("blhkv,bhk,bhl->bhv", S, q[:, t], lam))
+    return torch.stack(outs, dim=1), S, positions + T
