@@ -1,0 +1,1 @@
+"""Evaluation: the demo, perplexity, per-position loss, needle-in-a-haystack."""
