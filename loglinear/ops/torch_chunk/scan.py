@@ -79,6 +79,7 @@ def chunk_scan(
     qc, kc, vc, gc, bc, lc = pad(q), pad(k), pad(v), pad(g), pad(beta), pad(lam)
     form = form_cls(qc, kc, vc, gc, bc)
     device = q.device
+    n_final = max(levels_needed(end), levels.shape[1] if levels is not None else 0)
 
     # intra-chunk levels 0..c
     lev = intra_chunk_levels(C, device=device)
@@ -128,7 +129,6 @@ def chunk_scan(
 
     o = torch.stack(outs, dim=2).movedim(1, 3).reshape(b, Tp, H, V)[:, front : front + T] * scale
     final = _final_levels(form, H_levels, partial if N == 1 else None, position, end, c0, N, C, c)
-    n_final = max(levels_needed(end), levels.shape[1] if levels is not None else 0)
     final = F.pad(final, (0, 0, 0, 0, 0, 0, 0, max(0, n_final - final.shape[1])))[:, :n_final]
     return o, final
 

@@ -1,0 +1,39 @@
+"""Random inputs for the ops (fresh every call, never zeros) and comparison helpers."""
+
+from __future__ import annotations
+
+import torch
+
+from loglinear.fenwick import levels_needed
+
+
+def make_inputs(
+    B: int = 2, T: int = 37, G: int = 1, H: int = 2, K: int = 4, V: int = 3, L: int | None = None,
+    dtype: torch.dtype = torch.float64, generator: torch.Generator | None = None, start: int = 0,
+) -> dict[str, torch.Tensor]:
+    """q, k: [B, T, G, K]; v: [B, T, H, V]; g, beta: [B, T, H]; level_scales: [B, T, H, L] (L covers start + T)."""
+    L = L or levels_needed(start + T) + 1
+    kw = dict(dtype=dtype, generator=generator)
+    return {
+        "q": torch.randn(B, T, G, K, **kw),
+        "k": torch.randn(B, T, G, K, **kw) / K**0.5,
+        "v": torch.randn(B, T, H, V, **kw),
+        "g": -0.05 - 0.4 * torch.rand(B, T, H, **kw),
+        "beta": 0.05 + 0.9 * torch.rand(B, T, H, **kw),
+        "level_scales": 0.2 + torch.rand(B, T, H, L, **kw),
+    }
+
+
+def slice_time(inputs: dict[str, torch.Tensor], t0: int, t1: int) -> dict[str, torch.Tensor]:
+    return {name: x[:, t0:t1] for name, x in inputs.items()}
+
+
+def mamba2_args(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: x for name, x in inputs.items() if name != "beta"}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-10, what: str = "") -> None:
+    """Relative error ||a - e|| / ||e|| below rtol (and no NaN)."""
+    assert not torch.isnan(actual).any(), f"{what}: NaN in result"
+    err = (actual - expected).norm() / expected.norm().clamp_min(1e-30)
+    assert err <= rtol, f"{what}: relative error {err:.3e} > {rtol:.1e}"

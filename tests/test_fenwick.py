@@ -1,0 +1,103 @@
+import random
+
+import pytest
+import torch
+
+from loglinear import fenwick
+
+SPEC_T16 = """
+0
+1 0
+2 2 0
+2 2 1 0
+3 3 3 3 0
+3 3 3 3 1 0
+3 3 3 3 2 2 0
+3 3 3 3 2 2 1 0
+4 4 4 4 4 4 4 4 0
+4 4 4 4 4 4 4 4 1 0
+4 4 4 4 4 4 4 4 2 2 0
+4 4 4 4 4 4 4 4 2 2 1 0
+4 4 4 4 4 4 4 4 3 3 3 3 0
+4 4 4 4 4 4 4 4 3 3 3 3 1 0
+4 4 4 4 4 4 4 4 3 3 3 3 2 2 0
+4 4 4 4 4 4 4 4 3 3 3 3 2 2 1 0
+"""
+
+
+def test_level_matrix_matches_spec_table():
+    rows = [list(map(int, line.split())) for line in SPEC_T16.strip().splitlines()]
+    expected = torch.tensor([r + [0] * (16 - len(r)) for r in rows])
+    assert torch.equal(fenwick.level_matrix(16), expected)
+
+
+def test_bit_length_matches_python():
+    rng = random.Random(0)
+    xs = [0, 1, 2, 3, 2**31, 2**40 + 5, 2**62] + [rng.randrange(2**62) for _ in range(200)]
+    got = fenwick.bit_length(torch.tensor(xs)).tolist()
+    assert got == [x.bit_length() for x in xs]
+    with pytest.raises(TypeError, match="integer"):
+        fenwick.bit_length(torch.tensor([1.0]))
+
+
+def test_bucket_sizes_and_emptiness():
+    # level l >= 1 of query t is non-empty iff bit l-1 of t is 1, and then holds 2^(l-1) keys
+    for t in range(1, 70):
+        lev = fenwick.level(t, torch.arange(t)).tolist()
+        for l in range(1, 9):
+            count = lev.count(l)
+            assert count == ((t >> (l - 1)) & 1) * 2 ** (l - 1)
+
+
+@pytest.mark.parametrize("n,expected", [(1, 1), (2, 2), (3, 3), (4, 3), (5, 4), (16, 5), (17, 6), (2**20, 21)])
+def test_levels_needed(n, expected):
+    assert fenwick.levels_needed(n) == expected
+    if n > 1:
+        assert int(fenwick.level_matrix(min(n, 64)).max()) + 1 <= expected
+
+
+def test_levels_needed_rejects_zero():
+    with pytest.raises(ValueError, match="n >= 1"):
+        fenwick.levels_needed(0)
+
+
+@pytest.mark.parametrize("C", [1, 2, 4, 8, 16])
+def test_chunk_decomposition(C):
+    """Inside a chunk: the CxC pattern; across chunks: a single level c+1+floor(log2(tc^sc)) per chunk pair,
+    with the reader/writer/reset rule of the chunk-level scan."""
+    c = fenwick.chunk_bits(C)
+    T = 8 * C + 3
+    lev = fenwick.level_matrix(T)
+    intra = fenwick.intra_chunk_levels(C)
+    for t in range(T):
+        for s in range(t + 1):
+            tc, sc = t // C, s // C
+            if tc == sc:
+                assert lev[t, s] == intra[t % C, s % C]
+            else:
+                j = (tc ^ sc).bit_length() - 1
+                assert lev[t, s] == fenwick.chunk_level_to_token_level(j, C) == c + 1 + j
+                assert fenwick.chunk_reads(tc, j) and fenwick.chunk_writes(sc, j)
+                # sc and tc share an aligned block of 2^(j+1) chunks: no reset between them
+                assert not any(fenwick.chunk_resets_after(x, j) for x in range(sc, tc))
+
+
+def test_chunk_bits_rejects_non_power_of_two():
+    with pytest.raises(ValueError, match="power of two"):
+        fenwick.chunk_bits(48)
+
+
+def test_carry_is_a_binary_counter():
+    """Simulating the spec's carry (count[l] == 2^l moves level l up) gives target ctz(p)+1."""
+    counts = [0] * 12
+    for p in range(1, 600):
+        counts[0] += 1  # token p-1 sits at level 0
+        moved_to = 0
+        l = 0
+        while counts[l] == 2**l:
+            counts[l + 1] += counts[l]
+            counts[l] = 0
+            moved_to = l + 1
+            l += 1
+        assert moved_to == int(fenwick.carry_target(p))
+    assert int(fenwick.carry_target(0)) == 0
