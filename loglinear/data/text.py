@@ -1,0 +1,172 @@
+"""Real text for language modelling: corpus files, a deterministic train/val split by file, tokenization
+into flat token files, and packed fixed-length windows.
+
+The default corpus is the Python standard library's own source (every machine with Python has it); any
+folder of .txt / .md / .py / .jsonl files works too (jsonl: one {"text": ...} document per line).
+Documents are joined with the tokenizer's end-of-text token into one stream, cut into windows of
+seq_len + 1 tokens (inputs = window[:-1], targets = window[1:]).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sysconfig
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from loglinear.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
+
+__all__ = [
+    "stdlib_files", "corpus_files", "split_files", "read_documents", "prepare_corpus", "PackedTokens",
+    "window_order",
+]
+
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's .py files (site-packages excluded), sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
+
+
+def corpus_files(source: str | Path | None) -> list[Path]:
+    """Files of a corpus: None or "stdlib" -> stdlib_files(); a folder -> its text files; a file -> itself."""
+    if source is None or str(source) == "stdlib":
+        return stdlib_files()
+    path = Path(source)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise ValueError(f"corpus must be 'stdlib', a file or a folder, got {str(source)!r} (not found)")
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+    if not files:
+        raise ValueError(f"corpus folder {str(source)!r} has no {'/'.join(TEXT_SUFFIXES)} files")
+    return files
+
+
+def _file_key(path: Path) -> str:
+    return hashlib.sha1(f"{path.parent.name}/{path.name}".encode()).hexdigest()
+
+
+def split_files(files: list[Path], val_fraction: float = 0.05) -> tuple[list[Path], list[Path]]:
+    """Deterministic split by file: the files whose name hashes lowest go to validation (>= 1 each side)."""
+    if len(files) < 2:
+        raise ValueError(f"need >= 2 files to split into train and validation, got {len(files)}")
+    ordered = sorted(files, key=_file_key)
+    n_val = min(len(files) - 1, max(1, round(val_fraction * len(files))))
+    return sorted(ordered[n_val:]), sorted(ordered[:n_val])
+
+
+def read_documents(files: list[Path]) -> Iterator[str]:
+    """One document per text file, one per line of a .jsonl file (its "text" field)."""
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if path.suffix == ".jsonl":
+            for line in text.splitlines():
+                if line.strip():
+                    yield json.loads(line)["text"]
+        elif text:
+            yield text
+
+
+def _tokenize_to_file(tok: Tokenizer, files: list[Path], out: Path, batch: int = 256) -> int:
+    dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
+    total = 0
+    with out.open("wb") as f:
+        docs = list(read_documents(files))
+        for i in range(0, len(docs), batch):
+            for ids in tok.encode_batch(docs[i : i + batch]):
+                arr = np.asarray(ids + [tok.eos_id], dtype=dtype)
+                f.write(arr.tobytes())
+                total += arr.size
+    return total
+
+
+def prepare_corpus(
+    source: str | Path | None, out_dir: str | Path, *, tokenizer: str = "bpe", vocab_size: int = 4096,
+    val_fraction: float = 0.05, tokenizer_sample_bytes: int = 8 << 20,
+) -> dict:
+    """Tokenize a corpus into out_dir/{train,val}.bin + tokenizer.json + meta.json; reuse them if present.
+
+    tokenizer: "bpe" (trained here on the train split's first tokenizer_sample_bytes) or "bytes".
+    Returns meta: {"source", "tokenizer", "vocab_size", "eos_id", "dtype", "train_tokens", "val_tokens", ...}.
+    """
+    if tokenizer not in ("bpe", "bytes"):
+        raise ValueError(f"tokenizer must be 'bpe' or 'bytes', got {tokenizer!r}")
+    out = Path(out_dir)
+    wanted = {"source": str(source or "stdlib"), "tokenizer": tokenizer, "val_fraction": val_fraction}
+    wanted["requested_vocab_size"] = vocab_size if tokenizer == "bpe" else 257
+    meta_path = out / "meta.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        if all(meta.get(k) == v for k, v in wanted.items()):
+            return meta
+    out.mkdir(parents=True, exist_ok=True)
+    train, val = split_files(corpus_files(source), val_fraction)
+    if tokenizer == "bytes":
+        tok: Tokenizer = ByteTokenizer()
+    else:
+        tok = train_bpe(_sample(read_documents(train), tokenizer_sample_bytes), vocab_size)
+    tok.save(out / "tokenizer.json")
+    meta = dict(wanted, vocab_size=tok.vocab_size, eos_id=tok.eos_id,
+                dtype="uint16" if tok.vocab_size <= 65536 else "uint32",
+                train_files=len(train), val_files=len(val),
+                train_tokens=_tokenize_to_file(tok, train, out / "train.bin"),
+                val_tokens=_tokenize_to_file(tok, val, out / "val.bin"))
+    meta_path.write_text(json.dumps(meta, indent=1))
+    return meta
+
+
+def _sample(docs: Iterator[str], max_bytes: int) -> Iterator[str]:
+    seen = 0
+    for doc in docs:
+        if seen >= max_bytes:
+            return
+        seen += len(doc)
+        yield doc
+
+
+class PackedTokens:
+    """Fixed-length windows over a flat token file: window i = tokens[i*T : i*T + T + 1]."""
+
+    def __init__(self, path: str | Path, seq_len: int, dtype: str = "uint16") -> None:
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        self.seq_len = seq_len
+        self.num_windows = (len(self.tokens) - 1) // seq_len
+        if self.num_windows < 1:
+            raise ValueError(f"{path} has {len(self.tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+
+    @classmethod
+    def from_dir(cls, data_dir: str | Path, split: str, seq_len: int) -> "PackedTokens":
+        meta = json.loads((Path(data_dir) / "meta.json").read_text())
+        return cls(Path(data_dir) / f"{split}.bin", seq_len, meta["dtype"])
+
+    def windows(self, indices: list[int] | torch.Tensor) -> np.ndarray:
+        """[B, T + 1] int64: the windows `indices`."""
+        T = self.seq_len
+        return np.stack([self.tokens[i * T : i * T + T + 1] for i in (int(j) for j in indices)]).astype(np.int64)
+
+    def batch(self, indices: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs [B, T], targets [B, T]) int64 for the windows `indices`."""
+        rows = torch.from_numpy(self.windows(indices))
+        return rows[:, :-1], rows[:, 1:]
+
+
+def window_order(num_windows: int, step: int, global_batch: int, seed: int) -> torch.Tensor:
+    """[global_batch] window indices of training step `step`: epoch-wise seeded permutations, concatenated.
+
+    A pure function of (step, seed): resuming at a step reproduces the data exactly.
+    """
+    flat = torch.arange(step * global_batch, (step + 1) * global_batch)
+    epochs, offsets = flat // num_windows, flat % num_windows
+    out = torch.empty(global_batch, dtype=torch.int64)
+    for e in epochs.unique().tolist():
+        perm = torch.randperm(num_windows, generator=torch.Generator().manual_seed(seed * 100003 + e))
+        sel = epochs == e
+        out[sel] = perm[offsets[sel]]
+    return out

@@ -1,0 +1,229 @@
+"""Language-model training on packed real text: AdamW, linear warmup + cosine decay, gradient clipping,
+bf16 autocast on GPU, gradient accumulation, exact resume, a tqdm bar and a metrics jsonl log.
+
+One process, or several under torchrun (data parallel with FSDP2, see parallel.py). The global batch
+(`global_batch` windows per step) is the same for any number of processes: each rank takes its slice of
+the step's windows, so N processes follow the single-process trajectory up to float reduction order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from loglinear.data.niah import insert_needles
+from loglinear.data.text import PackedTokens, prepare_corpus, window_order
+from loglinear.data.tokenizer import load_tokenizer
+from loglinear.train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
+from loglinear.train.factory import build_model, count_parameters
+from loglinear.train.parallel import Parallel, all_reduce_mean, parallelize, setup_parallel, teardown
+
+__all__ = ["TrainConfig", "train", "lm_loss", "cosine_schedule", "model_from_config"]
+
+
+@dataclass
+class TrainConfig:
+    # model
+    arch: str = "ll_mamba2"
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int | None = None
+    model_overrides: dict = field(default_factory=dict)
+    # data
+    corpus: str | None = None  # None / "stdlib": the Python standard library's source; or a folder
+    data_dir: str = "runs/data/stdlib-bpe4096"
+    tokenizer: str = "bpe"
+    vocab_size: int = 4096
+    seq_len: int = 512
+    needle_rate: float = 0.0  # fraction of training windows given needles + a query at the end
+    needle_keys: int = 4
+    # optimisation
+    steps: int = 300
+    global_batch: int = 16
+    micro_batch: int | None = None  # windows per forward per process; None = all of the process's share
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 30
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    precision: str = "bf16"  # autocast dtype on CUDA ("bf16" or "fp32"); the CPU always runs fp32
+    seed: int = 0
+    # bookkeeping
+    out_dir: str = "runs/lm"
+    save_every: int = 0  # 0: only at the end
+    eval_every: int = 0  # 0: only at the end
+    eval_batches: int = 8
+    log_every: int = 10
+    device: str | None = None
+    stop_after: int | None = None  # end this run after this many steps (a later --resume continues)
+    progress: bool = True
+
+
+def cosine_schedule(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1 over `warmup` steps, then cosine to `min_ratio` at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def lm_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
+    """Next-token cross-entropy in fp32. inputs, targets: [B, T] (targets already shifted; -100 = ignore).
+    reduction "none" gives [B, T]."""
+    logits = model(input_ids=inputs).logits.float()
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction, ignore_index=-100)
+    return loss.view_as(targets) if reduction == "none" else loss
+
+
+def model_from_config(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
+    return build_model(cfg.arch, vocab_size=vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
+                       n_heads=cfg.n_heads, seed=cfg.seed, **cfg.model_overrides)
+
+
+def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas))
+
+
+def _step_windows(data: PackedTokens, cfg: TrainConfig, step: int, tok) -> np.ndarray:
+    """[global_batch, T + 1]: the step's windows, with needles inserted into a seeded fraction of them."""
+    rows = data.windows(window_order(data.num_windows, step, cfg.global_batch, cfg.seed))
+    if cfg.needle_rate > 0:
+        rng = np.random.default_rng([cfg.seed, step])
+        for i in np.flatnonzero(rng.random(len(rows)) < cfg.needle_rate):
+            rows[i] = insert_needles(rows[i], tok, cfg.needle_keys, rng)
+    return rows
+
+
+def _autocast(par: Parallel, cfg: TrainConfig):
+    on = par.device.type == "cuda" and cfg.precision == "bf16"
+    return torch.autocast(par.device.type, dtype=torch.bfloat16, enabled=on)
+
+
+@torch.no_grad()
+def evaluate_loss(model, val: PackedTokens, cfg: TrainConfig, par: Parallel) -> float:
+    """Mean validation loss over `eval_batches` batches of evenly spaced windows (split over processes)."""
+    n = min(val.num_windows, cfg.eval_batches * cfg.global_batch)
+    idx = torch.linspace(0, val.num_windows - 1, n).long()[par.rank :: par.world_size]
+    mb = cfg.micro_batch or max(1, cfg.global_batch // par.world_size)
+    model.eval()
+    total = torch.zeros((), device=par.device)
+    for i in range(0, len(idx), mb):
+        x, y = val.batch(idx[i : i + mb])
+        with _autocast(par, cfg):
+            total += lm_loss(model, x.to(par.device), y.to(par.device), reduction="sum")
+    model.train()
+    return float(all_reduce_mean(total, par)) * par.world_size / (n * cfg.seq_len)
+
+
+def _train_step(model, rows: np.ndarray, cfg: TrainConfig, par: Parallel) -> torch.Tensor:
+    """Forward/backward of this rank's share of the step's windows; returns the mean loss (this rank)."""
+    share = cfg.global_batch // par.world_size
+    mine = torch.from_numpy(rows[par.rank * share : (par.rank + 1) * share])
+    mb = cfg.micro_batch or share
+    accum = share // mb
+    total = torch.zeros((), device=par.device)
+    for i in range(accum):
+        chunk = mine[i * mb : (i + 1) * mb].to(par.device)
+        if par.distributed:
+            model.set_requires_gradient_sync(i == accum - 1)
+        with _autocast(par, cfg):
+            loss = lm_loss(model, chunk[:, :-1], chunk[:, 1:]) / accum
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def _check(cfg: TrainConfig, par: Parallel) -> None:
+    share, rem = divmod(cfg.global_batch, par.world_size)
+    if rem or share == 0:
+        raise ValueError(f"global_batch {cfg.global_batch} must be a positive multiple of the {par.world_size} processes")
+    if cfg.micro_batch is not None and share % cfg.micro_batch:
+        raise ValueError(f"micro_batch {cfg.micro_batch} must divide the per-process batch {share}")
+
+
+def _log(path: Path, record: dict) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def train(cfg: TrainConfig, resume: bool = False) -> dict:
+    """Train (or, with resume, continue from out_dir/checkpoint.pt). Returns {"step", "losses", "val_loss", ...}.
+
+    Writes out_dir/{config.json, metrics.jsonl, checkpoint.pt}."""
+    par = setup_parallel(cfg.device)
+    try:
+        return _train(cfg, par, resume)
+    finally:
+        teardown(par)
+
+
+def _train(cfg: TrainConfig, par: Parallel, resume: bool) -> dict:
+    _check(cfg, par)
+    out = Path(cfg.out_dir)
+    if par.is_main:
+        meta = prepare_corpus(cfg.corpus, cfg.data_dir, tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size)
+        out.mkdir(parents=True, exist_ok=True)
+    if par.distributed:
+        torch.distributed.barrier()
+    meta = json.loads((Path(cfg.data_dir) / "meta.json").read_text())
+    tok = load_tokenizer(Path(cfg.data_dir) / "tokenizer.json")
+    data = PackedTokens.from_dir(cfg.data_dir, "train", cfg.seq_len)
+    val = PackedTokens.from_dir(cfg.data_dir, "val", cfg.seq_len)
+
+    model = model_from_config(cfg, meta["vocab_size"])
+    n_params = count_parameters(model)
+    model = parallelize(model, par)
+    optimizer = _optimizer(model, cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: cosine_schedule(s, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
+    start = load_checkpoint(out, model, optimizer, scheduler) if resume and (out / CHECKPOINT).exists() else 0
+    if par.is_main:
+        (out / "config.json").write_text(json.dumps(dict(asdict(cfg), params=n_params, vocab=meta["vocab_size"]), indent=1))
+
+    end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
+    metrics = out / "metrics.jsonl"
+    bar = tqdm(range(start, end), initial=start, total=cfg.steps, disable=not (cfg.progress and par.is_main),
+               desc=f"train {cfg.arch}", dynamic_ncols=True)
+    losses, t0, tokens = [], time.perf_counter(), 0
+    for step in bar:
+        rows = _step_windows(data, cfg, step, tok)
+        loss = all_reduce_mean(_train_step(model, rows, cfg, par), par)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        losses.append(float(loss))
+        tokens += cfg.global_batch * cfg.seq_len
+        if par.is_main:
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            if (step + 1) % cfg.log_every == 0 or step + 1 == end:
+                dt = time.perf_counter() - t0
+                _log(metrics, {"step": step + 1, "loss": losses[-1], "lr": scheduler.get_last_lr()[0],
+                               "grad_norm": float(grad_norm), "tokens": (step + 1) * cfg.global_batch * cfg.seq_len,
+                               "elapsed_s": round(dt, 2), "tok_per_s": round(tokens / dt)})
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < end:
+            v = evaluate_loss(model, val, cfg, par)
+            if par.is_main:
+                _log(metrics, {"step": step + 1, "val_loss": v})
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < end:
+            save_checkpoint(out, step + 1, model, optimizer, scheduler, par)
+    save_checkpoint(out, end, model, optimizer, scheduler, par)
+    val_loss = evaluate_loss(model, val, cfg, par) if end == cfg.steps else None
+    if par.is_main and val_loss is not None:
+        _log(metrics, {"step": end, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
+    return {"step": end, "losses": losses, "val_loss": val_loss, "params": n_params,
+            "train_seconds": time.perf_counter() - t0}
