@@ -64,3 +64,15 @@ def test_extra_levels_are_ignored():
     more = dict(x, level_scales=torch.cat([x["level_scales"], torch.randn(1, 20, 2, 3, dtype=torch.float64)], -1))
     o2, _ = log_linear_mamba2(**more)
     assert torch.equal(o, o2)
+
+
+def test_unit_lambda_chunk_path_is_the_plain_model():
+    """lambda = 1: the chunk path equals plain Mamba-2 / Gated DeltaNet (independent recurrences in tests/reference)."""
+    from reference.test_reference import plain_gated_deltanet, plain_mamba2
+
+    x = make_inputs(2, 50, 1, 2)
+    x["level_scales"] = torch.ones_like(x["level_scales"])
+    o, _ = log_linear_mamba2(**mamba2_args(x), scale=0.5, chunk_size=8)
+    assert_close(o, plain_mamba2(x["q"], x["k"], x["v"], x["g"], 0.5), 1e-12, "mamba2")
+    o, _ = log_linear_gated_deltanet(**x, scale=0.5, chunk_size=8)
+    assert_close(o, plain_gated_deltanet(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.5), 1e-12, "gdn")
