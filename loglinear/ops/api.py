@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from loglinear.inputs import OpInputs, check_inputs, run_segments
+from loglinear.ops.decode import fused_decode_applies, op_decode_step
 from loglinear.ops.torch_chunk import GatedDeltaNetForm, Mamba2Form, chunk_scan
 from loglinear.state import FenwickState
 
@@ -72,6 +73,8 @@ def log_linear_mamba2(
     cu_seqlens: [N+1] packs N sequences into B = 1. Returns (o: [B, T, H, V] in v's dtype, state or None).
     """
     inp = check_inputs(q, k, v, g, None, level_scales, scale, initial_state, cu_seqlens, has_beta=False)
+    if fused_decode_applies(inp):
+        return op_decode_step(inp, output_final_state, False)
     backend = _BACKENDS["mamba2"][select_backend("mamba2", q.device)]
     return backend(inp, output_final_state, _check_chunk_size(chunk_size), False)
 
@@ -91,5 +94,7 @@ def log_linear_gated_deltanet(
     over K inside the op.
     """
     inp = check_inputs(q, k, v, g, beta, level_scales, scale, initial_state, cu_seqlens, has_beta=True)
+    if fused_decode_applies(inp):
+        return op_decode_step(inp, output_final_state, use_qk_l2norm)
     backend = _BACKENDS["gated_deltanet"][select_backend("gated_deltanet", q.device)]
     return backend(inp, output_final_state, _check_chunk_size(chunk_size), use_qk_l2norm)

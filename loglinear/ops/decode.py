@@ -1,0 +1,118 @@
+"""One decoding step: a single new token per sequence against its Fenwick state (spec section 4).
+
+For the token at absolute position p of each sequence, on level states S[0..L-1] (each K x V):
+
+  1. carry       levels 0..ctz(p) merge into level ctz(p)+1 (p > 0)           (a binary counter)
+  2. transition  Mamba-2: S <- exp(g) S;   GDN: S <- exp(g) (S - beta k (k^T S))   on every level
+  3. deposit     S[0] += beta k v^T   (beta = 1 for Mamba-2)
+  4. readout     o = scale * sum_l lambda[l] S[l]^T q
+
+The plain recurrence (use_log_linear=False models) is the same step on one level without the carry and
+with lambda = 1. The GDN update is rank-1: O(K V) per level, never a K x K matrix.
+
+``decode_step`` runs the fused Triton kernel (loglinear.ops.triton.decode) on CUDA, or anywhere with
+LOGLINEAR_BACKEND=triton (CPU tensors then need TRITON_INTERPRET=1), and this file's PyTorch step
+otherwise. ``fused_decode_applies`` / ``op_decode_step`` put the kernel behind the public ops.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from loglinear.fenwick import carry_target, levels_needed
+from loglinear.inputs import OpInputs, expand_groups, l2norm
+from loglinear.state import FenwickState
+
+__all__ = ["decode_step", "decode_step_torch", "carry", "fused_decode_applies", "op_decode_step"]
+
+
+def carry(levels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Step 1 for each sequence at its own position.  levels: [N, L, H, K, V]; positions: [N] int64."""
+    target = carry_target(positions.to(levels.device))  # [N]
+    lev = torch.arange(levels.shape[1], device=levels.device)
+    merge = (lev[None, :] < target[:, None]).to(levels.dtype)[..., None, None, None]
+    into = ((lev[None, :] == target[:, None]) & (target[:, None] > 0)).to(levels.dtype)[..., None, None, None]
+    total = (levels * merge).sum(1, keepdim=True)
+    return levels * (1 - merge) + into * total
+
+
+def decode_step_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor | None,
+    level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
+    *, fenwick: bool = True, l2norm_qk: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch step; arguments as in ``decode_step``."""
+    dtype, H = levels.dtype, v.shape[1]
+    q, k = expand_groups(q[:, None].to(dtype), H)[:, 0], expand_groups(k[:, None].to(dtype), H)[:, 0]
+    if l2norm_qk:
+        q, k = l2norm(q), l2norm(k)
+    S = carry(levels, positions) if fenwick else levels
+    decay = torch.exp(g.to(dtype))[:, None, :, None, None]
+    kk = k[:, None, :, :, None]  # [N, 1, H, K, 1]
+    if beta is not None:
+        b = beta.to(dtype)
+        kS = (kk * S).sum(3, keepdim=True)  # [N, L, H, 1, V]
+        S = decay * (S - b[:, None, :, None, None] * kk * kS)
+        deposit = (b[..., None] * k)[..., None] * v.to(dtype)[:, :, None, :]
+    else:
+        S = decay * S
+        deposit = k[..., None] * v.to(dtype)[:, :, None, :]
+    S = torch.cat([S[:, :1] + deposit[:, None], S[:, 1:]], dim=1)
+    readout = (S * q[:, None, :, :, None]).sum(3)  # [N, L, H, V]
+    if fenwick:
+        readout = readout * level_scales[..., : S.shape[1]].to(dtype).transpose(1, 2)[..., None]
+    return (scale * readout.sum(1)).to(v.dtype), S
+
+
+def _use_triton(device: torch.device) -> bool:
+    forced = os.environ.get("LOGLINEAR_BACKEND")
+    return forced == "triton" or (forced is None and device.type == "cuda")
+
+
+def decode_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor | None,
+    level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
+    *, fenwick: bool = True, l2norm_qk: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sequence.
+
+    q, k: [N, G, K]; v: [N, H, V]; g: [N, H] log-decay; beta: [N, H] (GDN) or None (Mamba-2);
+    level_scales: [N, H, >= L] (unused when fenwick=False); levels: [N, L, H, K, V], L covering the
+    positions (fenwick: L >= levels_needed(p + 1)); positions: [N] int64, the token's absolute position.
+    Returns o: [N, H, V] in v's dtype and the new levels [N, L, H, K, V] in levels' dtype (a new tensor).
+    """
+    if _use_triton(levels.device):
+        from loglinear.ops.triton.decode import fused_decode_step
+
+        return fused_decode_step(
+            q, k, v, g, beta, level_scales, levels, positions, scale, fenwick=fenwick, l2norm_qk=l2norm_qk
+        )
+    return decode_step_torch(q, k, v, g, beta, level_scales, levels, positions, scale, fenwick=fenwick, l2norm_qk=l2norm_qk)
+
+
+def fused_decode_applies(inp: OpInputs) -> bool:
+    """A public-op call the fused step serves: one token per sequence, a state, the triton backend
+    (CUDA, or LOGLINEAR_BACKEND=triton), and no gradient needed (the step kernel has no backward)."""
+    if inp.initial_state is None or not _use_triton(inp.q.device):
+        return False
+    one_each = inp.q.shape[1] == 1 if inp.bounds is None else inp.q.shape[1] == len(inp.bounds) - 1
+    tensors = [inp.q, inp.k, inp.v, inp.g, inp.level_scales, inp.initial_state.levels]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors + [inp.beta] if t is not None)
+    return one_each and not grad
+
+
+def op_decode_step(inp: OpInputs, output_final_state: bool, use_qk_l2norm: bool) -> tuple[torch.Tensor, FenwickState | None]:
+    """The public op's T == 1 path: validated inputs in the op's layout -> (o [B, T, H, V], state)."""
+    squeeze = 0 if inp.bounds is not None else 1
+    take = lambda x: x.squeeze(squeeze) if x is not None else None  # noqa: E731
+    state = inp.initial_state
+    state = state.with_levels(levels_needed(state.max_position + 1))
+    dtype = torch.float64 if torch.float64 in (inp.q.dtype, inp.v.dtype) else torch.float32
+    o, levels = decode_step(
+        take(inp.q), take(inp.k), take(inp.v), take(inp.g), take(inp.beta), take(inp.level_scales),
+        state.levels.to(dtype), state.positions.to(inp.q.device), inp.scale, l2norm_qk=use_qk_l2norm,
+    )
+    o = o.unsqueeze(squeeze)
+    return o, (FenwickState(levels, state.positions + 1) if output_final_state else None)

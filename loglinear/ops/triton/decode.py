@@ -1,0 +1,132 @@
+"""The fused decode step: carry + transition + deposit + readout of all Fenwick levels in one launch.
+
+One program owns one (sequence n, value head h, block of BV value columns) and walks the levels
+l = 0..L-1 of its state once, holding a [K, BV] tile (the columns of a K x V state are independent,
+also under the delta rule). For the token at absolute position p (spec section 4):
+
+    carry       2^l | p            (l <= ctz p):  acc += S_l,  S_l <- 0
+                l == ctz(p) + 1:                  S_l <- S_l + acc
+    transition  Mamba-2:  S_l <- exp(g) S_l
+                GDN:      S_l <- exp(g) (S_l - beta k (k^T S_l))          rank-1, O(K BV)
+    deposit     S_0 <- S_0 + beta k v^T                                    (beta = 1 for Mamba-2)
+    readout     o <- o + lambda_l S_l^T q,   finally o <- scale o
+
+FENWICK=False is the plain recurrence (no carry, lambda = 1) of use_log_linear=False models.
+q, k are read from group h // (H // G); L2NORM normalises them in the kernel (x / sqrt(|x|^2 + 1e-6)).
+The state is read and written once: the step is bound by L * K * V * 4 bytes per (sequence, head).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["fused_decode_step"]
+
+
+@triton.jit
+def _decode_step_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, lam_ptr, s_in_ptr, s_out_ptr, pos_ptr, o_ptr,
+    scale, H, G, K, V, L, lam_sn, lam_sh,
+    BK: tl.constexpr, BV: tl.constexpr, FENWICK: tl.constexpr, HAS_BETA: tl.constexpr, L2NORM: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n = pid // H
+    h = pid % H
+    grp = h // (H // G)
+    rk = tl.arange(0, BK)
+    rv = tl.program_id(1) * BV + tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    tile = mk[:, None] & mv[None, :]
+
+    q = tl.load(q_ptr + (n * G + grp) * K + rk, mask=mk, other=0.0).to(ACC)
+    k = tl.load(k_ptr + (n * G + grp) * K + rk, mask=mk, other=0.0).to(ACC)
+    if L2NORM:
+        q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
+        k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+    v = tl.load(v_ptr + (n * H + h) * V + rv, mask=mv, other=0.0).to(ACC)
+    decay = tl.exp(tl.load(g_ptr + n * H + h).to(ACC))
+    if HAS_BETA:
+        beta = tl.load(beta_ptr + n * H + h).to(ACC)
+    else:
+        beta = 1.0
+    deposit = (beta * k)[:, None] * v[None, :]
+    p = tl.load(pos_ptr + n)  # int64
+    one = tl.full((), 1, tl.int64)
+
+    acc = tl.zeros((BK, BV), dtype=ACC)
+    o = tl.zeros((BV,), dtype=ACC)
+    for l in range(0, L):
+        offs = (((n * L + l) * H + h) * K + rk[:, None]) * V + rv[None, :]
+        S = tl.load(s_in_ptr + offs, mask=tile, other=0.0).to(ACC)
+        if FENWICK:
+            merge = (p > 0) & ((p & ((one << l) - 1)) == 0)
+            below = (p & ((one << tl.maximum(l - 1, 0)) - 1)) == 0
+            into = (l > 0) & (p > 0) & below & (merge == 0)
+            moved = tl.where(merge, S, 0.0)
+            S = tl.where(merge, 0.0, S + tl.where(into, acc, 0.0))
+            acc = acc + moved
+        if HAS_BETA:
+            kS = tl.sum(k[:, None] * S, 0)
+            S = decay * (S - beta * k[:, None] * kS[None, :])
+        else:
+            S = decay * S
+        S = S + tl.where(l == 0, deposit, 0.0)
+        if FENWICK:
+            w = tl.load(lam_ptr + n * lam_sn + h * lam_sh + l).to(ACC)
+        else:
+            w = 1.0
+        o = o + w * tl.sum(q[:, None] * S, 0)
+        tl.store(s_out_ptr + offs, S.to(s_out_ptr.dtype.element_ty), mask=tile)
+    tl.store(o_ptr + (n * H + h) * V + rv, (scale * o).to(o_ptr.dtype.element_ty), mask=mv)
+
+
+def _block_v(K: int, V: int) -> int:
+    """Value columns per program: the [K, BV] fp32 tile stays near 8K elements."""
+    bk = triton.next_power_of_2(K)
+    return max(1, min(triton.next_power_of_2(V), 8192 // bk, 64))
+
+
+def fused_decode_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor | None,
+    level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
+    *, fenwick: bool = True, l2norm_qk: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch for one token per sequence (see loglinear.ops.decode.decode_step for the contract).
+
+    q, k: [N, G, K]; v: [N, H, V]; g, beta: [N, H]; level_scales: [N, H, >= L]; levels: [N, L, H, K, V];
+    positions: [N] int64. Returns o: [N, H, V] (v's dtype) and new levels (levels' dtype).
+    """
+    N, G, K = q.shape
+    H, V = v.shape[1:]
+    L = levels.shape[1]
+    if levels.shape != (N, L, H, K, V):
+        raise ValueError(f"levels must be [N, L, H, K, V] = [{N}, L, {H}, {K}, {V}], got {tuple(levels.shape)}")
+    device = levels.device
+    q, k, v, g = (x.contiguous() for x in (q, k, v, g))
+    levels = levels.contiguous()
+    positions = positions.to(device=device, dtype=torch.int64).contiguous()
+    if fenwick:
+        lam = level_scales
+        if lam.shape[:2] != (N, H) or lam.shape[2] < L:
+            raise ValueError(f"level_scales must be [N, H, >= L] = [{N}, {H}, >= {L}], got {tuple(lam.shape)}")
+        if lam.stride(2) != 1:
+            lam = lam.contiguous()
+        lam_sn, lam_sh = lam.stride(0), lam.stride(1)
+    else:
+        lam, lam_sn, lam_sh = g, 0, 0
+    beta_arg = beta.contiguous() if beta is not None else g
+    out = torch.empty_like(levels)
+    o = torch.empty(N, H, V, dtype=v.dtype, device=device)
+    BV = _block_v(K, V)
+    grid = (N * H, triton.cdiv(V, BV))
+    _decode_step_kernel[grid](
+        q, k, v, g, beta_arg, lam, levels, out, positions, o,
+        float(scale), H, G, K, V, L, lam_sn, lam_sh,
+        BK=triton.next_power_of_2(K), BV=BV, FENWICK=fenwick, HAS_BETA=beta is not None, L2NORM=l2norm_qk,
+        ACC=tl.float64 if levels.dtype == torch.float64 else tl.float32,
+    )
+    return o, out
