@@ -1,0 +1,97 @@
+"""Pieces shared by the fused Triton kernels of every variant.
+
+How a variant plugs in (mamba2_fwd.py / mamba2_bwd.py are the worked example):
+
+  * Sequences are ranges ``[bos[n], eos[n])`` of one flat token axis (a dense batch is flattened, varlen
+    is already flat); range n starts at the absolute, chunk-aligned chunk index ``chunk0[n]``. One program
+    handles one (sequence, value head) and walks its chunks; q/k are read from group ``h // (H // G)``
+    (no expanded copies).
+  * ``load_rows`` / ``store_rows`` move a chunk of C tokens of a [tokens, heads, D] tensor (rows past
+    ``eos`` read as 0, so padding tokens have g = 0: identity transitions).
+  * The chunk-level Fenwick states of all levels live in one fp32 buffer [N, J, H, K, V] (levels.py):
+    the forward cascade (read every live level, decay lazily, merge at ctz(chunk + 1)) and its transpose
+    (split, decay, accumulate reads) are jit helpers; a variant supplies only what a chunk reads from a
+    level (its readout GEMM), what it deposits, and its transition (a scalar decay for Mamba-2, folded
+    into the lazy per-level log-decays).
+  * ``intra_levels`` / ``level_weights`` (intra.py) build the in-chunk level mask Lambda[t, s].
+  * ``launch`` picks num_warps / num_stages, with one fixed config under TRITON_INTERPRET=1 (no device
+    queries, no autotune benchmarking on CPU tensors).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "interpreting", "alloc", "next_pow2", "dot_precision", "launch_options", "set_poison",
+    "load_rows", "store_rows", "load_column", "pick",
+]
+
+_POISON = False
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def set_poison(enabled: bool) -> None:
+    """Tests: fill every buffer a kernel writes with NaN before it runs, to catch unwritten memory."""
+    global _POISON
+    _POISON = enabled
+
+
+def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised kernel output (NaN-filled when poisoning is on)."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    return out.fill_(float("nan")) if _POISON else out
+
+
+def next_pow2(n: int, minimum: int = 16) -> int:
+    """Smallest power of two >= max(n, minimum) (tl.dot needs tile sides >= 16)."""
+    return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs keep fp32 products (no tf32); bf16/fp16 products accumulate in fp32 anyway."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def launch_options(block_k: int, block_v: int) -> dict[str, int]:
+    """num_warps / num_stages for a one-program-per-(sequence, head) scan kernel.
+
+    Fixed under the interpreter; on the GPU, larger state tiles get more warps."""
+    if interpreting():
+        return {"num_warps": 1, "num_stages": 1}
+    return {"num_warps": 8 if block_k * block_v >= 128 * 64 else 4, "num_stages": 2}
+
+
+@triton.jit
+def load_rows(ptr, t, valid, head, HEADS, D, cols, BD: tl.constexpr):
+    """x[t, head, :D] of a contiguous [tokens, HEADS, D] tensor for the C token indices t -> [C, BD] (0 outside)."""
+    offs = (t * HEADS + head)[:, None] * D + cols[None, :]
+    return tl.load(ptr + offs, mask=valid[:, None] & (cols[None, :] < D), other=0.0)
+
+
+@triton.jit
+def store_rows(ptr, x, t, valid, head, HEADS, D, cols):
+    """x[t, head, :D] = x (rows with valid, columns < D)."""
+    offs = (t * HEADS + head)[:, None] * D + cols[None, :]
+    tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < D))
+
+
+@triton.jit
+def load_column(ptr, t, valid, head, HEADS, L, level):
+    """lambda[t, head, level] of a [tokens, HEADS, L] tensor -> [C] fp32 (0 for level >= L or invalid rows)."""
+    ok = valid & ((t * 0 + level) < L)
+    return tl.load(ptr + (t * HEADS + head) * L + level, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def pick(vec, idx, j):
+    """vec[j] of a register vector (idx = arange over its length)."""
+    return tl.sum(tl.where(idx == j, vec, 0.0), 0)

@@ -1,0 +1,39 @@
+"""In-chunk pieces (levels 0..c of an aligned chunk of C = 2^c tokens).
+
+    level(t, s) = bit_length(tl XOR sl)                       (tl, sl: positions inside the chunk)
+    Lambda[t, s] = lambda_t[level(t, s)]  for s <= t, else 0
+    Gamma[t, s]  = exp(G_t - G_s)         for s <= t, else 0  (G: chunk-local inclusive cumsum of g)
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from loglinear.ops.triton.common import load_column
+
+
+@triton.jit
+def intra_levels(r, LOG_C: tl.constexpr):
+    """[C, C] int32 levels bit_length(r_t XOR r_s) for r = arange(C)."""
+    x = r[:, None] ^ r[None, :]
+    lev = tl.zeros_like(x)
+    for b in tl.static_range(LOG_C):
+        lev += ((x >> b) > 0).to(tl.int32)
+    return lev
+
+
+@triton.jit
+def level_weights(lam, t, valid, head, HEADS, L, lev, causal, LOG_C: tl.constexpr):
+    """Lambda [C, C] fp32 from lambda [tokens, HEADS, L] (levels 0..c)."""
+    weights = tl.zeros(lev.shape, dtype=tl.float32)
+    for level in tl.static_range(LOG_C + 1):
+        col = load_column(lam, t, valid, head, HEADS, L, level)
+        weights = tl.where(lev == level, col[:, None], weights)
+    return tl.where(causal, weights, 0.0)
+
+
+@triton.jit
+def decay_matrix(G, causal):
+    """Gamma [C, C] = exp(G_t - G_s) below the diagonal (no overflow: masked before exp)."""
+    return tl.exp(tl.where(causal, G[:, None] - G[None, :], float("-inf")))

@@ -1,0 +1,88 @@
+"""The chunk-level Fenwick cascade, carried through one scan over chunks (spec sections 4-5).
+
+Chunk-level j (token level c + 1 + j) holds whole chunks. Going from chunk i to i + 1 (absolute chunk
+indices), all levels are decayed by the chunk's transition, and with m = ctz(i + 1):
+
+    H_m <- deposit_i + sum_{j <= m} H_j,      H_j <- 0 for j < m          (binary-counter merge)
+
+Chunk i reads every *live* level (its bucket): level j is live at chunk i iff bit j of i is set, or an
+initial state was given and no merge above j has happened since the start chunk c0:
+
+    live_j(i) = bit_j(i)  or  (HAS_INIT and i >> (j+1) == c0 >> (j+1))
+
+so dead levels are never loaded. Level states are stored in an fp32 buffer [N, J, H, K, V] (one
+[K, V] tile per level, ``ptrs`` = the tile's pointers for level 0, ``stride`` = H*K*V between levels).
+Scalar decays are applied lazily: ``decay[j]`` is the log-decay accumulated since level j was stored,
+so a chunk touches only the levels it reads or merges (amortised O(1) merges per chunk).
+
+The backward walks the chunks in reverse with the transposed cascade on the level gradients dH:
+split (dH_j <- dH_m for j < m; the deposit's gradient is dH_m), decay, then add the reads' gradients.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from loglinear.ops.triton.common import pick
+
+
+@triton.jit
+def level_live(chunk, c0, j, HAS_INIT: tl.constexpr):
+    """Is chunk-level j non-empty (or carrying an initial state) when chunk ``chunk`` reads?"""
+    live = ((chunk >> j) & 1) == 1
+    if HAS_INIT:
+        live = live | ((chunk >> (j + 1)) == (c0 >> (j + 1)))
+    return live
+
+
+@triton.jit
+def merge_target(chunk, jj, BJ: tl.constexpr):
+    """m = ctz(chunk + 1): after chunk ``chunk``, levels 0..m merge into level m (jj = arange(BJ))."""
+    return tl.min(tl.where((((chunk + 1) >> jj) & 1) == 1, jj, BJ), 0)
+
+
+@triton.jit
+def load_level(ptrs, stride, j, mask, decay, jj):
+    """The current value of level j: exp(decay[j]) * stored.   -> [BK, BV] fp32."""
+    return tl.exp(pick(decay, jj, j)) * tl.load(ptrs + j * stride, mask=mask, other=0.0)
+
+
+@triton.jit
+def merge_levels(ptrs, stride, mask, deposit, decay, jj, chunk, c0, HAS_INIT: tl.constexpr, BJ: tl.constexpr):
+    """Forward merge after chunk ``chunk`` (already decayed): H_m = deposit + sum_{j<=m, live} H_j.  Returns decay."""
+    m = merge_target(chunk, jj, BJ)
+    total = deposit
+    for j in range(m + 1):
+        if level_live(chunk, c0, j, HAS_INIT):
+            total += load_level(ptrs, stride, j, mask, decay, jj)
+    tl.store(ptrs + m * stride, total, mask=mask)
+    return tl.where(jj <= m, 0.0, decay)
+
+
+@triton.jit
+def flush_levels(ptrs, stride, mask, decay, jj, J, chunk, c0, LIVE_ONLY: tl.constexpr, HAS_INIT: tl.constexpr):
+    """Write every level's current value back (dead levels as 0 when LIVE_ONLY): the scan's final states."""
+    for j in range(J):
+        value = load_level(ptrs, stride, j, mask, decay, jj)
+        if LIVE_ONLY:
+            value = tl.where(level_live(chunk, c0, j, HAS_INIT), value, 0.0)
+        tl.store(ptrs + j * stride, value, mask=mask)
+
+
+@triton.jit
+def split_levels(ptrs, stride, mask, decay, jj, chunk, BJ: tl.constexpr):
+    """Transposed merge after chunk ``chunk``: returns (d deposit = dH_m, decay); dH_j <- dH_m for j < m."""
+    m = merge_target(chunk, jj, BJ)
+    d_deposit = load_level(ptrs, stride, m, mask, decay, jj)
+    for j in range(m):
+        tl.store(ptrs + j * stride, d_deposit, mask=mask)
+    return d_deposit, tl.where(jj < m, 0.0, decay)
+
+
+@triton.jit
+def accumulate_level(ptrs, stride, j, mask, decay, jj, update):
+    """dH_j += update (bringing the lazy decay up to date).  Returns decay with decay[j] = 0."""
+    value = load_level(ptrs, stride, j, mask, decay, jj) + update
+    tl.store(ptrs + j * stride, value, mask=mask)
+    return tl.where(jj == j, 0.0, decay)

@@ -1,0 +1,237 @@
+"""Log-linear Mamba-2 on the fused Triton kernels: the autograd Function and the backend.
+
+Composition (all sequences of a call in one launch per kernel):
+  1. flatten the batch to one token axis; sequence n covers tokens [start_n, end_n) and starts at
+     absolute position p_n (0, or its initial state's position);
+  2. a sequence whose state is not at a chunk boundary (or a state at position 0) first runs its
+     first C - p_n mod C tokens through the torch chunk path (exact, differentiable), so the kernels
+     always start chunk-aligned: after the carry past an aligned position, every incoming level is a
+     chunk level (token level > c);
+  3. the kernels scan the rest (mamba2_fwd.py, mamba2_bwd.py) carrying all chunk levels;
+  4. the final state = the last chunk's in-chunk buckets (torch, differentiable) + the scan's chunk levels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from loglinear.fenwick import bit_length, chunk_bits, levels_needed
+from loglinear.inputs import OpInputs, expand_groups
+from loglinear.ops.torch_chunk import Mamba2Form, chunk_scan
+from loglinear.ops.torch_chunk.scan import _carry_past
+from loglinear.ops.triton.common import alloc, dot_precision, interpreting, launch_options, next_pow2
+from loglinear.ops.triton.mamba2_bwd import mamba2_bwd_dkv_kernel, mamba2_bwd_dq_kernel
+from loglinear.ops.triton.mamba2_fwd import mamba2_fwd_kernel
+from loglinear.state import FenwickState
+
+__all__ = ["mamba2_triton", "kernel_chunk_size", "LevelScanPlan"]
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def kernel_chunk_size(chunk_size: int) -> int:
+    """The kernels' chunk (16..128; the result does not depend on it, tl.dot needs >= 16)."""
+    return min(max(chunk_size, 16), 128)
+
+
+@dataclass
+class LevelScanPlan:
+    """Where the kernels run: sequence n covers tokens [bos[n], eos[n]) of the flat axis, from the
+    absolute chunk chunk0[n]; ``prefixes`` are token ranges done by the torch path (gradients 0 here)."""
+
+    bos: list[int]
+    eos: list[int]
+    chunk0: list[int]
+    prefixes: list[tuple[int, int]]
+    chunk_size: int
+    num_levels: int  # J chunk levels
+    has_init: bool
+    scale: float
+
+    def device_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+        return as_t(self.bos), as_t(self.eos), as_t(self.chunk0)
+
+
+def _meta(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, L: int) -> dict:
+    K, V = q.shape[-1], v.shape[-1]
+    BK, BV = next_pow2(K), next_pow2(V)
+    return dict(
+        H=v.shape[1], G=q.shape[1], K=K, V=V, L=L, J=plan.num_levels,
+        C=plan.chunk_size, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV,
+        BJ=next_pow2(plan.num_levels, minimum=2), HAS_INIT=plan.has_init, PRECISION=dot_precision(q.dtype),
+        **launch_options(BK, BV),
+    )
+
+
+def _reverse_cumsum(x: torch.Tensor, plan: LevelScanPlan) -> torch.Tensor:
+    """dg[t] = sum_{u >= t in t's range} x[u] for every kernel range, 0 elsewhere.   x: [tokens, H] fp32."""
+    out = torch.zeros_like(x)
+    for a, b in zip(plan.bos, plan.eos):
+        if b > a:
+            out[a:b] = x[a:b].flip(0).cumsum(0).flip(0)
+    return out
+
+
+def _zero_prefixes(plan: LevelScanPlan, *xs: torch.Tensor) -> None:
+    for a, b in plan.prefixes:
+        for x in xs:
+            x[a:b] = 0
+
+
+class LevelScanMamba2(torch.autograd.Function):
+    """(q, k, v, g, lam, h0) -> (o, chunk-level final states) on the kernels.
+
+    q, k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H]; lam: [tokens, H, L];
+    h0: [N, J, H, K, V] fp32 chunk-level initial states. Returns o: [tokens, H, V] (rows outside the
+    plan's ranges unwritten) and the final chunk levels [N, J, H, K, V] fp32."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, lam, h0, plan: LevelScanPlan):
+        bos, eos, chunk0 = plan.device_tensors(q.device)
+        o = alloc(tuple(v.shape), v.dtype, v.device)
+        levels = h0.detach().clone()
+        grid = (len(plan.bos), v.shape[1])
+        mamba2_fwd_kernel[grid](q, k, v, g, lam, o, levels, bos, eos, chunk0, plan.scale, **_meta(plan, q, v, lam.shape[-1]))
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, g, lam, h0, levels)
+        return o, levels
+
+    @staticmethod
+    def backward(ctx, d_o, d_final):
+        q, k, v, g, lam, h0, final = ctx.saved_tensors
+        plan: LevelScanPlan = ctx.plan
+        tokens, H, V = v.shape
+        K, L = q.shape[-1], lam.shape[-1]
+        bos, eos, chunk0 = plan.device_tensors(q.device)
+        d_o = torch.zeros_like(v) if d_o is None else d_o.to(v.dtype).contiguous()
+        d_final = torch.zeros_like(final) if d_final is None else d_final.float().contiguous()
+        meta = _meta(plan, q, v, L)
+        grid = (len(plan.bos), H)
+        dev = q.device
+        dq, dk = alloc((tokens, H, K), torch.float32, dev), alloc((tokens, H, K), torch.float32, dev)
+        dv, dlam = alloc((tokens, H, V), torch.float32, dev), alloc((tokens, H, L), torch.float32, dev)
+        qdq, kdk = alloc((tokens, H), torch.float32, dev), alloc((tokens, H), torch.float32, dev)
+        scratch = h0.detach().clone()
+        meta_dq = dict(meta, BL=next_pow2(L, minimum=2))
+        mamba2_bwd_dq_kernel[grid](q, k, v, g, lam, d_o, dq, dlam, qdq, scratch, bos, eos, chunk0, plan.scale, **meta_dq)
+        d_levels = d_final.clone()
+        mamba2_bwd_dkv_kernel[grid](q, k, v, g, lam, d_o, dk, dv, kdk, d_levels, bos, eos, chunk0, plan.scale, **meta)
+        d_gate = qdq - kdk
+        for n, (a, b) in enumerate(zip(plan.bos, plan.eos)):
+            if b > a:
+                d_gate[b - 1] += (d_final[n] * final[n]).sum((0, 2, 3))
+        dg = _reverse_cumsum(d_gate, plan)
+        _zero_prefixes(plan, dq, dk, dv, dlam)
+        G = q.shape[1]
+        dq = dq.view(tokens, G, H // G, K).sum(2)
+        dk = dk.view(tokens, G, H // G, K).sum(2)
+        d_h0 = d_levels if plan.has_init else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dlam.to(lam.dtype), d_h0, None
+
+
+def _last_chunk_levels(k, v, g, a: int, b: int, C: int, H: int) -> torch.Tensor:
+    """In-chunk token levels 0..c of the state after token b-1, from the last chunk of [a, b) (a aligned).
+
+    level l holds sum_{s: bit_length(s XOR e) = l} exp(G_e - G_s) k_s v_s^T.   -> [c+1, H, K, V] fp32."""
+    c = chunk_bits(C)
+    ls = a + ((b - a - 1) // C) * C
+    ks = expand_groups(k[None, ls:b].float(), H)[0]  # [n, H, K]
+    vs, gs = v[ls:b].float(), g[ls:b].float()
+    G = gs.cumsum(0)
+    w = torch.exp(G[-1:] - G)  # [n, H]
+    local = torch.arange(b - ls, device=k.device)
+    lev = bit_length(local ^ (b - 1 - ls))
+    masks = (lev[None, :] == torch.arange(c + 1, device=k.device)[:, None]).float()
+    return torch.einsum("ln,nh,nhk,nhv->lhkv", masks, w, ks, vs)
+
+
+def _pad_levels(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[L, ...] zero-padded or truncated to n levels."""
+    return F.pad(x, (0, 0) * (x.dim() - 1) + (0, max(0, n - x.shape[0])))[:n]
+
+
+def mamba2_triton(inp: OpInputs, output_final_state: bool, chunk_size: int, use_qk_l2norm: bool = False):
+    """Backend "triton" for log_linear_mamba2 (see loglinear.ops.api.Backend)."""
+    q = inp.q
+    if q.dtype not in SUPPORTED_DTYPES or inp.v.dtype not in SUPPORTED_DTYPES or (
+        q.device.type != "cuda" and not interpreting()
+    ):
+        from loglinear.ops.api import _BACKENDS
+
+        return _BACKENDS["mamba2"]["torch"](inp, output_final_state, chunk_size, use_qk_l2norm)
+    C = kernel_chunk_size(chunk_size)
+    c = chunk_bits(C)
+    B, T, G, K = q.shape
+    H, V = inp.v.shape[2:]
+    dtype = q.dtype if q.dtype == inp.k.dtype == inp.v.dtype else torch.float32
+    qf = q.to(dtype).reshape(B * T, G, K).contiguous()
+    kf = inp.k.to(dtype).reshape(B * T, G, K).contiguous()
+    vf = inp.v.to(dtype).reshape(B * T, H, V).contiguous()
+    gf = inp.g.reshape(B * T, H).contiguous()
+    lamf = inp.level_scales.reshape(B * T, H, -1).contiguous()
+    bounds = inp.bounds if inp.bounds is not None else [n * T for n in range(B + 1)]
+    state = inp.initial_state
+    n_seq = len(bounds) - 1
+    positions = state.positions.tolist() if state is not None else [0] * n_seq
+
+    # 2. torch prefixes up to the first chunk boundary
+    prefix_out, prefixes, seq_levels, done, bos, chunk0, ends_abs = [], [], [], {}, [], [], []
+    for n in range(n_seq):
+        a, b, p = bounds[n], bounds[n + 1], positions[n]
+        levels = state.levels[n : n + 1].float() if state is not None else None
+        pre = 0
+        if levels is not None and (p % C or p == 0):
+            pre = min(b - a, C - p % C)
+            sl = slice(a, a + pre)
+            pick = lambda x: x[None, sl].float()  # noqa: E731
+            o_pre, levels = chunk_scan(
+                Mamba2Form, expand_groups(pick(qf), H), expand_groups(pick(kf), H), pick(vf), pick(gf),
+                torch.ones_like(pick(gf)), pick(lamf), inp.scale, levels, p, C,
+            )
+            prefix_out.append(o_pre[0])
+            prefixes.append((a, a + pre))
+        if a + pre == b:
+            done[n] = levels[0]
+            levels = None
+        elif levels is not None and p + pre > 0:
+            levels = _carry_past(levels, p + pre)
+        seq_levels.append(levels)
+        bos.append(a + pre)
+        chunk0.append((p + pre) // C)
+        ends_abs.append(p + b - a)
+    J = max(
+        [1]
+        + [max((e - 1) // C, 1).bit_length() for e in ends_abs]
+        + [lv.shape[1] - c - 1 for lv in seq_levels if lv is not None]
+    )
+    has_init = any(lv is not None for lv in seq_levels)
+    h0 = qf.new_zeros((n_seq, J, H, K, V), dtype=torch.float32)
+    if has_init:
+        h0 = torch.stack([_pad_levels(lv[0, c + 1 :], J) if lv is not None else h0[0] for lv in seq_levels])
+    ends = bounds[1:]
+    plan = LevelScanPlan(bos, ends, chunk0, prefixes, C, J, has_init, inp.scale)
+    o, final = LevelScanMamba2.apply(qf, kf, vf, gf, lamf, h0, plan)
+    if prefixes:
+        idx = torch.cat([torch.arange(a, b, device=q.device) for a, b in prefixes])
+        o = o.index_copy(0, idx, torch.cat(prefix_out).to(o.dtype))
+    o = o.reshape(B, T, H, V).to(inp.v.dtype)
+    if not output_final_state:
+        return o, None
+    n_in = state.num_levels if state is not None else 0
+    out_levels = []
+    for n in range(n_seq):
+        n_final = max(levels_needed(positions[n] + bounds[n + 1] - bounds[n]), n_in)
+        if n in done:
+            lv = done[n]
+        else:
+            inner = _last_chunk_levels(kf, vf, gf, bos[n], ends[n], C, H)
+            lv = torch.cat([inner, final[n]], dim=0)
+        out_levels.append(_pad_levels(lv, n_final))
+    n_max = max(x.shape[0] for x in out_levels)
+    levels = torch.stack([_pad_levels(x, n_max) for x in out_levels])
+    pos = torch.tensor([positions[n] + bounds[n + 1] - bounds[n] for n in range(n_seq)], dtype=torch.int64)
+    return o, FenwickState(levels, pos)

@@ -1,0 +1,155 @@
+"""Backward of log-linear Mamba-2: two scans over chunks, one program per (sequence, value head).
+
+With dO the output gradient (scale folded into dA), per chunk:
+
+    intra    dA = scale * dO V^T (s <= t),  P = Q K^T * Gamma,  A = P * Lambda
+             dlambda_t[l] = sum_{s: level(t,s) = l} dA * P        (levels 0..c)
+             dQ = (dA * Gamma * Lambda) K,  dK = (dA * Gamma * Lambda)^T Q,  dV = scale * A^T dO
+    readout  dlambda_t[c+1+j] = scale * dO_t . (Qt_t H_j),   dQ += scale * exp(G) * sum_j lambda_j (dO H_j^T)
+             dH_j += scale * (lambda_j * Qt)^T dO                  (Qt = exp(G) * Q)
+    deposit  dD_i = dH_m (transposed merge),  dK += exp(Gl - G) * (V dD^T),  dV += exp(Gl - G) * (K dD)
+
+Kernel 1 walks forward (it needs the level states H_j: the forward cascade again) and writes dQ and
+dlambda; kernel 2 walks backward with the transposed cascade on dH and writes dK, dV and the initial
+states' gradient. Both also write q.dq and k.dk per (token, head): the gate's gradient follows from the
+invariance o(q e^d, k e^-d, G - d) = o, i.e. dG_t = q_t.dq_t - k_t.dk_t (plus the final states' term),
+and dg is its reverse cumsum (done by the caller). No atomics: every output element has one writer.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from loglinear.ops.triton.common import load_column, load_rows, store_rows
+from loglinear.ops.triton.intra import decay_matrix, intra_levels, level_weights
+from loglinear.ops.triton.levels import (
+    accumulate_level, flush_levels, level_live, load_level, merge_levels, split_levels,
+)
+
+
+@triton.jit
+def mamba2_bwd_dq_kernel(
+    q, k, v, g, lam, do, dq, dlam, qdq, levels, bos_ptr, eos_ptr, chunk0_ptr, scale,
+    H, G, K, V, L, J,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
+    BL: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """dq: [tokens, H, K] fp32 (per value head); dlam: [tokens, H, L]; qdq: [tokens, H] fp32;
+    levels: [N, J, H, K, V] fp32 scratch holding the initial chunk-level states (overwritten)."""
+    n, h = tl.program_id(0), tl.program_id(1)
+    grp = h // (H // G)
+    bos = tl.load(bos_ptr + n).to(tl.int64)
+    eos = tl.load(eos_ptr + n).to(tl.int64)
+    c0 = tl.load(chunk0_ptr + n).to(tl.int64)
+    r = tl.arange(0, C)
+    kk, vv, jj, ll = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BJ), tl.arange(0, BL)
+    lev = intra_levels(r, LOG_C)
+    causal = r[:, None] >= r[None, :]
+    stride = H * K * V
+    ptrs = levels + (n * J * H + h) * K * V + kk[:, None] * V + vv[None, :]
+    lmask = (kk[:, None] < K) & (vv[None, :] < V)
+    decay = tl.zeros([BJ], dtype=tl.float32)
+    n_chunks = tl.cdiv(eos - bos, C)
+    for i in range(n_chunks):
+        t = bos + i * C + r
+        valid = t < eos
+        chunk = c0 + i
+        qc = load_rows(q, t, valid, grp, G, K, kk, BK)
+        kc = load_rows(k, t, valid, grp, G, K, kk, BK)
+        vc = load_rows(v, t, valid, h, H, V, vv, BV)
+        doc = load_rows(do, t, valid, h, H, V, vv, BV)
+        gc = tl.load(g + t * H + h, mask=valid, other=0.0).to(tl.float32)
+        Gc = tl.cumsum(gc, 0)
+        Gl = tl.sum(gc, 0)
+        gamma = decay_matrix(Gc, causal)
+        p = tl.dot(qc, tl.trans(kc), input_precision=PRECISION) * gamma
+        d_a = tl.where(causal, tl.dot(doc, tl.trans(vc), input_precision=PRECISION) * scale, 0.0)
+        d_lam = tl.zeros([C, BL], dtype=tl.float32)
+        d_ap = d_a * p
+        for level in tl.static_range(LOG_C + 1):
+            col = tl.sum(tl.where(lev == level, d_ap, 0.0), 1)
+            d_lam = tl.where(ll[None, :] == level, col[:, None], d_lam)
+        weights = level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C)
+        acc = tl.dot((d_a * gamma * weights).to(kc.dtype), kc, input_precision=PRECISION)
+        qt = qc.to(tl.float32) * tl.exp(Gc)[:, None]
+        d_qt = tl.zeros([C, BK], dtype=tl.float32)
+        for j in range(J):
+            if level_live(chunk, c0, j, HAS_INIT):
+                lam_j = load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)
+                state = load_level(ptrs, stride, j, lmask, decay, jj).to(qc.dtype)
+                d_qt += lam_j[:, None] * tl.dot(doc, tl.trans(state), input_precision=PRECISION)
+                read = tl.dot(qt.to(qc.dtype), state, input_precision=PRECISION)
+                col = tl.sum(read * doc.to(tl.float32), 1) * scale
+                d_lam = tl.where(ll[None, :] == LOG_C + 1 + j, col[:, None], d_lam)
+        acc += d_qt * (scale * tl.exp(Gc))[:, None]
+        store_rows(dq, acc, t, valid, h, H, K, kk)
+        store_rows(dlam, d_lam, t, valid, h, H, L, ll)
+        tl.store(qdq + t * H + h, tl.sum(acc * qc.to(tl.float32), 1), mask=valid)
+        decay += Gl
+        if i < n_chunks - 1:
+            kt = kc.to(tl.float32) * tl.exp(Gl - Gc)[:, None]
+            deposit = tl.dot(tl.trans(kt.to(vc.dtype)), vc, input_precision=PRECISION)
+            decay = merge_levels(ptrs, stride, lmask, deposit, decay, jj, chunk, c0, HAS_INIT, BJ)
+
+
+@triton.jit
+def mamba2_bwd_dkv_kernel(
+    q, k, v, g, lam, do, dk, dv, kdk, d_levels, bos_ptr, eos_ptr, chunk0_ptr, scale,
+    H, G, K, V, L, J,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
+    HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """dk: [tokens, H, K] fp32 (per value head); dv: [tokens, H, V]; kdk: [tokens, H] fp32;
+    d_levels: [N, J, H, K, V] fp32: the final chunk-level states' gradient in, the initial ones' out."""
+    n, h = tl.program_id(0), tl.program_id(1)
+    grp = h // (H // G)
+    bos = tl.load(bos_ptr + n).to(tl.int64)
+    eos = tl.load(eos_ptr + n).to(tl.int64)
+    c0 = tl.load(chunk0_ptr + n).to(tl.int64)
+    r = tl.arange(0, C)
+    kk, vv, jj = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BJ)
+    lev = intra_levels(r, LOG_C)
+    causal = r[:, None] >= r[None, :]
+    stride = H * K * V
+    ptrs = d_levels + (n * J * H + h) * K * V + kk[:, None] * V + vv[None, :]
+    lmask = (kk[:, None] < K) & (vv[None, :] < V)
+    decay = tl.zeros([BJ], dtype=tl.float32)
+    n_chunks = tl.cdiv(eos - bos, C)
+    for back in range(n_chunks):
+        i = n_chunks - 1 - back
+        t = bos + i * C + r
+        valid = t < eos
+        chunk = c0 + i
+        qc = load_rows(q, t, valid, grp, G, K, kk, BK)
+        kc = load_rows(k, t, valid, grp, G, K, kk, BK)
+        vc = load_rows(v, t, valid, h, H, V, vv, BV)
+        doc = load_rows(do, t, valid, h, H, V, vv, BV)
+        gc = tl.load(g + t * H + h, mask=valid, other=0.0).to(tl.float32)
+        Gc = tl.cumsum(gc, 0)
+        Gl = tl.sum(gc, 0)
+        gamma = decay_matrix(Gc, causal)
+        weights = level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C)
+        a = tl.dot(qc, tl.trans(kc), input_precision=PRECISION) * gamma * weights
+        d_a = tl.dot(doc, tl.trans(vc), input_precision=PRECISION) * scale
+        d_s = tl.where(causal, d_a, 0.0) * gamma * weights
+        acc_k = tl.dot(tl.trans(d_s.to(qc.dtype)), qc, input_precision=PRECISION)
+        acc_v = tl.dot(tl.trans(a.to(doc.dtype)), doc, input_precision=PRECISION) * scale
+        if i < n_chunks - 1:
+            d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, chunk, BJ)
+            to_end = tl.exp(Gl - Gc)[:, None]
+            d_deposit = d_deposit.to(vc.dtype)
+            acc_k += to_end * tl.dot(vc, tl.trans(d_deposit), input_precision=PRECISION)
+            acc_v += to_end * tl.dot(kc, d_deposit, input_precision=PRECISION)
+        decay += Gl
+        qt = qc.to(tl.float32) * (scale * tl.exp(Gc))[:, None]
+        for j in range(J):
+            if level_live(chunk, c0, j, HAS_INIT):
+                lam_j = load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)
+                update = tl.dot(tl.trans((qt * lam_j[:, None]).to(doc.dtype)), doc, input_precision=PRECISION)
+                decay = accumulate_level(ptrs, stride, j, lmask, decay, jj, update)
+        store_rows(dk, acc_k, t, valid, h, H, K, kk)
+        store_rows(dv, acc_v, t, valid, h, H, V, vv)
+        tl.store(kdk + t * H + h, tl.sum(acc_k * kc.to(tl.float32), 1), mask=valid)
+    if HAS_INIT:
+        flush_levels(ptrs, stride, lmask, decay, jj, J, c0, c0, False, HAS_INIT)

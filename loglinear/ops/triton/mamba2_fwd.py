@@ -1,0 +1,72 @@
+"""Forward of log-linear Mamba-2: one fused kernel, one program per (sequence, value head).
+
+Per chunk i (C tokens, G = chunk-local cumsum of g, Gl = G at the chunk's end):
+
+    intra    O  = (Q K^T * Gamma * Lambda) V                                      levels 0..c
+    readout  O += sum_{live j} (lambda[:, c+1+j] * exp(G) * Q) H_j               one GEMM of depth (#live)*K
+    carry    H_j <- exp(Gl) H_j  (lazy);   H_m <- D_i + sum_{j<=m} H_j,  D_i = (exp(Gl - G) * K)^T V
+    o = scale * O
+
+The level states never leave the scan's fp32 buffer except as the final states (levels.py).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from loglinear.ops.triton.common import load_column, load_rows, store_rows
+from loglinear.ops.triton.intra import decay_matrix, intra_levels, level_weights
+from loglinear.ops.triton.levels import flush_levels, level_live, load_level, merge_levels
+
+
+@triton.jit
+def mamba2_fwd_kernel(
+    q, k, v, g, lam, o, levels, bos_ptr, eos_ptr, chunk0_ptr, scale,
+    H, G, K, V, L, J,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
+    HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """q, k: [tokens, G, K]; v, o: [tokens, H, V]; g: [tokens, H]; lam: [tokens, H, L];
+    levels: [N, J, H, K, V] fp32, initial chunk-level states in, final ones out; bos/eos/chunk0: [N]."""
+    n, h = tl.program_id(0), tl.program_id(1)
+    grp = h // (H // G)
+    bos = tl.load(bos_ptr + n).to(tl.int64)
+    eos = tl.load(eos_ptr + n).to(tl.int64)
+    c0 = tl.load(chunk0_ptr + n).to(tl.int64)
+    r = tl.arange(0, C)
+    kk, vv, jj = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BJ)
+    lev = intra_levels(r, LOG_C)
+    causal = r[:, None] >= r[None, :]
+    stride = H * K * V
+    ptrs = levels + (n * J * H + h) * K * V + kk[:, None] * V + vv[None, :]
+    lmask = (kk[:, None] < K) & (vv[None, :] < V)
+    decay = tl.zeros([BJ], dtype=tl.float32)
+    n_chunks = tl.cdiv(eos - bos, C)
+    chunk = c0
+    for i in range(n_chunks):
+        t = bos + i * C + r
+        valid = t < eos
+        chunk = c0 + i
+        qc = load_rows(q, t, valid, grp, G, K, kk, BK)
+        kc = load_rows(k, t, valid, grp, G, K, kk, BK)
+        vc = load_rows(v, t, valid, h, H, V, vv, BV)
+        gc = tl.load(g + t * H + h, mask=valid, other=0.0).to(tl.float32)
+        Gc = tl.cumsum(gc, 0)
+        Gl = tl.sum(gc, 0)
+        scores = tl.dot(qc, tl.trans(kc), input_precision=PRECISION)
+        weights = scores * decay_matrix(Gc, causal) * level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C)
+        acc = tl.dot(weights.to(vc.dtype), vc, input_precision=PRECISION)
+        qt = qc.to(tl.float32) * tl.exp(Gc)[:, None]
+        for j in range(J):
+            if level_live(chunk, c0, j, HAS_INIT):
+                lam_j = load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)
+                state = load_level(ptrs, stride, j, lmask, decay, jj)
+                acc += tl.dot((qt * lam_j[:, None]).to(qc.dtype), state.to(qc.dtype), input_precision=PRECISION)
+        store_rows(o, acc * scale, t, valid, h, H, V, vv)
+        decay += Gl
+        if i < n_chunks - 1:
+            kt = kc.to(tl.float32) * tl.exp(Gl - Gc)[:, None]
+            deposit = tl.dot(tl.trans(kt.to(vc.dtype)), vc, input_precision=PRECISION)
+            decay = merge_levels(ptrs, stride, lmask, deposit, decay, jj, chunk, c0, HAS_INIT, BJ)
+    flush_levels(ptrs, stride, lmask, decay, jj, J, chunk, c0, True, HAS_INIT)
