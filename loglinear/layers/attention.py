@@ -1,0 +1,92 @@
+"""The sequence-mixing call of a mixer layer: the public op, with a state in and out, log-linear or plain.
+
+    log-linear (level_scales given): the op with lambda = level_scales; the state keeps
+        ceil(log2 T) + 1 level states per sequence.
+    plain (level_scales None): lambda = 1, which is exactly Mamba-2 / Gated DeltaNet. The state is kept
+        as ONE level (the sum of the level states: with lambda = 1 only their sum is ever read), so a plain
+        model pays no log T memory. Prefill / multi-token calls run the op and sum the final levels;
+        single-token steps run the plain recurrence (loglinear.ops.decode, fused kernel on CUDA).
+
+Eager calls run ``fenwick_attention`` directly (native autograd); under torch.compile the mixers call the
+``loglinear::fenwick_attention`` custom op (loglinear.ops.custom_ops), so the attention is one graph node.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loglinear.fenwick import levels_needed
+from loglinear.layers.levels import check_capacity
+from loglinear.ops import log_linear_gated_deltanet, log_linear_mamba2
+from loglinear.ops.decode import decode_step
+from loglinear.state import FenwickState
+
+__all__ = ["fenwick_attention", "VARIANTS"]
+
+VARIANTS = ("mamba2", "gated_deltanet")
+
+
+def _lengths(batch: int, length: int, cu_seqlens: torch.Tensor | None) -> list[int]:
+    if cu_seqlens is None:
+        return [length] * batch
+    bounds = cu_seqlens.tolist()
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def _op(variant: str, q, k, v, g, beta, lam, state, cu_seqlens, scale, chunk_size, output_state, l2norm_qk):
+    if variant == "mamba2":
+        return log_linear_mamba2(
+            q, k, v, g, lam, scale=scale, initial_state=state, output_final_state=output_state,
+            cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        )
+    return log_linear_gated_deltanet(
+        q, k, v, g, beta, lam, scale=scale, initial_state=state, output_final_state=output_state,
+        cu_seqlens=cu_seqlens, chunk_size=chunk_size, use_qk_l2norm=l2norm_qk,
+    )
+
+
+def _plain_step(q, k, v, g, beta, levels, positions, scale, cu_seqlens, l2norm_qk):
+    """One token per sequence on a single-level state: [B, 1, ...] (or [1, N, ...] packed) in and out."""
+    axis = 0 if cu_seqlens is not None else 1
+    take = lambda x: x.squeeze(axis) if x is not None else None  # noqa: E731
+    o, levels = decode_step(
+        take(q), take(k), take(v), take(g), take(beta), None, levels, positions.to(levels.device), scale,
+        fenwick=False, l2norm_qk=l2norm_qk,
+    )
+    return o.unsqueeze(axis), levels
+
+
+def fenwick_attention(
+    variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor | None,
+    level_scales: torch.Tensor | None, levels: torch.Tensor | None, positions: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None, scale: float, chunk_size: int, max_levels: int, output_state: bool,
+    l2norm_qk: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention of N sequences continuing from a state.
+
+    q, k: [B, T, G, K]; v: [B, T, H, V]; g: [B, T, H]; beta: [B, T, H] (gated_deltanet) or None;
+    level_scales: [B, T, H, max_levels] (log-linear) or None (plain); levels: [N, L, H, K, V] or None
+    (a fresh start); positions: [N] int64 CPU (tokens already seen) or None; cu_seqlens: [N + 1] or None
+    (then B = 1). Returns o: [B, T, H, V] and, if output_state, the new levels [N, L', H, K, V]
+    (L' = 1 for plain) and positions [N] (empty tensors otherwise).
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    lengths = _lengths(q.shape[0], q.shape[1], cu_seqlens)
+    starts = positions.tolist() if positions is not None else [0] * len(lengths)
+    end = max(p + n for p, n in zip(starts, lengths))
+    check_capacity(end, max_levels)
+    state = FenwickState(levels, positions) if levels is not None else None
+    if level_scales is None and state is not None and max(lengths) == 1:
+        o, new_levels = _plain_step(q, k, v, g, beta, state.levels, state.positions, scale, cu_seqlens, l2norm_qk)
+        new_state = FenwickState(new_levels, state.positions + 1)
+    else:
+        lam = level_scales
+        if lam is None:
+            lam = torch.ones((), dtype=v.dtype, device=v.device).expand(*v.shape[:3], levels_needed(end))
+        o, new_state = _op(variant, q, k, v, g, beta, lam, state, cu_seqlens, scale, chunk_size, output_state, l2norm_qk)
+        if output_state and level_scales is None:
+            new_state = FenwickState(new_state.levels.sum(1, keepdim=True), new_state.positions)
+    if not output_state:
+        return o, v.new_empty(0), torch.empty(0, dtype=torch.int64)
+    return o, new_state.levels, new_state.positions

@@ -1,0 +1,152 @@
+"""What the log-linear Mamba-2 and Gated DeltaNet layers share: the token layout, the short convolution,
+the level weights lambda, the state, and the attention call. A variant supplies its projections
+(``conv_inputs``, ``op_inputs``) and its output (``output``).
+
+    x [B, T, D] --flatten real tokens--> [Ntok, D] --conv_inputs--> (conv channels, rest)
+       --ShortConvolution + SiLU--> op_inputs --> q, k, v, g, beta (+ what output needs)
+       --fenwick_attention (lambda from LevelScales, or 1 when use_log_linear=False)--> o [Ntok, H, V]
+       --output--> [Ntok, D] --unflatten--> [B, T, D]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from loglinear.layers.attention import fenwick_attention
+from loglinear.layers.conv import ShortConvolution
+from loglinear.layers.levels import LevelScales
+from loglinear.layers.sequence import TokenLayout
+from loglinear.state import FenwickState
+
+__all__ = ["MixerState", "OpInputs", "FenwickMixer", "dt_bias_init"]
+
+DEFAULT_MAX_LEVELS = 21  # 2^20 tokens
+
+
+def dt_bias_init(num_heads: int, dt_min: float = 1e-3, dt_max: float = 0.1, dt_floor: float = 1e-4) -> torch.Tensor:
+    """dt_bias = softplus^-1(dt), dt log-uniform in [dt_min, dt_max] (>= dt_floor), as in Mamba-2.  -> [H]."""
+    log_dt = torch.rand(num_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)
+    dt = torch.exp(log_dt).clamp(min=dt_floor)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+@dataclass
+class MixerState:
+    """Decoding state of one mixer for N sequences.
+
+    attn: FenwickState, levels [N, L, H, K, V] (L = ceil(log2 T) + 1 log-linear, 1 plain), positions [N]
+    conv: [N, W-1, C], the last W-1 inputs of the short convolution
+    """
+
+    attn: FenwickState
+    conv: torch.Tensor
+
+    def nbytes(self) -> int:
+        return self.attn.nbytes() + self.conv.numel() * self.conv.element_size()
+
+    def select(self, index: torch.Tensor) -> "MixerState":
+        """Rows ``index`` (beam reordering, batch selection)."""
+        return MixerState(self.attn.select(index), self.conv.index_select(0, index.to(self.conv.device)))
+
+
+@dataclass
+class OpInputs:
+    """Per-token op inputs of a mixer.  q, k: [Ntok, G, K]; v: [Ntok, H, V]; g, beta: [Ntok, H]; extra: variant's."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor | None
+    extra: dict[str, torch.Tensor]
+
+
+class FenwickMixer(nn.Module):
+    """Base of the log-linear mixers (see module docstring).  Subclasses set variant, scale, l2norm_qk."""
+
+    variant: str = ""
+    l2norm_qk: bool = False
+
+    def __init__(
+        self, hidden_size: int, num_heads: int, conv_channels: int, *, conv_kernel: int = 4, conv_bias: bool = False,
+        use_log_linear: bool = True, max_levels: int = DEFAULT_MAX_LEVELS, chunk_size: int = 64,
+        layer_idx: int | None = None,
+    ):
+        super().__init__()
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.use_log_linear, self.max_levels, self.chunk_size = use_log_linear, max_levels, chunk_size
+        self.layer_idx = layer_idx
+        self.conv = ShortConvolution(conv_channels, conv_kernel, bias=conv_bias)
+        self.level_scales = LevelScales(hidden_size, num_heads, max_levels) if use_log_linear else None
+
+    # --- what a variant provides -------------------------------------------------------------
+    def conv_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """x: [Ntok, D] -> (channels to convolve [Ntok, C], other projections)."""
+        raise NotImplementedError
+
+    def op_inputs(self, conv_out: torch.Tensor, rest: dict[str, torch.Tensor]) -> OpInputs:
+        """SiLU(conv) output [Ntok, C] and the other projections -> the op's per-token inputs."""
+        raise NotImplementedError
+
+    def output(self, o: torch.Tensor, inputs: OpInputs) -> torch.Tensor:
+        """o: [Ntok, H, V] -> [Ntok, D]."""
+        raise NotImplementedError
+
+    @property
+    def scale(self) -> float:
+        raise NotImplementedError
+
+    def special_parameters(self) -> dict[str, torch.Tensor]:
+        """Initial values of the parameters that are not plain Linear/Conv weights: {name: tensor}."""
+        if self.level_scales is None:
+            return {}
+        return {"level_scales.level_scale": torch.ones_like(self.level_scales.level_scale)}
+
+    @torch.no_grad()
+    def init_special_parameters(self, copy=torch.Tensor.copy_) -> None:
+        """Write ``special_parameters`` (``copy(param, value)``: the HF models pass transformers' guarded copy)."""
+        for name, value in self.special_parameters().items():
+            copy(self.get_parameter(name), value.to(self.get_parameter(name).device))
+
+    # --- shared -------------------------------------------------------------------------------
+    def forward(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None, state: MixerState | None = None, output_state: bool = False,
+        layout: TokenLayout | None = None,
+    ) -> tuple[torch.Tensor, MixerState | None]:
+        """hidden_states: [B, T, D]; attention_mask: [B, >= T] (0 = padding, any side); cu_seqlens: [N + 1]
+        (packed, B = 1); state: the MixerState of the N sequences (continue them). Returns ([B, T, D], state)."""
+        B, T, _ = hidden_states.shape
+        if layout is None:
+            layout = TokenLayout.build(B, T, attention_mask, cu_seqlens, hidden_states.device)
+        x = layout.flatten(hidden_states)
+        conv_in, rest = self.conv_inputs(x)
+        conv_out, conv_state = self.conv.step(conv_in, layout, state.conv if state is not None else None)
+        inputs = self.op_inputs(F.silu(conv_out), rest)
+        lam = self.level_scales(x) if self.level_scales is not None else None
+        o, levels, positions = self._attend(inputs, lam, layout, state, output_state)
+        y = layout.unflatten(self.output(o, inputs))
+        if not output_state:
+            return y, None
+        return y, MixerState(FenwickState(levels, positions), conv_state)
+
+    def _attend(self, inputs: OpInputs, lam, layout: TokenLayout, state: MixerState | None, output_state: bool):
+        view = layout.op_view
+        args = (
+            self.variant, view(inputs.q), view(inputs.k), view(inputs.v), view(inputs.g),
+            view(inputs.beta) if inputs.beta is not None else None, view(lam) if lam is not None else None,
+            state.attn.levels if state is not None else None, state.attn.positions if state is not None else None,
+            layout.cu_seqlens, self.scale, self.chunk_size, self.max_levels, output_state, self.l2norm_qk,
+        )
+        if torch.compiler.is_compiling():
+            from loglinear.ops.custom_ops import fenwick_attention_op
+
+            o, levels, positions = fenwick_attention_op(*args)
+        else:
+            o, levels, positions = fenwick_attention(*args)
+        return layout.from_op_view(o), levels, positions

@@ -1,0 +1,50 @@
+"""RMSNorm and the gated RMSNorm of the Mamba-2 / Gated DeltaNet outputs (computed in float32 or wider)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["RMSNorm", "GatedRMSNorm", "wide"]
+
+
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """x in at least float32 (float64 stays float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight over the last dim.  x: [*, D]."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = wide(x)
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * wide(self.weight)).to(x.dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    """Gated RMSNorm over groups of ``dim`` channels.  x, gate: [*, n * dim].
+
+    norm_before_gate=False (Mamba-2):  y = RMSNorm(x * silu(gate))
+    norm_before_gate=True  (GDN):      y = RMSNorm(x) * silu(gate)
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, norm_before_gate: bool = False):
+        super().__init__(dim, eps)
+        self.norm_before_gate = norm_before_gate
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        shape, dim = x.shape, self.weight.shape[0]
+        x32, gate32 = wide(x).reshape(*shape[:-1], -1, dim), F.silu(wide(gate)).reshape(*shape[:-1], -1, dim)
+        if not self.norm_before_gate:
+            x32 = x32 * gate32
+        y = super().forward(x32)
+        if self.norm_before_gate:
+            y = y * gate32
+        return y.reshape(shape).to(x.dtype)
