@@ -8,6 +8,9 @@ import importlib
 # name -> (module, one-line help). A module defines add_arguments(parser) and run(args) -> int | None.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("loglinear.eval.demo", "check both variants in all three forms and show how the decoding state grows"),
+    "mqar": ("loglinear.train.mqar", "multi-query associative recall sweep: log-linear vs linear vs Transformer"),
+    "train": ("loglinear.train.command", "train a language model on real text (one process or torchrun + FSDP2)"),
+    "eval": ("loglinear.eval.command", "validation perplexity, per-position loss and needle-in-a-haystack of trained runs"),
 }
 
 
