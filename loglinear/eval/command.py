@@ -1,0 +1,163 @@
+"""``loglinear eval``: evaluate trained runs (folders written by ``loglinear train``) side by side.
+
+For each run: validation loss and perplexity, the per-position loss curve on windows of --eval-len tokens
+(may exceed the training length), and needle-in-a-haystack accuracy (single pass-key and multi-key,
+needles at several depths, lengths up to 16K) on the validation text. Writes <out>/lm-<tag>.{json,md,png}
+and <out>/niah-<tag>.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loglinear.data.text import PackedTokens
+from loglinear.data.tokenizer import load_tokenizer
+from loglinear.eval.lm import evaluate_lm
+from loglinear.eval.niah import evaluate_niah
+from loglinear.eval.report import ARCH_LABELS, ARCH_STYLE, markdown_table, pyplot, smooth, write_json
+from loglinear.train.checkpoint import load_model_weights
+from loglinear.train.loop import TrainConfig, model_from_config
+
+__all__ = ["load_run", "evaluate_run", "lm_report", "niah_report", "add_arguments", "run"]
+
+
+def load_run(run_dir: str | Path, device) -> tuple[torch.nn.Module, dict]:
+    """(model with the checkpoint's weights on `device`, the run's config.json)."""
+    meta = json.loads((Path(run_dir) / "config.json").read_text())
+    fields = {k: v for k, v in meta.items() if k in TrainConfig.__dataclass_fields__}
+    model = model_from_config(TrainConfig(**fields), meta["vocab"])
+    meta["trained_steps"] = load_model_weights(run_dir, model)
+    return model.to(device).eval(), meta
+
+
+def _ranges(T: int) -> list[tuple[int, int]]:
+    """Position buckets [0, 64), [64, 256), [256, 1K), ... (x4) covering [0, T)."""
+    edges = [0] + [64 * 4**i for i in range(12) if 64 * 4**i < T] + [T]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def evaluate_run(run_dir: str | Path, args: argparse.Namespace) -> tuple[dict, list[dict]]:
+    """One run's LM record and NIAH rows."""
+    device = torch.device(args.device)
+    bf16 = device.type == "cuda"
+    model, meta = load_run(run_dir, device)
+    data_dir = args.data_dir or meta["data_dir"]
+    eval_len = args.eval_len or meta["seq_len"]
+    lm = evaluate_lm(model, PackedTokens.from_dir(data_dir, "val", eval_len), num_windows=args.windows,
+                     batch_size=args.batch_size, device=device, bf16=bf16)
+    curve = smooth(lm.per_position, args.smooth)
+    step = max(1, len(curve) // 512)
+    record = {
+        "arch": meta["arch"], "run": str(run_dir), "params": meta["params"], "train_seq_len": meta["seq_len"],
+        "train_tokens": meta["trained_steps"] * meta["global_batch"] * meta["seq_len"], "eval_len": eval_len,
+        "windows": lm.windows, "val_loss": lm.val_loss, "ppl": lm.ppl,
+        "loss_by_range": {f"{a}-{b}": float(lm.per_position[a:b].mean()) for a, b in _ranges(eval_len)},
+        "per_position_smoothed": {"positions": list(range(0, len(curve), step)),
+                                  "loss": [round(float(v), 5) for v in curve[::step]], "window": args.smooth},
+    }
+    niah = []
+    if args.niah_lengths:
+        haystack = PackedTokens.from_dir(data_dir, "val", 1).tokens
+        niah = evaluate_niah(model, np.asarray(haystack), load_tokenizer(Path(data_dir) / "tokenizer.json"),
+                             lengths=args.niah_lengths, depths=args.niah_depths, keys=args.niah_keys,
+                             samples=args.niah_samples, seed=args.seed, device=device, bf16=bf16,
+                             batch_size=args.batch_size)
+        for row in niah:
+            row["arch"] = meta["arch"]
+    return record, niah
+
+
+def lm_report(records: list[dict], out: Path, title: str) -> str:
+    ranges = list(records[0]["loss_by_range"])
+    rows = [[ARCH_LABELS[r["arch"]], f"{r['params'] / 1e6:.1f}M", r["val_loss"], r["ppl"]]
+            + [r["loss_by_range"][k] for k in ranges] for r in records]
+    md = (f"# {title}\n\nValidation loss on windows of {records[0]['eval_len']} tokens "
+          f"({records[0]['windows']} windows; trained at {records[0]['train_seq_len']}, "
+          f"{records[0]['train_tokens'] / 1e6:.1f}M tokens each). Mean loss per position range:\n\n"
+          + markdown_table(["model", "params", "val loss", "ppl"] + [f"pos {k}" for k in ranges], rows))
+    write_json(out.with_suffix(".json"), records)
+    out.with_suffix(".md").write_text(md)
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in records:
+        pp = r["per_position_smoothed"]
+        ax.plot(np.asarray(pp["positions"]) + 1, pp["loss"], label=ARCH_LABELS[r["arch"]], **ARCH_STYLE[r["arch"]])
+    ax.axvline(records[0]["train_seq_len"], color="gray", linewidth=0.8, linestyle=":")
+    ax.set(xscale="log", xlabel="position", ylabel="loss (nats, smoothed)", title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    plt.close(fig)
+    return md
+
+
+def niah_report(rows: list[dict], out: Path, title: str) -> str:
+    archs = list(dict.fromkeys(r["arch"] for r in rows))
+    keys = sorted({r["keys"] for r in rows})
+    lengths = sorted({r["length"] for r in rows})
+    depths = sorted({r["depth"] for r in rows})
+
+    def acc(a, k, n):
+        return float(np.mean([r["accuracy"] for r in rows if (r["arch"], r["keys"], r["length"]) == (a, k, n)]))
+
+    md = f"# {title}\n\nAccuracy (exact match of the 5-digit value), mean over depths {depths}.\n"
+    for k in keys:
+        name = "single pass-key" if k == 1 else f"multi-key ({k} keys)"
+        md += f"\n## {name}\n\n" + markdown_table(
+            ["model"] + [str(n) for n in lengths], [[ARCH_LABELS[a]] + [acc(a, k, n) for n in lengths] for a in archs])
+    write_json(out.with_suffix(".json"), rows)
+    out.with_suffix(".md").write_text(md)
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5), squeeze=False)
+    for ax, k in zip(axes[0], keys):
+        for a in archs:
+            ax.plot(lengths, [acc(a, k, n) for n in lengths], marker="o", label=ARCH_LABELS[a], **ARCH_STYLE[a])
+        ax.set(xscale="log", xlabel="context length", ylabel="accuracy", ylim=(-0.02, 1.02),
+               title="pass-key" if k == 1 else f"multi-key ({k})")
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    plt.close(fig)
+    return md
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", help="run folders written by `loglinear train`")
+    p.add_argument("--data-dir", default=None, help="tokenized corpus (default: the one each run trained on)")
+    p.add_argument("--eval-len", type=int, default=None, help="window length (default: the training length)")
+    p.add_argument("--windows", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--smooth", type=int, default=32, help="moving-average window of the per-position curve")
+    p.add_argument("--niah-lengths", nargs="*", type=int, default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--niah-depths", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    p.add_argument("--niah-keys", nargs="+", type=int, default=[1, 4], help="1 = single pass-key, >1 = multi-key")
+    p.add_argument("--niah-samples", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default="runs/eval")
+    p.add_argument("--tag", default=None, help="file suffix (default: cpu or cuda)")
+
+
+def run(args: argparse.Namespace) -> int:
+    tag = args.tag or torch.device(args.device).type
+    out = Path(args.out)
+    records, niah = [], []
+    t0 = time.perf_counter()
+    for run_dir in args.runs:
+        rec, rows = evaluate_run(run_dir, args)
+        records.append(rec)
+        niah += rows
+        print(f"{run_dir}: val loss {rec['val_loss']:.4f} (ppl {rec['ppl']:.2f}) [{time.perf_counter() - t0:.0f} s]")
+    print(lm_report(records, out / f"lm-{tag}", f"Language modelling ({tag})"))
+    if niah:
+        print(niah_report(niah, out / f"niah-{tag}", f"Needle in a haystack ({tag})"))
+    print(f"wrote {out}/lm-{tag}.* and {out}/niah-{tag}.*")
+    return 0

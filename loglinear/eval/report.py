@@ -1,0 +1,53 @@
+"""Small shared helpers for result files: markdown tables, smoothing, json writing, matplotlib setup."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["markdown_table", "smooth", "write_json", "pyplot", "ARCH_LABELS", "ARCH_STYLE"]
+
+ARCH_LABELS = {
+    "transformer": "Transformer", "mamba2": "Mamba-2", "ll_mamba2": "LL Mamba-2",
+    "gated_deltanet": "Gated DeltaNet", "ll_gated_deltanet": "LL Gated DeltaNet",
+}
+# color by family, solid line for log-linear, dashed for its linear base
+ARCH_STYLE = {
+    "transformer": dict(color="black", linestyle="-"), "mamba2": dict(color="tab:blue", linestyle="--"),
+    "ll_mamba2": dict(color="tab:blue", linestyle="-"), "gated_deltanet": dict(color="tab:red", linestyle="--"),
+    "ll_gated_deltanet": dict(color="tab:red", linestyle="-"),
+}
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A GitHub markdown table; floats printed with 3 decimals."""
+    fmt = lambda x: f"{x:.3f}" if isinstance(x, float) else str(x)  # noqa: E731
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def smooth(curve: np.ndarray, window: int) -> np.ndarray:
+    """Centered moving average of a 1-D curve (edges average over what exists). [T] -> [T]."""
+    window = max(1, min(window, len(curve)))
+    kernel = np.ones(window)
+    num = np.convolve(curve, kernel, mode="same")
+    den = np.convolve(np.ones_like(curve), kernel, mode="same")
+    return num / den
+
+
+def write_json(path: str | Path, obj) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(obj, indent=1))
+
+
+def pyplot():
+    """matplotlib.pyplot with the headless Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

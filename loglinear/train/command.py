@@ -1,0 +1,73 @@
+"""``loglinear train``: train a language model on real text (default: the Python standard library's
+source). One process, or torchrun --nproc_per_node N -m loglinear.cli train ... for FSDP2 data parallel."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from loglinear.train.factory import ARCHS
+from loglinear.train.loop import TrainConfig, train
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    p.add_argument("--arch", default=d.arch, choices=ARCHS)
+    p.add_argument("--d-model", type=int, default=d.d_model)
+    p.add_argument("--layers", type=int, default=d.n_layers)
+    p.add_argument("--heads", type=int, default=None, help="default: d_model // 64")
+    p.add_argument("--model-config", type=json.loads, default={}, help="JSON of extra config fields")
+    p.add_argument("--corpus", default=None, help="'stdlib' (default) or a folder of .txt/.md/.py/.jsonl files")
+    p.add_argument("--data-dir", default=None, help="where the tokenized corpus is cached "
+                   "(default: runs/data/<corpus>-<tokenizer><vocab>)")
+    p.add_argument("--tokenizer", default=d.tokenizer, choices=["bpe", "bytes"])
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--needle-rate", type=float, default=d.needle_rate,
+                   help="fraction of training windows given needles and a query (teaches retrieval)")
+    p.add_argument("--needle-keys", type=int, default=d.needle_keys)
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--global-batch", type=int, default=d.global_batch, help="windows per step, all processes")
+    p.add_argument("--micro-batch", type=int, default=None, help="windows per forward per process")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip)
+    p.add_argument("--precision", default=d.precision, choices=["bf16", "fp32"])
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out-dir", default=None, help="default: runs/lm/<arch>")
+    p.add_argument("--save-every", type=int, default=d.save_every)
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    p.add_argument("--log-every", type=int, default=d.log_every)
+    p.add_argument("--device", default=None)
+    p.add_argument("--resume", action="store_true", help="continue from <out-dir>/checkpoint.pt")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def config_from_args(a: argparse.Namespace) -> TrainConfig:
+    corpus_name = "stdlib" if a.corpus in (None, "stdlib") else a.corpus.rstrip("/").split("/")[-1]
+    vocab = a.vocab_size if a.tokenizer == "bpe" else ""
+    return TrainConfig(
+        arch=a.arch, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads, model_overrides=a.model_config,
+        corpus=a.corpus, data_dir=a.data_dir or f"runs/data/{corpus_name}-{a.tokenizer}{vocab}",
+        tokenizer=a.tokenizer, vocab_size=a.vocab_size, seq_len=a.seq_len, needle_rate=a.needle_rate,
+        needle_keys=a.needle_keys, steps=a.steps, global_batch=a.global_batch, micro_batch=a.micro_batch,
+        lr=a.lr, min_lr_ratio=a.min_lr_ratio, warmup=a.warmup, weight_decay=a.weight_decay,
+        grad_clip=a.grad_clip, precision=a.precision, seed=a.seed, out_dir=a.out_dir or f"runs/lm/{a.arch}",
+        save_every=a.save_every, eval_every=a.eval_every, eval_batches=a.eval_batches, log_every=a.log_every,
+        device=a.device, progress=not a.no_progress,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    res = train(cfg, resume=args.resume)
+    if res["val_loss"] is not None and os.environ.get("RANK", "0") == "0":
+        print(f"{cfg.arch}: {res['params'] / 1e6:.2f}M params, step {res['step']}, "
+              f"val loss {res['val_loss']:.4f}, {res['train_seconds']:.0f} s -> {cfg.out_dir}")
+    return 0

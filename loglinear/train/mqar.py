@@ -1,0 +1,200 @@
+"""``loglinear mqar``: multi-query associative recall, a sweep over architectures x widths x seeds x
+learning rates, 2-layer models as in the paper; best learning rate per (model, width, seed).
+
+Each run trains on a mixture of KV-pair counts at one sequence length and reports the accuracy over all
+query positions of a held-out set (different seed). Runs are independent: with --workers N they go to N
+processes (on one GPU they share it, which packs many small runs concurrently).
+
+Writes <out>.json (one row per run: model, log_linear, d_model, seed, lr, accuracy, ...), <out>.md (table)
+and <out>.png (accuracy vs width).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, replace
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from loglinear.data.mqar import IGNORE_INDEX, mqar_batch
+from loglinear.eval.report import ARCH_LABELS, ARCH_STYLE, markdown_table, pyplot, write_json
+from loglinear.train.factory import ARCHS, build_model, count_parameters, family, is_log_linear
+from loglinear.train.loop import cosine_schedule, lm_loss
+
+__all__ = ["MQARRun", "train_mqar", "sweep", "summarize", "add_arguments", "run"]
+
+
+@dataclass(frozen=True)
+class MQARRun:
+    arch: str
+    d_model: int
+    seed: int
+    lr: float
+    seq_len: int = 64
+    kv_pairs: tuple[int, ...] = (4, 8)
+    vocab_size: int = 256
+    n_layers: int = 2
+    train_examples: int = 4000
+    test_examples: int = 500
+    epochs: int = 8
+    batch_size: int = 64
+    device: str = "cpu"
+
+
+def _data(run: MQARRun, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    per = math.ceil(n / len(run.kv_pairs))
+    parts = [mqar_batch(per, run.seq_len, kv, run.vocab_size, seed=seed * 1000 + kv) for kv in run.kv_pairs]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+@torch.no_grad()
+def accuracy(model, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int, device: str) -> float:
+    """Fraction of query positions (targets != -100) whose argmax prediction is the value."""
+    hit = total = 0
+    for i in range(0, len(inputs), batch_size):
+        x, y = inputs[i : i + batch_size].to(device), targets[i : i + batch_size].to(device)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
+            pred = model(input_ids=x).logits.argmax(-1)
+        mask = y != IGNORE_INDEX
+        hit += int((pred[mask] == y[mask]).sum())
+        total += int(mask.sum())
+    return hit / total
+
+
+def train_mqar(run: MQARRun) -> dict:
+    """Train one model on MQAR; returns the run's fields plus accuracy, params, seconds."""
+    t0 = time.perf_counter()
+    torch.manual_seed(run.seed)
+    x, y = _data(run, run.train_examples, seed=2 * run.seed)
+    xt, yt = _data(run, run.test_examples, seed=2 * run.seed + 1)
+    model = build_model(run.arch, vocab_size=run.vocab_size, d_model=run.d_model, n_layers=run.n_layers,
+                        n_heads=1, max_seq_len=run.seq_len, seed=run.seed).to(run.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=run.lr, weight_decay=0.1)
+    steps_per_epoch = len(x) // run.batch_size
+    total = run.epochs * steps_per_epoch
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_schedule(s, total // 10, total, 0.0))
+    gen = torch.Generator().manual_seed(run.seed)
+    cuda = run.device.startswith("cuda")
+    for _ in range(run.epochs):
+        perm = torch.randperm(len(x), generator=gen)
+        for i in range(steps_per_epoch):
+            idx = perm[i * run.batch_size : (i + 1) * run.batch_size]
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                loss = lm_loss(model, x[idx].to(run.device), y[idx].to(run.device))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+    model.eval()
+    acc = accuracy(model, xt, yt, 4 * run.batch_size, run.device)
+    row = asdict(run)
+    row.update(model=family(run.arch), log_linear=is_log_linear(run.arch), accuracy=acc,
+               final_loss=float(loss.detach()), params=count_parameters(model), seconds=round(time.perf_counter() - t0, 1))
+    return row
+
+
+def _init_worker(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def sweep(runs: list[MQARRun], workers: int = 1, threads: int | None = None) -> list[dict]:
+    """Run all `runs` (in `workers` processes when > 1), with a progress bar. Returns one row per run."""
+    rows = []
+    bar = tqdm(total=len(runs), desc="mqar", dynamic_ncols=True)
+    if workers <= 1:
+        for r in runs:
+            rows.append(train_mqar(r))
+            bar.set_postfix(last=f"{r.arch} d{r.d_model}: {rows[-1]['accuracy']:.2f}")
+            bar.update()
+    else:
+        threads = threads or max(1, (torch.get_num_threads()) // workers)
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
+                                 initargs=(threads,)) as pool:
+            for fut in as_completed([pool.submit(train_mqar, r) for r in runs]):
+                rows.append(fut.result())
+                bar.set_postfix(last=f"{rows[-1]['arch']} d{rows[-1]['d_model']}: {rows[-1]['accuracy']:.2f}")
+                bar.update()
+    bar.close()
+    return sorted(rows, key=lambda r: (ARCHS.index(r["arch"]), r["d_model"], r["seed"], r["lr"]))
+
+
+def summarize(rows: list[dict]) -> dict[tuple[str, int], float]:
+    """(arch, d_model) -> mean over seeds of the best accuracy over learning rates."""
+    best: dict[tuple[str, int, int], float] = {}
+    for r in rows:
+        key = (r["arch"], r["d_model"], r["seed"])
+        best[key] = max(best.get(key, 0.0), r["accuracy"])
+    out: dict[tuple[str, int], list[float]] = {}
+    for (arch, d, _), acc in best.items():
+        out.setdefault((arch, d), []).append(acc)
+    return {k: sum(v) / len(v) for k, v in out.items()}
+
+
+def report(rows: list[dict], out: Path, title: str) -> str:
+    """Write out.{json,md,png}; returns the markdown."""
+    summary = summarize(rows)
+    archs = [a for a in ARCHS if any(k[0] == a for k in summary)]
+    widths = sorted({k[1] for k in summary})
+    table = markdown_table(["model"] + [f"d={d}" for d in widths],
+                           [[ARCH_LABELS[a]] + [summary.get((a, d), float("nan")) for d in widths] for a in archs])
+    first = rows[0]
+    md = (f"# {title}\n\nMQAR accuracy (mean over seeds of the best learning rate), seq_len {first['seq_len']}, "
+          f"KV pairs {list(first['kv_pairs'])}, vocab {first['vocab_size']}, {first['n_layers']} layers, "
+          f"{first['epochs']} epochs x {first['train_examples']} examples.\n\n{table}")
+    write_json(out.with_suffix(".json"), rows)
+    out.with_suffix(".md").write_text(md)
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for a in archs:
+        ax.plot(widths, [summary.get((a, d), float("nan")) for d in widths], marker="o", label=ARCH_LABELS[a],
+                **ARCH_STYLE[a])
+    ax.set(xscale="log", xlabel="d_model", ylabel="accuracy", title=title, ylim=(0, 1.02))
+    ax.set_xticks(widths, [str(d) for d in widths])
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    plt.close(fig)
+    return md
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--archs", nargs="+", default=list(ARCHS), choices=ARCHS)
+    p.add_argument("--widths", nargs="+", type=int, default=[16, 32])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--lrs", nargs="+", type=float, default=[3e-3])
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--kv-pairs", nargs="+", type=int, default=[4, 8])
+    p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--train-examples", type=int, default=4000)
+    p.add_argument("--test-examples", type=int, default=500)
+    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--workers", type=int, default=1, help="processes running runs concurrently")
+    p.add_argument("--out", default="runs/mqar/mqar-cpu", help="output path stem: writes .json, .md, .png")
+
+
+def run(args: argparse.Namespace) -> int:
+    base = MQARRun(arch="transformer", d_model=0, seed=0, lr=0.0, seq_len=args.seq_len,
+                   kv_pairs=tuple(args.kv_pairs), vocab_size=args.vocab_size, n_layers=args.layers,
+                   train_examples=args.train_examples, test_examples=args.test_examples, epochs=args.epochs,
+                   batch_size=args.batch_size, device=args.device)
+    runs = [replace(base, arch=a, d_model=d, seed=s, lr=lr)
+            for a, d, s, lr in itertools.product(args.archs, args.widths, args.seeds, args.lrs)]
+    t0 = time.perf_counter()
+    rows = sweep(runs, workers=args.workers)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    md = report(rows, out, f"MQAR ({args.device})")
+    print(md)
+    print(f"{len(runs)} runs in {time.perf_counter() - t0:.0f} s; wrote {out}.json/.md/.png")
+    return 0
