@@ -1,0 +1,151 @@
+"""Context-parallel log-linear attention: one sequence sharded over the ranks of a process group.
+
+Composition (every rank, on its own shard; the public op runs with any backend):
+
+  1. layout     one all_gather of the shard lengths; every rank knows where every shard sits
+  2. local      op(shard, initial_state = zeros at the shard's start position)  ->  the state leaving the
+                shard if nothing came in:  local  [R, L, H, K, V]
+  3. transition the shard's transition product  mat  (exp(sum g), or the K x K delta-rule product)
+  4. scan       incoming = exclusive prefix scan of  x -> mat . route(x) + local  over ranks
+                (ceil(log2 P) rounds of point-to-point messages, each O(L H K V) -- O(log T) states)
+  5. output     op(shard, initial_state = incoming)  ->  o, exactly the single-process output
+
+Backward mirrors it: autograd runs through both op calls and the transition, and the scan's backward
+is the reverse scan of the adjoint maps (scan.py). Gradients of the states entering each shard flow back
+to the ranks that produced them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from loglinear.distributed.layout import ShardLayout, shard_layout
+from loglinear.distributed.scan import incoming_states
+from loglinear.distributed.transitions import decay_transition, delta_rule_transition
+from loglinear.ops.api import log_linear_gated_deltanet, log_linear_mamba2
+from loglinear.state import FenwickState
+
+__all__ = ["context_parallel_log_linear_mamba2", "context_parallel_log_linear_gated_deltanet"]
+
+
+def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("context parallel ops need torch.distributed initialised (dist.init_process_group)")
+    return group if group is not None else dist.group.WORLD
+
+
+def _compute_dtype(q: torch.Tensor, v: torch.Tensor) -> torch.dtype:
+    """The op's compute (and state) dtype: float64 if q or v is, else float32."""
+    return torch.float64 if torch.float64 in (q.dtype, v.dtype) else torch.float32
+
+
+def _check_initial_state(state: object, cu_seqlens: torch.Tensor | None, batch: int) -> FenwickState | None:
+    if state is None:
+        return None
+    if not isinstance(state, FenwickState):
+        raise TypeError(f"initial_state must be a FenwickState or None, got {type(state).__name__}")
+    n_seq = batch if cu_seqlens is None else cu_seqlens.numel() - 1
+    if state.num_sequences != n_seq:
+        raise ValueError(
+            f"initial_state holds {state.num_sequences} sequences (levels {tuple(state.levels.shape)}), expected "
+            f"{n_seq}: one per {'row of the batch' if cu_seqlens is None else 'packed sequence of cu_seqlens'}, "
+            "the same on every rank"
+        )
+    return state
+
+
+def _base_levels(
+    layout: ShardLayout, initial_state: FenwickState | None, shape: tuple[int, ...], dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Levels of the shard's call before the incoming state is added: the initial state of every sequence
+    starting here, zeros for the carried one.  -> [N, L, H, K, V]."""
+    zero = torch.zeros(shape, dtype=dtype, device=device)
+    if initial_state is None:
+        return zero.expand(len(layout.init_rows), *shape).clone()
+    init = initial_state.with_levels(shape[0]).levels.to(dtype)
+    return torch.stack([zero if row is None else init[row] for row in layout.init_rows])
+
+
+def _ending_state(final: FenwickState | None, layout: ShardLayout) -> FenwickState | None:
+    if final is None or not layout.ending_rows:
+        return None
+    rows = torch.tensor(layout.ending_rows)
+    return FenwickState(final.levels.index_select(0, rows.to(final.levels.device)), final.positions[rows])
+
+
+def _context_parallel(
+    op: Callable[..., tuple[torch.Tensor, FenwickState | None]],
+    transition: Callable[[], torch.Tensor], scalar_transition: bool, inputs: tuple[torch.Tensor, ...],
+    *, group: dist.ProcessGroup | None, initial_state: FenwickState | None, output_final_state: bool,
+    cu_seqlens: torch.Tensor | None, op_kwargs: dict,
+) -> tuple[torch.Tensor, FenwickState | None]:
+    """Steps 1-5 of the module docstring for either variant.  inputs: the op's positional tensors."""
+    group = _group(group)
+    q, v, level_scales = inputs[0], inputs[2], inputs[-1]
+    initial_state = _check_initial_state(initial_state, cu_seqlens, q.shape[0])
+    positions = initial_state.positions if initial_state is not None else None
+    layout = shard_layout(group, q, v, level_scales, cu_seqlens, positions)
+    dtype = _compute_dtype(q, v)
+    H, K, V, L = v.shape[2], q.shape[3], v.shape[3], level_scales.shape[3]
+    base = _base_levels(layout, initial_state, (L, H, K, V), dtype, q.device)
+    local_cu = layout.cu_seqlens.to(q.device) if layout.cu_seqlens is not None else None
+    run = lambda levels, final: op(  # noqa: E731
+        *inputs, initial_state=FenwickState(levels, layout.positions), output_final_state=final,
+        cu_seqlens=local_cu, **op_kwargs,
+    )
+    _, leaving = run(base, True)
+    local = leaving.levels[layout.local_slice]
+    R = layout.carried_rows
+    mat_shape = (R, H, 1, 1) if scalar_transition else (R, H, K, K)
+    mat = None if layout.reset else transition()
+    incoming = incoming_states(local, mat, mat_shape, layout, group)
+    o, final = run(torch.cat([base[:R] + incoming, base[R:]]), output_final_state)
+    return o, _ending_state(final, layout)
+
+
+def context_parallel_log_linear_mamba2(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, level_scales: torch.Tensor, *,
+    group: dist.ProcessGroup | None = None, scale: float | None = None, initial_state: FenwickState | None = None,
+    output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64,
+) -> tuple[torch.Tensor, FenwickState | None]:
+    """loglinear.log_linear_mamba2 over a sequence sharded along T across the ranks of ``group``.
+
+    Every rank passes its contiguous shard (rank order = sequence order, any lengths >= 1):
+    q, k: [B, T_r, G, K]; v: [B, T_r, H, V]; g: [B, T_r, H]; level_scales: [B, T_r, H, L] with L covering
+    the *global* length. cu_seqlens: the global packing [N+1] (B = 1), the same on every rank.
+    initial_state: FenwickState of the N global sequences, the same on every rank (each rank reads the rows
+    of the sequences starting in its shard; their gradients land on that rank).
+    Returns this shard's o: [B, T_r, H, V] (equal to the single-process op's slice) and, if
+    output_final_state, the final states of the sequences that end in this shard (None if none).
+    All ranks must call together (and backpropagate together).
+    """
+    return _context_parallel(
+        log_linear_mamba2, lambda: decay_transition(g.to(_compute_dtype(q, v))), True, (q, k, v, g, level_scales), group=group, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, op_kwargs={"scale": scale, "chunk_size": chunk_size},
+    )
+
+
+def context_parallel_log_linear_gated_deltanet(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    level_scales: torch.Tensor, *, group: dist.ProcessGroup | None = None, scale: float | None = None,
+    initial_state: FenwickState | None = None, output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None, use_qk_l2norm: bool = False, chunk_size: int = 64,
+) -> tuple[torch.Tensor, FenwickState | None]:
+    """loglinear.log_linear_gated_deltanet over a sequence sharded along T across the ranks of ``group``.
+
+    Shards, cu_seqlens, initial_state and the result as in context_parallel_log_linear_mamba2, plus
+    beta: [B, T_r, H]. The shard's K x K transition product travels with its state in the scan.
+    """
+    dtype = _compute_dtype(q, v)
+    transition = lambda: delta_rule_transition(  # noqa: E731
+        k.to(dtype), g.to(dtype), beta.to(dtype), use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size
+    )
+    return _context_parallel(
+        log_linear_gated_deltanet, transition, False, (q, k, v, g, beta, level_scales), group=group,
+        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        op_kwargs={"scale": scale, "chunk_size": chunk_size, "use_qk_l2norm": use_qk_l2norm},
+    )

@@ -1,0 +1,148 @@
+"""Context-parallel exactness cases, run inside spawned gloo processes (one spawn per world size).
+
+Every rank builds the same global float64 inputs, runs the single-process op on all of them and the
+context-parallel op on its shard, and compares its slice of the output and of every gradient (q, k, v,
+g, beta, level_scales; initial_state.levels summed over ranks; the final state and its gradient path).
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import traceback
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+import loglinear
+from loglinear.distributed import context_parallel_log_linear_gated_deltanet, context_parallel_log_linear_mamba2
+from loglinear.fenwick import levels_needed
+from loglinear.state import FenwickState
+
+
+@dataclass
+class Case:
+    name: str
+    variant: str  # "mamba2" | "gated_deltanet"
+    lengths: list[int]  # shard length per rank
+    B: int = 2
+    G: int = 1
+    H: int = 2
+    K: int = 4
+    V: int = 3
+    chunk_size: int = 4
+    seq_bounds: list[int] | None = None  # global cu_seqlens (B = 1)
+    init_positions: list[int] | None = None  # initial state positions (None: no initial state)
+    op_kwargs: dict = field(default_factory=dict)
+
+
+def _inputs(case: Case, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    T = sum(case.lengths)
+    start = max(case.init_positions or [0])
+    L = levels_needed(start + T) + 1
+    kw = dict(dtype=torch.float64, generator=gen)
+    B, G, H, K, V = case.B, case.G, case.H, case.K, case.V
+    x = {
+        "q": torch.randn(B, T, G, K, **kw),
+        "k": torch.randn(B, T, G, K, **kw) / K**0.5,
+        "v": torch.randn(B, T, H, V, **kw),
+        "g": -0.05 - 0.4 * torch.rand(B, T, H, **kw),
+        "beta": 0.05 + 0.9 * torch.rand(B, T, H, **kw),
+        "level_scales": 0.2 + torch.rand(B, T, H, L, **kw),
+    }
+    if case.variant == "mamba2":
+        del x["beta"]
+    return x
+
+
+def _initial_state(case: Case, n_seq: int, L: int, gen: torch.Generator) -> FenwickState | None:
+    if case.init_positions is None:
+        return None
+    levels = torch.randn(n_seq, L, case.H, case.K, case.V, dtype=torch.float64, generator=gen) * 0.3
+    return FenwickState(levels.requires_grad_(), torch.tensor(case.init_positions))
+
+
+def _call(case: Case, cp: bool, x: dict, state, cu, group=None):
+    kwargs = dict(chunk_size=case.chunk_size, initial_state=state, output_final_state=True, cu_seqlens=cu, **case.op_kwargs)
+    if cp:
+        kwargs["group"] = group
+        op = context_parallel_log_linear_mamba2 if case.variant == "mamba2" else context_parallel_log_linear_gated_deltanet
+    else:
+        op = loglinear.log_linear_mamba2 if case.variant == "mamba2" else loglinear.log_linear_gated_deltanet
+    return op(*x.values(), **kwargs)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor, what: str, rtol: float = 1e-10) -> None:
+    """|actual - expected| <= rtol * |expected of the whole (global) tensor|: a zero-gradient slice compares
+    against the global magnitude, not against its own rounding noise."""
+    assert not torch.isnan(actual).any(), f"{what}: NaN"
+    err = (actual - expected).norm() / scale.norm().clamp_min(1e-30)
+    assert err <= rtol, f"{what}: relative error {err:.3e} > {rtol:.1e}"
+
+
+def run_case(case: Case, rank: int, group) -> None:
+    gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
+    x = _inputs(case, gen)
+    T, L = sum(case.lengths), x["level_scales"].shape[-1]
+    n_seq = len(case.seq_bounds) - 1 if case.seq_bounds else case.B
+    state = _initial_state(case, n_seq, L, gen)
+    cu = torch.tensor(case.seq_bounds) if case.seq_bounds else None
+    w = torch.randn(case.B, T, case.H, case.V, dtype=torch.float64, generator=gen)
+    w_final = torch.randn(n_seq, L, case.H, case.K, case.V, dtype=torch.float64, generator=gen)
+
+    full = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o_ref, final_ref = _call(case, False, full, state, cu)
+    ((o_ref * w).sum() + (final_ref.levels * w_final[:, : final_ref.num_levels]).sum()).backward()
+    init_grad_ref = state.levels.grad.clone() if state is not None else None
+    if state is not None:
+        state.levels.grad = None
+
+    a = sum(case.lengths[:rank])
+    b = a + case.lengths[rank]
+    shard = {n: t[:, a:b].detach().clone().requires_grad_() for n, t in x.items()}
+    o, final = _call(case, True, shard, state, cu, group)
+    _close(o, o_ref[:, a:b], o_ref, f"{case.name}: o on rank {rank}")
+    loss = (o * w[:, a:b]).sum()
+    ends = _ending_sequences(case, a, b)
+    if ends:
+        assert final is not None and final.num_sequences == len(ends), f"{case.name}: final state rows on rank {rank}"
+        n_levels = max(final.num_levels, final_ref.num_levels)
+        ref_levels = final_ref.select(ends).with_levels(n_levels).levels
+        _close(final.with_levels(n_levels).levels, ref_levels, ref_levels, f"{case.name}: final state on rank {rank}")
+        assert final.positions.tolist() == final_ref.positions[ends].tolist(), f"{case.name}: final positions"
+        loss = loss + (final.levels * w_final[ends][:, : final.num_levels]).sum()
+    else:
+        assert final is None, f"{case.name}: rank {rank} returned a final state for no ending sequence"
+    loss.backward()
+    for n in shard:
+        _close(shard[n].grad, full[n].grad[:, a:b], full[n].grad, f"{case.name}: d{n} on rank {rank}")
+    if state is not None:
+        init_grad = state.levels.grad.clone() if state.levels.grad is not None else torch.zeros_like(state.levels)
+        dist.all_reduce(init_grad, group=group)
+        _close(init_grad, init_grad_ref, init_grad_ref, f"{case.name}: d initial_state on rank {rank}")
+
+
+def _ending_sequences(case: Case, a: int, b: int) -> list[int]:
+    """Global sequences that end inside [a, b)."""
+    if case.seq_bounds is None:
+        return list(range(case.B)) if b == sum(case.lengths) else []
+    return [n for n, end in enumerate(case.seq_bounds[1:]) if a < end <= b]
+
+
+def worker(rank: int, world: int, init_file: str, cases: list[Case]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        for case in cases:
+            try:
+                run_case(case, rank, dist.group.WORLD)
+            except Exception:  # a peer's failure shows up as a broken connection: print every rank's own error
+                traceback.print_exc()
+                print(f"^ rank {rank}/{world}, case {case.name}", file=sys.stderr, flush=True)
+                raise
+    finally:
+        dist.destroy_process_group()
