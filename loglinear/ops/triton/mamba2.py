@@ -33,8 +33,8 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def kernel_chunk_size(chunk_size: int) -> int:
-    """The kernels' chunk (16..128; the result does not depend on it, tl.dot needs >= 16)."""
-    return min(max(chunk_size, 16), 128)
+    """The kernels' chunk (16..64; the result does not depend on it, tl.dot needs >= 16)."""
+    return min(max(chunk_size, 16), 64)
 
 
 @dataclass

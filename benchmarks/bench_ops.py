@@ -1,0 +1,278 @@
+"""Op benchmark: log-linear Mamba-2 (ours) against fla's log-linear op, fla's linear Mamba-2 and SDPA flash.
+
+    python benchmarks/bench_ops.py                       # paper setting, all impls, T = 2K..128K
+    python benchmarks/bench_ops.py --T 4096 8192 --impls loglinear fla_mamba2
+    python benchmarks/bench_ops.py --check               # also: kernels vs the torch chunk path (fp32), 2^20 tokens
+
+Paper setting: B = 2, 48 value heads, one q/k group, K = 128, V = 64, bf16. Forward and forward+backward
+medians (triton.testing.do_bench) and the peak memory of one forward+backward, all impls in one process
+on one GPU. Writes benchmarks/results/ops-mamba2-<gpu>.{json,md,png}; --check writes correctness-<gpu>.log.
+
+fla 0.6.0 refuses its gated backward on Hopper with triton < 3.7.1 (a correctness guard in
+fla/ops/common/chunk_o.py); --lift-fla-guard (on by default) lifts it for timing only and the results say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loglinear import FenwickState, log_linear_mamba2  # noqa: E402
+from loglinear.fenwick import levels_needed  # noqa: E402
+
+IMPLS = ("loglinear", "fla_log_linear", "fla_mamba2", "sdpa_flash")
+PAPER = dict(B=2, H=48, G=1, K=128, V=64)
+
+
+def make_inputs(T: int, B: int, H: int, G: int, K: int, V: int, dtype: torch.dtype, seed: int = 0) -> dict:
+    """Fresh random inputs (never zeros): q, k [B, T, G, K] (k unit-ish norm), v [B, T, H, V], g < 0, lambda > 0."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    kw = dict(device="cuda", generator=gen)
+    L = levels_needed(T)
+    return {
+        "q": torch.randn(B, T, G, K, **kw).to(dtype),
+        "k": (torch.randn(B, T, G, K, **kw) / math.sqrt(K)).to(dtype),
+        "v": torch.randn(B, T, H, V, **kw).to(dtype),
+        "g": -(0.01 + 0.1 * torch.rand(B, T, H, **kw)),
+        "level_scales": (0.2 + torch.rand(B, T, H, L, **kw)).to(dtype),
+    }
+
+
+def lift_fla_guard() -> None:
+    """Timing only: let fla run its gated backward on Hopper with triton < 3.7.1."""
+    import fla.ops.common.chunk_o as chunk_o
+
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+
+
+def build(impl: str, x: dict, H: int, G: int) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor]]:
+    """The forward closure of an impl and the leaf tensors that need gradients."""
+    if impl == "loglinear":
+        args = [x["q"], x["k"], x["v"], x["g"], x["level_scales"]]
+        return (lambda: log_linear_mamba2(*args)[0]), args
+    if impl == "fla_log_linear":
+        from fla.ops.log_linear_attn import chunk_log_linear_attn
+
+        args = [x["q"], x["k"], x["v"], x["g"], x["level_scales"]]
+        return (lambda: chunk_log_linear_attn(*args, scale=None)[0]), args
+    if impl == "fla_mamba2":
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        q = x["q"].repeat_interleave(H // G, dim=2).contiguous()
+        k = x["k"].repeat_interleave(H // G, dim=2).contiguous()
+        args = [q, k, x["v"], x["g"]]
+        return (lambda: chunk_simple_gla(*args, scale=None)[0]), args
+    if impl == "sdpa_flash":
+        B, T, _, V = x["v"].shape
+        qkv = [torch.randn(B, H, T, V, device="cuda", dtype=x["v"].dtype) for _ in range(3)]
+
+        def run():
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(*qkv, is_causal=True)
+
+        return run, qkv
+    raise ValueError(f"unknown impl {impl!r}, expected one of {IMPLS}")
+
+
+def measure(impl: str, T: int, dtype: torch.dtype, warmup: int, rep: int) -> dict:
+    """fwd_ms, fwdbwd_ms (medians) and peak_gib of one forward+backward."""
+    p = PAPER
+    x = make_inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], dtype)
+    fn, leaves = build(impl, x, p["H"], p["G"])
+    for t in leaves:
+        t.requires_grad_(True)
+    with torch.no_grad():
+        fwd = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    out = fn()
+    grad = torch.randn_like(out)
+    del out
+
+    def step():
+        fn().backward(grad)
+
+    fwdbwd = triton.testing.do_bench(step, warmup=warmup, rep=rep, grad_to_none=leaves, return_mode="median")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    return {"impl": impl, "T": T, "fwd_ms": round(fwd, 4), "fwdbwd_ms": round(fwdbwd, 4), "peak_gib": round(peak, 3)}
+
+
+def write_results(rows: list[dict], meta: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    Ts = sorted({r["T"] for r in rows})
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
+    cell = {(r["impl"], r["T"]): r for r in rows}
+    lines = [f"# Op benchmark, log-linear Mamba-2 ({meta['gpu']})", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; `{meta['command']}`", "",
+             meta["setting"], "", meta["notes"], ""]
+    for key, title in (("fwdbwd_ms", "forward+backward, ms (median)"), ("fwd_ms", "forward, ms (median)"),
+                       ("peak_gib", "peak memory of one forward+backward, GiB")):
+        lines += [f"## {title}", "", "| impl | " + " | ".join(f"{t // 1024}K" for t in Ts) + " |",
+                  "|---" * (len(Ts) + 1) + "|"]
+        for i in impls:
+            vals = [cell.get((i, t), {}).get(key) for t in Ts]
+            lines.append(f"| {i} | " + " | ".join("—" if v is None else f"{v:g}" for v in vals) + " |")
+        lines.append("")
+    if "loglinear" in impls:
+        lines += ["## ratios (forward+backward)", "", "| T | ours / fla_mamba2 | ours / fla_log_linear | ours / sdpa_flash |",
+                  "|---|---|---|---|"]
+        for t in Ts:
+            ours = cell.get(("loglinear", t), {}).get("fwdbwd_ms")
+            ratio = lambda other: (  # noqa: E731
+                f"{ours / cell[(other, t)]['fwdbwd_ms']:.2f}" if ours and cell.get((other, t), {}).get("fwdbwd_ms") else "—"
+            )
+            lines.append(f"| {t // 1024}K | {ratio('fla_mamba2')} | {ratio('fla_log_linear')} | {ratio('sdpa_flash')} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key in zip(axes, ("fwd_ms", "fwdbwd_ms")):
+        for i in impls:
+            pts = [(r["T"], r[key]) for r in rows if r["impl"] == i and r.get(key)]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=i)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("T (tokens)")
+        ax.set_ylabel("ms")
+        ax.set_title(key.replace("_ms", "").replace("fwdbwd", "forward+backward").replace("fwd", "forward"))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"log-linear Mamba-2 ops, B=2 H=48 K=128 V=64 bf16, {meta['gpu']}")
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def check(log: Callable[[str], None], long_T: int) -> None:
+    """Kernels vs the torch chunk path in fp32 at benchmark sizes (outputs, states and all gradients),
+    then a long forward (stability: finite, and vs the torch path)."""
+    def both(x, **kw):
+        res = {}
+        for backend in ("triton", "torch"):
+            os.environ["LOGLINEAR_BACKEND"] = backend
+            leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+            t0 = time.time()
+            o, st = log_linear_mamba2(**leaves, output_final_state=True, **kw)
+            ((o * do).sum() + (st.levels * dst).sum()).backward() if do is not None else None
+            torch.cuda.synchronize()
+            res[backend] = (o, st.levels, {n: t.grad for n, t in leaves.items()}, time.time() - t0)
+        os.environ.pop("LOGLINEAR_BACKEND")
+        return res
+
+    p = PAPER
+    for T, B, H in ((8192, 2, 48), (32768, 1, 16), (3000, 2, 8)):
+        x = make_inputs(T, B, H, p["G"], p["K"], p["V"], torch.float32, seed=T)
+        probe = log_linear_mamba2(**x, output_final_state=True)
+        do, dst = torch.randn_like(probe[0]), torch.randn_like(probe[1].levels)
+        r = both(x, chunk_size=64)
+        (o1, s1, g1, t1), (o2, s2, g2, t2) = r["triton"], r["torch"]
+        errs = {"o": rel(o1, o2), "state": rel(s1, s2), **{f"d{n}": rel(g1[n], g2[n]) for n in g1}}
+        log(f"fp32 T={T} B={B} H={H} G=1 K=128 V=64 chunk=64: rel err vs torch chunk path "
+            + " ".join(f"{k}={v:.2e}" for k, v in errs.items()) + f"  [triton {t1:.2f}s, torch {t2:.2f}s]")
+    do = None
+    x = make_inputs(long_T, 1, 2, 1, 64, 64, torch.float32, seed=1)
+    x["g"] = -(0.001 + 0.2 * torch.rand_like(x["g"]))
+    t0 = time.time()
+    os.environ["LOGLINEAR_BACKEND"] = "triton"
+    o1, st1 = log_linear_mamba2(**x, output_final_state=True)
+    torch.cuda.synchronize()
+    t1 = time.time() - t0
+    os.environ["LOGLINEAR_BACKEND"] = "torch"
+    o2, st2 = log_linear_mamba2(**x, output_final_state=True, chunk_size=512)
+    os.environ.pop("LOGLINEAR_BACKEND")
+    log(f"long fp32 T={long_T} B=1 H=2 K=V=64: finite={bool(torch.isfinite(o1).all())} "
+        f"levels={st1.levels.shape[1]} rel err vs torch chunk path o={rel(o1, o2):.2e} state={rel(st1.levels, st2.levels):.2e}"
+        f"  [triton {t1:.2f}s]")
+    xb = {n: t.to(torch.bfloat16) if n != "g" else t for n, t in x.items()}
+    ob, _ = log_linear_mamba2(**xb)
+    log(f"long bf16 T={long_T}: finite={bool(torch.isfinite(ob).all())} rel err vs fp32 torch path={rel(ob, o2):.2e}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--T", type=int, nargs="+", default=[2048 * 2**i for i in range(7)])
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    ap.add_argument("--sdpa-max-T", type=int, default=65536, help="skip sdpa_flash above this T (quadratic)")
+    ap.add_argument("--warmup", type=int, default=25)
+    ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--no-lift-fla-guard", action="store_true")
+    ap.add_argument("--check", action="store_true", help="kernels vs torch chunk path, and a long sequence")
+    ap.add_argument("--long-T", type=int, default=2**20)
+    ap.add_argument("--no-bench", action="store_true")
+    args = ap.parse_args(argv)
+    gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
+    out_dir = Path(args.out)
+    command = "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:]))
+    if args.check:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        lines = [f"# {command}  ({gpu}, torch {torch.__version__}, triton {triton.__version__}, "
+                 f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)"]
+
+        def log(s: str) -> None:
+            print(s, flush=True)
+            lines.append(s)
+
+        try:
+            check(log, args.long_T)
+        except Exception as e:  # keep the log and go on to the timings
+            log(f"check failed: {type(e).__name__}: {e}")
+        finally:
+            (out_dir / f"correctness-{gpu}.log").write_text("\n".join(lines) + "\n")
+    if args.no_bench:
+        return
+    lifted = False
+    if any(i.startswith("fla") for i in args.impls) and not args.no_lift_fla_guard:
+        lift_fla_guard()
+        lifted = True
+    rows = []
+    for T in args.T:
+        for impl in args.impls:
+            if impl == "sdpa_flash" and T > args.sdpa_max_T:
+                continue
+            try:
+                row = measure(impl, T, torch.bfloat16, args.warmup, args.rep)
+            except Exception as e:  # an impl that cannot run a size (OOM, its own limits) gets no row
+                print(f"{impl} T={T}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+                torch.cuda.empty_cache()
+                continue
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    notes = ("fla's Hopper/triton<3.7.1 guard on its gated backward was LIFTED for timing only; "
+             "fla results were not checked." if lifted else "fla's guard was left in place.")
+    meta = {
+        "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
+        "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", "command": command,
+        "setting": "B=2, 48 value heads, q/k groups 1, K=128, V=64, bf16; g = -(0.01..0.11), lambda in [0.2, 1.2]; "
+                   "sdpa_flash: 48 heads x 64, causal. Median of triton.testing.do_bench.",
+        "notes": notes,
+    }
+    write_results(rows, meta, out_dir / f"ops-mamba2-{gpu}")
+
+
+if __name__ == "__main__":
+    main()
