@@ -1,0 +1,29 @@
+"""Hugging Face causal LMs on the log-linear mixers, registered with the Auto classes on import:
+
+    AutoConfig / AutoModel / AutoModelForCausalLM  <->  "loglinear_mamba2", "loglinear_gated_deltanet"
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from loglinear.models.cache import FenwickCache
+from loglinear.models.configuration import LogLinearGatedDeltaNetConfig, LogLinearMamba2Config
+from loglinear.models.modeling import (
+    LogLinearGatedDeltaNetForCausalLM,
+    LogLinearGatedDeltaNetModel,
+    LogLinearMamba2ForCausalLM,
+    LogLinearMamba2Model,
+)
+
+__all__ = [
+    "LogLinearMamba2Config", "LogLinearMamba2Model", "LogLinearMamba2ForCausalLM",
+    "LogLinearGatedDeltaNetConfig", "LogLinearGatedDeltaNetModel", "LogLinearGatedDeltaNetForCausalLM",
+    "FenwickCache",
+]
+
+for _config, _model, _lm in (
+    (LogLinearMamba2Config, LogLinearMamba2Model, LogLinearMamba2ForCausalLM),
+    (LogLinearGatedDeltaNetConfig, LogLinearGatedDeltaNetModel, LogLinearGatedDeltaNetForCausalLM),
+):
+    AutoConfig.register(_config.model_type, _config, exist_ok=True)
+    AutoModel.register(_config, _model, exist_ok=True)
+    AutoModelForCausalLM.register(_config, _lm, exist_ok=True)

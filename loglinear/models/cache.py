@@ -1,0 +1,98 @@
+"""The Fenwick cache: what generate() carries between steps for a log-linear model.
+
+Per layer one MixerState: the Fenwick level states [N, L, H, K, V] with each sequence's position, and the
+short-convolution state [N, W-1, C]. A log-linear layer holds L = ceil(log2 T) + 1 level states after T
+tokens (1 for the plain model), never anything that grows with T. Sequences of a batch keep their own
+positions (left padding: each row counts only its real tokens).
+
+It subclasses transformers' Cache so generate() and user code recognise it, but keeps its own storage:
+transformers' per-layer cache classes hold keys/values or a single recurrent state, and their API moves
+between 5.x releases (the model accepts the cache as ``cache=`` (>= 5.2x) and ``past_key_values=``).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from loglinear.layers.mixer import MixerState
+
+__all__ = ["FenwickCache"]
+
+
+class FenwickCache(Cache):
+    """Decoding state of every layer of a log-linear model (see module docstring)."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, num_layers: int):
+        # transformers' Cache.__init__ wants layer objects; this cache stores MixerStates itself.
+        self.states: list[MixerState | None] = [None] * num_layers
+        self.layers: list = []
+        self.layer_class_to_replicate = None
+        self.offloading = False
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __repr__(self) -> str:
+        return f"FenwickCache(layers={len(self)}, tokens={self.get_seq_length()}, bytes={self.nbytes()})"
+
+    def __getitem__(self, layer_idx: int) -> MixerState | None:
+        return self.states[layer_idx]
+
+    def update_state(self, layer_idx: int, state: MixerState) -> None:
+        self.states[layer_idx] = state
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [True] * len(self.states)
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * len(self.states)
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.states[0] is not None
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """[N] tokens seen by each sequence (None before the first call)."""
+        return self.states[0].attn.positions if self.states[0] is not None else None
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens seen by the longest sequence."""
+        state = self.states[layer_idx]
+        return 0 if state is None else state.attn.max_position
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.get_seq_length(layer_idx or 0)
+
+    def num_levels(self, layer_idx: int = 0) -> int:
+        """Level states held per (sequence, head) by layer ``layer_idx``."""
+        state = self.states[layer_idx]
+        return 0 if state is None else state.attn.num_levels
+
+    def nbytes(self) -> int:
+        """Bytes held by all layers (level states + conv states)."""
+        return sum(s.nbytes() for s in self.states if s is not None)
+
+    def _map(self, fn) -> None:
+        self.states = [fn(s) if s is not None else None for s in self.states]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map(lambda s: s.select(beam_idx))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda s: s.select(indices))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda s: s.select(torch.arange(s.attn.num_sequences).repeat_interleave(repeats)))
+
+    def reset(self) -> None:
+        self.states = [None] * len(self.states)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a FenwickCache cannot drop tokens: the level states summarise them irreversibly")

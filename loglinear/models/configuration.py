@@ -1,0 +1,103 @@
+"""Configurations of the log-linear causal LMs (model_type "loglinear_mamba2" / "loglinear_gated_deltanet").
+
+Both stack pre-norm blocks  x + mixer(RMSNorm(x)),  x + SwiGLU(RMSNorm(x))  (the MLP is dropped with
+intermediate_size=0), between a token embedding and an LM head (optionally tied).
+use_log_linear=False gives the plain Mamba-2 / Gated DeltaNet model with everything else identical.
+"""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+__all__ = ["LogLinearMamba2Config", "LogLinearGatedDeltaNetConfig"]
+
+
+def _default_intermediate(hidden_size: int) -> int:
+    """SwiGLU width 8/3 * hidden, rounded up to a multiple of 32."""
+    return -(-(8 * hidden_size // 3) // 32) * 32
+
+
+class _FenwickConfig(PretrainedConfig):
+    """Fields shared by both variants (see the variant classes)."""
+
+    def __init__(
+        self, vocab_size: int = 32000, hidden_size: int = 256, num_hidden_layers: int = 4, num_heads: int = 4,
+        head_dim: int | None = None, use_log_linear: bool = True, max_levels: int = 21, conv_kernel: int = 4,
+        chunk_size: int = 64, intermediate_size: int | None = None, norm_eps: float = 1e-5,
+        initializer_range: float = 0.02, tie_word_embeddings: bool = False, use_cache: bool = True,
+        pad_token_id: int | None = None, bos_token_id: int | None = 1, eos_token_id: int | None = 2, **kwargs,
+    ):
+        for name, value in {"vocab_size": vocab_size, "hidden_size": hidden_size, "num_hidden_layers": num_hidden_layers,
+                            "num_heads": num_heads, "conv_kernel": conv_kernel, "chunk_size": chunk_size}.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(max_levels, int) or not 1 <= max_levels <= 62:
+            raise ValueError(f"max_levels must be an int in [1, 62] (2^(max_levels-1) tokens), got {max_levels!r}")
+        if chunk_size & (chunk_size - 1):
+            raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.num_hidden_layers, self.num_heads = num_hidden_layers, num_heads
+        self.head_dim = head_dim
+        self.use_log_linear, self.max_levels = bool(use_log_linear), max_levels
+        self.conv_kernel, self.chunk_size = conv_kernel, chunk_size
+        self.intermediate_size = _default_intermediate(hidden_size) if intermediate_size is None else intermediate_size
+        self.norm_eps, self.initializer_range, self.use_cache = norm_eps, initializer_range, use_cache
+        super().__init__(
+            tie_word_embeddings=tie_word_embeddings, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id, **kwargs,
+        )
+
+    def _shared_mixer_kwargs(self) -> dict:
+        return dict(
+            hidden_size=self.hidden_size, num_heads=self.num_heads, head_dim=self.head_dim,
+            conv_kernel=self.conv_kernel, use_log_linear=self.use_log_linear, max_levels=self.max_levels,
+            chunk_size=self.chunk_size, norm_eps=self.norm_eps,
+        )
+
+
+class LogLinearMamba2Config(_FenwickConfig):
+    """Log-linear Mamba-2 LM.  Mixer: num_heads x head_dim channels (head_dim default expand * hidden / heads),
+    state_size (N) per group, n_groups q/k groups; dt initialised log-uniform in [time_step_min, time_step_max]."""
+
+    model_type = "loglinear_mamba2"
+
+    def __init__(
+        self, state_size: int = 64, expand: int = 2, n_groups: int = 1, time_step_min: float = 1e-3,
+        time_step_max: float = 0.1, time_step_floor: float = 1e-4, **kwargs,
+    ):
+        super().__init__(**kwargs)
+        if self.head_dim is None:
+            if expand * self.hidden_size % self.num_heads:
+                raise ValueError(f"expand * hidden_size = {expand * self.hidden_size} must divide into num_heads = {self.num_heads}")
+            self.head_dim = expand * self.hidden_size // self.num_heads
+        self.state_size, self.expand, self.n_groups = state_size, expand, n_groups
+        self.time_step_min, self.time_step_max, self.time_step_floor = time_step_min, time_step_max, time_step_floor
+
+    def mixer_kwargs(self) -> dict:
+        return self._shared_mixer_kwargs() | dict(
+            state_size=self.state_size, n_groups=self.n_groups, dt_min=self.time_step_min,
+            dt_max=self.time_step_max, dt_init_floor=self.time_step_floor,
+        )
+
+
+class LogLinearGatedDeltaNetConfig(_FenwickConfig):
+    """Log-linear Gated DeltaNet LM.  Mixer: num_heads heads of key dim head_dim (default hidden / heads) and
+    value dim expand_v * head_dim."""
+
+    model_type = "loglinear_gated_deltanet"
+
+    def __init__(
+        self, expand_v: float = 2.0, time_step_min: float = 1e-3, time_step_max: float = 0.1,
+        time_step_floor: float = 1e-4, **kwargs,
+    ):
+        super().__init__(**kwargs)
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_heads
+        self.expand_v = expand_v
+        self.time_step_min, self.time_step_max, self.time_step_floor = time_step_min, time_step_max, time_step_floor
+
+    def mixer_kwargs(self) -> dict:
+        return self._shared_mixer_kwargs() | dict(
+            expand_v=self.expand_v, dt_min=self.time_step_min, dt_max=self.time_step_max,
+            dt_init_floor=self.time_step_floor,
+        )

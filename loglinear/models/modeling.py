@@ -1,0 +1,248 @@
+"""Causal LMs on the log-linear mixers: Hugging Face PreTrainedModel + GenerationMixin.
+
+    embeddings -> [x + mixer(RMSNorm(x)); x + SwiGLU(RMSNorm(x))] x num_hidden_layers -> RMSNorm -> lm_head
+
+The forward takes input_ids [B, T], attention_mask [B, T] (left or right padding: padded positions are
+skipped, every row is its own sequence), cu_seqlens [N + 1] (packed sequences, B = 1), labels,
+and a FenwickCache as ``cache`` or ``past_key_values`` with use_cache. Outputs at padded positions are
+those of a zero hidden state; a batch gives exactly the per-sequence results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.utils import ModelOutput
+
+from loglinear.layers import LogLinearGatedDeltaNet, LogLinearMamba2, MixerState, RMSNorm, TokenLayout
+from loglinear.layers.mixer import FenwickMixer
+from loglinear.layers.norm import GatedRMSNorm
+from loglinear.models.cache import FenwickCache
+from loglinear.models.configuration import LogLinearGatedDeltaNetConfig, LogLinearMamba2Config
+
+__all__ = [
+    "LogLinearMamba2Model", "LogLinearMamba2ForCausalLM", "LogLinearGatedDeltaNetModel",
+    "LogLinearGatedDeltaNetForCausalLM", "FenwickModelOutput", "FenwickCausalLMOutput",
+]
+
+
+@dataclass
+class FenwickModelOutput(ModelOutput):
+    """last_hidden_state: [B, T, D]; cache (also as past_key_values, the pre-5.2x name); hidden_states."""
+
+    last_hidden_state: torch.Tensor | None = None
+    cache: FenwickCache | None = None
+    past_key_values: FenwickCache | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class FenwickCausalLMOutput(ModelOutput):
+    """loss (mean next-token cross-entropy); logits: [B, T', vocab]; cache / past_key_values; hidden_states."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    cache: FenwickCache | None = None
+    past_key_values: FenwickCache | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)).  x: [*, D]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class FenwickBlock(GradientCheckpointingLayer):
+    """x + mixer(RMSNorm(x)), then x + MLP(RMSNorm(x)) (no MLP when intermediate_size = 0).  x: [B, T, D]."""
+
+    def __init__(self, config, mixer_cls: type[FenwickMixer], layer_idx: int):
+        super().__init__()
+        self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mixer = mixer_cls(**config.mixer_kwargs(), layer_idx=layer_idx)
+        self.mlp = None
+        if config.intermediate_size:
+            self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self, hidden_states: torch.Tensor, layout: TokenLayout, state: MixerState | None = None,
+        output_state: bool = False,
+    ) -> tuple[torch.Tensor, MixerState | None]:
+        mixed, state = self.mixer(self.mixer_norm(hidden_states), state=state, output_state=output_state, layout=layout)
+        hidden_states = hidden_states + mixed
+        if self.mlp is not None:
+            hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
+        return hidden_states, state
+
+
+class _FenwickPreTrainedModel(PreTrainedModel):
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["FenwickBlock"]
+    _is_stateful = True
+    _supports_cache_class = True
+    mixer_cls: type[FenwickMixer]
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the model makes its own FenwickCache
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, (RMSNorm, GatedRMSNorm)):
+            init.ones_(module.weight)
+        elif isinstance(module, FenwickMixer):
+            module.init_special_parameters(init.copy_)
+            module.conv.reset_parameters()
+
+
+class _FenwickModel(_FenwickPreTrainedModel):
+    def __init__(self, config):
+        super().__init__(config)
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(FenwickBlock(config, self.mixer_cls, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings = value
+
+    def forward(
+        self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None, past_key_values: Cache | None = None, inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None, cu_seqlens: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None, return_dict: bool | None = None, **kwargs,
+    ) -> FenwickModelOutput:
+        """input_ids: [B, T] (or inputs_embeds [B, T, D]); see the module docstring for the rest."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, D]")
+        hidden = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        B, T = hidden.shape[:2]
+        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
+        cache = self._cache(cache if cache is not None else past_key_values, use_cache)
+        layout = TokenLayout.build(B, T, attention_mask, cu_seqlens, hidden.device)
+        all_hidden = [] if output_hidden_states else None
+        for i, block in enumerate(self.layers):
+            if all_hidden is not None:
+                all_hidden.append(hidden)
+            state = cache[i] if cache is not None else None
+            hidden, state = block(hidden, layout=layout, state=state, output_state=cache is not None)
+            if cache is not None:
+                cache.update_state(i, state)
+        hidden = self.norm(hidden)
+        if all_hidden is not None:
+            all_hidden.append(hidden)
+        return FenwickModelOutput(hidden, cache, cache, tuple(all_hidden) if all_hidden is not None else None)
+
+    def _cache(self, cache: Cache | None, use_cache: bool) -> FenwickCache | None:
+        if cache is not None and not isinstance(cache, FenwickCache):
+            if cache.get_seq_length() != 0:
+                raise TypeError(f"log-linear models decode with a FenwickCache, got a non-empty {type(cache).__name__}")
+            cache = None  # an empty cache made by generic code: replace it
+        if cache is None and use_cache:
+            cache = FenwickCache(self.config.num_hidden_layers)
+        return cache
+
+
+class _FenwickForCausalLM(_FenwickPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embeddings.weight"}
+    model_cls: type[_FenwickModel]
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = self.model_cls(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embeddings = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def forward(
+        self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None, past_key_values: Cache | None = None, inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None, use_cache: bool | None = None, cu_seqlens: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None, return_dict: bool | None = None, logits_to_keep: int = 0,
+        **kwargs,
+    ) -> FenwickCausalLMOutput:
+        """labels: [B, T] next-token targets (-100 ignored; shifted inside; with cu_seqlens no target crosses
+        a sequence boundary). logits_to_keep > 0 computes logits of the last positions only."""
+        out = self.model(
+            input_ids, attention_mask=attention_mask, cache=cache, past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, cu_seqlens=cu_seqlens,
+            output_hidden_states=output_hidden_states,
+        )
+        hidden = out.last_hidden_state if not logits_to_keep else out.last_hidden_state[:, -logits_to_keep:]
+        logits = self.lm_head(hidden)
+        loss = self.loss(logits, labels, cu_seqlens) if labels is not None else None
+        return FenwickCausalLMOutput(loss, logits, out.cache, out.cache, out.hidden_states)
+
+    @staticmethod
+    def loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean cross-entropy of logits[:, t] against labels[:, t + 1].  logits: [B, T, V]; labels: [B, T]."""
+        targets = labels[:, 1:].clone()
+        if cu_seqlens is not None:
+            starts = cu_seqlens[1:-1].to(targets.device)
+            targets[:, starts - 1] = -100  # the first token of a packed sequence is not predicted from the last
+        return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+
+
+class LogLinearMamba2PreTrainedModel(_FenwickPreTrainedModel):
+    config_class = LogLinearMamba2Config
+    mixer_cls = LogLinearMamba2
+
+
+class LogLinearMamba2Model(LogLinearMamba2PreTrainedModel, _FenwickModel):
+    """Log-linear Mamba-2 backbone: input_ids [B, T] -> last_hidden_state [B, T, D]."""
+
+
+class LogLinearMamba2ForCausalLM(LogLinearMamba2PreTrainedModel, _FenwickForCausalLM):
+    """Log-linear Mamba-2 causal LM (use_log_linear=False: plain Mamba-2)."""
+
+    model_cls = LogLinearMamba2Model
+
+
+class LogLinearGatedDeltaNetPreTrainedModel(_FenwickPreTrainedModel):
+    config_class = LogLinearGatedDeltaNetConfig
+    mixer_cls = LogLinearGatedDeltaNet
+
+
+class LogLinearGatedDeltaNetModel(LogLinearGatedDeltaNetPreTrainedModel, _FenwickModel):
+    """Log-linear Gated DeltaNet backbone: input_ids [B, T] -> last_hidden_state [B, T, D]."""
+
+
+class LogLinearGatedDeltaNetForCausalLM(LogLinearGatedDeltaNetPreTrainedModel, _FenwickForCausalLM):
+    """Log-linear Gated DeltaNet causal LM (use_log_linear=False: plain Gated DeltaNet)."""
+
+    model_cls = LogLinearGatedDeltaNetModel
