@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from loglinear.fenwick import bit_length
+from loglinear.inputs import _check_cu_seqlens
 
 __all__ = ["ShardLayout", "shard_layout"]
 
@@ -146,12 +147,10 @@ def shard_layout(
     if cu_seqlens is None:
         pos0 = init_positions if init_positions is not None else torch.zeros(B, dtype=torch.int64)
         return _dense(lengths, rank, pos0)
-    seq_bounds = cu_seqlens.tolist()
-    if seq_bounds[-1] != total:
-        raise ValueError(
-            f"cu_seqlens must be the global packing ending at the total length {total} of all shards "
-            f"(lengths {lengths}), got {seq_bounds}"
-        )
+    try:
+        seq_bounds = _check_cu_seqlens(cu_seqlens, B, total)
+    except ValueError as err:
+        raise ValueError(f"{err}; cu_seqlens is the global packing of all shards (lengths {lengths})") from None
     n_seq = len(seq_bounds) - 1
     pos0 = init_positions if init_positions is not None else torch.zeros(n_seq, dtype=torch.int64)
     return _varlen(lengths, rank, seq_bounds, pos0)

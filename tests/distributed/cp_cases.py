@@ -131,6 +131,20 @@ def _ending_sequences(case: Case, a: int, b: int) -> list[int]:
     return [n for n, end in enumerate(case.seq_bounds[1:]) if a < end <= b]
 
 
+def check_disagreeing_shapes(rank: int, group) -> None:
+    """Shards whose head dims differ raise ValueError on every rank (after the shape all_gather)."""
+    K = 4 + (rank == 1)
+    gen = torch.Generator().manual_seed(rank)
+    q, k = torch.randn(2, 2, 3, 1, K, dtype=torch.float64, generator=gen)
+    v, g, lam = torch.randn(1, 3, 2, 3), -torch.rand(1, 3, 2), torch.rand(1, 3, 2, 4)
+    try:
+        context_parallel_log_linear_mamba2(q, k, v.double(), g.double(), lam.double(), group=group)
+    except ValueError as err:
+        assert "disagree on K" in str(err), str(err)
+    else:
+        raise AssertionError("disagreeing K across ranks was accepted")
+
+
 def worker(rank: int, world: int, init_file: str, cases: list[Case]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -144,5 +158,6 @@ def worker(rank: int, world: int, init_file: str, cases: list[Case]) -> None:
                 traceback.print_exc()
                 print(f"^ rank {rank}/{world}, case {case.name}", file=sys.stderr, flush=True)
                 raise
+        check_disagreeing_shapes(rank, dist.group.WORLD)
     finally:
         dist.destroy_process_group()

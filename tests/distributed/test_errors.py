@@ -1,0 +1,50 @@
+"""Context-parallel argument errors and the one-rank case (an in-process gloo group of size 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import loglinear
+from helpers import assert_close, make_inputs, mamba2_args
+from loglinear.distributed import context_parallel_log_linear_gated_deltanet, context_parallel_log_linear_mamba2
+from loglinear.state import FenwickState
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_needs_a_process_group():
+    x = mamba2_args(make_inputs(T=5))
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        context_parallel_log_linear_mamba2(*x.values())
+
+
+def test_one_rank_is_the_op(one_rank):
+    x = make_inputs(B=2, T=11, G=1, H=2, generator=torch.Generator().manual_seed(3))
+    o, final = context_parallel_log_linear_gated_deltanet(*x.values(), chunk_size=4, output_final_state=True)
+    ref, ref_final = loglinear.log_linear_gated_deltanet(*x.values(), chunk_size=4, output_final_state=True)
+    assert_close(o, ref, what="o")
+    assert_close(final.levels, ref_final.with_levels(final.num_levels).levels, what="final state")
+
+
+def test_bad_initial_state(one_rank):
+    x = mamba2_args(make_inputs(B=2, T=6))
+    with pytest.raises(TypeError, match="initial_state must be a FenwickState"):
+        context_parallel_log_linear_mamba2(*x.values(), initial_state=torch.zeros(2, 1, 2, 4, 3))
+    state = FenwickState.zeros(3, 2, 4, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"initial_state holds 3 sequences .* expected 2"):
+        context_parallel_log_linear_mamba2(*x.values(), initial_state=state)
+
+
+def test_cu_seqlens_must_be_global(one_rank):
+    x = mamba2_args(make_inputs(B=1, T=6))
+    with pytest.raises(ValueError, match=r"to T = 6, got \[0, 2, 5\]; cu_seqlens is the global packing"):
+        context_parallel_log_linear_mamba2(*x.values(), cu_seqlens=torch.tensor([0, 2, 5]))
+    with pytest.raises(TypeError, match="cu_seqlens must be an int32/int64 tensor"):
+        context_parallel_log_linear_mamba2(*x.values(), cu_seqlens=[0, 6])
