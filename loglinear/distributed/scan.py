@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from loglinear.distributed.comm import exchange
 from loglinear.distributed.layout import ShardLayout
 from loglinear.distributed.levelmap import LevelMap, compose, mat_grad, route
 
@@ -34,7 +35,7 @@ def _expected(layout: ShardLayout, ranks: list[int], resets: list[bool], offset:
 
 
 def _tensors(m: LevelMap) -> list[torch.Tensor]:
-    return [m.offset.contiguous()] + ([m.mat.contiguous()] if m.mat is not None else [])
+    return [m.offset] + ([m.mat] if m.mat is not None else [])
 
 
 def exclusive_scan(
@@ -49,20 +50,16 @@ def exclusive_scan(
     world = layout.world
     order = (lambda p: world - 1 - p) if reverse else (lambda p: p)  # noqa: E731  (an involution)
     pos = order(layout.rank)
-    peer = lambda p: dist.get_global_rank(group, order(p))  # noqa: E731
     inclusive, exclusive = own, None
     step = 1
     while step < world:
-        ops, received = [], None
+        sends, received = [], None
         if pos + step < world:
-            ops += [dist.P2POp(dist.isend, t, peer(pos + step), group) for t in _tensors(inclusive)]
+            sends = [(t, order(pos + step)) for t in _tensors(inclusive)]
         if pos - step >= 0:
             ranks = [order(p) for p in range(max(0, pos - 2 * step + 1), pos - step + 1)]
             received = _expected(layout, ranks, resets, own.offset, mat_shape)
-            ops += [dist.P2POp(dist.irecv, t, peer(pos - step), group) for t in _tensors(received)]
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        exchange(sends, [(t, order(pos - step)) for t in _tensors(received)] if received else [], group)
         if received is not None:
             exclusive = received if exclusive is None else compose(exclusive, received, adjoint)
             inclusive = compose(inclusive, received, adjoint)

@@ -131,6 +131,47 @@ def _ending_sequences(case: Case, a: int, b: int) -> list[int]:
     return [n for n, end in enumerate(case.seq_bounds[1:]) if a < end <= b]
 
 
+def _tiny_model(variant: str, use_log_linear: bool) -> torch.nn.Module:
+    import loglinear.models as models
+
+    common = dict(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_heads=2, chunk_size=4, max_levels=8,
+                  use_log_linear=use_log_linear)
+    torch.manual_seed(0)
+    if variant == "mamba2":
+        model = models.LogLinearMamba2ForCausalLM(models.LogLinearMamba2Config(state_size=8, **common))
+    else:
+        model = models.LogLinearGatedDeltaNetForCausalLM(models.LogLinearGatedDeltaNetConfig(head_dim=8, **common))
+    return model.double()
+
+
+def run_model_case(variant: str, use_log_linear: bool, rank: int, group) -> None:
+    """apply_context_parallel: the sharded model's logits and its (all-reduced) parameter gradients equal
+    the single-process model's (conv halos and the attention scan across shards)."""
+    import copy
+
+    from loglinear.distributed import apply_context_parallel, shard_sequence
+
+    name = f"model-{variant}-{'ll' if use_log_linear else 'plain'}"
+    ids = torch.randint(0, 32, (2, 23), generator=torch.Generator().manual_seed(1))
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    model = _tiny_model(variant, use_log_linear)
+    cp_model = apply_context_parallel(copy.deepcopy(model), group)
+    logits = model(inputs).logits
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").backward()
+
+    shard_logits = cp_model(shard_sequence(inputs, group)).logits
+    expected = shard_sequence(logits, group)
+    _close(shard_logits, expected, logits, f"{name}: logits on rank {rank}")
+    loss = torch.nn.functional.cross_entropy(
+        shard_logits.flatten(0, 1), shard_sequence(targets, group).flatten(), reduction="sum"
+    )
+    loss.backward()
+    for (pname, p), cp_p in zip(model.named_parameters(), cp_model.parameters()):
+        grad = cp_p.grad.clone()
+        dist.all_reduce(grad, group=group)
+        _close(grad, p.grad, p.grad, f"{name}: d{pname} on rank {rank}")
+
+
 def check_disagreeing_shapes(rank: int, group) -> None:
     """Shards whose head dims differ raise ValueError on every rank (after the shape all_gather)."""
     K = 4 + (rank == 1)
@@ -145,7 +186,7 @@ def check_disagreeing_shapes(rank: int, group) -> None:
         raise AssertionError("disagreeing K across ranks was accepted")
 
 
-def worker(rank: int, world: int, init_file: str, cases: list[Case]) -> None:
+def worker(rank: int, world: int, init_file: str, cases: list[Case], model_cases: list[tuple[str, bool]]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
@@ -159,5 +200,7 @@ def worker(rank: int, world: int, init_file: str, cases: list[Case]) -> None:
                 print(f"^ rank {rank}/{world}, case {case.name}", file=sys.stderr, flush=True)
                 raise
         check_disagreeing_shapes(rank, dist.group.WORLD)
+        for variant, use_log_linear in model_cases:
+            run_model_case(variant, use_log_linear, rank, dist.group.WORLD)
     finally:
         dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """Context parallelism on CPU with gloo: 2 and 4 processes, float64, outputs and all gradients equal the
 single-process op (both variants, uneven shards, T_r = 1 shards, G < H, varlen across and inside shards,
-initial states, final states)."""
+initial states, final states); on 4 processes also whole models under apply_context_parallel (logits and
+parameter gradients equal the single-process model's)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch.multiprocessing as mp
 
 from cp_cases import Case, worker
 
-TIMEOUT_S = 150
+TIMEOUT_S = 400  # a hang fails the test (gloo itself gives up after 60 s per exchange)
 
 
 def _cases(lengths: list[int]) -> list[Case]:
@@ -30,11 +31,13 @@ def _cases(lengths: list[int]) -> list[Case]:
     return cases
 
 
-def _spawn(lengths: list[int], tmp_path) -> None:
+MODELS = [("mamba2", True), ("gated_deltanet", True), ("gated_deltanet", False)]  # (variant, log-linear)
+
+
+def _spawn(lengths: list[int], models: list[tuple[str, bool]], tmp_path) -> None:
     world = len(lengths)
-    ctx = mp.start_processes(
-        worker, args=(world, str(tmp_path / "store"), _cases(lengths)), nprocs=world, join=False, start_method="spawn"
-    )
+    args = (world, str(tmp_path / "store"), _cases(lengths), models)
+    ctx = mp.start_processes(worker, args=args, nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
@@ -44,6 +47,6 @@ def _spawn(lengths: list[int], tmp_path) -> None:
             pytest.fail(f"context-parallel workers ({world} ranks) did not finish in {TIMEOUT_S} s")
 
 
-@pytest.mark.parametrize("lengths", [[13, 6], [5, 9, 1, 7]], ids=["2-ranks", "4-ranks"])
-def test_context_parallel_matches_single_process(lengths, tmp_path):
-    _spawn(lengths, tmp_path)
+@pytest.mark.parametrize("lengths, models", [([13, 6], []), ([5, 9, 1, 7], MODELS)], ids=["2-ranks", "4-ranks"])
+def test_context_parallel_matches_single_process(lengths, models, tmp_path):
+    _spawn(lengths, models, tmp_path)
