@@ -11,3 +11,7 @@ if triton is not None:
     from loglinear.ops.triton.mamba2 import mamba2_triton
 
     register_backend("mamba2", "triton", mamba2_triton)
+
+    from loglinear.ops.triton.gated_deltanet import triton_backend as gated_deltanet_triton
+
+    register_backend("gated_deltanet", "triton", gated_deltanet_triton)

@@ -1,0 +1,219 @@
+"""The fused Fenwick delta-rule scan: all chunk-level states of log-linear Gated DeltaNet in one pass.
+
+Per head, chunks i = 0..N-1 of C tokens, J chunk-level states h_j (each [K, V], fp32). Chunk i brings
+    qt_i, wt_i, kt_i: [C, K]   readout queries, W~ and K~ of the chunk (spec section 5)
+    u_i: [C, V]                pseudo-values;  d_i = exp(G_last) its total decay
+    lam_i: [C, J]              lambda of token level c+1+j (0 where a query has no such level)
+    m_i                        cascade target ctz(chunk+1) (-1 for the last chunk: no cascade)
+and the scan does, for every level j at once (one kernel, one pass over the chunk inputs):
+
+    o_i   = sum_j lam_i[:, j] * (qt_i h_j)                              readout, depth J*K
+    g_j   = d_i h_j - kt_i^T (wt_i h_j)                                 delta-rule transition
+    h_j   = 0 (j < m),  g_m + sum_{j<m} g_j + kt_i^T u_i (j = m),  g_j (j > m)     the binary-counter carry
+
+Backward (reverse over chunks, dh_j carried the same way):
+    cascade:     dg_j = dh_m (j <= m), dh_j (j > m);   dD = dh_m;  du_i = kt_i dD;  dkt_i += u_i dD^T
+    transition:  dh_j = d_i dg_j - wt_i^T (kt_i dg_j);  dd_i = sum_j <dg_j, h_j>
+                 dkt_i -= sum_j (wt_i h_j) dg_j^T;      dwt_i -= sum_j (kt_i dg_j) h_j^T
+    readout:     Y_j = lam_i[:, j] * do_i;  dqt_i += sum_j Y_j h_j^T;  dh_j += qt_i^T Y_j
+                 dlam_i[:, j] = rowsum(do_i * (qt_i h_j))
+
+Programs split V into blocks (columns of a state are independent); the forward states h^i are kept
+per chunk for the backward (or in two ping-pong slots without grad). Gradients that contract over V
+are written per V block and summed afterwards: no atomics, deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loglinear.ops.triton.common import alloc, dot_precision, launch_options, next_pow2
+
+
+@triton.jit
+def _scan_fwd_kernel(
+    qt, wt, kt, u, decay, lam, merge, states, o,
+    N, J, NSLOT, Tp,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """qt, wt, kt: [BH, Tp, K]; u: [BH, Tp, V]; decay: [BH, N]; lam: [BH, Tp, J]; merge: [N] int32;
+    states: [BH, NSLOT, J, K, V] fp32 (slot 0 holds the initial states); o: [BH, Tp, V] fp32."""
+    iv = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rc = tl.arange(0, C)
+    rk = tl.arange(0, BK)
+    rv = iv * BV + tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    hoff = rk[:, None] * V + rv[None, :]
+    hmask = mk[:, None] & mv[None, :]
+    KV = K * V
+    for i in range(N):
+        rows = bh * Tp + i * C + rc
+        ck = rows[:, None] * K + rk[None, :]
+        q_i = tl.load(qt + ck, mask=mk[None, :], other=0.0)
+        w_i = tl.load(wt + ck, mask=mk[None, :], other=0.0)
+        k_i = tl.load(kt + ck, mask=mk[None, :], other=0.0)
+        u_i = tl.load(u + rows[:, None] * V + rv[None, :], mask=mv[None, :], other=0.0)
+        d = tl.load(decay + bh * N + i)
+        m = tl.load(merge + i)
+        deposit = tl.dot(tl.trans(k_i), u_i, input_precision=PREC)
+        src = states + (bh * NSLOT + i % NSLOT) * J * KV
+        dst = states + (bh * NSLOT + (i + 1) % NSLOT) * J * KV
+        acc = tl.zeros([C, BV], dtype=tl.float32)
+        below_sum = tl.zeros([BK, BV], dtype=tl.float32)
+        for j in range(J):
+            h = tl.load(src + j * KV + hoff, mask=hmask, other=0.0)
+            hd = h.to(q_i.dtype)
+            lam_j = tl.load(lam + rows * J + j)
+            acc += lam_j[:, None] * tl.dot(q_i, hd, input_precision=PREC)
+            wh = tl.dot(w_i, hd, input_precision=PREC)
+            g = d * h - tl.dot(tl.trans(k_i), wh.to(q_i.dtype), input_precision=PREC)
+            below = j < m
+            new = tl.where(below, 0.0, g + tl.where(j == m, below_sum + deposit, 0.0))
+            below_sum += tl.where(below, g, 0.0)
+            tl.store(dst + j * KV + hoff, new, mask=hmask)
+        tl.store(o + rows[:, None] * V + rv[None, :], acc, mask=mv[None, :])
+        tl.debug_barrier()
+
+
+@triton.jit
+def _scan_bwd_kernel(
+    qt, wt, kt, u, decay, lam, merge, states, do, dstates,
+    dqt, dwt, dkt, du, dd, dlam,
+    N, J, NSLOT, Tp, BH,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Inputs as the forward, states: [BH, N+1, J, K, V] the forward's states before each chunk;
+    do: [BH, Tp, V]; dstates: [BH, 2, J, K, V] fp32 (slot N % 2 holds dh of the final states; slot 0
+    ends with dh of the initial states). Outputs (fp32): dqt, dwt, dkt: [NV, BH, Tp, K]; du: [BH, Tp, V];
+    dd: [NV, BH, N]; dlam: [NV, BH, Tp, J]."""
+    iv = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rc = tl.arange(0, C)
+    rk = tl.arange(0, BK)
+    rv = iv * BV + tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    hoff = rk[:, None] * V + rv[None, :]
+    hmask = mk[:, None] & mv[None, :]
+    KV = K * V
+    part = iv * BH + bh  # this program's slice of the per-V-block partial sums
+    for r in range(N):
+        i = N - 1 - r
+        rows = bh * Tp + i * C + rc
+        prow = part * Tp + i * C + rc
+        ck = rows[:, None] * K + rk[None, :]
+        cv = rows[:, None] * V + rv[None, :]
+        q_i = tl.load(qt + ck, mask=mk[None, :], other=0.0)
+        w_i = tl.load(wt + ck, mask=mk[None, :], other=0.0)
+        k_i = tl.load(kt + ck, mask=mk[None, :], other=0.0)
+        u_i = tl.load(u + cv, mask=mv[None, :], other=0.0)
+        do_i = tl.load(do + cv, mask=mv[None, :], other=0.0).to(tl.float32)
+        d = tl.load(decay + bh * N + i)
+        m = tl.load(merge + i)
+        hsrc = states + (bh * NSLOT + i) * J * KV
+        src = dstates + (bh * 2 + (i + 1) % 2) * J * KV
+        dst = dstates + (bh * 2 + i % 2) * J * KV
+        dh_m = tl.load(src + tl.maximum(m, 0) * KV + hoff, mask=hmask, other=0.0)
+        dh_m = tl.where(m >= 0, dh_m, 0.0)
+        dhm_d = dh_m.to(q_i.dtype)
+        tl.store(du + cv, tl.dot(k_i, dhm_d, input_precision=PREC), mask=mv[None, :])
+        dk_acc = tl.dot(u_i, tl.trans(dhm_d), input_precision=PREC)
+        dq_acc = tl.zeros([C, BK], dtype=tl.float32)
+        dw_acc = tl.zeros([C, BK], dtype=tl.float32)
+        dd_acc = tl.zeros([BK, BV], dtype=tl.float32)
+        for j in range(J):
+            dg = tl.where(j <= m, dh_m, tl.load(src + j * KV + hoff, mask=hmask, other=0.0))
+            h = tl.load(hsrc + j * KV + hoff, mask=hmask, other=0.0)
+            hd = h.to(q_i.dtype)
+            dgd = dg.to(q_i.dtype)
+            lam_j = tl.load(lam + rows * J + j)
+            y = (lam_j[:, None] * do_i).to(q_i.dtype)
+            dq_acc += tl.dot(y, tl.trans(hd), input_precision=PREC)
+            qh = tl.dot(q_i, hd, input_precision=PREC)
+            tl.store(dlam + prow * J + j, tl.sum(do_i * qh, axis=1))
+            dd_acc += dg * h
+            wh = tl.dot(w_i, hd, input_precision=PREC)
+            dk_acc -= tl.dot(wh.to(q_i.dtype), tl.trans(dgd), input_precision=PREC)
+            kdg = tl.dot(k_i, dgd, input_precision=PREC).to(q_i.dtype)
+            dw_acc -= tl.dot(kdg, tl.trans(hd), input_precision=PREC)
+            dh = d * dg - tl.dot(tl.trans(w_i), kdg, input_precision=PREC)
+            dh += tl.dot(tl.trans(q_i), y, input_precision=PREC)
+            tl.store(dst + j * KV + hoff, dh, mask=hmask)
+        pk = prow[:, None] * K + rk[None, :]
+        tl.store(dqt + pk, dq_acc, mask=mk[None, :])
+        tl.store(dwt + pk, dw_acc, mask=mk[None, :])
+        tl.store(dkt + pk, dk_acc, mask=mk[None, :])
+        tl.store(dd + part * N + i, tl.sum(tl.sum(dd_acc, axis=1), axis=0))
+        tl.debug_barrier()
+
+
+def _blocks(K: int, V: int) -> tuple[int, int, int]:
+    """(BK, BV, number of V blocks): K whole (the transition contracts over it), V in blocks of <= 64."""
+    BK = next_pow2(K)
+    BV = min(64 if BK <= 128 else 32, next_pow2(V))
+    return BK, BV, triton.cdiv(V, BV)
+
+
+class FenwickDeltaScan(torch.autograd.Function):
+    """(o_inter, final states) = scan(qt, wt, kt, u, decay, lam, h0, merge); see the module docstring.
+
+    qt, wt, kt: [BH, Tp, K] (the dot dtype); u: [BH, Tp, V] (dot dtype); decay: [BH, N] fp32;
+    lam: [BH, Tp, J] fp32; h0: [BH, J, K, V] fp32; merge: [N] int32 (cascade targets, -1 = none).
+    Returns o: [BH, Tp, V] fp32 and hN: [BH, J, K, V] fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, qt, wt, kt, u, decay, lam, h0, merge):
+        BH, Tp, K = qt.shape
+        V, N, J = u.shape[-1], decay.shape[1], h0.shape[1]
+        C = Tp // N
+        BK, BV, NV = _blocks(K, V)
+        keep = ctx.needs_input_grad[:7] != (False,) * 7
+        nslot = N + 1 if keep else 2
+        states = torch.empty(BH, nslot, J, K, V, dtype=torch.float32, device=qt.device)
+        states[:, 0] = h0
+        o = alloc((BH, Tp, V), torch.float32, qt.device)
+        _scan_fwd_kernel[(NV, BH)](
+            qt, wt, kt, u, decay, lam, merge, states, o, N, J, nslot, Tp,
+            K=K, V=V, C=C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), **launch_options(BK, BV),
+        )
+        ctx.save_for_backward(qt, wt, kt, u, decay, lam, merge, states if keep else None)
+        return o, states[:, N % nslot]
+
+    @staticmethod
+    def backward(ctx, do, dhN):
+        qt, wt, kt, u, decay, lam, merge, states = ctx.saved_tensors
+        BH, Tp, K = qt.shape
+        V, N, J = u.shape[-1], decay.shape[1], lam.shape[-1]
+        C = Tp // N
+        BK, BV, NV = _blocks(K, V)
+        dev = qt.device
+        nan = lambda *shape: alloc(shape, torch.float32, dev)  # noqa: E731
+        dstates = torch.zeros(BH, 2, J, K, V, dtype=torch.float32, device=dev)
+        if dhN is not None:
+            dstates[:, N % 2] = dhN
+        dqt, dwt, dkt = nan(NV, BH, Tp, K), nan(NV, BH, Tp, K), nan(NV, BH, Tp, K)
+        du, dd, dlam = nan(BH, Tp, V), nan(NV, BH, N), nan(NV, BH, Tp, J)
+        do = torch.zeros_like(u, dtype=torch.float32) if do is None else do.contiguous()
+        _scan_bwd_kernel[(NV, BH)](
+            qt, wt, kt, u, decay, lam, merge, states, do, dstates, dqt, dwt, dkt, du, dd, dlam,
+            N, J, N + 1, Tp, BH,
+            K=K, V=V, C=C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), **launch_options(BK, BV),
+        )
+        cast = lambda x, like: x.sum(0).to(like.dtype)  # noqa: E731
+        return (cast(dqt, qt), cast(dwt, wt), cast(dkt, kt), du.to(u.dtype), dd.sum(0), dlam.sum(0),
+                dstates[:, 0].clone(), None)
+
+
+def fenwick_delta_scan(qt, wt, kt, u, decay, lam, h0, merge) -> tuple[torch.Tensor, torch.Tensor]:
+    """Functional form of FenwickDeltaScan (shapes there); qt/wt/kt/u keep their (operand) dtype."""
+    return FenwickDeltaScan.apply(
+        qt.contiguous(), wt.contiguous(), kt.contiguous(), u.contiguous(), decay.float().contiguous(),
+        lam.float().contiguous(), h0.float().contiguous(), merge,
+    )
