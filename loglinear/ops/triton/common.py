@@ -27,11 +27,16 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "interpreting", "alloc", "next_pow2", "dot_precision", "launch_options", "set_poison",
+    "SCAN_RUNTIME_ARGS", "MAX_CHUNK_LEVELS", "interpreting", "alloc", "next_pow2", "dot_precision", "launch_options", "set_poison",
     "load_rows", "store_rows", "load_column", "pick",
 ]
 
 _POISON = False
+
+# Scan kernels take these as plain runtime ints (no recompile per sequence length or head count);
+# K and V stay specialised (their divisibility gives vectorised loads).
+SCAN_RUNTIME_ARGS = ["H", "G", "L", "J"]
+MAX_CHUNK_LEVELS = 32  # decay-vector length of the scans: T up to 2^32 chunks
 
 
 def interpreting() -> bool:

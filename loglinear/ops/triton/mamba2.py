@@ -22,7 +22,7 @@ from loglinear.fenwick import bit_length, chunk_bits, levels_needed
 from loglinear.inputs import OpInputs, expand_groups
 from loglinear.ops.torch_chunk import Mamba2Form, chunk_scan
 from loglinear.ops.torch_chunk.scan import _carry_past
-from loglinear.ops.triton.common import alloc, dot_precision, interpreting, launch_options, next_pow2
+from loglinear.ops.triton.common import MAX_CHUNK_LEVELS, alloc, dot_precision, interpreting, launch_options, next_pow2
 from loglinear.ops.triton.mamba2_bwd import mamba2_bwd_dkv_kernel, mamba2_bwd_dq_kernel
 from loglinear.ops.triton.mamba2_fwd import mamba2_fwd_kernel
 from loglinear.state import FenwickState
@@ -62,7 +62,7 @@ def _meta(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, L: int) -> dict
     return dict(
         H=v.shape[1], G=q.shape[1], K=K, V=V, L=L, J=plan.num_levels,
         C=plan.chunk_size, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV,
-        BJ=next_pow2(plan.num_levels, minimum=2), HAS_INIT=plan.has_init, PRECISION=dot_precision(q.dtype),
+        BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, PRECISION=dot_precision(q.dtype),
         **launch_options(BK, BV),
     )
 
@@ -116,7 +116,7 @@ class LevelScanMamba2(torch.autograd.Function):
         dv, dlam = alloc((tokens, H, V), torch.float32, dev), alloc((tokens, H, L), torch.float32, dev)
         qdq, kdk = alloc((tokens, H), torch.float32, dev), alloc((tokens, H), torch.float32, dev)
         scratch = h0.detach().clone()
-        meta_dq = dict(meta, BL=next_pow2(L, minimum=2))
+        meta_dq = dict(meta, BL=next_pow2(L, minimum=32))
         mamba2_bwd_dq_kernel[grid](q, k, v, g, lam, d_o, dq, dlam, qdq, scratch, bos, eos, chunk0, plan.scale, **meta_dq)
         d_levels = d_final.clone()
         mamba2_bwd_dkv_kernel[grid](q, k, v, g, lam, d_o, dk, dv, kdk, d_levels, bos, eos, chunk0, plan.scale, **meta)
@@ -168,6 +168,8 @@ def mamba2_triton(inp: OpInputs, output_final_state: bool, chunk_size: int, use_
     B, T, G, K = q.shape
     H, V = inp.v.shape[2:]
     dtype = q.dtype if q.dtype == inp.k.dtype == inp.v.dtype else torch.float32
+    if dtype == torch.bfloat16 and interpreting():
+        dtype = torch.float32  # Triton's CPU interpreter (3.9) gets bf16 tl.dot wrong; GPUs run bf16
     qf = q.to(dtype).reshape(B * T, G, K).contiguous()
     kf = inp.k.to(dtype).reshape(B * T, G, K).contiguous()
     vf = inp.v.to(dtype).reshape(B * T, H, V).contiguous()

@@ -21,14 +21,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.common import load_column, load_rows, store_rows
+from loglinear.ops.triton.common import SCAN_RUNTIME_ARGS, load_column, load_rows, store_rows
 from loglinear.ops.triton.intra import decay_matrix, intra_levels, level_weights
 from loglinear.ops.triton.levels import (
     accumulate_level, flush_levels, level_live, load_level, merge_levels, split_levels,
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SCAN_RUNTIME_ARGS)
 def mamba2_bwd_dq_kernel(
     q, k, v, g, lam, do, dq, dlam, qdq, levels, bos_ptr, eos_ptr, chunk0_ptr, scale,
     H, G, K, V, L, J,
@@ -93,7 +93,7 @@ def mamba2_bwd_dq_kernel(
             decay = merge_levels(ptrs, stride, lmask, deposit, decay, jj, chunk, c0, HAS_INIT, BJ)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SCAN_RUNTIME_ARGS)
 def mamba2_bwd_dkv_kernel(
     q, k, v, g, lam, do, dk, dv, kdk, d_levels, bos_ptr, eos_ptr, chunk0_ptr, scale,
     H, G, K, V, L, J,

@@ -15,12 +15,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.common import load_column, load_rows, store_rows
+from loglinear.ops.triton.common import SCAN_RUNTIME_ARGS, load_column, load_rows, store_rows
 from loglinear.ops.triton.intra import decay_matrix, intra_levels, level_weights
 from loglinear.ops.triton.levels import flush_levels, level_live, load_level, merge_levels
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SCAN_RUNTIME_ARGS)
 def mamba2_fwd_kernel(
     q, k, v, g, lam, o, levels, bos_ptr, eos_ptr, chunk0_ptr, scale,
     H, G, K, V, L, J,

@@ -1,0 +1,159 @@
+"""Triton log-linear Mamba-2 kernels (TRITON_INTERPRET=1 on CPU tensors) vs the float64 references.
+
+Every case checks outputs, the final state and every gradient (q, k, v, g, level_scales, initial
+state levels) under random cotangents, with every kernel output buffer poisoned with NaN first.
+"""
+
+import pytest
+import torch
+
+from helpers import assert_close, make_inputs, mamba2_args
+from loglinear import FenwickState, log_linear_mamba2
+from loglinear import reference as R
+from loglinear.ops import api
+from loglinear.ops.triton import common
+
+pytestmark = pytest.mark.interpreter
+FP32_TOL = 3e-5
+
+
+@pytest.fixture(autouse=True)
+def triton_backend(monkeypatch):
+    """Force the kernels, poison their outputs, and fail if anything falls back to the torch path."""
+    if not common.interpreting() and not torch.cuda.is_available():
+        pytest.fail("Triton kernels need TRITON_INTERPRET=1 without CUDA (tests/conftest.py sets it)")
+    monkeypatch.setenv("LOGLINEAR_BACKEND", "triton")
+    common.set_poison(True)
+    yield
+    common.set_poison(False)
+
+
+def _no_torch_fallback(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("the triton backend fell back to the torch path")
+
+    monkeypatch.setitem(api._BACKENDS["mamba2"], "torch", fail)
+
+
+def _random_state(n_seq, positions, H, K, V, extra_levels=1):
+    n_levels = max(p for p in positions).bit_length() + 1 + extra_levels
+    return FenwickState(torch.randn(n_seq, n_levels, H, K, V, dtype=torch.float64), torch.tensor(positions))
+
+
+def _close_or_tiny(actual, expected, tol, what):
+    """Relative error below tol, measured against max(||expected||, 1): a gradient that is exactly 0 in
+    the reference (dg at T = 1: the gate only scales an empty state) must come out as rounding noise."""
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    err = (actual - expected).norm() / max(expected.norm().item(), 1.0)
+    assert err <= tol, f"{what}: error {err:.3e} > {tol:.1e}"
+
+
+def _compare(x, *, dtype=torch.float32, state=None, cu_seqlens=None, chunk_size=16, tol=FP32_TOL):
+    """Run kernels (in ``dtype``) and the float64 recurrent reference; compare o, state and all grads."""
+    ours = {n: t.detach().to(dtype).requires_grad_() for n, t in x.items()}
+    ref = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+    st_ours = st_ref = None
+    if state is not None:
+        st_ours = FenwickState(state.levels.float().requires_grad_(), state.positions)
+        st_ref = FenwickState(state.levels.clone().requires_grad_(), state.positions)
+    o, fs = log_linear_mamba2(**ours, initial_state=st_ours, output_final_state=True, cu_seqlens=cu_seqlens,
+                              chunk_size=chunk_size)
+    o_ref, fs_ref = R.log_linear_mamba2_recurrent(**ref, initial_state=st_ref, output_final_state=True,
+                                                  cu_seqlens=cu_seqlens)
+    assert o.dtype == dtype and o.shape == o_ref.shape
+    assert fs.levels.shape == fs_ref.levels.shape and torch.equal(fs.positions, fs_ref.positions)
+    assert_close(o.double(), o_ref, tol, "o")
+    assert_close(fs.levels.double(), fs_ref.levels, tol, "final state")
+    d_o, d_s = torch.randn_like(o_ref), torch.randn_like(fs_ref.levels)
+    ((o_ref * d_o).sum() + (fs_ref.levels * d_s).sum()).backward()
+    ((o.double() * d_o).sum() + (fs.levels.double() * d_s).sum()).backward()
+    for name in x:
+        _close_or_tiny(ours[name].grad.double(), ref[name].grad, tol, f"d{name}")
+    if state is not None:
+        assert_close(st_ours.levels.grad.double(), st_ref.levels.grad, tol, "d initial_state")
+
+
+@pytest.mark.parametrize(
+    "B, T, G, H, K, V",
+    [
+        (1, 1, 1, 2, 8, 5),  # one token
+        (2, 37, 1, 2, 16, 16),  # T not a multiple of the chunk, B > 1
+        (1, 64, 2, 4, 8, 5),  # aligned T, GQA (G < H), K/V not powers of two
+        (2, 100, 1, 3, 16, 8),  # more chunk levels
+    ],
+)
+def test_kernels_match_reference(monkeypatch, B, T, G, H, K, V):
+    _no_torch_fallback(monkeypatch)
+    _compare(mamba2_args(make_inputs(B, T, G, H, K, V)))
+
+
+@pytest.mark.parametrize("positions", [[32, 48], [5, 64], [0, 3], [16, 1]])
+def test_continuation_from_state(positions):
+    """States at aligned and unaligned positions (also 0), junk in every level; gradients reach the state."""
+    B, T, H, K, V = 2, 41, 2, 8, 5
+    x = mamba2_args(make_inputs(B, T, 1, H, K, V, start=max(positions)))
+    _compare(x, state=_random_state(B, positions, H, K, V))
+
+
+def test_varlen_with_states():
+    cu = torch.tensor([0, 3, 40, 70])
+    x = mamba2_args(make_inputs(1, 70, 1, 2, 8, 5, start=48))
+    _compare(x, cu_seqlens=cu, state=_random_state(3, [17, 0, 48], 2, 8, 5))
+
+
+def test_varlen_without_states(monkeypatch):
+    _no_torch_fallback(monkeypatch)
+    cu = torch.tensor([0, 1, 17, 50, 51])
+    _compare(mamba2_args(make_inputs(1, 51, 2, 4, 8, 8)), cu_seqlens=cu)
+
+
+def test_single_token_steps_continue_exactly():
+    """Prefill then one-token steps equals one pass (the decode path of the kernels)."""
+    x = mamba2_args(make_inputs(1, 20, 1, 2, 8, 5, dtype=torch.float32))
+    full, full_state = log_linear_mamba2(**x, output_final_state=True, chunk_size=16)
+    cut = lambda a, b: {n: t[:, a:b] for n, t in x.items()}  # noqa: E731
+    o, st = log_linear_mamba2(**cut(0, 17), output_final_state=True, chunk_size=16)
+    outs = [o]
+    for t in range(17, 20):
+        o, st = log_linear_mamba2(**cut(t, t + 1), initial_state=st, output_final_state=True, chunk_size=16)
+        outs.append(o)
+    assert_close(torch.cat(outs, 1).double(), full.double(), FP32_TOL, "steps")
+    assert_close(st.levels.double(), full_state.levels.double(), FP32_TOL, "state")
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+def test_half_precision_inputs(monkeypatch, dtype, tol):
+    _no_torch_fallback(monkeypatch)
+    _compare(mamba2_args(make_inputs(1, 40, 1, 2, 16, 16)), dtype=dtype, tol=tol)
+
+
+def test_chunk_sizes_agree():
+    """The kernels' result does not depend on chunk_size (8 is run with the kernels' minimum chunk 16)."""
+    x = mamba2_args(make_inputs(1, 70, 1, 2, 16, 16, dtype=torch.float32))
+    outs = [log_linear_mamba2(**x, chunk_size=c)[0].double() for c in (8, 32, 64)]
+    for o in outs[1:]:
+        assert_close(o, outs[0], FP32_TOL, "chunk sizes")
+
+
+def test_gradients_are_deterministic():
+    x = mamba2_args(make_inputs(1, 50, 1, 2, 16, 16, dtype=torch.float32))
+    grads = []
+    for _ in range(2):
+        leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+        o, _ = log_linear_mamba2(**leaves, chunk_size=16)
+        o.square().sum().backward()
+        grads.append([leaves[n].grad for n in x])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_float64_uses_the_exact_torch_path():
+    x = mamba2_args(make_inputs(1, 30, 1, 2, 8, 5))
+    o, _ = log_linear_mamba2(**x)
+    assert o.dtype == torch.float64
+    assert_close(o, R.log_linear_mamba2_materialized(**x), 1e-12, "float64")
+
+
+def test_kernels_are_the_default_on_cuda(monkeypatch):
+    monkeypatch.delenv("LOGLINEAR_BACKEND")
+    assert api.select_backend("mamba2", torch.device("cuda")) == "triton"
+    assert api.select_backend("mamba2", torch.device("cpu")) == "torch"
