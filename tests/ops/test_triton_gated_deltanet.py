@@ -14,7 +14,7 @@ from loglinear import reference as R
 from loglinear.inputs import check_inputs
 from loglinear.ops.triton.common import set_poison
 from loglinear.ops.triton.gated_deltanet import triton_backend
-from loglinear.ops.triton.gated_deltanet_local import chunk_local_torch, chunk_local_triton
+from loglinear.ops.triton.gated_deltanet_local import chunk_local, chunk_local_torch
 from loglinear.ops.triton.gated_deltanet_scan import fenwick_delta_scan
 
 NAMES = ["q", "k", "v", "g", "beta", "level_scales"]
@@ -134,15 +134,22 @@ def test_deterministic_gradients():
         assert torch.equal(a, b)
 
 
-def test_chunk_local_kernel_matches_torch_form():
+def test_chunk_local_kernels_match_torch_form():
+    """The fused chunk-local forward and backward kernels against autograd through the float64 torch form."""
     b, H, N, C, K, V = 1, 2, 3, 16, 20, 12
-    q, k = torch.randn(b, H, N, C, K), torch.randn(b, H, N, C, K) / K**0.5
-    v, lam = torch.randn(b, H, N, C, V), 0.2 + torch.rand(b, H, N, C, 5)
-    g, beta = -0.05 - 0.4 * torch.rand(b, H, N, C), 0.05 + 0.9 * torch.rand(b, H, N, C)
-    got = chunk_local_triton(q, k, v, g, beta, lam, torch.float32)
-    want = chunk_local_torch(*[x.double() for x in (q, k, v, g, beta, lam)])
+    xs = [torch.randn(b, H, N, C, K), torch.randn(b, H, N, C, K) / K**0.5, torch.randn(b, H, N, C, V),
+          -0.05 - 0.4 * torch.rand(b, H, N, C), 0.05 + 0.9 * torch.rand(b, H, N, C), 0.2 + torch.rand(b, H, N, C, 5)]
+    x64 = [x.double().requires_grad_() for x in xs]
+    x32 = [x.float().requires_grad_() for x in xs]
+    want = chunk_local_torch(*x64)
+    got = chunk_local(*x32, torch.float32)
     for name, a, e in zip(["o", "qt", "wt", "kt", "u", "decay"], got, want):
         assert_close(a.double(), e, RTOL, name)
+    cot = [torch.randn_like(w) for w in want]
+    g64 = torch.autograd.grad(sum((w * c).sum() for w, c in zip(want, cot)), x64)
+    g32 = torch.autograd.grad(sum((w * c.float()).sum() for w, c in zip(got, cot)), x32)
+    for name, a, e in zip(["q", "k", "v", "g", "beta", "lam"], g32, g64):
+        assert_close(a.double(), e, RTOL, f"d{name}")
 
 
 def _scan_torch(qt, wt, kt, u, decay, lam, h0, merge):
