@@ -3,9 +3,9 @@
 Mamba-2:        A_t = exp(g_t) I                   ->  mat = exp(sum_t g_t)            [B, H, 1, 1]
 Gated DeltaNet: A_t = exp(g_t) (I - beta_t k_t k_t^T)  ->  mat = product, per head     [B, H, K, K]
 
-The delta-rule product is taken chunk by chunk in the WY form of the torch chunk path (one chunk's
-product is exp(G_last) I - K~^T W~, see loglinear.ops.torch_chunk.forms), so it costs O(T K^2 + (T/C) K^3)
-and is differentiable by autograd.
+The delta-rule product is taken in the WY form of the torch chunk path: chunk n's product is
+M_n = exp(G_last) I - K~_n^T W~_n (loglinear.ops.torch_chunk.forms), all chunks in one batched GEMM, then
+mat = M_{N-1} ... M_0 by pairwise products in ceil(log2 N) steps. O(T K^2 + (T/C) K^3), differentiable.
 """
 
 from __future__ import annotations
@@ -46,8 +46,16 @@ def delta_rule_transition(
     k = expand_groups(k, H)
     kc, gc, bc = _chunks(k, chunk_size), _chunks(g, chunk_size), _chunks(beta, chunk_size)
     form = GatedDeltaNetForm(kc, kc, kc[..., :1], gc, bc)
-    B, K = k.shape[0], k.shape[-1]
-    mat = torch.eye(K, dtype=k.dtype, device=k.device).expand(B, H, K, K)
-    for i in range(kc.shape[2]):
-        mat = form.transition(i, mat)
-    return mat
+    eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
+    mats = form.chunk_decay[..., None, None] * eye - torch.einsum("bhnck,bhncj->bhnkj", form.kt, form.wt)
+    return _ordered_product(mats)
+
+
+def _ordered_product(mats: torch.Tensor) -> torch.Tensor:
+    """M_{N-1} ... M_0 of [B, H, N, K, K] by pairwise products (log-depth) -> [B, H, K, K]."""
+    while mats.shape[2] > 1:
+        if mats.shape[2] % 2:
+            eye = torch.eye(mats.shape[-1], dtype=mats.dtype, device=mats.device)
+            mats = torch.cat([mats, eye.expand(*mats.shape[:2], 1, -1, -1)], dim=2)
+        mats = mats[:, :, 1::2] @ mats[:, :, 0::2]
+    return mats[:, :, 0]
