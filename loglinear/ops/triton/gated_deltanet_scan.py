@@ -18,8 +18,9 @@ Backward (reverse over chunks, dh_j carried the same way):
     readout:     Y_j = lam_i[:, j] * do_i;  dqt_i += sum_j Y_j h_j^T;  dh_j += qt_i^T Y_j
                  dlam_i[:, j] = rowsum(do_i * (qt_i h_j))
 
-Programs split V into blocks (columns of a state are independent); the forward states h^i are kept
-per chunk for the backward (or in two ping-pong slots without grad). Gradients that contract over V
+Programs split V into blocks (columns of a state are independent). The running states live in two fp32
+ping-pong slots; with gradients the forward also keeps a snapshot of every chunk's incoming states h^i
+in the operand dtype (the backward multiplies them in that dtype anyway; bf16 halves their memory). Gradients that contract over V
 are written per V block and summed afterwards: no atomics, deterministic.
 """
 
@@ -34,13 +35,14 @@ from loglinear.ops.triton.common import alloc, dot_precision, launch_options, ne
 
 @triton.jit
 def _scan_fwd_kernel(
-    qt, wt, kt, u, decay, lam, merge, states, o,
-    N, J, NSLOT, Tp,
+    qt, wt, kt, u, decay, lam, merge, states, snap, o,
+    N, J, Tp,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, SNAP: tl.constexpr,
 ):
     """qt, wt, kt: [BH, Tp, K]; u: [BH, Tp, V]; decay: [BH, N]; lam: [BH, Tp, J]; merge: [N] int32;
-    states: [BH, NSLOT, J, K, V] fp32 (slot 0 holds the initial states); o: [BH, Tp, V] fp32."""
+    states: [BH, 2, J, K, V] fp32 (slot 0 holds the initial states, slot N % 2 ends with the final ones);
+    snap: [BH, N, J, K, V] (SNAP: written with the states entering each chunk); o: [BH, Tp, V] fp32."""
     iv = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rc = tl.arange(0, C)
@@ -61,13 +63,16 @@ def _scan_fwd_kernel(
         d = tl.load(decay + bh * N + i)
         m = tl.load(merge + i)
         deposit = tl.dot(tl.trans(k_i), u_i, input_precision=PREC)
-        src = states + (bh * NSLOT + i % NSLOT) * J * KV
-        dst = states + (bh * NSLOT + (i + 1) % NSLOT) * J * KV
+        src = states + (bh * 2 + i % 2) * J * KV
+        dst = states + (bh * 2 + (i + 1) % 2) * J * KV
+        keep = snap + (bh * N + i) * J * KV
         acc = tl.zeros([C, BV], dtype=tl.float32)
         below_sum = tl.zeros([BK, BV], dtype=tl.float32)
         for j in range(J):
             h = tl.load(src + j * KV + hoff, mask=hmask, other=0.0)
             hd = h.to(q_i.dtype)
+            if SNAP:
+                tl.store(keep + j * KV + hoff, hd.to(snap.dtype.element_ty), mask=hmask)
             lam_j = tl.load(lam + rows * J + j)
             acc += lam_j[:, None] * tl.dot(q_i, hd, input_precision=PREC)
             wh = tl.dot(w_i, hd, input_precision=PREC)
@@ -82,13 +87,13 @@ def _scan_fwd_kernel(
 
 @triton.jit
 def _scan_bwd_kernel(
-    qt, wt, kt, u, decay, lam, merge, states, do, dstates,
+    qt, wt, kt, u, decay, lam, merge, snap, do, dstates,
     dqt, dwt, dkt, du, dd, dlam,
-    N, J, NSLOT, Tp, BH,
+    N, J, Tp, BH,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """Inputs as the forward, states: [BH, N+1, J, K, V] the forward's states before each chunk;
+    """Inputs as the forward, snap: [BH, N, J, K, V] the forward's states entering each chunk;
     do: [BH, Tp, V]; dstates: [BH, 2, J, K, V] fp32 (slot N % 2 holds dh of the final states; slot 0
     ends with dh of the initial states). Outputs (fp32): dqt, dwt, dkt: [NV, BH, Tp, K]; du: [BH, Tp, V];
     dd: [NV, BH, N]; dlam: [NV, BH, Tp, J]."""
@@ -116,7 +121,7 @@ def _scan_bwd_kernel(
         do_i = tl.load(do + cv, mask=mv[None, :], other=0.0).to(tl.float32)
         d = tl.load(decay + bh * N + i)
         m = tl.load(merge + i)
-        hsrc = states + (bh * NSLOT + i) * J * KV
+        hsrc = snap + (bh * N + i) * J * KV
         src = dstates + (bh * 2 + (i + 1) % 2) * J * KV
         dst = dstates + (bh * 2 + i % 2) * J * KV
         dh_m = tl.load(src + tl.maximum(m, 0) * KV + hoff, mask=hmask, other=0.0)
@@ -129,7 +134,7 @@ def _scan_bwd_kernel(
         dd_acc = tl.zeros([BK, BV], dtype=tl.float32)
         for j in range(J):
             dg = tl.where(j <= m, dh_m, tl.load(src + j * KV + hoff, mask=hmask, other=0.0))
-            h = tl.load(hsrc + j * KV + hoff, mask=hmask, other=0.0)
+            h = tl.load(hsrc + j * KV + hoff, mask=hmask, other=0.0).to(tl.float32)
             hd = h.to(q_i.dtype)
             dgd = dg.to(q_i.dtype)
             lam_j = tl.load(lam + rows * J + j)
@@ -175,20 +180,20 @@ class FenwickDeltaScan(torch.autograd.Function):
         C = Tp // N
         BK, BV, NV = _blocks(K, V)
         keep = ctx.needs_input_grad[:7] != (False,) * 7
-        nslot = N + 1 if keep else 2
-        states = torch.empty(BH, nslot, J, K, V, dtype=torch.float32, device=qt.device)
+        states = alloc((BH, 2, J, K, V), torch.float32, qt.device)
         states[:, 0] = h0
+        snap = alloc((BH, N, J, K, V) if keep else (1,), qt.dtype, qt.device)
         o = alloc((BH, Tp, V), torch.float32, qt.device)
         _scan_fwd_kernel[(NV, BH)](
-            qt, wt, kt, u, decay, lam, merge, states, o, N, J, nslot, Tp,
-            K=K, V=V, C=C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), **launch_options(BK, BV),
+            qt, wt, kt, u, decay, lam, merge, states, snap, o, N, J, Tp,
+            K=K, V=V, C=C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), SNAP=keep, **launch_options(BK, BV),
         )
-        ctx.save_for_backward(qt, wt, kt, u, decay, lam, merge, states if keep else None)
-        return o, states[:, N % nslot]
+        ctx.save_for_backward(qt, wt, kt, u, decay, lam, merge, snap if keep else None)
+        return o, states[:, N % 2]
 
     @staticmethod
     def backward(ctx, do, dhN):
-        qt, wt, kt, u, decay, lam, merge, states = ctx.saved_tensors
+        qt, wt, kt, u, decay, lam, merge, snap = ctx.saved_tensors
         BH, Tp, K = qt.shape
         V, N, J = u.shape[-1], decay.shape[1], lam.shape[-1]
         C = Tp // N
@@ -202,8 +207,8 @@ class FenwickDeltaScan(torch.autograd.Function):
         du, dd, dlam = nan(BH, Tp, V), nan(NV, BH, N), nan(NV, BH, Tp, J)
         do = torch.zeros_like(u, dtype=torch.float32) if do is None else do.contiguous()
         _scan_bwd_kernel[(NV, BH)](
-            qt, wt, kt, u, decay, lam, merge, states, do, dstates, dqt, dwt, dkt, du, dd, dlam,
-            N, J, N + 1, Tp, BH,
+            qt, wt, kt, u, decay, lam, merge, snap, do, dstates, dqt, dwt, dkt, du, dd, dlam,
+            N, J, Tp, BH,
             K=K, V=V, C=C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), **launch_options(BK, BV),
         )
         cast = lambda x, like: x.sum(0).to(like.dtype)  # noqa: E731
