@@ -8,6 +8,10 @@ Paper setting: B = 2, 48 value heads, one q/k group, K = 128, V = 64, bf16. Forw
 medians (triton.testing.do_bench) and the peak memory of one forward+backward, all impls in one process
 on one GPU. Writes benchmarks/results/ops-mamba2-<gpu>.{json,md,png}; --check writes correctness-<gpu>.log.
 
+--variant gdn: log-linear Gated DeltaNet (ours, use_qk_l2norm) against fla `chunk_gated_delta_rule` (linear GDN,
+"fla_gdn", q/k L2-normalised in its kernel) and SDPA flash; beta in [0.05, 0.95]. Writes ops-gdn-<gpu>.* and
+--check writes correctness-gdn-<gpu>.log.
+
 fla 0.6.0 refuses its gated backward on Hopper with triton < 3.7.1 (a correctness guard in
 fla/ops/common/chunk_o.py); --lift-fla-guard (on by default) lifts it for timing only and the results say so.
 """
@@ -31,10 +35,11 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loglinear import FenwickState, log_linear_mamba2  # noqa: E402
+from loglinear import FenwickState, log_linear_gated_deltanet, log_linear_mamba2  # noqa: E402
 from loglinear.fenwick import levels_needed  # noqa: E402
 
 IMPLS = ("loglinear", "fla_log_linear", "fla_mamba2", "sdpa_flash")
+IMPLS_GDN = ("loglinear", "fla_gdn", "sdpa_flash")
 PAPER = dict(B=2, H=48, G=1, K=128, V=64)
 
 
@@ -88,11 +93,40 @@ def build(impl: str, x: dict, H: int, G: int) -> tuple[Callable[[], torch.Tensor
     raise ValueError(f"unknown impl {impl!r}, expected one of {IMPLS}")
 
 
-def measure(impl: str, T: int, dtype: torch.dtype, warmup: int, rep: int) -> dict:
+def gdn_inputs(T: int, B: int, H: int, G: int, K: int, V: int, dtype: torch.dtype, seed: int = 0) -> dict:
+    """make_inputs plus beta [B, T, H] in [0.05, 0.95] (never zeros)."""
+    x = make_inputs(T, B, H, G, K, V, dtype, seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    x["beta"] = (0.05 + 0.9 * torch.rand(B, T, H, device="cuda", generator=gen)).to(dtype)
+    return x
+
+
+def build_gdn(impl: str, x: dict, H: int, G: int) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor]]:
+    """build() for --variant gdn: ours, fla's linear chunk_gated_delta_rule, or SDPA flash."""
+    if impl == "loglinear":
+        args = [x["q"], x["k"], x["v"], x["g"], x["beta"], x["level_scales"]]
+        return (lambda: log_linear_gated_deltanet(*args, use_qk_l2norm=True)[0]), args
+    if impl == "fla_gdn":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        q = x["q"].repeat_interleave(H // G, dim=2).contiguous()
+        k = x["k"].repeat_interleave(H // G, dim=2).contiguous()
+        args = [q, k, x["v"], x["g"], x["beta"]]
+        return (lambda: chunk_gated_delta_rule(*args, scale=None, use_qk_l2norm_in_kernel=True)[0]), args
+    if impl == "sdpa_flash":
+        return build(impl, x, H, G)
+    raise ValueError(f"unknown impl {impl!r}, expected one of {IMPLS_GDN}")
+
+
+def measure(impl: str, T: int, dtype: torch.dtype, warmup: int, rep: int, variant: str = "mamba2") -> dict:
     """fwd_ms, fwdbwd_ms (medians) and peak_gib of one forward+backward."""
     p = PAPER
-    x = make_inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], dtype)
-    fn, leaves = build(impl, x, p["H"], p["G"])
+    if variant == "gdn":
+        x = gdn_inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], dtype)
+        fn, leaves = build_gdn(impl, x, p["H"], p["G"])
+    else:
+        x = make_inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], dtype)
+        fn, leaves = build(impl, x, p["H"], p["G"])
     for t in leaves:
         t.requires_grad_(True)
     with torch.no_grad():
@@ -113,13 +147,15 @@ def measure(impl: str, T: int, dtype: torch.dtype, warmup: int, rep: int) -> dic
     return {"impl": impl, "T": T, "fwd_ms": round(fwd, 4), "fwdbwd_ms": round(fwdbwd, 4), "peak_gib": round(peak, 3)}
 
 
-def write_results(rows: list[dict], meta: dict, out: Path) -> None:
+def write_results(rows: list[dict], meta: dict, out: Path, variant: str = "mamba2") -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     Ts = sorted({r["T"] for r in rows})
-    impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
+    impls = [i for i in (IMPLS_GDN if variant == "gdn" else IMPLS) if any(r["impl"] == i for r in rows)]
     cell = {(r["impl"], r["T"]): r for r in rows}
-    lines = [f"# Op benchmark, log-linear Mamba-2 ({meta['gpu']})", "",
+    name = "log-linear Gated DeltaNet" if variant == "gdn" else "log-linear Mamba-2"
+    others = ("fla_gdn", "sdpa_flash") if variant == "gdn" else ("fla_mamba2", "fla_log_linear", "sdpa_flash")
+    lines = [f"# Op benchmark, {name} ({meta['gpu']})", "",
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; `{meta['command']}`", "",
              meta["setting"], "", meta["notes"], ""]
     for key, title in (("fwdbwd_ms", "forward+backward, ms (median)"), ("fwd_ms", "forward, ms (median)"),
@@ -131,14 +167,14 @@ def write_results(rows: list[dict], meta: dict, out: Path) -> None:
             lines.append(f"| {i} | " + " | ".join("—" if v is None else f"{v:g}" for v in vals) + " |")
         lines.append("")
     if "loglinear" in impls:
-        lines += ["## ratios (forward+backward)", "", "| T | ours / fla_mamba2 | ours / fla_log_linear | ours / sdpa_flash |",
-                  "|---|---|---|---|"]
+        lines += ["## ratios (forward+backward)", "", "| T | " + " | ".join(f"ours / {o}" for o in others) + " |",
+                  "|---" * (len(others) + 1) + "|"]
         for t in Ts:
             ours = cell.get(("loglinear", t), {}).get("fwdbwd_ms")
             ratio = lambda other: (  # noqa: E731
                 f"{ours / cell[(other, t)]['fwdbwd_ms']:.2f}" if ours and cell.get((other, t), {}).get("fwdbwd_ms") else "—"
             )
-            lines.append(f"| {t // 1024}K | {ratio('fla_mamba2')} | {ratio('fla_log_linear')} | {ratio('sdpa_flash')} |")
+            lines.append(f"| {t // 1024}K | " + " | ".join(ratio(o) for o in others) + " |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     import matplotlib
 
@@ -158,7 +194,7 @@ def write_results(rows: list[dict], meta: dict, out: Path) -> None:
         ax.set_title(key.replace("_ms", "").replace("fwdbwd", "forward+backward").replace("fwd", "forward"))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    fig.suptitle(f"log-linear Mamba-2 ops, B=2 H=48 K=128 V=64 bf16, {meta['gpu']}")
+    fig.suptitle(f"{name} ops, B=2 H=48 K=128 V=64 bf16, {meta['gpu']}")
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)
 
@@ -212,10 +248,70 @@ def check(log: Callable[[str], None], long_T: int) -> None:
     log(f"long bf16 T={long_T}: finite={bool(torch.isfinite(ob).all())} rel err vs fp32 torch path={rel(ob, o2):.2e}")
 
 
+def check_gdn(log: Callable[[str], None], long_T: int) -> None:
+    """check() for --variant gdn: kernels vs the torch chunk path in fp32 (outputs, states, all gradients,
+    the initial state's too), at benchmark sizes, unaligned T, GQA + varlen + states; then a long forward."""
+    def both(x, state=None, **kw):
+        res = {}
+        for backend in ("triton", "torch"):
+            os.environ["LOGLINEAR_BACKEND"] = backend
+            leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+            st = None if state is None else FenwickState(state.levels.detach().clone().requires_grad_(), state.positions)
+            t0 = time.time()
+            o, fin = log_linear_gated_deltanet(**leaves, initial_state=st, output_final_state=True, **kw)
+            ((o * do).sum() + (fin.levels * dst).sum()).backward()
+            torch.cuda.synchronize()
+            grads = {f"d{n}": t.grad for n, t in leaves.items()} | ({"dstate": st.levels.grad} if st else {})
+            res[backend] = (o, fin.levels, grads, time.time() - t0)
+        os.environ.pop("LOGLINEAR_BACKEND")
+        return res
+
+    p = PAPER
+    cases = [((8192, 2, 48, 1), {}), ((3000, 2, 8, 1), {}), ((4000, 1, 8, 2), {"varlen_state": True})]
+    for (T, B, H, G), opts in cases:
+        x = gdn_inputs(T, B, H, G, p["K"], p["V"], torch.float32, seed=T)
+        state, kw = None, dict(chunk_size=64, use_qk_l2norm=True)
+        if opts.get("varlen_state"):
+            kw["cu_seqlens"] = torch.tensor([0, 1000, 2500, T], device="cuda")
+            pre = gdn_inputs(1500, 3, H, G, p["K"], p["V"], torch.float32, seed=7)
+            pre = {n: t[:, :700] for n, t in pre.items()}
+            _, state = log_linear_gated_deltanet(**pre, output_final_state=True, use_qk_l2norm=True)
+            state = FenwickState(state.levels.detach(), state.positions)
+        os.environ["LOGLINEAR_BACKEND"] = "torch"
+        probe = log_linear_gated_deltanet(**x, initial_state=state, output_final_state=True, **kw)
+        os.environ.pop("LOGLINEAR_BACKEND")
+        do, dst = torch.randn_like(probe[0]), torch.randn_like(probe[1].levels)
+        r = both(x, state, **kw)
+        (o1, s1, g1, t1), (o2, s2, g2, t2) = r["triton"], r["torch"]
+        errs = {"o": rel(o1, o2), "state": rel(s1, s2), **{n: rel(g1[n], g2[n]) for n in g1}}
+        log(f"fp32 T={T} B={B} H={H} G={G} K=128 V=64 {'varlen+state ' if state else ''}l2norm: rel err vs torch chunk "
+            "path " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()) + f"  [triton {t1:.2f}s, torch {t2:.2f}s]")
+    x = gdn_inputs(long_T, 1, 2, 1, 128, 64, torch.float32, seed=1)
+    x["g"] = -(0.001 + 0.2 * torch.rand_like(x["g"]))
+    outs = {}
+    for backend in ("triton", "torch"):
+        os.environ["LOGLINEAR_BACKEND"] = backend
+        t0 = time.time()
+        outs[backend] = log_linear_gated_deltanet(**x, output_final_state=True, use_qk_l2norm=True)
+        torch.cuda.synchronize()
+        outs[backend + "_s"] = time.time() - t0
+    (o1, st1), (o2, st2) = outs["triton"], outs["torch"]
+    log(f"long fp32 T={long_T} B=1 H=2 K=128 V=64: finite={bool(torch.isfinite(o1).all())} levels={st1.levels.shape[1]} "
+        f"rel err vs torch chunk path o={rel(o1, o2):.2e} state={rel(st1.levels, st2.levels):.2e}  "
+        f"[triton {outs['triton_s']:.2f}s, torch {outs['torch_s']:.2f}s]")
+    os.environ["LOGLINEAR_BACKEND"] = "triton"
+    ob, _ = log_linear_gated_deltanet(**{n: t.to(torch.bfloat16) if n != "g" else t for n, t in x.items()},
+                                      use_qk_l2norm=True)
+    os.environ.pop("LOGLINEAR_BACKEND")
+    log(f"long bf16 T={long_T}: finite={bool(torch.isfinite(ob).all())} rel err vs fp32 torch path={rel(ob, o2):.2e}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, nargs="+", default=[2048 * 2**i for i in range(7)])
-    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    ap.add_argument("--variant", choices=("mamba2", "gdn"), default="mamba2")
+    ap.add_argument("--impls", nargs="+", default=None, choices=sorted(set(IMPLS + IMPLS_GDN)),
+                    help="default: every impl of the variant")
     ap.add_argument("--sdpa-max-T", type=int, default=65536, help="skip sdpa_flash above this T (quadratic)")
     ap.add_argument("--warmup", type=int, default=25)
     ap.add_argument("--rep", type=int, default=100)
@@ -225,6 +321,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--long-T", type=int, default=2**20)
     ap.add_argument("--no-bench", action="store_true")
     args = ap.parse_args(argv)
+    args.impls = args.impls or list(IMPLS_GDN if args.variant == "gdn" else IMPLS)
+    tag = "gdn-" if args.variant == "gdn" else ""
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
     out_dir = Path(args.out)
     command = "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:]))
@@ -238,11 +336,11 @@ def main(argv: list[str] | None = None) -> None:
             lines.append(s)
 
         try:
-            check(log, args.long_T)
+            (check_gdn if args.variant == "gdn" else check)(log, args.long_T)
         except Exception as e:  # keep the log and go on to the timings
             log(f"check failed: {type(e).__name__}: {e}")
         finally:
-            (out_dir / f"correctness-{gpu}.log").write_text("\n".join(lines) + "\n")
+            (out_dir / f"correctness-{tag}{gpu}.log").write_text("\n".join(lines) + "\n")
     if args.no_bench:
         return
     lifted = False
@@ -255,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
             if impl == "sdpa_flash" and T > args.sdpa_max_T:
                 continue
             try:
-                row = measure(impl, T, torch.bfloat16, args.warmup, args.rep)
+                row = measure(impl, T, torch.bfloat16, args.warmup, args.rep, args.variant)
             except Exception as e:  # an impl that cannot run a size (OOM, its own limits) gets no row
                 print(f"{impl} T={T}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
                 torch.cuda.empty_cache()
@@ -268,10 +366,11 @@ def main(argv: list[str] | None = None) -> None:
         "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
         "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", "command": command,
         "setting": "B=2, 48 value heads, q/k groups 1, K=128, V=64, bf16; g = -(0.01..0.11), lambda in [0.2, 1.2]; "
-                   "sdpa_flash: 48 heads x 64, causal. Median of triton.testing.do_bench.",
+                   + ("beta in [0.05, 0.95], q/k L2-normalised inside the ops; " if args.variant == "gdn" else "")
+                   + "sdpa_flash: 48 heads x 64, causal. Median of triton.testing.do_bench.",
         "notes": notes,
     }
-    write_results(rows, meta, out_dir / f"ops-mamba2-{gpu}")
+    write_results(rows, meta, out_dir / f"ops-{args.variant}-{gpu}", args.variant)
 
 
 if __name__ == "__main__":
