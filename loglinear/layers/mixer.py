@@ -39,19 +39,43 @@ def dt_bias_init(num_heads: int, dt_min: float = 1e-3, dt_max: float = 0.1, dt_f
 class MixerState:
     """Decoding state of one mixer for N sequences.
 
-    attn: FenwickState, levels [N, L, H, K, V] (L = ceil(log2 T) + 1 log-linear, 1 plain), positions [N]
-    conv: [N, W-1, C], the last W-1 inputs of the short convolution
+    levels:    [N, L, H, K, V] Fenwick level states (L = ceil(log2 T) + 1 log-linear, 1 plain), fp32
+    positions: [N] int64 CPU, tokens seen by each sequence
+    conv:      [N, W-1, C], the last W-1 inputs of the short convolution
+    (plain fields, no validation: the state also flows through torch.compile graphs)
     """
 
-    attn: FenwickState
+    levels: torch.Tensor
+    positions: torch.Tensor
     conv: torch.Tensor
 
+    @property
+    def attn(self) -> FenwickState:
+        return FenwickState(self.levels, self.positions)
+
+    @property
+    def num_sequences(self) -> int:
+        return self.levels.shape[0]
+
+    @property
+    def num_levels(self) -> int:
+        return self.levels.shape[1]
+
+    @property
+    def max_position(self) -> int:
+        return int(self.positions.max()) if self.positions.numel() else 0
+
     def nbytes(self) -> int:
-        return self.attn.nbytes() + self.conv.numel() * self.conv.element_size()
+        """Bytes of the level and conv states."""
+        return sum(x.numel() * x.element_size() for x in (self.levels, self.conv))
 
     def select(self, index: torch.Tensor) -> "MixerState":
         """Rows ``index`` (beam reordering, batch selection)."""
-        return MixerState(self.attn.select(index), self.conv.index_select(0, index.to(self.conv.device)))
+        index = torch.as_tensor(index, dtype=torch.int64)
+        return MixerState(
+            self.levels.index_select(0, index.to(self.levels.device)), self.positions[index.cpu()],
+            self.conv.index_select(0, index.to(self.conv.device)),
+        )
 
 
 @dataclass
@@ -133,14 +157,14 @@ class FenwickMixer(nn.Module):
         y = layout.unflatten(self.output(o, inputs))
         if not output_state:
             return y, None
-        return y, MixerState(FenwickState(levels, positions), conv_state)
+        return y, MixerState(levels, positions, conv_state)
 
     def _attend(self, inputs: OpInputs, lam, layout: TokenLayout, state: MixerState | None, output_state: bool):
         view = layout.op_view
         args = (
             self.variant, view(inputs.q), view(inputs.k), view(inputs.v), view(inputs.g),
             view(inputs.beta) if inputs.beta is not None else None, view(lam) if lam is not None else None,
-            state.attn.levels if state is not None else None, state.attn.positions if state is not None else None,
+            state.levels if state is not None else None, state.positions if state is not None else None,
             layout.cu_seqlens, self.scale, self.chunk_size, self.max_levels, output_state, self.l2norm_qk,
         )
         if torch.compiler.is_compiling():

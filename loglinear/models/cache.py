@@ -60,12 +60,12 @@ class FenwickCache(Cache):
     @property
     def positions(self) -> torch.Tensor | None:
         """[N] tokens seen by each sequence (None before the first call)."""
-        return self.states[0].attn.positions if self.states[0] is not None else None
+        return self.states[0].positions if self.states[0] is not None else None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen by the longest sequence."""
         state = self.states[layer_idx]
-        return 0 if state is None else state.attn.max_position
+        return 0 if state is None else state.max_position
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self.get_seq_length(layer_idx or 0)
@@ -73,7 +73,7 @@ class FenwickCache(Cache):
     def num_levels(self, layer_idx: int = 0) -> int:
         """Level states held per (sequence, head) by layer ``layer_idx``."""
         state = self.states[layer_idx]
-        return 0 if state is None else state.attn.num_levels
+        return 0 if state is None else state.num_levels
 
     def nbytes(self) -> int:
         """Bytes held by all layers (level states + conv states)."""
@@ -89,7 +89,7 @@ class FenwickCache(Cache):
         self._map(lambda s: s.select(indices))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map(lambda s: s.select(torch.arange(s.attn.num_sequences).repeat_interleave(repeats)))
+        self._map(lambda s: s.select(torch.arange(s.num_sequences).repeat_interleave(repeats)))
 
     def reset(self) -> None:
         self.states = [None] * len(self.states)

@@ -10,8 +10,6 @@ those of a zero hidden state; a batch gives exactly the per-sequence results.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -19,7 +17,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.utils import ModelOutput
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from loglinear.layers import LogLinearGatedDeltaNet, LogLinearMamba2, MixerState, RMSNorm, TokenLayout
 from loglinear.layers.mixer import FenwickMixer
@@ -29,29 +27,12 @@ from loglinear.models.configuration import LogLinearGatedDeltaNetConfig, LogLine
 
 __all__ = [
     "LogLinearMamba2Model", "LogLinearMamba2ForCausalLM", "LogLinearGatedDeltaNetModel",
-    "LogLinearGatedDeltaNetForCausalLM", "FenwickModelOutput", "FenwickCausalLMOutput",
+    "LogLinearGatedDeltaNetForCausalLM", "CACHE_KEY",
 ]
 
 
-@dataclass
-class FenwickModelOutput(ModelOutput):
-    """last_hidden_state: [B, T, D]; cache (also as past_key_values, the pre-5.2x name); hidden_states."""
-
-    last_hidden_state: torch.Tensor | None = None
-    cache: FenwickCache | None = None
-    past_key_values: FenwickCache | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
-
-
-@dataclass
-class FenwickCausalLMOutput(ModelOutput):
-    """loss (mean next-token cross-entropy); logits: [B, T', vocab]; cache / past_key_values; hidden_states."""
-
-    loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    cache: FenwickCache | None = None
-    past_key_values: FenwickCache | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
+# transformers' outputs name the cache "cache" from 5.2x on, "past_key_values" before: use the installed name.
+CACHE_KEY = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 class GatedMLP(nn.Module):
@@ -135,7 +116,7 @@ class _FenwickModel(_FenwickPreTrainedModel):
         cache: Cache | None = None, past_key_values: Cache | None = None, inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None, cu_seqlens: torch.Tensor | None = None,
         output_hidden_states: bool | None = None, return_dict: bool | None = None, **kwargs,
-    ) -> FenwickModelOutput:
+    ) -> BaseModelOutputWithPast:
         """input_ids: [B, T] (or inputs_embeds [B, T, D]); see the module docstring for the rest."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, D]")
@@ -155,7 +136,8 @@ class _FenwickModel(_FenwickPreTrainedModel):
         hidden = self.norm(hidden)
         if all_hidden is not None:
             all_hidden.append(hidden)
-        return FenwickModelOutput(hidden, cache, cache, tuple(all_hidden) if all_hidden is not None else None)
+        hidden_states = tuple(all_hidden) if all_hidden is not None else None
+        return BaseModelOutputWithPast(last_hidden_state=hidden, hidden_states=hidden_states, **{CACHE_KEY: cache})
 
     def _cache(self, cache: Cache | None, use_cache: bool) -> FenwickCache | None:
         if cache is not None and not isinstance(cache, FenwickCache):
@@ -195,7 +177,7 @@ class _FenwickForCausalLM(_FenwickPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None, use_cache: bool | None = None, cu_seqlens: torch.Tensor | None = None,
         output_hidden_states: bool | None = None, return_dict: bool | None = None, logits_to_keep: int = 0,
         **kwargs,
-    ) -> FenwickCausalLMOutput:
+    ) -> CausalLMOutputWithPast:
         """labels: [B, T] next-token targets (-100 ignored; shifted inside; with cu_seqlens no target crosses
         a sequence boundary). logits_to_keep > 0 computes logits of the last positions only."""
         out = self.model(
@@ -206,7 +188,7 @@ class _FenwickForCausalLM(_FenwickPreTrainedModel, GenerationMixin):
         hidden = out.last_hidden_state if not logits_to_keep else out.last_hidden_state[:, -logits_to_keep:]
         logits = self.lm_head(hidden)
         loss = self.loss(logits, labels, cu_seqlens) if labels is not None else None
-        return FenwickCausalLMOutput(loss, logits, out.cache, out.cache, out.hidden_states)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states, **{CACHE_KEY: out.get(CACHE_KEY)})
 
     @staticmethod
     def loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
