@@ -1,0 +1,80 @@
+"""Where the time of log-linear Gated DeltaNet goes: per-kernel CUDA time of one forward+backward.
+
+    python benchmarks/profile_gdn.py --T 32768 131072 --out benchmarks/results
+
+Paper setting (B = 2, 48 value heads, one q/k group, K = 128, V = 64, bf16, q/k L2-normalised in the op).
+For each T: torch.profiler over two forward+backward steps (after a warm-up step), CUDA time summed per
+kernel name; writes profile-gdn-<gpu>.md (one table per T, ms per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_ops import PAPER, gdn_inputs  # noqa: E402
+from loglinear import log_linear_gated_deltanet  # noqa: E402
+
+
+def profile_step(T: int, top: int) -> list[str]:
+    p = PAPER
+    x = gdn_inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], torch.bfloat16)
+    leaves = [x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta", "level_scales")]
+    grad = torch.randn(p["B"], T, p["H"], p["V"], device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        log_linear_gated_deltanet(*leaves, use_qk_l2norm=True)[0].backward(grad)
+        for t in leaves:
+            t.grad = None
+
+    step()
+    torch.cuda.synchronize()
+    steps = 2
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            rows.append((t / 1000 / steps, e.count // steps, e.key))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    lines = [f"## T = {T}: {total:.2f} ms of kernel time per forward+backward", "",
+             "| ms | % | calls | kernel |", "|---|---|---|---|"]
+    for ms, n, key in rows[:top]:
+        lines.append(f"| {ms:.3f} | {100 * ms / total:.1f} | {n} | `{key[:90]}` |")
+    return lines + [""]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--T", type=int, nargs="+", default=[32768])
+    ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = ap.parse_args()
+    gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
+    lines = [f"# log-linear Gated DeltaNet, CUDA time per kernel ({gpu}, torch {torch.__version__})", "",
+             "B=2, H=48, G=1, K=128, V=64, bf16, use_qk_l2norm; `python " + " ".join(sys.argv) + "`", ""]
+    for T in args.T:
+        try:
+            lines += profile_step(T, args.top)
+        except Exception as e:  # keep what was measured
+            lines += [f"## T = {T}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", ""]
+        print("\n".join(lines[-25:]), flush=True)
+        torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"profile-gdn-{gpu}.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
