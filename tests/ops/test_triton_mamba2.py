@@ -80,6 +80,7 @@ def _compare(x, *, dtype=torch.float32, state=None, cu_seqlens=None, chunk_size=
         (2, 37, 1, 2, 16, 16),  # T not a multiple of the chunk, B > 1
         (1, 64, 2, 4, 8, 5),  # aligned T, GQA (G < H), K/V not powers of two
         (2, 100, 1, 3, 16, 8),  # more chunk levels
+        (1, 50, 2, 2, 40, 40),  # K, V split over two programs each (partially masked blocks)
     ],
 )
 def test_kernels_match_reference(monkeypatch, B, T, G, H, K, V):

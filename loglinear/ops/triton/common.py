@@ -7,7 +7,8 @@ How a variant plugs in (mamba2_fwd.py / mamba2_bwd.py are the worked example):
     handles one (sequence, value head) and walks its chunks; q/k are read from group ``h // (H // G)``
     (no expanded copies).
   * ``load_rows`` / ``store_rows`` move a chunk of C tokens of a [tokens, heads, D] tensor (rows past
-    ``eos`` read as 0, so padding tokens have g = 0: identity transitions).
+    ``eos`` read as 0, so padding tokens have g = 0: identity transitions). lambda is loaded once per
+    chunk as a [C, BL] tile (one coalesced load) and ``column`` picks a level from registers.
   * The chunk-level Fenwick states of all levels live in one fp32 buffer [N, J, H, K, V] (levels.py):
     the forward cascade (read every live level, decay lazily, merge at ctz(chunk + 1)) and its transpose
     (split, decay, accumulate reads) are jit helpers; a variant supplies only what a chunk reads from a
@@ -27,15 +28,15 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "SCAN_RUNTIME_ARGS", "MAX_CHUNK_LEVELS", "interpreting", "alloc", "next_pow2", "dot_precision", "launch_options", "set_poison",
-    "load_rows", "store_rows", "load_column", "pick",
+    "SCAN_RUNTIME_ARGS", "MAX_CHUNK_LEVELS", "interpreting", "alloc", "next_pow2", "dot_precision", "launch_options", "set_poison", "split_block",
+    "load_rows", "store_rows", "column", "pick",
 ]
 
 _POISON = False
 
 # Scan kernels take these as plain runtime ints (no recompile per sequence length or head count);
 # K and V stay specialised (their divisibility gives vectorised loads).
-SCAN_RUNTIME_ARGS = ["H", "G", "L", "J"]
+SCAN_RUNTIME_ARGS = ["tokens", "H", "G", "L", "J"]
 MAX_CHUNK_LEVELS = 32  # decay-vector length of the scans: T up to 2^32 chunks
 
 
@@ -56,6 +57,11 @@ def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     return out.fill_(float("nan")) if _POISON else out
 
 
+def split_block(block: int) -> int:
+    """The block a kernel splits a K or V tile of side ``block`` into (halves, >= 16 for tl.dot)."""
+    return max(16, block // 2)
+
+
 def next_pow2(n: int, minimum: int = 16) -> int:
     """Smallest power of two >= max(n, minimum) (tl.dot needs tile sides >= 16)."""
     return max(minimum, 1 << max(n - 1, 0).bit_length())
@@ -67,12 +73,12 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def launch_options(block_k: int, block_v: int) -> dict[str, int]:
-    """num_warps / num_stages for a one-program-per-(sequence, head) scan kernel.
+    """num_warps / num_stages for a one-program-per-(sequence, head, block) scan kernel.
 
-    Fixed under the interpreter; on the GPU, larger state tiles get more warps."""
+    Fixed under the interpreter; on the GPU, 4 warps up to a [128, 32] fp32 state tile, 8 above."""
     if interpreting():
         return {"num_warps": 1, "num_stages": 1}
-    return {"num_warps": 8 if block_k * block_v >= 128 * 64 else 4, "num_stages": 2}
+    return {"num_warps": 8 if block_k * block_v > 128 * 32 else 4, "num_stages": 2}
 
 
 @triton.jit
@@ -90,10 +96,9 @@ def store_rows(ptr, x, t, valid, head, HEADS, D, cols):
 
 
 @triton.jit
-def load_column(ptr, t, valid, head, HEADS, L, level):
-    """lambda[t, head, level] of a [tokens, HEADS, L] tensor -> [C] fp32 (0 for level >= L or invalid rows)."""
-    ok = valid & ((t * 0 + level) < L)
-    return tl.load(ptr + (t * HEADS + head) * L + level, mask=ok, other=0.0).to(tl.float32)
+def column(tile, cols, j):
+    """tile[:, j] of a register tile [C, B] (cols = arange(B)); 0 when j >= B."""
+    return tl.sum(tl.where(cols[None, :] == j, tile, 0.0), 1)
 
 
 @triton.jit

@@ -17,12 +17,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from loglinear.fenwick import bit_length, chunk_bits, levels_needed
 from loglinear.inputs import OpInputs, expand_groups
 from loglinear.ops.torch_chunk import Mamba2Form, chunk_scan
 from loglinear.ops.torch_chunk.scan import _carry_past
-from loglinear.ops.triton.common import MAX_CHUNK_LEVELS, alloc, dot_precision, interpreting, launch_options, next_pow2
+from loglinear.ops.triton.common import (
+    MAX_CHUNK_LEVELS, alloc, dot_precision, interpreting, launch_options, next_pow2, split_block,
+)
 from loglinear.ops.triton.mamba2_bwd import mamba2_bwd_dkv_kernel, mamba2_bwd_dq_kernel
 from loglinear.ops.triton.mamba2_fwd import mamba2_fwd_kernel
 from loglinear.state import FenwickState
@@ -62,8 +65,8 @@ def _meta(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, L: int) -> dict
     return dict(
         H=v.shape[1], G=q.shape[1], K=K, V=V, L=L, J=plan.num_levels,
         C=plan.chunk_size, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV,
-        BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, PRECISION=dot_precision(q.dtype),
-        **launch_options(BK, BV),
+        BJ=MAX_CHUNK_LEVELS, BL=next_pow2(L, minimum=32), HAS_INIT=plan.has_init, PRECISION=dot_precision(q.dtype),
+        **launch_options(split_block(BK), BV),
     )
 
 
@@ -94,8 +97,10 @@ class LevelScanMamba2(torch.autograd.Function):
         bos, eos, chunk0 = plan.device_tensors(q.device)
         o = alloc(tuple(v.shape), v.dtype, v.device)
         levels = h0.detach().clone()
-        grid = (len(plan.bos), v.shape[1])
-        mamba2_fwd_kernel[grid](q, k, v, g, lam, o, levels, bos, eos, chunk0, plan.scale, **_meta(plan, q, v, lam.shape[-1]))
+        meta = _meta(plan, q, v, lam.shape[-1])
+        meta["BV"] = split_block(meta["BV"])
+        grid = (len(plan.bos), v.shape[1], triton.cdiv(v.shape[2], meta["BV"]))
+        mamba2_fwd_kernel[grid](q, k, v, g, lam, o, levels, bos, eos, chunk0, plan.scale, **meta)
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, g, lam, h0, levels)
         return o, levels
@@ -110,25 +115,33 @@ class LevelScanMamba2(torch.autograd.Function):
         d_o = torch.zeros_like(v) if d_o is None else d_o.to(v.dtype).contiguous()
         d_final = torch.zeros_like(final) if d_final is None else d_final.float().contiguous()
         meta = _meta(plan, q, v, L)
-        grid = (len(plan.bos), H)
-        dev = q.device
-        dq, dk = alloc((tokens, H, K), torch.float32, dev), alloc((tokens, H, K), torch.float32, dev)
-        dv, dlam = alloc((tokens, H, V), torch.float32, dev), alloc((tokens, H, L), torch.float32, dev)
-        qdq, kdk = alloc((tokens, H), torch.float32, dev), alloc((tokens, H), torch.float32, dev)
+        dev, f32 = q.device, torch.float32
+        BKS, BVS = split_block(meta["BK"]), split_block(meta["BV"])
+        NK, NV = triton.cdiv(K, BKS), triton.cdiv(V, BVS)
+        dq, dv = alloc((tokens, H, K), f32, dev), alloc((tokens, H, V), f32, dev)
+        dlam, qdq = alloc((NK, tokens, H, L), f32, dev), alloc((NK, tokens, H), f32, dev)
+        dk, kdk = alloc((NV, tokens, H, K), f32, dev), alloc((NV, tokens, H), f32, dev)
         scratch = h0.detach().clone()
-        meta_dq = dict(meta, BL=next_pow2(L, minimum=32))
-        mamba2_bwd_dq_kernel[grid](q, k, v, g, lam, d_o, dq, dlam, qdq, scratch, bos, eos, chunk0, plan.scale, **meta_dq)
+        args = (bos, eos, chunk0, plan.scale, tokens)
+        mamba2_bwd_dq_kernel[(len(plan.bos), H, NK)](
+            q, k, v, g, lam, d_o, dq, dlam, qdq, scratch, *args, BKS=BKS, **meta
+        )
         d_levels = d_final.clone()
-        mamba2_bwd_dkv_kernel[grid](q, k, v, g, lam, d_o, dk, dv, kdk, d_levels, bos, eos, chunk0, plan.scale, **meta)
+        mamba2_bwd_dkv_kernel[(len(plan.bos), H, NV)](
+            q, k, v, g, lam, d_o, dk, dv, kdk, d_levels, *args, BVS=BVS, **meta
+        )
+        dlam, qdq, kdk = dlam.sum(0), qdq.sum(0), kdk.sum(0)
         d_gate = qdq - kdk
         for n, (a, b) in enumerate(zip(plan.bos, plan.eos)):
             if b > a:
                 d_gate[b - 1] += (d_final[n] * final[n]).sum((0, 2, 3))
         dg = _reverse_cumsum(d_gate, plan)
-        _zero_prefixes(plan, dq, dk, dv, dlam)
+        _zero_prefixes(plan, dq, dv, dlam)
+        for part in dk:
+            _zero_prefixes(plan, part)
         G = q.shape[1]
         dq = dq.view(tokens, G, H // G, K).sum(2)
-        dk = dk.view(tokens, G, H // G, K).sum(2)
+        dk = dk.view(NV, tokens, G, H // G, K).sum((0, 3))
         d_h0 = d_levels if plan.has_init else None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dlam.to(lam.dtype), d_h0, None
 

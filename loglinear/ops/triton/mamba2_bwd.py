@@ -11,7 +11,10 @@ With dO the output gradient (scale folded into dA), per chunk:
 
 Kernel 1 walks forward (it needs the level states H_j: the forward cascade again) and writes dQ and
 dlambda; kernel 2 walks backward with the transposed cascade on dH and writes dK, dV and the initial
-states' gradient. Both also write q.dq and k.dk per (token, head): the gate's gradient follows from the
+states' gradient. For parallelism kernel 1 splits K and kernel 2 splits V over programs: the sums
+over the split axis (dlambda's readout part and q.dq in kernel 1, dK's deposit part and k.dk in
+kernel 2) are written per block and added by the caller in a fixed order; the intra-chunk parts
+of those are added by block 0 only. Both also write q.dq and k.dk per (token, head): the gate's gradient follows from the
 invariance o(q e^d, k e^-d, G - d) = o, i.e. dG_t = q_t.dq_t - k_t.dk_t (plus the final states' term),
 and dg is its reverse cumsum (done by the caller). No atomics: every output element has one writer.
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.common import SCAN_RUNTIME_ARGS, load_column, load_rows, store_rows
+from loglinear.ops.triton.common import SCAN_RUNTIME_ARGS, column, load_rows, store_rows
 from loglinear.ops.triton.intra import decay_matrix, intra_levels, level_weights
 from loglinear.ops.triton.levels import (
     accumulate_level, flush_levels, level_live, load_level, merge_levels, split_levels,
@@ -30,25 +33,30 @@ from loglinear.ops.triton.levels import (
 
 @triton.jit(do_not_specialize=SCAN_RUNTIME_ARGS)
 def mamba2_bwd_dq_kernel(
-    q, k, v, g, lam, do, dq, dlam, qdq, levels, bos_ptr, eos_ptr, chunk0_ptr, scale,
+    q, k, v, g, lam, do, dq, dlam, qdq, levels, bos_ptr, eos_ptr, chunk0_ptr, scale, tokens,
     H, G, K, V, L, J,
-    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
-    BL: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+    BJ: tl.constexpr, BL: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """dq: [tokens, H, K] fp32 (per value head); dlam: [tokens, H, L]; qdq: [tokens, H] fp32;
+    """Grid (N, H, cdiv(K, BKS)). dq: [tokens, H, K] fp32 (per value head);
+    dlam, qdq: [NK, tokens, H, L] / [NK, tokens, H] fp32 partial sums over K blocks;
     levels: [N, J, H, K, V] fp32 scratch holding the initial chunk-level states (overwritten)."""
-    n, h = tl.program_id(0), tl.program_id(1)
+    n, h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     grp = h // (H // G)
     bos = tl.load(bos_ptr + n).to(tl.int64)
     eos = tl.load(eos_ptr + n).to(tl.int64)
     c0 = tl.load(chunk0_ptr + n).to(tl.int64)
     r = tl.arange(0, C)
     kk, vv, jj, ll = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BJ), tl.arange(0, BL)
+    ks = kb * BKS + tl.arange(0, BKS)
+    first = (kb == 0).to(tl.float32)
     lev = intra_levels(r, LOG_C)
     causal = r[:, None] >= r[None, :]
     stride = H * K * V
-    ptrs = levels + (n * J * H + h) * K * V + kk[:, None] * V + vv[None, :]
-    lmask = (kk[:, None] < K) & (vv[None, :] < V)
+    ptrs = levels + (n * J * H + h) * K * V + ks[:, None] * V + vv[None, :]
+    lmask = (ks[:, None] < K) & (vv[None, :] < V)
+    dlam += kb.to(tl.int64) * tokens * H * L
+    qdq += kb.to(tl.int64) * tokens * H
     decay = tl.zeros([BJ], dtype=tl.float32)
     n_chunks = tl.cdiv(eos - bos, C)
     for i in range(n_chunks):
@@ -57,63 +65,71 @@ def mamba2_bwd_dq_kernel(
         chunk = c0 + i
         qc = load_rows(q, t, valid, grp, G, K, kk, BK)
         kc = load_rows(k, t, valid, grp, G, K, kk, BK)
+        qs = load_rows(q, t, valid, grp, G, K, ks, BKS)
+        kbl = load_rows(k, t, valid, grp, G, K, ks, BKS)
         vc = load_rows(v, t, valid, h, H, V, vv, BV)
         doc = load_rows(do, t, valid, h, H, V, vv, BV)
         gc = tl.load(g + t * H + h, mask=valid, other=0.0).to(tl.float32)
+        lam_c = load_rows(lam, t, valid, h, H, L, ll, BL).to(tl.float32)
         Gc = tl.cumsum(gc, 0)
         Gl = tl.sum(gc, 0)
         gamma = decay_matrix(Gc, causal)
         p = tl.dot(qc, tl.trans(kc), input_precision=PRECISION) * gamma
         d_a = tl.where(causal, tl.dot(doc, tl.trans(vc), input_precision=PRECISION) * scale, 0.0)
         d_lam = tl.zeros([C, BL], dtype=tl.float32)
-        d_ap = d_a * p
+        d_ap = d_a * p * first
         for level in tl.static_range(LOG_C + 1):
             col = tl.sum(tl.where(lev == level, d_ap, 0.0), 1)
             d_lam = tl.where(ll[None, :] == level, col[:, None], d_lam)
-        weights = level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C)
-        acc = tl.dot((d_a * gamma * weights).to(kc.dtype), kc, input_precision=PRECISION)
-        qt = qc.to(tl.float32) * tl.exp(Gc)[:, None]
-        d_qt = tl.zeros([C, BK], dtype=tl.float32)
+        weights = level_weights(lam_c, ll, lev, causal, LOG_C)
+        acc = tl.dot((d_a * gamma * weights).to(kbl.dtype), kbl, input_precision=PRECISION)
+        qt = qs.to(tl.float32) * tl.exp(Gc)[:, None]
+        d_qt = tl.zeros([C, BKS], dtype=tl.float32)
         for j in range(J):
             if level_live(chunk, c0, j, HAS_INIT):
-                lam_j = load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)
+                lam_j = column(lam_c, ll, LOG_C + 1 + j)
                 state = load_level(ptrs, stride, j, lmask, decay, jj).to(qc.dtype)
                 d_qt += lam_j[:, None] * tl.dot(doc, tl.trans(state), input_precision=PRECISION)
                 read = tl.dot(qt.to(qc.dtype), state, input_precision=PRECISION)
                 col = tl.sum(read * doc.to(tl.float32), 1) * scale
                 d_lam = tl.where(ll[None, :] == LOG_C + 1 + j, col[:, None], d_lam)
         acc += d_qt * (scale * tl.exp(Gc))[:, None]
-        store_rows(dq, acc, t, valid, h, H, K, kk)
+        store_rows(dq, acc, t, valid, h, H, K, ks)
         store_rows(dlam, d_lam, t, valid, h, H, L, ll)
-        tl.store(qdq + t * H + h, tl.sum(acc * qc.to(tl.float32), 1), mask=valid)
+        tl.store(qdq + t * H + h, tl.sum(acc * qs.to(tl.float32), 1), mask=valid)
         decay += Gl
         if i < n_chunks - 1:
-            kt = kc.to(tl.float32) * tl.exp(Gl - Gc)[:, None]
+            kt = kbl.to(tl.float32) * tl.exp(Gl - Gc)[:, None]
             deposit = tl.dot(tl.trans(kt.to(vc.dtype)), vc, input_precision=PRECISION)
             decay = merge_levels(ptrs, stride, lmask, deposit, decay, jj, chunk, c0, HAS_INIT, BJ)
 
 
 @triton.jit(do_not_specialize=SCAN_RUNTIME_ARGS)
 def mamba2_bwd_dkv_kernel(
-    q, k, v, g, lam, do, dk, dv, kdk, d_levels, bos_ptr, eos_ptr, chunk0_ptr, scale,
+    q, k, v, g, lam, do, dk, dv, kdk, d_levels, bos_ptr, eos_ptr, chunk0_ptr, scale, tokens,
     H, G, K, V, L, J,
-    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
-    HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVS: tl.constexpr,
+    BJ: tl.constexpr, BL: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """dk: [tokens, H, K] fp32 (per value head); dv: [tokens, H, V]; kdk: [tokens, H] fp32;
+    """Grid (N, H, cdiv(V, BVS)). dk, kdk: [NV, tokens, H, K] / [NV, tokens, H] fp32 partial sums over
+    V blocks (per value head); dv: [tokens, H, V];
     d_levels: [N, J, H, K, V] fp32: the final chunk-level states' gradient in, the initial ones' out."""
-    n, h = tl.program_id(0), tl.program_id(1)
+    n, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     grp = h // (H // G)
     bos = tl.load(bos_ptr + n).to(tl.int64)
     eos = tl.load(eos_ptr + n).to(tl.int64)
     c0 = tl.load(chunk0_ptr + n).to(tl.int64)
     r = tl.arange(0, C)
-    kk, vv, jj = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BJ)
+    kk, vv, jj, ll = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BJ), tl.arange(0, BL)
+    vs = vb * BVS + tl.arange(0, BVS)
+    first = (vb == 0).to(tl.float32)
     lev = intra_levels(r, LOG_C)
     causal = r[:, None] >= r[None, :]
     stride = H * K * V
-    ptrs = d_levels + (n * J * H + h) * K * V + kk[:, None] * V + vv[None, :]
-    lmask = (kk[:, None] < K) & (vv[None, :] < V)
+    ptrs = d_levels + (n * J * H + h) * K * V + kk[:, None] * V + vs[None, :]
+    lmask = (kk[:, None] < K) & (vs[None, :] < V)
+    dk += vb.to(tl.int64) * tokens * H * K
+    kdk += vb.to(tl.int64) * tokens * H
     decay = tl.zeros([BJ], dtype=tl.float32)
     n_chunks = tl.cdiv(eos - bos, C)
     for back in range(n_chunks):
@@ -125,31 +141,34 @@ def mamba2_bwd_dkv_kernel(
         kc = load_rows(k, t, valid, grp, G, K, kk, BK)
         vc = load_rows(v, t, valid, h, H, V, vv, BV)
         doc = load_rows(do, t, valid, h, H, V, vv, BV)
+        vbl = load_rows(v, t, valid, h, H, V, vs, BVS)
+        dobl = load_rows(do, t, valid, h, H, V, vs, BVS)
         gc = tl.load(g + t * H + h, mask=valid, other=0.0).to(tl.float32)
+        lam_c = load_rows(lam, t, valid, h, H, L, ll, BL).to(tl.float32)
         Gc = tl.cumsum(gc, 0)
         Gl = tl.sum(gc, 0)
         gamma = decay_matrix(Gc, causal)
-        weights = level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C)
+        weights = level_weights(lam_c, ll, lev, causal, LOG_C)
         a = tl.dot(qc, tl.trans(kc), input_precision=PRECISION) * gamma * weights
-        d_a = tl.dot(doc, tl.trans(vc), input_precision=PRECISION) * scale
+        d_a = tl.dot(doc, tl.trans(vc), input_precision=PRECISION) * (scale * first)
         d_s = tl.where(causal, d_a, 0.0) * gamma * weights
         acc_k = tl.dot(tl.trans(d_s.to(qc.dtype)), qc, input_precision=PRECISION)
-        acc_v = tl.dot(tl.trans(a.to(doc.dtype)), doc, input_precision=PRECISION) * scale
+        acc_v = tl.dot(tl.trans(a.to(dobl.dtype)), dobl, input_precision=PRECISION) * scale
         if i < n_chunks - 1:
             d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, chunk, BJ)
             to_end = tl.exp(Gl - Gc)[:, None]
             d_deposit = d_deposit.to(vc.dtype)
-            acc_k += to_end * tl.dot(vc, tl.trans(d_deposit), input_precision=PRECISION)
+            acc_k += to_end * tl.dot(vbl, tl.trans(d_deposit), input_precision=PRECISION)
             acc_v += to_end * tl.dot(kc, d_deposit, input_precision=PRECISION)
         decay += Gl
         qt = qc.to(tl.float32) * (scale * tl.exp(Gc))[:, None]
         for j in range(J):
             if level_live(chunk, c0, j, HAS_INIT):
-                lam_j = load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)
-                update = tl.dot(tl.trans((qt * lam_j[:, None]).to(doc.dtype)), doc, input_precision=PRECISION)
+                lam_j = column(lam_c, ll, LOG_C + 1 + j)
+                update = tl.dot(tl.trans((qt * lam_j[:, None]).to(dobl.dtype)), dobl, input_precision=PRECISION)
                 decay = accumulate_level(ptrs, stride, j, lmask, decay, jj, update)
         store_rows(dk, acc_k, t, valid, h, H, K, kk)
-        store_rows(dv, acc_v, t, valid, h, H, V, vv)
+        store_rows(dv, acc_v, t, valid, h, H, V, vs)
         tl.store(kdk + t * H + h, tl.sum(acc_k * kc.to(tl.float32), 1), mask=valid)
     if HAS_INIT:
         flush_levels(ptrs, stride, lmask, decay, jj, J, c0, c0, False, HAS_INIT)
