@@ -220,7 +220,7 @@ def check(log: Callable[[str], None], long_T: int) -> None:
         return res
 
     p = PAPER
-    for T, B, H in ((8192, 2, 48), (32768, 1, 16), (3000, 2, 8)):
+    for T, B, H in ((8192, 2, 48), (3000, 1, 8)):
         x = make_inputs(T, B, H, p["G"], p["K"], p["V"], torch.float32, seed=T)
         probe = log_linear_mamba2(**x, output_final_state=True)
         do, dst = torch.randn_like(probe[0]), torch.randn_like(probe[1].levels)
