@@ -101,8 +101,9 @@ def _context_parallel(
     local = leaving.levels[layout.local_slice]
     R = layout.carried_rows
     mat_shape = (R, H, 1, 1) if scalar_transition else (R, H, K, K)
-    mat = None if layout.reset else transition()
-    incoming = incoming_states(local, mat, mat_shape, layout, group)
+    with torch.autocast(q.device.type, enabled=False):  # boundary states stay in the state dtype under AMP
+        mat = None if layout.reset else transition()
+        incoming = incoming_states(local, mat, mat_shape, layout, group)
     o, final = run(torch.cat([base[:R] + incoming, base[R:]]), output_final_state)
     return o, _ending_state(final, layout)
 
