@@ -27,7 +27,7 @@ def niah_accuracy(model, haystack: np.ndarray, tok: Tokenizer, *, length: int, d
         batch = cases[i : i + batch_size]
         x = torch.from_numpy(np.stack([c.input_ids for c in batch])).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and device.type == "cuda"):
-            logits = model(input_ids=x).logits
+            logits = model(input_ids=x, use_cache=False).logits
         for b, case in enumerate(batch):
             pred = logits[b, torch.from_numpy(case.answer_pos - 1).to(device)].argmax(-1).cpu().numpy()
             solved += bool((pred == case.answer_ids).all())

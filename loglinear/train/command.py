@@ -46,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--device", default=None)
     p.add_argument("--resume", action="store_true", help="continue from <out-dir>/checkpoint.pt")
+    p.add_argument("--stop-after", type=int, default=None, help="end this run after this many steps "
+                   "(checkpointed; --resume continues it exactly)")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -60,7 +62,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         lr=a.lr, min_lr_ratio=a.min_lr_ratio, warmup=a.warmup, weight_decay=a.weight_decay,
         grad_clip=a.grad_clip, precision=a.precision, seed=a.seed, out_dir=a.out_dir or f"runs/lm/{a.arch}",
         save_every=a.save_every, eval_every=a.eval_every, eval_batches=a.eval_batches, log_every=a.log_every,
-        device=a.device, progress=not a.no_progress,
+        device=a.device, stop_after=a.stop_after, progress=not a.no_progress,
     )
 
 

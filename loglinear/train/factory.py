@@ -6,7 +6,9 @@
     gated_deltanet     Gated DeltaNet with use_log_linear=False
     ll_gated_deltanet  log-linear Gated DeltaNet
 
-Heads: head_dim 64 by default (at least one head); `overrides` go straight into the config.
+Heads by default (at least one): head_dim 64 for the Transformer and Gated DeltaNet (value dim 128),
+2 * d_model / 64 heads of 64 channels for Mamba-2 (expand 2). The Transformer's SwiGLU has the same width
+as the recurrent models' (8/3 d_model, rounded up to 32). `overrides` go straight into the config.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def _llama(vocab_size: int, d_model: int, n_layers: int, n_heads: int, max_seq_l
     from transformers import LlamaConfig, LlamaForCausalLM
 
     kw = dict(
-        vocab_size=vocab_size, hidden_size=d_model, intermediate_size=4 * d_model, num_hidden_layers=n_layers,
+        vocab_size=vocab_size, hidden_size=d_model, intermediate_size=-(-(8 * d_model // 3) // 32) * 32,
+        num_hidden_layers=n_layers,
         num_attention_heads=n_heads, num_key_value_heads=n_heads, max_position_embeddings=max_seq_len,
         tie_word_embeddings=True, attn_implementation="sdpa", use_cache=False,
     )
@@ -59,7 +62,7 @@ def build_model(
     """A freshly initialised causal LM (`seed` fixes the initialisation) taking input_ids [B, T] -> logits [B, T, V]."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    n_heads = n_heads or max(1, d_model // 64)
+    n_heads = n_heads or max(1, (2 if family(arch) == "mamba2" else 1) * d_model // 64)
     if seed is not None:
         torch.manual_seed(seed)
     if arch == "transformer":

@@ -79,7 +79,7 @@ def cosine_schedule(step: int, warmup: int, total: int, min_ratio: float) -> flo
 def lm_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
     """Next-token cross-entropy in fp32. inputs, targets: [B, T] (targets already shifted; -100 = ignore).
     reduction "none" gives [B, T]."""
-    logits = model(input_ids=inputs).logits.float()
+    logits = model(input_ids=inputs, use_cache=False).logits.float()
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction, ignore_index=-100)
     return loss.view_as(targets) if reduction == "none" else loss
 

@@ -61,7 +61,7 @@ def accuracy(model, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int
     for i in range(0, len(inputs), batch_size):
         x, y = inputs[i : i + batch_size].to(device), targets[i : i + batch_size].to(device)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
-            pred = model(input_ids=x).logits.argmax(-1)
+            pred = model(input_ids=x, use_cache=False).logits.argmax(-1)
         mask = y != IGNORE_INDEX
         hit += int((pred[mask] == y[mask]).sum())
         total += int(mask.sum())
@@ -105,25 +105,41 @@ def _init_worker(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def sweep(runs: list[MQARRun], workers: int = 1, threads: int | None = None) -> list[dict]:
-    """Run all `runs` (in `workers` processes when > 1), with a progress bar. Returns one row per run."""
+def sweep(runs: list[MQARRun], workers: int = 1, threads: int | None = None,
+          max_seconds: float | None = None) -> list[dict]:
+    """Run `runs` in order (in `workers` processes when > 1), with a progress bar; no run starts after
+    max_seconds (the rest are skipped, reported by the bar). Returns one row per finished run."""
+    deadline = time.monotonic() + (max_seconds if max_seconds is not None else math.inf)
     rows = []
     bar = tqdm(total=len(runs), desc="mqar", dynamic_ncols=True)
+
+    def done(row: dict) -> None:
+        rows.append(row)
+        bar.set_postfix(last=f"{row['arch']} d{row['d_model']}: {row['accuracy']:.2f}")
+        bar.update()
+
     if workers <= 1:
         for r in runs:
-            rows.append(train_mqar(r))
-            bar.set_postfix(last=f"{r.arch} d{r.d_model}: {rows[-1]['accuracy']:.2f}")
-            bar.update()
+            if time.monotonic() > deadline:
+                break
+            done(train_mqar(r))
     else:
-        threads = threads or max(1, (torch.get_num_threads()) // workers)
+        threads = threads or max(1, torch.get_num_threads() // workers)
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
                                  initargs=(threads,)) as pool:
-            for fut in as_completed([pool.submit(train_mqar, r) for r in runs]):
-                rows.append(fut.result())
-                bar.set_postfix(last=f"{rows[-1]['arch']} d{rows[-1]['d_model']}: {rows[-1]['accuracy']:.2f}")
-                bar.update()
+            pending = {pool.submit(_run_before, r, deadline) for r in runs}
+            for fut in as_completed(pending):
+                if fut.result() is not None:
+                    done(fut.result())
     bar.close()
+    if len(rows) < len(runs):
+        print(f"mqar: {len(runs) - len(rows)} of {len(runs)} runs skipped at the {max_seconds} s limit")
     return sorted(rows, key=lambda r: (ARCHS.index(r["arch"]), r["d_model"], r["seed"], r["lr"]))
+
+
+def _run_before(run: MQARRun, deadline: float) -> dict | None:
+    """train_mqar(run) unless the (monotonic-clock) deadline has passed."""
+    return None if time.monotonic() > deadline else train_mqar(run)
 
 
 def summarize(rows: list[dict]) -> dict[tuple[str, int], float]:
@@ -180,6 +196,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--workers", type=int, default=1, help="processes running runs concurrently")
+    p.add_argument("--max-seconds", type=float, default=None, help="start no run after this many seconds")
     p.add_argument("--out", default="runs/mqar/mqar-cpu", help="output path stem: writes .json, .md, .png")
 
 
@@ -188,10 +205,13 @@ def run(args: argparse.Namespace) -> int:
                    kv_pairs=tuple(args.kv_pairs), vocab_size=args.vocab_size, n_layers=args.layers,
                    train_examples=args.train_examples, test_examples=args.test_examples, epochs=args.epochs,
                    batch_size=args.batch_size, device=args.device)
+    # seed-major order: a time limit leaves whole seeds, every model and width covered
     runs = [replace(base, arch=a, d_model=d, seed=s, lr=lr)
-            for a, d, s, lr in itertools.product(args.archs, args.widths, args.seeds, args.lrs)]
+            for s, lr, d, a in itertools.product(args.seeds, args.lrs, args.widths, args.archs)]
     t0 = time.perf_counter()
-    rows = sweep(runs, workers=args.workers)
+    rows = sweep(runs, workers=args.workers, max_seconds=args.max_seconds)
+    if not rows:
+        raise SystemExit("mqar: no run finished")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     md = report(rows, out, f"MQAR ({args.device})")

@@ -1,0 +1,33 @@
+"""MQAR training and the sweep report: a small Transformer learns the task; best-lr / mean-over-seeds summary."""
+
+import json
+from argparse import Namespace
+
+from loglinear.train import mqar
+from loglinear.train.mqar import MQARRun, summarize, train_mqar
+
+
+def test_transformer_learns_mqar():
+    run = MQARRun("transformer", 32, seed=0, lr=3e-3, seq_len=32, kv_pairs=(2,), vocab_size=32,
+                  train_examples=1024, test_examples=128, epochs=6, batch_size=32)
+    row = train_mqar(run)
+    assert row["model"] == "transformer" and row["log_linear"] is False and row["d_model"] == 32
+    assert row["accuracy"] > 0.3  # chance: 1 / 16 values
+
+
+def test_summary_takes_best_lr_then_mean_over_seeds():
+    rows = [dict(arch="mamba2", d_model=16, seed=s, lr=lr, accuracy=a)
+            for s, lr, a in [(0, 1e-3, 0.2), (0, 1e-2, 0.6), (1, 1e-3, 0.4), (1, 1e-2, 0.1)]]
+    assert summarize(rows) == {("mamba2", 16): 0.5}
+
+
+def test_command_writes_json_md_png(tmp_path):
+    args = Namespace(archs=["transformer", "ll_mamba2"], widths=[16], seeds=[0], lrs=[3e-3], seq_len=16,
+                     kv_pairs=[2], vocab_size=32, layers=1, train_examples=64, test_examples=32, epochs=1,
+                     batch_size=32, device="cpu", workers=1, max_seconds=None, out=str(tmp_path / "mqar-test"))
+    assert mqar.run(args) == 0
+    rows = json.loads((tmp_path / "mqar-test.json").read_text())
+    assert [(r["model"], r["log_linear"]) for r in rows] == [("transformer", False), ("mamba2", True)]
+    assert all(0.0 <= r["accuracy"] <= 1.0 and {"d_model", "seed", "lr"} <= r.keys() for r in rows)
+    assert "LL Mamba-2" in (tmp_path / "mqar-test.md").read_text()
+    assert (tmp_path / "mqar-test.png").stat().st_size > 1000
