@@ -96,7 +96,7 @@ class LevelScanMamba2(torch.autograd.Function):
     def forward(ctx, q, k, v, g, lam, h0, plan: LevelScanPlan):
         bos, eos, chunk0 = plan.device_tensors(q.device)
         o = alloc(tuple(v.shape), v.dtype, v.device)
-        levels = h0.detach().clone()
+        levels = h0.detach().clone(memory_format=torch.contiguous_format)
         meta = _meta(plan, q, v, lam.shape[-1])
         meta["BV"] = split_block(meta["BV"])
         grid = (len(plan.bos), v.shape[1], triton.cdiv(v.shape[2], meta["BV"]))
@@ -121,7 +121,7 @@ class LevelScanMamba2(torch.autograd.Function):
         dq, dv = alloc((tokens, H, K), f32, dev), alloc((tokens, H, V), f32, dev)
         dlam, qdq = alloc((NK, tokens, H, L), f32, dev), alloc((NK, tokens, H), f32, dev)
         dk, kdk = alloc((NV, tokens, H, K), f32, dev), alloc((NV, tokens, H), f32, dev)
-        scratch = h0.detach().clone()
+        scratch = h0.detach().clone(memory_format=torch.contiguous_format)
         args = (bos, eos, chunk0, plan.scale, tokens)
         mamba2_bwd_dq_kernel[(len(plan.bos), H, NK)](
             q, k, v, g, lam, d_o, dq, dlam, qdq, scratch, *args, BKS=BKS, **meta
@@ -167,86 +167,133 @@ def _pad_levels(x: torch.Tensor, n: int) -> torch.Tensor:
     return F.pad(x, (0, 0) * (x.dim() - 1) + (0, max(0, n - x.shape[0])))[:n]
 
 
+@dataclass
+class _Flat:
+    """The call on one flat token axis: sequence n covers tokens [bounds[n], bounds[n+1]) from positions[n].
+
+    q, k: [tokens, G, K]; v: [tokens, H, V] (kernel dtype); g: [tokens, H]; lam: [tokens, H, L]."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    lam: torch.Tensor
+    bounds: list[int]
+    positions: list[int]
+
+    def rows(self, a: int, b: int) -> dict[str, torch.Tensor]:
+        """Tokens [a, b) as the torch path's [1, b-a, H, *] fp32 inputs (q/k expanded to the value heads)."""
+        H = self.v.shape[1]
+        pick = lambda x: x[None, a:b].float()  # noqa: E731
+        g = pick(self.g)
+        return dict(q=expand_groups(pick(self.q), H), k=expand_groups(pick(self.k), H), v=pick(self.v), g=g,
+                    beta=torch.ones_like(g), lam=pick(self.lam))
+
+
+def _flatten(inp: OpInputs) -> _Flat:
+    B, T, G, K = inp.q.shape
+    H, V = inp.v.shape[2:]
+    dtype = inp.q.dtype if inp.q.dtype == inp.k.dtype == inp.v.dtype else torch.float32
+    if dtype == torch.bfloat16 and interpreting():
+        dtype = torch.float32  # Triton's CPU interpreter (3.9) gets bf16 tl.dot wrong; GPUs run bf16
+    bounds = inp.bounds if inp.bounds is not None else [n * T for n in range(B + 1)]
+    state = inp.initial_state
+    return _Flat(
+        inp.q.to(dtype).reshape(B * T, G, K).contiguous(), inp.k.to(dtype).reshape(B * T, G, K).contiguous(),
+        inp.v.to(dtype).reshape(B * T, H, V).contiguous(), inp.g.reshape(B * T, H).contiguous(),
+        inp.level_scales.reshape(B * T, H, -1).contiguous(), bounds,
+        state.positions.tolist() if state is not None else [0] * (len(bounds) - 1),
+    )
+
+
+@dataclass
+class _Aligned:
+    """After the torch prefixes: per sequence its kernel start, the incoming levels there (carried past
+    that aligned position, or None), and the prefixes' outputs; ``done`` holds the final levels of
+    sequences that the prefix finished."""
+
+    bos: list[int]
+    chunk0: list[int]
+    levels: list[torch.Tensor | None]
+    prefixes: list[tuple[int, int]]
+    prefix_out: list[torch.Tensor]
+    done: dict[int, torch.Tensor]
+
+
+def _align(flat: _Flat, state: FenwickState | None, C: int, scale: float) -> _Aligned:
+    """Run each stateful sequence through the torch path up to its first chunk boundary (a state at
+    position 0 included: its junk in-chunk levels are read by the first chunk)."""
+    out = _Aligned([], [], [], [], [], {})
+    for n, (a, b, p) in enumerate(zip(flat.bounds, flat.bounds[1:], flat.positions)):
+        levels = state.levels[n : n + 1].float() if state is not None else None
+        pre = 0
+        if levels is not None and (p % C or p == 0):
+            pre = min(b - a, C - p % C)
+            x = flat.rows(a, a + pre)
+            o_pre, levels = chunk_scan(Mamba2Form, x["q"], x["k"], x["v"], x["g"], x["beta"], x["lam"], scale,
+                                       levels, p, C)
+            out.prefix_out.append(o_pre[0])
+            out.prefixes.append((a, a + pre))
+        if a + pre == b:
+            out.done[n] = levels[0]
+            levels = None
+        elif levels is not None and p + pre > 0:
+            levels = _carry_past(levels, p + pre)
+        out.levels.append(levels)
+        out.bos.append(a + pre)
+        out.chunk0.append((p + pre) // C)
+    return out
+
+
+def _chunk_levels(flat: _Flat, aligned: _Aligned, C: int) -> tuple[int, torch.Tensor, bool]:
+    """J (chunk levels the scans carry), the initial chunk levels h0 [N, J, H, K, V] fp32, and whether
+    any sequence has a state (otherwise h0 is zeros and the scans skip it)."""
+    c = chunk_bits(C)
+    ends = [p + b - a for a, b, p in zip(flat.bounds, flat.bounds[1:], flat.positions)]
+    J = max([1] + [max((e - 1) // C, 1).bit_length() for e in ends]
+            + [lv.shape[1] - c - 1 for lv in aligned.levels if lv is not None])
+    H, K, V = flat.v.shape[1], flat.q.shape[2], flat.v.shape[2]
+    zeros = flat.v.new_zeros((J, H, K, V), dtype=torch.float32)
+    if all(lv is None for lv in aligned.levels):
+        return J, zeros.expand(len(aligned.levels), J, H, K, V), False
+    return J, torch.stack([_pad_levels(lv[0, c + 1 :], J) if lv is not None else zeros for lv in aligned.levels]), True
+
+
+def _final_state(flat: _Flat, aligned: _Aligned, final: torch.Tensor, C: int, n_in: int) -> FenwickState:
+    """Per sequence: the last chunk's in-chunk buckets + the scan's chunk levels, padded as the torch path."""
+    H = flat.v.shape[1]
+    out, positions = [], []
+    for n, (a, b, p) in enumerate(zip(flat.bounds, flat.bounds[1:], flat.positions)):
+        if n in aligned.done:
+            lv = aligned.done[n]
+        else:
+            lv = torch.cat([_last_chunk_levels(flat.k, flat.v, flat.g, aligned.bos[n], b, C, H), final[n]])
+        out.append(_pad_levels(lv, max(levels_needed(p + b - a), n_in)))
+        positions.append(p + b - a)
+    n_max = max(x.shape[0] for x in out)
+    return FenwickState(torch.stack([_pad_levels(x, n_max) for x in out]), torch.tensor(positions))
+
+
 def mamba2_triton(inp: OpInputs, output_final_state: bool, chunk_size: int, use_qk_l2norm: bool = False):
-    """Backend "triton" for log_linear_mamba2 (see loglinear.ops.api.Backend)."""
-    q = inp.q
-    if q.dtype not in SUPPORTED_DTYPES or inp.v.dtype not in SUPPORTED_DTYPES or (
-        q.device.type != "cuda" and not interpreting()
+    """Backend "triton" for log_linear_mamba2 (see loglinear.ops.api.Backend); float64 and CPU tensors
+    outside the interpreter go to the torch path."""
+    if inp.q.dtype not in SUPPORTED_DTYPES or inp.v.dtype not in SUPPORTED_DTYPES or (
+        inp.q.device.type != "cuda" and not interpreting()
     ):
         from loglinear.ops.api import _BACKENDS
 
         return _BACKENDS["mamba2"]["torch"](inp, output_final_state, chunk_size, use_qk_l2norm)
     C = kernel_chunk_size(chunk_size)
-    c = chunk_bits(C)
-    B, T, G, K = q.shape
-    H, V = inp.v.shape[2:]
-    dtype = q.dtype if q.dtype == inp.k.dtype == inp.v.dtype else torch.float32
-    if dtype == torch.bfloat16 and interpreting():
-        dtype = torch.float32  # Triton's CPU interpreter (3.9) gets bf16 tl.dot wrong; GPUs run bf16
-    qf = q.to(dtype).reshape(B * T, G, K).contiguous()
-    kf = inp.k.to(dtype).reshape(B * T, G, K).contiguous()
-    vf = inp.v.to(dtype).reshape(B * T, H, V).contiguous()
-    gf = inp.g.reshape(B * T, H).contiguous()
-    lamf = inp.level_scales.reshape(B * T, H, -1).contiguous()
-    bounds = inp.bounds if inp.bounds is not None else [n * T for n in range(B + 1)]
-    state = inp.initial_state
-    n_seq = len(bounds) - 1
-    positions = state.positions.tolist() if state is not None else [0] * n_seq
-
-    # 2. torch prefixes up to the first chunk boundary
-    prefix_out, prefixes, seq_levels, done, bos, chunk0, ends_abs = [], [], [], {}, [], [], []
-    for n in range(n_seq):
-        a, b, p = bounds[n], bounds[n + 1], positions[n]
-        levels = state.levels[n : n + 1].float() if state is not None else None
-        pre = 0
-        if levels is not None and (p % C or p == 0):
-            pre = min(b - a, C - p % C)
-            sl = slice(a, a + pre)
-            pick = lambda x: x[None, sl].float()  # noqa: E731
-            o_pre, levels = chunk_scan(
-                Mamba2Form, expand_groups(pick(qf), H), expand_groups(pick(kf), H), pick(vf), pick(gf),
-                torch.ones_like(pick(gf)), pick(lamf), inp.scale, levels, p, C,
-            )
-            prefix_out.append(o_pre[0])
-            prefixes.append((a, a + pre))
-        if a + pre == b:
-            done[n] = levels[0]
-            levels = None
-        elif levels is not None and p + pre > 0:
-            levels = _carry_past(levels, p + pre)
-        seq_levels.append(levels)
-        bos.append(a + pre)
-        chunk0.append((p + pre) // C)
-        ends_abs.append(p + b - a)
-    J = max(
-        [1]
-        + [max((e - 1) // C, 1).bit_length() for e in ends_abs]
-        + [lv.shape[1] - c - 1 for lv in seq_levels if lv is not None]
-    )
-    has_init = any(lv is not None for lv in seq_levels)
-    h0 = qf.new_zeros((n_seq, J, H, K, V), dtype=torch.float32)
-    if has_init:
-        h0 = torch.stack([_pad_levels(lv[0, c + 1 :], J) if lv is not None else h0[0] for lv in seq_levels])
-    ends = bounds[1:]
-    plan = LevelScanPlan(bos, ends, chunk0, prefixes, C, J, has_init, inp.scale)
-    o, final = LevelScanMamba2.apply(qf, kf, vf, gf, lamf, h0, plan)
-    if prefixes:
-        idx = torch.cat([torch.arange(a, b, device=q.device) for a, b in prefixes])
-        o = o.index_copy(0, idx, torch.cat(prefix_out).to(o.dtype))
-    o = o.reshape(B, T, H, V).to(inp.v.dtype)
+    flat = _flatten(inp)
+    aligned = _align(flat, inp.initial_state, C, inp.scale)
+    J, h0, has_init = _chunk_levels(flat, aligned, C)
+    plan = LevelScanPlan(aligned.bos, flat.bounds[1:], aligned.chunk0, aligned.prefixes, C, J, has_init, inp.scale)
+    o, final = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, flat.lam, h0, plan)
+    if aligned.prefixes:
+        idx = torch.cat([torch.arange(a, b, device=o.device) for a, b in aligned.prefixes])
+        o = o.index_copy(0, idx, torch.cat(aligned.prefix_out).to(o.dtype))
+    o = o.reshape(inp.v.shape).to(inp.v.dtype)
     if not output_final_state:
         return o, None
-    n_in = state.num_levels if state is not None else 0
-    out_levels = []
-    for n in range(n_seq):
-        n_final = max(levels_needed(positions[n] + bounds[n + 1] - bounds[n]), n_in)
-        if n in done:
-            lv = done[n]
-        else:
-            inner = _last_chunk_levels(kf, vf, gf, bos[n], ends[n], C, H)
-            lv = torch.cat([inner, final[n]], dim=0)
-        out_levels.append(_pad_levels(lv, n_final))
-    n_max = max(x.shape[0] for x in out_levels)
-    levels = torch.stack([_pad_levels(x, n_max) for x in out_levels])
-    pos = torch.tensor([positions[n] + bounds[n + 1] - bounds[n] for n in range(n_seq)], dtype=torch.int64)
-    return o, FenwickState(levels, pos)
+    n_in = inp.initial_state.num_levels if inp.initial_state is not None else 0
+    return o, _final_state(flat, aligned, final, C, n_in)
