@@ -306,6 +306,28 @@ def check_gdn(log: Callable[[str], None], long_T: int) -> None:
     log(f"long bf16 T={long_T}: finite={bool(torch.isfinite(ob).all())} rel err vs fp32 torch path={rel(ob, o2):.2e}")
 
 
+def profile(T: int, log: Callable[[str], None]) -> None:
+    """Where our forward+backward spends its time: CUDA time per kernel (torch.profiler), paper setting."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    p = PAPER
+    x = make_inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], torch.bfloat16)
+    fn, leaves = build("loglinear", x, p["H"], p["G"])
+    for t in leaves:
+        t.requires_grad_(True)
+    grad = torch.randn_like(fn())
+    for _ in range(2):
+        fn().backward(grad)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn().backward(grad)
+        torch.cuda.synchronize()
+    log(f"profile T={T}, 3 x forward+backward, CUDA time by kernel:")
+    log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, nargs="+", default=[2048 * 2**i for i in range(7)])
@@ -320,6 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--check", action="store_true", help="kernels vs torch chunk path, and a long sequence")
     ap.add_argument("--long-T", type=int, default=2**20)
     ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--profile-T", type=int, default=0, help="profile our kernels at this T (0: no)")
     args = ap.parse_args(argv)
     args.impls = args.impls or list(IMPLS_GDN if args.variant == "gdn" else IMPLS)
     tag = "gdn-" if args.variant == "gdn" else ""
@@ -341,6 +364,11 @@ def main(argv: list[str] | None = None) -> None:
             log(f"check failed: {type(e).__name__}: {e}")
         finally:
             (out_dir / f"correctness-{tag}{gpu}.log").write_text("\n".join(lines) + "\n")
+    if args.profile_T:
+        log_lines = []
+        profile(args.profile_T, lambda line: (print(line, flush=True), log_lines.append(line)))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"profile-ops-mamba2-{gpu}.log").write_text(f"# {command}\n" + "\n".join(log_lines) + "\n")
     if args.no_bench:
         return
     lifted = False
