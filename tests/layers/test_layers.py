@@ -1,0 +1,176 @@
+"""The mixer layers: cached prefill + single-token steps reproduce the full forward, padding and packing
+equal per-sequence runs, the plain layers are exactly the single-state recurrence, the level cap, the
+short convolution, gradients, and bad inputs."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import assert_close
+from loglinear.layers import LogLinearGatedDeltaNet, LogLinearMamba2, TokenLayout
+from loglinear.layers import mixer as mixer_module
+from loglinear.layers.conv import ShortConvolution
+
+D = 12
+
+
+def make_layer(variant: str, use_log_linear: bool, max_levels: int = 21) -> torch.nn.Module:
+    torch.manual_seed(hash((variant, use_log_linear)) % 1000)
+    if variant == "mamba2":
+        layer = LogLinearMamba2(D, 4, head_dim=3, state_size=5, n_groups=2, use_log_linear=use_log_linear,
+                                chunk_size=4, max_levels=max_levels)
+    else:
+        layer = LogLinearGatedDeltaNet(D, 2, head_dim=4, expand_v=1.5, use_log_linear=use_log_linear, chunk_size=4,
+                                       max_levels=max_levels)
+    with torch.no_grad():  # random, non-default parameters everywhere (never the all-ones init)
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return layer.double()
+
+
+VARIANTS = [(v, ll) for v in ("mamba2", "gated_deltanet") for ll in (True, False)]
+
+
+@pytest.mark.parametrize("variant,ll", VARIANTS)
+def test_prefill_then_steps_match_full_forward(variant, ll):
+    layer = make_layer(variant, ll)
+    x = torch.randn(3, 19, D, dtype=torch.float64)
+    full, _ = layer(x)
+    outs, state = [], None
+    for t0, t1 in [(0, 6), (6, 7), (7, 8), (8, 13), (13, 14), (14, 15), (15, 16), (16, 17), (17, 19)]:
+        y, state = layer(x[:, t0:t1], state=state, output_state=True)
+        outs.append(y)
+    assert_close(torch.cat(outs, 1), full, 1e-12, "steps")
+    assert state.positions.tolist() == [19] * 3
+    assert state.num_levels == (6 if ll else 1)  # ceil(log2 19) + 1
+
+
+@pytest.mark.parametrize("variant,ll", VARIANTS)
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_equals_per_sequence_runs(variant, ll, side):
+    layer = make_layer(variant, ll)
+    lengths = [9, 4, 7]
+    x = torch.randn(3, 9, D, dtype=torch.float64)
+    mask = torch.zeros(3, 9, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        mask[b, 9 - n:] = 1 if side == "left" else 0
+        mask[b, :n] = 1 if side == "right" else mask[b, :n]
+    y, state = layer(x, attention_mask=mask, output_state=True)
+    assert state.positions.tolist() == lengths
+    for b, n in enumerate(lengths):
+        real = mask[b].bool()
+        ref, ref_state = layer(x[b : b + 1, real], output_state=True)
+        assert_close(y[b, real], ref[0], 1e-12, f"row {b}")
+        assert y[b, ~real].abs().max() == 0 if n < 9 else True
+        assert_close(state.levels[b, : ref_state.num_levels], ref_state.levels[0], 1e-12, f"state {b}")
+        assert_close(state.conv[b], ref_state.conv[0], 1e-14, f"conv state {b}")
+
+
+@pytest.mark.parametrize("variant,ll", VARIANTS)
+def test_cu_seqlens_equal_per_sequence_runs_and_continue(variant, ll):
+    layer = make_layer(variant, ll)
+    bounds = [0, 5, 6, 14]
+    x = torch.randn(1, 14, D, dtype=torch.float64)
+    cu = torch.tensor(bounds)
+    y, state = layer(x, cu_seqlens=cu, output_state=True)
+    nxt = torch.randn(1, 3, D, dtype=torch.float64)
+    y2, _ = layer(nxt, cu_seqlens=torch.tensor([0, 1, 2, 3]), state=state, output_state=True)
+    for n, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        ref, ref_state = layer(x[:, a:b], output_state=True)
+        assert_close(y[:, a:b], ref, 1e-12, f"seq {n}")
+        ref2, _ = layer(nxt[:, n : n + 1], state=ref_state)
+        assert_close(y2[:, n], ref2[:, 0], 1e-12, f"continued seq {n}")
+
+
+@pytest.mark.parametrize("variant", ["mamba2", "gated_deltanet"])
+def test_plain_layer_is_the_single_state_recurrence(monkeypatch, variant):
+    """use_log_linear=False: o_t = scale * q_t^T S_t with S_t = A_t S_{t-1} + beta_t k_t v_t^T (exactly Mamba-2 / GDN)."""
+    layer = make_layer(variant, False)
+    seen = {}
+    real = mixer_module.fenwick_attention
+
+    def spy(*args):
+        seen["args"] = args
+        return real(*args)
+
+    monkeypatch.setattr(mixer_module, "fenwick_attention", spy)
+    x = torch.randn(2, 11, D, dtype=torch.float64)
+    layer(x)
+    _, q, k, v, g, beta, lam, _, _, _, scale, *_ , l2 = seen["args"]
+    assert lam is None
+    H = v.shape[2]
+    q, k = q.repeat_interleave(H // q.shape[2], 2), k.repeat_interleave(H // k.shape[2], 2)
+    if l2:
+        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    beta = beta if beta is not None else torch.ones_like(g)
+    S = torch.zeros(2, H, q.shape[-1], v.shape[-1], dtype=torch.float64)
+    outs = []
+    for t in range(11):
+        kt = k[:, t]
+        if variant == "gated_deltanet":
+            S = S - beta[:, t, :, None, None] * kt[..., None] * torch.einsum("bhk,bhkv->bhv", kt, S)[:, :, None]
+        S = torch.exp(g[:, t])[..., None, None] * S + beta[:, t, :, None, None] * kt[..., None] * v[:, t, :, None]
+        outs.append(scale * torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+    o_ref = torch.stack(outs, 1)
+    o, _, _ = real(*seen["args"])
+    assert_close(o, o_ref, 1e-12, "plain")
+
+
+@pytest.mark.parametrize("variant", ["mamba2", "gated_deltanet"])
+def test_level_cap_raises(variant):
+    layer = make_layer(variant, True, max_levels=3)  # 4 tokens per sequence
+    x = torch.randn(1, 5, D, dtype=torch.float64)
+    layer(x[:, :4])
+    with pytest.raises(ValueError, match="max_levels = 3 covers at most 4"):
+        layer(x)
+    _, state = layer(x[:, :4], output_state=True)
+    with pytest.raises(ValueError, match="raise max_levels"):
+        layer(x[:, 4:], state=state)
+
+
+def test_short_convolution_matches_conv1d_and_carries_state():
+    conv = ShortConvolution(6, 4, bias=True).double()
+    x = torch.randn(2, 9, 6, dtype=torch.float64)
+    ref = F.conv1d(F.pad(x.transpose(1, 2), (3, 0)), conv.weight, conv.bias, groups=6).transpose(1, 2)
+    layout = TokenLayout.build(2, 9)
+    y, state = conv.step(layout.flatten(x), layout)
+    assert_close(layout.unflatten(y), ref, 1e-14, "conv")
+    first = TokenLayout.build(2, 2)
+    _, s1 = conv.step(first.flatten(x[:, :2]), first)
+    rest = TokenLayout.build(2, 7)
+    y2, s2 = conv.step(rest.flatten(x[:, 2:]), rest, s1)
+    assert_close(rest.unflatten(y2), ref[:, 2:], 1e-14, "conv continued")
+    assert_close(s2, state, 0, "conv state")
+    assert_close(state, x[:, -3:], 0, "conv state holds the last inputs")
+
+
+@pytest.mark.parametrize("variant", ["mamba2", "gated_deltanet"])
+def test_gradients_through_layer_and_state(variant):
+    layer = make_layer(variant, True)
+    x = torch.randn(2, 5, D, dtype=torch.float64, requires_grad=True)
+
+    def f(x):
+        _, state = layer(x[:, :3], output_state=True)
+        y, _ = layer(x[:, 3:], state=state)
+        return y
+
+    assert torch.autograd.gradcheck(f, (x,), eps=1e-6, atol=1e-7, fast_mode=True)
+    loss = layer(x)[0].square().sum()
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
+
+
+def test_bad_inputs_raise():
+    layer = make_layer("mamba2", True)
+    x = torch.randn(2, 4, D, dtype=torch.float64)
+    with pytest.raises(ValueError, match="attention_mask must be"):
+        layer(x, attention_mask=torch.ones(3, 4))
+    with pytest.raises(ValueError, match="without tokens"):
+        layer(x, attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]]))
+    with pytest.raises(ValueError, match="batch size 1"):
+        layer(x, cu_seqlens=torch.tensor([0, 2, 4]))
+    with pytest.raises(ValueError, match="cu_seqlens must increase"):
+        layer(x[:1], cu_seqlens=torch.tensor([0, 3, 2, 4]))
+    _, state = layer(x, output_state=True)
+    with pytest.raises(ValueError, match="conv state must be"):
+        layer(x[:1], state=state.select(torch.tensor([0, 1, 1])))

@@ -1,0 +1,156 @@
+"""The decode step (fused Triton kernel under TRITON_INTERPRET on CPU, and the PyTorch step) against the
+float64 recurrent reference: both variants, GQA, rows at different positions (across carries), the plain
+single-state recurrence, and the public ops' T == 1 dispatch."""
+
+import pytest
+import torch
+
+from helpers import assert_close, make_inputs, mamba2_args
+from loglinear import FenwickState, log_linear_gated_deltanet, log_linear_mamba2
+from loglinear import reference as R
+from loglinear.fenwick import levels_needed
+from loglinear.ops import decode as D
+from loglinear.ops.triton.decode import fused_decode_step
+
+STEPS = {"torch": D.decode_step_torch, "triton": fused_decode_step}
+
+
+def _prefix_states(x, gdn: bool, lengths: list[int]):
+    """Reference states of row n after lengths[n] tokens (rows at different positions), stacked."""
+    rec = R.log_linear_gated_deltanet_recurrent if gdn else R.log_linear_mamba2_recurrent
+    args = x if gdn else mamba2_args(x)
+    L = levels_needed(max(lengths) + 1)
+    states = []
+    H, K, V = x["v"].shape[2], x["q"].shape[3], x["v"].shape[3]
+    for n, ln in enumerate(lengths):
+        if ln == 0:
+            states.append(FenwickState.zeros(1, H, K, V, num_levels=L, dtype=torch.float64).levels)
+            continue
+        row = {name: t[n : n + 1, :ln] for name, t in args.items()}
+        _, st = rec(**row, output_final_state=True, **({"use_qk_l2norm": True} if gdn else {}))
+        states.append(st.with_levels(L).levels)
+    return torch.cat(states), torch.tensor(lengths)
+
+
+def _reference_step(x, gdn: bool, lengths: list[int]):
+    """o of the token following each row's prefix, from the recurrent reference over the whole row."""
+    rec = R.log_linear_gated_deltanet_recurrent if gdn else R.log_linear_mamba2_recurrent
+    args = x if gdn else mamba2_args(x)
+    outs = []
+    for n, ln in enumerate(lengths):
+        row = {name: t[n : n + 1, : ln + 1] for name, t in args.items()}
+        o, _ = rec(**row, **({"use_qk_l2norm": True} if gdn else {}))
+        outs.append(o[:, ln])
+    return torch.cat(outs)
+
+
+def _token(x, lengths):
+    idx = torch.tensor(lengths)
+    return {name: t[torch.arange(t.shape[0]), idx] for name, t in x.items()}
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("gdn", [False, True])
+@pytest.mark.parametrize("G,H,K,V", [(1, 2, 5, 3), (2, 4, 8, 16)])
+def test_step_matches_reference(impl, gdn, G, H, K, V):
+    lengths = [0, 1, 4, 7, 8, 15]  # fresh state, and carries into levels 1..4
+    x = make_inputs(len(lengths), 17, G, H, K=K, V=V)
+    levels, positions = _prefix_states(x, gdn, lengths)
+    tok = _token(x, lengths)
+    o, new = STEPS[impl](
+        tok["q"], tok["k"], tok["v"], tok["g"], tok["beta"] if gdn else None, tok["level_scales"], levels,
+        positions, x["q"].shape[-1] ** -0.5, l2norm_qk=gdn,
+    )
+    assert_close(o, _reference_step(x, gdn, lengths), 1e-12, f"{impl} o")
+    after, _ = _prefix_states(x, gdn, [n + 1 for n in lengths])
+    assert_close(new, after[:, : new.shape[1]], 1e-12, f"{impl} state")
+
+
+@pytest.mark.parametrize("gdn", [False, True])
+def test_fused_float32_state(gdn):
+    lengths = [3, 8, 12]
+    x = make_inputs(3, 14, 1, 2, K=16, V=32)
+    levels, positions = _prefix_states(x, gdn, lengths)
+    tok = {n: t.float() for n, t in _token(x, lengths).items()}
+    o, new = fused_decode_step(
+        tok["q"], tok["k"], tok["v"], tok["g"], tok["beta"] if gdn else None, tok["level_scales"], levels.float(),
+        positions, 0.25, l2norm_qk=gdn,
+    )
+    assert o.dtype == torch.float32 and new.dtype == torch.float32
+    assert_close(o.double(), _reference_step(x, gdn, lengths) * 0.25 / 16**-0.5, 1e-5, "fp32 o")
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("gdn", [False, True])
+def test_plain_step_is_the_single_state_recurrence(impl, gdn):
+    """fenwick=False: S <- exp(g) S (- beta k k^T S for GDN) + beta k v^T, o = scale S^T q, one level."""
+    x = make_inputs(3, 1, 1, 2, K=4, V=5)
+    tok = {n: t[:, 0] for n, t in x.items()}
+    S = torch.randn(3, 1, 2, 4, 5, dtype=torch.float64)
+    beta = tok["beta"] if gdn else torch.ones_like(tok["g"])
+    k, q = tok["k"].expand(-1, 2, -1), tok["q"].expand(-1, 2, -1)
+    expected = S[:, 0] - (beta[..., None, None] * k[..., None] * torch.einsum("nhk,nhkv->nhv", k, S[:, 0])[:, :, None]
+                          if gdn else 0)
+    expected = torch.exp(tok["g"])[..., None, None] * expected + beta[..., None, None] * k[..., None] * tok["v"][:, :, None]
+    o, new = STEPS[impl](
+        tok["q"], tok["k"], tok["v"], tok["g"], tok["beta"] if gdn else None, None, S, torch.tensor([5, 0, 8]),
+        0.5, fenwick=False,
+    )
+    assert_close(new[:, 0], expected, 1e-13, "plain state")
+    assert_close(o, 0.5 * torch.einsum("nhkv,nhk->nhv", expected, q), 1e-13, "plain o")
+
+
+@pytest.mark.parametrize("gdn", [False, True])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_public_op_uses_the_fused_step(monkeypatch, gdn, varlen):
+    monkeypatch.setenv("LOGLINEAR_BACKEND", "triton")
+    calls = []
+    real = D.decode_step
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(D, "decode_step", counting)
+    lengths = [5, 8]
+    x = make_inputs(2, 10, 1, 2)
+    levels, positions = _prefix_states(x, gdn, lengths)
+    tok = {n: t[:, None] for n, t in _token(x, lengths).items()}
+    kw = {"cu_seqlens": torch.tensor([0, 1, 2])} if varlen else {}
+    if varlen:
+        tok = {n: t.transpose(0, 1) for n, t in tok.items()}
+    state = FenwickState(levels, positions)
+    if gdn:
+        o, st = log_linear_gated_deltanet(**tok, initial_state=state, output_final_state=True, use_qk_l2norm=True, **kw)
+    else:
+        o, st = log_linear_mamba2(**mamba2_args(tok), initial_state=state, output_final_state=True, **kw)
+    assert calls, "the T == 1 call did not take the fused step"
+    o = o[0] if varlen else o[:, 0]
+    assert_close(o, _reference_step(x, gdn, lengths), 1e-12, "op o")
+    assert st.positions.tolist() == [6, 9]
+    after, _ = _prefix_states(x, gdn, [6, 9])
+    assert_close(st.levels, after[:, : st.levels.shape[1]], 1e-12, "op state")
+
+
+def test_public_op_keeps_autograd_when_grad_is_needed(monkeypatch):
+    monkeypatch.setenv("LOGLINEAR_BACKEND", "torch")
+    x = make_inputs(1, 4, 1, 2)
+    _, st = log_linear_mamba2(**mamba2_args({n: t[:, :3] for n, t in x.items()}), output_final_state=True)
+    monkeypatch.setenv("LOGLINEAR_BACKEND", "triton")
+    tok = {n: t[:, 3:].clone().requires_grad_() for n, t in mamba2_args(x).items()}
+    monkeypatch.setattr(D, "op_decode_step", lambda *a: pytest.fail("fused step used although a gradient is needed"))
+    from loglinear.inputs import check_inputs
+
+    inp = check_inputs(tok["q"], tok["k"], tok["v"], tok["g"], None, tok["level_scales"], None, st, None, has_beta=False)
+    assert not D.fused_decode_applies(inp)
+
+
+def test_fused_step_rejects_bad_levels():
+    x = make_inputs(2, 1, 1, 2, K=4, V=3)
+    tok = {n: t[:, 0] for n, t in x.items()}
+    with pytest.raises(ValueError, match="levels must be"):
+        fused_decode_step(tok["q"], tok["k"], tok["v"], tok["g"], None, tok["level_scales"],
+                          torch.zeros(2, 2, 2, 4, 4, dtype=torch.float64), torch.tensor([1, 1]), 1.0)
+    with pytest.raises(ValueError, match="level_scales"):
+        fused_decode_step(tok["q"], tok["k"], tok["v"], tok["g"], None, tok["level_scales"][..., :1],
+                          torch.zeros(2, 2, 2, 4, 3, dtype=torch.float64), torch.tensor([1, 1]), 1.0)
