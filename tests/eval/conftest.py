@@ -1,0 +1,1 @@
+from lm_data import tiny_data  # noqa: F401
