@@ -48,3 +48,16 @@ def test_cu_seqlens_must_be_global(one_rank):
         context_parallel_log_linear_mamba2(*x.values(), cu_seqlens=torch.tensor([0, 2, 5]))
     with pytest.raises(TypeError, match="cu_seqlens must be an int32/int64 tensor"):
         context_parallel_log_linear_mamba2(*x.values(), cu_seqlens=[0, 6])
+
+
+def test_shard_bounds_cover_the_sequence_once():
+    from loglinear.distributed import shard_bounds
+
+    for length, world in ((22, 4), (7, 7), (1000, 3)):
+        bounds = [shard_bounds(length, world, r) for r in range(world)]
+        assert bounds[0][0] == 0 and bounds[-1][1] == length
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        sizes = [e - s for s, e in bounds]
+        assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+    with pytest.raises(ValueError, match="cannot split length 3 over 4 ranks"):
+        shard_bounds(3, 4, 0)
