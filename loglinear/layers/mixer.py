@@ -160,12 +160,18 @@ class FenwickMixer(nn.Module):
         return y, MixerState(levels, positions, conv_state)
 
     def _attend(self, inputs: OpInputs, lam, layout: TokenLayout, state: MixerState | None, output_state: bool):
+        levels, positions = (state.levels, state.positions) if state is not None else (None, None)
+        if layout.active is not None:  # rows without tokens in this call keep their state
+            if not layout.active.numel():
+                return inputs.v.new_zeros(inputs.v.shape), *self._fresh(state, layout, inputs)
+            if state is not None:
+                levels, positions = levels.index_select(0, layout.active.to(levels.device)), positions[layout.active]
         view = layout.op_view
         args = (
             self.variant, view(inputs.q), view(inputs.k), view(inputs.v), view(inputs.g),
             view(inputs.beta) if inputs.beta is not None else None, view(lam) if lam is not None else None,
-            state.levels if state is not None else None, state.positions if state is not None else None,
-            layout.cu_seqlens, self.scale, self.chunk_size, self.max_levels, output_state, self.l2norm_qk,
+            levels, positions, layout.cu_seqlens, self.scale, self.chunk_size, self.max_levels, output_state,
+            self.l2norm_qk,
         )
         if torch.compiler.is_compiling():
             from loglinear.ops.custom_ops import fenwick_attention_op
@@ -173,4 +179,21 @@ class FenwickMixer(nn.Module):
             o, levels, positions = fenwick_attention_op(*args)
         else:
             o, levels, positions = fenwick_attention(*args)
+        if output_state and layout.active is not None:
+            levels, positions = self._scatter(levels, positions, state, layout, inputs)
         return layout.from_op_view(o), levels, positions
+
+    def _fresh(self, state: MixerState | None, layout: TokenLayout, inputs: OpInputs, n_levels: int = 1):
+        """The state of all N sequences before this call: [N, L, H, K, V] levels (zeros if none) and positions."""
+        if state is not None:
+            return FenwickState(state.levels, state.positions).with_levels(n_levels).levels, state.positions
+        N, H, K, V = layout.num_sequences, inputs.v.shape[1], inputs.q.shape[2], inputs.v.shape[2]
+        dtype = torch.promote_types(inputs.v.dtype, torch.float32)
+        return inputs.v.new_zeros(N, n_levels, H, K, V, dtype=dtype), torch.zeros(N, dtype=torch.int64)
+
+    def _scatter(self, levels, positions, state, layout: TokenLayout, inputs: OpInputs):
+        """New states of the active sequences written into the states of all N."""
+        all_levels, all_positions = self._fresh(state, layout, inputs, levels.shape[1])
+        all_positions = all_positions.clone()
+        all_positions[layout.active] = positions
+        return all_levels.index_copy(0, layout.active.to(levels.device), levels.to(all_levels.dtype)), all_positions

@@ -23,9 +23,11 @@ class TokenLayout:
     """Real tokens of a [B, T] batch grouped into N sequences.
 
     index:      [Ntok] positions of the real tokens in the flattened [B * T] batch (None: all, dense)
-    cu_seqlens: [N + 1] int64 boundaries of the sequences in the packed token list (None: dense)
+    cu_seqlens: [M + 1] int64 boundaries of the M sequences with tokens in the packed list (None: dense)
     seq_id:     [Ntok] sequence of every token;  pos: [Ntok] its offset inside this call's part of it
-    lengths:    the N sequence lengths of this call (host ints)
+    lengths:    the N sequence lengths of this call (host ints; a padded row may have none in this call,
+                e.g. a chunk of a left-padded prompt: its state passes through)
+    active:     [M] the sequences with tokens, when some have none (None: all)
     """
 
     batch: int
@@ -35,6 +37,7 @@ class TokenLayout:
     seq_id: torch.Tensor
     pos: torch.Tensor
     lengths: list[int]
+    active: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -68,13 +71,15 @@ class TokenLayout:
     @classmethod
     def _from_mask(cls, batch: int, length: int, mask: torch.Tensor) -> "TokenLayout":
         lengths = mask.sum(1).tolist()
-        if min(lengths) < 1:
-            raise ValueError(f"attention_mask leaves a row without tokens (real tokens per row: {lengths})")
         index = mask.reshape(-1).nonzero().squeeze(1)
         seq_id = index // length
         starts = torch.tensor([0] + lengths, device=mask.device).cumsum(0)
         pos = torch.arange(index.numel(), device=mask.device) - starts[seq_id]
-        return cls(batch, length, index, starts, seq_id, pos, lengths)
+        if min(lengths) > 0:
+            return cls(batch, length, index, starts, seq_id, pos, lengths)
+        active = [b for b, n in enumerate(lengths) if n > 0]
+        cu = torch.tensor([0] + [lengths[b] for b in active], device=mask.device).cumsum(0)
+        return cls(batch, length, index, cu, seq_id, pos, lengths, torch.tensor(active, dtype=torch.int64))
 
     @classmethod
     def _from_cu_seqlens(cls, batch: int, length: int, cu_seqlens: torch.Tensor, device) -> "TokenLayout":

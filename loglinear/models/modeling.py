@@ -21,7 +21,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from loglinear.layers import LogLinearGatedDeltaNet, LogLinearMamba2, MixerState, RMSNorm, TokenLayout
 from loglinear.layers.mixer import FenwickMixer
-from loglinear.layers.norm import GatedRMSNorm
+from loglinear.layers.norm import GatedRMSNorm, wide
 from loglinear.models.cache import FenwickCache
 from loglinear.models.configuration import LogLinearGatedDeltaNetConfig, LogLinearMamba2Config
 
@@ -197,7 +197,7 @@ class _FenwickForCausalLM(_FenwickPreTrainedModel, GenerationMixin):
         if cu_seqlens is not None:
             starts = cu_seqlens[1:-1].to(targets.device)
             targets[:, starts - 1] = -100  # the first token of a packed sequence is not predicted from the last
-        return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+        return F.cross_entropy(wide(logits[:, :-1]).reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
 
 
 class LogLinearMamba2PreTrainedModel(_FenwickPreTrainedModel):
