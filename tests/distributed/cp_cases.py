@@ -8,6 +8,7 @@ g, beta, level_scales; initial_state.levels summed over ranks; the final state a
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 import traceback
 import zlib
@@ -36,13 +37,19 @@ class Case:
     seq_bounds: list[int] | None = None  # global cu_seqlens (B = 1)
     init_positions: list[int] | None = None  # initial state positions (None: no initial state)
     op_kwargs: dict = field(default_factory=dict)
+    dtype: torch.dtype = torch.float64
+    backend: str | None = None  # LOGLINEAR_BACKEND for the op calls (None: the default)
+
+    @property
+    def rtol(self) -> float:
+        return 1e-10 if self.dtype == torch.float64 else 2e-5
 
 
 def _inputs(case: Case, gen: torch.Generator) -> dict[str, torch.Tensor]:
     T = sum(case.lengths)
     start = max(case.init_positions or [0])
     L = levels_needed(start + T) + 1
-    kw = dict(dtype=torch.float64, generator=gen)
+    kw = dict(dtype=case.dtype, generator=gen)
     B, G, H, K, V = case.B, case.G, case.H, case.K, case.V
     x = {
         "q": torch.randn(B, T, G, K, **kw),
@@ -60,7 +67,7 @@ def _inputs(case: Case, gen: torch.Generator) -> dict[str, torch.Tensor]:
 def _initial_state(case: Case, n_seq: int, L: int, gen: torch.Generator) -> FenwickState | None:
     if case.init_positions is None:
         return None
-    levels = torch.randn(n_seq, L, case.H, case.K, case.V, dtype=torch.float64, generator=gen) * 0.3
+    levels = torch.randn(n_seq, L, case.H, case.K, case.V, dtype=case.dtype, generator=gen) * 0.3
     return FenwickState(levels.requires_grad_(), torch.tensor(case.init_positions))
 
 
@@ -83,14 +90,23 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor, wh
 
 
 def run_case(case: Case, rank: int, group) -> None:
+    if case.backend is not None:
+        os.environ["LOGLINEAR_BACKEND"] = case.backend
+    try:
+        _run_case(case, rank, group)
+    finally:
+        os.environ.pop("LOGLINEAR_BACKEND", None)
+
+
+def _run_case(case: Case, rank: int, group) -> None:
     gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
     x = _inputs(case, gen)
     T, L = sum(case.lengths), x["level_scales"].shape[-1]
     n_seq = len(case.seq_bounds) - 1 if case.seq_bounds else case.B
     state = _initial_state(case, n_seq, L, gen)
     cu = torch.tensor(case.seq_bounds) if case.seq_bounds else None
-    w = torch.randn(case.B, T, case.H, case.V, dtype=torch.float64, generator=gen)
-    w_final = torch.randn(n_seq, L, case.H, case.K, case.V, dtype=torch.float64, generator=gen)
+    w = torch.randn(case.B, T, case.H, case.V, dtype=case.dtype, generator=gen)
+    w_final = torch.randn(n_seq, L, case.H, case.K, case.V, dtype=case.dtype, generator=gen)
 
     full = {n: t.clone().requires_grad_() for n, t in x.items()}
     o_ref, final_ref = _call(case, False, full, state, cu)
@@ -103,25 +119,25 @@ def run_case(case: Case, rank: int, group) -> None:
     b = a + case.lengths[rank]
     shard = {n: t[:, a:b].detach().clone().requires_grad_() for n, t in x.items()}
     o, final = _call(case, True, shard, state, cu, group)
-    _close(o, o_ref[:, a:b], o_ref, f"{case.name}: o on rank {rank}")
+    _close(o, o_ref[:, a:b], o_ref, f"{case.name}: o on rank {rank}", case.rtol)
     loss = (o * w[:, a:b]).sum()
     ends = _ending_sequences(case, a, b)
     if ends:
         assert final is not None and final.num_sequences == len(ends), f"{case.name}: final state rows on rank {rank}"
         n_levels = max(final.num_levels, final_ref.num_levels)
         ref_levels = final_ref.select(ends).with_levels(n_levels).levels
-        _close(final.with_levels(n_levels).levels, ref_levels, ref_levels, f"{case.name}: final state on rank {rank}")
+        _close(final.with_levels(n_levels).levels, ref_levels, ref_levels, f"{case.name}: final state on rank {rank}", case.rtol)
         assert final.positions.tolist() == final_ref.positions[ends].tolist(), f"{case.name}: final positions"
         loss = loss + (final.levels * w_final[ends][:, : final.num_levels]).sum()
     else:
         assert final is None, f"{case.name}: rank {rank} returned a final state for no ending sequence"
     loss.backward()
     for n in shard:
-        _close(shard[n].grad, full[n].grad[:, a:b], full[n].grad, f"{case.name}: d{n} on rank {rank}")
+        _close(shard[n].grad, full[n].grad[:, a:b], full[n].grad, f"{case.name}: d{n} on rank {rank}", case.rtol)
     if state is not None:
         init_grad = state.levels.grad.clone() if state.levels.grad is not None else torch.zeros_like(state.levels)
         dist.all_reduce(init_grad, group=group)
-        _close(init_grad, init_grad_ref, init_grad_ref, f"{case.name}: d initial_state on rank {rank}")
+        _close(init_grad, init_grad_ref, init_grad_ref, f"{case.name}: d initial_state on rank {rank}", case.rtol)
 
 
 def _ending_sequences(case: Case, a: int, b: int) -> list[int]:

@@ -1,7 +1,7 @@
 """Context parallelism on CPU with gloo: 2 and 4 processes, float64, outputs and all gradients equal the
 single-process op (both variants, uneven shards, T_r = 1 shards, G < H, varlen across and inside shards,
 initial states, final states); on 4 processes also whole models under apply_context_parallel (logits and
-parameter gradients equal the single-process model's)."""
+parameter gradients equal the single-process model's); on 2 processes the Triton backend (float32)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,21 @@ import os
 import time
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 from cp_cases import Case, worker
 
 TIMEOUT_S = 400  # a hang fails the test (gloo itself gives up after 60 s per exchange)
+
+
+def _triton_cases(lengths: list[int]) -> list[Case]:
+    """The Triton backend (float32, K = V = 16 for tl.dot), interpreted on the CPU."""
+    return [
+        Case(f"{variant}-triton", variant, lengths, K=16, V=16, chunk_size=16, init_positions=[5, 12],
+             dtype=torch.float32, backend="triton")
+        for variant in ("mamba2", "gated_deltanet")
+    ]
 
 
 def _cases(lengths: list[int]) -> list[Case]:
@@ -34,9 +44,9 @@ def _cases(lengths: list[int]) -> list[Case]:
 MODELS = [("mamba2", True), ("gated_deltanet", True), ("gated_deltanet", False)]  # (variant, log-linear)
 
 
-def _spawn(lengths: list[int], models: list[tuple[str, bool]], tmp_path) -> None:
+def _spawn(lengths: list[int], cases: list[Case], models: list[tuple[str, bool]], tmp_path) -> None:
     world = len(lengths)
-    args = (world, str(tmp_path / "store"), _cases(lengths), models)
+    args = (world, str(tmp_path / "store"), cases, models)
     ctx = mp.start_processes(worker, args=args, nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     while not ctx.join(timeout=5):
@@ -49,4 +59,10 @@ def _spawn(lengths: list[int], models: list[tuple[str, bool]], tmp_path) -> None
 
 @pytest.mark.parametrize("lengths, models", [([13, 6], []), ([5, 9, 1, 7], MODELS)], ids=["2-ranks", "4-ranks"])
 def test_context_parallel_matches_single_process(lengths, models, tmp_path):
-    _spawn(lengths, models, tmp_path)
+    _spawn(lengths, _cases(lengths), models, tmp_path)
+
+
+def test_context_parallel_on_the_triton_backend(tmp_path, monkeypatch):
+    """Any backend: the same exactness (float32) with the fused kernels, interpreted on the CPU."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the ranks hold CPU tensors; inherited by the spawned ranks
+    _spawn([23, 17], _triton_cases([23, 17]), [], tmp_path)
