@@ -67,6 +67,22 @@ def test_padding_equals_per_sequence_runs(variant, ll, side):
 
 
 @pytest.mark.parametrize("variant,ll", VARIANTS)
+def test_row_without_tokens_keeps_its_state(variant, ll):
+    """A chunk of a left-padded prompt may hold no token of a row: that row's state passes through."""
+    layer = make_layer(variant, ll)
+    x = torch.randn(2, 7, D, dtype=torch.float64)
+    _, state = layer(x[:, :3], attention_mask=torch.tensor([[1, 1, 1], [0, 0, 0]]), output_state=True)
+    assert state.positions.tolist() == [3, 0] and state.levels[1].abs().max() == 0
+    y, state = layer(x[:, 3:], attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]), state=state,
+                     output_state=True)
+    ref0, _ = layer(x[:1])
+    ref1, _ = layer(x[1:, 5:])
+    assert_close(y[0], ref0[0, 3:], 1e-12, "row 0")
+    assert_close(y[1, 2:], ref1[0], 1e-12, "row 1")
+    assert y[1, :2].abs().max() == 0 and state.positions.tolist() == [7, 2]
+
+
+@pytest.mark.parametrize("variant,ll", VARIANTS)
 def test_cu_seqlens_equal_per_sequence_runs_and_continue(variant, ll):
     layer = make_layer(variant, ll)
     bounds = [0, 5, 6, 14]
@@ -165,8 +181,6 @@ def test_bad_inputs_raise():
     x = torch.randn(2, 4, D, dtype=torch.float64)
     with pytest.raises(ValueError, match="attention_mask must be"):
         layer(x, attention_mask=torch.ones(3, 4))
-    with pytest.raises(ValueError, match="without tokens"):
-        layer(x, attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]]))
     with pytest.raises(ValueError, match="batch size 1"):
         layer(x, cu_seqlens=torch.tensor([0, 2, 4]))
     with pytest.raises(ValueError, match="cu_seqlens must increase"):
