@@ -66,6 +66,11 @@ def _base_levels(
     zero = torch.zeros(shape, dtype=dtype, device=device)
     if initial_state is None:
         return zero.expand(len(layout.init_rows), *shape).clone()
+    if initial_state.num_levels > shape[0]:
+        raise ValueError(
+            f"initial_state has {initial_state.num_levels} levels (levels {tuple(initial_state.levels.shape)}), more "
+            f"than level_scales' L = {shape[0]}; L must cover the state and the global length"
+        )
     init = initial_state.with_levels(shape[0]).levels.to(dtype)
     return torch.stack([zero if row is None else init[row] for row in layout.init_rows])
 

@@ -40,6 +40,9 @@ def test_bad_initial_state(one_rank):
     state = FenwickState.zeros(3, 2, 4, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"initial_state holds 3 sequences .* expected 2"):
         context_parallel_log_linear_mamba2(*x.values(), initial_state=state)
+    state = FenwickState.zeros(2, 2, 4, 3, num_levels=9, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"initial_state has 9 levels .* more than level_scales' L = 5"):
+        context_parallel_log_linear_mamba2(*x.values(), initial_state=state)
 
 
 def test_cu_seqlens_must_be_global(one_rank):
