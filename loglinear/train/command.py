@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--global-batch", type=int, default=d.global_batch, help="windows per step, all processes")
     p.add_argument("--micro-batch", type=int, default=None, help="windows per forward per process")
+    p.add_argument("--context-parallel", type=int, default=d.context_parallel,
+                   help="processes sharing each sequence (log-linear models; processes = data parallel x this)")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
     p.add_argument("--warmup", type=int, default=d.warmup)
@@ -59,6 +61,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         corpus=a.corpus, data_dir=a.data_dir or f"runs/data/{corpus_name}-{a.tokenizer}{vocab}",
         tokenizer=a.tokenizer, vocab_size=a.vocab_size, seq_len=a.seq_len, needle_rate=a.needle_rate,
         needle_keys=a.needle_keys, steps=a.steps, global_batch=a.global_batch, micro_batch=a.micro_batch,
+        context_parallel=a.context_parallel,
         lr=a.lr, min_lr_ratio=a.min_lr_ratio, warmup=a.warmup, weight_decay=a.weight_decay,
         grad_clip=a.grad_clip, precision=a.precision, seed=a.seed, out_dir=a.out_dir or f"runs/lm/{a.arch}",
         save_every=a.save_every, eval_every=a.eval_every, eval_batches=a.eval_batches, log_every=a.log_every,

@@ -22,6 +22,8 @@ from tqdm import tqdm
 from loglinear.data.niah import insert_needles
 from loglinear.data.text import PackedTokens, prepare_corpus, window_order
 from loglinear.data.tokenizer import load_tokenizer
+from loglinear.distributed import apply_context_parallel
+from loglinear.distributed.training import ContextParallelPlan, plan_context_parallel
 from loglinear.train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
 from loglinear.train.factory import build_model, count_parameters
 from loglinear.train.parallel import Parallel, all_reduce_mean, parallelize, setup_parallel, teardown
@@ -49,6 +51,7 @@ class TrainConfig:
     steps: int = 300
     global_batch: int = 16
     micro_batch: int | None = None  # windows per forward per process; None = all of the process's share
+    context_parallel: int = 1  # processes sharing each window's sequence (loglinear.distributed); dp = world / cp
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup: int = 30
@@ -112,25 +115,27 @@ def _autocast(par: Parallel, cfg: TrainConfig):
 
 
 @torch.no_grad()
-def evaluate_loss(model, val: PackedTokens, cfg: TrainConfig, par: Parallel) -> float:
+def evaluate_loss(model, val: PackedTokens, cfg: TrainConfig, par: Parallel, cp: ContextParallelPlan | None = None) -> float:
     """Mean validation loss over `eval_batches` batches of evenly spaced windows (split over processes)."""
+    cp = cp or ContextParallelPlan(1, 0, None, par.rank, par.world_size)
     n = min(val.num_windows, cfg.eval_batches * cfg.global_batch)
-    idx = torch.linspace(0, val.num_windows - 1, n).long()[par.rank :: par.world_size]
-    mb = cfg.micro_batch or max(1, cfg.global_batch // par.world_size)
+    idx = torch.linspace(0, val.num_windows - 1, n).long()[cp.data_rank :: cp.data_size]
+    mb = cfg.micro_batch or max(1, cfg.global_batch // cp.data_size)
     model.eval()
     total = torch.zeros((), device=par.device)
     for i in range(0, len(idx), mb):
-        x, y = val.batch(idx[i : i + mb])
+        x, y = cp.shard(*val.batch(idx[i : i + mb]))
         with _autocast(par, cfg):
             total += lm_loss(model, x.to(par.device), y.to(par.device), reduction="sum")
     model.train()
     return float(all_reduce_mean(total, par)) * par.world_size / (n * cfg.seq_len)
 
 
-def _train_step(model, rows: np.ndarray, cfg: TrainConfig, par: Parallel) -> torch.Tensor:
-    """Forward/backward of this rank's share of the step's windows; returns the mean loss (this rank)."""
-    share = cfg.global_batch // par.world_size
-    mine = torch.from_numpy(rows[par.rank * share : (par.rank + 1) * share])
+def _train_step(model, rows: np.ndarray, cfg: TrainConfig, par: Parallel, cp: ContextParallelPlan) -> torch.Tensor:
+    """Forward/backward of this rank's share of the step's windows (its slice of their sequence under
+    context parallelism); returns the mean loss (this rank)."""
+    share = cfg.global_batch // cp.data_size
+    mine = torch.from_numpy(rows[cp.data_rank * share : (cp.data_rank + 1) * share])
     mb = cfg.micro_batch or share
     accum = share // mb
     total = torch.zeros((), device=par.device)
@@ -139,16 +144,17 @@ def _train_step(model, rows: np.ndarray, cfg: TrainConfig, par: Parallel) -> tor
         if par.distributed:
             model.set_requires_gradient_sync(i == accum - 1)
         with _autocast(par, cfg):
-            loss = lm_loss(model, chunk[:, :-1], chunk[:, 1:]) / accum
+            loss = lm_loss(model, *cp.shard(chunk[:, :-1], chunk[:, 1:])) / accum
         loss.backward()
         total += loss.detach()
     return total
 
 
-def _check(cfg: TrainConfig, par: Parallel) -> None:
-    share, rem = divmod(cfg.global_batch, par.world_size)
+def _check(cfg: TrainConfig, par: Parallel, cp: ContextParallelPlan) -> None:
+    share, rem = divmod(cfg.global_batch, cp.data_size)
     if rem or share == 0:
-        raise ValueError(f"global_batch {cfg.global_batch} must be a positive multiple of the {par.world_size} processes")
+        raise ValueError(f"global_batch {cfg.global_batch} must be a positive multiple of the {cp.data_size} "
+                         f"data-parallel replicas ({par.world_size} processes / context_parallel {cfg.context_parallel})")
     if cfg.micro_batch is not None and share % cfg.micro_batch:
         raise ValueError(f"micro_batch {cfg.micro_batch} must divide the per-process batch {share}")
 
@@ -170,7 +176,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
 
 
 def _train(cfg: TrainConfig, par: Parallel, resume: bool) -> dict:
-    _check(cfg, par)
+    cp = plan_context_parallel(cfg.context_parallel, par.rank, par.world_size, par.device, cfg.seq_len)
+    _check(cfg, par, cp)
     out = Path(cfg.out_dir)
     if par.is_main:
         meta = prepare_corpus(cfg.corpus, cfg.data_dir, tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size)
@@ -184,6 +191,8 @@ def _train(cfg: TrainConfig, par: Parallel, resume: bool) -> dict:
 
     model = model_from_config(cfg, meta["vocab_size"])
     n_params = count_parameters(model)
+    if cp.size > 1:
+        model = apply_context_parallel(model, cp.group)
     model = parallelize(model, par)
     optimizer = _optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -199,7 +208,7 @@ def _train(cfg: TrainConfig, par: Parallel, resume: bool) -> dict:
     losses, t0, tokens = [], time.perf_counter(), 0
     for step in bar:
         rows = _step_windows(data, cfg, step, tok)
-        loss = all_reduce_mean(_train_step(model, rows, cfg, par), par)
+        loss = all_reduce_mean(_train_step(model, rows, cfg, par, cp), par)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
@@ -216,13 +225,13 @@ def _train(cfg: TrainConfig, par: Parallel, resume: bool) -> dict:
                                "grad_norm": float(grad_norm), "tokens": (step + 1) * cfg.global_batch * cfg.seq_len,
                                "elapsed_s": round(dt, 2), "tok_per_s": round(tokens / dt)})
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < end:
-            v = evaluate_loss(model, val, cfg, par)
+            v = evaluate_loss(model, val, cfg, par, cp)
             if par.is_main:
                 _log(metrics, {"step": step + 1, "val_loss": v})
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < end:
             save_checkpoint(out, step + 1, model, optimizer, scheduler, par)
     save_checkpoint(out, end, model, optimizer, scheduler, par)
-    val_loss = evaluate_loss(model, val, cfg, par) if end == cfg.steps else None
+    val_loss = evaluate_loss(model, val, cfg, par, cp) if end == cfg.steps else None
     if par.is_main and val_loss is not None:
         _log(metrics, {"step": end, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
     return {"step": end, "losses": losses, "val_loss": val_loss, "params": n_params,
