@@ -1,0 +1,385 @@
+"""Decoding cost vs context length: per-token latency and cache memory (issue 4, item 7).
+
+Models (2 layers at the paper's width, bf16 weights, vocab 4096 so the LM head does not hide the mixers):
+    ll_mamba2 / mamba2          log-linear / plain Mamba-2   (hidden 1536, 48 heads x 64, state 128)
+    ll_gdn / gdn                log-linear / plain GDN       (hidden 1536, 6 heads, key 192, value 384)
+    llama_sdpa                  transformers Llama, SDPA, DynamicCache (hidden 1536, 12 heads x 128)
+all with a SwiGLU MLP of 4096. For a context T the cache is built directly at position T with random
+contents (a step's cost depends on the state's size, not its values): L = ceil(log2 T) + 1 level states
+(log-linear), 1 state (plain), T keys/values (Llama). Then `--steps` greedy steps of one token through
+the HF model are timed end to end (Python included), after warm-up. Llama's DynamicCache appends by
+concatenation (a copy of the cache per step); it is cropped back to T after each step.
+
+Also timed: the fused decode kernel alone (one layer's step, triton.testing.do_bench), log-linear vs
+plain, and a correctness check of the kernel against the PyTorch step on the device.
+
+    python benchmarks/bench_decode.py --out benchmarks/results            # device
+    python benchmarks/bench_decode.py --tiny --out /tmp/bench             # CPU smoke run
+
+Writes decode-results.json, decode-results.md and decode-results.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+
+from loglinear.fenwick import levels_needed
+from loglinear.layers.mixer import MixerState
+from loglinear.models import (
+    FenwickCache,
+    LogLinearGatedDeltaNetConfig,
+    LogLinearGatedDeltaNetForCausalLM,
+    LogLinearMamba2Config,
+    LogLinearMamba2ForCausalLM,
+)
+from loglinear.models.modeling import CACHE_KEY
+
+MODELS = ("ll_mamba2", "mamba2", "ll_gdn", "gdn", "llama_sdpa")
+
+
+def model_configs(tiny: bool) -> dict[str, dict]:
+    if tiny:
+        width = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, intermediate_size=64)
+        return {
+            "mamba2": dict(width, num_heads=4, head_dim=16, state_size=8),
+            "gdn": dict(width, num_heads=2, head_dim=8, expand_v=2.0),
+            "llama": dict(width, num_attention_heads=2, num_key_value_heads=2, head_dim=16),
+        }
+    width = dict(vocab_size=4096, hidden_size=1536, num_hidden_layers=2, intermediate_size=4096)
+    return {
+        "mamba2": dict(width, num_heads=48, head_dim=64, state_size=128),
+        "gdn": dict(width, num_heads=6, head_dim=192, expand_v=2.0),
+        "llama": dict(width, num_attention_heads=12, num_key_value_heads=12, head_dim=128),
+    }
+
+
+def build(name: str, configs: dict, device, dtype):
+    if name == "llama_sdpa":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(**configs["llama"], max_position_embeddings=1 << 21, attn_implementation="sdpa")
+        return LlamaForCausalLM(config).to(device, dtype).eval()
+    ll = name.startswith("ll_")
+    if "mamba2" in name:
+        model = LogLinearMamba2ForCausalLM(LogLinearMamba2Config(**configs["mamba2"], use_log_linear=ll))
+    else:
+        model = LogLinearGatedDeltaNetForCausalLM(LogLinearGatedDeltaNetConfig(**configs["gdn"], use_log_linear=ll))
+    return model.to(device, dtype).eval()
+
+
+def fenwick_cache_at(model, batch: int, context: int, device) -> FenwickCache:
+    """A FenwickCache of ``batch`` sequences that have seen ``context`` tokens (random state contents)."""
+    cache = FenwickCache(len(model.model.layers))
+    for i, block in enumerate(model.model.layers):
+        mixer = block.mixer
+        H = mixer.num_heads
+        K = mixer.state_size if hasattr(mixer, "state_size") else mixer.head_k_dim
+        V = mixer.head_dim if hasattr(mixer, "state_size") else mixer.head_v_dim
+        L = levels_needed(context) if mixer.use_log_linear else 1
+        levels = 0.01 * torch.randn(batch, L, H, K, V, device=device)
+        conv = torch.randn(batch, mixer.conv.kernel_size[0] - 1, mixer.conv.in_channels, device=device,
+                           dtype=mixer.conv.weight.dtype)
+        cache.update_state(i, MixerState(levels, torch.full((batch,), context, dtype=torch.int64), conv))
+    return cache
+
+
+def kv_cache_at(model, batch: int, context: int, device, dtype):
+    from transformers import DynamicCache
+
+    config = model.config
+    cache = DynamicCache(config=config)
+    shape = (batch, config.num_key_value_heads, context, config.head_dim)
+    for i in range(config.num_hidden_layers):
+        cache.update(torch.randn(shape, device=device, dtype=dtype), torch.randn(shape, device=device, dtype=dtype), i)
+    return cache
+
+
+def cache_bytes(name: str, cache) -> int:
+    if name == "llama_sdpa":
+        return sum(x.numel() * x.element_size() for layer in cache.layers for x in (layer.keys, layer.values))
+    return cache.nbytes()
+
+
+def kv_bytes_analytic(configs: dict, batch: int, context: int, dtype) -> int:
+    c = configs["llama"]
+    return 2 * c["num_hidden_layers"] * batch * context * c["num_key_value_heads"] * c["head_dim"] * dtype.itemsize
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def time_steps(name: str, model, cache, batch: int, context: int, steps: int, warmup: int, device) -> float:
+    """Median-free mean ms per greedy step over ``steps`` steps (after ``warmup``), Python included."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
+
+    def step(ids):
+        kw = {"position_ids": torch.full((batch, 1), context, device=device)} if name == "llama_sdpa" else {}
+        out = model(ids, use_cache=True, **{CACHE_KEY: cache}, **kw)
+        if name == "llama_sdpa":
+            cache.crop(-1)  # back to T tokens
+        return out.logits[:, -1].argmax(-1, keepdim=True)
+
+    for _ in range(warmup):
+        ids = step(ids)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        ids = step(ids)
+    sync(device)
+    return 1000 * (time.perf_counter() - start) / steps
+
+
+def median_us(fn, device) -> float:
+    """Median microseconds of fn(): triton's do_bench (CUDA events) on the GPU, a host clock otherwise."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return 1000 * triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append(1e6 * (time.perf_counter() - start))
+    return sorted(times)[1]
+
+
+def kernel_times(configs: dict, contexts: list[int], batches: list[int], device) -> list[dict]:
+    """The fused step of one layer alone: log-linear (L = levels_needed(T + 1)) vs plain (one level)."""
+    from loglinear.ops.triton.decode import fused_decode_step
+
+    rows = []
+    shapes = {"mamba2": (1, configs["mamba2"]["num_heads"], configs["mamba2"]["state_size"], configs["mamba2"]["head_dim"], False),
+              "gdn": (configs["gdn"]["num_heads"], configs["gdn"]["num_heads"], configs["gdn"]["head_dim"],
+                      int(configs["gdn"]["head_dim"] * configs["gdn"]["expand_v"]), True)}
+    for variant, (G, H, K, V, gdn) in shapes.items():
+        for batch in batches:
+            for context in contexts:
+                L = levels_needed(context + 1)
+                q, k = torch.randn(batch, G, K, device=device), torch.randn(batch, G, K, device=device)
+                v = torch.randn(batch, H, V, device=device, dtype=torch.bfloat16)
+                g, beta = -torch.rand(batch, H, device=device), torch.rand(batch, H, device=device)
+                lam = torch.rand(batch, H, L, device=device)
+                pos = torch.full((batch,), context, dtype=torch.int64, device=device)
+                row = {"variant": variant, "batch": batch, "context": context, "levels": L}
+                for mode, n_lev in (("log_linear", L), ("plain", 1)):
+                    levels = torch.randn(batch, n_lev, H, K, V, device=device)
+                    fn = lambda: fused_decode_step(q, k, v, g, beta if gdn else None, lam, levels, pos, 0.1,  # noqa: E731
+                                                   fenwick=mode == "log_linear", l2norm_qk=gdn)
+                    row[f"{mode}_us"] = median_us(fn, device)
+                    row[f"{mode}_state_bytes"] = levels.numel() * 4
+                rows.append(row)
+    return rows
+
+
+def check_kernel(device) -> dict:
+    """Fused kernel vs the PyTorch step on the device (fp32, GQA, rows at different positions)."""
+    from loglinear.ops.decode import decode_step_torch
+    from loglinear.ops.triton.decode import fused_decode_step
+
+    errors = {}
+    for gdn in (False, True):
+        N, G, H, K, V, L = 5, 2, 4, 64, 96, 12
+        args = (torch.randn(N, G, K, device=device), torch.randn(N, G, K, device=device) / 8,
+                torch.randn(N, H, V, device=device), -torch.rand(N, H, device=device),
+                torch.rand(N, H, device=device) if gdn else None, torch.rand(N, H, L, device=device),
+                torch.randn(N, L, H, K, V, device=device), torch.tensor([0, 1, 8, 1023, 2047], device=device), 0.125)
+        o1, s1 = fused_decode_step(*args, l2norm_qk=gdn)
+        o2, s2 = decode_step_torch(*args, l2norm_qk=gdn)
+        errors["gdn" if gdn else "mamba2"] = {
+            "o_rel_err": float((o1 - o2).norm() / o2.norm()), "state_rel_err": float((s1 - s2).norm() / s2.norm()),
+        }
+    return errors
+
+
+@torch.no_grad()
+def check_model_parity(device) -> dict:
+    """Cached prefill + single-token steps vs the full forward, fp32 tiny models on the device (left padding)."""
+    errors = {}
+    for name in ("ll_mamba2", "mamba2", "ll_gdn", "gdn"):
+        configs = model_configs(tiny=True)
+        model = build(name, configs, device, torch.float32)
+        ids = torch.randint(0, 64, (3, 100), device=device)
+        mask = torch.ones_like(ids)
+        mask[1, :17], mask[2, :64] = 0, 0
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+        out = model(ids[:, :90], attention_mask=mask[:, :90], use_cache=True)
+        logits, cache = [out.logits], out[CACHE_KEY]
+        for t in range(90, 100):
+            out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], use_cache=True, **{CACHE_KEY: cache})
+            logits.append(out.logits)
+            cache = out[CACHE_KEY]
+        real = mask.bool()
+        step = torch.cat(logits, 1)[real]
+        errors[name] = float((step - full[real]).norm() / full[real].norm())
+    return errors
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    configs = model_configs(args.tiny)
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "torch": torch.__version__, "configs": configs, "steps": args.steps, "rows": []}
+    if device.type == "cuda":
+        results["kernel_check"] = check_kernel(device)
+        results["model_parity"] = check_model_parity(device)
+        print("kernel check", results["kernel_check"], "model parity", results["model_parity"], flush=True)
+    free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else 8 << 30
+    for name in args.models:
+        model = build(name, configs, device, dtype)
+        for batch in args.batches:
+            for context in args.contexts:
+                row = {"model": name, "batch": batch, "context": context}
+                if name == "llama_sdpa":
+                    row["cache_bytes_analytic"] = kv_bytes_analytic(configs, batch, context, dtype)
+                    if 2.2 * row["cache_bytes_analytic"] > free:
+                        row["skipped"] = "KV cache does not fit"
+                        results["rows"].append(row)
+                        print(row, flush=True)
+                        continue
+                    cache = kv_cache_at(model, batch, context, device, dtype)
+                else:
+                    cache = fenwick_cache_at(model, batch, context, device)
+                row["cache_bytes"] = cache_bytes(name, cache)
+                row["ms_per_token"] = time_steps(name, model, cache, batch, context, args.steps, args.warmup, device)
+                results["rows"].append(row)
+                print(row, flush=True)
+                del cache
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        del model
+    if device.type == "cuda" or args.tiny and os.environ.get("TRITON_INTERPRET") == "1":
+        results["kernel"] = kernel_times(configs, args.contexts, args.batches, device)
+        for row in results["kernel"]:
+            print(row, flush=True)
+    return results
+
+
+def summary(results: dict) -> list[str]:
+    """The issue's targets, checked on the measured rows."""
+    rows = [r for r in results["rows"] if "ms_per_token" in r]
+    lines = []
+    by = {(r["model"], r["batch"], r["context"]): r for r in results["rows"]}
+    contexts = sorted({r["context"] for r in results["rows"]})
+    ref = 65536 if 65536 in contexts else contexts[len(contexts) // 2]
+    for variant, plain in (("ll_mamba2", "mamba2"), ("ll_gdn", "gdn")):
+        for batch in sorted({r["batch"] for r in rows}):
+            a, b = by.get((variant, batch, ref)), by.get((plain, batch, ref))
+            if a and b and "ms_per_token" in a and "ms_per_token" in b:
+                lines.append(f"- {variant} / {plain} step at T={ref}, B={batch}: {a['ms_per_token'] / b['ms_per_token']:.2f}x "
+                             f"(target <= 1.5x)")
+            lat = [by[(variant, batch, t)]["ms_per_token"] for t in contexts if "ms_per_token" in by.get((variant, batch, t), {})]
+            if lat:
+                lines.append(f"- {variant} B={batch}: step latency {min(lat):.2f}..{max(lat):.2f} ms over T={contexts[0]}..{contexts[-1]} "
+                             f"(x{max(lat) / min(lat):.2f}; log factor {levels_needed(contexts[-1]) / levels_needed(contexts[0]):.2f})")
+    top = contexts[-1]
+    for variant in ("ll_mamba2", "ll_gdn"):
+        for batch in sorted({r["batch"] for r in results["rows"]}):
+            a, kv = by.get((variant, batch, top)), by.get(("llama_sdpa", batch, top))
+            if a and kv and "cache_bytes" in a:
+                kv_b = kv.get("cache_bytes", kv.get("cache_bytes_analytic"))
+                lines.append(f"- {variant} cache at T={top}, B={batch}: {a['cache_bytes'] / 2**20:.1f} MiB = "
+                             f"{100 * a['cache_bytes'] / kv_b:.2f}% of the KV cache ({kv_b / 2**30:.1f} GiB) (target <= 2%)")
+    kernel = results.get("kernel", [])
+    for r in kernel:
+        if r["context"] == ref:
+            lines.append(f"- fused kernel {r['variant']} B={r['batch']} T={ref}: log-linear {r['log_linear_us']:.1f} us "
+                         f"({r['levels']} levels) vs plain {r['plain_us']:.1f} us = {r['log_linear_us'] / r['plain_us']:.2f}x")
+    return lines
+
+
+def write_markdown(results: dict, path: str) -> None:
+    contexts = sorted({r["context"] for r in results["rows"]})
+    lines = [f"# Decoding: per-token latency and cache memory vs context ({results['device']}, torch {results['torch']})", "",
+             "2-layer models at the paper's width, bf16 weights, fp32 Fenwick states, bf16 KV cache; "
+             f"{results['steps']} greedy steps through the HF model per point (Python included). "
+             "See benchmarks/bench_decode.py.", "", "## Targets", ""] + summary(results)
+    for batch in sorted({r["batch"] for r in results["rows"]}):
+        lines += ["", f"## Batch {batch}: ms per token", "", "| model | " + " | ".join(f"{t:,}" for t in contexts) + " |",
+                  "|---" * (len(contexts) + 1) + "|"]
+        for name in dict.fromkeys(r["model"] for r in results["rows"]):
+            cells = []
+            for t in contexts:
+                r = next((r for r in results["rows"] if (r["model"], r["batch"], r["context"]) == (name, batch, t)), None)
+                cells.append("—" if r is None or "ms_per_token" not in r else f"{r['ms_per_token']:.2f}")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines += ["", f"## Batch {batch}: cache MiB (KV: analytic where it did not fit)", "",
+                  "| model | " + " | ".join(f"{t:,}" for t in contexts) + " |", "|---" * (len(contexts) + 1) + "|"]
+        for name in dict.fromkeys(r["model"] for r in results["rows"]):
+            cells = []
+            for t in contexts:
+                r = next((r for r in results["rows"] if (r["model"], r["batch"], r["context"]) == (name, batch, t)), None)
+                b = None if r is None else r.get("cache_bytes", r.get("cache_bytes_analytic"))
+                cells.append("—" if b is None else f"{b / 2**20:,.1f}" + ("*" if "cache_bytes" not in r else ""))
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if results.get("kernel"):
+        lines += ["", "## Fused decode kernel alone (one layer, median us)", "",
+                  "| variant | batch | T | levels | log-linear us | plain us | ratio |", "|---|---|---|---|---|---|---|"]
+        for r in results["kernel"]:
+            lines.append(f"| {r['variant']} | {r['batch']} | {r['context']:,} | {r['levels']} | {r['log_linear_us']:.1f} | "
+                         f"{r['plain_us']:.1f} | {r['log_linear_us'] / r['plain_us']:.2f} |")
+    if results.get("kernel_check"):
+        lines += ["", f"Kernel check on the device (fused vs PyTorch step, fp32): {results['kernel_check']}",
+                  "", "Model check on the device (cached prefill + steps vs full forward, fp32, left padding, "
+                  f"relative error of the logits): {results['model_parity']}"]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in results["rows"]})
+    fig, axes = plt.subplots(2, len(batches), figsize=(6 * len(batches), 8), squeeze=False)
+    for j, batch in enumerate(batches):
+        for name in dict.fromkeys(r["model"] for r in results["rows"]):
+            rows = [r for r in results["rows"] if r["model"] == name and r["batch"] == batch]
+            lat = [(r["context"], r["ms_per_token"]) for r in rows if "ms_per_token" in r]
+            mem = [(r["context"], r.get("cache_bytes", r.get("cache_bytes_analytic")) / 2**20) for r in rows]
+            if lat:
+                axes[0, j].plot(*zip(*lat), marker="o", label=name)
+            axes[1, j].plot(*zip(*mem), marker="o", label=name, linestyle="--" if name == "llama_sdpa" else "-")
+        axes[0, j].set(xscale="log", yscale="log", xlabel="context T", ylabel="ms per token", title=f"batch {batch}")
+        axes[1, j].set(xscale="log", yscale="log", xlabel="context T", ylabel="cache MiB")
+        axes[0, j].legend(fontsize=8)
+        axes[1, j].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--contexts", nargs="+", type=int, default=[1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--tiny", action="store_true", help="tiny models (CPU smoke run)")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    results = run(args)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "decode-results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    write_markdown(results, os.path.join(args.out, "decode-results.md"))
+    plot(results, os.path.join(args.out, "decode-results.png"))
+    print("\n".join(summary(results)))
+
+
+if __name__ == "__main__":
+    main()
