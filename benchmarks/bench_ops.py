@@ -203,49 +203,43 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def check(log: Callable[[str], None], long_T: int) -> None:
-    """Kernels vs the torch chunk path in fp32 at benchmark sizes (outputs, states and all gradients),
-    then a long forward (stability: finite, and vs the torch path)."""
-    def both(x, **kw):
-        res = {}
-        for backend in ("triton", "torch"):
-            os.environ["LOGLINEAR_BACKEND"] = backend
-            leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
-            t0 = time.time()
-            o, st = log_linear_mamba2(**leaves, output_final_state=True, **kw)
-            ((o * do).sum() + (st.levels * dst).sum()).backward() if do is not None else None
-            torch.cuda.synchronize()
-            res[backend] = (o, st.levels, {n: t.grad for n, t in leaves.items()}, time.time() - t0)
+def _run_backend(backend: str, x: dict, cot: tuple | None, **kw) -> tuple:
+    """(o, final levels, grads, seconds) of one backend; cot = (d_o, d_state) cotangents or None."""
+    os.environ["LOGLINEAR_BACKEND"] = backend
+    try:
+        leaves = {n: t.detach().clone().requires_grad_(cot is not None) for n, t in x.items()}
+        t0 = time.time()
+        o, st = log_linear_mamba2(**leaves, output_final_state=True, **kw)
+        if cot is not None:
+            ((o.float() * cot[0]).sum() + (st.levels * cot[1]).sum()).backward()
+        torch.cuda.synchronize()
+        return o, st.levels, {n: t.grad for n, t in leaves.items()}, time.time() - t0
+    finally:
         os.environ.pop("LOGLINEAR_BACKEND")
-        return res
 
+
+def check(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]) -> None:
+    """Kernels vs the torch chunk path (fp32 compute) at benchmark sizes on the same inputs (outputs,
+    states and all gradients), then a long forward (stability: finite, and vs the torch path)."""
     p = PAPER
-    for T, B, H in ((8192, 2, 48), (3000, 1, 8)):
-        x = make_inputs(T, B, H, p["G"], p["K"], p["V"], torch.float32, seed=T)
-        probe = log_linear_mamba2(**x, output_final_state=True)
-        do, dst = torch.randn_like(probe[0]), torch.randn_like(probe[1].levels)
-        r = both(x, chunk_size=64)
-        (o1, s1, g1, t1), (o2, s2, g2, t2) = r["triton"], r["torch"]
-        errs = {"o": rel(o1, o2), "state": rel(s1, s2), **{f"d{n}": rel(g1[n], g2[n]) for n in g1}}
-        log(f"fp32 T={T} B={B} H={H} G=1 K=128 V=64 chunk=64: rel err vs torch chunk path "
-            + " ".join(f"{k}={v:.2e}" for k, v in errs.items()) + f"  [triton {t1:.2f}s, torch {t2:.2f}s]")
-    do = None
+    for dtype in dtypes:
+        for T, B, H in ((8192, 2, 48), (3000, 1, 8)):
+            x = make_inputs(T, B, H, p["G"], p["K"], p["V"], dtype, seed=T)
+            o, st = log_linear_mamba2(**x, output_final_state=True)
+            cot = (torch.randn_like(o, dtype=torch.float32), torch.randn_like(st.levels))
+            o1, s1, g1, t1 = _run_backend("triton", x, cot)
+            o2, s2, g2, t2 = _run_backend("torch", x, cot)
+            errs = {"o": rel(o1, o2), "state": rel(s1, s2), **{f"d{n}": rel(g1[n], g2[n]) for n in g1}}
+            log(f"{dtype} T={T} B={B} H={H} G=1 K=128 V=64 chunk=64: rel err vs torch chunk path "
+                + " ".join(f"{k}={v:.2e}" for k, v in errs.items()) + f"  [triton {t1:.2f}s, torch {t2:.2f}s]")
     x = make_inputs(long_T, 1, 2, 1, 64, 64, torch.float32, seed=1)
     x["g"] = -(0.001 + 0.2 * torch.rand_like(x["g"]))
-    t0 = time.time()
-    os.environ["LOGLINEAR_BACKEND"] = "triton"
-    o1, st1 = log_linear_mamba2(**x, output_final_state=True)
-    torch.cuda.synchronize()
-    t1 = time.time() - t0
-    os.environ["LOGLINEAR_BACKEND"] = "torch"
-    o2, st2 = log_linear_mamba2(**x, output_final_state=True, chunk_size=512)
-    os.environ.pop("LOGLINEAR_BACKEND")
-    log(f"long fp32 T={long_T} B=1 H=2 K=V=64: finite={bool(torch.isfinite(o1).all())} "
-        f"levels={st1.levels.shape[1]} rel err vs torch chunk path o={rel(o1, o2):.2e} state={rel(st1.levels, st2.levels):.2e}"
-        f"  [triton {t1:.2f}s]")
-    xb = {n: t.to(torch.bfloat16) if n != "g" else t for n, t in x.items()}
-    ob, _ = log_linear_mamba2(**xb)
-    log(f"long bf16 T={long_T}: finite={bool(torch.isfinite(ob).all())} rel err vs fp32 torch path={rel(ob, o2):.2e}")
+    o_ref, s_ref, _, _ = _run_backend("torch", x, None, chunk_size=512)
+    for dtype in dtypes:
+        xd = {n: t.to(dtype) if n != "g" else t for n, t in x.items()}
+        o1, s1, _, t1 = _run_backend("triton", xd, None)
+        log(f"long {dtype} T={long_T} B=1 H=2 K=V=64: finite={bool(torch.isfinite(o1).all())} levels={s1.shape[1]} "
+            f"rel err vs torch chunk path (fp32) o={rel(o1, o_ref):.2e} state={rel(s1, s_ref):.2e}  [triton {t1:.2f}s]")
 
 
 def check_gdn(log: Callable[[str], None], long_T: int) -> None:
@@ -341,6 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-lift-fla-guard", action="store_true")
     ap.add_argument("--check", action="store_true", help="kernels vs torch chunk path, and a long sequence")
     ap.add_argument("--long-T", type=int, default=2**20)
+    ap.add_argument("--check-dtypes", nargs="+", default=["float32", "bfloat16"], help="dtypes of the mamba2 check")
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--profile-T", type=int, default=0, help="profile our kernels at this T (0: no)")
     args = ap.parse_args(argv)
@@ -359,7 +354,10 @@ def main(argv: list[str] | None = None) -> None:
             lines.append(s)
 
         try:
-            (check_gdn if args.variant == "gdn" else check)(log, args.long_T)
+            if args.variant == "gdn":
+                check_gdn(log, args.long_T)
+            else:
+                check(log, args.long_T, [getattr(torch, d) for d in args.check_dtypes])
         except Exception as e:  # keep the log and go on to the timings
             log(f"check failed: {type(e).__name__}: {e}")
         finally:
@@ -375,6 +373,16 @@ def main(argv: list[str] | None = None) -> None:
     if any(i.startswith("fla") for i in args.impls) and not args.no_lift_fla_guard:
         lift_fla_guard()
         lifted = True
+    notes = ("fla's Hopper/triton<3.7.1 guard on its gated backward was LIFTED for timing only; "
+             "fla results were not checked." if lifted else "fla's guard was left in place.")
+    meta = {
+        "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
+        "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", "command": command,
+        "setting": "B=2, 48 value heads, q/k groups 1, K=128, V=64, bf16; g = -(0.01..0.11), lambda in [0.2, 1.2]; "
+                   + ("beta in [0.05, 0.95], q/k L2-normalised inside the ops; " if args.variant == "gdn" else "")
+                   + "sdpa_flash: 48 heads x 64, causal. Median of triton.testing.do_bench.",
+        "notes": notes,
+    }
     rows = []
     for T in args.T:
         for impl in args.impls:
@@ -388,17 +396,8 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             rows.append(row)
             print(json.dumps(row), flush=True)
-    notes = ("fla's Hopper/triton<3.7.1 guard on its gated backward was LIFTED for timing only; "
-             "fla results were not checked." if lifted else "fla's guard was left in place.")
-    meta = {
-        "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
-        "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", "command": command,
-        "setting": "B=2, 48 value heads, q/k groups 1, K=128, V=64, bf16; g = -(0.01..0.11), lambda in [0.2, 1.2]; "
-                   + ("beta in [0.05, 0.95], q/k L2-normalised inside the ops; " if args.variant == "gdn" else "")
-                   + "sdpa_flash: 48 heads x 64, causal. Median of triton.testing.do_bench.",
-        "notes": notes,
-    }
-    write_results(rows, meta, out_dir / f"ops-{args.variant}-{gpu}", args.variant)
+        if rows:  # after every T: a crash later keeps what was measured
+            write_results(rows, meta, out_dir / f"ops-{args.variant}-{gpu}", args.variant)
 
 
 if __name__ == "__main__":

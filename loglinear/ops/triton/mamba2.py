@@ -59,14 +59,26 @@ class LevelScanPlan:
         return as_t(self.bos), as_t(self.eos), as_t(self.chunk0)
 
 
+def _splits(dtype: torch.dtype) -> bool:
+    """Split the state tile over two programs (K for the dq scan, V for the others)?
+
+    fp32 (and everything under the interpreter) splits; bf16/fp16 on the GPU keep whole tiles: with
+    split [128, 32] tiles, bf16 forwards on triton 3.6 / H200 gave wrong outputs and an illegal memory
+    access (benchmarks/NOTES.md, v1), which the whole-tile kernels (v0) did not."""
+    return dtype == torch.float32 or interpreting()
+
+
 def _meta(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, L: int) -> dict:
+    """Kernel arguments shared by the three scans; BKS / BVS are the split K / V blocks."""
     K, V = q.shape[-1], v.shape[-1]
     BK, BV = next_pow2(K), next_pow2(V)
+    split = _splits(q.dtype)
+    BKS, BVS = (split_block(BK), split_block(BV)) if split else (BK, BV)
     return dict(
         H=v.shape[1], G=q.shape[1], K=K, V=V, L=L, J=plan.num_levels,
-        C=plan.chunk_size, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV,
+        C=plan.chunk_size, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, BKS=BKS, BVS=BVS,
         BJ=MAX_CHUNK_LEVELS, BL=next_pow2(L, minimum=32), HAS_INIT=plan.has_init, PRECISION=dot_precision(q.dtype),
-        **launch_options(split_block(BK), BV),
+        **launch_options(BKS, BV),
     )
 
 
@@ -98,7 +110,8 @@ class LevelScanMamba2(torch.autograd.Function):
         o = alloc(tuple(v.shape), v.dtype, v.device)
         levels = h0.detach().clone(memory_format=torch.contiguous_format)
         meta = _meta(plan, q, v, lam.shape[-1])
-        meta["BV"] = split_block(meta["BV"])
+        meta["BV"] = meta.pop("BVS")
+        del meta["BKS"]
         grid = (len(plan.bos), v.shape[1], triton.cdiv(v.shape[2], meta["BV"]))
         mamba2_fwd_kernel[grid](q, k, v, g, lam, o, levels, bos, eos, chunk0, plan.scale, **meta)
         ctx.plan = plan
@@ -116,7 +129,7 @@ class LevelScanMamba2(torch.autograd.Function):
         d_final = torch.zeros_like(final) if d_final is None else d_final.float().contiguous()
         meta = _meta(plan, q, v, L)
         dev, f32 = q.device, torch.float32
-        BKS, BVS = split_block(meta["BK"]), split_block(meta["BV"])
+        BKS, BVS = meta.pop("BKS"), meta.pop("BVS")
         NK, NV = triton.cdiv(K, BKS), triton.cdiv(V, BVS)
         dq, dv = alloc((tokens, H, K), f32, dev), alloc((tokens, H, V), f32, dev)
         dlam, qdq = alloc((NK, tokens, H, L), f32, dev), alloc((NK, tokens, H), f32, dev)
