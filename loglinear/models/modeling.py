@@ -76,7 +76,6 @@ class _FenwickPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["FenwickBlock"]
     _is_stateful = True
-    _supports_cache_class = True
     mixer_cls: type[FenwickMixer]
 
     @classmethod
