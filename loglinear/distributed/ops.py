@@ -3,8 +3,9 @@
 Composition (every rank, on its own shard; the public op runs with any backend):
 
   1. layout     one all_gather of the shard lengths; every rank knows where every shard sits
-  2. local      op(shard, initial_state = zeros at the shard's start position)  ->  the state leaving the
-                shard if nothing came in:  local  [R, L, H, K, V]
+  2. local      the state leaving the shard if nothing came in:  local  [R, L, H, K, V]; the op from a
+                zero state at the shard's start position, or (Mamba-2 without initial states) the closed
+                form of local.py, O(T K V)
   3. transition the shard's transition product  mat  (exp(sum g), or the K x K delta-rule product)
   4. scan       incoming = exclusive prefix scan of  x -> mat . route(x) + local  over ranks
                 (ceil(log2 P) rounds of point-to-point messages, each O(L H K V) -- O(log T) states)
@@ -23,8 +24,10 @@ import torch
 import torch.distributed as dist
 
 from loglinear.distributed.layout import ShardLayout, shard_layout
+from loglinear.distributed.local import decay_local_state
 from loglinear.distributed.scan import incoming_states
 from loglinear.distributed.transitions import decay_transition, delta_rule_transition
+from loglinear.inputs import check_inputs, expand_groups
 from loglinear.ops.api import log_linear_gated_deltanet, log_linear_mamba2
 from loglinear.state import FenwickState
 
@@ -87,10 +90,14 @@ def _context_parallel(
     transition: Callable[[], torch.Tensor], scalar_transition: bool, inputs: tuple[torch.Tensor, ...],
     *, group: dist.ProcessGroup | None, initial_state: FenwickState | None, output_final_state: bool,
     cu_seqlens: torch.Tensor | None, op_kwargs: dict,
+    local_state: Callable[[ShardLayout, int], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, FenwickState | None]:
-    """Steps 1-5 of the module docstring for either variant.  inputs: the op's positional tensors."""
+    """Steps 1-5 of the module docstring for either variant.  inputs: the op's positional tensors;
+    local_state(layout, L): a cheaper exact ``local`` when no initial state is given (else the op runs)."""
     group = _group(group)
     q, v, level_scales = inputs[0], inputs[2], inputs[-1]
+    beta = None if scalar_transition else inputs[4]
+    check_inputs(*inputs[:4], beta, level_scales, op_kwargs["scale"], None, None, has_beta=beta is not None)
     initial_state = _check_initial_state(initial_state, cu_seqlens, q.shape[0])
     positions = initial_state.positions if initial_state is not None else None
     layout = shard_layout(group, q, v, level_scales, cu_seqlens, positions)
@@ -102,8 +109,10 @@ def _context_parallel(
         *inputs, initial_state=FenwickState(levels, layout.positions), output_final_state=final,
         cu_seqlens=local_cu, **op_kwargs,
     )
-    _, leaving = run(base, True)
-    local = leaving.levels[layout.local_slice]
+    if local_state is not None and initial_state is None:
+        local = local_state(layout, L)
+    else:
+        local = run(base, True)[1].levels[layout.local_slice]
     R = layout.carried_rows
     mat_shape = (R, H, 1, 1) if scalar_transition else (R, H, K, K)
     with torch.autocast(q.device.type, enabled=False):  # boundary states stay in the state dtype under AMP
@@ -129,9 +138,17 @@ def context_parallel_log_linear_mamba2(
     output_final_state, the final states of the sequences that end in this shard (None if none).
     All ranks must call together (and backpropagate together).
     """
+    dtype = _compute_dtype(q, v)
+
+    def local_state(layout: ShardLayout, num_levels: int) -> torch.Tensor:
+        start = int(layout.cu_seqlens[-2]) if layout.cu_seqlens is not None else 0  # the last sequence's tokens
+        kk, vv, gg = (x[:, start:].to(dtype) for x in (expand_groups(k, v.shape[2]), v, g))
+        return decay_local_state(kk, vv, gg, int(layout.positions[-1]), num_levels)
+
     return _context_parallel(
-        log_linear_mamba2, lambda: decay_transition(g.to(_compute_dtype(q, v))), True, (q, k, v, g, level_scales), group=group, initial_state=initial_state,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens, op_kwargs={"scale": scale, "chunk_size": chunk_size},
+        log_linear_mamba2, lambda: decay_transition(g.to(dtype)), True, (q, k, v, g, level_scales), group=group,
+        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        op_kwargs={"scale": scale, "chunk_size": chunk_size}, local_state=local_state,
     )
 
 

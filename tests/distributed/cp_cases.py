@@ -193,7 +193,7 @@ def check_disagreeing_shapes(rank: int, group) -> None:
     K = 4 + (rank == 1)
     gen = torch.Generator().manual_seed(rank)
     q, k = torch.randn(2, 2, 3, 1, K, dtype=torch.float64, generator=gen)
-    v, g, lam = torch.randn(1, 3, 2, 3), -torch.rand(1, 3, 2), torch.rand(1, 3, 2, 4)
+    v, g, lam = torch.randn(2, 3, 2, 3), -torch.rand(2, 3, 2), torch.rand(2, 3, 2, 4)
     try:
         context_parallel_log_linear_mamba2(q, k, v.double(), g.double(), lam.double(), group=group)
     except ValueError as err:

@@ -64,3 +64,10 @@ def test_shard_bounds_cover_the_sequence_once():
         assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
     with pytest.raises(ValueError, match="cannot split length 3 over 4 ranks"):
         shard_bounds(3, 4, 0)
+
+
+def test_shard_inputs_are_validated_like_the_op(one_rank):
+    x = mamba2_args(make_inputs(B=2, T=6))
+    x["k"] = x["k"][:, :, :, :3]
+    with pytest.raises(ValueError, match=r"k must match q's shape"):
+        context_parallel_log_linear_mamba2(*x.values())

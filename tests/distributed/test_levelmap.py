@@ -88,3 +88,14 @@ def test_route_adjoint_is_the_transpose():
     merged = route(x, depth)
     assert_close(merged[1, 2], x[1, :3].sum(0), what="levels 0..d merge into d")
     assert float(merged[1, :2].abs().sum()) == 0.0 and torch.equal(merged[1, 3:], x[1, 3:])
+
+
+@pytest.mark.parametrize("start, T", [(0, 1), (5, 1), (0, 37), (13, 50), (64, 64), (7, 130)])
+def test_mamba2_local_state_closed_form(start, T):
+    """The O(T K V) state of a shard entered with zeros equals the op's final state."""
+    from loglinear.distributed.local import decay_local_state
+
+    x = make_inputs(B=2, T=T, G=1, H=2, K=4, V=3, start=start, generator=torch.Generator().manual_seed(T))
+    L = x["level_scales"].shape[-1]
+    expected = _final("mamba2", x, torch.zeros(2, L, 2, 4, 3, dtype=torch.float64), start)
+    assert_close(decay_local_state(x["k"], x["v"], x["g"], start, L), expected, what="closed-form local state")
