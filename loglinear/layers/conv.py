@@ -32,10 +32,16 @@ class ShortConvolution(nn.Conv1d):
             state = x.new_zeros(N, W - 1, C)
         elif state.shape != (N, W - 1, C):
             raise ValueError(f"conv state must be [N, W-1, C] = [{N}, {W - 1}, {C}], got {tuple(state.shape)}")
-        source = torch.cat([state.to(x.dtype).reshape(N * (W - 1), C), x], dim=0)
-        token = torch.arange(x.shape[0], device=x.device)
         weight = self.weight[:, 0, :].to(x.dtype)  # [C, W]
         y = x.new_zeros(x.shape) if self.bias is None else self.bias.to(x.dtype).expand_as(x)
+        if layout.index is None and not layout.packed:  # dense: every sequence is a row of T tokens
+            T = layout.length
+            window = torch.cat([state.to(x.dtype), x.reshape(N, T, C)], dim=1)  # [N, W-1+T, C]
+            for i in range(W):
+                y = y + window[:, i : i + T].reshape(N * T, C) * weight[:, i]
+            return y, window[:, T:]
+        source = torch.cat([state.to(x.dtype).reshape(N * (W - 1), C), x], dim=0)
+        token = torch.arange(x.shape[0], device=x.device)
         for lag in range(W):
             rows = self._rows(layout.seq_id, layout.pos - lag, token - lag, N * (W - 1), W)
             y = y + source.index_select(0, rows) * weight[:, W - 1 - lag]

@@ -158,6 +158,10 @@ def test_short_convolution_matches_conv1d_and_carries_state():
     assert_close(rest.unflatten(y2), ref[:, 2:], 1e-14, "conv continued")
     assert_close(s2, state, 0, "conv state")
     assert_close(state, x[:, -3:], 0, "conv state holds the last inputs")
+    packed = TokenLayout.build(1, 18, cu_seqlens=torch.tensor([0, 9, 18]))  # the varlen (gather) path
+    yp, sp = conv.step(packed.flatten(x.reshape(1, 18, 6)), packed)
+    assert_close(yp.reshape(2, 9, 6), ref, 1e-14, "packed conv")
+    assert_close(sp, state, 0, "packed conv state")
 
 
 @pytest.mark.parametrize("variant", ["mamba2", "gated_deltanet"])
