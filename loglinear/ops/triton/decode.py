@@ -84,10 +84,13 @@ def _decode_step_kernel(
     tl.store(o_ptr + (n * H + h) * V + rv, (scale * o).to(o_ptr.dtype.element_ty), mask=mv)
 
 
-def _block_v(K: int, V: int) -> int:
-    """Value columns per program: the [K, BV] fp32 tile stays near 8K elements."""
-    bk = triton.next_power_of_2(K)
-    return max(1, min(triton.next_power_of_2(V), 8192 // bk, 64))
+def _block_v(K: int, V: int, rows: int) -> int:
+    """Value columns per program: the [K, BV] fp32 tile stays within 8K elements, and narrower blocks
+    (down to 16 columns) spread a small batch over more programs (~256) to keep the SMs streaming."""
+    bv = max(1, min(triton.next_power_of_2(V), 8192 // triton.next_power_of_2(K), 64))
+    while bv > 16 and rows * triton.cdiv(V, bv) < 256:
+        bv //= 2
+    return bv
 
 
 def fused_decode_step(
@@ -121,7 +124,7 @@ def fused_decode_step(
     beta_arg = beta.contiguous() if beta is not None else g
     out = torch.empty_like(levels)
     o = torch.empty(N, H, V, dtype=v.dtype, device=device)
-    BV = _block_v(K, V)
+    BV = _block_v(K, V, N * H)
     grid = (N * H, triton.cdiv(V, BV))
     _decode_step_kernel[grid](
         q, k, v, g, beta_arg, lam, levels, out, positions, o,
