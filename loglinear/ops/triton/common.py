@@ -7,8 +7,8 @@ How a variant plugs in (mamba2_fwd.py / mamba2_bwd.py are the worked example):
     handles one (sequence, value head) and walks its chunks; q/k are read from group ``h // (H // G)``
     (no expanded copies).
   * ``load_rows`` / ``store_rows`` move a chunk of C tokens of a [tokens, heads, D] tensor (rows past
-    ``eos`` read as 0, so padding tokens have g = 0: identity transitions). lambda is loaded once per
-    chunk as a [C, BL] tile (one coalesced load) and ``column`` picks a level from registers.
+    ``eos`` read as 0, so padding tokens have g = 0: identity transitions); ``load_column`` reads one
+    level of lambda for the chunk.
   * The chunk-level Fenwick states of all levels live in one fp32 buffer [N, J, H, K, V] (levels.py):
     the forward cascade (read every live level, decay lazily, merge at ctz(chunk + 1)) and its transpose
     (split, decay, accumulate reads) are jit helpers; a variant supplies only what a chunk reads from a
@@ -29,7 +29,7 @@ import triton.language as tl
 
 __all__ = [
     "SCAN_RUNTIME_ARGS", "MAX_CHUNK_LEVELS", "interpreting", "alloc", "next_pow2", "dot_precision", "launch_options", "set_poison", "split_block",
-    "load_rows", "store_rows", "column", "pick",
+    "load_rows", "store_rows", "load_column", "pick",
 ]
 
 _POISON = False
@@ -96,9 +96,12 @@ def store_rows(ptr, x, t, valid, head, HEADS, D, cols):
 
 
 @triton.jit
-def column(tile, cols, j):
-    """tile[:, j] of a register tile [C, B] (cols = arange(B)); 0 when j >= B."""
-    return tl.sum(tl.where(cols[None, :] == j, tile, 0.0), 1)
+def load_column(ptr, t, valid, head, HEADS, L, level):
+    """lambda[t, head, level] of a [tokens, HEADS, L] tensor -> [C] fp32 (0 for level >= L or invalid rows).
+
+    Per-level loads measured faster than one [C, L] tile plus register column picks (NOTES.md, v1)."""
+    ok = valid & ((t * 0 + level) < L)
+    return tl.load(ptr + (t * HEADS + head) * L + level, mask=ok, other=0.0).to(tl.float32)
 
 
 @triton.jit

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.common import column
+from loglinear.ops.triton.common import load_column
 
 
 @triton.jit
@@ -24,11 +24,12 @@ def intra_levels(r, LOG_C: tl.constexpr):
 
 
 @triton.jit
-def level_weights(lam, ll, lev, causal, LOG_C: tl.constexpr):
-    """Lambda [C, C] fp32 from the chunk's lambda tile [C, BL] (levels 0..c; ll = arange(BL))."""
+def level_weights(lam, t, valid, head, HEADS, L, lev, causal, LOG_C: tl.constexpr):
+    """Lambda [C, C] fp32 from lambda [tokens, HEADS, L] (levels 0..c)."""
     weights = tl.zeros(lev.shape, dtype=tl.float32)
     for level in tl.static_range(LOG_C + 1):
-        weights = tl.where(lev == level, column(lam, ll, level)[:, None], weights)
+        col = load_column(lam, t, valid, head, HEADS, L, level)
+        weights = tl.where(lev == level, col[:, None], weights)
     return tl.where(causal, weights, 0.0)
 
 

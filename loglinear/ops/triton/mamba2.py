@@ -77,7 +77,7 @@ def _meta(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, L: int) -> dict
     return dict(
         H=v.shape[1], G=q.shape[1], K=K, V=V, L=L, J=plan.num_levels,
         C=plan.chunk_size, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, BKS=BKS, BVS=BVS,
-        BJ=MAX_CHUNK_LEVELS, BL=next_pow2(L, minimum=32), HAS_INIT=plan.has_init, PRECISION=dot_precision(q.dtype),
+        BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, PRECISION=dot_precision(q.dtype),
         **launch_options(BKS, BV),
     )
 
@@ -86,8 +86,8 @@ def _reverse_cumsum(x: torch.Tensor, plan: LevelScanPlan) -> torch.Tensor:
     """dg[t] = sum_{u >= t in t's range} x[u] for every kernel range, 0 elsewhere.   x: [tokens, H] fp32."""
     out = torch.zeros_like(x)
     for a, b in zip(plan.bos, plan.eos):
-        if b > a:
-            out[a:b] = x[a:b].flip(0).cumsum(0).flip(0)
+        if b > a:  # scan along the contiguous axis: torch's outer-dim scan is serial over H columns
+            out[a:b] = x[a:b].t().flip(-1).contiguous().cumsum(-1).flip(-1).t()
     return out
 
 
@@ -137,7 +137,7 @@ class LevelScanMamba2(torch.autograd.Function):
         scratch = h0.detach().clone(memory_format=torch.contiguous_format)
         args = (bos, eos, chunk0, plan.scale, tokens)
         mamba2_bwd_dq_kernel[(len(plan.bos), H, NK)](
-            q, k, v, g, lam, d_o, dq, dlam, qdq, scratch, *args, BKS=BKS, **meta
+            q, k, v, g, lam, d_o, dq, dlam, qdq, scratch, *args, BKS=BKS, BL=next_pow2(L, minimum=32), **meta
         )
         d_levels = d_final.clone()
         mamba2_bwd_dkv_kernel[(len(plan.bos), H, NV)](

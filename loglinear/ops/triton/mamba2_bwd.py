@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.common import SCAN_RUNTIME_ARGS, column, load_rows, store_rows
+from loglinear.ops.triton.common import SCAN_RUNTIME_ARGS, load_column, load_rows, store_rows
 from loglinear.ops.triton.intra import decay_matrix, intra_levels, level_weights
 from loglinear.ops.triton.levels import (
     accumulate_level, flush_levels, level_live, load_level, merge_levels, split_levels,
@@ -70,7 +70,6 @@ def mamba2_bwd_dq_kernel(
         vc = load_rows(v, t, valid, h, H, V, vv, BV)
         doc = load_rows(do, t, valid, h, H, V, vv, BV)
         gc = tl.load(g + t * H + h, mask=valid, other=0.0).to(tl.float32)
-        lam_c = load_rows(lam, t, valid, h, H, L, ll, BL).to(tl.float32)
         Gc = tl.cumsum(gc, 0)
         Gl = tl.sum(gc, 0)
         gamma = decay_matrix(Gc, causal)
@@ -81,13 +80,13 @@ def mamba2_bwd_dq_kernel(
         for level in tl.static_range(LOG_C + 1):
             col = tl.sum(tl.where(lev == level, d_ap, 0.0), 1)
             d_lam = tl.where(ll[None, :] == level, col[:, None], d_lam)
-        weights = level_weights(lam_c, ll, lev, causal, LOG_C)
+        weights = level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C)
         acc = tl.dot((d_a * gamma * weights).to(kbl.dtype), kbl, input_precision=PRECISION)
         qt = qs.to(tl.float32) * tl.exp(Gc)[:, None]
         d_qt = tl.zeros([C, BKS], dtype=tl.float32)
         for j in range(J):
             if level_live(chunk, c0, j, HAS_INIT):
-                lam_j = column(lam_c, ll, LOG_C + 1 + j)
+                lam_j = load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)
                 state = load_level(ptrs, stride, j, lmask, decay, jj).to(qc.dtype)
                 d_qt += lam_j[:, None] * tl.dot(doc, tl.trans(state), input_precision=PRECISION)
                 read = tl.dot(qt.to(qc.dtype), state, input_precision=PRECISION)
@@ -109,7 +108,7 @@ def mamba2_bwd_dkv_kernel(
     q, k, v, g, lam, do, dk, dv, kdk, d_levels, bos_ptr, eos_ptr, chunk0_ptr, scale, tokens,
     H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVS: tl.constexpr,
-    BJ: tl.constexpr, BL: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
+    BJ: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (N, H, cdiv(V, BVS)). dk, kdk: [NV, tokens, H, K] / [NV, tokens, H] fp32 partial sums over
     V blocks (per value head); dv: [tokens, H, V];
@@ -120,7 +119,7 @@ def mamba2_bwd_dkv_kernel(
     eos = tl.load(eos_ptr + n).to(tl.int64)
     c0 = tl.load(chunk0_ptr + n).to(tl.int64)
     r = tl.arange(0, C)
-    kk, vv, jj, ll = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BJ), tl.arange(0, BL)
+    kk, vv, jj = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BJ)
     vs = vb * BVS + tl.arange(0, BVS)
     first = (vb == 0).to(tl.float32)
     lev = intra_levels(r, LOG_C)
@@ -144,11 +143,10 @@ def mamba2_bwd_dkv_kernel(
         vbl = load_rows(v, t, valid, h, H, V, vs, BVS)
         dobl = load_rows(do, t, valid, h, H, V, vs, BVS)
         gc = tl.load(g + t * H + h, mask=valid, other=0.0).to(tl.float32)
-        lam_c = load_rows(lam, t, valid, h, H, L, ll, BL).to(tl.float32)
         Gc = tl.cumsum(gc, 0)
         Gl = tl.sum(gc, 0)
         gamma = decay_matrix(Gc, causal)
-        weights = level_weights(lam_c, ll, lev, causal, LOG_C)
+        weights = level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C)
         a = tl.dot(qc, tl.trans(kc), input_precision=PRECISION) * gamma * weights
         d_a = tl.dot(doc, tl.trans(vc), input_precision=PRECISION) * (scale * first)
         d_s = tl.where(causal, d_a, 0.0) * gamma * weights
@@ -164,7 +162,7 @@ def mamba2_bwd_dkv_kernel(
         qt = qc.to(tl.float32) * (scale * tl.exp(Gc))[:, None]
         for j in range(J):
             if level_live(chunk, c0, j, HAS_INIT):
-                lam_j = column(lam_c, ll, LOG_C + 1 + j)
+                lam_j = load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)
                 update = tl.dot(tl.trans((qt * lam_j[:, None]).to(dobl.dtype)), dobl, input_precision=PRECISION)
                 decay = accumulate_level(ptrs, stride, j, lmask, decay, jj, update)
         store_rows(dk, acc_k, t, valid, h, H, K, kk)

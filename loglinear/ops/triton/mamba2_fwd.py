@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.common import SCAN_RUNTIME_ARGS, column, load_rows, store_rows
+from loglinear.ops.triton.common import SCAN_RUNTIME_ARGS, load_column, load_rows, store_rows
 from loglinear.ops.triton.intra import decay_matrix, intra_levels, level_weights
 from loglinear.ops.triton.levels import flush_levels, level_live, load_level, merge_levels
 
@@ -24,7 +24,7 @@ from loglinear.ops.triton.levels import flush_levels, level_live, load_level, me
 def mamba2_fwd_kernel(
     q, k, v, g, lam, o, levels, bos_ptr, eos_ptr, chunk0_ptr, scale,
     H, G, K, V, L, J,
-    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr, BL: tl.constexpr,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
     HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """q, k: [tokens, G, K]; v, o: [tokens, H, V]; g: [tokens, H]; lam: [tokens, H, L];
@@ -36,7 +36,7 @@ def mamba2_fwd_kernel(
     eos = tl.load(eos_ptr + n).to(tl.int64)
     c0 = tl.load(chunk0_ptr + n).to(tl.int64)
     r = tl.arange(0, C)
-    kk, jj, ll = tl.arange(0, BK), tl.arange(0, BJ), tl.arange(0, BL)
+    kk, jj = tl.arange(0, BK), tl.arange(0, BJ)
     vv = vb * BV + tl.arange(0, BV)
     lev = intra_levels(r, LOG_C)
     causal = r[:, None] >= r[None, :]
@@ -54,16 +54,15 @@ def mamba2_fwd_kernel(
         kc = load_rows(k, t, valid, grp, G, K, kk, BK)
         vc = load_rows(v, t, valid, h, H, V, vv, BV)
         gc = tl.load(g + t * H + h, mask=valid, other=0.0).to(tl.float32)
-        lam_c = load_rows(lam, t, valid, h, H, L, ll, BL).to(tl.float32)
         Gc = tl.cumsum(gc, 0)
         Gl = tl.sum(gc, 0)
         scores = tl.dot(qc, tl.trans(kc), input_precision=PRECISION)
-        weights = scores * decay_matrix(Gc, causal) * level_weights(lam_c, ll, lev, causal, LOG_C)
+        weights = scores * decay_matrix(Gc, causal) * level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C)
         acc = tl.dot(weights.to(vc.dtype), vc, input_precision=PRECISION)
         qt = qc.to(tl.float32) * tl.exp(Gc)[:, None]
         for j in range(J):
             if level_live(chunk, c0, j, HAS_INIT):
-                lam_j = column(lam_c, ll, LOG_C + 1 + j)
+                lam_j = load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)
                 state = load_level(ptrs, stride, j, lmask, decay, jj)
                 acc += tl.dot((qt * lam_j[:, None]).to(qc.dtype), state.to(qc.dtype), input_precision=PRECISION)
         store_rows(o, acc * scale, t, valid, h, H, V, vv)
