@@ -46,7 +46,7 @@ class TrainConfig:
     vocab_size: int = 4096
     seq_len: int = 512
     needle_rate: float = 0.0  # fraction of training windows given needles + a query at the end
-    needle_keys: int = 4
+    needle_keys: int = 4  # each needle window gets 1..needle_keys keys
     # optimisation
     steps: int = 300
     global_batch: int = 16
@@ -100,12 +100,13 @@ def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimize
 
 
 def _step_windows(data: PackedTokens, cfg: TrainConfig, step: int, tok) -> np.ndarray:
-    """[global_batch, T + 1]: the step's windows, with needles inserted into a seeded fraction of them."""
+    """[global_batch, T + 1]: the step's windows, with needles (1..needle_keys keys) inserted into a seeded
+    fraction of them."""
     rows = data.windows(window_order(data.num_windows, step, cfg.global_batch, cfg.seed))
     if cfg.needle_rate > 0:
         rng = np.random.default_rng([cfg.seed, step])
         for i in np.flatnonzero(rng.random(len(rows)) < cfg.needle_rate):
-            rows[i] = insert_needles(rows[i], tok, cfg.needle_keys, rng)
+            rows[i] = insert_needles(rows[i], tok, int(rng.integers(1, cfg.needle_keys + 1)), rng)
     return rows
 
 

@@ -37,14 +37,15 @@ class MQARRun:
     d_model: int
     seed: int
     lr: float
-    seq_len: int = 64
-    kv_pairs: tuple[int, ...] = (4, 8)
-    vocab_size: int = 256
+    seq_len: int = 32
+    kv_pairs: tuple[int, ...] = (2, 4)
+    vocab_size: int = 64
     n_layers: int = 2
-    train_examples: int = 4000
-    test_examples: int = 500
-    epochs: int = 8
-    batch_size: int = 64
+    train_examples: int = 3072
+    test_examples: int = 512
+    epochs: int = 4
+    batch_size: int = 32
+    chunk_size: int = 16  # of the recurrent models' chunkwise ops (16 is fastest at these lengths on a CPU)
     device: str = "cpu"
 
 
@@ -74,8 +75,9 @@ def train_mqar(run: MQARRun) -> dict:
     torch.manual_seed(run.seed)
     x, y = _data(run, run.train_examples, seed=2 * run.seed)
     xt, yt = _data(run, run.test_examples, seed=2 * run.seed + 1)
+    extra = {} if run.arch == "transformer" else {"chunk_size": run.chunk_size}
     model = build_model(run.arch, vocab_size=run.vocab_size, d_model=run.d_model, n_layers=run.n_layers,
-                        n_heads=1, max_seq_len=run.seq_len, seed=run.seed).to(run.device)
+                        n_heads=1, max_seq_len=run.seq_len, seed=run.seed, **extra).to(run.device)
     opt = torch.optim.AdamW(model.parameters(), lr=run.lr, weight_decay=0.1)
     steps_per_epoch = len(x) // run.batch_size
     total = run.epochs * steps_per_epoch
@@ -183,19 +185,21 @@ def report(rows: list[dict], out: Path, title: str) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--archs", nargs="+", default=list(ARCHS), choices=ARCHS)
+    d = MQARRun("transformer", 0, 0, 0.0)
     p.add_argument("--widths", nargs="+", type=int, default=[16, 32])
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
-    p.add_argument("--lrs", nargs="+", type=float, default=[3e-3])
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--kv-pairs", nargs="+", type=int, default=[4, 8])
-    p.add_argument("--vocab-size", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--train-examples", type=int, default=4000)
-    p.add_argument("--test-examples", type=int, default=500)
-    p.add_argument("--epochs", type=int, default=8)
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lrs", nargs="+", type=float, default=[1e-2])
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--kv-pairs", nargs="+", type=int, default=list(d.kv_pairs))
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    p.add_argument("--layers", type=int, default=d.n_layers)
+    p.add_argument("--train-examples", type=int, default=d.train_examples)
+    p.add_argument("--test-examples", type=int, default=d.test_examples)
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--chunk-size", type=int, default=d.chunk_size, help="chunk of the recurrent models' ops")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--workers", type=int, default=1, help="processes running runs concurrently")
+    p.add_argument("--workers", type=int, default=2, help="processes running runs concurrently")
     p.add_argument("--max-seconds", type=float, default=None, help="start no run after this many seconds")
     p.add_argument("--out", default="runs/mqar/mqar-cpu", help="output path stem: writes .json, .md, .png")
 
@@ -204,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     base = MQARRun(arch="transformer", d_model=0, seed=0, lr=0.0, seq_len=args.seq_len,
                    kv_pairs=tuple(args.kv_pairs), vocab_size=args.vocab_size, n_layers=args.layers,
                    train_examples=args.train_examples, test_examples=args.test_examples, epochs=args.epochs,
-                   batch_size=args.batch_size, device=args.device)
+                   batch_size=args.batch_size, chunk_size=args.chunk_size, device=args.device)
     # seed-major order: a time limit leaves whole seeds, every model and width covered
     runs = [replace(base, arch=a, d_model=d, seed=s, lr=lr)
             for s, lr, d, a in itertools.product(args.seeds, args.lrs, args.widths, args.archs)]

@@ -73,9 +73,10 @@ def _worker(rank: int, world: int, port: int, cfg: TrainConfig) -> None:
     train(cfg)
 
 
-def test_fsdp2_two_processes_match_one(tiny_data, tmp_path):
-    one = train(_cfg(tiny_data, tmp_path / "one", steps=4))
-    mp.spawn(_worker, args=(2, _free_port(), _cfg(tiny_data, tmp_path / "two", steps=4)), nprocs=2)
+@pytest.mark.parametrize("arch", ["transformer", "ll_gated_deltanet"])
+def test_fsdp2_two_processes_match_one(tiny_data, tmp_path, arch):
+    one = train(_cfg(tiny_data, tmp_path / "one", steps=4, arch=arch))
+    mp.spawn(_worker, args=(2, _free_port(), _cfg(tiny_data, tmp_path / "two", steps=4, arch=arch)), nprocs=2)
     assert _logged_losses(tmp_path / "two") == pytest.approx(one["losses"], rel=1e-5)
     a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
     assert a.keys() == b.keys()
