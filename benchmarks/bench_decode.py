@@ -47,8 +47,8 @@ def model_configs(tiny: bool) -> dict[str, dict]:
     if tiny:
         width = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, intermediate_size=64)
         return {
-            "mamba2": dict(width, num_heads=4, head_dim=16, state_size=8),
-            "gdn": dict(width, num_heads=2, head_dim=8, expand_v=2.0),
+            "mamba2": dict(width, num_heads=4, head_dim=16, state_size=16),
+            "gdn": dict(width, num_heads=2, head_dim=16, expand_v=2.0),
             "llama": dict(width, num_attention_heads=2, num_key_value_heads=2, head_dim=16),
         }
     width = dict(vocab_size=4096, hidden_size=1536, num_hidden_layers=2, intermediate_size=4096)
@@ -224,6 +224,14 @@ def check_model_parity(device) -> dict:
     return errors
 
 
+def guarded(fn, *args):
+    """fn(*args), or the error it raised (a failing check is reported, the timings still run)."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - reported in the results
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
 def run(args) -> dict:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -231,8 +239,8 @@ def run(args) -> dict:
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "configs": configs, "steps": args.steps, "rows": []}
     if device.type == "cuda":
-        results["kernel_check"] = check_kernel(device)
-        results["model_parity"] = check_model_parity(device)
+        results["kernel_check"] = guarded(check_kernel, device)
+        results["model_parity"] = guarded(check_model_parity, device)
         print("kernel check", results["kernel_check"], "model parity", results["model_parity"], flush=True)
     free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else 8 << 30
     for name in args.models:
