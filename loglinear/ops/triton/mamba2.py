@@ -55,8 +55,9 @@ class LevelScanPlan:
     scale: float
 
     def device_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-        return as_t(self.bos), as_t(self.eos), as_t(self.chunk0)
+        """bos, eos, chunk0 as int32 [N] tensors on ``device`` (one host-to-device copy)."""
+        packed = torch.tensor([self.bos, self.eos, self.chunk0], dtype=torch.int32).to(device, non_blocking=True)
+        return packed[0], packed[1], packed[2]
 
 
 def _splits(dtype: torch.dtype) -> bool:
@@ -115,6 +116,7 @@ class LevelScanMamba2(torch.autograd.Function):
         grid = (len(plan.bos), v.shape[1], triton.cdiv(v.shape[2], meta["BV"]))
         mamba2_fwd_kernel[grid](q, k, v, g, lam, o, levels, bos, eos, chunk0, plan.scale, **meta)
         ctx.plan = plan
+        ctx.ranges = (bos, eos, chunk0)
         ctx.save_for_backward(q, k, v, g, lam, h0, levels)
         return o, levels
 
@@ -124,7 +126,7 @@ class LevelScanMamba2(torch.autograd.Function):
         plan: LevelScanPlan = ctx.plan
         tokens, H, V = v.shape
         K, L = q.shape[-1], lam.shape[-1]
-        bos, eos, chunk0 = plan.device_tensors(q.device)
+        bos, eos, chunk0 = ctx.ranges
         d_o = torch.zeros_like(v) if d_o is None else d_o.to(v.dtype).contiguous()
         d_final = torch.zeros_like(final) if d_final is None else d_final.float().contiguous()
         meta = _meta(plan, q, v, L)
