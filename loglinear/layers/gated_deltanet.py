@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loglinear.layers.mixer import DEFAULT_MAX_LEVELS, FenwickMixer, OpInputs, dt_bias_init
+from loglinear.layers.mixer import DEFAULT_MAX_LEVELS, FenwickMixer, MixerInputs, dt_bias_init
 from loglinear.layers.norm import GatedRMSNorm, wide
 
 __all__ = ["LogLinearGatedDeltaNet"]
@@ -67,7 +67,7 @@ class LogLinearGatedDeltaNet(FenwickMixer):
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         a, b = wide(rest["ab"]).chunk(2, dim=-1)
         H = self.num_heads
-        return OpInputs(
+        return MixerInputs(
             q=q.reshape(-1, H, self.head_k_dim), k=k.reshape(-1, H, self.head_k_dim),
             v=v.reshape(-1, H, self.head_v_dim), g=-torch.exp(wide(self.A_log)) * F.softplus(a + wide(self.dt_bias)),
             beta=torch.sigmoid(b), extra={"gate": rest["gate"]},

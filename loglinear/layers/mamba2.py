@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loglinear.layers.mixer import DEFAULT_MAX_LEVELS, FenwickMixer, OpInputs, dt_bias_init
+from loglinear.layers.mixer import DEFAULT_MAX_LEVELS, FenwickMixer, MixerInputs, dt_bias_init
 from loglinear.layers.norm import GatedRMSNorm, wide
 
 __all__ = ["LogLinearMamba2"]
@@ -70,7 +70,7 @@ class LogLinearMamba2(FenwickMixer):
         xs, b, c = conv_out.split([self.d_inner, GN, GN], dim=-1)
         dt = F.softplus(wide(rest["dt"]) + wide(self.dt_bias))  # [Ntok, H]
         xs = xs.reshape(-1, self.num_heads, self.head_dim)
-        return OpInputs(
+        return MixerInputs(
             q=c.reshape(-1, self.n_groups, self.state_size), k=b.reshape(-1, self.n_groups, self.state_size),
             v=(xs * dt[..., None]).to(xs.dtype), g=-torch.exp(wide(self.A_log)) * dt, beta=None,
             extra={"x": xs, "z": rest["z"]},

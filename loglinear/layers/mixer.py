@@ -23,7 +23,7 @@ from loglinear.layers.levels import LevelScales
 from loglinear.layers.sequence import TokenLayout
 from loglinear.state import FenwickState
 
-__all__ = ["MixerState", "OpInputs", "FenwickMixer", "dt_bias_init"]
+__all__ = ["MixerState", "MixerInputs", "FenwickMixer", "dt_bias_init"]
 
 DEFAULT_MAX_LEVELS = 21  # 2^20 tokens
 
@@ -79,7 +79,7 @@ class MixerState:
 
 
 @dataclass
-class OpInputs:
+class MixerInputs:
     """Per-token op inputs of a mixer.  q, k: [Ntok, G, K]; v: [Ntok, H, V]; g, beta: [Ntok, H]; extra: variant's."""
 
     q: torch.Tensor
@@ -113,11 +113,11 @@ class FenwickMixer(nn.Module):
         """x: [Ntok, D] -> (channels to convolve [Ntok, C], other projections)."""
         raise NotImplementedError
 
-    def op_inputs(self, conv_out: torch.Tensor, rest: dict[str, torch.Tensor]) -> OpInputs:
+    def op_inputs(self, conv_out: torch.Tensor, rest: dict[str, torch.Tensor]) -> MixerInputs:
         """SiLU(conv) output [Ntok, C] and the other projections -> the op's per-token inputs."""
         raise NotImplementedError
 
-    def output(self, o: torch.Tensor, inputs: OpInputs) -> torch.Tensor:
+    def output(self, o: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
         """o: [Ntok, H, V] -> [Ntok, D]."""
         raise NotImplementedError
 
@@ -159,7 +159,7 @@ class FenwickMixer(nn.Module):
             return y, None
         return y, MixerState(levels, positions, conv_state)
 
-    def _attend(self, inputs: OpInputs, lam, layout: TokenLayout, state: MixerState | None, output_state: bool):
+    def _attend(self, inputs: MixerInputs, lam, layout: TokenLayout, state: MixerState | None, output_state: bool):
         levels, positions = (state.levels, state.positions) if state is not None else (None, None)
         if layout.active is not None:  # rows without tokens in this call keep their state
             if not layout.active.numel():
@@ -183,7 +183,7 @@ class FenwickMixer(nn.Module):
             levels, positions = self._scatter(levels, positions, state, layout, inputs)
         return layout.from_op_view(o), levels, positions
 
-    def _fresh(self, state: MixerState | None, layout: TokenLayout, inputs: OpInputs, n_levels: int = 1):
+    def _fresh(self, state: MixerState | None, layout: TokenLayout, inputs: MixerInputs, n_levels: int = 1):
         """The state of all N sequences before this call: [N, L, H, K, V] levels (zeros if none) and positions."""
         if state is not None:
             return FenwickState(state.levels, state.positions).with_levels(n_levels).levels, state.positions
@@ -191,7 +191,7 @@ class FenwickMixer(nn.Module):
         dtype = torch.promote_types(inputs.v.dtype, torch.float32)
         return inputs.v.new_zeros(N, n_levels, H, K, V, dtype=dtype), torch.zeros(N, dtype=torch.int64)
 
-    def _scatter(self, levels, positions, state, layout: TokenLayout, inputs: OpInputs):
+    def _scatter(self, levels, positions, state, layout: TokenLayout, inputs: MixerInputs):
         """New states of the active sequences written into the states of all N."""
         all_levels, all_positions = self._fresh(state, layout, inputs, levels.shape[1])
         all_positions = all_positions.clone()
