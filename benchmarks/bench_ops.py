@@ -172,7 +172,8 @@ def write_results(rows: list[dict], meta: dict, out: Path, variant: str = "mamba
         for t in Ts:
             ours = cell.get(("loglinear", t), {}).get("fwdbwd_ms")
             ratio = lambda other: (  # noqa: E731
-                f"{ours / cell[(other, t)]['fwdbwd_ms']:.2f}" if ours and cell.get((other, t), {}).get("fwdbwd_ms") else "—"
+                f"{ours / cell[(other, t)]['fwdbwd_ms']:.2f}"
+                if ours and cell.get((other, t), {}).get("fwdbwd_ms") else "—"
             )
             lines.append(f"| {t // 1024}K | " + " | ".join(ratio(o) for o in others) + " |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -15,7 +15,7 @@ How a variant plugs in (mamba2_fwd.py / mamba2_bwd.py are the worked example):
     level (its readout GEMM), what it deposits, and its transition (a scalar decay for Mamba-2, folded
     into the lazy per-level log-decays).
   * ``intra_levels`` / ``level_weights`` (intra.py) build the in-chunk level mask Lambda[t, s].
-  * ``launch`` picks num_warps / num_stages, with one fixed config under TRITON_INTERPRET=1 (no device
+  * ``launch_options`` picks num_warps / num_stages, with one fixed config under TRITON_INTERPRET=1 (no device
     queries, no autotune benchmarking on CPU tensors).
 """
 
@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "SCAN_RUNTIME_ARGS", "MAX_CHUNK_LEVELS", "interpreting", "alloc", "next_pow2", "dot_precision", "launch_options", "set_poison", "split_block",
-    "load_rows", "store_rows", "load_column", "pick",
+    "SCAN_RUNTIME_ARGS", "MAX_CHUNK_LEVELS", "interpreting", "alloc", "next_pow2", "dot_precision",
+    "launch_options", "set_poison", "split_block", "load_rows", "store_rows", "load_column", "pick",
 ]
 
 _POISON = False

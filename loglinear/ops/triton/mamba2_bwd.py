@@ -11,11 +11,11 @@ With dO the output gradient (scale folded into dA), per chunk:
 
 Kernel 1 walks forward (it needs the level states H_j: the forward cascade again) and writes dQ and
 dlambda; kernel 2 walks backward with the transposed cascade on dH and writes dK, dV and the initial
-states' gradient. For parallelism kernel 1 splits K and kernel 2 splits V over programs: the sums
-over the split axis (dlambda's readout part and q.dq in kernel 1, dK's deposit part and k.dk in
-kernel 2) are written per block and added by the caller in a fixed order; the intra-chunk parts
-of those are added by block 0 only. Both also write q.dq and k.dk per (token, head): the gate's gradient follows from the
-invariance o(q e^d, k e^-d, G - d) = o, i.e. dG_t = q_t.dq_t - k_t.dk_t (plus the final states' term),
+states' gradient. Kernel 1 may split K and kernel 2 V over programs (fp32; see mamba2._splits): the
+sums over the split axis (dlambda's readout part and q.dq in kernel 1, dK's deposit part and k.dk in
+kernel 2) are written per block and added by the caller in a fixed order; the intra-chunk parts of
+those are added by block 0 only. Both write q.dq and k.dk per (token, head): the gate's gradient
+follows from the invariance o(q e^d, k e^-d, G - d) = o, i.e. dG_t = q_t.dq_t - k_t.dk_t (plus the final states' term),
 and dg is its reverse cumsum (done by the caller). No atomics: every output element has one writer.
 """
 
