@@ -259,7 +259,8 @@ def run(args) -> dict:
                 else:
                     cache = fenwick_cache_at(model, batch, context, device)
                 row["cache_bytes"] = cache_bytes(name, cache)
-                row["ms_per_token"] = time_steps(name, model, cache, batch, context, args.steps, args.warmup, device)
+                timed = guarded(time_steps, name, model, cache, batch, context, args.steps, args.warmup, device)
+                row["ms_per_token" if isinstance(timed, float) else "failed"] = timed
                 results["rows"].append(row)
                 print(row, flush=True)
                 del cache
@@ -267,9 +268,9 @@ def run(args) -> dict:
                     torch.cuda.empty_cache()
         del model
     if device.type == "cuda" or args.tiny and os.environ.get("TRITON_INTERPRET") == "1":
-        results["kernel"] = kernel_times(configs, args.contexts, args.batches, device)
-        for row in results["kernel"]:
-            print(row, flush=True)
+        kernel = guarded(kernel_times, configs, args.contexts, args.batches, device)
+        results["kernel" if isinstance(kernel, list) else "kernel_failed"] = kernel
+        print(kernel, flush=True)
     return results
 
 
