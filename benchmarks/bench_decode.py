@@ -232,16 +232,13 @@ def guarded(fn, *args):
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
-def run(args) -> dict:
+def run(args, save) -> dict:
+    """Timings, then the kernel alone, then the device checks; ``save(results)`` after each phase."""
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     configs = model_configs(args.tiny)
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "configs": configs, "steps": args.steps, "rows": []}
-    if device.type == "cuda":
-        results["kernel_check"] = guarded(check_kernel, device)
-        results["model_parity"] = guarded(check_model_parity, device)
-        print("kernel check", results["kernel_check"], "model parity", results["model_parity"], flush=True)
     free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else 8 << 30
     for name in args.models:
         model = build(name, configs, device, dtype)
@@ -267,10 +264,18 @@ def run(args) -> dict:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         del model
+        save(results)
     if device.type == "cuda" or args.tiny and os.environ.get("TRITON_INTERPRET") == "1":
         kernel = guarded(kernel_times, configs, args.contexts, args.batches, device)
         results["kernel" if isinstance(kernel, list) else "kernel_failed"] = kernel
         print(kernel, flush=True)
+        save(results)
+    if device.type == "cuda":
+        results["kernel_check"] = guarded(check_kernel, device)
+        save(results)
+        results["model_parity"] = guarded(check_model_parity, device)
+        print("kernel check", results["kernel_check"], "model parity", results["model_parity"], flush=True)
+        save(results)
     return results
 
 
@@ -381,11 +386,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny models (CPU smoke run)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    results = run(args)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "decode-results.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    write_markdown(results, os.path.join(args.out, "decode-results.md"))
+
+    def save(results: dict) -> None:
+        with open(os.path.join(args.out, "decode-results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        write_markdown(results, os.path.join(args.out, "decode-results.md"))
+
+    results = run(args, save)
     plot(results, os.path.join(args.out, "decode-results.png"))
     print("\n".join(summary(results)))
 
