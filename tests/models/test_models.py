@@ -175,3 +175,20 @@ def test_plain_and_log_linear_differ_only_in_lambda():
     extra = {n for n, _ in ll.named_parameters()} - {n for n, _ in plain.named_parameters()}
     assert extra and all("level_scales" in n for n in extra)
     assert {n for n, _ in plain.named_parameters()} <= {n for n, _ in ll.named_parameters()}
+
+
+def test_cache_selection_and_limits():
+    model = make_model("mamba2", True)
+    ids = torch.randint(1, VOCAB, (3, 6))
+    cache = model(ids, use_cache=True)[CACHE_KEY]
+    full = [cache[i].levels.clone() for i in range(len(cache))]
+    cache.batch_select_indices(torch.tensor([2, 0]))
+    assert cache.positions.tolist() == [6, 6] and torch.equal(cache[0].levels, full[0][[2, 0]])
+    nxt = torch.randint(1, VOCAB, (3, 1))
+    picked = model(nxt[[2, 0]], use_cache=True, **{CACHE_KEY: cache}).logits
+    whole = model(torch.cat([ids, nxt], 1), use_cache=False).logits[[2, 0], -1:]
+    assert_close(picked, whole, 1e-12, "selected rows continue")
+    with pytest.raises(NotImplementedError, match="cannot drop tokens"):
+        cache.crop(-1)
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.nbytes() == 0
