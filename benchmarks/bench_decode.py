@@ -165,8 +165,8 @@ def kernel_times(configs: dict, contexts: list[int], batches: list[int], device)
         for batch in batches:
             for context in contexts:
                 L = levels_needed(context + 1)
-                q, k = torch.randn(batch, G, K, device=device), torch.randn(batch, G, K, device=device)
-                v = torch.randn(batch, H, V, device=device, dtype=torch.bfloat16)
+                bf16 = dict(device=device, dtype=torch.bfloat16)  # the models' dtypes: q, k, v bf16; g, beta, lam fp32
+                q, k, v = torch.randn(batch, G, K, **bf16), torch.randn(batch, G, K, **bf16), torch.randn(batch, H, V, **bf16)
                 g, beta = -torch.rand(batch, H, device=device), torch.rand(batch, H, device=device)
                 lam = torch.rand(batch, H, L, device=device)
                 pos = torch.full((batch,), context, dtype=torch.int64, device=device)
