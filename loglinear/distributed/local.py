@@ -19,7 +19,9 @@ from loglinear.fenwick import bit_length
 __all__ = ["decay_local_state"]
 
 
-def decay_local_state(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, position: int, num_levels: int) -> torch.Tensor:
+def decay_local_state(
+    k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, position: int, num_levels: int,
+) -> torch.Tensor:
     """Mamba-2 state after tokens position .. position+T-1 from an empty state.
 
     k: [R, T, H, K] (expanded to the value heads); v: [R, T, H, V]; g: [R, T, H] -> [R, num_levels, H, K, V].

@@ -58,7 +58,9 @@ def context_parallel_mixer_forward(
     lam = _level_scales(mixer, x, (B, T))
     common = dict(group=group, scale=mixer.scale, chunk_size=mixer.chunk_size)
     if mixer.variant == "mamba2":
-        o, _ = context_parallel_log_linear_mamba2(view(inputs.q), view(inputs.k), view(inputs.v), view(inputs.g), lam, **common)
+        o, _ = context_parallel_log_linear_mamba2(
+            view(inputs.q), view(inputs.k), view(inputs.v), view(inputs.g), lam, **common
+        )
     else:
         o, _ = context_parallel_log_linear_gated_deltanet(
             view(inputs.q), view(inputs.k), view(inputs.v), view(inputs.g), view(inputs.beta), lam,
@@ -75,6 +77,7 @@ def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup | No
     mixers = [m for m in model.modules() if isinstance(m, FenwickMixer)]
     if not mixers:
         raise ValueError(f"{type(model).__name__} has no log-linear mixers (FenwickMixer) to run context parallel")
+    forward = lambda self, *args, **kwargs: context_parallel_mixer_forward(self, group, *args, **kwargs)  # noqa: E731
     for mixer in mixers:
-        mixer.forward = types.MethodType(lambda self, *a, **kw: context_parallel_mixer_forward(self, group, *a, **kw), mixer)
+        mixer.forward = types.MethodType(forward, mixer)
     return model

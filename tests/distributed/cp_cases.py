@@ -72,12 +72,14 @@ def _initial_state(case: Case, n_seq: int, L: int, gen: torch.Generator) -> Fenw
 
 
 def _call(case: Case, cp: bool, x: dict, state, cu, group=None):
-    kwargs = dict(chunk_size=case.chunk_size, initial_state=state, output_final_state=True, cu_seqlens=cu, **case.op_kwargs)
+    kwargs = dict(chunk_size=case.chunk_size, initial_state=state, output_final_state=True, cu_seqlens=cu)
+    kwargs |= case.op_kwargs
+    mamba2 = case.variant == "mamba2"
     if cp:
         kwargs["group"] = group
-        op = context_parallel_log_linear_mamba2 if case.variant == "mamba2" else context_parallel_log_linear_gated_deltanet
+        op = context_parallel_log_linear_mamba2 if mamba2 else context_parallel_log_linear_gated_deltanet
     else:
-        op = loglinear.log_linear_mamba2 if case.variant == "mamba2" else loglinear.log_linear_gated_deltanet
+        op = loglinear.log_linear_mamba2 if mamba2 else loglinear.log_linear_gated_deltanet
     return op(*x.values(), **kwargs)
 
 
@@ -126,7 +128,8 @@ def _run_case(case: Case, rank: int, group) -> None:
         assert final is not None and final.num_sequences == len(ends), f"{case.name}: final state rows on rank {rank}"
         n_levels = max(final.num_levels, final_ref.num_levels)
         ref_levels = final_ref.select(ends).with_levels(n_levels).levels
-        _close(final.with_levels(n_levels).levels, ref_levels, ref_levels, f"{case.name}: final state on rank {rank}", case.rtol)
+        what = f"{case.name}: final state on rank {rank}"
+        _close(final.with_levels(n_levels).levels, ref_levels, ref_levels, what, case.rtol)
         assert final.positions.tolist() == final_ref.positions[ends].tolist(), f"{case.name}: final positions"
         loss = loss + (final.levels * w_final[ends][:, : final.num_levels]).sum()
     else:

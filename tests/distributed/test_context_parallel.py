@@ -36,7 +36,8 @@ def _cases(lengths: list[int]) -> list[Case]:
         cases += [
             Case(f"{variant}-dense", variant, lengths, G=1, H=2, op_kwargs=extra),
             Case(f"{variant}-state", variant, lengths, B=2, G=2, H=2, init_positions=[5, 12], chunk_size=8),
-            Case(f"{variant}-varlen", variant, lengths, B=1, seq_bounds=bounds, init_positions=[3, 0, 9, 1][: len(bounds) - 1]),
+            Case(f"{variant}-varlen", variant, lengths, B=1, seq_bounds=bounds,
+                 init_positions=[3, 0, 9, 1][: len(bounds) - 1]),
             Case(f"{variant}-varlen-fresh", variant, lengths, B=1, H=3, seq_bounds=bounds, chunk_size=2),
         ]
     return cases

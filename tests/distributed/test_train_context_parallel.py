@@ -74,8 +74,8 @@ def test_context_parallel_training_matches_one_process(corpus, tmp_path):
     a = torch.load(tmp_path / "one" / CHECKPOINT, weights_only=False)["model"]
     b = torch.load(tmp_path / "cp" / CHECKPOINT, weights_only=False)["model"]
     assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+    for k in a:  # float32 reduction order moves a few Adam steps (lr 3e-3) by ~1e-5; a wrong shard moves them all
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-4, msg=k)
 
 
 def test_context_parallel_must_divide(corpus, tmp_path):
