@@ -67,27 +67,29 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--data-dir", default="runs/data/stdlib-bpe4096")
     p.add_argument("--d-model", type=int, default=384)
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layers", type=int, default=6)
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--global-batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--probe-steps", type=int, default=20)
+    p.add_argument("--probe-steps", type=int, default=10)
     p.add_argument("--max-steps", type=int, default=3000)
     p.add_argument("--needle-rate", type=float, default=0.1)
     p.add_argument("--eval-len", type=int, default=16384)
-    p.add_argument("--eval-windows", type=int, default=16)
+    p.add_argument("--eval-windows", type=int, default=8)
     p.add_argument("--niah-lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--niah-depths", nargs="+", type=float, default=[0.0, 0.5, 1.0])
     p.add_argument("--niah-samples", type=int, default=4)
     p.add_argument("--eval-seconds", type=float, default=75, help="time kept for evaluation at the end")
     p.add_argument("--mqar-workers", type=int, default=6)
-    p.add_argument("--mqar-args", default="--widths 16 32 64 --seeds 0 1 --lrs 1e-3 3e-3 --seq-len 256 "
+    p.add_argument("--mqar-args", default="--widths 16 32 64 --seeds 0 1 --lrs 1e-2 3e-3 --seq-len 256 "
                    "--kv-pairs 4 8 16 32 64 --vocab-size 8192 --train-examples 20000 --test-examples 1000 "
-                   "--epochs 2 --batch-size 64")
+                   "--epochs 2 --batch-size 64 --chunk-size 64")
     p.add_argument("--smoke", action="store_true", help="tiny sizes for a CPU check of the whole pipeline")
     a = p.parse_args()
     if a.smoke:
         a.device, a.d_model, a.layers, a.seq_len, a.global_batch, a.max_steps = "cpu", 32, 1, 128, 2, 12
         a.probe_steps, a.eval_len, a.eval_windows, a.niah_lengths, a.niah_samples = 4, 256, 2, [256], 1
+        a.niah_depths = [0.5]
         a.mqar_workers, a.eval_seconds = 2, 20
         a.mqar_args = ("--widths 16 --seeds 0 --lrs 3e-3 --seq-len 32 --kv-pairs 4 --vocab-size 64 "
                        "--train-examples 128 --test-examples 32 --epochs 1 --batch-size 32 --archs transformer ll_mamba2")
@@ -126,6 +128,7 @@ def main() -> None:
 
     evals = {arch: cli("eval", str(d), "--eval-len", str(a.eval_len), "--windows", str(a.eval_windows),
                        "--batch-size", "2", "--smooth", "64", "--niah-lengths", *map(str, a.niah_lengths),
+                       "--niah-depths", *map(str, a.niah_depths),
                        "--niah-samples", str(a.niah_samples), "--device", a.device, "--out", str(out / "eval" / arch),
                        "--tag", a.tag, log_to=logs / f"eval-{arch}.log") for arch, d in alive.items()}
     failed += wait_all(evals, "LM eval")
