@@ -7,7 +7,7 @@ Per repeat, all ranks synchronised: the single-device op on the whole sequence o
 --no-single), then the context-parallel op on the shards; forward + backward. Reports medians in ms, the
 time spent inside the cross-rank scans (forward and backward, max over ranks), the scan's message size,
 peak memory per rank (CUDA) and, with --check, the max relative error of the shard outputs against the
-single-device op. Writes one JSON object (to --out, else stdout) from rank 0.
+single-device op. Rank 0 prints one JSON line (and appends it to --out).
 """
 
 from __future__ import annotations
