@@ -163,22 +163,26 @@ def _tiny_model(variant: str, use_log_linear: bool) -> torch.nn.Module:
     return model.double()
 
 
-def run_model_case(variant: str, use_log_linear: bool, rank: int, group) -> None:
+def run_model_case(variant: str, use_log_linear: bool, checkpointing: bool, rank: int, group) -> None:
     """apply_context_parallel: the sharded model's logits and its (all-reduced) parameter gradients equal
-    the single-process model's (conv halos and the attention scan across shards)."""
+    the single-process model's (conv halos and the attention scan across shards), also when the blocks
+    are recomputed in backward (activation checkpointing re-runs the exchanges)."""
     import copy
 
     from loglinear.distributed import apply_context_parallel, shard_sequence
 
-    name = f"model-{variant}-{'ll' if use_log_linear else 'plain'}"
+    name = f"model-{variant}-{'ll' if use_log_linear else 'plain'}{'-checkpointed' if checkpointing else ''}"
     ids = torch.randint(0, 32, (2, 23), generator=torch.Generator().manual_seed(1))
     inputs, targets = ids[:, :-1], ids[:, 1:]
     model = _tiny_model(variant, use_log_linear)
     cp_model = apply_context_parallel(copy.deepcopy(model), group)
+    if checkpointing:
+        cp_model.train()
+        cp_model.gradient_checkpointing_enable()
     logits = model(inputs).logits
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").backward()
 
-    shard_logits = cp_model(shard_sequence(inputs, group)).logits
+    shard_logits = cp_model(shard_sequence(inputs, group), use_cache=False).logits
     expected = shard_sequence(logits, group)
     _close(shard_logits, expected, logits, f"{name}: logits on rank {rank}")
     loss = torch.nn.functional.cross_entropy(
@@ -205,7 +209,9 @@ def check_disagreeing_shapes(rank: int, group) -> None:
         raise AssertionError("disagreeing K across ranks was accepted")
 
 
-def worker(rank: int, world: int, init_file: str, cases: list[Case], model_cases: list[tuple[str, bool]]) -> None:
+def worker(
+    rank: int, world: int, init_file: str, cases: list[Case], model_cases: list[tuple[str, bool, bool]],
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
@@ -219,7 +225,7 @@ def worker(rank: int, world: int, init_file: str, cases: list[Case], model_cases
                 print(f"^ rank {rank}/{world}, case {case.name}", file=sys.stderr, flush=True)
                 raise
         check_disagreeing_shapes(rank, dist.group.WORLD)
-        for variant, use_log_linear in model_cases:
-            run_model_case(variant, use_log_linear, rank, dist.group.WORLD)
+        for variant, use_log_linear, checkpointing in model_cases:
+            run_model_case(variant, use_log_linear, checkpointing, rank, dist.group.WORLD)
     finally:
         dist.destroy_process_group()

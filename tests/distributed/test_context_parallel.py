@@ -43,10 +43,11 @@ def _cases(lengths: list[int]) -> list[Case]:
     return cases
 
 
-MODELS = [("mamba2", True), ("gated_deltanet", True), ("gated_deltanet", False)]  # (variant, log-linear)
+# (variant, log-linear, activation checkpointing)
+MODELS = [("mamba2", True, False), ("gated_deltanet", True, True), ("gated_deltanet", False, False)]
 
 
-def _spawn(lengths: list[int], cases: list[Case], models: list[tuple[str, bool]], tmp_path) -> None:
+def _spawn(lengths: list[int], cases: list[Case], models: list[tuple[str, bool, bool]], tmp_path) -> None:
     world = len(lengths)
     args = (world, str(tmp_path / "store"), cases, models)
     ctx = mp.start_processes(worker, args=args, nprocs=world, join=False, start_method="spawn")
