@@ -134,9 +134,10 @@ def test_deterministic_gradients():
         assert torch.equal(a, b)
 
 
-def test_chunk_local_kernels_match_torch_form():
+@pytest.mark.parametrize("K, V", [(20, 12), (72, 80)])  # one block; two K and two V blocks of 64
+def test_chunk_local_kernels_match_torch_form(K, V):
     """The fused chunk-local forward and backward kernels against autograd through the float64 torch form."""
-    b, H, N, C, K, V = 1, 2, 3, 16, 20, 12
+    b, H, N, C = 1, 2, 3, 16
     xs = [torch.randn(b, H, N, C, K), torch.randn(b, H, N, C, K) / K**0.5, torch.randn(b, H, N, C, V),
           -0.05 - 0.4 * torch.rand(b, H, N, C), 0.05 + 0.9 * torch.rand(b, H, N, C), 0.2 + torch.rand(b, H, N, C, 5)]
     x64 = [x.double().requires_grad_() for x in xs]
@@ -170,7 +171,7 @@ def _scan_torch(qt, wt, kt, u, decay, lam, h0, merge):
 
 
 def test_scan_kernel_and_its_backward():
-    BH, N, C, K, V, J = 3, 6, 16, 20, 24, 3
+    BH, N, C, K, V, J = 3, 6, 16, 20, 40, 3  # V = 40: two V blocks of 32 (partial sums)
     merge = torch.tensor([0, 2, 0, 1, 0, -1], dtype=torch.int32)  # chunks 2..7
     args = [0.3 * torch.randn(BH, N * C, K, dtype=torch.float64) for _ in range(3)]
     args += [torch.randn(BH, N * C, V, dtype=torch.float64), torch.rand(BH, N, dtype=torch.float64),

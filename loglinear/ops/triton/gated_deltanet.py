@@ -23,6 +23,7 @@ from loglinear.inputs import OpInputs, run_segments
 from loglinear.ops.torch_chunk.forms import GatedDeltaNetForm
 from loglinear.ops.torch_chunk.scan import _carry_past, _chunked, _final_levels, _level_scales_at, _pad_time
 from loglinear.ops.triton.common import interpreting
+from loglinear.ops.triton.gated_deltanet_common import dot_dtype
 from loglinear.ops.triton.gated_deltanet_local import chunk_local
 from loglinear.ops.triton.gated_deltanet_scan import fenwick_delta_scan
 from loglinear.state import FenwickState
@@ -31,10 +32,10 @@ from loglinear.state import FenwickState
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def kernel_chunk_size(chunk_size: int) -> int:
-    """The kernels' chunk, 16..64: tl.dot needs 16 x 16 tiles, and [C, C] blocks beyond 64 spill.
-    The result does not depend on it."""
-    return min(max(chunk_size, 16), 64)
+def kernel_chunk_size(chunk_size: int, dtype: torch.dtype) -> int:
+    """The kernels' chunk: >= 16 (tl.dot tiles), <= 64 for bf16/fp16 and <= 32 for fp32 operands (their
+    [C, K] tiles fit the sm_90 shared memory). The result does not depend on it."""
+    return min(max(chunk_size, 16), 32 if dot_dtype(dtype) == torch.float32 else 64)
 
 
 def _merge_targets(c0: int, N: int, device: torch.device) -> torch.Tensor:
@@ -51,7 +52,7 @@ def gated_deltanet_core(
     """Rows sharing the start ``position``.  q, k: [b, T, H, K]; v: [b, T, H, V]; g, beta: [b, T, H];
     lam: [b, T, H, L]; levels: [b, Ls, H, K, V] or None; dtype: the caller's dtype (sets the kernels'
     operand dtype).  Returns o: [b, T, H, V] and the final levels [b, max(Ls, levels_needed(end)), H, K, V]."""
-    C = kernel_chunk_size(chunk_size)
+    C = kernel_chunk_size(chunk_size, dtype)
     c = chunk_bits(C)
     b, T, H, K = q.shape
     V = v.shape[-1]

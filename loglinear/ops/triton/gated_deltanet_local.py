@@ -25,15 +25,9 @@ import triton
 import triton.language as tl
 
 from loglinear.fenwick import chunk_bits, intra_chunk_levels
-from loglinear.ops.triton.common import alloc, dot_precision, interpreting, next_pow2
+from loglinear.ops.triton.common import alloc, interpreting, next_pow2
+from loglinear.ops.triton.gated_deltanet_common import dot_dtype, dot_precision
 from loglinear.ops.triton.intra import decay_matrix, intra_levels, level_weights
-
-def dot_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Operand dtype of the kernels' products: bf16/fp16 stay, everything else runs in fp32.
-    (Triton 3.9's interpreter multiplies bf16 operands as raw bits, so it gets fp32 operands.)"""
-    low = (torch.float16,) if interpreting() else (torch.bfloat16, torch.float16)
-    return dtype if dtype in low else torch.float32
-
 
 LocalOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -62,24 +56,36 @@ def chunk_local_torch(q, k, v, g, beta, lam) -> LocalOut:
 
 
 @triton.jit
-def _chunk_setup(q, k, v, g, beta, lam, pid, C: tl.constexpr, K, V, LOG_C: tl.constexpr, BK: tl.constexpr,
-                 BV: tl.constexpr, PREC: tl.constexpr):
-    """Loads one chunk and builds what both directions need: q, k [C, BK], v [C, BV] (input dtype), beta, G,
-    Gamma, the level mask Lambda (causal), T_g and tril(Q K^T) * Gamma (fp32)."""
+def _tile(ptr, rows, D, col0, BD: tl.constexpr):
+    """x[rows, col0 : col0 + BD] of a row-major [*, D] tensor -> [C, BD] (0 past D)."""
+    cols = col0 + tl.arange(0, BD)
+    return tl.load(ptr + rows[:, None] * D + cols[None, :], mask=cols[None, :] < D, other=0.0)
+
+
+@triton.jit
+def _put(ptr, x, rows, D, col0, BD: tl.constexpr):
+    cols = col0 + tl.arange(0, BD)
+    tl.store(ptr + rows[:, None] * D + cols[None, :], x.to(ptr.dtype.element_ty), mask=cols[None, :] < D)
+
+
+@triton.jit
+def _chunk_setup(q, k, g, beta, lam, rows, C: tl.constexpr, K, LOG_C: tl.constexpr, BK: tl.constexpr,
+                 NK: tl.constexpr, PREC: tl.constexpr):
+    """What both directions need, fp32: beta, G, Gamma, the levels and Lambda (causal), K K^T, T_g and
+    Q K^T (raw). q, k are read in NK column blocks of BK."""
     rc = tl.arange(0, C)
-    rk = tl.arange(0, BK)
-    rv = tl.arange(0, BV)
-    rows = pid * C + rc
-    q_c = tl.load(q + rows[:, None] * K + rk[None, :], mask=rk[None, :] < K, other=0.0)
-    k_c = tl.load(k + rows[:, None] * K + rk[None, :], mask=rk[None, :] < K, other=0.0)
-    v_c = tl.load(v + rows[:, None] * V + rv[None, :], mask=rv[None, :] < V, other=0.0)
+    kk = tl.zeros([C, C], dtype=tl.float32)
+    qk = tl.zeros([C, C], dtype=tl.float32)
+    for kb in tl.static_range(NK):
+        k_b = _tile(k, rows, K, kb * BK, BK)
+        kk += tl.dot(k_b, tl.trans(k_b), input_precision=PREC)
+        qk += tl.dot(_tile(q, rows, K, kb * BK, BK), tl.trans(k_b), input_precision=PREC)
     b_c = tl.load(beta + rows)
     G = tl.cumsum(tl.load(g + rows), axis=0)
     causal = rc[:, None] >= rc[None, :]
     gamma = decay_matrix(G, causal)
     lev = intra_levels(rc, LOG_C)
     lam_c = level_weights(lam, rows, rc < C, 0, 1, LOG_C + 1, lev, causal, LOG_C)
-    kk = tl.dot(k_c, tl.trans(k_c), input_precision=PREC)
     A = tl.where(rc[:, None] > rc[None, :], b_c[:, None] * gamma * kk, 0.0)
     # T_g = (I + A)^-1 = (I - A) prod_r (I + A^(2^r)), r = 1 .. c-1  (A is nilpotent: A^C = 0)
     Tg = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0) - A
@@ -87,42 +93,41 @@ def _chunk_setup(q, k, v, g, beta, lam, pid, C: tl.constexpr, K, V, LOG_C: tl.co
     for _ in tl.static_range(1, LOG_C):
         P = tl.dot(P, P, input_precision=PREC)
         Tg = Tg + tl.dot(Tg, P, input_precision=PREC)
-    qk = tl.dot(q_c, tl.trans(k_c), input_precision=PREC) * gamma
-    return q_c, k_c, v_c, b_c, G, gamma, lev, lam_c, kk, Tg, qk
+    return b_c, G, gamma, lev, lam_c, kk, Tg, qk
 
 
 @triton.jit
 def _chunk_local_kernel(
     q, k, v, g, beta, lam, o, qt, wt, kt, u, decay,
-    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
+    BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr,
 ):
     """One chunk of one head.  q, k: [BH*N, C, K]; v: [BH*N, C, V]; g, beta: [BH*N, C] fp32;
     lam: [BH*N, C, c+1] fp32 (levels 0..c); outputs o: [BH*N, C, V] fp32, qt, wt, kt: [BH*N, C, K]
-    and u: [BH*N, C, V] in the operand dtype, decay: [BH*N] fp32."""
+    and u: [BH*N, C, V] in the operand dtype, decay: [BH*N] fp32. K and V are walked in blocks."""
     pid = tl.program_id(0).to(tl.int64)
-    q_c, k_c, v_c, b_c, G, gamma, lev, lam_c, kk, Tg, qk = _chunk_setup(
-        q, k, v, g, beta, lam, pid, C, K, V, LOG_C, BK, BV, PREC)
     rc = tl.arange(0, C)
     rows = pid * C + rc
-    ck = rows[:, None] * K + tl.arange(0, BK)[None, :]
-    cv = rows[:, None] * V + tl.arange(0, BV)[None, :]
-    mk = tl.arange(0, BK)[None, :] < K
-    mv = tl.arange(0, BV)[None, :] < V
+    b_c, G, gamma, lev, lam_c, kk, Tg, qk = _chunk_setup(q, k, g, beta, lam, rows, C, K, LOG_C, BK, NK, PREC)
+    dt = q.dtype.element_ty
     G_last = tl.sum(tl.where(rc == C - 1, G, 0.0), axis=0)
     e = tl.exp(G)
-    dt = q_c.dtype
-    u_c = tl.dot(Tg.to(dt), (b_c[:, None] * v_c).to(dt), input_precision=PREC)
-    w_c = tl.dot(Tg.to(dt), (b_c[:, None] * e[:, None] * k_c).to(dt), input_precision=PREC)
-    M = tl.dot(qk.to(dt), Tg.to(dt), input_precision=PREC) * b_c[None, :] * lam_c
-    o_c = tl.dot(M.to(dt), v_c, input_precision=PREC)
-    q_t = e[:, None] * q_c - tl.dot(qk.to(dt), w_c.to(dt), input_precision=PREC)
-    k_t = tl.exp(G_last - G)[:, None] * k_c
-    tl.store(o + cv, o_c, mask=mv)
-    tl.store(u + cv, u_c.to(u.dtype.element_ty), mask=mv)
-    tl.store(qt + ck, q_t.to(qt.dtype.element_ty), mask=mk)
-    tl.store(wt + ck, w_c.to(wt.dtype.element_ty), mask=mk)
-    tl.store(kt + ck, k_t.to(kt.dtype.element_ty), mask=mk)
+    f = tl.exp(G_last - G)
+    qk = qk * gamma
+    Tgd = Tg.to(dt)
+    qkd = qk.to(dt)
+    P = (tl.dot(qkd, Tgd, input_precision=PREC) * b_c[None, :] * lam_c).to(dt)
+    for kb in tl.static_range(NK):
+        q_b = _tile(q, rows, K, kb * BK, BK).to(tl.float32)
+        k_b = _tile(k, rows, K, kb * BK, BK).to(tl.float32)
+        w_b = tl.dot(Tgd, ((b_c * e)[:, None] * k_b).to(dt), input_precision=PREC)
+        _put(wt, w_b, rows, K, kb * BK, BK)
+        _put(qt, e[:, None] * q_b - tl.dot(qkd, w_b.to(dt), input_precision=PREC), rows, K, kb * BK, BK)
+        _put(kt, f[:, None] * k_b, rows, K, kb * BK, BK)
+    for vb in tl.static_range(NV):
+        v_b = _tile(v, rows, V, vb * BV, BV)
+        _put(u, tl.dot(Tgd, (b_c[:, None] * v_b.to(tl.float32)).to(dt), input_precision=PREC), rows, V, vb * BV, BV)
+        _put(o, tl.dot(P, v_b, input_precision=PREC), rows, V, vb * BV, BV)
     tl.store(decay + pid, tl.exp(G_last))
 
 
@@ -130,92 +135,104 @@ def _chunk_local_kernel(
 def _chunk_local_bwd_kernel(
     q, k, v, g, beta, lam, do, dqt, dwt, dkt, du, ddecay,
     dq, dk, dv, dg, dbeta, dlam,
-    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
+    BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Gradients of one chunk (the forward is recomputed in fp32).  Upstream: do, du: [BH*N, C, V];
-    dqt, dwt, dkt: [BH*N, C, K]; ddecay: [BH*N] (fp32).  Outputs (fp32): dq, dk: [BH*N, C, K];
-    dv: [BH*N, C, V]; dg, dbeta: [BH*N, C]; dlam: [BH*N, C, c+1].  With P = (QK T_g) * beta_s * Lambda,
-    dP = do V^T and, backwards through the forward's lines (shapes [C, C] unless noted):
+    """Gradients of one chunk (the forward's [C, C] blocks are recomputed in fp32).  Upstream: do, du:
+    [BH*N, C, V]; dqt, dwt, dkt: [BH*N, C, K]; ddecay: [BH*N] (fp32).  Outputs (fp32): dq, dk: [BH*N, C, K];
+    dv: [BH*N, C, V]; dg, dbeta: [BH*N, C]; dlam: [BH*N, C, c+1].  With P = (QK T) * beta_s * Lambda,
+    QK = (Q K^T) * Gamma, bk = beta e K, bv = beta V (e = exp(G), f = exp(G_last - G)), backwards:
 
-        dM = dP * beta_s * Lambda;  dLambda = dP * M * beta_s;  dbeta_s += colsum(dP * M * Lambda)
-        dQK = dM T^T - dqt W~^T;   dT = QK^T dM + dW T(bk)^T + du (bv)^T,  dW = dwt - QK^T dqt
+        dP = do V^T;  dV = P^T do + beta T^T du;  dLambda = dP * M * beta_s;  dM = dP * beta_s * Lambda
+        dQK = dM T^T - dqt W~^T;   dW = dwt - QK^T dqt;   dT = QK^T dM + dW bk^T + du bv^T
         dA = -T^T dT T^T (strict lower);  dKK = dA * beta_t * Gamma;  dGamma = dQK * QKraw + dA * beta_t * KK
-        dk = dQK^T-ish terms + (dKK + dKK^T) k + beta e T^T dW + f dkt;  dG from e, K~, decay and Gamma;
-        dg = reverse cumsum of dG.
+        dQ = e dqt + (dQK * Gamma) K;   dK = (dQK * Gamma)^T Q + (dKK + dKK^T) K + beta e T^T dW + f dkt
+        dbeta, dG from the same lines; dg = reverse cumsum of dG.
     """
     pid = tl.program_id(0).to(tl.int64)
-    q_c, k_c, v_c, b_c, G, gamma, lev, lam_c, kk, Tg, qk = _chunk_setup(
-        q, k, v, g, beta, lam, pid, C, K, V, LOG_C, BK, BV, PREC)
-    q_c, k_c, v_c = q_c.to(tl.float32), k_c.to(tl.float32), v_c.to(tl.float32)
     rc = tl.arange(0, C)
     rows = pid * C + rc
-    ck = rows[:, None] * K + tl.arange(0, BK)[None, :]
-    cv = rows[:, None] * V + tl.arange(0, BV)[None, :]
-    mk = tl.arange(0, BK)[None, :] < K
-    mv = tl.arange(0, BV)[None, :] < V
+    b_c, G, gamma, lev, lam_c, kk, Tg, qkr = _chunk_setup(q, k, g, beta, lam, rows, C, K, LOG_C, BK, NK, PREC)
     causal = rc[:, None] >= rc[None, :]
-    strict = rc[:, None] > rc[None, :]
     G_last = tl.sum(tl.where(rc == C - 1, G, 0.0), axis=0)
     e = tl.exp(G)
     f = tl.exp(G_last - G)
-    bk = (b_c * e)[:, None] * k_c
-    bv = b_c[:, None] * v_c
-    w_c = tl.dot(Tg, bk, input_precision=PREC)
+    qk = qkr * gamma
     M = tl.dot(qk, Tg, input_precision=PREC)
-
-    do_c = tl.load(do + cv, mask=mv, other=0.0)
-    du_c = tl.load(du + cv, mask=mv, other=0.0)
-    dqt_c = tl.load(dqt + ck, mask=mk, other=0.0)
-    dwt_c = tl.load(dwt + ck, mask=mk, other=0.0)
-    dkt_c = tl.load(dkt + ck, mask=mk, other=0.0)
-    dP = tl.where(causal, tl.dot(do_c, tl.trans(v_c), input_precision=PREC), 0.0)
     P = M * b_c[None, :] * lam_c
-    dv_c = tl.dot(tl.trans(P), do_c, input_precision=PREC)
+    # values: dP, dV, dT from u = T bv
+    dP = tl.zeros([C, C], dtype=tl.float32)
+    dT = tl.zeros([C, C], dtype=tl.float32)
+    db = tl.zeros([C], dtype=tl.float32)
+    for vb in tl.static_range(NV):
+        v_b = _tile(v, rows, V, vb * BV, BV).to(tl.float32)
+        do_b = _tile(do, rows, V, vb * BV, BV)
+        du_b = _tile(du, rows, V, vb * BV, BV)
+        dP += tl.dot(do_b, tl.trans(v_b), input_precision=PREC)
+        dT += tl.dot(du_b, tl.trans(b_c[:, None] * v_b), input_precision=PREC)
+        dbv = tl.dot(tl.trans(Tg), du_b, input_precision=PREC)
+        db += tl.sum(dbv * v_b, axis=1)
+        _put(dv, tl.dot(tl.trans(P), do_b, input_precision=PREC) + b_c[:, None] * dbv, rows, V, vb * BV, BV)
+    dP = tl.where(causal, dP, 0.0)
     dLam = dP * M * b_c[None, :]
     for level in tl.static_range(LOG_C + 1):
         tl.store(dlam + rows * (LOG_C + 1) + level, tl.sum(tl.where(lev == level, dLam, 0.0), axis=1))
     dM = dP * b_c[None, :] * lam_c
-    db = tl.sum(dP * M * lam_c, axis=0)
-    # qt = e q - QK W~;  M = QK T
-    dQK = tl.dot(dM, tl.trans(Tg), input_precision=PREC) - tl.dot(dqt_c, tl.trans(w_c), input_precision=PREC)
-    dW = dwt_c - tl.dot(tl.trans(qk), dqt_c, input_precision=PREC)
-    dT = tl.dot(tl.trans(qk), dM, input_precision=PREC) + tl.dot(dW, tl.trans(bk), input_precision=PREC)
-    dT += tl.dot(du_c, tl.trans(bv), input_precision=PREC)
-    de = tl.sum(dqt_c * q_c, axis=1)
-    dq_c = e[:, None] * dqt_c
-    # QK = (q k^T) * Gamma
-    dQKraw = dQK * gamma
-    dGamma = tl.where(causal, dQK * tl.dot(q_c, tl.trans(k_c), input_precision=PREC), 0.0)
-    dq_c += tl.dot(dQKraw, k_c, input_precision=PREC)
-    dk_c = tl.dot(tl.trans(dQKraw), q_c, input_precision=PREC)
-    # W~ = T bk, u = T bv
-    dbk = tl.dot(tl.trans(Tg), dW, input_precision=PREC)
-    dbv = tl.dot(tl.trans(Tg), du_c, input_precision=PREC)
-    sbk = tl.sum(dbk * k_c, axis=1)
-    dk_c += (b_c * e)[:, None] * dbk
-    db += e * sbk + tl.sum(dbv * v_c, axis=1)
+    db += tl.sum(dP * M * lam_c, axis=0)
+    dQK = tl.dot(dM, tl.trans(Tg), input_precision=PREC)
+    dT += tl.dot(tl.trans(qk), dM, input_precision=PREC)
+    # keys: qt = e q - QK W~,  W~ = T bk
+    de = tl.zeros([C], dtype=tl.float32)
+    sbk = tl.zeros([C], dtype=tl.float32)
+    for kb in tl.static_range(NK):
+        q_b = _tile(q, rows, K, kb * BK, BK).to(tl.float32)
+        k_b = _tile(k, rows, K, kb * BK, BK).to(tl.float32)
+        bk_b = (b_c * e)[:, None] * k_b
+        dqt_b = _tile(dqt, rows, K, kb * BK, BK)
+        dW_b = _tile(dwt, rows, K, kb * BK, BK) - tl.dot(tl.trans(qk), dqt_b, input_precision=PREC)
+        dQK -= tl.dot(dqt_b, tl.trans(tl.dot(Tg, bk_b, input_precision=PREC)), input_precision=PREC)
+        dT += tl.dot(dW_b, tl.trans(bk_b), input_precision=PREC)
+        de += tl.sum(dqt_b * q_b, axis=1)
+        sbk += tl.sum(tl.dot(tl.trans(Tg), dW_b, input_precision=PREC) * k_b, axis=1)
+    db += e * sbk
     de += b_c * sbk
-    dv_c += b_c[:, None] * dbv
-    # T = (I + A)^-1;  A = strict(beta_t Gamma KK)
+    # T = (I + A)^-1,  A = strict(beta_t Gamma KK),  QK = QKraw * Gamma
     dA = -tl.dot(tl.trans(Tg), tl.dot(dT, tl.trans(Tg), input_precision=PREC), input_precision=PREC)
-    dA = tl.where(strict, dA, 0.0)
+    dA = tl.where(rc[:, None] > rc[None, :], dA, 0.0)
     db += tl.sum(dA * gamma * kk, axis=1)
-    dGamma += dA * b_c[:, None] * kk
+    dGamma = tl.where(causal, dQK * qkr, 0.0) + dA * b_c[:, None] * kk
     dKK = dA * b_c[:, None] * gamma
-    dk_c += tl.dot(dKK + tl.trans(dKK), k_c, input_precision=PREC)
-    # K~ = f k, decay = exp(G_last), e = exp(G), Gamma = exp(G_t - G_s)
-    dk_c += f[:, None] * dkt_c
-    skt = f * tl.sum(dkt_c * k_c, axis=1)
+    dKK = dKK + tl.trans(dKK)
+    dQKr = dQK * gamma
+    skt = tl.zeros([C], dtype=tl.float32)
+    for kb in tl.static_range(NK):
+        q_b = _tile(q, rows, K, kb * BK, BK).to(tl.float32)
+        k_b = _tile(k, rows, K, kb * BK, BK).to(tl.float32)
+        dqt_b = _tile(dqt, rows, K, kb * BK, BK)
+        dkt_b = _tile(dkt, rows, K, kb * BK, BK)
+        dW_b = _tile(dwt, rows, K, kb * BK, BK) - tl.dot(tl.trans(qk), dqt_b, input_precision=PREC)
+        dbk_b = tl.dot(tl.trans(Tg), dW_b, input_precision=PREC)
+        _put(dq, e[:, None] * dqt_b + tl.dot(dQKr, k_b, input_precision=PREC), rows, K, kb * BK, BK)
+        dk_b = tl.dot(tl.trans(dQKr), q_b, input_precision=PREC) + tl.dot(dKK, k_b, input_precision=PREC)
+        dk_b += (b_c * e)[:, None] * dbk_b + f[:, None] * dkt_b
+        _put(dk, dk_b, rows, K, kb * BK, BK)
+        skt += f * tl.sum(dkt_b * k_b, axis=1)
+    # K~ = f k, decay = exp(G_last), e = exp(G), Gamma = exp(G_t - G_s); G = cumsum(g)
     dG_last = tl.sum(skt, axis=0) + tl.load(ddecay + pid) * tl.exp(G_last)
     dGg = dGamma * gamma
     dG = de * e - skt + tl.sum(dGg, axis=1) - tl.sum(dGg, axis=0) + tl.where(rc == C - 1, dG_last, 0.0)
-    dg_c = tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG
-    tl.store(dq + ck, dq_c, mask=mk)
-    tl.store(dk + ck, dk_c, mask=mk)
-    tl.store(dv + cv, dv_c, mask=mv)
-    tl.store(dg + rows, dg_c)
+    tl.store(dg + rows, tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG)
     tl.store(dbeta + rows, db)
+
+
+def _meta(K: int, V: int, C: int, nlev: int, dt: torch.dtype) -> dict:
+    """Constexprs and launch options of the chunk-local kernels: K and V in blocks of <= 64 columns."""
+    BK, BV = min(64, next_pow2(K)), min(64, next_pow2(V))
+    return dict(
+        K=K, V=V, C=C, LOG_C=nlev - 1, BK=BK, NK=triton.cdiv(K, BK), BV=BV, NV=triton.cdiv(V, BV),
+        PREC=dot_precision(dt),
+        num_warps=1 if interpreting() else 8, num_stages=1 if interpreting() else 2,
+    )
 
 
 def chunk_local_triton(q, k, v, g, beta, lam, dtype: torch.dtype) -> LocalOut:
@@ -233,11 +250,8 @@ def chunk_local_triton(q, k, v, g, beta, lam, dtype: torch.dtype) -> LocalOut:
     o, u = nan(M, C, V, d=torch.float32), nan(M, C, V)
     qt, wt, kt = nan(M, C, K), nan(M, C, K), nan(M, C, K)
     decay = nan(M, d=torch.float32)
-    BK, BV = next_pow2(K), next_pow2(V)
     _chunk_local_kernel[(M,)](
-        qf, kf, vf, gf, bf, lf, o, qt, wt, kt, u, decay,
-        K=K, V=V, C=C, LOG_C=nlev - 1, BK=BK, BV=BV, PREC=dot_precision(dt),
-        num_warps=1 if interpreting() else (4 if BK <= 64 else 8),
+        qf, kf, vf, gf, bf, lf, o, qt, wt, kt, u, decay, **_meta(K, V, C, nlev, dt),
     )
     shape = lambda x: x.view(b, H, N, *x.shape[1:])  # noqa: E731
     return shape(o), shape(qt), shape(wt), shape(kt), shape(u), decay.view(b, H, N)
@@ -256,12 +270,10 @@ def chunk_local_triton_bwd(q, k, v, g, beta, lam, do, dqt, dwt, dkt, du, ddecay,
     f32 = torch.float32
     outs = [alloc((M, C, K), f32, q.device), alloc((M, C, K), f32, q.device), alloc((M, C, V), f32, q.device),
             alloc((M, C), f32, q.device), alloc((M, C), f32, q.device), alloc((M, C, nlev), f32, q.device)]
-    BK, BV = next_pow2(K), next_pow2(V)
     _chunk_local_bwd_kernel[(M,)](
         flat(q, dt), flat(k, dt), flat(v, dt), flat(g, f32), flat(beta, f32), flat(lam, f32),
         up(do, v), up(dqt, q), up(dwt, q), up(dkt, q), up(du, v), up(ddecay, g[..., 0]).view(M), *outs,
-        K=K, V=V, C=C, LOG_C=nlev - 1, BK=BK, BV=BV, PREC=dot_precision(dt),
-        num_warps=1 if interpreting() else 8,
+        **_meta(K, V, C, nlev, dt),
     )
     return tuple(x.view(b, H, N, *x.shape[1:]) for x in outs)
 

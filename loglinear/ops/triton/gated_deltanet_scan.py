@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.common import alloc, dot_precision, launch_options, next_pow2
+from loglinear.ops.triton.common import alloc, interpreting, next_pow2
+from loglinear.ops.triton.gated_deltanet_common import dot_dtype, dot_precision
 
 
 @triton.jit
@@ -62,12 +63,12 @@ def _scan_fwd_kernel(
         u_i = tl.load(u + rows[:, None] * V + rv[None, :], mask=mv[None, :], other=0.0)
         d = tl.load(decay + bh * N + i)
         m = tl.load(merge + i)
-        deposit = tl.dot(tl.trans(k_i), u_i, input_precision=PREC)
+        # running sum of what moves into level m: the deposit, then g_j for j < m
+        carry = tl.dot(tl.trans(k_i), u_i, input_precision=PREC)
         src = states + (bh * 2 + i % 2) * J * KV
         dst = states + (bh * 2 + (i + 1) % 2) * J * KV
         keep = snap + (bh * N + i) * J * KV
         acc = tl.zeros([C, BV], dtype=tl.float32)
-        below_sum = tl.zeros([BK, BV], dtype=tl.float32)
         for j in range(J):
             h = tl.load(src + j * KV + hoff, mask=hmask, other=0.0)
             hd = h.to(q_i.dtype)
@@ -78,8 +79,8 @@ def _scan_fwd_kernel(
             wh = tl.dot(w_i, hd, input_precision=PREC)
             g = d * h - tl.dot(tl.trans(k_i), wh.to(q_i.dtype), input_precision=PREC)
             below = j < m
-            new = tl.where(below, 0.0, g + tl.where(j == m, below_sum + deposit, 0.0))
-            below_sum += tl.where(below, g, 0.0)
+            new = tl.where(below, 0.0, g + tl.where(j == m, carry, 0.0))
+            carry += tl.where(below, g, 0.0)
             tl.store(dst + j * KV + hoff, new, mask=hmask)
         tl.store(o + rows[:, None] * V + rv[None, :], acc, mask=mv[None, :])
         tl.debug_barrier()
@@ -95,8 +96,8 @@ def _scan_bwd_kernel(
 ):
     """Inputs as the forward, snap: [BH, N, J, K, V] the forward's states entering each chunk;
     do: [BH, Tp, V]; dstates: [BH, 2, J, K, V] fp32 (slot N % 2 holds dh of the final states; slot 0
-    ends with dh of the initial states). Outputs (fp32): dqt, dwt, dkt: [NV, BH, Tp, K]; du: [BH, Tp, V];
-    dd: [NV, BH, N]; dlam: [NV, BH, Tp, J]."""
+    ends with dh of the initial states). Outputs: dqt, dwt, dkt: [NV, BH, Tp, K] (operand dtype);
+    du: [BH, Tp, V], dd: [NV, BH, N], dlam: [NV, BH, Tp, J] (fp32)."""
     iv = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rc = tl.arange(0, C)
@@ -131,7 +132,7 @@ def _scan_bwd_kernel(
         dk_acc = tl.dot(u_i, tl.trans(dhm_d), input_precision=PREC)
         dq_acc = tl.zeros([C, BK], dtype=tl.float32)
         dw_acc = tl.zeros([C, BK], dtype=tl.float32)
-        dd_acc = tl.zeros([BK, BV], dtype=tl.float32)
+        dd_acc = 0.0
         for j in range(J):
             dg = tl.where(j <= m, dh_m, tl.load(src + j * KV + hoff, mask=hmask, other=0.0))
             h = tl.load(hsrc + j * KV + hoff, mask=hmask, other=0.0).to(tl.float32)
@@ -142,7 +143,7 @@ def _scan_bwd_kernel(
             dq_acc += tl.dot(y, tl.trans(hd), input_precision=PREC)
             qh = tl.dot(q_i, hd, input_precision=PREC)
             tl.store(dlam + prow * J + j, tl.sum(do_i * qh, axis=1))
-            dd_acc += dg * h
+            dd_acc += tl.sum(tl.sum(dg * h, axis=1), axis=0)
             wh = tl.dot(w_i, hd, input_precision=PREC)
             dk_acc -= tl.dot(wh.to(q_i.dtype), tl.trans(dgd), input_precision=PREC)
             kdg = tl.dot(k_i, dgd, input_precision=PREC).to(q_i.dtype)
@@ -151,18 +152,23 @@ def _scan_bwd_kernel(
             dh += tl.dot(tl.trans(q_i), y, input_precision=PREC)
             tl.store(dst + j * KV + hoff, dh, mask=hmask)
         pk = prow[:, None] * K + rk[None, :]
-        tl.store(dqt + pk, dq_acc, mask=mk[None, :])
-        tl.store(dwt + pk, dw_acc, mask=mk[None, :])
-        tl.store(dkt + pk, dk_acc, mask=mk[None, :])
-        tl.store(dd + part * N + i, tl.sum(tl.sum(dd_acc, axis=1), axis=0))
+        tl.store(dqt + pk, dq_acc.to(dqt.dtype.element_ty), mask=mk[None, :])
+        tl.store(dwt + pk, dw_acc.to(dwt.dtype.element_ty), mask=mk[None, :])
+        tl.store(dkt + pk, dk_acc.to(dkt.dtype.element_ty), mask=mk[None, :])
+        tl.store(dd + part * N + i, dd_acc)
         tl.debug_barrier()
 
 
 def _blocks(K: int, V: int) -> tuple[int, int, int]:
-    """(BK, BV, number of V blocks): K whole (the transition contracts over it), V in blocks of <= 64."""
+    """(BK, BV, number of V blocks): K whole (the transition contracts over it), V in blocks of 32 (16 for
+    K > 128), so that a state tile and its update stay in registers (8 warps, no spills on sm_90)."""
     BK = next_pow2(K)
-    BV = min(64 if BK <= 128 else 32, next_pow2(V))
+    BV = min(32 if BK <= 128 else 16, next_pow2(V))
     return BK, BV, triton.cdiv(V, BV)
+
+
+def _launch() -> dict[str, int]:
+    return {"num_warps": 1, "num_stages": 1} if interpreting() else {"num_warps": 8, "num_stages": 2}
 
 
 class FenwickDeltaScan(torch.autograd.Function):
@@ -186,7 +192,7 @@ class FenwickDeltaScan(torch.autograd.Function):
         o = alloc((BH, Tp, V), torch.float32, qt.device)
         _scan_fwd_kernel[(NV, BH)](
             qt, wt, kt, u, decay, lam, merge, states, snap, o, N, J, Tp,
-            K=K, V=V, C=C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), SNAP=keep, **launch_options(BK, BV),
+            K=K, V=V, C=C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), SNAP=keep, **_launch(),
         )
         ctx.save_for_backward(qt, wt, kt, u, decay, lam, merge, snap if keep else None)
         return o, states[:, N % 2]
@@ -199,19 +205,20 @@ class FenwickDeltaScan(torch.autograd.Function):
         C = Tp // N
         BK, BV, NV = _blocks(K, V)
         dev = qt.device
-        nan = lambda *shape: alloc(shape, torch.float32, dev)  # noqa: E731
+        nan = lambda *shape, dtype=torch.float32: alloc(shape, dtype, dev)  # noqa: E731
         dstates = torch.zeros(BH, 2, J, K, V, dtype=torch.float32, device=dev)
         if dhN is not None:
             dstates[:, N % 2] = dhN
-        dqt, dwt, dkt = nan(NV, BH, Tp, K), nan(NV, BH, Tp, K), nan(NV, BH, Tp, K)
+        # per-V-block partials of the [C, K] gradients in the operand dtype (the op's gradients are cast to it anyway)
+        dqt, dwt, dkt = [nan(NV, BH, Tp, K, dtype=qt.dtype) for _ in range(3)]
         du, dd, dlam = nan(BH, Tp, V), nan(NV, BH, N), nan(NV, BH, Tp, J)
         do = torch.zeros_like(u, dtype=torch.float32) if do is None else do.contiguous()
         _scan_bwd_kernel[(NV, BH)](
             qt, wt, kt, u, decay, lam, merge, snap, do, dstates, dqt, dwt, dkt, du, dd, dlam,
             N, J, Tp, BH,
-            K=K, V=V, C=C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), **launch_options(BK, BV),
+            K=K, V=V, C=C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), **_launch(),
         )
-        cast = lambda x, like: x.sum(0).to(like.dtype)  # noqa: E731
+        cast = lambda x, like: x.sum(0, dtype=torch.float32).to(like.dtype)  # noqa: E731
         return (cast(dqt, qt), cast(dwt, wt), cast(dkt, kt), du.to(u.dtype), dd.sum(0), dlam.sum(0),
                 dstates[:, 0].clone(), None)
 
