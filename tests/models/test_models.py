@@ -116,11 +116,11 @@ def test_loss_from_labels_and_packed_boundaries():
 @pytest.mark.parametrize("variant,ll", VARIANTS)
 def test_cache_size_after_n_tokens(variant, ll):
     model = make_model(variant, ll)
-    ids = torch.randint(1, VOCAB, (2, 40))
+    ids = torch.randint(1, VOCAB, (2, 17))
     mixer = model.model.layers[0].mixer
     out = model(ids[:, :1], use_cache=True)
     cache = out[CACHE_KEY]
-    for n in range(2, 41):
+    for n in range(2, 18):
         cache = model(ids[:, n - 1 : n], use_cache=True, **{CACHE_KEY: cache})[CACHE_KEY]
         assert cache.get_seq_length() == n
         assert cache.num_levels() == (levels_needed(n) if ll else 1)
@@ -128,7 +128,7 @@ def test_cache_size_after_n_tokens(variant, ll):
     conv = mixer.conv.in_channels * (mixer.conv.kernel_size[0] - 1)
     per_layer = 2 * (cache.num_levels() * H * K * V + conv) * 8  # float64 model, batch 2
     assert cache.nbytes() == 2 * per_layer
-    assert cache.num_levels() == (7 if ll else 1)  # 40 tokens: ceil(log2 40) + 1
+    assert cache.num_levels() == (6 if ll else 1)  # 17 tokens: ceil(log2 17) + 1
 
 
 @pytest.mark.parametrize("variant", ["mamba2", "gated_deltanet"])
