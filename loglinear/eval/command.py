@@ -121,6 +121,7 @@ def niah_report(rows: list[dict], out: Path, title: str) -> str:
         ax.set(xscale="log", xlabel="context length", ylabel="accuracy", ylim=(-0.02, 1.02),
                title="pass-key" if k == 1 else f"multi-key ({k})")
         ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.minorticks_off()
     axes[0][0].legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()

@@ -166,7 +166,8 @@ def report(rows: list[dict], out: Path, title: str) -> str:
     first = rows[0]
     md = (f"# {title}\n\nMQAR accuracy (mean over seeds of the best learning rate), seq_len {first['seq_len']}, "
           f"KV pairs {list(first['kv_pairs'])}, vocab {first['vocab_size']}, {first['n_layers']} layers, "
-          f"{first['epochs']} epochs x {first['train_examples']} examples.\n\n{table}")
+          f"{first['epochs']} epochs x {first['train_examples']} examples, {len(rows)} runs "
+          f"(chance: {2 / first['vocab_size']:.3f}).\n\n{table}")
     write_json(out.with_suffix(".json"), rows)
     out.with_suffix(".md").write_text(md)
     plt = pyplot()
@@ -176,6 +177,7 @@ def report(rows: list[dict], out: Path, title: str) -> str:
                 **ARCH_STYLE[a])
     ax.set(xscale="log", xlabel="d_model", ylabel="accuracy", title=title, ylim=(0, 1.02))
     ax.set_xticks(widths, [str(d) for d in widths])
+    ax.minorticks_off()
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)
