@@ -60,11 +60,12 @@ class _ScanTimer:
         return out
 
 
-def _inputs(a: argparse.Namespace, device: torch.device) -> list[torch.Tensor]:
+def _inputs(a: argparse.Namespace) -> list[torch.Tensor]:
+    """The whole sequence's inputs, on the host (the same on every rank)."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     dtype = getattr(torch, a.dtype)
     L = levels_needed(a.T)
-    make = lambda *shape, f=torch.randn: f(*shape, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
+    make = lambda *shape, f=torch.randn: f(*shape, generator=gen).to(dtype)  # noqa: E731
     x = [make(a.B, a.T, 1, a.K), make(a.B, a.T, 1, a.K) / a.K**0.5, make(a.B, a.T, a.H, a.V),
          -0.05 - 0.4 * make(a.B, a.T, a.H, f=torch.rand)]
     if a.variant == "gated_deltanet":
@@ -93,9 +94,12 @@ def run(a: argparse.Namespace) -> dict | None:
     single = loglinear.log_linear_mamba2 if a.variant == "mamba2" else loglinear.log_linear_gated_deltanet
     cp = context_parallel_log_linear_mamba2 if a.variant == "mamba2" else context_parallel_log_linear_gated_deltanet
     kw = {"chunk_size": a.chunk_size} | ({"use_qk_l2norm": True} if a.variant == "gated_deltanet" else {})
-    x = _inputs(a, device)
+    host = _inputs(a)
     start, end = shard_bounds(a.T, world, rank)
-    shard = [t[:, start:end] for t in x]
+    shard = [t[:, start:end].to(device) for t in host]
+    needs_full = rank == 0 and not a.no_single or a.check
+    x = [t.to(device) for t in host] if needs_full else None
+    del host
     timer = _ScanTimer()
     single_ms, cp_ms, scan_ms, errors = [], [], [], []
     for _ in range(a.repeat + 1):  # the first round warms up
