@@ -5,7 +5,8 @@
 
 Per repeat, all ranks synchronised: the single-device op on the whole sequence on rank 0 alone (unless
 --no-single), then the context-parallel op on the shards; forward + backward. Reports medians in ms, the
-time spent inside the cross-rank scans (forward and backward, max over ranks), the scan's message size,
+time spent inside the cross-rank scans (forward and backward, max over ranks; it includes waiting for a
+slower partner rank), the scan's message size,
 peak memory per rank (CUDA) and, with --check, the max relative error of the shard outputs against the
 single-device op. Rank 0 prints one JSON line (and appends it to --out).
 """
