@@ -30,12 +30,15 @@ from loglinear.state import FenwickState
 
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_K = 256  # the scan keeps K whole in a tile
 
 
-def kernel_chunk_size(chunk_size: int, dtype: torch.dtype) -> int:
-    """The kernels' chunk: >= 16 (tl.dot tiles), <= 64 for bf16/fp16 and <= 32 for fp32 operands (their
-    [C, K] tiles fit the sm_90 shared memory). The result does not depend on it."""
-    return min(max(chunk_size, 16), 32 if dot_dtype(dtype) == torch.float32 else 64)
+def kernel_chunk_size(chunk_size: int, dtype: torch.dtype, K: int) -> int:
+    """The kernels' chunk: >= 16 (tl.dot tiles); at most 64 for bf16/fp16 operands, 32 for fp32 (16 when
+    K > 128), so that the scan's [C, K] tiles fit the sm_90 shared memory (checked by compiling for sm_90
+    with triton 3.6). The result does not depend on it."""
+    cap = 64 if dot_dtype(dtype) != torch.float32 else (32 if K <= 128 else 16)
+    return min(max(chunk_size, 16), cap)
 
 
 def _merge_targets(c0: int, N: int, device: torch.device) -> torch.Tensor:
@@ -52,7 +55,7 @@ def gated_deltanet_core(
     """Rows sharing the start ``position``.  q, k: [b, T, H, K]; v: [b, T, H, V]; g, beta: [b, T, H];
     lam: [b, T, H, L]; levels: [b, Ls, H, K, V] or None; dtype: the caller's dtype (sets the kernels'
     operand dtype).  Returns o: [b, T, H, V] and the final levels [b, max(Ls, levels_needed(end)), H, K, V]."""
-    C = kernel_chunk_size(chunk_size, dtype)
+    C = kernel_chunk_size(chunk_size, dtype, q.shape[-1])
     c = chunk_bits(C)
     b, T, H, K = q.shape
     V = v.shape[-1]
@@ -108,9 +111,9 @@ def triton_backend(
 ) -> tuple[torch.Tensor, FenwickState | None]:
     """The registered "triton" backend of log_linear_gated_deltanet (CUDA, or CPU under TRITON_INTERPRET=1).
 
-    float64 inputs, and CPU tensors without the interpreter, go to the torch chunk path."""
+    float64 inputs, K > 256, and CPU tensors without the interpreter go to the torch chunk path."""
     dtype = inp.v.dtype
-    if dtype not in SUPPORTED_DTYPES or inp.q.dtype not in SUPPORTED_DTYPES or (
+    if dtype not in SUPPORTED_DTYPES or inp.q.dtype not in SUPPORTED_DTYPES or inp.q.shape[-1] > MAX_K or (
         inp.q.device.type != "cuda" and not interpreting()
     ):
         from loglinear.ops.api import _BACKENDS

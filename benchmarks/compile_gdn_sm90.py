@@ -1,0 +1,79 @@
+"""Compile the Gated DeltaNet kernels for sm_90 on any machine (no GPU): shared memory, registers, spills.
+
+    python benchmarks/compile_gdn_sm90.py                 # bf16, K = 128, V = 64, the op's block choices
+    python benchmarks/compile_gdn_sm90.py --dtype fp32 --K 256
+
+Uses the installed triton (compile with the GPU's triton version: e.g. a triton 3.6 wheel on PYTHONPATH)
+and its bundled ptxas. A kernel whose shared memory exceeds 232448 bytes fails to launch on an H100/H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from loglinear.ops.triton import gated_deltanet_local as local  # noqa: E402
+from loglinear.ops.triton import gated_deltanet_scan as scan  # noqa: E402
+from loglinear.ops.triton.gated_deltanet import kernel_chunk_size  # noqa: E402
+from loglinear.ops.triton.gated_deltanet_common import dot_precision  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> str:
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+    info = [line.split("info    :")[-1].strip() for line in (out.stdout + out.stderr).splitlines()
+            if "stack frame" in line or "registers" in line]
+    return f"{fn.__name__:26s} shared={kernel.metadata.shared:6d}  " + "; ".join(info)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", choices=DTYPES, default="bf16")
+    ap.add_argument("--K", type=int, default=128)
+    ap.add_argument("--V", type=int, default=64)
+    args = ap.parse_args()
+    dtype, K, V = DTYPES[args.dtype], args.K, args.V
+    C = kernel_chunk_size(64, dtype, K)
+    P, f32 = "*" + args.dtype, "*fp32"
+    prec = dot_precision(dtype)
+    print(f"triton {triton.__version__}, {args.dtype}, K={K}, V={V}, C={C}, precision {prec}")
+    BK, BV, _ = scan._blocks(K, V)
+    launch = dict(num_warps=8, num_stages=2)
+    const = dict(K=K, V=V, C=C, BK=BK, BV=BV, PREC=prec)
+    sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", states=f32, snap=P, o=f32,
+               N="i32", J="i32", Tp="i32", **{n: "constexpr" for n in [*const, "SNAP"]})
+    print(report(scan._scan_fwd_kernel, sig, dict(const, SNAP=True), **launch))
+    sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", snap=P, do=f32, dstates=f32,
+               dqt=P, dwt=P, dkt=P, du=f32, dd=f32, dlam=f32, N="i32", J="i32", Tp="i32", BH="i32",
+               **{n: "constexpr" for n in const})
+    print(report(scan._scan_bwd_kernel, sig, const, **launch))
+    meta = local._meta(K, V, C, C.bit_length(), dtype)
+    launch = dict(num_warps=meta.pop("num_warps"), num_stages=meta.pop("num_stages"))
+    sig = dict(q=P, k=P, v=P, g=f32, beta=f32, lam=f32, o=f32, qt=P, wt=P, kt=P, u=P, decay=f32,
+               **{n: "constexpr" for n in meta})
+    print(report(local._chunk_local_kernel, sig, meta, **launch))
+    sig = dict(q=P, k=P, v=P, g=f32, beta=f32, lam=f32, do=f32, dqt=f32, dwt=f32, dkt=f32, du=f32, ddecay=f32,
+               dq=f32, dk=f32, dv=f32, dg=f32, dbeta=f32, dlam=f32, **{n: "constexpr" for n in meta})
+    print(report(local._chunk_local_bwd_kernel, sig, meta, **launch))
+
+
+if __name__ == "__main__":
+    main()
