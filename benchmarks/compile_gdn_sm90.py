@@ -40,7 +40,7 @@ def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: in
         f.write(kernel.asm["ptx"])
     out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
     info = [line.split("info    :")[-1].strip() for line in (out.stdout + out.stderr).splitlines()
-            if "stack frame" in line or "registers" in line]
+            if "stack frame" in line or "Used" in line]
     return f"{fn.__name__:26s} shared={kernel.metadata.shared:6d}  " + "; ".join(info)
 
 
@@ -55,7 +55,7 @@ def main() -> None:
     P, f32 = "*" + args.dtype, "*fp32"
     prec = dot_precision(dtype)
     print(f"triton {triton.__version__}, {args.dtype}, K={K}, V={V}, C={C}, precision {prec}")
-    BK, BV, _ = scan._blocks(K, V)
+    BK, BV, _ = scan._blocks(K, V, dtype)
     launch = dict(num_warps=8, num_stages=2)
     const = dict(K=K, V=V, C=C, BK=BK, BV=BV, PREC=prec)
     sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", states=f32, snap=P, o=f32,

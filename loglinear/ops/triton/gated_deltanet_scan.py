@@ -159,11 +159,13 @@ def _scan_bwd_kernel(
         tl.debug_barrier()
 
 
-def _blocks(K: int, V: int) -> tuple[int, int, int]:
-    """(BK, BV, number of V blocks): K whole (the transition contracts over it), V in blocks of 32 (16 for
-    K > 128), so that a state tile and its update stay in registers (8 warps, no spills on sm_90)."""
+def _blocks(K: int, V: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BK, BV, number of V blocks): K whole (the transition contracts over it); V in blocks of 64 for
+    bf16/fp16 operands with K <= 128 (the whole-tile shape that the Mamba-2 kernels found correct on
+    triton 3.6; split bf16 [128, 32] tiles miscomputed there), 32 for fp32 (shared memory), 16 for K > 128."""
     BK = next_pow2(K)
-    BV = min(32 if BK <= 128 else 16, next_pow2(V))
+    BV = 16 if BK > 128 else (32 if dtype == torch.float32 else 64)
+    BV = min(BV, next_pow2(V))
     return BK, BV, triton.cdiv(V, BV)
 
 
@@ -184,7 +186,7 @@ class FenwickDeltaScan(torch.autograd.Function):
         BH, Tp, K = qt.shape
         V, N, J = u.shape[-1], decay.shape[1], h0.shape[1]
         C = Tp // N
-        BK, BV, NV = _blocks(K, V)
+        BK, BV, NV = _blocks(K, V, qt.dtype)
         keep = ctx.needs_input_grad[:7] != (False,) * 7
         states = alloc((BH, 2, J, K, V), torch.float32, qt.device)
         states[:, 0] = h0
@@ -203,7 +205,7 @@ class FenwickDeltaScan(torch.autograd.Function):
         BH, Tp, K = qt.shape
         V, N, J = u.shape[-1], decay.shape[1], lam.shape[-1]
         C = Tp // N
-        BK, BV, NV = _blocks(K, V)
+        BK, BV, NV = _blocks(K, V, qt.dtype)
         dev = qt.device
         nan = lambda *shape, dtype=torch.float32: alloc(shape, dtype, dev)  # noqa: E731
         dstates = torch.zeros(BH, 2, J, K, V, dtype=torch.float32, device=dev)
