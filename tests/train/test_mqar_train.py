@@ -1,7 +1,7 @@
 """MQAR training and the sweep report: a small Transformer learns the task; best-lr / mean-over-seeds summary."""
 
+import argparse
 import json
-from argparse import Namespace
 
 from loglinear.train import mqar
 from loglinear.train.mqar import MQARRun, summarize, train_mqar
@@ -22,9 +22,14 @@ def test_summary_takes_best_lr_then_mean_over_seeds():
 
 
 def test_command_writes_json_md_png(tmp_path):
-    args = Namespace(archs=["transformer", "ll_mamba2"], widths=[16], seeds=[0], lrs=[3e-3], seq_len=16,
-                     kv_pairs=[2], vocab_size=32, layers=1, train_examples=64, test_examples=32, epochs=1,
-                     batch_size=32, device="cpu", workers=1, max_seconds=None, out=str(tmp_path / "mqar-test"))
+    parser = argparse.ArgumentParser()
+    mqar.add_arguments(parser)
+    args = parser.parse_args([
+        "--archs", "transformer", "ll_mamba2", "--widths", "16", "--lrs", "3e-3", "--seq-len", "16", "--kv-pairs",
+        "2", "--vocab-size", "32", "--layers", "1", "--train-examples", "64", "--test-examples", "32", "--epochs",
+        "1", "--batch-size", "32", "--chunk-size", "8", "--device", "cpu", "--workers", "1",
+        "--out", str(tmp_path / "mqar-test"),
+    ])
     assert mqar.run(args) == 0
     rows = json.loads((tmp_path / "mqar-test.json").read_text())
     assert [(r["model"], r["log_linear"]) for r in rows] == [("transformer", False), ("mamba2", True)]
