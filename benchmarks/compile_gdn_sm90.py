@@ -70,7 +70,7 @@ def main() -> None:
     sig = dict(q=P, k=P, v=P, g=f32, beta=f32, lam=f32, o=f32, qt=P, wt=P, kt=P, u=P, decay=f32,
                **{n: "constexpr" for n in meta})
     print(report(local._chunk_local_kernel, sig, meta, **launch))
-    sig = dict(q=P, k=P, v=P, g=f32, beta=f32, lam=f32, do=f32, dqt=f32, dwt=f32, dkt=f32, du=f32, ddecay=f32,
+    sig = dict(q=P, k=P, v=P, g=f32, beta=f32, lam=f32, do=f32, dqt=P, dwt=P, dkt=P, du=P, ddecay=f32,
                dq=f32, dk=f32, dv=f32, dg=f32, dbeta=f32, dlam=f32, **{n: "constexpr" for n in meta})
     print(report(local._chunk_local_bwd_kernel, sig, meta, **launch))
 

@@ -12,8 +12,8 @@ Inside a chunk (G = local cumsum of g, Gamma[t, s] = exp(G_t - G_s) for s <= t, 
     K~    = exp(G_last - G) * K,  decay = exp(G_last)    the chunk's transition h <- decay h - K~^T (W~ h)
 
 This is what loglinear.ops.torch_chunk.forms.GatedDeltaNetForm computes, arranged for the kernels:
-``chunk_local_torch`` is the differentiable torch form (the tests' reference), ``chunk_local_triton`` the
-fused forward kernel and ``chunk_local_triton_bwd`` the fused backward (one program per chunk and head;
+``chunk_local_torch`` is the differentiable torch form (the tests' reference), ``chunk_local`` the fused
+forward and backward kernels inside one autograd.Function (one program per chunk and head;
 the triangular inverse by repeated squaring, T_g = (I - A)(I + A^2)(I + A^4)...(I + A^(C/2)), exact
 because A^C = 0; the backward recomputes the forward's [C, C] blocks instead of storing them).
 """
@@ -138,8 +138,8 @@ def _chunk_local_bwd_kernel(
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
     BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Gradients of one chunk (the forward's [C, C] blocks are recomputed in fp32).  Upstream: do, du:
-    [BH*N, C, V]; dqt, dwt, dkt: [BH*N, C, K]; ddecay: [BH*N] (fp32).  Outputs (fp32): dq, dk: [BH*N, C, K];
+    """Gradients of one chunk (the forward's [C, C] blocks are recomputed in fp32).  Upstream (any float
+    dtype): do, du: [BH*N, C, V]; dqt, dwt, dkt: [BH*N, C, K]; ddecay: [BH*N].  Outputs (fp32): dq, dk: [BH*N, C, K];
     dv: [BH*N, C, V]; dg, dbeta: [BH*N, C]; dlam: [BH*N, C, c+1].  With P = (QK T) * beta_s * Lambda,
     QK = (Q K^T) * Gamma, bk = beta e K, bv = beta V (e = exp(G), f = exp(G_last - G)), backwards:
 
@@ -166,8 +166,8 @@ def _chunk_local_bwd_kernel(
     db = tl.zeros([C], dtype=tl.float32)
     for vb in tl.static_range(NV):
         v_b = _tile(v, rows, V, vb * BV, BV).to(tl.float32)
-        do_b = _tile(do, rows, V, vb * BV, BV)
-        du_b = _tile(du, rows, V, vb * BV, BV)
+        do_b = _tile(do, rows, V, vb * BV, BV).to(tl.float32)
+        du_b = _tile(du, rows, V, vb * BV, BV).to(tl.float32)
         dP += tl.dot(do_b, tl.trans(v_b), input_precision=PREC)
         dT += tl.dot(du_b, tl.trans(b_c[:, None] * v_b), input_precision=PREC)
         dbv = tl.dot(tl.trans(Tg), du_b, input_precision=PREC)
@@ -188,8 +188,8 @@ def _chunk_local_bwd_kernel(
         q_b = _tile(q, rows, K, kb * BK, BK).to(tl.float32)
         k_b = _tile(k, rows, K, kb * BK, BK).to(tl.float32)
         bk_b = (b_c * e)[:, None] * k_b
-        dqt_b = _tile(dqt, rows, K, kb * BK, BK)
-        dW_b = _tile(dwt, rows, K, kb * BK, BK) - tl.dot(tl.trans(qk), dqt_b, input_precision=PREC)
+        dqt_b = _tile(dqt, rows, K, kb * BK, BK).to(tl.float32)
+        dW_b = _tile(dwt, rows, K, kb * BK, BK).to(tl.float32) - tl.dot(tl.trans(qk), dqt_b, input_precision=PREC)
         dQK -= tl.dot(dqt_b, tl.trans(tl.dot(Tg, bk_b, input_precision=PREC)), input_precision=PREC)
         dT += tl.dot(dW_b, tl.trans(bk_b), input_precision=PREC)
         de += tl.sum(dqt_b * q_b, axis=1)
@@ -208,9 +208,9 @@ def _chunk_local_bwd_kernel(
     for kb in tl.static_range(NK):
         q_b = _tile(q, rows, K, kb * BK, BK).to(tl.float32)
         k_b = _tile(k, rows, K, kb * BK, BK).to(tl.float32)
-        dqt_b = _tile(dqt, rows, K, kb * BK, BK)
-        dkt_b = _tile(dkt, rows, K, kb * BK, BK)
-        dW_b = _tile(dwt, rows, K, kb * BK, BK) - tl.dot(tl.trans(qk), dqt_b, input_precision=PREC)
+        dqt_b = _tile(dqt, rows, K, kb * BK, BK).to(tl.float32)
+        dkt_b = _tile(dkt, rows, K, kb * BK, BK).to(tl.float32)
+        dW_b = _tile(dwt, rows, K, kb * BK, BK).to(tl.float32) - tl.dot(tl.trans(qk), dqt_b, input_precision=PREC)
         dbk_b = tl.dot(tl.trans(Tg), dW_b, input_precision=PREC)
         _put(dq, e[:, None] * dqt_b + tl.dot(dQKr, k_b, input_precision=PREC), rows, K, kb * BK, BK)
         dk_b = tl.dot(tl.trans(dQKr), q_b, input_precision=PREC) + tl.dot(dKK, k_b, input_precision=PREC)
@@ -218,7 +218,7 @@ def _chunk_local_bwd_kernel(
         _put(dk, dk_b, rows, K, kb * BK, BK)
         skt += f * tl.sum(dkt_b * k_b, axis=1)
     # K~ = f k, decay = exp(G_last), e = exp(G), Gamma = exp(G_t - G_s); G = cumsum(g)
-    dG_last = tl.sum(skt, axis=0) + tl.load(ddecay + pid) * tl.exp(G_last)
+    dG_last = tl.sum(skt, axis=0) + tl.load(ddecay + pid).to(tl.float32) * tl.exp(G_last)
     dGg = dGamma * gamma
     dG = de * e - skt + tl.sum(dGg, axis=1) - tl.sum(dGg, axis=0) + tl.where(rc == C - 1, dG_last, 0.0)
     tl.store(dg + rows, tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG)
@@ -235,63 +235,63 @@ def _meta(K: int, V: int, C: int, nlev: int, dt: torch.dtype) -> dict:
     )
 
 
+def _flatten(q, k, v, g, beta, lam, dtype: torch.dtype) -> list[torch.Tensor]:
+    """[b, H, N, C, *] -> contiguous [b*H*N, C, *]: q, k, v in the operand dtype, g, beta, lambda in fp32."""
+    dt = dot_dtype(dtype)
+    flat = lambda x, d: x.reshape(-1, *x.shape[3:]).to(d).contiguous()  # noqa: E731
+    return [flat(q, dt), flat(k, dt), flat(v, dt)] + [flat(x, torch.float32) for x in (g, beta, lam)]
+
+
+def _local_fwd(flats: list[torch.Tensor], lead: tuple[int, int, int]) -> LocalOut:
+    """The forward kernel on _flatten's tensors; lead = (b, H, N). Returns chunk_local_torch's outputs."""
+    qf, vf = flats[0], flats[2]
+    M, C, K = qf.shape
+    V = vf.shape[-1]
+    dt, dev = qf.dtype, qf.device
+    o, u = alloc((M, C, V), torch.float32, dev), alloc((M, C, V), dt, dev)
+    qt, wt, kt = (alloc((M, C, K), dt, dev) for _ in range(3))
+    decay = alloc((M,), torch.float32, dev)
+    _chunk_local_kernel[(M,)](*flats, o, qt, wt, kt, u, decay, **_meta(K, V, C, chunk_bits(C) + 1, dt))
+    shape = lambda x: x.view(*lead, *x.shape[1:])  # noqa: E731
+    return shape(o), shape(qt), shape(wt), shape(kt), shape(u), decay.view(lead)
+
+
 def chunk_local_triton(q, k, v, g, beta, lam, dtype: torch.dtype) -> LocalOut:
     """The fused kernel; shapes as chunk_local_torch. q/k/v are read and qt/wt/kt/u written in the operand
     dtype of ``dtype`` (bf16/fp16 stay, else fp32); o_intra and decay are fp32."""
-    b, H, N, C, K = q.shape
-    V = v.shape[-1]
-    nlev = chunk_bits(C) + 1
-    dt = dot_dtype(dtype)
-    flat = lambda x, d: x.reshape(b * H * N, *x.shape[3:]).to(d).contiguous()  # noqa: E731
-    qf, kf, vf = flat(q, dt), flat(k, dt), flat(v, dt)
-    gf, bf, lf = flat(g, torch.float32), flat(beta, torch.float32), flat(lam, torch.float32)
-    nan = lambda *s, d=dt: alloc(s, d, q.device)  # noqa: E731
-    M = b * H * N
-    o, u = nan(M, C, V, d=torch.float32), nan(M, C, V)
-    qt, wt, kt = nan(M, C, K), nan(M, C, K), nan(M, C, K)
-    decay = nan(M, d=torch.float32)
-    _chunk_local_kernel[(M,)](
-        qf, kf, vf, gf, bf, lf, o, qt, wt, kt, u, decay, **_meta(K, V, C, nlev, dt),
-    )
-    shape = lambda x: x.view(b, H, N, *x.shape[1:])  # noqa: E731
-    return shape(o), shape(qt), shape(wt), shape(kt), shape(u), decay.view(b, H, N)
+    return _local_fwd(_flatten(q, k, v, g, beta, lam, dtype), tuple(q.shape[:3]))
 
 
-def chunk_local_triton_bwd(q, k, v, g, beta, lam, do, dqt, dwt, dkt, du, ddecay, dtype: torch.dtype):
-    """Gradients of chunk_local for the upstream gradients of its six outputs (None = 0).
-    Returns dq, dk, dv, dg, dbeta, dlam (fp32, shapes of the inputs)."""
-    b, H, N, C, K = q.shape
-    V = v.shape[-1]
-    nlev = lam.shape[-1]
-    dt = dot_dtype(dtype)
-    M = b * H * N
-    flat = lambda x, d: x.reshape(M, *x.shape[3:]).to(d).contiguous()  # noqa: E731
-    up = lambda x, like: flat(torch.zeros_like(like) if x is None else x, torch.float32)  # noqa: E731
+def _local_bwd(flats: list[torch.Tensor], grads) -> list[torch.Tensor]:
+    """The backward kernel: upstream gradients of (o, qt, wt, kt, u, decay) (None = 0, any float dtype) ->
+    dq, dk, dv: [M, C, K|V], dg, dbeta: [M, C], dlam: [M, C, c+1] (fp32)."""
+    qf, vf, lf = flats[0], flats[2], flats[5]
+    M, C, K = qf.shape
+    V, nlev, dev = vf.shape[-1], lf.shape[-1], qf.device
+    like = [(M, C, V), (M, C, K), (M, C, K), (M, C, K), (M, C, V), (M,)]
+    up = [torch.zeros(s, device=dev) if gr is None else gr.reshape(s).contiguous() for gr, s in zip(grads, like)]
     f32 = torch.float32
-    outs = [alloc((M, C, K), f32, q.device), alloc((M, C, K), f32, q.device), alloc((M, C, V), f32, q.device),
-            alloc((M, C), f32, q.device), alloc((M, C), f32, q.device), alloc((M, C, nlev), f32, q.device)]
-    _chunk_local_bwd_kernel[(M,)](
-        flat(q, dt), flat(k, dt), flat(v, dt), flat(g, f32), flat(beta, f32), flat(lam, f32),
-        up(do, v), up(dqt, q), up(dwt, q), up(dkt, q), up(du, v), up(ddecay, g[..., 0]).view(M), *outs,
-        **_meta(K, V, C, nlev, dt),
-    )
-    return tuple(x.view(b, H, N, *x.shape[1:]) for x in outs)
+    outs = [alloc((M, C, K), f32, dev), alloc((M, C, K), f32, dev), alloc((M, C, V), f32, dev),
+            alloc((M, C), f32, dev), alloc((M, C), f32, dev), alloc((M, C, nlev), f32, dev)]
+    _chunk_local_bwd_kernel[(M,)](*flats, *up, *outs, **_meta(K, V, C, nlev, qf.dtype))
+    return outs
 
 
 class ChunkLocal(torch.autograd.Function):
-    """The chunk-local stage: fused forward kernel, fused backward kernel (recomputes the forward)."""
+    """The chunk-local stage: fused forward kernel, fused backward kernel (recomputes the forward from the
+    flattened operand-dtype inputs it saved)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, lam, dtype):
-        ctx.save_for_backward(q, k, v, g, beta, lam)
-        ctx.dtype = dtype
-        return chunk_local_triton(q, k, v, g, beta, lam, dtype)
+        flats = _flatten(q, k, v, g, beta, lam, dtype)
+        ctx.save_for_backward(*flats)
+        ctx.like = [(x.shape, x.dtype) for x in (q, k, v, g, beta, lam)]
+        return _local_fwd(flats, tuple(q.shape[:3]))
 
     @staticmethod
     def backward(ctx, *grads):
-        saved = ctx.saved_tensors
-        dx = chunk_local_triton_bwd(*saved, *grads, ctx.dtype)
-        return (*[d.to(x.dtype) for d, x in zip(dx, saved)], None)
+        dx = _local_bwd(list(ctx.saved_tensors), grads)
+        return (*[d.view(shape).to(dtype) for d, (shape, dtype) in zip(dx, ctx.like)], None)
 
 
 def chunk_local(q, k, v, g, beta, lam, dtype: torch.dtype) -> LocalOut:
