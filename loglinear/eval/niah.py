@@ -8,6 +8,7 @@ import itertools
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from loglinear.data.niah import make_niah_case
 from loglinear.data.tokenizer import Tokenizer
@@ -39,9 +40,10 @@ def evaluate_niah(model, haystack: np.ndarray, tok: Tokenizer, *, lengths: list[
                   batch_size: int = 4) -> list[dict]:
     """Rows {"keys", "length", "depth", "accuracy"} over the grid keys x lengths x depths."""
     model.eval()
+    grid = list(itertools.product(keys, lengths, depths))
     return [
         {"keys": k, "length": n, "depth": d,
          "accuracy": niah_accuracy(model, haystack, tok, length=n, depth=d, num_keys=k, samples=samples,
                                    seed=seed, device=device, bf16=bf16, batch_size=batch_size)}
-        for k, n, d in itertools.product(keys, lengths, depths)
+        for k, n, d in tqdm(grid, desc="niah", leave=False, dynamic_ncols=True)
     ]
