@@ -18,7 +18,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from loglinear.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
+from loglinear.data.tokenizer import ByteTokenizer, Tokenizer, train_bpe
 
 __all__ = [
     "stdlib_files", "corpus_files", "split_files", "read_documents", "prepare_corpus", "PackedTokens",

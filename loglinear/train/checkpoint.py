@@ -10,9 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from loglinear.train.parallel import Parallel
 
@@ -65,8 +63,3 @@ def load_model_weights(out_dir: str | Path, model: torch.nn.Module) -> int:
     ckpt = torch.load(Path(out_dir) / CHECKPOINT, map_location="cpu", weights_only=False)
     model.load_state_dict(ckpt["model"])
     return int(ckpt["step"])
-
-
-def full_model_state(model) -> dict:
-    """The unsharded model state dict on the CPU (collective under FSDP)."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
