@@ -105,6 +105,7 @@ def build_gdn(impl: str, x: dict, H: int, G: int) -> tuple[Callable[[], torch.Te
     """build() for --variant gdn: ours, fla's linear chunk_gated_delta_rule, or SDPA flash."""
     if impl == "loglinear":
         args = [x["q"], x["k"], x["v"], x["g"], x["beta"], x["level_scales"]]
+        os.environ["LOGLINEAR_BACKEND"] = "triton"  # the GDN kernels are opt-in until a device check passed
         return (lambda: log_linear_gated_deltanet(*args, use_qk_l2norm=True)[0]), args
     if impl == "fla_gdn":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule

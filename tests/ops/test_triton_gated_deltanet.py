@@ -13,6 +13,7 @@ from loglinear import FenwickState, log_linear_gated_deltanet
 from loglinear import reference as R
 from loglinear.inputs import check_inputs
 from loglinear.ops.triton.common import set_poison
+from loglinear.ops.triton import gated_deltanet as gdn
 from loglinear.ops.triton.gated_deltanet import triton_backend
 from loglinear.ops.triton.gated_deltanet_local import chunk_local, chunk_local_torch
 from loglinear.ops.triton.gated_deltanet_scan import fenwick_delta_scan
@@ -22,7 +23,9 @@ RTOL = 2e-5  # fp32 kernels against float64
 
 
 @pytest.fixture(autouse=True)
-def poison():
+def poison_and_opt_in(monkeypatch):
+    """NaN-fill every kernel output before launch; select the triton backend (opt-in while not default)."""
+    monkeypatch.setenv("LOGLINEAR_BACKEND", "triton")
     set_poison(True)
     yield
     set_poison(False)
@@ -188,8 +191,17 @@ def test_scan_kernel_and_its_backward():
         assert_close(a.double(), e, RTOL, f"d{name}")
 
 
-def test_public_op_uses_the_triton_backend(monkeypatch):
-    monkeypatch.setenv("LOGLINEAR_BACKEND", "triton")
+def test_public_op_reaches_the_kernels_when_selected(monkeypatch):
+    """LOGLINEAR_BACKEND=triton runs the kernels (and matches the reference); without it, while the backend
+    is opt-in (DEFAULT_ON_CUDA = False), the public op stays on the torch path."""
     x = {n: t.float() for n, t in make_inputs(1, 20, 1, 2, K=8, V=4).items()}
+    calls = []
+    scan = gdn.fenwick_delta_scan
+    monkeypatch.setattr(gdn, "fenwick_delta_scan", lambda *a: calls.append(1) or scan(*a))
     o, _ = log_linear_gated_deltanet(**x, chunk_size=16)
+    assert calls == [1]
     assert_close(o.double(), _reference({n: t.double() for n, t in x.items()})[0], RTOL, "o")
+    monkeypatch.delenv("LOGLINEAR_BACKEND")
+    assert not gdn.DEFAULT_ON_CUDA
+    log_linear_gated_deltanet(**x, chunk_size=16)
+    assert calls == [1]

@@ -16,6 +16,8 @@ its torch form), so q, k, v, g, beta, level_scales and the initial state all get
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from loglinear.fenwick import bit_length, carry_target, chunk_bits, levels_needed
@@ -30,6 +32,9 @@ from loglinear.state import FenwickState
 
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Opt-in (LOGLINEAR_BACKEND=triton) until a device run has checked these kernels against the torch path:
+# their first device run (v0) failed to launch (shared memory); v1 is verified by compiling for sm_90 only.
+DEFAULT_ON_CUDA = False
 MAX_K = 256  # the scan keeps K whole in a tile
 
 
@@ -111,11 +116,13 @@ def triton_backend(
 ) -> tuple[torch.Tensor, FenwickState | None]:
     """The registered "triton" backend of log_linear_gated_deltanet (CUDA, or CPU under TRITON_INTERPRET=1).
 
-    float64 inputs, K > 256, and CPU tensors without the interpreter go to the torch chunk path."""
+    float64 inputs, K > 256, and CPU tensors without the interpreter go to the torch chunk path; so does
+    every call that did not ask for this backend (LOGLINEAR_BACKEND=triton) while DEFAULT_ON_CUDA is False."""
     dtype = inp.v.dtype
+    opted_in = DEFAULT_ON_CUDA or os.environ.get("LOGLINEAR_BACKEND") == "triton"
     if dtype not in SUPPORTED_DTYPES or inp.q.dtype not in SUPPORTED_DTYPES or inp.q.shape[-1] > MAX_K or (
         inp.q.device.type != "cuda" and not interpreting()
-    ):
+    ) or not opted_in:
         from loglinear.ops.api import _BACKENDS
 
         return _BACKENDS["gated_deltanet"]["torch"](inp, output_final_state, chunk_size, use_qk_l2norm)
