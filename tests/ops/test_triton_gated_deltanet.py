@@ -79,6 +79,7 @@ def _compare(x64, state64=None, cu_seqlens=None, chunk_size=16, l2norm=False, gr
         (1, 1, 1, 2, 8, 4, 16),  # one token
         (1, 70, 2, 4, 20, 24, 16),  # GQA, K and V not powers of two, 5 chunks
         (1, 40, 1, 1, 16, 16, 4),  # chunk sizes below 16 run at 16: same result
+        (1, 19, 1, 1, 256, 8, 16),  # K = 256: four K blocks in the chunk-local kernels, [256, 16] scan tiles
     ],
 )
 def test_matches_reference(B, T, G, H, K, V, chunk):
