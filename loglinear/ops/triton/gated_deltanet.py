@@ -10,8 +10,9 @@ Composition, per group of rows that start at the same absolute position p0 (spec
   4. fenwick_delta_scan (gated_deltanet_scan): every chunk-level state in one pass, o_inter;
   5. o = scale (o_intra + o_inter); the final state splits the last chunk into token-level buckets.
 
-Gradients flow through every stage (the scan has a Triton backward, the chunk-local stage recomputes
-its torch form), so q, k, v, g, beta, level_scales and the initial state all get them.
+Gradients flow through every stage (both kernels have Triton backwards; the glue is torch autograd), so
+q, k, v, g, beta, level_scales and the initial state all get them. run_segments does the GQA expansion,
+the optional q/k L2 normalisation, varlen and per-row start positions (one launch set per segment).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from loglinear.ops.triton.gated_deltanet_common import dot_dtype
 from loglinear.ops.triton.gated_deltanet_local import chunk_local
 from loglinear.ops.triton.gated_deltanet_scan import fenwick_delta_scan
 from loglinear.state import FenwickState
-
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Opt-in (LOGLINEAR_BACKEND=triton) until a device run has checked these kernels against the torch path:
