@@ -88,6 +88,15 @@ def test_kernels_match_reference(monkeypatch, B, T, G, H, K, V):
     _compare(mamba2_args(make_inputs(B, T, G, H, K, V)))
 
 
+def test_whole_state_tiles(monkeypatch):
+    """The tiling the GPU uses for bf16/fp16 (one program per head, no K/V split) on K, V > 16."""
+    from loglinear.ops.triton import mamba2
+
+    monkeypatch.setattr(mamba2, "_splits", lambda dtype: False)
+    x = mamba2_args(make_inputs(1, 45, 1, 2, 40, 24, start=21))
+    _compare(x, state=_random_state(1, [21], 2, 40, 24))
+
+
 @pytest.mark.parametrize("positions", [[32, 48], [5, 64], [0, 3], [16, 1]])
 def test_continuation_from_state(positions):
     """States at aligned and unaligned positions (also 0), junk in every level; gradients reach the state."""
