@@ -103,7 +103,8 @@ def gated_deltanet_core(
     )
     o = (o + o_inter.view(b, H, N, C, V)).movedim(1, 3).reshape(b, Tp, H, V)[:, front : front + T] * scale
 
-    last = GatedDeltaNetForm(qc[:, :, -1:], kc[:, :, -1:], vc[:, :, -1:], gc[:, :, -1:], bc[:, :, -1:])
+    tail = lambda x: x[:, :, -1:].contiguous()  # noqa: E731  (a copy: a view would keep all of x alive)
+    last = GatedDeltaNetForm(tail(qc), tail(kc), tail(vc), tail(gc), tail(bc))
     H_levels = list(hN.view(b, H, J, K, V).to(q.dtype).unbind(2))
     final = _final_levels(last, H_levels, partial if N == 1 else None, position, end, c0 + N - 1, 1, C, c)
     n_final = max(levels_needed(end), levels.shape[1] if levels is not None else 0)

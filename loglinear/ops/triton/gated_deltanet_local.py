@@ -238,7 +238,11 @@ def _meta(K: int, V: int, C: int, nlev: int, dt: torch.dtype) -> dict:
 def _flatten(q, k, v, g, beta, lam, dtype: torch.dtype) -> list[torch.Tensor]:
     """[b, H, N, C, *] -> contiguous [b*H*N, C, *]: q, k, v in the operand dtype, g, beta, lambda in fp32."""
     dt = dot_dtype(dtype)
-    flat = lambda x, d: x.reshape(-1, *x.shape[3:]).to(d).contiguous()  # noqa: E731
+
+    def flat(x: torch.Tensor, d: torch.dtype) -> torch.Tensor:  # one fused cast + relayout copy
+        out = torch.empty(x.shape, dtype=d, device=x.device)
+        return out.copy_(x).view(-1, *x.shape[3:])
+
     return [flat(q, dt), flat(k, dt), flat(v, dt)] + [flat(x, torch.float32) for x in (g, beta, lam)]
 
 
