@@ -18,10 +18,12 @@ Backward (reverse over chunks, dh_j carried the same way):
     readout:     Y_j = lam_i[:, j] * do_i;  dqt_i += sum_j Y_j h_j^T;  dh_j += qt_i^T Y_j
                  dlam_i[:, j] = rowsum(do_i * (qt_i h_j))
 
-Programs split V into blocks (columns of a state are independent). The running states live in two fp32
-ping-pong slots; with gradients the forward also keeps a snapshot of every chunk's incoming states h^i
-in the operand dtype (the backward multiplies them in that dtype anyway; bf16 halves their memory). Gradients that contract over V
-are written per V block and summed afterwards: no atomics, deterministic.
+Programs split V into blocks (columns of a state are independent); each walks its chunks and, inside a
+chunk, the levels one [K, BV] tile at a time (loaded from and stored to global memory, a barrier per
+chunk). The running states live in two fp32 ping-pong slots; with gradients the forward also keeps a
+snapshot of every chunk's incoming states h^i in the operand dtype (the backward multiplies them in that
+dtype anyway; bf16 halves their memory). Gradients that contract over V are written per V block and
+summed afterwards: no atomics, deterministic.
 """
 
 from __future__ import annotations
