@@ -206,3 +206,25 @@ def test_public_op_reaches_the_kernels_when_selected(monkeypatch):
     assert not gdn.DEFAULT_ON_CUDA
     log_linear_gated_deltanet(**x, chunk_size=16)
     assert calls == [1]
+
+
+def test_paper_head_dims_over_many_chunks(monkeypatch):
+    """K = 128, V = 64 (the paper's head dims), 2048 tokens = 64 kernel chunks and 6 chunk levels, q/k
+    L2-normalised in the op: outputs, state and all gradients against the float64 torch chunk path (itself
+    exact against the references)."""
+    T, L = 2048, 12
+    x = {"q": torch.randn(1, T, 1, 128), "k": torch.randn(1, T, 1, 128), "v": torch.randn(1, T, 1, 64),
+         "g": -(0.01 + 0.1 * torch.rand(1, T, 1)), "beta": 0.05 + 0.9 * torch.rand(1, T, 1),
+         "level_scales": 0.2 + torch.rand(1, T, 1, L)}
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, st = log_linear_gated_deltanet(**leaves, output_final_state=True, use_qk_l2norm=True)
+    do = torch.randn_like(o)
+    (o * do).sum().backward()
+    monkeypatch.setenv("LOGLINEAR_BACKEND", "torch")
+    ref = {n: t.double().requires_grad_() for n, t in x.items()}
+    ro, rst = log_linear_gated_deltanet(**ref, output_final_state=True, use_qk_l2norm=True)
+    (ro * do.double()).sum().backward()
+    assert_close(o.double(), ro, RTOL, "o")
+    assert_close(st.levels.double(), rst.levels, RTOL, "state")
+    for n in x:
+        assert_close(leaves[n].grad.double(), ref[n].grad, 10 * RTOL, f"d{n}")
