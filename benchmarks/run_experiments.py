@@ -79,10 +79,10 @@ def main() -> None:
     p.add_argument("--niah-lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--niah-depths", nargs="+", type=float, default=[0.0, 0.5, 1.0])
     p.add_argument("--niah-samples", type=int, default=4)
-    p.add_argument("--eval-seconds", type=float, default=75, help="time kept for evaluation at the end")
+    p.add_argument("--eval-seconds", type=float, default=55, help="time kept for evaluation at the end")
     p.add_argument("--mqar-workers", type=int, default=6)
     p.add_argument("--mqar-args", default="--widths 16 32 64 --seeds 0 1 --lrs 1e-2 3e-3 --seq-len 256 "
-                   "--kv-pairs 4 8 16 32 64 --vocab-size 8192 --train-examples 20000 --test-examples 1000 "
+                   "--kv-pairs 4 8 16 32 64 --vocab-size 8192 --train-examples 12800 --test-examples 1000 "
                    "--epochs 2 --batch-size 64 --chunk-size 64")
     p.add_argument("--smoke", action="store_true", help="tiny sizes for a CPU check of the whole pipeline")
     a = p.parse_args()
@@ -140,7 +140,11 @@ def main() -> None:
     if records:
         print(lm_report(records, out / f"lm-{a.tag}", f"Language modelling, stdlib source ({a.tag})"))
         print(niah_report(niah, out / f"niah-{a.tag}", f"Needle in a haystack ({a.tag})"))
-    log(f"mqar: waiting (exit {mqar.wait()})")
+    try:
+        log(f"mqar: done (exit {mqar.wait(timeout=max(1.0, end - time.monotonic()))})")
+    except subprocess.TimeoutExpired:
+        mqar.terminate()
+        log("mqar: stopped at the budget; its report holds the runs finished so far")
     mqar_md = out / f"mqar-{a.tag}.md"
     if mqar_md.exists():
         print(mqar_md.read_text())

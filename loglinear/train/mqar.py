@@ -19,6 +19,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -108,9 +109,10 @@ def _init_worker(threads: int) -> None:
 
 
 def sweep(runs: list[MQARRun], workers: int = 1, threads: int | None = None,
-          max_seconds: float | None = None) -> list[dict]:
+          max_seconds: float | None = None, on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Run `runs` in order (in `workers` processes when > 1), with a progress bar; no run starts after
-    max_seconds (the rest are skipped, reported by the bar). Returns one row per finished run."""
+    max_seconds (the rest are skipped). on_row(rows so far) is called after every finished run.
+    Returns one row per finished run."""
     deadline = time.monotonic() + (max_seconds if max_seconds is not None else math.inf)
     rows = []
     bar = tqdm(total=len(runs), desc="mqar", dynamic_ncols=True)
@@ -119,6 +121,8 @@ def sweep(runs: list[MQARRun], workers: int = 1, threads: int | None = None,
         rows.append(row)
         bar.set_postfix(last=f"{row['arch']} d{row['d_model']}: {row['accuracy']:.2f}")
         bar.update()
+        if on_row is not None:
+            on_row(_ordered(rows))
 
     if workers <= 1:
         for r in runs:
@@ -136,6 +140,10 @@ def sweep(runs: list[MQARRun], workers: int = 1, threads: int | None = None,
     bar.close()
     if len(rows) < len(runs):
         print(f"mqar: {len(runs) - len(rows)} of {len(runs)} runs skipped at the {max_seconds} s limit")
+    return _ordered(rows)
+
+
+def _ordered(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (ARCHS.index(r["arch"]), r["d_model"], r["seed"], r["lr"]))
 
 
@@ -215,12 +223,14 @@ def run(args: argparse.Namespace) -> int:
     runs = [replace(base, arch=a, d_model=d, seed=s, lr=lr)
             for s, lr, d, a in itertools.product(args.seeds, args.lrs, args.widths, args.archs)]
     t0 = time.perf_counter()
-    rows = sweep(runs, workers=args.workers, max_seconds=args.max_seconds)
-    if not rows:
-        raise SystemExit("mqar: no run finished")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    md = report(rows, out, f"MQAR ({args.device})")
+    title = f"MQAR ({args.device})"
+    rows = sweep(runs, workers=args.workers, max_seconds=args.max_seconds,
+                 on_row=lambda rows: report(rows, out, title))  # results so far survive an interruption
+    if not rows:
+        raise SystemExit("mqar: no run finished")
+    md = report(rows, out, title)
     print(md)
     print(f"{len(runs)} runs in {time.perf_counter() - t0:.0f} s; wrote {out}.json/.md/.png")
     return 0
