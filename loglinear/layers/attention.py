@@ -50,7 +50,7 @@ def _plain_step(q, k, v, g, beta, levels, positions, scale, cu_seqlens, l2norm_q
     axis = 0 if cu_seqlens is not None else 1
     take = lambda x: x.squeeze(axis) if x is not None else None  # noqa: E731
     o, levels = decode_step(
-        take(q), take(k), take(v), take(g), take(beta), None, levels, positions.to(levels.device), scale,
+        take(q), take(k), take(v), take(g), take(beta), None, levels, positions, scale,
         fenwick=False, l2norm_qk=l2norm_qk,
     )
     return o.unsqueeze(axis), levels
@@ -75,7 +75,8 @@ def fenwick_attention(
     lengths = _lengths(q.shape[0], q.shape[1], cu_seqlens)
     starts = positions.tolist() if positions is not None else [0] * len(lengths)
     end = max(p + n for p, n in zip(starts, lengths))
-    check_capacity(end, max_levels)
+    if level_scales is not None:  # a plain state has no levels to run out of
+        check_capacity(end, max_levels)
     state = FenwickState(levels, positions) if levels is not None else None
     if level_scales is None and state is not None and max(lengths) == 1:
         o, new_levels = _plain_step(q, k, v, g, beta, state.levels, state.positions, scale, cu_seqlens, l2norm_qk)

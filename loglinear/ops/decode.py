@@ -66,6 +66,15 @@ def decode_step_torch(
     return (scale * readout.sum(1)).to(v.dtype), S
 
 
+def _on_device(positions: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """positions on ``device``; from the host via pinned memory and an async copy (no stream sync per step)."""
+    if positions.device == device:
+        return positions
+    if device.type == "cuda":
+        return positions.pin_memory().to(device, non_blocking=True)
+    return positions.to(device)
+
+
 def _use_triton(device: torch.device) -> bool:
     forced = os.environ.get("LOGLINEAR_BACKEND")
     return forced == "triton" or (forced is None and device.type == "cuda")
@@ -83,6 +92,7 @@ def decode_step(
     positions (fenwick: L >= levels_needed(p + 1)); positions: [N] int64, the token's absolute position.
     Returns o: [N, H, V] in v's dtype and the new levels [N, L, H, K, V] in levels' dtype (a new tensor).
     """
+    positions = _on_device(positions, levels.device)
     if _use_triton(levels.device):
         from loglinear.ops.triton.decode import fused_decode_step
 
@@ -112,7 +122,7 @@ def op_decode_step(inp: OpInputs, output_final_state: bool, use_qk_l2norm: bool)
     dtype = torch.float64 if torch.float64 in (inp.q.dtype, inp.v.dtype) else torch.float32
     o, levels = decode_step(
         take(inp.q), take(inp.k), take(inp.v), take(inp.g), take(inp.beta), take(inp.level_scales),
-        state.levels.to(dtype), state.positions.to(inp.q.device), inp.scale, l2norm_qk=use_qk_l2norm,
+        state.levels.to(dtype), state.positions, inp.scale, l2norm_qk=use_qk_l2norm,
     )
     o = o.unsqueeze(squeeze)
     return o, (FenwickState(levels, state.positions + 1) if output_final_state else None)

@@ -142,6 +142,7 @@ def test_level_cap_raises(variant):
     _, state = layer(x[:, :4], output_state=True)
     with pytest.raises(ValueError, match="raise max_levels"):
         layer(x[:, 4:], state=state)
+    make_layer(variant, False, max_levels=3)(x)  # a plain layer keeps one state: no cap
 
 
 def test_short_convolution_matches_conv1d_and_carries_state():
