@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 # name -> (module, one-line help). A module defines add_arguments(parser) and run(args) -> int | None.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -15,15 +16,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="loglinear", description="Log-linear attention: demos, experiments, training.")
     sub = parser.add_subparsers(dest="command", required=True)
-    modules = {}
-    for name, (module, help_text) in COMMANDS.items():
-        mod = importlib.import_module(module)
-        modules[name] = mod
-        mod.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    parsers = {name: sub.add_parser(name, help=text, description=text) for name, (_, text) in COMMANDS.items()}
+    # import only the chosen command's module: `loglinear demo` needs none of the training extras
+    chosen = next((arg for arg in argv if arg in COMMANDS), None)
+    module = importlib.import_module(COMMANDS[chosen][0]) if chosen else None
+    if module is not None:
+        module.add_arguments(parsers[chosen])
     args = parser.parse_args(argv)
-    return int(modules[args.command].run(args) or 0)
+    return int(module.run(args) or 0)
 
 
 if __name__ == "__main__":
