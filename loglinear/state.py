@@ -8,11 +8,30 @@ import torch
 
 from loglinear.fenwick import levels_needed
 
-__all__ = ["FenwickState"]
+__all__ = ["FenwickState", "LevelsView"]
+
+
+class LevelsView:
+    """Read-only facts of anything holding ``levels: [N, L, H, K, V]`` and ``positions: [N]``."""
+
+    levels: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def num_sequences(self) -> int:
+        return self.levels.shape[0]
+
+    @property
+    def num_levels(self) -> int:
+        return self.levels.shape[1]
+
+    @property
+    def max_position(self) -> int:
+        return int(self.positions.max()) if self.positions.numel() else 0
 
 
 @dataclass
-class FenwickState:
+class FenwickState(LevelsView):
     """Recurrent state of log-linear attention after ``positions[n]`` tokens of sequence n.
 
     levels:    [N, L, H, K, V] float32 (float64 when the op ran in float64). ``levels[n, l]`` is the
@@ -51,18 +70,6 @@ class FenwickState:
         """An empty state (position 0) for ``num_sequences`` sequences."""
         levels = torch.zeros(num_sequences, num_levels, num_heads, head_k_dim, head_v_dim, dtype=dtype, device=device)
         return cls(levels, torch.zeros(num_sequences, dtype=torch.int64))
-
-    @property
-    def num_sequences(self) -> int:
-        return self.levels.shape[0]
-
-    @property
-    def num_levels(self) -> int:
-        return self.levels.shape[1]
-
-    @property
-    def max_position(self) -> int:
-        return int(self.positions.max()) if self.positions.numel() else 0
 
     def nbytes(self) -> int:
         """Bytes held by the level states."""

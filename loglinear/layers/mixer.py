@@ -21,7 +21,7 @@ from loglinear.layers.attention import fenwick_attention
 from loglinear.layers.conv import ShortConvolution
 from loglinear.layers.levels import LevelScales
 from loglinear.layers.sequence import TokenLayout
-from loglinear.state import FenwickState
+from loglinear.state import FenwickState, LevelsView
 
 __all__ = ["MixerState", "MixerInputs", "FenwickMixer", "dt_bias_init"]
 
@@ -36,7 +36,7 @@ def dt_bias_init(num_heads: int, dt_min: float = 1e-3, dt_max: float = 0.1, dt_f
 
 
 @dataclass
-class MixerState:
+class MixerState(LevelsView):
     """Decoding state of one mixer for N sequences.
 
     levels:    [N, L, H, K, V] Fenwick level states (L = ceil(log2 T) + 1 log-linear, 1 plain), fp32
@@ -52,18 +52,6 @@ class MixerState:
     @property
     def attn(self) -> FenwickState:
         return FenwickState(self.levels, self.positions)
-
-    @property
-    def num_sequences(self) -> int:
-        return self.levels.shape[0]
-
-    @property
-    def num_levels(self) -> int:
-        return self.levels.shape[1]
-
-    @property
-    def max_position(self) -> int:
-        return int(self.positions.max()) if self.positions.numel() else 0
 
     def nbytes(self) -> int:
         """Bytes of the level and conv states."""
