@@ -119,16 +119,18 @@ def sweep(runs: list[MQARRun], workers: int = 1, threads: int | None = None,
 
     def done(row: dict) -> None:
         rows.append(row)
-        bar.set_postfix(last=f"{row['arch']} d{row['d_model']}: {row['accuracy']:.2f}")
+        result = f"{row['accuracy']:.2f}" if "accuracy" in row else "FAILED"
+        bar.set_postfix(last=f"{row['arch']} d{row['d_model']}: {result}")
         bar.update()
         if on_row is not None:
             on_row(_ordered(rows))
 
     if workers <= 1:
         for r in runs:
-            if time.monotonic() > deadline:
+            row = _run_before(r, deadline)
+            if row is None:
                 break
-            done(train_mqar(r))
+            done(row)
     else:
         threads = threads or max(1, torch.get_num_threads() // workers)
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
@@ -148,14 +150,21 @@ def _ordered(rows: list[dict]) -> list[dict]:
 
 
 def _run_before(run: MQARRun, deadline: float) -> dict | None:
-    """train_mqar(run) unless the (monotonic-clock) deadline has passed."""
-    return None if time.monotonic() > deadline else train_mqar(run)
+    """train_mqar(run) unless the (monotonic-clock) deadline has passed; a failing run gives a row with
+    "error" instead of "accuracy" (one bad run does not end the sweep)."""
+    if time.monotonic() > deadline:
+        return None
+    try:
+        return train_mqar(run)
+    except Exception as e:  # noqa: BLE001 -- reported in the results, the sweep goes on
+        return dict(asdict(run), model=family(run.arch), log_linear=is_log_linear(run.arch),
+                    error=f"{type(e).__name__}: {e}"[:500])
 
 
 def summarize(rows: list[dict]) -> dict[tuple[str, int], float]:
-    """(arch, d_model) -> mean over seeds of the best accuracy over learning rates."""
+    """(arch, d_model) -> mean over seeds of the best accuracy over learning rates (failed runs left out)."""
     best: dict[tuple[str, int, int], float] = {}
-    for r in rows:
+    for r in (r for r in rows if "accuracy" in r):
         key = (r["arch"], r["d_model"], r["seed"])
         best[key] = max(best.get(key, 0.0), r["accuracy"])
     out: dict[tuple[str, int], list[float]] = {}
@@ -176,6 +185,10 @@ def report(rows: list[dict], out: Path, title: str) -> str:
           f"KV pairs {list(first['kv_pairs'])}, vocab {first['vocab_size']}, {first['n_layers']} layers, "
           f"{first['epochs']} epochs x {first['train_examples']} examples, {len(rows)} runs "
           f"(chance: {2 / first['vocab_size']:.3f}).\n\n{table}")
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        md += f"\n{len(failed)} runs failed:\n\n" + "".join(
+            f"- {r['arch']} d={r['d_model']} seed {r['seed']} lr {r['lr']}: {r['error']}\n" for r in failed)
     write_json(out.with_suffix(".json"), rows)
     out.with_suffix(".md").write_text(md)
     plt = pyplot()

@@ -38,6 +38,8 @@ def setup_parallel(device: str | None = None) -> Parallel:
     if device is None:
         device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", local)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():

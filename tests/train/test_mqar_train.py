@@ -36,3 +36,14 @@ def test_command_writes_json_md_png(tmp_path):
     assert all(0.0 <= r["accuracy"] <= 1.0 and {"d_model", "seed", "lr"} <= r.keys() for r in rows)
     assert "LL Mamba-2" in (tmp_path / "mqar-test.md").read_text()
     assert (tmp_path / "mqar-test.png").stat().st_size > 1000
+
+
+def test_a_failing_run_is_reported_and_the_sweep_goes_on(tmp_path):
+    good = MQARRun("transformer", 16, seed=0, lr=3e-3, seq_len=16, kv_pairs=(2,), vocab_size=32, n_layers=1,
+                   train_examples=64, test_examples=32, epochs=1, batch_size=32)
+    bad = MQARRun("transformer", 16, seed=1, lr=3e-3, seq_len=16, kv_pairs=(9,), vocab_size=32, n_layers=1,
+                  train_examples=64, test_examples=32, epochs=1, batch_size=32)  # 4 * 9 > seq_len
+    rows = mqar.sweep([bad, good])
+    assert len(rows) == 2 and "num_kv_pairs" in rows[1]["error"] and "accuracy" in rows[0]
+    assert list(summarize(rows)) == [("transformer", 16)]
+    assert "1 runs failed" in mqar.report(rows, tmp_path / "m", "t")
