@@ -12,7 +12,7 @@ with lambda = 1. The GDN update is rank-1: O(K V) per level, never a K x K matri
 
 ``decode_step`` runs the fused Triton kernel (loglinear.ops.triton.decode) on CUDA, or anywhere with
 LOGLINEAR_BACKEND=triton (CPU tensors then need TRITON_INTERPRET=1), and this file's PyTorch step
-otherwise. ``fused_decode_applies`` / ``op_decode_step`` put the kernel behind the public ops.
+otherwise. ``fused_decode_applies`` / ``op_decode_step`` put the step behind the public ops.
 """
 
 from __future__ import annotations
@@ -103,9 +103,10 @@ def decode_step(
 
 
 def fused_decode_applies(inp: OpInputs) -> bool:
-    """A public-op call the fused step serves: one token per sequence, a state, the triton backend
-    (CUDA, or LOGLINEAR_BACKEND=triton), and no gradient needed (the step kernel has no backward)."""
-    if inp.initial_state is None or not _use_triton(inp.q.device):
+    """A public-op call the one-token step serves: one token per sequence, a state, and no gradient needed
+    (the step has no backward). ``decode_step`` then runs the fused kernel on the triton backend and the
+    PyTorch step elsewhere (cheaper on the CPU than a chunk padded to C tokens)."""
+    if inp.initial_state is None:
         return False
     one_each = inp.q.shape[1] == 1 if inp.bounds is None else inp.q.shape[1] == len(inp.bounds) - 1
     tensors = [inp.q, inp.k, inp.v, inp.g, inp.level_scales, inp.initial_state.levels]
