@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from loglinear.ops.triton.common import alloc, interpreting, next_pow2
-from loglinear.ops.triton.gated_deltanet_common import dot_dtype, dot_precision
+from loglinear.ops.triton.gated_deltanet_common import dot_precision
 
 
 @triton.jit
