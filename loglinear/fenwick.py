@@ -34,6 +34,7 @@ __all__ = [
     "chunk_writes",
     "chunk_resets_after",
     "carry_target",
+    "carry",
     "trailing_zeros",
 ]
 
@@ -118,3 +119,18 @@ def carry_target(position: torch.Tensor | int) -> torch.Tensor:
     """
     p = torch.as_tensor(position, dtype=torch.int64)
     return torch.where(p > 0, trailing_zeros(torch.clamp(p, min=1)) + 1, torch.zeros_like(p))
+
+
+def carry(levels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Apply the carry for a new token at ``positions[n]`` of each sequence n: levels 0..ctz(p) are added
+    into level ctz(p)+1 and cleared (nothing for p = 0).
+
+    levels: [N, L, ...] level states with L > ctz(p) + 1 for every p > 0; positions: [N] int64.
+    Returns a new tensor of levels' shape (differentiable; no in-place update).
+    """
+    target = carry_target(positions).to(levels.device)  # [N]
+    lev = torch.arange(levels.shape[1], device=levels.device)
+    shape = tuple(levels.shape[:2]) + (1,) * (levels.dim() - 2)
+    merge = (lev[None, :] < target[:, None]).to(levels.dtype).view(shape)
+    into = ((lev[None, :] == target[:, None]) & (target[:, None] > 0)).to(levels.dtype).view(shape)
+    return levels * (1 - merge) + into * (levels * merge).sum(1, keepdim=True)

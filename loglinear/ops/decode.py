@@ -21,21 +21,11 @@ import os
 
 import torch
 
-from loglinear.fenwick import carry_target, levels_needed
+from loglinear.fenwick import carry, levels_needed
 from loglinear.inputs import OpInputs, expand_groups, l2norm
 from loglinear.state import FenwickState
 
-__all__ = ["decode_step", "decode_step_torch", "carry", "fused_decode_applies", "op_decode_step"]
-
-
-def carry(levels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Step 1 for each sequence at its own position.  levels: [N, L, H, K, V]; positions: [N] int64."""
-    target = carry_target(positions.to(levels.device))  # [N]
-    lev = torch.arange(levels.shape[1], device=levels.device)
-    merge = (lev[None, :] < target[:, None]).to(levels.dtype)[..., None, None, None]
-    into = ((lev[None, :] == target[:, None]) & (target[:, None] > 0)).to(levels.dtype)[..., None, None, None]
-    total = (levels * merge).sum(1, keepdim=True)
-    return levels * (1 - merge) + into * total
+__all__ = ["decode_step", "decode_step_torch", "fused_decode_applies", "op_decode_step"]
 
 
 def decode_step_torch(

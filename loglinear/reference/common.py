@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from loglinear.fenwick import carry_target, level_matrix, levels_needed
+from loglinear.fenwick import carry, level_matrix, levels_needed
 
 Transition = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -59,16 +59,10 @@ def recurrent(
     S = q.new_zeros(B, n_levels, H, K, V)
     if levels is not None:
         S = S + torch.nn.functional.pad(levels.to(q.dtype), (0, 0, 0, 0, 0, 0, 0, n_levels - levels.shape[1]))
-    lev = torch.arange(n_levels)
-    level0 = (lev == 0).to(q.dtype).to(q.device).view(1, n_levels, 1, 1, 1)
+    level0 = (torch.arange(n_levels, device=q.device) == 0).to(q.dtype).view(1, n_levels, 1, 1, 1)
     outs = []
     for t in range(T):
-        target = carry_target(positions + t)  # [B]
-        merge = (lev[None] < target[:, None]).to(q.dtype).to(q.device)  # [B, L]
-        into = (lev[None] == target[:, None]) & (target[:, None] > 0)
-        into = into.to(q.dtype).to(q.device)
-        total = (S * merge[..., None, None, None]).sum(1, keepdim=True)
-        S = S * (1 - merge)[..., None, None, None] + into[..., None, None, None] * total
+        S = carry(S, positions + t)
         S = transition(S, g[:, t], k[:, t], beta[:, t])
         deposit = torch.einsum("bh,bhk,bhv->bhkv", beta[:, t], k[:, t], v[:, t])
         S = S + level0 * deposit[:, None]

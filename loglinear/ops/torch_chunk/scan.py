@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loglinear.fenwick import bit_length, carry_target, chunk_bits, intra_chunk_levels, levels_needed
+from loglinear.fenwick import bit_length, carry, carry_target, chunk_bits, intra_chunk_levels, levels_needed
 
 
 def _pad_time(x: torch.Tensor, front: int, back: int) -> torch.Tensor:
@@ -39,14 +39,11 @@ def _chunked(x: torch.Tensor, C: int) -> torch.Tensor:
 
 
 def _carry_past(levels: torch.Tensor, position: int) -> torch.Tensor:
-    """The cascade's carry for a new token at ``position``: levels 0..ctz(p) merge into ctz(p)+1.  [b, L, H, K, V]."""
+    """The cascade's carry for a new token at ``position`` (> 0), widening the level axis if needed.  [b, L, H, K, V]."""
     target = int(carry_target(position))
-    if target == 0:
-        return levels
     if levels.shape[1] <= target:
         levels = F.pad(levels, (0, 0, 0, 0, 0, 0, 0, target + 1 - levels.shape[1]))
-    merged = levels[:, :target].sum(1, keepdim=True) + levels[:, target : target + 1]
-    return torch.cat([torch.zeros_like(levels[:, :target]), merged, levels[:, target + 1 :]], dim=1)
+    return carry(levels, torch.full((levels.shape[0],), position, dtype=torch.int64))
 
 
 def _level_scales_at(lam: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
