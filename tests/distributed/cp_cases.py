@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 import loglinear
 from loglinear.distributed import context_parallel_log_linear_gated_deltanet, context_parallel_log_linear_mamba2
-from loglinear.fenwick import levels_needed
 from loglinear.state import FenwickState
+
+from helpers import make_inputs
 
 
 @dataclass
@@ -48,17 +49,7 @@ class Case:
 def _inputs(case: Case, gen: torch.Generator) -> dict[str, torch.Tensor]:
     T = sum(case.lengths)
     start = max(case.init_positions or [0])
-    L = levels_needed(start + T) + 1
-    kw = dict(dtype=case.dtype, generator=gen)
-    B, G, H, K, V = case.B, case.G, case.H, case.K, case.V
-    x = {
-        "q": torch.randn(B, T, G, K, **kw),
-        "k": torch.randn(B, T, G, K, **kw) / K**0.5,
-        "v": torch.randn(B, T, H, V, **kw),
-        "g": -0.05 - 0.4 * torch.rand(B, T, H, **kw),
-        "beta": 0.05 + 0.9 * torch.rand(B, T, H, **kw),
-        "level_scales": 0.2 + torch.rand(B, T, H, L, **kw),
-    }
+    x = make_inputs(case.B, T, case.G, case.H, K=case.K, V=case.V, dtype=case.dtype, generator=gen, start=start)
     if case.variant == "mamba2":
         del x["beta"]
     return x
