@@ -30,6 +30,7 @@ import triton.language as tl
 __all__ = [
     "SCAN_RUNTIME_ARGS", "MAX_CHUNK_LEVELS", "interpreting", "alloc", "next_pow2", "dot_precision",
     "launch_options", "set_poison", "split_block", "load_rows", "store_rows", "load_column", "pick",
+    "load_chunk_qk",
 ]
 
 _POISON = False
@@ -86,6 +87,14 @@ def load_rows(ptr, t, valid, head, HEADS, D, cols, BD: tl.constexpr):
     """x[t, head, :D] of a contiguous [tokens, HEADS, D] tensor for the C token indices t -> [C, BD] (0 outside)."""
     offs = (t * HEADS + head)[:, None] * D + cols[None, :]
     return tl.load(ptr + offs, mask=valid[:, None] & (cols[None, :] < D), other=0.0)
+
+
+@triton.jit
+def load_chunk_qk(q, k, t, valid, grp, G, K, kk, BK: tl.constexpr):
+    """The chunk's q and k rows of group grp (full width BK) from [tokens, G, K] tensors -> [C, BK] each (0 outside)."""
+    qc = load_rows(q, t, valid, grp, G, K, kk, BK)
+    kc = load_rows(k, t, valid, grp, G, K, kk, BK)
+    return qc, kc
 
 
 @triton.jit

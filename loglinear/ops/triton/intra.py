@@ -34,6 +34,14 @@ def level_weights(lam, t, valid, head, HEADS, L, lev, causal, LOG_C: tl.constexp
 
 
 @triton.jit
+def chunk_gates(g, t, valid, head, HEADS):
+    """G [C] = chunk-local inclusive cumsum of g[t, head] and Gl = G at the chunk's end (scalar), fp32,
+    from g [tokens, HEADS] (rows past eos read g = 0)."""
+    gc = tl.load(g + t * HEADS + head, mask=valid, other=0.0).to(tl.float32)
+    return tl.cumsum(gc, 0), tl.sum(gc, 0)
+
+
+@triton.jit
 def decay_matrix(G, causal):
     """Gamma [C, C] = exp(G_t - G_s) below the diagonal (no overflow: masked before exp)."""
     return tl.exp(tl.where(causal, G[:, None] - G[None, :], float("-inf")))

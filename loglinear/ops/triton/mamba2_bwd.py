@@ -24,8 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.common import SCAN_RUNTIME_ARGS, load_column, load_rows, store_rows
-from loglinear.ops.triton.intra import decay_matrix, intra_levels, level_weights
+from loglinear.ops.triton.common import SCAN_RUNTIME_ARGS, load_chunk_qk, load_column, load_rows, store_rows
+from loglinear.ops.triton.intra import chunk_gates, decay_matrix, intra_levels, level_weights
 from loglinear.ops.triton.levels import (
     accumulate_level, flush_levels, level_live, load_level, merge_levels, split_levels,
 )
@@ -63,15 +63,12 @@ def mamba2_bwd_dq_kernel(
         t = bos + i * C + r
         valid = t < eos
         chunk = c0 + i
-        qc = load_rows(q, t, valid, grp, G, K, kk, BK)
-        kc = load_rows(k, t, valid, grp, G, K, kk, BK)
+        qc, kc = load_chunk_qk(q, k, t, valid, grp, G, K, kk, BK)
         qs = load_rows(q, t, valid, grp, G, K, ks, BKS)
         kbl = load_rows(k, t, valid, grp, G, K, ks, BKS)
         vc = load_rows(v, t, valid, h, H, V, vv, BV)
         doc = load_rows(do, t, valid, h, H, V, vv, BV)
-        gc = tl.load(g + t * H + h, mask=valid, other=0.0).to(tl.float32)
-        Gc = tl.cumsum(gc, 0)
-        Gl = tl.sum(gc, 0)
+        Gc, Gl = chunk_gates(g, t, valid, h, H)
         gamma = decay_matrix(Gc, causal)
         p = tl.dot(qc, tl.trans(kc), input_precision=PRECISION) * gamma
         d_a = tl.where(causal, tl.dot(doc, tl.trans(vc), input_precision=PRECISION) * scale, 0.0)
@@ -136,15 +133,12 @@ def mamba2_bwd_dkv_kernel(
         t = bos + i * C + r
         valid = t < eos
         chunk = c0 + i
-        qc = load_rows(q, t, valid, grp, G, K, kk, BK)
-        kc = load_rows(k, t, valid, grp, G, K, kk, BK)
+        qc, kc = load_chunk_qk(q, k, t, valid, grp, G, K, kk, BK)
         vc = load_rows(v, t, valid, h, H, V, vv, BV)
         doc = load_rows(do, t, valid, h, H, V, vv, BV)
         vbl = load_rows(v, t, valid, h, H, V, vs, BVS)
         dobl = load_rows(do, t, valid, h, H, V, vs, BVS)
-        gc = tl.load(g + t * H + h, mask=valid, other=0.0).to(tl.float32)
-        Gc = tl.cumsum(gc, 0)
-        Gl = tl.sum(gc, 0)
+        Gc, Gl = chunk_gates(g, t, valid, h, H)
         gamma = decay_matrix(Gc, causal)
         weights = level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C)
         a = tl.dot(qc, tl.trans(kc), input_precision=PRECISION) * gamma * weights

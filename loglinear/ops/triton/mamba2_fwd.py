@@ -15,8 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.common import SCAN_RUNTIME_ARGS, load_column, load_rows, store_rows
-from loglinear.ops.triton.intra import decay_matrix, intra_levels, level_weights
+from loglinear.ops.triton.common import SCAN_RUNTIME_ARGS, load_chunk_qk, load_column, load_rows, store_rows
+from loglinear.ops.triton.intra import chunk_gates, decay_matrix, intra_levels, level_weights
 from loglinear.ops.triton.levels import flush_levels, level_live, load_level, merge_levels
 
 
@@ -50,12 +50,9 @@ def mamba2_fwd_kernel(
         t = bos + i * C + r
         valid = t < eos
         chunk = c0 + i
-        qc = load_rows(q, t, valid, grp, G, K, kk, BK)
-        kc = load_rows(k, t, valid, grp, G, K, kk, BK)
+        qc, kc = load_chunk_qk(q, k, t, valid, grp, G, K, kk, BK)
         vc = load_rows(v, t, valid, h, H, V, vv, BV)
-        gc = tl.load(g + t * H + h, mask=valid, other=0.0).to(tl.float32)
-        Gc = tl.cumsum(gc, 0)
-        Gl = tl.sum(gc, 0)
+        Gc, Gl = chunk_gates(g, t, valid, h, H)
         scores = tl.dot(qc, tl.trans(kc), input_precision=PRECISION)
         weights = scores * decay_matrix(Gc, causal) * level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C)
         acc = tl.dot(weights.to(vc.dtype), vc, input_precision=PRECISION)
