@@ -38,9 +38,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from loglinear import FenwickState, log_linear_gated_deltanet, log_linear_mamba2  # noqa: E402
 from loglinear.fenwick import levels_needed  # noqa: E402
 
-IMPLS = ("loglinear", "fla_log_linear", "fla_mamba2", "sdpa_flash")
-IMPLS_GDN = ("loglinear", "fla_gdn", "sdpa_flash")
+IMPLS = ("loglinear", "loglinear_torch", "fla_log_linear", "fla_mamba2", "sdpa_flash")
+IMPLS_GDN = ("loglinear", "loglinear_torch", "fla_gdn", "sdpa_flash")
 PAPER = dict(B=2, H=48, G=1, K=128, V=64)
+SHAPE = dict(PAPER)  # what measure() runs: the paper setting unless --shape
+
+
+def on_backend(name: str, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """fn run with LOGLINEAR_BACKEND=name (restored afterwards)."""
+
+    def run() -> torch.Tensor:
+        old = os.environ.get("LOGLINEAR_BACKEND")
+        os.environ["LOGLINEAR_BACKEND"] = name
+        try:
+            return fn()
+        finally:
+            if old is None:
+                os.environ.pop("LOGLINEAR_BACKEND")
+            else:
+                os.environ["LOGLINEAR_BACKEND"] = old
+
+    return run
 
 
 def make_inputs(T: int, B: int, H: int, G: int, K: int, V: int, dtype: torch.dtype, seed: int = 0) -> dict:
@@ -66,9 +84,9 @@ def lift_fla_guard() -> None:
 
 def build(impl: str, x: dict, H: int, G: int) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor]]:
     """The forward closure of an impl and the leaf tensors that need gradients."""
-    if impl == "loglinear":
+    if impl in ("loglinear", "loglinear_torch"):
         args = [x["q"], x["k"], x["v"], x["g"], x["level_scales"]]
-        return (lambda: log_linear_mamba2(*args)[0]), args
+        return on_backend(impl.removeprefix("loglinear").lstrip("_") or "triton", lambda: log_linear_mamba2(*args)[0]), args
     if impl == "fla_log_linear":
         from fla.ops.log_linear_attn import chunk_log_linear_attn
 
@@ -103,10 +121,10 @@ def gdn_inputs(T: int, B: int, H: int, G: int, K: int, V: int, dtype: torch.dtyp
 
 def build_gdn(impl: str, x: dict, H: int, G: int) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor]]:
     """build() for --variant gdn: ours, fla's linear chunk_gated_delta_rule, or SDPA flash."""
-    if impl == "loglinear":
+    if impl in ("loglinear", "loglinear_torch"):
         args = [x["q"], x["k"], x["v"], x["g"], x["beta"], x["level_scales"]]
-        os.environ["LOGLINEAR_BACKEND"] = "triton"  # the GDN kernels are opt-in until a device check passed
-        return (lambda: log_linear_gated_deltanet(*args, use_qk_l2norm=True)[0]), args
+        return on_backend(impl.removeprefix("loglinear").lstrip("_") or "triton",
+                          lambda: log_linear_gated_deltanet(*args, use_qk_l2norm=True)[0]), args
     if impl == "fla_gdn":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -121,7 +139,7 @@ def build_gdn(impl: str, x: dict, H: int, G: int) -> tuple[Callable[[], torch.Te
 
 def measure(impl: str, T: int, dtype: torch.dtype, warmup: int, rep: int, variant: str = "mamba2") -> dict:
     """fwd_ms, fwdbwd_ms (medians) and peak_gib of one forward+backward."""
-    p = PAPER
+    p = SHAPE
     if variant == "gdn":
         x = gdn_inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], dtype)
         fn, leaves = build_gdn(impl, x, p["H"], p["G"])
@@ -340,7 +358,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--check-dtypes", nargs="+", default=["float32", "bfloat16"], help="dtypes of the mamba2 check")
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--profile-T", type=int, default=0, help="profile our kernels at this T (0: no)")
+    ap.add_argument("--shape", type=int, nargs=5, metavar=("B", "H", "G", "K", "V"), default=None,
+                    help="override the paper setting (B=2, H=48, G=1, K=128, V=64); sdpa_flash uses H x V")
     args = ap.parse_args(argv)
+    if args.shape:
+        SHAPE.update(zip("BHGKV", args.shape))
     args.impls = args.impls or list(IMPLS_GDN if args.variant == "gdn" else IMPLS)
     tag = "gdn-" if args.variant == "gdn" else ""
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
@@ -380,9 +402,9 @@ def main(argv: list[str] | None = None) -> None:
     meta = {
         "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
         "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", "command": command,
-        "setting": "B=2, 48 value heads, q/k groups 1, K=128, V=64, bf16; g = -(0.01..0.11), lambda in [0.2, 1.2]; "
+        "setting": f"B={SHAPE['B']}, {SHAPE['H']} value heads, q/k groups {SHAPE['G']}, K={SHAPE['K']}, V={SHAPE['V']}, bf16; g = -(0.01..0.11), lambda in [0.2, 1.2]; "
                    + ("beta in [0.05, 0.95], q/k L2-normalised inside the ops; " if args.variant == "gdn" else "")
-                   + "sdpa_flash: 48 heads x 64, causal. Median of triton.testing.do_bench.",
+                   + f"sdpa_flash: {SHAPE['H']} heads x {SHAPE['V']}, causal. Median of triton.testing.do_bench.",
         "notes": notes,
     }
     rows = []
