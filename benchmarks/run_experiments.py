@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from loglinear.data.text import prepare_corpus  # noqa: E402
 from loglinear.eval.command import lm_report, niah_report  # noqa: E402
 
 LM_ARCHS = ["ll_mamba2", "mamba2", "ll_gated_deltanet", "gated_deltanet", "transformer"]
@@ -105,6 +106,9 @@ def main() -> None:
                *a.mqar_args.split(), log_to=logs / "mqar.log")
     log("mqar sweep started")
 
+    a.data_dir = str(ROOT / a.data_dir)  # the trainers run in ROOT
+    meta = prepare_corpus(None, a.data_dir, vocab_size=4096)  # once, before the trainers start
+    log(f"corpus: {meta['train_tokens'] / 1e6:.1f}M train / {meta['val_tokens'] / 1e6:.2f}M val tokens")
     common = ["--d-model", str(a.d_model), "--layers", str(a.layers), "--seq-len", str(a.seq_len),
               "--global-batch", str(a.global_batch), "--lr", str(a.lr), "--warmup", str(2 * a.probe_steps),
               "--needle-rate", str(a.needle_rate), "--data-dir", a.data_dir, "--device", a.device,

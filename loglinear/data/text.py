@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sysconfig
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -112,13 +114,19 @@ def prepare_corpus(
         tok: Tokenizer = ByteTokenizer()
     else:
         tok = train_bpe(_sample(read_documents(train), tokenizer_sample_bytes), vocab_size)
-    tok.save(out / "tokenizer.json")
-    meta = dict(wanted, vocab_size=tok.vocab_size, eos_id=tok.eos_id,
-                dtype="uint16" if tok.vocab_size <= 65536 else "uint32",
-                train_files=len(train), val_files=len(val),
-                train_tokens=_tokenize_to_file(tok, train, out / "train.bin"),
-                val_tokens=_tokenize_to_file(tok, val, out / "val.bin"))
-    meta_path.write_text(json.dumps(meta, indent=1))
+    # Built in a private folder and moved in file by file, meta.json last: processes preparing the same
+    # out_dir at once (several trainers started together) never read a half-written file.
+    with tempfile.TemporaryDirectory(dir=out, prefix=".prepare-") as tmp:
+        tmp_dir = Path(tmp)
+        tok.save(tmp_dir / "tokenizer.json")
+        meta = dict(wanted, vocab_size=tok.vocab_size, eos_id=tok.eos_id,
+                    dtype="uint16" if tok.vocab_size <= 65536 else "uint32",
+                    train_files=len(train), val_files=len(val),
+                    train_tokens=_tokenize_to_file(tok, train, tmp_dir / "train.bin"),
+                    val_tokens=_tokenize_to_file(tok, val, tmp_dir / "val.bin"))
+        (tmp_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+        for name in ("tokenizer.json", "train.bin", "val.bin", "meta.json"):
+            os.replace(tmp_dir / name, out / name)
     return meta
 
 
