@@ -58,11 +58,12 @@ def main() -> None:
     BK, BV, _ = scan._blocks(K, V, dtype)
     launch = dict(num_warps=8, num_stages=2)
     const = dict(K=K, V=V, C=C, BK=BK, BV=BV, PREC=prec)
-    sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", states=f32, snap=P, o=f32,
-               N="i32", J="i32", Tp="i32", **{n: "constexpr" for n in [*const, "SNAP"]})
+    sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", live="*i32", snap_at="*i32", states=f32,
+               snap=P, o=f32, N="i32", J="i32", Tp="i32", S="i32", **{n: "constexpr" for n in [*const, "SNAP"]})
     print(report(scan._scan_fwd_kernel, sig, dict(const, SNAP=True), **launch))
-    sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", snap=P, do=f32, dstates=f32,
-               dqt=P, dwt=P, dkt=P, du=f32, dd=f32, dlam=f32, N="i32", J="i32", Tp="i32", BH="i32",
+    sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", live="*i32", snap_at="*i32", snap=P,
+               do=f32, dstates=f32, dqt=P, dwt=P, dkt=P, du=f32, dd=f32, dlam=f32,
+               N="i32", J="i32", Tp="i32", BH="i32", S="i32",
                **{n: "constexpr" for n in const})
     print(report(scan._scan_bwd_kernel, sig, const, **launch))
     meta = local._meta(K, V, C, C.bit_length(), dtype)

@@ -167,27 +167,33 @@ def _scan_torch(qt, wt, kt, u, decay, lam, h0, merge):
         q, w, k, uu = qt[:, rows], wt[:, rows], kt[:, rows], u[:, rows]
         outs.append(sum(lam[:, rows, j, None] * (q @ h[j]) for j in range(J)))
         h = [decay[:, i, None, None] * hj - k.transpose(1, 2) @ (w @ hj) for hj in h]
-        m = int(merge[i])
+        m = merge[i]
         if m >= 0:
             merged = sum(h[: m + 1]) + k.transpose(1, 2) @ uu
             h = [torch.zeros_like(merged)] * m + [merged] + h[m + 1 :]
     return torch.cat(outs, 1), torch.stack(h, 1)
 
 
-def test_scan_kernel_and_its_backward():
+@pytest.mark.parametrize("seeded", [True, False])
+def test_scan_kernel_and_its_backward(seeded):
+    """Initial states in every level (all live at chunk 0), or none (only the levels the cascade filled)."""
     BH, N, C, K, V, J = 3, 6, 16, 20, 40, 3  # V = 40: two V blocks of 32 (partial sums)
-    merge = torch.tensor([0, 2, 0, 1, 0, -1], dtype=torch.int32)  # chunks 2..7
+    merge = [0, 2, 0, 1, 0, -1]  # chunks 2..7
     args = [0.3 * torch.randn(BH, N * C, K, dtype=torch.float64) for _ in range(3)]
     args += [torch.randn(BH, N * C, V, dtype=torch.float64), torch.rand(BH, N, dtype=torch.float64),
              torch.rand(BH, N * C, J, dtype=torch.float64), torch.randn(BH, J, K, V, dtype=torch.float64)]
+    if not seeded:
+        args[-1] = torch.zeros_like(args[-1])
     args = [a.requires_grad_() for a in args]
-    o, hN = fenwick_delta_scan(*[a.float() for a in args], merge)
+    h0 = args[-1].float() if seeded else None
+    o, hN = fenwick_delta_scan(*[a.float() for a in args[:-1]], h0, merge)
     ro, rh = _scan_torch(*args, merge)
     assert_close(o.double(), ro, RTOL, "o")
     assert_close(hN.double(), rh, RTOL, "hN")
     do, dh = torch.randn_like(ro), torch.randn_like(rh)
-    got = torch.autograd.grad((o * do.float()).sum() + (hN * dh.float()).sum(), args)
-    want = torch.autograd.grad((ro * do).sum() + (rh * dh).sum(), args)
+    n = len(args) if seeded else len(args) - 1
+    got = torch.autograd.grad((o * do.float()).sum() + (hN * dh.float()).sum(), args[:n])
+    want = torch.autograd.grad((ro * do).sum() + (rh * dh).sum(), args[:n])
     for name, a, e in zip(["qt", "wt", "kt", "u", "decay", "lam", "h0"], got, want):
         assert_close(a.double(), e, RTOL, f"d{name}")
 

@@ -46,11 +46,10 @@ def kernel_chunk_size(chunk_size: int, dtype: torch.dtype, K: int) -> int:
     return min(max(chunk_size, 16), cap)
 
 
-def _merge_targets(c0: int, N: int, device: torch.device) -> torch.Tensor:
-    """Cascade target ctz(chunk + 1) after each chunk but the last (-1: no cascade).  [N] int32."""
+def _merge_targets(c0: int, N: int) -> list[int]:
+    """Cascade target ctz(chunk + 1) after each chunk but the last (-1: no cascade).  [N]."""
     chunks = torch.arange(c0 + 1, c0 + N, dtype=torch.int64)
-    targets = (carry_target(chunks) - 1).tolist() + [-1]
-    return torch.tensor(targets, dtype=torch.int32, device=device)
+    return (carry_target(chunks) - 1).tolist() + [-1]
 
 
 def gated_deltanet_core(
@@ -93,13 +92,13 @@ def gated_deltanet_core(
         first = torch.einsum("bhtm,bhtk,bhmkv->bhtv", weights, qt[:, :, 0].to(o.dtype), partial.to(o.dtype))
         o = torch.cat([o[:, :, :1] + first[:, :, None], o[:, :, 1:]], dim=2)
     else:
-        h0 = q.new_zeros(b, H, J, K, V)
+        h0 = None
 
     lam_inter = _level_scales_at(lc, (c + 1 + torch.arange(J, device=q.device)).expand(C, -1))
     flat = lambda x: x.reshape(b * H, Tp, x.shape[-1])  # noqa: E731
     o_inter, hN = fenwick_delta_scan(
         flat(qt), flat(wt), flat(kt), flat(u), decay.reshape(b * H, N), flat(lam_inter),
-        h0.reshape(b * H, J, K, V), _merge_targets(c0, N, q.device),
+        None if h0 is None else h0.reshape(b * H, J, K, V), _merge_targets(c0, N),
     )
     o = (o + o_inter.view(b, H, N, C, V)).movedim(1, 3).reshape(b, Tp, H, V)[:, front : front + T] * scale
 

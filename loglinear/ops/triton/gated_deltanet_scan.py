@@ -28,6 +28,8 @@ summed afterwards: no atomics, deterministic.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -38,14 +40,15 @@ from loglinear.ops.triton.gated_deltanet_common import dot_precision
 
 @triton.jit
 def _scan_fwd_kernel(
-    qt, wt, kt, u, decay, lam, merge, states, snap, o,
-    N, J, Tp,
+    qt, wt, kt, u, decay, lam, merge, live, snap_at, states, snap, o,
+    N, J, Tp, S,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr, SNAP: tl.constexpr,
 ):
-    """qt, wt, kt: [BH, Tp, K]; u: [BH, Tp, V]; decay: [BH, N]; lam: [BH, Tp, J]; merge: [N] int32;
-    states: [BH, 2, J, K, V] fp32 (slot 0 holds the initial states, slot N % 2 ends with the final ones);
-    snap: [BH, N, J, K, V] (SNAP: written with the states entering each chunk); o: [BH, Tp, V] fp32."""
+    """qt, wt, kt: [BH, Tp, K]; u: [BH, Tp, V]; decay: [BH, N]; lam: [BH, Tp, J]; merge, live, snap_at: [N]
+    int32 (cascade target, bitmask of the live levels, first snapshot slot); states: [BH, 2, J, K, V] fp32
+    (slot 0 holds the initial states, slot N % 2 ends with the final ones of the live levels); snap: [BH, S, K, V]
+    (SNAP: the live states entering each chunk, in level order); o: [BH, Tp, V] fp32."""
     iv = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rc = tl.arange(0, C)
@@ -65,41 +68,48 @@ def _scan_fwd_kernel(
         u_i = tl.load(u + rows[:, None] * V + rv[None, :], mask=mv[None, :], other=0.0)
         d = tl.load(decay + bh * N + i)
         m = tl.load(merge + i)
-        # running sum of what moves into level m: the deposit, then g_j for j < m
+        alive = tl.load(live + i)
+        # running sum of what moves into level m: the deposit, then g_j for the live j <= m
         carry = tl.dot(tl.trans(k_i), u_i, input_precision=PREC)
         src = states + (bh * 2 + i % 2) * J * KV
         dst = states + (bh * 2 + (i + 1) % 2) * J * KV
-        keep = snap + (bh * N + i) * J * KV
+        keep = snap + (bh * S + tl.load(snap_at + i)) * KV
         acc = tl.zeros([C, BV], dtype=tl.float32)
+        slot = 0
         for j in range(J):
-            h = tl.load(src + j * KV + hoff, mask=hmask, other=0.0)
-            hd = h.to(q_i.dtype)
-            if SNAP:
-                tl.store(keep + j * KV + hoff, hd.to(snap.dtype.element_ty), mask=hmask)
-            lam_j = tl.load(lam + rows * J + j)
-            acc += lam_j[:, None] * tl.dot(q_i, hd, input_precision=PREC)
-            wh = tl.dot(w_i, hd, input_precision=PREC)
-            g = d * h - tl.dot(tl.trans(k_i), wh.to(q_i.dtype), input_precision=PREC)
-            below = j < m
-            new = tl.where(below, 0.0, g + tl.where(j == m, carry, 0.0))
-            carry += tl.where(below, g, 0.0)
-            tl.store(dst + j * KV + hoff, new, mask=hmask)
+            if (alive >> j) & 1:
+                h = tl.load(src + j * KV + hoff, mask=hmask, other=0.0)
+                hd = h.to(q_i.dtype)
+                if SNAP:
+                    tl.store(keep + slot * KV + hoff, hd.to(snap.dtype.element_ty), mask=hmask)
+                slot += 1
+                lam_j = tl.load(lam + rows * J + j)
+                acc += lam_j[:, None] * tl.dot(q_i, hd, input_precision=PREC)
+                wh = tl.dot(w_i, hd, input_precision=PREC)
+                g = d * h - tl.dot(tl.trans(k_i), wh.to(q_i.dtype), input_precision=PREC)
+                if j <= m:
+                    carry += g
+                else:
+                    tl.store(dst + j * KV + hoff, g, mask=hmask)
+        if m >= 0:
+            tl.store(dst + m * KV + hoff, carry, mask=hmask)
         tl.store(o + rows[:, None] * V + rv[None, :], acc, mask=mv[None, :])
         tl.debug_barrier()
 
 
 @triton.jit
 def _scan_bwd_kernel(
-    qt, wt, kt, u, decay, lam, merge, snap, do, dstates,
+    qt, wt, kt, u, decay, lam, merge, live, snap_at, snap, do, dstates,
     dqt, dwt, dkt, du, dd, dlam,
-    N, J, Tp, BH,
+    N, J, Tp, BH, S,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """Inputs as the forward, snap: [BH, N, J, K, V] the forward's states entering each chunk;
+    """Inputs as the forward; snap: [BH, S, K, V] the forward's live states entering each chunk;
     do: [BH, Tp, V]; dstates: [BH, 2, J, K, V] fp32 (slot N % 2 holds dh of the final states; slot 0
-    ends with dh of the initial states). Outputs: dqt, dwt, dkt: [NV, BH, Tp, K] (operand dtype);
-    du: [BH, Tp, V], dd: [NV, BH, N], dlam: [NV, BH, Tp, J] (fp32)."""
+    ends with dh of the initial states of the levels live at chunk 0). Outputs: dqt, dwt, dkt: [NV, BH, Tp, K]
+    (operand dtype); du: [BH, Tp, V], dd: [NV, BH, N], dlam: [NV, BH, Tp, J] (fp32). A level that is not live
+    entering a chunk holds 0 there: it adds nothing, and its dh there is never read."""
     iv = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rc = tl.arange(0, C)
@@ -124,7 +134,8 @@ def _scan_bwd_kernel(
         do_i = tl.load(do + cv, mask=mv[None, :], other=0.0).to(tl.float32)
         d = tl.load(decay + bh * N + i)
         m = tl.load(merge + i)
-        hsrc = snap + (bh * N + i) * J * KV
+        alive = tl.load(live + i)
+        hsrc = snap + (bh * S + tl.load(snap_at + i)) * KV
         src = dstates + (bh * 2 + (i + 1) % 2) * J * KV
         dst = dstates + (bh * 2 + i % 2) * J * KV
         dh_m = tl.load(src + tl.maximum(m, 0) * KV + hoff, mask=hmask, other=0.0)
@@ -135,24 +146,29 @@ def _scan_bwd_kernel(
         dq_acc = tl.zeros([C, BK], dtype=tl.float32)
         dw_acc = tl.zeros([C, BK], dtype=tl.float32)
         dd_acc = 0.0
+        slot = 0
         for j in range(J):
-            dg = tl.where(j <= m, dh_m, tl.load(src + j * KV + hoff, mask=hmask, other=0.0))
-            h = tl.load(hsrc + j * KV + hoff, mask=hmask, other=0.0).to(tl.float32)
-            hd = h.to(q_i.dtype)
-            dgd = dg.to(q_i.dtype)
-            lam_j = tl.load(lam + rows * J + j)
-            y = (lam_j[:, None] * do_i).to(q_i.dtype)
-            dq_acc += tl.dot(y, tl.trans(hd), input_precision=PREC)
-            qh = tl.dot(q_i, hd, input_precision=PREC)
-            tl.store(dlam + prow * J + j, tl.sum(do_i * qh, axis=1))
-            dd_acc += tl.sum(tl.sum(dg * h, axis=1), axis=0)
-            wh = tl.dot(w_i, hd, input_precision=PREC)
-            dk_acc -= tl.dot(wh.to(q_i.dtype), tl.trans(dgd), input_precision=PREC)
-            kdg = tl.dot(k_i, dgd, input_precision=PREC).to(q_i.dtype)
-            dw_acc -= tl.dot(kdg, tl.trans(hd), input_precision=PREC)
-            dh = d * dg - tl.dot(tl.trans(w_i), kdg, input_precision=PREC)
-            dh += tl.dot(tl.trans(q_i), y, input_precision=PREC)
-            tl.store(dst + j * KV + hoff, dh, mask=hmask)
+            if (alive >> j) & 1:
+                dg = tl.where(j <= m, dh_m, tl.load(src + j * KV + hoff, mask=hmask, other=0.0))
+                h = tl.load(hsrc + slot * KV + hoff, mask=hmask, other=0.0).to(tl.float32)
+                slot += 1
+                hd = h.to(q_i.dtype)
+                dgd = dg.to(q_i.dtype)
+                lam_j = tl.load(lam + rows * J + j)
+                y = (lam_j[:, None] * do_i).to(q_i.dtype)
+                dq_acc += tl.dot(y, tl.trans(hd), input_precision=PREC)
+                qh = tl.dot(q_i, hd, input_precision=PREC)
+                tl.store(dlam + prow * J + j, tl.sum(do_i * qh, axis=1))
+                dd_acc += tl.sum(tl.sum(dg * h, axis=1), axis=0)
+                wh = tl.dot(w_i, hd, input_precision=PREC)
+                dk_acc -= tl.dot(wh.to(q_i.dtype), tl.trans(dgd), input_precision=PREC)
+                kdg = tl.dot(k_i, dgd, input_precision=PREC).to(q_i.dtype)
+                dw_acc -= tl.dot(kdg, tl.trans(hd), input_precision=PREC)
+                dh = d * dg - tl.dot(tl.trans(w_i), kdg, input_precision=PREC)
+                dh += tl.dot(tl.trans(q_i), y, input_precision=PREC)
+                tl.store(dst + j * KV + hoff, dh, mask=hmask)
+            else:
+                tl.store(dlam + prow * J + j, tl.zeros([C], dtype=tl.float32))
         pk = prow[:, None] * K + rk[None, :]
         tl.store(dqt + pk, dq_acc.to(dqt.dtype.element_ty), mask=mk[None, :])
         tl.store(dwt + pk, dw_acc.to(dwt.dtype.element_ty), mask=mk[None, :])
@@ -175,35 +191,72 @@ def _launch() -> dict[str, int]:
     return {"num_warps": 1, "num_stages": 1} if interpreting() else {"num_warps": 8, "num_stages": 2}
 
 
+@dataclass
+class Schedule:
+    """What the scan needs to know about its chunks (the same for every head).  merge, live, snap_at: [N] int32
+    on the device (cascade target, live-level bitmask, first snapshot slot); bits: live on the host;
+    slots: snapshot slots per head."""
+
+    merge: torch.Tensor
+    live: torch.Tensor
+    snap_at: torch.Tensor
+    bits: list[int]
+    slots: int
+
+    def level_mask(self, i: int, J: int) -> torch.Tensor:
+        """[J] bool: the levels live entering chunk i (for the last chunk: also leaving it)."""
+        return torch.tensor([(self.bits[i] >> j) & 1 == 1 for j in range(J)], device=self.live.device)
+
+
+def schedule(merge: list[int], J: int, seeded: bool, device: torch.device) -> Schedule:
+    """Live levels per chunk: a level holds a (possibly) nonzero state entering chunk i iff it is seeded by
+    the initial states and no cascade has reached it yet, or a cascade moved keys into it and none has
+    cleared it since (for a sequence from position 0: bit j of the chunk index). merge: [N] cascade targets
+    (-1 for the last chunk); seeded: the initial states may be nonzero (every level is live at chunk 0)."""
+    live, snap_at, alive, slots = [], [], (1 << J) - 1 if seeded else 0, 0
+    for m in merge:
+        live.append(alive)
+        snap_at.append(slots)
+        slots += bin(alive).count("1")
+        if m >= 0:  # levels 0..m merge into m
+            alive = (alive & ~((2 << m) - 1)) | (1 << m)
+    as_int = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    return Schedule(as_int(merge), as_int(live), as_int(snap_at), live, slots)
+
+
 class FenwickDeltaScan(torch.autograd.Function):
-    """(o_inter, final states) = scan(qt, wt, kt, u, decay, lam, h0, merge); see the module docstring.
+    """(o_inter, final states) = scan(qt, wt, kt, u, decay, lam, h0, sched); see the module docstring.
 
     qt, wt, kt: [BH, Tp, K] (the dot dtype); u: [BH, Tp, V] (dot dtype); decay: [BH, N] fp32;
-    lam: [BH, Tp, J] fp32; h0: [BH, J, K, V] fp32; merge: [N] int32 (cascade targets, -1 = none).
-    Returns o: [BH, Tp, V] fp32 and hN: [BH, J, K, V] fp32.
+    lam: [BH, Tp, J] fp32; h0: [BH, J, K, V] fp32 or None (zeros); sched: schedule(merge, J, h0 is not None).
+    Returns o: [BH, Tp, V] fp32 and hN: [BH, J, K, V] fp32. Only the live levels of each chunk are touched.
     """
 
     @staticmethod
-    def forward(ctx, qt, wt, kt, u, decay, lam, h0, merge):
+    def forward(ctx, qt, wt, kt, u, decay, lam, h0, sched: Schedule):
         BH, Tp, K = qt.shape
-        V, N, J = u.shape[-1], decay.shape[1], h0.shape[1]
+        V, N, J = u.shape[-1], decay.shape[1], lam.shape[-1]
         C = Tp // N
         BK, BV, NV = _blocks(K, V, qt.dtype)
         keep = ctx.needs_input_grad[:7] != (False,) * 7
         states = alloc((BH, 2, J, K, V), torch.float32, qt.device)
-        states[:, 0] = h0
-        snap = alloc((BH, N, J, K, V) if keep else (1,), qt.dtype, qt.device)
+        if h0 is not None:
+            states[:, 0] = h0
+        snap = alloc((BH, sched.slots, K, V) if keep else (1,), qt.dtype, qt.device)
         o = alloc((BH, Tp, V), torch.float32, qt.device)
         _scan_fwd_kernel[(NV, BH)](
-            qt, wt, kt, u, decay, lam, merge, states, snap, o, N, J, Tp,
+            qt, wt, kt, u, decay, lam, sched.merge, sched.live, sched.snap_at, states, snap, o, N, J, Tp, sched.slots,
             K=K, V=V, C=C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), SNAP=keep, **_launch(),
         )
-        ctx.save_for_backward(qt, wt, kt, u, decay, lam, merge, snap if keep else None)
-        return o, states[:, N % 2]
+        ctx.save_for_backward(qt, wt, kt, u, decay, lam, snap if keep else None)
+        ctx.sched = sched
+        hN = torch.where(sched.level_mask(N - 1, J)[:, None, None], states[:, N % 2], 0.0)
+        return o, hN
 
     @staticmethod
     def backward(ctx, do, dhN):
-        qt, wt, kt, u, decay, lam, merge, snap = ctx.saved_tensors
+        qt, wt, kt, u, decay, lam, snap = ctx.saved_tensors
+        sched = ctx.sched
         BH, Tp, K = qt.shape
         V, N, J = u.shape[-1], decay.shape[1], lam.shape[-1]
         C = Tp // N
@@ -218,18 +271,24 @@ class FenwickDeltaScan(torch.autograd.Function):
         du, dd, dlam = nan(BH, Tp, V), nan(NV, BH, N), nan(NV, BH, Tp, J)
         do = torch.zeros_like(u, dtype=torch.float32) if do is None else do.contiguous()
         _scan_bwd_kernel[(NV, BH)](
-            qt, wt, kt, u, decay, lam, merge, snap, do, dstates, dqt, dwt, dkt, du, dd, dlam,
-            N, J, Tp, BH,
+            qt, wt, kt, u, decay, lam, sched.merge, sched.live, sched.snap_at, snap, do, dstates,
+            dqt, dwt, dkt, du, dd, dlam, N, J, Tp, BH, sched.slots,
             K=K, V=V, C=C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), **_launch(),
         )
-        cast = lambda x, like: x.sum(0, dtype=torch.float32).to(like.dtype)  # noqa: E731
-        return (cast(dqt, qt), cast(dwt, wt), cast(dkt, kt), du.to(u.dtype), dd.sum(0), dlam.sum(0),
-                dstates[:, 0].clone(), None)
+        dh0 = torch.where(sched.level_mask(0, J)[:, None, None], dstates[:, 0], 0.0) if ctx.needs_input_grad[6] else None
+        return (_vsum(dqt), _vsum(dwt), _vsum(dkt), du.to(u.dtype), dd.sum(0), dlam.sum(0), dh0, None)
 
 
-def fenwick_delta_scan(qt, wt, kt, u, decay, lam, h0, merge) -> tuple[torch.Tensor, torch.Tensor]:
-    """Functional form of FenwickDeltaScan (shapes there); qt/wt/kt/u keep their (operand) dtype."""
+def _vsum(x: torch.Tensor) -> torch.Tensor:
+    """Sum of per-V-block partials [NV, ...] in fp32, back in x's dtype (no copy for one block)."""
+    return x[0] if x.shape[0] == 1 else x.sum(0, dtype=torch.float32).to(x.dtype)
+
+
+def fenwick_delta_scan(qt, wt, kt, u, decay, lam, h0, merge: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Functional form of FenwickDeltaScan (shapes there; merge: the N cascade targets, -1 last);
+    qt/wt/kt/u keep their (operand) dtype."""
+    sched = schedule(merge, lam.shape[-1], h0 is not None, qt.device)
     return FenwickDeltaScan.apply(
         qt.contiguous(), wt.contiguous(), kt.contiguous(), u.contiguous(), decay.float().contiguous(),
-        lam.float().contiguous(), h0.float().contiguous(), merge,
+        lam.float().contiguous(), None if h0 is None else h0.float().contiguous(), sched,
     )
