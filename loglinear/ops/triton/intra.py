@@ -3,6 +3,12 @@
     level(t, s) = bit_length(tl XOR sl)                       (tl, sl: positions inside the chunk)
     Lambda[t, s] = lambda_t[level(t, s)]  for s <= t, else 0
     Gamma[t, s]  = exp(G_t - G_s)         for s <= t, else 0  (G: chunk-local inclusive cumsum of g)
+
+The Mamba-2 in-chunk block and its gradients (shared by the fused scans and the chunk-parallel kernels):
+
+    P = Q K^T * Gamma,   A = P * Lambda,   O = A V
+    dA = scale * dO V^T (s <= t),   dS = dA * Gamma * Lambda,   dlambda_t[l] = sum_{s: level(t,s) = l} dA * P
+    dQ = dS K,   dK = dS^T Q,   dV = scale * A^T dO
 """
 
 from __future__ import annotations
@@ -45,3 +51,35 @@ def chunk_gates(g, t, valid, head, HEADS):
 def decay_matrix(G, causal):
     """Gamma [C, C] = exp(G_t - G_s) below the diagonal (no overflow: masked before exp)."""
     return tl.exp(tl.where(causal, G[:, None] - G[None, :], float("-inf")))
+
+
+@triton.jit
+def intra_scores(qc, kc, Gc, causal, PRECISION: tl.constexpr):
+    """P = Q K^T * Gamma and Gamma, both [C, C] fp32, from q, k [C, BK] and the chunk-local gates G [C]."""
+    gamma = decay_matrix(Gc, causal)
+    return tl.dot(qc, tl.trans(kc), input_precision=PRECISION) * gamma, gamma
+
+
+@triton.jit
+def intra_output(qc, kc, vc, Gc, lam, t, valid, head, HEADS, L, lev, causal,
+                 LOG_C: tl.constexpr, PRECISION: tl.constexpr):
+    """O = (Q K^T * Gamma * Lambda) V, unscaled -> [C, BV] fp32 (q, k [C, BK]; v [C, BV])."""
+    p, _ = intra_scores(qc, kc, Gc, causal, PRECISION)
+    a = p * level_weights(lam, t, valid, head, HEADS, L, lev, causal, LOG_C)
+    return tl.dot(a.to(vc.dtype), vc, input_precision=PRECISION)
+
+
+@triton.jit
+def intra_score_grads(doc, vc, causal, scale, PRECISION: tl.constexpr):
+    """dA = scale * dO V^T on and below the diagonal, 0 above -> [C, C] fp32 (dO, v [C, BV])."""
+    return tl.where(causal, tl.dot(doc, tl.trans(vc), input_precision=PRECISION) * scale, 0.0)
+
+
+@triton.jit
+def level_sums(x, lev, ll, LOG_C: tl.constexpr):
+    """[C, BL]: column l <= c holds sum_s x[t, s] over level(t, s) = l; the other columns 0 (ll = arange(BL))."""
+    out = tl.zeros([x.shape[0], ll.shape[0]], dtype=tl.float32)
+    for level in tl.static_range(LOG_C + 1):
+        col = tl.sum(tl.where(lev == level, x, 0.0), 1)
+        out = tl.where(ll[None, :] == level, col[:, None], out)
+    return out

@@ -7,7 +7,8 @@ Composition (all sequences of a call in one launch per kernel):
      first C - p_n mod C tokens through the torch chunk path (exact, differentiable), so the kernels
      always start chunk-aligned: after the carry past an aligned position, every incoming level is a
      chunk level (token level > c);
-  3. the kernels scan the rest (mamba2_fwd.py, mamba2_bwd.py) carrying all chunk levels;
+  3. the in-chunk block of every chunk runs chunk-parallel (mamba2_intra.py), then the kernels scan the
+     rest (mamba2_fwd.py, mamba2_bwd.py) carrying all chunk levels;
   4. the final state = the last chunk's in-chunk buckets (torch, differentiable) + the scan's chunk levels.
 """
 
@@ -28,11 +29,17 @@ from loglinear.ops.triton.common import (
 )
 from loglinear.ops.triton.mamba2_bwd import mamba2_bwd_dkv_kernel, mamba2_bwd_dq_kernel
 from loglinear.ops.triton.mamba2_fwd import mamba2_fwd_kernel
+from loglinear.ops.triton.mamba2_intra import intra_launch_options, mamba2_intra_bwd_kernel, mamba2_intra_fwd_kernel
 from loglinear.state import FenwickState
 
 __all__ = ["mamba2_triton", "kernel_chunk_size", "LevelScanPlan"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Temporary, until the chunk-parallel in-chunk kernels (v2) are measured on the device: True runs the
+# in-chunk block in mamba2_intra.py and the scans carry only the chunk levels; False is v1.2 (the scans
+# compute the in-chunk block themselves, INTRA=True in their kernels).
+CHUNK_PARALLEL_INTRA = True
 
 
 def kernel_chunk_size(chunk_size: int) -> int:
@@ -59,6 +66,16 @@ class LevelScanPlan:
         packed = torch.tensor([self.bos, self.eos, self.chunk0], dtype=torch.int32).to(device, non_blocking=True)
         return packed[0], packed[1], packed[2]
 
+    def chunk_table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every kernel chunk of every sequence: its first token and its sequence's end, int32 [NC] each."""
+        C = self.chunk_size
+        counts = torch.tensor([triton.cdiv(b - a, C) for a, b in zip(self.bos, self.eos)])
+        seq = torch.repeat_interleave(torch.arange(len(self.bos)), counts)
+        first = torch.cumsum(counts, 0) - counts
+        starts = torch.tensor(self.bos)[seq] + (torch.arange(len(seq)) - first[seq]) * C
+        packed = torch.stack([starts, torch.tensor(self.eos)[seq]]).to(torch.int32).to(device, non_blocking=True)
+        return packed[0], packed[1]
+
 
 def _splits(dtype: torch.dtype) -> bool:
     """Split the state tile over two programs (K for the dq scan, V for the others)?
@@ -80,6 +97,15 @@ def _meta(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, L: int) -> dict
         C=plan.chunk_size, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, BKS=BKS, BVS=BVS,
         BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, PRECISION=dot_precision(q.dtype),
         **launch_options(BKS, BV),
+    )
+
+
+def _intra_meta(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, L: int) -> dict:
+    """Arguments of the chunk-parallel in-chunk kernels (whole K and V tiles, one chunk per program)."""
+    K, V = q.shape[-1], v.shape[-1]
+    return dict(
+        H=v.shape[1], G=q.shape[1], K=K, V=V, L=L, C=plan.chunk_size, LOG_C=chunk_bits(plan.chunk_size),
+        BK=next_pow2(K), BV=next_pow2(V), PRECISION=dot_precision(q.dtype), **intra_launch_options(),
     )
 
 
@@ -110,13 +136,24 @@ class LevelScanMamba2(torch.autograd.Function):
         bos, eos, chunk0 = plan.device_tensors(q.device)
         o = alloc(tuple(v.shape), v.dtype, v.device)
         levels = h0.detach().clone(memory_format=torch.contiguous_format)
-        meta = _meta(plan, q, v, lam.shape[-1])
+        L = lam.shape[-1]
+        oi, chunks = o, None
+        if CHUNK_PARALLEL_INTRA:
+            starts, ends = chunks = plan.chunk_table(q.device)
+            oi = alloc(tuple(v.shape), torch.float32, v.device)
+            if starts.numel():
+                mamba2_intra_fwd_kernel[(starts.numel(), v.shape[1])](
+                    q, k, v, g, lam, oi, starts, ends, **_intra_meta(plan, q, v, L)
+                )
+        meta = _meta(plan, q, v, L)
         meta["BV"] = meta.pop("BVS")
         del meta["BKS"]
         grid = (len(plan.bos), v.shape[1], triton.cdiv(v.shape[2], meta["BV"]))
-        mamba2_fwd_kernel[grid](q, k, v, g, lam, o, levels, bos, eos, chunk0, plan.scale, **meta)
+        mamba2_fwd_kernel[grid](q, k, v, g, lam, o, oi, levels, bos, eos, chunk0, plan.scale,
+                                INTRA=not CHUNK_PARALLEL_INTRA, **meta)
         ctx.plan = plan
         ctx.ranges = (bos, eos, chunk0)
+        ctx.chunks = chunks
         ctx.save_for_backward(q, k, v, g, lam, h0, levels)
         return o, levels
 
@@ -137,9 +174,18 @@ class LevelScanMamba2(torch.autograd.Function):
         dlam, qdq = alloc((NK, tokens, H, L), f32, dev), alloc((NK, tokens, H), f32, dev)
         dk, kdk = alloc((NV, tokens, H, K), f32, dev), alloc((NV, tokens, H), f32, dev)
         scratch = h0.detach().clone(memory_format=torch.contiguous_format)
+        BL = next_pow2(L, minimum=32)
+        if CHUNK_PARALLEL_INTRA:
+            starts, ends = ctx.chunks
+            if starts.numel():
+                mamba2_intra_bwd_kernel[(starts.numel(), H)](
+                    q, k, v, g, lam, d_o, dq, dk, dv, dlam, starts, ends, plan.scale, BL=BL,
+                    **_intra_meta(plan, q, v, L),
+                )
         args = (bos, eos, chunk0, plan.scale, tokens)
+        meta["INTRA"] = not CHUNK_PARALLEL_INTRA
         mamba2_bwd_dq_kernel[(len(plan.bos), H, NK)](
-            q, k, v, g, lam, d_o, dq, dlam, qdq, scratch, *args, BKS=BKS, BL=next_pow2(L, minimum=32), **meta
+            q, k, v, g, lam, d_o, dq, dlam, qdq, scratch, *args, BKS=BKS, BL=BL, **meta
         )
         d_levels = d_final.clone()
         mamba2_bwd_dkv_kernel[(len(plan.bos), H, NV)](

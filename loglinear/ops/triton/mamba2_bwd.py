@@ -11,7 +11,9 @@ With dO the output gradient (scale folded into dA), per chunk:
 
 Kernel 1 walks forward (it needs the level states H_j: the forward cascade again) and writes dQ and
 dlambda; kernel 2 walks backward with the transposed cascade on dH and writes dK, dV and the initial
-states' gradient. Kernel 1 may split K and kernel 2 V over programs (fp32; see mamba2._splits): the
+states' gradient. With INTRA (v1.2) the scans also compute the intra terms; otherwise
+mamba2_intra.py wrote them into dq, dk (block 0), dv and dlam (block 0) and the scans add theirs.
+Kernel 1 may split K and kernel 2 V over programs (fp32; see mamba2._splits): the
 sums over the split axis (dlambda's readout part and q.dq in kernel 1, dK's deposit part and k.dk in
 kernel 2) are written per block and added by the caller in a fixed order; the intra-chunk parts of
 those are added by block 0 only. Both write q.dq and k.dk per (token, head): the gate's gradient
@@ -25,10 +27,18 @@ import triton
 import triton.language as tl
 
 from loglinear.ops.triton.common import SCAN_RUNTIME_ARGS, load_chunk_qk, load_column, load_rows, store_rows
-from loglinear.ops.triton.intra import chunk_gates, decay_matrix, intra_levels, level_weights
+from loglinear.ops.triton.intra import (
+    chunk_gates, intra_levels, intra_score_grads, intra_scores, level_sums, level_weights,
+)
 from loglinear.ops.triton.levels import (
     accumulate_level, flush_levels, level_live, load_level, merge_levels, split_levels,
 )
+
+
+@triton.jit
+def block_zero_rows(valid, t, block):
+    """valid [C] for the split block 0 (it adds the in-chunk terms), all False for the others."""
+    return valid & ((t * 0 + block) == 0)
 
 
 @triton.jit(do_not_specialize=SCAN_RUNTIME_ARGS)
@@ -36,10 +46,11 @@ def mamba2_bwd_dq_kernel(
     q, k, v, g, lam, do, dq, dlam, qdq, levels, bos_ptr, eos_ptr, chunk0_ptr, scale, tokens,
     H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
-    BJ: tl.constexpr, BL: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
+    BJ: tl.constexpr, BL: tl.constexpr, HAS_INIT: tl.constexpr, INTRA: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (N, H, cdiv(K, BKS)). dq: [tokens, H, K] fp32 (per value head);
     dlam, qdq: [NK, tokens, H, L] / [NK, tokens, H] fp32 partial sums over K blocks;
+    without INTRA, dq and dlam[0] hold the in-chunk terms on entry;
     levels: [N, J, H, K, V] fp32 scratch holding the initial chunk-level states (overwritten)."""
     n, h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     grp = h // (H // G)
@@ -63,30 +74,29 @@ def mamba2_bwd_dq_kernel(
         t = bos + i * C + r
         valid = t < eos
         chunk = c0 + i
-        qc, kc = load_chunk_qk(q, k, t, valid, grp, G, K, kk, BK)
         qs = load_rows(q, t, valid, grp, G, K, ks, BKS)
         kbl = load_rows(k, t, valid, grp, G, K, ks, BKS)
         vc = load_rows(v, t, valid, h, H, V, vv, BV)
         doc = load_rows(do, t, valid, h, H, V, vv, BV)
         Gc, Gl = chunk_gates(g, t, valid, h, H)
-        gamma = decay_matrix(Gc, causal)
-        p = tl.dot(qc, tl.trans(kc), input_precision=PRECISION) * gamma
-        d_a = tl.where(causal, tl.dot(doc, tl.trans(vc), input_precision=PRECISION) * scale, 0.0)
-        d_lam = tl.zeros([C, BL], dtype=tl.float32)
-        d_ap = d_a * p * first
-        for level in tl.static_range(LOG_C + 1):
-            col = tl.sum(tl.where(lev == level, d_ap, 0.0), 1)
-            d_lam = tl.where(ll[None, :] == level, col[:, None], d_lam)
-        weights = level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C)
-        acc = tl.dot((d_a * gamma * weights).to(kbl.dtype), kbl, input_precision=PRECISION)
+        if INTRA:
+            qc, kc = load_chunk_qk(q, k, t, valid, grp, G, K, kk, BK)
+            p, gamma = intra_scores(qc, kc, Gc, causal, PRECISION)
+            d_a = intra_score_grads(doc, vc, causal, scale, PRECISION)
+            d_lam = level_sums(d_a * p * first, lev, ll, LOG_C)
+            weights = level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C)
+            acc = tl.dot((d_a * gamma * weights).to(kbl.dtype), kbl, input_precision=PRECISION)
+        else:
+            acc = load_rows(dq, t, valid, h, H, K, ks, BKS)
+            d_lam = load_rows(dlam, t, block_zero_rows(valid, t, kb), h, H, L, ll, BL)
         qt = qs.to(tl.float32) * tl.exp(Gc)[:, None]
         d_qt = tl.zeros([C, BKS], dtype=tl.float32)
         for j in range(J):
             if level_live(chunk, c0, j, HAS_INIT):
                 lam_j = load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)
-                state = load_level(ptrs, stride, j, lmask, decay, jj).to(qc.dtype)
+                state = load_level(ptrs, stride, j, lmask, decay, jj).to(qs.dtype)
                 d_qt += lam_j[:, None] * tl.dot(doc, tl.trans(state), input_precision=PRECISION)
-                read = tl.dot(qt.to(qc.dtype), state, input_precision=PRECISION)
+                read = tl.dot(qt.to(qs.dtype), state, input_precision=PRECISION)
                 col = tl.sum(read * doc.to(tl.float32), 1) * scale
                 d_lam = tl.where(ll[None, :] == LOG_C + 1 + j, col[:, None], d_lam)
         acc += d_qt * (scale * tl.exp(Gc))[:, None]
@@ -105,10 +115,10 @@ def mamba2_bwd_dkv_kernel(
     q, k, v, g, lam, do, dk, dv, kdk, d_levels, bos_ptr, eos_ptr, chunk0_ptr, scale, tokens,
     H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVS: tl.constexpr,
-    BJ: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
+    BJ: tl.constexpr, HAS_INIT: tl.constexpr, INTRA: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (N, H, cdiv(V, BVS)). dk, kdk: [NV, tokens, H, K] / [NV, tokens, H] fp32 partial sums over
-    V blocks (per value head); dv: [tokens, H, V];
+    V blocks (per value head); dv: [tokens, H, V]; without INTRA, dk[0] and dv hold the in-chunk terms on entry;
     d_levels: [N, J, H, K, V] fp32: the final chunk-level states' gradient in, the initial ones' out."""
     n, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     grp = h // (H // G)
@@ -134,22 +144,24 @@ def mamba2_bwd_dkv_kernel(
         valid = t < eos
         chunk = c0 + i
         qc, kc = load_chunk_qk(q, k, t, valid, grp, G, K, kk, BK)
-        vc = load_rows(v, t, valid, h, H, V, vv, BV)
-        doc = load_rows(do, t, valid, h, H, V, vv, BV)
         vbl = load_rows(v, t, valid, h, H, V, vs, BVS)
         dobl = load_rows(do, t, valid, h, H, V, vs, BVS)
         Gc, Gl = chunk_gates(g, t, valid, h, H)
-        gamma = decay_matrix(Gc, causal)
-        weights = level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C)
-        a = tl.dot(qc, tl.trans(kc), input_precision=PRECISION) * gamma * weights
-        d_a = tl.dot(doc, tl.trans(vc), input_precision=PRECISION) * (scale * first)
-        d_s = tl.where(causal, d_a, 0.0) * gamma * weights
-        acc_k = tl.dot(tl.trans(d_s.to(qc.dtype)), qc, input_precision=PRECISION)
-        acc_v = tl.dot(tl.trans(a.to(dobl.dtype)), dobl, input_precision=PRECISION) * scale
+        if INTRA:
+            vc = load_rows(v, t, valid, h, H, V, vv, BV)
+            doc = load_rows(do, t, valid, h, H, V, vv, BV)
+            p, gamma = intra_scores(qc, kc, Gc, causal, PRECISION)
+            weights = level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C)
+            d_s = intra_score_grads(doc, vc, causal, scale * first, PRECISION) * gamma * weights
+            acc_k = tl.dot(tl.trans(d_s.to(qc.dtype)), qc, input_precision=PRECISION)
+            acc_v = tl.dot(tl.trans((p * weights).to(dobl.dtype)), dobl, input_precision=PRECISION) * scale
+        else:
+            acc_k = load_rows(dk, t, block_zero_rows(valid, t, vb), h, H, K, kk, BK)
+            acc_v = load_rows(dv, t, valid, h, H, V, vs, BVS)
         if i < n_chunks - 1:
             d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, chunk, BJ)
             to_end = tl.exp(Gl - Gc)[:, None]
-            d_deposit = d_deposit.to(vc.dtype)
+            d_deposit = d_deposit.to(vbl.dtype)
             acc_k += to_end * tl.dot(vbl, tl.trans(d_deposit), input_precision=PRECISION)
             acc_v += to_end * tl.dot(kc, d_deposit, input_precision=PRECISION)
         decay += Gl

@@ -1,0 +1,101 @@
+"""Compile the log-linear Mamba-2 kernels for sm_90 on any machine (no GPU): shared memory, registers, spills.
+
+    PYTHONPATH=/path/to/triton36 python benchmarks/compile_mamba2_sm90.py            # bf16, whole tiles
+    python benchmarks/compile_mamba2_sm90.py --dtype fp32 --split                      # the fp32 tiling
+
+Paper setting (K = 128, V = 64, C = 64). Lists the chunk-parallel in-chunk kernels and the scans as the
+op launches them (INTRA=False, v2) and the v1.2 scans (INTRA=True, mamba2.CHUNK_PARALLEL_INTRA = False).
+Uses the installed triton (compile with the GPU's version) and its bundled ptxas. A kernel whose shared
+memory exceeds 232448 bytes fails to launch on an H100/H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from loglinear.ops.triton import mamba2_bwd, mamba2_fwd, mamba2_intra  # noqa: E402
+from loglinear.ops.triton.common import MAX_CHUNK_LEVELS, dot_precision, launch_options, split_block  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SHARED_LIMIT = 232448
+
+
+def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, tag: str = "") -> str:
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    info = [line.split("info    :")[-1].strip() for line in (out.stdout + out.stderr).splitlines()
+            if "stack frame" in line or "Used" in line]
+    over = "  OVER THE SHARED LIMIT" if kernel.metadata.shared > SHARED_LIMIT else ""
+    name = f"{fn.__name__}{tag}"
+    return f"{name:38s} warps={num_warps} shared={kernel.metadata.shared:6d}  " + "; ".join(info) + over
+
+
+def signature(names: str, ptr: str, **special: str) -> dict:
+    """Every name a pointer of type ptr unless given in special (runtime ints default to i32)."""
+    return {n: special.get(n, "i32" if n in ("H", "G", "K", "V", "L", "J", "tokens") else ptr) for n in names.split()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", choices=DTYPES, default="bf16")
+    ap.add_argument("--split", action="store_true", help="split K / V state tiles over two programs (fp32's tiling)")
+    ap.add_argument("--K", type=int, default=128)
+    ap.add_argument("--V", type=int, default=64)
+    args = ap.parse_args()
+    P, f32, i32 = "*" + args.dtype, "*fp32", "*i32"
+    prec = dot_precision(DTYPES[args.dtype])
+    BK, BV, C = triton.next_power_of_2(args.K), triton.next_power_of_2(args.V), 64
+    BKS, BVS = (split_block(BK), split_block(BV)) if args.split else (BK, BV)
+    print(f"triton {triton.__version__}, {args.dtype}, K={args.K}, V={args.V}, C={C}, split={args.split}, {prec}")
+    base = dict(C=C, LOG_C=6, BK=BK, BV=BV, PRECISION=prec)
+    ptrs = dict(g=f32, lam=P, scale="fp32", starts=i32, ends=i32, bos_ptr=i32, eos_ptr=i32, chunk0_ptr=i32)
+
+    intra = mamba2_intra.intra_launch_options()
+    const = base
+    sig = signature("q k v g lam oi starts ends H G K V L", P, oi=f32, **ptrs)
+    print(report(mamba2_intra.mamba2_intra_fwd_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, **intra))
+    const = dict(base, BL=32)
+    sig = signature("q k v g lam do dq dk dv dlam starts ends scale H G K V L", P,
+                    dq=f32, dk=f32, dv=f32, dlam=f32, **ptrs)
+    print(report(mamba2_intra.mamba2_intra_bwd_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, **intra))
+
+    for intra_in_scan in (False, True):
+        tag = " (v1.2, INTRA)" if intra_in_scan else ""
+        scan = dict(base, BJ=MAX_CHUNK_LEVELS, HAS_INIT=False, INTRA=intra_in_scan)
+        const = dict(scan, BV=BVS)
+        sig = signature("q k v g lam o oi levels bos_ptr eos_ptr chunk0_ptr scale H G K V L J", P,
+                        oi=f32, levels=f32, **ptrs)
+        print(report(mamba2_fwd.mamba2_fwd_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const,
+                     **launch_options(BKS, BV), tag=tag))
+        const = dict(scan, BKS=BKS, BL=32)
+        sig = signature("q k v g lam do dq dlam qdq levels bos_ptr eos_ptr chunk0_ptr scale tokens H G K V L J", P,
+                        dq=f32, dlam=f32, qdq=f32, levels=f32, **ptrs)
+        print(report(mamba2_bwd.mamba2_bwd_dq_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const,
+                     **launch_options(BKS, BV), tag=tag))
+        const = dict(scan, BVS=BVS)
+        sig = signature("q k v g lam do dk dv kdk d_levels bos_ptr eos_ptr chunk0_ptr scale tokens H G K V L J", P,
+                        dk=f32, dv=f32, kdk=f32, d_levels=f32, **ptrs)
+        print(report(mamba2_bwd.mamba2_bwd_dkv_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const,
+                     **launch_options(BKS, BV), tag=tag))
+
+
+if __name__ == "__main__":
+    main()
