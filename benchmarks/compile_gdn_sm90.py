@@ -27,7 +27,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from loglinear.ops.triton import gated_deltanet_local as local  # noqa: E402
 from loglinear.ops.triton import gated_deltanet_scan as scan  # noqa: E402
 from loglinear.ops.triton.gated_deltanet import kernel_chunk_size  # noqa: E402
-from loglinear.ops.triton.gated_deltanet_common import dot_precision  # noqa: E402
+from loglinear.ops.triton.gated_deltanet_common import Chunking, dot_precision  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -58,23 +58,26 @@ def main() -> None:
     BK, BV, _ = scan._blocks(K, V, dtype)
     launch = dict(num_warps=8, num_stages=2)
     const = dict(K=K, V=V, C=C, BK=BK, BV=BV, PREC=prec)
+    rows = dict(T="i32", front="i32", H="i32", scale="fp32")
     sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", live="*i32", snap_at="*i32", states=f32,
-               snap=P, o=f32, N="i32", J="i32", Tp="i32", S="i32", **{n: "constexpr" for n in [*const, "SNAP"]})
+               snap=P, o_intra=f32, o=P, N="i32", J="i32", Tp="i32", S="i32", **rows,
+               **{n: "constexpr" for n in [*const, "SNAP"]})
     print(report(scan._scan_fwd_kernel, sig, dict(const, SNAP=True), **launch))
     sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", live="*i32", snap_at="*i32", snap=P,
-               do=f32, dstates=f32, dqt=P, dwt=P, dkt=P, du=f32, dd=f32, dlam=f32,
-               N="i32", J="i32", Tp="i32", BH="i32", S="i32",
-               **{n: "constexpr" for n in const})
+               do=P, dstates=f32, do_intra=f32, dqt=P, dwt=P, dkt=P, du=f32, dd=f32, dlam=f32,
+               N="i32", J="i32", Tp="i32", BH="i32", S="i32", **rows, **{n: "constexpr" for n in const})
     print(report(scan._scan_bwd_kernel, sig, const, **launch))
-    meta = local._meta(K, V, C, C.bit_length(), dtype)
+    ch = Chunking(b=2, T=8192, H=48, front=0, C=C)
+    meta = local._meta(ch, K, V, 1, 18, dtype)
     launch = dict(num_warps=meta.pop("num_warps"), num_stages=meta.pop("num_stages"))
-    sig = dict(q=P, k=P, v=P, g=f32, beta=f32, lam=f32, o=f32, qt=P, wt=P, kt=P, u=P, decay=f32,
-               **{n: "constexpr" for n in meta})
+    runtime = {n: "i32" for n in ("T", "front", "Tp", "N", "H", "NG", "L")}
+    const = {n: "constexpr" for n in meta if n not in runtime}
+    meta = {n: v for n, v in meta.items() if n not in runtime}
+    sig = dict(q=P, k=P, v=P, g=P, beta=P, lam=P, o=f32, qt=P, wt=P, kt=P, u=P, decay=f32, **runtime, **const)
     print(report(local._chunk_local_kernel, sig, meta, **launch))
-    sig = dict(q=P, k=P, v=P, g=f32, beta=f32, lam=f32, do=f32, dqt=P, dwt=P, dkt=P, du=P, ddecay=f32,
-               dq=f32, dk=f32, dv=f32, dg=f32, dbeta=f32, dlam=f32, **{n: "constexpr" for n in meta})
+    sig = dict(q=P, k=P, v=P, g=P, beta=P, lam=P, do=f32, dqt=P, dwt=P, dkt=P, du=P, ddecay=f32,
+               dq=f32, dk=f32, dv=f32, dg=f32, dbeta=f32, dlam=f32, **runtime, **const)
     print(report(local._chunk_local_bwd_kernel, sig, meta, **launch))
-
 
 if __name__ == "__main__":
     main()

@@ -11,10 +11,12 @@ import torch
 from helpers import assert_close, make_inputs, slice_time
 from loglinear import FenwickState, log_linear_gated_deltanet
 from loglinear import reference as R
-from loglinear.inputs import check_inputs
+from loglinear.inputs import check_inputs, expand_groups
+from loglinear.ops.torch_chunk.scan import _chunked, _pad_time
 from loglinear.ops.triton.common import set_poison
 from loglinear.ops.triton import gated_deltanet as gdn
 from loglinear.ops.triton.gated_deltanet import triton_backend
+from loglinear.ops.triton.gated_deltanet_common import Chunking
 from loglinear.ops.triton.gated_deltanet_local import chunk_local, chunk_local_torch
 from loglinear.ops.triton.gated_deltanet_scan import fenwick_delta_scan
 
@@ -138,16 +140,24 @@ def test_deterministic_gradients():
         assert torch.equal(a, b)
 
 
+def _chunk_view(x, ch, H):
+    """The torch form's view of an op-layout tensor [b, T, G|H, *]: zero-padded chunks [b, H, N, C, *]."""
+    return _chunked(expand_groups(_pad_time(x, ch.front, ch.Tp - ch.front - ch.T), H), ch.C)
+
+
 @pytest.mark.parametrize("K, V", [(20, 12), (72, 80)])  # one block; two K and two V blocks of 64
 def test_chunk_local_kernels_match_torch_form(K, V):
-    """The fused chunk-local forward and backward kernels against autograd through the float64 torch form."""
-    b, H, N, C = 1, 2, 3, 16
-    xs = [torch.randn(b, H, N, C, K), torch.randn(b, H, N, C, K) / K**0.5, torch.randn(b, H, N, C, V),
-          -0.05 - 0.4 * torch.rand(b, H, N, C), 0.05 + 0.9 * torch.rand(b, H, N, C), 0.2 + torch.rand(b, H, N, C, 5)]
+    """The fused chunk-local forward and backward kernels, reading the op's layouts (front padding, a
+    partial last chunk, two value heads per q/k group), against autograd through the float64 torch form."""
+    b, T, G, H, L = 2, 37, 1, 2, 7
+    ch = Chunking(b, T, H, front=5, C=16)  # 3 chunks: 5 padding tokens in front, 6 behind
+    xs = [torch.randn(b, T, G, K), torch.randn(b, T, G, K) / K**0.5, torch.randn(b, T, H, V),
+          -0.05 - 0.4 * torch.rand(b, T, H), 0.05 + 0.9 * torch.rand(b, T, H), 0.2 + torch.rand(b, T, H, L)]
     x64 = [x.double().requires_grad_() for x in xs]
     x32 = [x.float().requires_grad_() for x in xs]
-    want = chunk_local_torch(*x64)
-    got = chunk_local(*x32, torch.float32)
+    want = chunk_local_torch(*[_chunk_view(x, ch, H) for x in x64[:5]], _chunk_view(x64[5], ch, H)[..., :5])
+    want = [w.reshape(b * H, -1, *w.shape[4:]) if w.dim() == 5 else w.reshape(b * H, ch.N) for w in want]
+    got = chunk_local(*x32, ch, torch.float32)
     for name, a, e in zip(["o", "qt", "wt", "kt", "u", "decay"], got, want):
         assert_close(a.double(), e, RTOL, name)
     cot = [torch.randn_like(w) for w in want]
@@ -176,25 +186,30 @@ def _scan_torch(qt, wt, kt, u, decay, lam, h0, merge):
 
 @pytest.mark.parametrize("seeded", [True, False])
 def test_scan_kernel_and_its_backward(seeded):
-    """Initial states in every level (all live at chunk 0), or none (only the levels the cascade filled)."""
-    BH, N, C, K, V, J = 3, 6, 16, 20, 40, 3  # V = 40: two V blocks of 32 (partial sums)
+    """Initial states in every level (all live at chunk 0), or none (only the levels the cascade filled);
+    o = scale (o_intra + readouts) written for the real tokens of the op's layout."""
+    b, H, N, C, K, V, J = 1, 3, 6, 16, 20, 40, 3  # V = 40: two V blocks of 32 (partial sums)
+    BH, ch, scale = b * H, Chunking(b, N * C - 8, H, front=5, C=C), 0.7
     merge = [0, 2, 0, 1, 0, -1]  # chunks 2..7
     args = [0.3 * torch.randn(BH, N * C, K, dtype=torch.float64) for _ in range(3)]
     args += [torch.randn(BH, N * C, V, dtype=torch.float64), torch.rand(BH, N, dtype=torch.float64),
-             torch.rand(BH, N * C, J, dtype=torch.float64), torch.randn(BH, J, K, V, dtype=torch.float64)]
+             torch.rand(BH, N * C, J, dtype=torch.float64), torch.randn(BH, J, K, V, dtype=torch.float64),
+             torch.randn(BH, N * C, V, dtype=torch.float64)]
     if not seeded:
-        args[-1] = torch.zeros_like(args[-1])
+        args[6] = torch.zeros_like(args[6])
     args = [a.requires_grad_() for a in args]
-    h0 = args[-1].float() if seeded else None
-    o, hN = fenwick_delta_scan(*[a.float() for a in args[:-1]], h0, merge)
-    ro, rh = _scan_torch(*args, merge)
+    h0 = args[6].float() if seeded else None
+    o, hN = fenwick_delta_scan(*[a.float() for a in args[:6]], h0, args[7].float(), merge, ch, scale, torch.float32)
+    inter, rh = _scan_torch(*args[:7], merge)
+    ro = (scale * (args[7] + inter)).view(b, H, N * C, V).transpose(1, 2)[:, ch.front : ch.front + ch.T]
     assert_close(o.double(), ro, RTOL, "o")
     assert_close(hN.double(), rh, RTOL, "hN")
     do, dh = torch.randn_like(ro), torch.randn_like(rh)
-    n = len(args) if seeded else len(args) - 1
-    got = torch.autograd.grad((o * do.float()).sum() + (hN * dh.float()).sum(), args[:n])
-    want = torch.autograd.grad((ro * do).sum() + (rh * dh).sum(), args[:n])
-    for name, a, e in zip(["qt", "wt", "kt", "u", "decay", "lam", "h0"], got, want):
+    inputs = args if seeded else args[:6] + args[7:]
+    got = torch.autograd.grad((o * do.float()).sum() + (hN * dh.float()).sum(), inputs)
+    want = torch.autograd.grad((ro * do).sum() + (rh * dh).sum(), inputs)
+    names = ["qt", "wt", "kt", "u", "decay", "lam"] + ["h0"] * seeded + ["o_intra"]
+    for name, a, e in zip(names, got, want):
         assert_close(a.double(), e, RTOL, f"d{name}")
 
 

@@ -22,11 +22,11 @@ import os
 import torch
 
 from loglinear.fenwick import bit_length, carry_target, chunk_bits, levels_needed
-from loglinear.inputs import OpInputs, run_segments
+from loglinear.inputs import OpInputs, expand_groups, l2norm, run_segments
 from loglinear.ops.torch_chunk.forms import GatedDeltaNetForm
 from loglinear.ops.torch_chunk.scan import _carry_past, _chunked, _final_levels, _level_scales_at, _pad_time
 from loglinear.ops.triton.common import interpreting
-from loglinear.ops.triton.gated_deltanet_common import dot_dtype
+from loglinear.ops.triton.gated_deltanet_common import Chunking, dot_dtype
 from loglinear.ops.triton.gated_deltanet_local import chunk_local
 from loglinear.ops.triton.gated_deltanet_scan import fenwick_delta_scan
 from loglinear.state import FenwickState
@@ -52,27 +52,33 @@ def _merge_targets(c0: int, N: int) -> list[int]:
     return (carry_target(chunks) - 1).tolist() + [-1]
 
 
+def _last_chunk(x: torch.Tensor, ch: Chunking) -> torch.Tensor:
+    """The last chunk of x [b, T, G|H, *] as [b, H, 1, C, *] fp32 (zero-padded like the kernels, groups expanded)."""
+    start = ch.Tp - ch.C - ch.front  # token index of the chunk's first row (< 0: front padding)
+    part = x[:, max(start, 0):].float()
+    front = max(-start, 0)
+    return _chunked(expand_groups(_pad_time(part, front, ch.C - front - part.shape[1]), ch.H), ch.C)
+
+
 def gated_deltanet_core(
     q, k, v, g, beta, lam, scale: float, levels: torch.Tensor | None, position: int, chunk_size: int,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows sharing the start ``position``.  q, k: [b, T, H, K]; v: [b, T, H, V]; g, beta: [b, T, H];
-    lam: [b, T, H, L]; levels: [b, Ls, H, K, V] or None; dtype: the caller's dtype (sets the kernels'
-    operand dtype).  Returns o: [b, T, H, V] and the final levels [b, max(Ls, levels_needed(end)), H, K, V]."""
-    C = kernel_chunk_size(chunk_size, dtype, q.shape[-1])
+    """Rows sharing the start ``position``.  q, k: [b, T, G, K] (G divides H); v: [b, T, H, V]; g, beta: [b, T, H];
+    lam: [b, T, H, L] (any float dtypes); levels: [b, Ls, H, K, V] fp32 or None; dtype: the caller's dtype (the
+    kernels' operand dtype and o's).  Returns o: [b, T, H, V] in dtype and the final levels
+    [b, max(Ls, levels_needed(end)), H, K, V] fp32."""
+    b, T, _, K = q.shape
+    H, V = v.shape[2:]
+    C = kernel_chunk_size(chunk_size, dtype, K)
     c = chunk_bits(C)
-    b, T, H, K = q.shape
-    V = v.shape[-1]
-    front = position % C
-    Tp = -(-(front + T) // C) * C
-    N, c0, end = Tp // C, position // C, position + T
-    pad = lambda x: _chunked(_pad_time(x, front, Tp - front - T), C)  # noqa: E731
-    qc, kc, vc, gc, bc, lc = pad(q), pad(k), pad(v), pad(g), pad(beta), pad(lam)
-    lam_intra = torch.nn.functional.pad(lc, (0, max(0, c + 1 - lc.shape[-1])))[..., : c + 1]
-    o, qt, wt, kt, u, decay = chunk_local(qc, kc, vc, gc, bc, lam_intra, dtype)
+    ch = Chunking(b, T, H, position % C, C)
+    N, c0, end = ch.N, position // C, position + T
+    o_intra, qt, wt, kt, u, decay = chunk_local(q, k, v, g, beta, lam, ch, dtype)
+    lc = _chunked(_pad_time(lam, ch.front, ch.Tp - ch.front - T), C)  # [b, H, N, C, L]
 
     J = max((end - 1) // C, 1).bit_length()
-    partial = None
+    partial = h0 = None
     if levels is not None:
         levels = _carry_past(levels, position) if position > 0 else levels
         J = max(J, levels.shape[1] - c - 1)
@@ -89,26 +95,35 @@ def gated_deltanet_core(
             m0 = int(carry_target(c0 + 1)) - 1
             weights = weights - _level_scales_at(lc[:, :, 0], torch.full((C, 1), c + 1 + m0, device=q.device))
             h0 = h0 + torch.nn.functional.one_hot(torch.tensor(m0), J).to(h0)[:, None, None] * partial.sum(2, True)
-        first = torch.einsum("bhtm,bhtk,bhmkv->bhtv", weights, qt[:, :, 0].to(o.dtype), partial.to(o.dtype))
-        o = torch.cat([o[:, :, :1] + first[:, :, None], o[:, :, 1:]], dim=2)
-    else:
-        h0 = None
+        qt0 = qt.view(b, H, N, C, K)[:, :, 0].float()
+        o_intra.view(b, H, N, C, V)[:, :, 0] += torch.einsum("bhtm,bhtk,bhmkv->bhtv", weights.float(), qt0, partial)
+        h0 = h0.reshape(b * H, J, K, V)
 
     lam_inter = _level_scales_at(lc, (c + 1 + torch.arange(J, device=q.device)).expand(C, -1))
-    flat = lambda x: x.reshape(b * H, Tp, x.shape[-1])  # noqa: E731
-    o_inter, hN = fenwick_delta_scan(
-        flat(qt), flat(wt), flat(kt), flat(u), decay.reshape(b * H, N), flat(lam_inter),
-        None if h0 is None else h0.reshape(b * H, J, K, V), _merge_targets(c0, N),
+    o, hN = fenwick_delta_scan(
+        qt, wt, kt, u, decay, lam_inter.reshape(b * H, ch.Tp, J), h0, o_intra, _merge_targets(c0, N), ch, scale,
+        dtype,
     )
-    o = (o + o_inter.view(b, H, N, C, V)).movedim(1, 3).reshape(b, Tp, H, V)[:, front : front + T] * scale
-
-    tail = lambda x: x[:, :, -1:].contiguous()  # noqa: E731  (a copy: a view would keep all of x alive)
-    last = GatedDeltaNetForm(tail(qc), tail(kc), tail(vc), tail(gc), tail(bc))
-    H_levels = list(hN.view(b, H, J, K, V).to(q.dtype).unbind(2))
+    last = GatedDeltaNetForm(*(_last_chunk(x, ch) for x in (q, k, v, g, beta)))
+    H_levels = list(hN.view(b, H, J, K, V).unbind(2))
     final = _final_levels(last, H_levels, partial if N == 1 else None, position, end, c0 + N - 1, 1, C, c)
     n_final = max(levels_needed(end), levels.shape[1] if levels is not None else 0)
     final = torch.nn.functional.pad(final, (0, 0, 0, 0, 0, 0, 0, max(0, n_final - final.shape[1])))[:, :n_final]
-    return o.to(q.dtype), final
+    return o, final
+
+
+def _run_one_segment(inp: OpInputs, core, output_final_state: bool, l2norm_qk: bool):
+    """run_segments for the common call (no varlen, every row at one position) without its fp32 copies and
+    q/k expansion: the kernels read the op's tensors.  Returns (o, state) like run_segments."""
+    q, k = (l2norm(inp.q.float()), l2norm(inp.k.float())) if l2norm_qk else (inp.q, inp.k)
+    beta = inp.beta if inp.beta is not None else torch.ones_like(inp.g)
+    state = inp.initial_state
+    position = state.positions.tolist()[0] if state is not None else 0
+    levels = state.levels.float() if state is not None else None
+    o, final = core(q, k, inp.v, inp.g, beta, inp.level_scales, inp.scale, levels, position)
+    if not output_final_state:
+        return o, None
+    return o, FenwickState(final, torch.full((q.shape[0],), position + q.shape[1], dtype=torch.int64))
 
 
 def triton_backend(
@@ -130,4 +145,7 @@ def triton_backend(
     def core(q, k, v, g, beta, lam, scale, levels, position):
         return gated_deltanet_core(q, k, v, g, beta, lam, scale, levels, position, chunk_size, dtype)
 
+    one = inp.bounds is None and (inp.initial_state is None or len(set(inp.initial_state.positions.tolist())) == 1)
+    if one:
+        return _run_one_segment(inp, core, output_final_state, use_qk_l2norm)
     return run_segments(inp, core, output_final_state, l2norm_qk=use_qk_l2norm)

@@ -15,7 +15,10 @@ This is what loglinear.ops.torch_chunk.forms.GatedDeltaNetForm computes, arrange
 ``chunk_local_torch`` is the differentiable torch form (the tests' reference), ``chunk_local`` the fused
 forward and backward kernels inside one autograd.Function (one program per chunk and head;
 the triangular inverse by repeated squaring, T_g = (I - A)(I + A^2)(I + A^4)...(I + A^(C/2)), exact
-because A^C = 0; the backward recomputes the forward's [C, C] blocks instead of storing them).
+because A^C = 0; the backward recomputes the forward's [C, C] blocks instead of storing them). The kernels
+read the op's layouts (q, k: [b, T, G, K] of group h // (H / G); v: [b, T, H, V]; g, beta: [b, T, H];
+lambda: [b, T, H, L]) with the chunk alignment (Chunking) as masks: no padded, expanded or flattened
+copies, and the backward writes the gradients in those layouts.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import triton.language as tl
 
 from loglinear.fenwick import chunk_bits, intra_chunk_levels
 from loglinear.ops.triton.common import alloc, interpreting, next_pow2
-from loglinear.ops.triton.gated_deltanet_common import dot_dtype, dot_precision
+from loglinear.ops.triton.gated_deltanet_common import (
+    Chunking, chunk_tokens, dot_dtype, dot_precision, load_tokens, store_tokens,
+)
 from loglinear.ops.triton.intra import decay_matrix, intra_levels, level_weights
 
 LocalOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -69,23 +74,23 @@ def _put(ptr, x, rows, D, col0, BD: tl.constexpr):
 
 
 @triton.jit
-def _chunk_setup(q, k, g, beta, lam, rows, C: tl.constexpr, K, LOG_C: tl.constexpr, BK: tl.constexpr,
-                 NK: tl.constexpr, PREC: tl.constexpr):
+def _chunk_setup(q, k, g, beta, lam, tok, valid, h, grp, H, NG, L, C: tl.constexpr, K, LOG_C: tl.constexpr,
+                 BK: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr, dt: tl.constexpr):
     """What both directions need, fp32: beta, G, Gamma, the levels and Lambda (causal), K K^T, T_g and
-    Q K^T (raw). q, k are read in NK column blocks of BK."""
+    Q K^T (raw). q, k are read in NK column blocks of BK, in the operand dtype dt."""
     rc = tl.arange(0, C)
     kk = tl.zeros([C, C], dtype=tl.float32)
     qk = tl.zeros([C, C], dtype=tl.float32)
     for kb in tl.static_range(NK):
-        k_b = _tile(k, rows, K, kb * BK, BK)
+        k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt)
         kk += tl.dot(k_b, tl.trans(k_b), input_precision=PREC)
-        qk += tl.dot(_tile(q, rows, K, kb * BK, BK), tl.trans(k_b), input_precision=PREC)
-    b_c = tl.load(beta + rows)
-    G = tl.cumsum(tl.load(g + rows), axis=0)
+        qk += tl.dot(load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, dt), tl.trans(k_b), input_precision=PREC)
+    b_c = tl.load(beta + tok * H + h, mask=valid, other=0.0).to(tl.float32)
+    G = tl.cumsum(tl.load(g + tok * H + h, mask=valid, other=0.0).to(tl.float32), axis=0)
     causal = rc[:, None] >= rc[None, :]
     gamma = decay_matrix(G, causal)
     lev = intra_levels(rc, LOG_C)
-    lam_c = level_weights(lam, rows, rc < C, 0, 1, LOG_C + 1, lev, causal, LOG_C)
+    lam_c = level_weights(lam, tok, valid, h, H, L, lev, causal, LOG_C)
     A = tl.where(rc[:, None] > rc[None, :], b_c[:, None] * gamma * kk, 0.0)
     # T_g = (I + A)^-1 = (I - A) prod_r (I + A^(2^r)), r = 1 .. c-1  (A is nilpotent: A^C = 0)
     Tg = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0) - A
@@ -99,17 +104,22 @@ def _chunk_setup(q, k, g, beta, lam, rows, C: tl.constexpr, K, LOG_C: tl.constex
 @triton.jit
 def _chunk_local_kernel(
     q, k, v, g, beta, lam, o, qt, wt, kt, u, decay,
+    T, front, Tp, N, H, NG, L,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
     BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr,
 ):
-    """One chunk of one head.  q, k: [BH*N, C, K]; v: [BH*N, C, V]; g, beta: [BH*N, C] fp32;
-    lam: [BH*N, C, c+1] fp32 (levels 0..c); outputs o: [BH*N, C, V] fp32, qt, wt, kt: [BH*N, C, K]
-    and u: [BH*N, C, V] in the operand dtype, decay: [BH*N] fp32. K and V are walked in blocks."""
-    pid = tl.program_id(0).to(tl.int64)
+    """Chunk n of head bh (grid N x BH).  Inputs in the op's layouts (any float dtype; module docstring);
+    outputs o: [BH, Tp, V] fp32, qt, wt, kt: [BH, Tp, K] and u: [BH, Tp, V] in the operand dtype,
+    decay: [BH, N] fp32. K and V are walked in blocks."""
+    n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    tok, valid, h = chunk_tokens(n, bh, T, front, H, C)
+    grp = h // (H // NG)
     rc = tl.arange(0, C)
-    rows = pid * C + rc
-    b_c, G, gamma, lev, lam_c, kk, Tg, qk = _chunk_setup(q, k, g, beta, lam, rows, C, K, LOG_C, BK, NK, PREC)
-    dt = q.dtype.element_ty
+    rows = bh * Tp + n * C + rc
+    dt = qt.dtype.element_ty
+    b_c, G, gamma, lev, lam_c, kk, Tg, qk = _chunk_setup(
+        q, k, g, beta, lam, tok, valid, h, grp, H, NG, L, C, K, LOG_C, BK, NK, PREC, dt)
     G_last = tl.sum(tl.where(rc == C - 1, G, 0.0), axis=0)
     e = tl.exp(G)
     f = tl.exp(G_last - G)
@@ -118,30 +128,32 @@ def _chunk_local_kernel(
     qkd = qk.to(dt)
     P = (tl.dot(qkd, Tgd, input_precision=PREC) * b_c[None, :] * lam_c).to(dt)
     for kb in tl.static_range(NK):
-        q_b = _tile(q, rows, K, kb * BK, BK).to(tl.float32)
-        k_b = _tile(k, rows, K, kb * BK, BK).to(tl.float32)
+        q_b = load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, dt).to(tl.float32)
+        k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt).to(tl.float32)
         w_b = tl.dot(Tgd, ((b_c * e)[:, None] * k_b).to(dt), input_precision=PREC)
         _put(wt, w_b, rows, K, kb * BK, BK)
         _put(qt, e[:, None] * q_b - tl.dot(qkd, w_b.to(dt), input_precision=PREC), rows, K, kb * BK, BK)
         _put(kt, f[:, None] * k_b, rows, K, kb * BK, BK)
     for vb in tl.static_range(NV):
-        v_b = _tile(v, rows, V, vb * BV, BV)
+        v_b = load_tokens(v, tok, valid, h, H, V, vb * BV, BV, dt)
         _put(u, tl.dot(Tgd, (b_c[:, None] * v_b.to(tl.float32)).to(dt), input_precision=PREC), rows, V, vb * BV, BV)
         _put(o, tl.dot(P, v_b, input_precision=PREC), rows, V, vb * BV, BV)
-    tl.store(decay + pid, tl.exp(G_last))
+    tl.store(decay + bh * N + n, tl.exp(G_last))
 
 
 @triton.jit
 def _chunk_local_bwd_kernel(
     q, k, v, g, beta, lam, do, dqt, dwt, dkt, du, ddecay,
     dq, dk, dv, dg, dbeta, dlam,
+    T, front, Tp, N, H, NG, L,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
     BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Gradients of one chunk (the forward's [C, C] blocks are recomputed in fp32).  Upstream (any float
-    dtype): do, du: [BH*N, C, V]; dqt, dwt, dkt: [BH*N, C, K]; ddecay: [BH*N].  Outputs (fp32): dq, dk: [BH*N, C, K];
-    dv: [BH*N, C, V]; dg, dbeta: [BH*N, C]; dlam: [BH*N, C, c+1].  With P = (QK T) * beta_s * Lambda,
-    QK = (Q K^T) * Gamma, bk = beta e K, bv = beta V (e = exp(G), f = exp(G_last - G)), backwards:
+    """Gradients of chunk n of head bh (the forward's [C, C] blocks are recomputed in fp32).  Upstream (any
+    float dtype): do, du: [BH, Tp, V]; dqt, dwt, dkt: [BH, Tp, K]; ddecay: [BH, N].  Outputs (fp32, valid
+    tokens only): dq, dk: [b, T, H, K] (per value head); dv: [b, T, H, V]; dg, dbeta: [b, T, H];
+    dlam: [b, T, H, L] (levels 0..c).  With P = (QK T) * beta_s * Lambda, QK = (Q K^T) * Gamma,
+    bk = beta e K, bv = beta V (e = exp(G), f = exp(G_last - G)), backwards:
 
         dP = do V^T;  dV = P^T do + beta T^T du;  dLambda = dP * M * beta_s;  dM = dP * beta_s * Lambda
         dQK = dM T^T - dqt W~^T;   dW = dwt - QK^T dqt;   dT = QK^T dM + dW bk^T + du bv^T
@@ -149,10 +161,15 @@ def _chunk_local_bwd_kernel(
         dQ = e dqt + (dQK * Gamma) K;   dK = (dQK * Gamma)^T Q + (dKK + dKK^T) K + beta e T^T dW + f dkt
         dbeta, dG from the same lines; dg = reverse cumsum of dG.
     """
-    pid = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    tok, valid, h = chunk_tokens(n, bh, T, front, H, C)
+    grp = h // (H // NG)
     rc = tl.arange(0, C)
-    rows = pid * C + rc
-    b_c, G, gamma, lev, lam_c, kk, Tg, qkr = _chunk_setup(q, k, g, beta, lam, rows, C, K, LOG_C, BK, NK, PREC)
+    rows = bh * Tp + n * C + rc
+    dt = dqt.dtype.element_ty  # the operand dtype: qt's gradient comes in qt's dtype
+    b_c, G, gamma, lev, lam_c, kk, Tg, qkr = _chunk_setup(
+        q, k, g, beta, lam, tok, valid, h, grp, H, NG, L, C, K, LOG_C, BK, NK, PREC, dt)
     causal = rc[:, None] >= rc[None, :]
     G_last = tl.sum(tl.where(rc == C - 1, G, 0.0), axis=0)
     e = tl.exp(G)
@@ -165,18 +182,19 @@ def _chunk_local_bwd_kernel(
     dT = tl.zeros([C, C], dtype=tl.float32)
     db = tl.zeros([C], dtype=tl.float32)
     for vb in tl.static_range(NV):
-        v_b = _tile(v, rows, V, vb * BV, BV).to(tl.float32)
+        v_b = load_tokens(v, tok, valid, h, H, V, vb * BV, BV, dt).to(tl.float32)
         do_b = _tile(do, rows, V, vb * BV, BV).to(tl.float32)
         du_b = _tile(du, rows, V, vb * BV, BV).to(tl.float32)
         dP += tl.dot(do_b, tl.trans(v_b), input_precision=PREC)
         dT += tl.dot(du_b, tl.trans(b_c[:, None] * v_b), input_precision=PREC)
         dbv = tl.dot(tl.trans(Tg), du_b, input_precision=PREC)
         db += tl.sum(dbv * v_b, axis=1)
-        _put(dv, tl.dot(tl.trans(P), do_b, input_precision=PREC) + b_c[:, None] * dbv, rows, V, vb * BV, BV)
+        store_tokens(dv, tl.dot(tl.trans(P), do_b, input_precision=PREC) + b_c[:, None] * dbv, tok, valid, h, H, V, vb * BV, BV)
     dP = tl.where(causal, dP, 0.0)
     dLam = dP * M * b_c[None, :]
     for level in tl.static_range(LOG_C + 1):
-        tl.store(dlam + rows * (LOG_C + 1) + level, tl.sum(tl.where(lev == level, dLam, 0.0), axis=1))
+        tl.store(dlam + (tok * H + h) * L + level, tl.sum(tl.where(lev == level, dLam, 0.0), axis=1),
+                 mask=valid & (tok * 0 + level < L))
     dM = dP * b_c[None, :] * lam_c
     db += tl.sum(dP * M * lam_c, axis=0)
     dQK = tl.dot(dM, tl.trans(Tg), input_precision=PREC)
@@ -185,8 +203,8 @@ def _chunk_local_bwd_kernel(
     de = tl.zeros([C], dtype=tl.float32)
     sbk = tl.zeros([C], dtype=tl.float32)
     for kb in tl.static_range(NK):
-        q_b = _tile(q, rows, K, kb * BK, BK).to(tl.float32)
-        k_b = _tile(k, rows, K, kb * BK, BK).to(tl.float32)
+        q_b = load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, dt).to(tl.float32)
+        k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt).to(tl.float32)
         bk_b = (b_c * e)[:, None] * k_b
         dqt_b = _tile(dqt, rows, K, kb * BK, BK).to(tl.float32)
         dW_b = _tile(dwt, rows, K, kb * BK, BK).to(tl.float32) - tl.dot(tl.trans(qk), dqt_b, input_precision=PREC)
@@ -206,99 +224,76 @@ def _chunk_local_bwd_kernel(
     dQKr = dQK * gamma
     skt = tl.zeros([C], dtype=tl.float32)
     for kb in tl.static_range(NK):
-        q_b = _tile(q, rows, K, kb * BK, BK).to(tl.float32)
-        k_b = _tile(k, rows, K, kb * BK, BK).to(tl.float32)
+        q_b = load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, dt).to(tl.float32)
+        k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt).to(tl.float32)
         dqt_b = _tile(dqt, rows, K, kb * BK, BK).to(tl.float32)
         dkt_b = _tile(dkt, rows, K, kb * BK, BK).to(tl.float32)
         dW_b = _tile(dwt, rows, K, kb * BK, BK).to(tl.float32) - tl.dot(tl.trans(qk), dqt_b, input_precision=PREC)
         dbk_b = tl.dot(tl.trans(Tg), dW_b, input_precision=PREC)
-        _put(dq, e[:, None] * dqt_b + tl.dot(dQKr, k_b, input_precision=PREC), rows, K, kb * BK, BK)
+        store_tokens(dq, e[:, None] * dqt_b + tl.dot(dQKr, k_b, input_precision=PREC), tok, valid, h, H, K, kb * BK, BK)
         dk_b = tl.dot(tl.trans(dQKr), q_b, input_precision=PREC) + tl.dot(dKK, k_b, input_precision=PREC)
         dk_b += (b_c * e)[:, None] * dbk_b + f[:, None] * dkt_b
-        _put(dk, dk_b, rows, K, kb * BK, BK)
+        store_tokens(dk, dk_b, tok, valid, h, H, K, kb * BK, BK)
         skt += f * tl.sum(dkt_b * k_b, axis=1)
     # K~ = f k, decay = exp(G_last), e = exp(G), Gamma = exp(G_t - G_s); G = cumsum(g)
-    dG_last = tl.sum(skt, axis=0) + tl.load(ddecay + pid).to(tl.float32) * tl.exp(G_last)
+    dG_last = tl.sum(skt, axis=0) + tl.load(ddecay + bh * N + n).to(tl.float32) * tl.exp(G_last)
     dGg = dGamma * gamma
     dG = de * e - skt + tl.sum(dGg, axis=1) - tl.sum(dGg, axis=0) + tl.where(rc == C - 1, dG_last, 0.0)
-    tl.store(dg + rows, tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG)
-    tl.store(dbeta + rows, db)
+    tl.store(dg + tok * H + h, tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG, mask=valid)
+    tl.store(dbeta + tok * H + h, db, mask=valid)
 
 
-def _meta(K: int, V: int, C: int, nlev: int, dt: torch.dtype) -> dict:
-    """Constexprs and launch options of the chunk-local kernels: K and V in blocks of <= 64 columns."""
+def _meta(ch: Chunking, K: int, V: int, G: int, L: int, dt: torch.dtype) -> dict:
+    """Runtime sizes, constexprs and launch options of the chunk-local kernels: K and V in blocks of <= 64 columns."""
     BK, BV = min(64, next_pow2(K)), min(64, next_pow2(V))
     return dict(
-        K=K, V=V, C=C, LOG_C=nlev - 1, BK=BK, NK=triton.cdiv(K, BK), BV=BV, NV=triton.cdiv(V, BV),
+        T=ch.T, front=ch.front, Tp=ch.Tp, N=ch.N, H=ch.H, NG=G, L=L,
+        K=K, V=V, C=ch.C, LOG_C=chunk_bits(ch.C), BK=BK, NK=triton.cdiv(K, BK), BV=BV, NV=triton.cdiv(V, BV),
         PREC=dot_precision(dt),
         num_warps=1 if interpreting() else 8, num_stages=1 if interpreting() else 2,
     )
 
 
-def _flatten(q, k, v, g, beta, lam, dtype: torch.dtype) -> list[torch.Tensor]:
-    """[b, H, N, C, *] -> contiguous [b*H*N, C, *]: q, k, v in the operand dtype, g, beta, lambda in fp32."""
-    dt = dot_dtype(dtype)
-
-    def flat(x: torch.Tensor, d: torch.dtype) -> torch.Tensor:  # one fused cast + relayout copy
-        out = torch.empty(x.shape, dtype=d, device=x.device)
-        return out.copy_(x).view(-1, *x.shape[3:])
-
-    return [flat(q, dt), flat(k, dt), flat(v, dt)] + [flat(x, torch.float32) for x in (g, beta, lam)]
-
-
-def _local_fwd(flats: list[torch.Tensor], lead: tuple[int, int, int]) -> LocalOut:
-    """The forward kernel on _flatten's tensors; lead = (b, H, N). Returns chunk_local_torch's outputs."""
-    qf, vf = flats[0], flats[2]
-    M, C, K = qf.shape
-    V = vf.shape[-1]
-    dt, dev = qf.dtype, qf.device
-    o, u = alloc((M, C, V), torch.float32, dev), alloc((M, C, V), dt, dev)
-    qt, wt, kt = (alloc((M, C, K), dt, dev) for _ in range(3))
-    decay = alloc((M,), torch.float32, dev)
-    _chunk_local_kernel[(M,)](*flats, o, qt, wt, kt, u, decay, **_meta(K, V, C, chunk_bits(C) + 1, dt))
-    shape = lambda x: x.view(*lead, *x.shape[1:])  # noqa: E731
-    return shape(o), shape(qt), shape(wt), shape(kt), shape(u), decay.view(lead)
-
-
-def chunk_local_triton(q, k, v, g, beta, lam, dtype: torch.dtype) -> LocalOut:
-    """The fused kernel; shapes as chunk_local_torch. q/k/v are read and qt/wt/kt/u written in the operand
-    dtype of ``dtype`` (bf16/fp16 stay, else fp32); o_intra and decay are fp32."""
-    return _local_fwd(_flatten(q, k, v, g, beta, lam, dtype), tuple(q.shape[:3]))
-
-
-def _local_bwd(flats: list[torch.Tensor], grads) -> list[torch.Tensor]:
-    """The backward kernel: upstream gradients of (o, qt, wt, kt, u, decay) (None = 0, any float dtype) ->
-    dq, dk, dv: [M, C, K|V], dg, dbeta: [M, C], dlam: [M, C, c+1] (fp32)."""
-    qf, vf, lf = flats[0], flats[2], flats[5]
-    M, C, K = qf.shape
-    V, nlev, dev = vf.shape[-1], lf.shape[-1], qf.device
-    like = [(M, C, V), (M, C, K), (M, C, K), (M, C, K), (M, C, V), (M,)]
-    up = [torch.zeros(s, device=dev) if gr is None else gr.reshape(s).contiguous() for gr, s in zip(grads, like)]
-    f32 = torch.float32
-    outs = [alloc((M, C, K), f32, dev), alloc((M, C, K), f32, dev), alloc((M, C, V), f32, dev),
-            alloc((M, C), f32, dev), alloc((M, C), f32, dev), alloc((M, C, nlev), f32, dev)]
-    _chunk_local_bwd_kernel[(M,)](*flats, *up, *outs, **_meta(K, V, C, nlev, qf.dtype))
-    return outs
-
-
 class ChunkLocal(torch.autograd.Function):
     """The chunk-local stage: fused forward kernel, fused backward kernel (recomputes the forward from the
-    flattened operand-dtype inputs it saved)."""
+    op's tensors, which it saves as they are: no copies)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, lam, dtype):
-        flats = _flatten(q, k, v, g, beta, lam, dtype)
-        ctx.save_for_backward(*flats)
-        ctx.like = [(x.shape, x.dtype) for x in (q, k, v, g, beta, lam)]
-        return _local_fwd(flats, tuple(q.shape[:3]))
+    def forward(ctx, q, k, v, g, beta, lam, ch: Chunking, dtype: torch.dtype):
+        K, V, G, L = q.shape[-1], v.shape[-1], q.shape[2], lam.shape[-1]
+        dt, dev, BH, Tp = dot_dtype(dtype), q.device, ch.BH, ch.Tp
+        o, u = alloc((BH, Tp, V), torch.float32, dev), alloc((BH, Tp, V), dt, dev)
+        qt, wt, kt = (alloc((BH, Tp, K), dt, dev) for _ in range(3))
+        decay = alloc((BH, ch.N), torch.float32, dev)
+        _chunk_local_kernel[(ch.N, BH)](q, k, v, g, beta, lam, o, qt, wt, kt, u, decay, **_meta(ch, K, V, G, L, dt))
+        ctx.save_for_backward(q, k, v, g, beta, lam)
+        ctx.ch, ctx.dt = ch, dt
+        return o, qt, wt, kt, u, decay
 
     @staticmethod
-    def backward(ctx, *grads):
-        dx = _local_bwd(list(ctx.saved_tensors), grads)
-        return (*[d.view(shape).to(dtype) for d, (shape, dtype) in zip(dx, ctx.like)], None)
+    def backward(ctx, do, dqt, dwt, dkt, du, ddecay):
+        q, k, v, g, beta, lam = ctx.saved_tensors
+        ch, dt = ctx.ch, ctx.dt
+        b, T, G, K = q.shape
+        H, V, L, dev = ch.H, v.shape[-1], lam.shape[-1], q.device
+        like = [((ch.BH, ch.Tp, V), torch.float32), *[((ch.BH, ch.Tp, K), dt)] * 3, ((ch.BH, ch.Tp, V), dt),
+                ((ch.BH, ch.N), torch.float32)]
+        up = [torch.zeros(s, dtype=d, device=dev) if x is None else x.contiguous()
+              for x, (s, d) in zip((do, dqt, dwt, dkt, du, ddecay), like)]
+        f32 = torch.float32
+        dq, dk = alloc((b, T, H, K), f32, dev), alloc((b, T, H, K), f32, dev)
+        dv, dg, dbeta = alloc((b, T, H, V), f32, dev), alloc((b, T, H), f32, dev), alloc((b, T, H), f32, dev)
+        dlam = torch.zeros(b, T, H, L, dtype=f32, device=dev)  # levels > c: the scan's part
+        _chunk_local_bwd_kernel[(ch.N, ch.BH)](
+            q, k, v, g, beta, lam, *up, dq, dk, dv, dg, dbeta, dlam, **_meta(ch, K, V, G, L, dt))
+        group = lambda x: x.view(b, T, G, H // G, K).sum(3)  # noqa: E731  (value heads -> their q/k group)
+        grads = [group(dq), group(dk), dv, dg, dbeta, dlam]
+        return (*[d.to(x.dtype) for d, x in zip(grads, (q, k, v, g, beta, lam))], None, None)
 
 
-def chunk_local(q, k, v, g, beta, lam, dtype: torch.dtype) -> LocalOut:
-    """The chunk-local stage with gradients (see ChunkLocal); shapes as chunk_local_torch."""
-    return ChunkLocal.apply(q, k, v, g, beta, lam, dtype)
-
+def chunk_local(q, k, v, g, beta, lam, ch: Chunking, dtype: torch.dtype) -> LocalOut:
+    """The chunk-local stage with gradients (see ChunkLocal).  q, k: [b, T, G, K]; v: [b, T, H, V];
+    g, beta: [b, T, H]; lam: [b, T, H, L] (any float dtypes, contiguous); ch: their chunking; dtype sets the
+    operand dtype (dot_dtype).  Returns o_intra [BH, Tp, V] fp32, qt, wt, kt [BH, Tp, K] and u [BH, Tp, V]
+    (operand dtype), decay [BH, N] fp32: chunk_local_torch's outputs of the padded chunks, flattened."""
+    return ChunkLocal.apply(*(x.contiguous() for x in (q, k, v, g, beta, lam)), ch, dtype)

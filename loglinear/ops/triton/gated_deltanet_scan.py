@@ -35,20 +35,21 @@ import triton
 import triton.language as tl
 
 from loglinear.ops.triton.common import alloc, interpreting, next_pow2
-from loglinear.ops.triton.gated_deltanet_common import dot_precision
+from loglinear.ops.triton.gated_deltanet_common import Chunking, chunk_tokens, dot_precision, load_tokens, store_tokens
 
 
 @triton.jit
 def _scan_fwd_kernel(
-    qt, wt, kt, u, decay, lam, merge, live, snap_at, states, snap, o,
-    N, J, Tp, S,
+    qt, wt, kt, u, decay, lam, merge, live, snap_at, states, snap, o_intra, o,
+    N, J, Tp, S, T, front, H, scale,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr, SNAP: tl.constexpr,
 ):
     """qt, wt, kt: [BH, Tp, K]; u: [BH, Tp, V]; decay: [BH, N]; lam: [BH, Tp, J]; merge, live, snap_at: [N]
     int32 (cascade target, bitmask of the live levels, first snapshot slot); states: [BH, 2, J, K, V] fp32
     (slot 0 holds the initial states, slot N % 2 ends with the final ones of the live levels); snap: [BH, S, K, V]
-    (SNAP: the live states entering each chunk, in level order); o: [BH, Tp, V] fp32."""
+    (SNAP: the live states entering each chunk, in level order); o_intra: [BH, Tp, V] fp32, the chunk-local
+    outputs; o: [b, T, H, V] (Chunking's tokens) = scale (o_intra + the readouts)."""
     iv = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rc = tl.arange(0, C)
@@ -74,7 +75,7 @@ def _scan_fwd_kernel(
         src = states + (bh * 2 + i % 2) * J * KV
         dst = states + (bh * 2 + (i + 1) % 2) * J * KV
         keep = snap + (bh * S + tl.load(snap_at + i)) * KV
-        acc = tl.zeros([C, BV], dtype=tl.float32)
+        acc = tl.load(o_intra + rows[:, None] * V + rv[None, :], mask=mv[None, :], other=0.0)
         slot = 0
         for j in range(J):
             if (alive >> j) & 1:
@@ -93,21 +94,23 @@ def _scan_fwd_kernel(
                     tl.store(dst + j * KV + hoff, g, mask=hmask)
         if m >= 0:
             tl.store(dst + m * KV + hoff, carry, mask=hmask)
-        tl.store(o + rows[:, None] * V + rv[None, :], acc, mask=mv[None, :])
+        tok, valid, head = chunk_tokens(i, bh, T, front, H, C)
+        store_tokens(o, scale * acc, tok, valid, head, H, V, iv * BV, BV)
         tl.debug_barrier()
 
 
 @triton.jit
 def _scan_bwd_kernel(
     qt, wt, kt, u, decay, lam, merge, live, snap_at, snap, do, dstates,
-    dqt, dwt, dkt, du, dd, dlam,
-    N, J, Tp, BH, S,
+    do_intra, dqt, dwt, dkt, du, dd, dlam,
+    N, J, Tp, BH, S, T, front, H, scale,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """Inputs as the forward; snap: [BH, S, K, V] the forward's live states entering each chunk;
-    do: [BH, Tp, V]; dstates: [BH, 2, J, K, V] fp32 (slot N % 2 holds dh of the final states; slot 0
-    ends with dh of the initial states of the levels live at chunk 0). Outputs: dqt, dwt, dkt: [NV, BH, Tp, K]
+    do: [b, T, H, V] (any float dtype); dstates: [BH, 2, J, K, V] fp32 (slot N % 2 holds dh of the final states;
+    slot 0 ends with dh of the initial states of the levels live at chunk 0). Outputs: do_intra: [BH, Tp, V] fp32
+    (scale do, 0 on padding); dqt, dwt, dkt: [NV, BH, Tp, K]
     (operand dtype); du: [BH, Tp, V], dd: [NV, BH, N], dlam: [NV, BH, Tp, J] (fp32). A level that is not live
     entering a chunk holds 0 there: it adds nothing, and its dh there is never read."""
     iv = tl.program_id(0)
@@ -131,7 +134,9 @@ def _scan_bwd_kernel(
         w_i = tl.load(wt + ck, mask=mk[None, :], other=0.0)
         k_i = tl.load(kt + ck, mask=mk[None, :], other=0.0)
         u_i = tl.load(u + cv, mask=mv[None, :], other=0.0)
-        do_i = tl.load(do + cv, mask=mv[None, :], other=0.0).to(tl.float32)
+        tok, valid, head = chunk_tokens(i, bh, T, front, H, C)
+        do_i = scale * load_tokens(do, tok, valid, head, H, V, iv * BV, BV, tl.float32)
+        tl.store(do_intra + cv, do_i, mask=mv[None, :])
         d = tl.load(decay + bh * N + i)
         m = tl.load(merge + i)
         alive = tl.load(live + i)
@@ -225,41 +230,44 @@ def schedule(merge: list[int], J: int, seeded: bool, device: torch.device) -> Sc
 
 
 class FenwickDeltaScan(torch.autograd.Function):
-    """(o_inter, final states) = scan(qt, wt, kt, u, decay, lam, h0, sched); see the module docstring.
+    """(o, final states) = scan(qt, wt, kt, u, decay, lam, h0, o_intra, sched, ch, scale, dtype); see the module
+    docstring.
 
     qt, wt, kt: [BH, Tp, K] (the dot dtype); u: [BH, Tp, V] (dot dtype); decay: [BH, N] fp32;
-    lam: [BH, Tp, J] fp32; h0: [BH, J, K, V] fp32 or None (zeros); sched: schedule(merge, J, h0 is not None).
-    Returns o: [BH, Tp, V] fp32 and hN: [BH, J, K, V] fp32. Only the live levels of each chunk are touched.
+    lam: [BH, Tp, J] fp32; h0: [BH, J, K, V] fp32 or None (zeros); o_intra: [BH, Tp, V] fp32;
+    sched: schedule(merge, J, h0 is not None); ch: the chunking of the op's tokens.
+    Returns o: [b, T, H, V] in dtype (scale (o_intra + readouts) of the real tokens) and hN: [BH, J, K, V] fp32.
+    Only the live levels of each chunk are touched.
     """
 
     @staticmethod
-    def forward(ctx, qt, wt, kt, u, decay, lam, h0, sched: Schedule):
+    def forward(ctx, qt, wt, kt, u, decay, lam, h0, o_intra, sched: Schedule, ch: Chunking, scale: float,
+                dtype: torch.dtype):
         BH, Tp, K = qt.shape
         V, N, J = u.shape[-1], decay.shape[1], lam.shape[-1]
-        C = Tp // N
         BK, BV, NV = _blocks(K, V, qt.dtype)
-        keep = ctx.needs_input_grad[:7] != (False,) * 7
+        keep = ctx.needs_input_grad[:8] != (False,) * 8
         states = alloc((BH, 2, J, K, V), torch.float32, qt.device)
         if h0 is not None:
             states[:, 0] = h0
         snap = alloc((BH, sched.slots, K, V) if keep else (1,), qt.dtype, qt.device)
-        o = alloc((BH, Tp, V), torch.float32, qt.device)
+        o = alloc((ch.b, ch.T, ch.H, V), dtype, qt.device)
         _scan_fwd_kernel[(NV, BH)](
-            qt, wt, kt, u, decay, lam, sched.merge, sched.live, sched.snap_at, states, snap, o, N, J, Tp, sched.slots,
-            K=K, V=V, C=C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), SNAP=keep, **_launch(),
+            qt, wt, kt, u, decay, lam, sched.merge, sched.live, sched.snap_at, states, snap, o_intra, o,
+            N, J, Tp, sched.slots, ch.T, ch.front, ch.H, scale,
+            K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), SNAP=keep, **_launch(),
         )
         ctx.save_for_backward(qt, wt, kt, u, decay, lam, snap if keep else None)
-        ctx.sched = sched
+        ctx.sched, ctx.ch, ctx.scale = sched, ch, scale
         hN = torch.where(sched.level_mask(N - 1, J)[:, None, None], states[:, N % 2], 0.0)
         return o, hN
 
     @staticmethod
     def backward(ctx, do, dhN):
         qt, wt, kt, u, decay, lam, snap = ctx.saved_tensors
-        sched = ctx.sched
+        sched, ch = ctx.sched, ctx.ch
         BH, Tp, K = qt.shape
         V, N, J = u.shape[-1], decay.shape[1], lam.shape[-1]
-        C = Tp // N
         BK, BV, NV = _blocks(K, V, qt.dtype)
         dev = qt.device
         nan = lambda *shape, dtype=torch.float32: alloc(shape, dtype, dev)  # noqa: E731
@@ -268,15 +276,16 @@ class FenwickDeltaScan(torch.autograd.Function):
             dstates[:, N % 2] = dhN
         # per-V-block partials of the [C, K] gradients in the operand dtype (the op's gradients are cast to it anyway)
         dqt, dwt, dkt = [nan(NV, BH, Tp, K, dtype=qt.dtype) for _ in range(3)]
-        du, dd, dlam = nan(BH, Tp, V), nan(NV, BH, N), nan(NV, BH, Tp, J)
-        do = torch.zeros_like(u, dtype=torch.float32) if do is None else do.contiguous()
+        do_intra, du, dd, dlam = nan(BH, Tp, V), nan(BH, Tp, V), nan(NV, BH, N), nan(NV, BH, Tp, J)
+        do = torch.zeros(ch.b, ch.T, ch.H, V, device=dev) if do is None else do.contiguous()
         _scan_bwd_kernel[(NV, BH)](
             qt, wt, kt, u, decay, lam, sched.merge, sched.live, sched.snap_at, snap, do, dstates,
-            dqt, dwt, dkt, du, dd, dlam, N, J, Tp, BH, sched.slots,
-            K=K, V=V, C=C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), **_launch(),
+            do_intra, dqt, dwt, dkt, du, dd, dlam, N, J, Tp, BH, sched.slots, ch.T, ch.front, ch.H, ctx.scale,
+            K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), **_launch(),
         )
         dh0 = torch.where(sched.level_mask(0, J)[:, None, None], dstates[:, 0], 0.0) if ctx.needs_input_grad[6] else None
-        return (_vsum(dqt), _vsum(dwt), _vsum(dkt), du.to(u.dtype), dd.sum(0), dlam.sum(0), dh0, None)
+        return (_vsum(dqt), _vsum(dwt), _vsum(dkt), du.to(u.dtype), dd.sum(0), dlam.sum(0), dh0, do_intra,
+                None, None, None, None)
 
 
 def _vsum(x: torch.Tensor) -> torch.Tensor:
@@ -284,11 +293,14 @@ def _vsum(x: torch.Tensor) -> torch.Tensor:
     return x[0] if x.shape[0] == 1 else x.sum(0, dtype=torch.float32).to(x.dtype)
 
 
-def fenwick_delta_scan(qt, wt, kt, u, decay, lam, h0, merge: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def fenwick_delta_scan(
+    qt, wt, kt, u, decay, lam, h0, o_intra, merge: list[int], ch: Chunking, scale: float, dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Functional form of FenwickDeltaScan (shapes there; merge: the N cascade targets, -1 last);
     qt/wt/kt/u keep their (operand) dtype."""
     sched = schedule(merge, lam.shape[-1], h0 is not None, qt.device)
     return FenwickDeltaScan.apply(
         qt.contiguous(), wt.contiguous(), kt.contiguous(), u.contiguous(), decay.float().contiguous(),
-        lam.float().contiguous(), None if h0 is None else h0.float().contiguous(), sched,
+        lam.float().contiguous(), None if h0 is None else h0.float().contiguous(), o_intra.contiguous(),
+        sched, ch, scale, dtype,
     )
