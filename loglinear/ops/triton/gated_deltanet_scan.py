@@ -100,19 +100,17 @@ def _scan_fwd_kernel(
 
 
 @triton.jit
-def _scan_bwd_kernel(
-    qt, wt, kt, u, decay, lam, merge, live, snap_at, snap, do, dstates,
-    do_intra, dqt, dwt, dkt, du, dd, dlam,
-    N, J, Tp, BH, S, T, front, H, scale,
+def _scan_dh_kernel(
+    qt, wt, kt, decay, lam, merge, live, snap_at, do, dstates, dsnap, do_intra,
+    N, J, Tp, S, T, front, H, scale,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """Inputs as the forward; snap: [BH, S, K, V] the forward's live states entering each chunk;
-    do: [b, T, H, V] (any float dtype); dstates: [BH, 2, J, K, V] fp32 (slot N % 2 holds dh of the final states;
-    slot 0 ends with dh of the initial states of the levels live at chunk 0). Outputs: do_intra: [BH, Tp, V] fp32
-    (scale do, 0 on padding); dqt, dwt, dkt: [NV, BH, Tp, K]
-    (operand dtype); du: [BH, Tp, V], dd: [NV, BH, N], dlam: [NV, BH, Tp, J] (fp32). A level that is not live
-    entering a chunk holds 0 there: it adds nothing, and its dh there is never read."""
+    """Backward, pass 1 (sequential, reverse over chunks): the chain dh_j = d_i dg_j - wt_i^T (kt_i dg_j) +
+    qt_i^T Y_j for the live levels only.  do: [b, T, H, V] (any float dtype); dstates: [BH, 2, J, K, V] fp32
+    (slot N % 2 holds dh of the final states; slot 0 ends with dh of the initial states of the levels live
+    at chunk 0); dsnap: [BH, S, K, V] (operand dtype): dh entering each chunk, the slots of snap_at (the
+    host has filled chunk N's, dhN); do_intra: [BH, Tp, V] fp32 (scale do, 0 on padding)."""
     iv = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rc = tl.arange(0, C)
@@ -123,63 +121,109 @@ def _scan_bwd_kernel(
     hoff = rk[:, None] * V + rv[None, :]
     hmask = mk[:, None] & mv[None, :]
     KV = K * V
-    part = iv * BH + bh  # this program's slice of the per-V-block partial sums
     for r in range(N):
         i = N - 1 - r
         rows = bh * Tp + i * C + rc
-        prow = part * Tp + i * C + rc
         ck = rows[:, None] * K + rk[None, :]
-        cv = rows[:, None] * V + rv[None, :]
         q_i = tl.load(qt + ck, mask=mk[None, :], other=0.0)
         w_i = tl.load(wt + ck, mask=mk[None, :], other=0.0)
         k_i = tl.load(kt + ck, mask=mk[None, :], other=0.0)
-        u_i = tl.load(u + cv, mask=mv[None, :], other=0.0)
         tok, valid, head = chunk_tokens(i, bh, T, front, H, C)
         do_i = scale * load_tokens(do, tok, valid, head, H, V, iv * BV, BV, tl.float32)
-        tl.store(do_intra + cv, do_i, mask=mv[None, :])
+        tl.store(do_intra + rows[:, None] * V + rv[None, :], do_i, mask=mv[None, :])
         d = tl.load(decay + bh * N + i)
         m = tl.load(merge + i)
         alive = tl.load(live + i)
-        hsrc = snap + (bh * S + tl.load(snap_at + i)) * KV
         src = dstates + (bh * 2 + (i + 1) % 2) * J * KV
         dst = dstates + (bh * 2 + i % 2) * J * KV
+        keep = dsnap + (bh * S + tl.load(snap_at + i)) * KV
         dh_m = tl.load(src + tl.maximum(m, 0) * KV + hoff, mask=hmask, other=0.0)
         dh_m = tl.where(m >= 0, dh_m, 0.0)
-        dhm_d = dh_m.to(q_i.dtype)
-        tl.store(du + cv, tl.dot(k_i, dhm_d, input_precision=PREC), mask=mv[None, :])
-        dk_acc = tl.dot(u_i, tl.trans(dhm_d), input_precision=PREC)
-        dq_acc = tl.zeros([C, BK], dtype=tl.float32)
-        dw_acc = tl.zeros([C, BK], dtype=tl.float32)
-        dd_acc = 0.0
         slot = 0
         for j in range(J):
             if (alive >> j) & 1:
                 dg = tl.where(j <= m, dh_m, tl.load(src + j * KV + hoff, mask=hmask, other=0.0))
-                h = tl.load(hsrc + slot * KV + hoff, mask=hmask, other=0.0).to(tl.float32)
-                slot += 1
-                hd = h.to(q_i.dtype)
-                dgd = dg.to(q_i.dtype)
                 lam_j = tl.load(lam + rows * J + j)
                 y = (lam_j[:, None] * do_i).to(q_i.dtype)
-                dq_acc += tl.dot(y, tl.trans(hd), input_precision=PREC)
-                qh = tl.dot(q_i, hd, input_precision=PREC)
-                tl.store(dlam + prow * J + j, tl.sum(do_i * qh, axis=1))
-                dd_acc += tl.sum(tl.sum(dg * h, axis=1), axis=0)
-                wh = tl.dot(w_i, hd, input_precision=PREC)
-                dk_acc -= tl.dot(wh.to(q_i.dtype), tl.trans(dgd), input_precision=PREC)
-                kdg = tl.dot(k_i, dgd, input_precision=PREC).to(q_i.dtype)
-                dw_acc -= tl.dot(kdg, tl.trans(hd), input_precision=PREC)
+                kdg = tl.dot(k_i, dg.to(q_i.dtype), input_precision=PREC).to(q_i.dtype)
                 dh = d * dg - tl.dot(tl.trans(w_i), kdg, input_precision=PREC)
                 dh += tl.dot(tl.trans(q_i), y, input_precision=PREC)
                 tl.store(dst + j * KV + hoff, dh, mask=hmask)
-            else:
-                tl.store(dlam + prow * J + j, tl.zeros([C], dtype=tl.float32))
-        pk = prow[:, None] * K + rk[None, :]
-        tl.store(dqt + pk, dq_acc.to(dqt.dtype.element_ty), mask=mk[None, :])
-        tl.store(dwt + pk, dw_acc.to(dwt.dtype.element_ty), mask=mk[None, :])
-        tl.store(dkt + pk, dk_acc.to(dkt.dtype.element_ty), mask=mk[None, :])
-        tl.store(dd + part * N + i, dd_acc)
+                tl.store(keep + slot * KV + hoff, dh.to(dsnap.dtype.element_ty), mask=hmask)
+                slot += 1
         tl.debug_barrier()
+
+
+@triton.jit
+def _scan_grads_kernel(
+    qt, wt, kt, u, lam, merge, live, snap_at, snap, dsnap, do_intra,
+    dqt, dwt, dkt, du, dd, dlam,
+    N, J, Tp, S, SD,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Backward, pass 2 (chunk i of head bh, all in parallel): the gradients of the chunk's inputs from the
+    forward's states entering it (snap: [BH, S, K, V]) and the gradients dg_j leaving it (dh entering chunk
+    i + 1, dsnap: [BH, SD, K, V]; level m is its slot 0, a live j > m its slot among chunk i + 1's live levels).
+    do_intra: [BH, Tp, V] fp32 (scale do). Outputs: dqt, dwt, dkt: [BH, Tp, K], du: [BH, Tp, V] (operand
+    dtype); dd: [BH, N], dlam: [BH, Tp, J] (fp32). V is walked in NV blocks of BV."""
+    i = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rc = tl.arange(0, C)
+    rk = tl.arange(0, BK)
+    mk = rk < K
+    KV = K * V
+    rows = bh * Tp + i * C + rc
+    ck = rows[:, None] * K + rk[None, :]
+    q_i = tl.load(qt + ck, mask=mk[None, :], other=0.0)
+    w_i = tl.load(wt + ck, mask=mk[None, :], other=0.0)
+    k_i = tl.load(kt + ck, mask=mk[None, :], other=0.0)
+    m = tl.load(merge + i)
+    alive = tl.load(live + i)
+    after = tl.load(live + i + 1)
+    hsrc = snap + (bh * S + tl.load(snap_at + i)) * KV
+    gsrc = dsnap + (bh * SD + tl.load(snap_at + i + 1)) * KV
+    dq_acc = tl.zeros([C, BK], dtype=tl.float32)
+    dw_acc = tl.zeros([C, BK], dtype=tl.float32)
+    dk_acc = tl.zeros([C, BK], dtype=tl.float32)
+    for iv in tl.static_range(NV):  # the cascade: dD = dh_m; du = kt dD; dkt += u dD^T
+        rv = iv * BV + tl.arange(0, BV)
+        hmask = mk[:, None] & (rv < V)[None, :]
+        cascade = (rk * 0 + m) >= 0  # (no slot to read after the last chunk)
+        dh_m = tl.load(gsrc + rk[:, None] * V + rv[None, :], mask=hmask & cascade[:, None], other=0.0)
+        cv = rows[:, None] * V + rv[None, :]
+        tl.store(du + cv, tl.dot(k_i, dh_m, input_precision=PREC).to(du.dtype.element_ty), mask=(rv < V)[None, :])
+        u_b = tl.load(u + cv, mask=(rv < V)[None, :], other=0.0)
+        dk_acc += tl.dot(u_b, tl.trans(dh_m), input_precision=PREC)
+    dd_acc = 0.0
+    slot = 0
+    after_slot = 0  # chunk i + 1's live levels below j
+    for j in range(J):
+        dl = tl.zeros([C], dtype=tl.float32)
+        if (alive >> j) & 1:
+            lam_j = tl.load(lam + rows * J + j)
+            gslot = tl.where(j <= m, 0, after_slot)
+            for iv in tl.static_range(NV):
+                rv = iv * BV + tl.arange(0, BV)
+                hmask = mk[:, None] & (rv < V)[None, :]
+                hoff = rk[:, None] * V + rv[None, :]
+                hd = tl.load(hsrc + slot * KV + hoff, mask=hmask, other=0.0)
+                dgd = tl.load(gsrc + gslot * KV + hoff, mask=hmask, other=0.0)
+                do_b = tl.load(do_intra + rows[:, None] * V + rv[None, :], mask=(rv < V)[None, :], other=0.0)
+                dq_acc += tl.dot((lam_j[:, None] * do_b).to(q_i.dtype), tl.trans(hd), input_precision=PREC)
+                dl += tl.sum(do_b * tl.dot(q_i, hd, input_precision=PREC), axis=1)
+                dd_acc += tl.sum(tl.sum(dgd.to(tl.float32) * hd.to(tl.float32), axis=1), axis=0)
+                wh = tl.dot(w_i, hd, input_precision=PREC).to(q_i.dtype)
+                dk_acc -= tl.dot(wh, tl.trans(dgd), input_precision=PREC)
+                kdg = tl.dot(k_i, dgd, input_precision=PREC).to(q_i.dtype)
+                dw_acc -= tl.dot(kdg, tl.trans(hd), input_precision=PREC)
+            slot += 1
+        tl.store(dlam + rows * J + j, dl)
+        after_slot += (after >> j) & 1
+    tl.store(dqt + ck, dq_acc.to(dqt.dtype.element_ty), mask=mk[None, :])
+    tl.store(dwt + ck, dw_acc.to(dwt.dtype.element_ty), mask=mk[None, :])
+    tl.store(dkt + ck, dk_acc.to(dkt.dtype.element_ty), mask=mk[None, :])
+    tl.store(dd + bh * N + i, dd_acc)
 
 
 def _blocks(K: int, V: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -198,9 +242,9 @@ def _launch() -> dict[str, int]:
 
 @dataclass
 class Schedule:
-    """What the scan needs to know about its chunks (the same for every head).  merge, live, snap_at: [N] int32
-    on the device (cascade target, live-level bitmask, first snapshot slot); bits: live on the host;
-    slots: snapshot slots per head."""
+    """What the scan needs to know about its chunks (the same for every head).  merge: [N], live, snap_at:
+    [N + 1] int32 on the device (cascade target, live-level bitmask, first snapshot slot; entry N: the final
+    states); bits: live on the host; slots: snapshot slots of chunks 0..N-1 per head (snap_at[N])."""
 
     merge: torch.Tensor
     live: torch.Tensor
@@ -208,8 +252,12 @@ class Schedule:
     bits: list[int]
     slots: int
 
+    def levels(self, i: int, J: int) -> list[int]:
+        """The levels live entering chunk i (i = N: the final states), ascending (their snapshot order)."""
+        return [j for j in range(J) if (self.bits[i] >> j) & 1]
+
     def level_mask(self, i: int, J: int) -> torch.Tensor:
-        """[J] bool: the levels live entering chunk i (for the last chunk: also leaving it)."""
+        """[J] bool: the levels live entering chunk i."""
         return torch.tensor([(self.bits[i] >> j) & 1 == 1 for j in range(J)], device=self.live.device)
 
 
@@ -219,14 +267,14 @@ def schedule(merge: list[int], J: int, seeded: bool, device: torch.device) -> Sc
     cleared it since (for a sequence from position 0: bit j of the chunk index). merge: [N] cascade targets
     (-1 for the last chunk); seeded: the initial states may be nonzero (every level is live at chunk 0)."""
     live, snap_at, alive, slots = [], [], (1 << J) - 1 if seeded else 0, 0
-    for m in merge:
+    for m in merge + [-1]:
         live.append(alive)
         snap_at.append(slots)
         slots += bin(alive).count("1")
         if m >= 0:  # levels 0..m merge into m
             alive = (alive & ~((2 << m) - 1)) | (1 << m)
     as_int = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-    return Schedule(as_int(merge), as_int(live), as_int(snap_at), live, slots)
+    return Schedule(as_int(merge), as_int(live), as_int(snap_at), live, snap_at[-1])
 
 
 class FenwickDeltaScan(torch.autograd.Function):
@@ -269,28 +317,30 @@ class FenwickDeltaScan(torch.autograd.Function):
         BH, Tp, K = qt.shape
         V, N, J = u.shape[-1], decay.shape[1], lam.shape[-1]
         BK, BV, NV = _blocks(K, V, qt.dtype)
-        dev = qt.device
+        dev, dt, prec = qt.device, qt.dtype, dot_precision(qt.dtype)
         nan = lambda *shape, dtype=torch.float32: alloc(shape, dtype, dev)  # noqa: E731
+        final = sched.levels(N, J)
         dstates = torch.zeros(BH, 2, J, K, V, dtype=torch.float32, device=dev)
+        dsnap = nan(BH, sched.slots + len(final), K, V, dtype=dt)
         if dhN is not None:
             dstates[:, N % 2] = dhN
-        # per-V-block partials of the [C, K] gradients in the operand dtype (the op's gradients are cast to it anyway)
-        dqt, dwt, dkt = [nan(NV, BH, Tp, K, dtype=qt.dtype) for _ in range(3)]
-        do_intra, du, dd, dlam = nan(BH, Tp, V), nan(BH, Tp, V), nan(NV, BH, N), nan(NV, BH, Tp, J)
+        dsnap[:, sched.slots :] = 0.0 if dhN is None else dhN[:, final]
+        do_intra = nan(BH, Tp, V)
         do = torch.zeros(ch.b, ch.T, ch.H, V, device=dev) if do is None else do.contiguous()
-        _scan_bwd_kernel[(NV, BH)](
-            qt, wt, kt, u, decay, lam, sched.merge, sched.live, sched.snap_at, snap, do, dstates,
-            do_intra, dqt, dwt, dkt, du, dd, dlam, N, J, Tp, BH, sched.slots, ch.T, ch.front, ch.H, ctx.scale,
-            K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), **_launch(),
+        _scan_dh_kernel[(NV, BH)](
+            qt, wt, kt, decay, lam, sched.merge, sched.live, sched.snap_at, do, dstates, dsnap, do_intra,
+            N, J, Tp, dsnap.shape[1], ch.T, ch.front, ch.H, ctx.scale,
+            K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, **_launch(),
+        )
+        dqt, dwt, dkt = [nan(BH, Tp, K, dtype=dt) for _ in range(3)]
+        du, dd, dlam = nan(BH, Tp, V, dtype=u.dtype), nan(BH, N), nan(BH, Tp, J)
+        _scan_grads_kernel[(N, BH)](
+            qt, wt, kt, u, lam, sched.merge, sched.live, sched.snap_at, snap, dsnap, do_intra,
+            dqt, dwt, dkt, du, dd, dlam, N, J, Tp, sched.slots, dsnap.shape[1],
+            K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec, **_launch(),
         )
         dh0 = torch.where(sched.level_mask(0, J)[:, None, None], dstates[:, 0], 0.0) if ctx.needs_input_grad[6] else None
-        return (_vsum(dqt), _vsum(dwt), _vsum(dkt), du.to(u.dtype), dd.sum(0), dlam.sum(0), dh0, do_intra,
-                None, None, None, None)
-
-
-def _vsum(x: torch.Tensor) -> torch.Tensor:
-    """Sum of per-V-block partials [NV, ...] in fp32, back in x's dtype (no copy for one block)."""
-    return x[0] if x.shape[0] == 1 else x.sum(0, dtype=torch.float32).to(x.dtype)
+        return dqt, dwt, dkt, du, dd, dlam, dh0, do_intra, None, None, None, None
 
 
 def fenwick_delta_scan(
