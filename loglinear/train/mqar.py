@@ -15,6 +15,7 @@ import argparse
 import itertools
 import math
 import time
+import traceback
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
 from multiprocessing import get_context
@@ -158,7 +159,7 @@ def _run_before(run: MQARRun, deadline: float) -> dict | None:
         return train_mqar(run)
     except Exception as e:  # noqa: BLE001 -- reported in the results, the sweep goes on
         return dict(asdict(run), model=family(run.arch), log_linear=is_log_linear(run.arch),
-                    error=f"{type(e).__name__}: {e}"[:500])
+                    error=f"{type(e).__name__}: {str(e)[:300]}", traceback=traceback.format_exc()[-3000:])
 
 
 def summarize(rows: list[dict]) -> dict[tuple[str, int], float]:
