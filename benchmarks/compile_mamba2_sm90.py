@@ -3,8 +3,8 @@
     PYTHONPATH=/path/to/triton36 python benchmarks/compile_mamba2_sm90.py            # bf16, whole tiles
     python benchmarks/compile_mamba2_sm90.py --dtype fp32 --split                      # the fp32 tiling
 
-Paper setting (K = 128, V = 64, C = 64). Lists the chunk-parallel in-chunk kernels and the scans as the
-op launches them (INTRA=False, v2) and the v1.2 scans (INTRA=True, mamba2.CHUNK_PARALLEL_INTRA = False).
+Paper setting (K = 128, V = 64, C = 64). Lists the chunk-parallel in-chunk kernels and the chunk-level
+scans as the op launches them (v2), and the v1.2 scans (mamba2_v12.py, mamba2.CHUNK_PARALLEL_INTRA = False).
 Uses the installed triton (compile with the GPU's version) and its bundled ptxas. A kernel whose shared
 memory exceeds 232448 bytes fails to launch on an H100/H200.
 """
@@ -26,15 +26,25 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from loglinear.ops.triton import mamba2_bwd, mamba2_fwd, mamba2_intra  # noqa: E402
+from loglinear.ops.triton import mamba2_bwd, mamba2_fwd, mamba2_intra, mamba2_v12  # noqa: E402
 from loglinear.ops.triton.common import MAX_CHUNK_LEVELS, dot_precision, launch_options, split_block  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SHARED_LIMIT = 232448
 
 
-def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, tag: str = "") -> str:
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+def aligned(fn, signature: dict, ints: dict) -> dict:
+    """The JIT's specialisation on a launch: pointers (torch allocations) and specialised ints that are
+    multiples of 16 carry tt.divisibility = 16 (without it loads are not vectorised: a pointer per element)."""
+    keep = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
+    div16 = [n for n, ty in signature.items() if ty.startswith("*")
+             or (n in ints and n not in keep and ints[n] % 16 == 0)]
+    return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+
+
+def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, ints: dict, tag: str = "") -> str:
+    attrs = aligned(fn, signature, ints)
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
     ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -66,36 +76,36 @@ def main() -> None:
     BKS, BVS = (split_block(BK), split_block(BV)) if args.split else (BK, BV)
     print(f"triton {triton.__version__}, {args.dtype}, K={args.K}, V={args.V}, C={C}, split={args.split}, {prec}")
     base = dict(C=C, LOG_C=6, BK=BK, BV=BV, PRECISION=prec)
+    ints = dict(K=args.K, V=args.V)
     ptrs = dict(g=f32, lam=P, scale="fp32", starts=i32, ends=i32, bos_ptr=i32, eos_ptr=i32, chunk0_ptr=i32)
 
     intra = mamba2_intra.intra_launch_options()
     const = base
     sig = signature("q k v g lam oi starts ends H G K V L", P, oi=f32, **ptrs)
-    print(report(mamba2_intra.mamba2_intra_fwd_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, **intra))
+    print(report(mamba2_intra.mamba2_intra_fwd_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, ints=ints, **intra))
     const = dict(base, BL=32)
     sig = signature("q k v g lam do dq dk dv dlam starts ends scale H G K V L", P,
                     dq=f32, dk=f32, dv=f32, dlam=f32, **ptrs)
-    print(report(mamba2_intra.mamba2_intra_bwd_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, **intra))
+    print(report(mamba2_intra.mamba2_intra_bwd_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, ints=ints, **intra))
 
-    for intra_in_scan in (False, True):
-        tag = " (v1.2, INTRA)" if intra_in_scan else ""
-        scan = dict(base, BJ=MAX_CHUNK_LEVELS, HAS_INIT=False, INTRA=intra_in_scan)
-        const = dict(scan, BV=BVS)
-        sig = signature("q k v g lam o oi levels bos_ptr eos_ptr chunk0_ptr scale H G K V L J", P,
-                        oi=f32, levels=f32, **ptrs)
-        print(report(mamba2_fwd.mamba2_fwd_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const,
-                     **launch_options(BKS, BV), tag=tag))
-        const = dict(scan, BKS=BKS, BL=32)
-        sig = signature("q k v g lam do dq dlam qdq levels bos_ptr eos_ptr chunk0_ptr scale tokens H G K V L J", P,
-                        dq=f32, dlam=f32, qdq=f32, levels=f32, **ptrs)
-        print(report(mamba2_bwd.mamba2_bwd_dq_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const,
-                     **launch_options(BKS, BV), tag=tag))
-        const = dict(scan, BVS=BVS)
-        sig = signature("q k v g lam do dk dv kdk d_levels bos_ptr eos_ptr chunk0_ptr scale tokens H G K V L J", P,
-                        dk=f32, dv=f32, kdk=f32, d_levels=f32, **ptrs)
-        print(report(mamba2_bwd.mamba2_bwd_dkv_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const,
-                     **launch_options(BKS, BV), tag=tag))
-
+    launch = launch_options(BKS, BV)
+    scan = dict(base, BJ=MAX_CHUNK_LEVELS, HAS_INIT=False)
+    fwd = "q k v g lam o oi levels bos_ptr eos_ptr chunk0_ptr scale H G K V L J"
+    dq = "q k v g lam do dq dlam qdq levels bos_ptr eos_ptr chunk0_ptr scale tokens H G K V L J"
+    dkv = "q k v g lam do dk dv kdk d_levels bos_ptr eos_ptr chunk0_ptr scale tokens H G K V L J"
+    fp32_bufs = dict(oi=f32, levels=f32, dq=f32, dlam=f32, qdq=f32, dk=f32, dv=f32, kdk=f32, d_levels=f32)
+    kernels = [
+        (mamba2_fwd.mamba2_fwd_kernel, fwd, dict(scan, BV=BVS)),
+        (mamba2_bwd.mamba2_bwd_dq_kernel, dq, dict(scan, BKS=BKS, BL=32)),
+        (mamba2_bwd.mamba2_bwd_dkv_kernel, dkv, dict(scan, BVS=BVS)),
+        (mamba2_v12.mamba2_v12_fwd_kernel, fwd.replace(" oi", ""), dict(scan, BV=BVS)),
+        (mamba2_v12.mamba2_v12_bwd_dq_kernel, dq, dict(scan, BKS=BKS, BL=32)),
+        (mamba2_v12.mamba2_v12_bwd_dkv_kernel, dkv, dict(scan, BVS=BVS)),
+    ]
+    for fn, names, const in kernels:
+        const = {n: c for n, c in const.items() if n in fn.arg_names}
+        sig = signature(names, P, **fp32_bufs, **ptrs)
+        print(report(fn, {**sig, **dict.fromkeys(const, "constexpr")}, const, ints=ints, **launch))
 
 if __name__ == "__main__":
     main()

@@ -30,6 +30,9 @@ from loglinear.ops.triton.common import (
 from loglinear.ops.triton.mamba2_bwd import mamba2_bwd_dkv_kernel, mamba2_bwd_dq_kernel
 from loglinear.ops.triton.mamba2_fwd import mamba2_fwd_kernel
 from loglinear.ops.triton.mamba2_intra import intra_launch_options, mamba2_intra_bwd_kernel, mamba2_intra_fwd_kernel
+from loglinear.ops.triton.mamba2_v12 import (
+    mamba2_v12_bwd_dkv_kernel, mamba2_v12_bwd_dq_kernel, mamba2_v12_fwd_kernel,
+)
 from loglinear.state import FenwickState
 
 __all__ = ["mamba2_triton", "kernel_chunk_size", "LevelScanPlan"]
@@ -38,7 +41,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Temporary, until the chunk-parallel in-chunk kernels (v2) are measured on the device: True runs the
 # in-chunk block in mamba2_intra.py and the scans carry only the chunk levels; False is v1.2 (the scans
-# compute the in-chunk block themselves, INTRA=True in their kernels).
+# compute the in-chunk block themselves: mamba2_v12.py, to be deleted with this switch).
 CHUNK_PARALLEL_INTRA = True
 
 
@@ -86,18 +89,17 @@ def _splits(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or interpreting()
 
 
-def _meta(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, L: int) -> dict:
-    """Kernel arguments shared by the three scans; BKS / BVS are the split K / V blocks."""
+def _meta(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, L: int) -> tuple[dict, int, int, int, int]:
+    """Arguments shared by the scans, and the blocks BK, BV (whole) and BKS, BVS (split) of K and V."""
     K, V = q.shape[-1], v.shape[-1]
     BK, BV = next_pow2(K), next_pow2(V)
-    split = _splits(q.dtype)
-    BKS, BVS = (split_block(BK), split_block(BV)) if split else (BK, BV)
-    return dict(
-        H=v.shape[1], G=q.shape[1], K=K, V=V, L=L, J=plan.num_levels,
-        C=plan.chunk_size, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, BKS=BKS, BVS=BVS,
-        BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, PRECISION=dot_precision(q.dtype),
-        **launch_options(BKS, BV),
+    BKS, BVS = (split_block(BK), split_block(BV)) if _splits(q.dtype) else (BK, BV)
+    meta = dict(
+        H=v.shape[1], G=q.shape[1], K=K, V=V, L=L, J=plan.num_levels, C=plan.chunk_size,
+        LOG_C=chunk_bits(plan.chunk_size), BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init,
+        PRECISION=dot_precision(q.dtype), **launch_options(BKS, BV),
     )
+    return meta, BK, BV, BKS, BVS
 
 
 def _intra_meta(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, L: int) -> dict:
@@ -124,6 +126,70 @@ def _zero_prefixes(plan: LevelScanPlan, *xs: torch.Tensor) -> None:
             x[a:b] = 0
 
 
+@dataclass
+class _Grads:
+    """The backward's fp32 buffers: dq, dv [tokens, H, K | V]; dk, kdk partial sums over NV value blocks;
+    dlam, qdq partial sums over NK key blocks (see mamba2_bwd.py)."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dlam: torch.Tensor
+    qdq: torch.Tensor
+    kdk: torch.Tensor
+
+
+def _forward_v2(q, k, v, g, lam, o, levels, ranges, chunks, plan: LevelScanPlan) -> None:
+    """In-chunk kernel, then the chunk-level scan: o and levels (final chunk levels) written in place."""
+    (meta, BK, _, _, BVS), L = _meta(plan, q, v, lam.shape[-1]), lam.shape[-1]
+    starts, ends = chunks
+    oi = alloc(tuple(v.shape), torch.float32, v.device)
+    if starts.numel():
+        mamba2_intra_fwd_kernel[(starts.numel(), v.shape[1])](q, k, v, g, lam, oi, starts, ends,
+                                                                **_intra_meta(plan, q, v, L))
+    grid = (len(plan.bos), v.shape[1], triton.cdiv(v.shape[2], BVS))
+    mamba2_fwd_kernel[grid](q, k, v, g, lam, o, oi, levels, *ranges, plan.scale, BK=BK, BV=BVS, **meta)
+
+
+def _backward_v2(q, k, v, g, lam, d_o, scratch, d_levels, ranges, chunks, out: _Grads, plan: LevelScanPlan) -> None:
+    """In-chunk gradients, then the two chunk-level scans adding to them (d_levels: final in, initial out)."""
+    (meta, BK, BV, BKS, BVS), L = _meta(plan, q, v, lam.shape[-1]), lam.shape[-1]
+    starts, ends = chunks
+    tokens, H = v.shape[:2]
+    BL = next_pow2(L, minimum=32)
+    if starts.numel():
+        mamba2_intra_bwd_kernel[(starts.numel(), H)](q, k, v, g, lam, d_o, out.dq, out.dk, out.dv, out.dlam,
+                                                      starts, ends, plan.scale, BL=BL, **_intra_meta(plan, q, v, L))
+    args = (*ranges, plan.scale, tokens)
+    mamba2_bwd_dq_kernel[(len(plan.bos), H, out.dlam.shape[0])](
+        q, k, v, g, lam, d_o, out.dq, out.dlam, out.qdq, scratch, *args, BKS=BKS, BV=BV, BL=BL, **meta
+    )
+    mamba2_bwd_dkv_kernel[(len(plan.bos), H, out.dk.shape[0])](
+        q, k, v, g, lam, d_o, out.dk, out.dv, out.kdk, d_levels, *args, BK=BK, BVS=BVS, **meta
+    )
+
+
+def _forward_v12(q, k, v, g, lam, o, levels, ranges, chunks, plan: LevelScanPlan) -> None:
+    """TEMPORARY (CHUNK_PARALLEL_INTRA = False): the v1.2 scan with the in-chunk block inside."""
+    meta, BK, _, _, BVS = _meta(plan, q, v, lam.shape[-1])
+    grid = (len(plan.bos), v.shape[1], triton.cdiv(v.shape[2], BVS))
+    mamba2_v12_fwd_kernel[grid](q, k, v, g, lam, o, levels, *ranges, plan.scale, BK=BK, BV=BVS, **meta)
+
+
+def _backward_v12(q, k, v, g, lam, d_o, scratch, d_levels, ranges, chunks, out: _Grads, plan: LevelScanPlan) -> None:
+    """TEMPORARY (CHUNK_PARALLEL_INTRA = False): the v1.2 backward scans with the in-chunk block inside."""
+    meta, BK, BV, BKS, BVS = _meta(plan, q, v, lam.shape[-1])
+    H = v.shape[1]
+    args = (*ranges, plan.scale, v.shape[0])
+    mamba2_v12_bwd_dq_kernel[(len(plan.bos), H, out.dlam.shape[0])](
+        q, k, v, g, lam, d_o, out.dq, out.dlam, out.qdq, scratch, *args, BK=BK, BKS=BKS, BV=BV,
+        BL=next_pow2(lam.shape[-1], minimum=32), **meta
+    )
+    mamba2_v12_bwd_dkv_kernel[(len(plan.bos), H, out.dk.shape[0])](
+        q, k, v, g, lam, d_o, out.dk, out.dv, out.kdk, d_levels, *args, BK=BK, BV=BV, BVS=BVS, **meta
+    )
+
+
 class LevelScanMamba2(torch.autograd.Function):
     """(q, k, v, g, lam, h0) -> (o, chunk-level final states) on the kernels.
 
@@ -133,27 +199,13 @@ class LevelScanMamba2(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, lam, h0, plan: LevelScanPlan):
-        bos, eos, chunk0 = plan.device_tensors(q.device)
+        ranges = plan.device_tensors(q.device)
+        chunks = plan.chunk_table(q.device) if CHUNK_PARALLEL_INTRA else None
         o = alloc(tuple(v.shape), v.dtype, v.device)
         levels = h0.detach().clone(memory_format=torch.contiguous_format)
-        L = lam.shape[-1]
-        oi, chunks = o, None
-        if CHUNK_PARALLEL_INTRA:
-            starts, ends = chunks = plan.chunk_table(q.device)
-            oi = alloc(tuple(v.shape), torch.float32, v.device)
-            if starts.numel():
-                mamba2_intra_fwd_kernel[(starts.numel(), v.shape[1])](
-                    q, k, v, g, lam, oi, starts, ends, **_intra_meta(plan, q, v, L)
-                )
-        meta = _meta(plan, q, v, L)
-        meta["BV"] = meta.pop("BVS")
-        del meta["BKS"]
-        grid = (len(plan.bos), v.shape[1], triton.cdiv(v.shape[2], meta["BV"]))
-        mamba2_fwd_kernel[grid](q, k, v, g, lam, o, oi, levels, bos, eos, chunk0, plan.scale,
-                                INTRA=not CHUNK_PARALLEL_INTRA, **meta)
-        ctx.plan = plan
-        ctx.ranges = (bos, eos, chunk0)
-        ctx.chunks = chunks
+        forward = _forward_v2 if CHUNK_PARALLEL_INTRA else _forward_v12
+        forward(q, k, v, g, lam, o, levels, ranges, chunks, plan)
+        ctx.plan, ctx.ranges, ctx.chunks = plan, ranges, chunks
         ctx.save_for_backward(q, k, v, g, lam, h0, levels)
         return o, levels
 
@@ -163,35 +215,20 @@ class LevelScanMamba2(torch.autograd.Function):
         plan: LevelScanPlan = ctx.plan
         tokens, H, V = v.shape
         K, L = q.shape[-1], lam.shape[-1]
-        bos, eos, chunk0 = ctx.ranges
         d_o = torch.zeros_like(v) if d_o is None else d_o.to(v.dtype).contiguous()
         d_final = torch.zeros_like(final) if d_final is None else d_final.float().contiguous()
-        meta = _meta(plan, q, v, L)
-        dev, f32 = q.device, torch.float32
-        BKS, BVS = meta.pop("BKS"), meta.pop("BVS")
+        _, _, _, BKS, BVS = _meta(plan, q, v, L)
         NK, NV = triton.cdiv(K, BKS), triton.cdiv(V, BVS)
-        dq, dv = alloc((tokens, H, K), f32, dev), alloc((tokens, H, V), f32, dev)
-        dlam, qdq = alloc((NK, tokens, H, L), f32, dev), alloc((NK, tokens, H), f32, dev)
-        dk, kdk = alloc((NV, tokens, H, K), f32, dev), alloc((NV, tokens, H), f32, dev)
+        dev, f32 = q.device, torch.float32
+        out = _Grads(alloc((tokens, H, K), f32, dev), alloc((NV, tokens, H, K), f32, dev),
+                     alloc((tokens, H, V), f32, dev), alloc((NK, tokens, H, L), f32, dev),
+                     alloc((NK, tokens, H), f32, dev), alloc((NV, tokens, H), f32, dev))
         scratch = h0.detach().clone(memory_format=torch.contiguous_format)
-        BL = next_pow2(L, minimum=32)
-        if CHUNK_PARALLEL_INTRA:
-            starts, ends = ctx.chunks
-            if starts.numel():
-                mamba2_intra_bwd_kernel[(starts.numel(), H)](
-                    q, k, v, g, lam, d_o, dq, dk, dv, dlam, starts, ends, plan.scale, BL=BL,
-                    **_intra_meta(plan, q, v, L),
-                )
-        args = (bos, eos, chunk0, plan.scale, tokens)
-        meta["INTRA"] = not CHUNK_PARALLEL_INTRA
-        mamba2_bwd_dq_kernel[(len(plan.bos), H, NK)](
-            q, k, v, g, lam, d_o, dq, dlam, qdq, scratch, *args, BKS=BKS, BL=BL, **meta
-        )
         d_levels = d_final.clone()
-        mamba2_bwd_dkv_kernel[(len(plan.bos), H, NV)](
-            q, k, v, g, lam, d_o, dk, dv, kdk, d_levels, *args, BVS=BVS, **meta
-        )
-        dlam, qdq, kdk = dlam.sum(0), qdq.sum(0), kdk.sum(0)
+        backward = _backward_v2 if CHUNK_PARALLEL_INTRA else _backward_v12
+        backward(q, k, v, g, lam, d_o, scratch, d_levels, ctx.ranges, ctx.chunks, out, plan)
+        dq, dk, dv = out.dq, out.dk, out.dv
+        dlam, qdq, kdk = out.dlam.sum(0), out.qdq.sum(0), out.kdk.sum(0)
         d_gate = qdq - kdk
         for n, (a, b) in enumerate(zip(plan.bos, plan.eos)):
             if b > a:

@@ -1,24 +1,23 @@
-"""Backward of log-linear Mamba-2: two scans over chunks, one program per (sequence, value head).
+"""Backward scans of log-linear Mamba-2 (the chunk levels): one program per (sequence, value head).
 
-With dO the output gradient (scale folded into dA), per chunk:
+mamba2_intra.py has written the in-chunk gradients (dq, dk in block 0, dv, dlambda levels 0..c in
+block 0); the scans add the chunk levels' terms to them. With dO the output gradient, per chunk
+(Qt = exp(G) * Q, G the chunk-local cumsum, Gl = G at the chunk's end):
 
-    intra    dA = scale * dO V^T (s <= t),  P = Q K^T * Gamma,  A = P * Lambda
-             dlambda_t[l] = sum_{s: level(t,s) = l} dA * P        (levels 0..c)
-             dQ = (dA * Gamma * Lambda) K,  dK = (dA * Gamma * Lambda)^T Q,  dV = scale * A^T dO
-    readout  dlambda_t[c+1+j] = scale * dO_t . (Qt_t H_j),   dQ += scale * exp(G) * sum_j lambda_j (dO H_j^T)
-             dH_j += scale * (lambda_j * Qt)^T dO                  (Qt = exp(G) * Q)
+    readout  dlambda_t[c+1+j] = scale * exp(G_t) * dO_t . (Q H_j)_t = scale * exp(G_t) * q_t . (dO H_j^T)_t
+             dQ += scale * exp(G) * sum_j lambda_j (dO H_j^T)
+             dH_j += Q^T (scale * lambda_j * exp(G) * dO)                (the row factors on the V side)
     deposit  dD_i = dH_m (transposed merge),  dK += exp(Gl - G) * (V dD^T),  dV += exp(Gl - G) * (K dD)
 
-Kernel 1 walks forward (it needs the level states H_j: the forward cascade again) and writes dQ and
-dlambda; kernel 2 walks backward with the transposed cascade on dH and writes dK, dV and the initial
-states' gradient. With INTRA (v1.2) the scans also compute the intra terms; otherwise
-mamba2_intra.py wrote them into dq, dk (block 0), dv and dlam (block 0) and the scans add theirs.
-Kernel 1 may split K and kernel 2 V over programs (fp32; see mamba2._splits): the
-sums over the split axis (dlambda's readout part and q.dq in kernel 1, dK's deposit part and k.dk in
-kernel 2) are written per block and added by the caller in a fixed order; the intra-chunk parts of
-those are added by block 0 only. Both write q.dq and k.dk per (token, head): the gate's gradient
-follows from the invariance o(q e^d, k e^-d, G - d) = o, i.e. dG_t = q_t.dq_t - k_t.dk_t (plus the final states' term),
-and dg is its reverse cumsum (done by the caller). No atomics: every output element has one writer.
+Kernel 1 walks forward (it needs the level states H_j: the forward cascade again) and adds to dQ and
+dlambda; kernel 2 walks backward with the transposed cascade on dH, adds to dK and dV and writes the
+initial states' gradient. Kernel 1 may split K and kernel 2 V over programs (fp32; see
+mamba2._splits): the sums over the split axis (dlambda's readout part and q.dq in kernel 1, dK's
+deposit part and k.dk in kernel 2) are written per block and added by the caller in a fixed order;
+block 0 adds them to the in-chunk terms, the other blocks start from 0. Both write q.dq and k.dk per
+(token, head) on the full gradients (in-chunk + chunk levels): dG_t = q_t.dq_t - k_t.dk_t (plus the
+final states' term; mamba2_intra.py derives it), and dg is its reverse cumsum (done by the caller).
+No atomics: every output element has one writer at a time.
 """
 
 from __future__ import annotations
@@ -26,18 +25,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.common import SCAN_RUNTIME_ARGS, load_chunk_qk, load_column, load_rows, store_rows
-from loglinear.ops.triton.intra import (
-    chunk_gates, intra_levels, intra_score_grads, intra_scores, level_sums, level_weights,
-)
+from loglinear.ops.triton.common import SCAN_RUNTIME_ARGS, load_column
+from loglinear.ops.triton.intra import chunk_gates
 from loglinear.ops.triton.levels import (
     accumulate_level, flush_levels, level_live, load_level, merge_levels, split_levels,
 )
+from loglinear.ops.triton.mamba2_fwd import chunk_deposit
+from loglinear.ops.triton.mamba2_rows import load_qk_tiles, load_tile, store_tile
 
 
 @triton.jit
 def block_zero_rows(valid, t, block):
-    """valid [C] for the split block 0 (it adds the in-chunk terms), all False for the others."""
+    """valid [C] for the split block 0 (it adds to the in-chunk terms), all False for the others."""
     return valid & ((t * 0 + block) == 0)
 
 
@@ -45,24 +44,21 @@ def block_zero_rows(valid, t, block):
 def mamba2_bwd_dq_kernel(
     q, k, v, g, lam, do, dq, dlam, qdq, levels, bos_ptr, eos_ptr, chunk0_ptr, scale, tokens,
     H, G, K, V, L, J,
-    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
-    BJ: tl.constexpr, BL: tl.constexpr, HAS_INIT: tl.constexpr, INTRA: tl.constexpr, PRECISION: tl.constexpr,
+    C: tl.constexpr, LOG_C: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+    BJ: tl.constexpr, BL: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid (N, H, cdiv(K, BKS)). dq: [tokens, H, K] fp32 (per value head);
-    dlam, qdq: [NK, tokens, H, L] / [NK, tokens, H] fp32 partial sums over K blocks;
-    without INTRA, dq and dlam[0] hold the in-chunk terms on entry;
-    levels: [N, J, H, K, V] fp32 scratch holding the initial chunk-level states (overwritten)."""
+    """Grid (N, H, cdiv(K, BKS)). dq: [tokens, H, K] fp32 (per value head), in-chunk terms in, totals out;
+    dlam, qdq: [NK, tokens, H, L] / [NK, tokens, H] fp32 partial sums over K blocks (dlam[0] holds the
+    in-chunk levels on entry); levels: [N, J, H, K, V] fp32 scratch holding the initial chunk-level
+    states (overwritten)."""
     n, h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     grp = h // (H // G)
     bos = tl.load(bos_ptr + n).to(tl.int64)
     eos = tl.load(eos_ptr + n).to(tl.int64)
     c0 = tl.load(chunk0_ptr + n).to(tl.int64)
     r = tl.arange(0, C)
-    kk, vv, jj, ll = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BJ), tl.arange(0, BL)
+    vv, jj, ll = tl.arange(0, BV), tl.arange(0, BJ), tl.arange(0, BL)
     ks = kb * BKS + tl.arange(0, BKS)
-    first = (kb == 0).to(tl.float32)
-    lev = intra_levels(r, LOG_C)
-    causal = r[:, None] >= r[None, :]
     stride = H * K * V
     ptrs = levels + (n * J * H + h) * K * V + ks[:, None] * V + vv[None, :]
     lmask = (ks[:, None] < K) & (vv[None, :] < V)
@@ -71,42 +67,32 @@ def mamba2_bwd_dq_kernel(
     decay = tl.zeros([BJ], dtype=tl.float32)
     n_chunks = tl.cdiv(eos - bos, C)
     for i in range(n_chunks):
-        t = bos + i * C + r
+        t0 = bos + i * C
+        t = t0 + r
         valid = t < eos
         chunk = c0 + i
-        qs = load_rows(q, t, valid, grp, G, K, ks, BKS)
-        kbl = load_rows(k, t, valid, grp, G, K, ks, BKS)
-        vc = load_rows(v, t, valid, h, H, V, vv, BV)
-        doc = load_rows(do, t, valid, h, H, V, vv, BV)
+        qs = load_tile(q, t0, r, valid, grp, G, K, ks)
+        doc = load_tile(do, t0, r, valid, h, H, V, vv)
         Gc, Gl = chunk_gates(g, t, valid, h, H)
-        if INTRA:
-            qc, kc = load_chunk_qk(q, k, t, valid, grp, G, K, kk, BK)
-            p, gamma = intra_scores(qc, kc, Gc, causal, PRECISION)
-            d_a = intra_score_grads(doc, vc, causal, scale, PRECISION)
-            d_lam = level_sums(d_a * p * first, lev, ll, LOG_C)
-            weights = level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C)
-            acc = tl.dot((d_a * gamma * weights).to(kbl.dtype), kbl, input_precision=PRECISION)
-        else:
-            acc = load_rows(dq, t, valid, h, H, K, ks, BKS)
-            d_lam = load_rows(dlam, t, block_zero_rows(valid, t, kb), h, H, L, ll, BL)
-        qt = qs.to(tl.float32) * tl.exp(Gc)[:, None]
+        row_scale = scale * tl.exp(Gc)
+        d_lam = load_tile(dlam, t0, r, block_zero_rows(valid, t, kb), h, H, L, ll)
         d_qt = tl.zeros([C, BKS], dtype=tl.float32)
         for j in range(J):
             if level_live(chunk, c0, j, HAS_INIT):
                 lam_j = load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)
                 state = load_level(ptrs, stride, j, lmask, decay, jj).to(qs.dtype)
-                d_qt += lam_j[:, None] * tl.dot(doc, tl.trans(state), input_precision=PRECISION)
-                read = tl.dot(qt.to(qs.dtype), state, input_precision=PRECISION)
-                col = tl.sum(read * doc.to(tl.float32), 1) * scale
+                d_read = tl.dot(doc, tl.trans(state), input_precision=PRECISION)
+                d_qt += lam_j[:, None] * d_read
+                col = tl.sum(d_read * qs.to(tl.float32), 1) * row_scale
                 d_lam = tl.where(ll[None, :] == LOG_C + 1 + j, col[:, None], d_lam)
-        acc += d_qt * (scale * tl.exp(Gc))[:, None]
-        store_rows(dq, acc, t, valid, h, H, K, ks)
-        store_rows(dlam, d_lam, t, valid, h, H, L, ll)
+        acc = load_tile(dq, t0, r, valid, h, H, K, ks) + d_qt * row_scale[:, None]
+        store_tile(dq, acc, t0, r, valid, h, H, K, ks)
+        store_tile(dlam, d_lam, t0, r, valid, h, H, L, ll)
         tl.store(qdq + t * H + h, tl.sum(acc * qs.to(tl.float32), 1), mask=valid)
         decay += Gl
         if i < n_chunks - 1:
-            kt = kbl.to(tl.float32) * tl.exp(Gl - Gc)[:, None]
-            deposit = tl.dot(tl.trans(kt.to(vc.dtype)), vc, input_precision=PRECISION)
+            kbl = load_tile(k, t0, r, valid, grp, G, K, ks)
+            deposit = chunk_deposit(kbl, load_tile(v, t0, r, valid, h, H, V, vv), Gc, Gl, PRECISION)
             decay = merge_levels(ptrs, stride, lmask, deposit, decay, jj, chunk, c0, HAS_INIT, BJ)
 
 
@@ -114,23 +100,21 @@ def mamba2_bwd_dq_kernel(
 def mamba2_bwd_dkv_kernel(
     q, k, v, g, lam, do, dk, dv, kdk, d_levels, bos_ptr, eos_ptr, chunk0_ptr, scale, tokens,
     H, G, K, V, L, J,
-    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVS: tl.constexpr,
-    BJ: tl.constexpr, HAS_INIT: tl.constexpr, INTRA: tl.constexpr, PRECISION: tl.constexpr,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BVS: tl.constexpr,
+    BJ: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (N, H, cdiv(V, BVS)). dk, kdk: [NV, tokens, H, K] / [NV, tokens, H] fp32 partial sums over
-    V blocks (per value head); dv: [tokens, H, V]; without INTRA, dk[0] and dv hold the in-chunk terms on entry;
-    d_levels: [N, J, H, K, V] fp32: the final chunk-level states' gradient in, the initial ones' out."""
+    V blocks (per value head; dk[0] holds the in-chunk terms on entry); dv: [tokens, H, V], in-chunk
+    terms in, totals out; d_levels: [N, J, H, K, V] fp32: the final chunk-level states' gradient in,
+    the initial ones' out."""
     n, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     grp = h // (H // G)
     bos = tl.load(bos_ptr + n).to(tl.int64)
     eos = tl.load(eos_ptr + n).to(tl.int64)
     c0 = tl.load(chunk0_ptr + n).to(tl.int64)
     r = tl.arange(0, C)
-    kk, vv, jj = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BJ)
+    kk, jj = tl.arange(0, BK), tl.arange(0, BJ)
     vs = vb * BVS + tl.arange(0, BVS)
-    first = (vb == 0).to(tl.float32)
-    lev = intra_levels(r, LOG_C)
-    causal = r[:, None] >= r[None, :]
     stride = H * K * V
     ptrs = d_levels + (n * J * H + h) * K * V + kk[:, None] * V + vs[None, :]
     lmask = (kk[:, None] < K) & (vs[None, :] < V)
@@ -140,39 +124,31 @@ def mamba2_bwd_dkv_kernel(
     n_chunks = tl.cdiv(eos - bos, C)
     for back in range(n_chunks):
         i = n_chunks - 1 - back
-        t = bos + i * C + r
+        t0 = bos + i * C
+        t = t0 + r
         valid = t < eos
         chunk = c0 + i
-        qc, kc = load_chunk_qk(q, k, t, valid, grp, G, K, kk, BK)
-        vbl = load_rows(v, t, valid, h, H, V, vs, BVS)
-        dobl = load_rows(do, t, valid, h, H, V, vs, BVS)
+        qc, kc = load_qk_tiles(q, k, t0, r, valid, grp, G, K, kk)
+        dobl = load_tile(do, t0, r, valid, h, H, V, vs)
         Gc, Gl = chunk_gates(g, t, valid, h, H)
-        if INTRA:
-            vc = load_rows(v, t, valid, h, H, V, vv, BV)
-            doc = load_rows(do, t, valid, h, H, V, vv, BV)
-            p, gamma = intra_scores(qc, kc, Gc, causal, PRECISION)
-            weights = level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C)
-            d_s = intra_score_grads(doc, vc, causal, scale * first, PRECISION) * gamma * weights
-            acc_k = tl.dot(tl.trans(d_s.to(qc.dtype)), qc, input_precision=PRECISION)
-            acc_v = tl.dot(tl.trans((p * weights).to(dobl.dtype)), dobl, input_precision=PRECISION) * scale
-        else:
-            acc_k = load_rows(dk, t, block_zero_rows(valid, t, vb), h, H, K, kk, BK)
-            acc_v = load_rows(dv, t, valid, h, H, V, vs, BVS)
+        acc_k = load_tile(dk, t0, r, block_zero_rows(valid, t, vb), h, H, K, kk)
+        acc_v = load_tile(dv, t0, r, valid, h, H, V, vs)
         if i < n_chunks - 1:
             d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, chunk, BJ)
             to_end = tl.exp(Gl - Gc)[:, None]
+            vbl = load_tile(v, t0, r, valid, h, H, V, vs)
             d_deposit = d_deposit.to(vbl.dtype)
             acc_k += to_end * tl.dot(vbl, tl.trans(d_deposit), input_precision=PRECISION)
             acc_v += to_end * tl.dot(kc, d_deposit, input_precision=PRECISION)
+        store_tile(dk, acc_k, t0, r, valid, h, H, K, kk)
+        store_tile(dv, acc_v, t0, r, valid, h, H, V, vs)
+        tl.store(kdk + t * H + h, tl.sum(acc_k * kc.to(tl.float32), 1), mask=valid)
         decay += Gl
-        qt = qc.to(tl.float32) * (scale * tl.exp(Gc))[:, None]
+        do_scaled = dobl.to(tl.float32) * (scale * tl.exp(Gc))[:, None]
         for j in range(J):
             if level_live(chunk, c0, j, HAS_INIT):
                 lam_j = load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)
-                update = tl.dot(tl.trans((qt * lam_j[:, None]).to(dobl.dtype)), dobl, input_precision=PRECISION)
+                update = tl.dot(tl.trans(qc), (do_scaled * lam_j[:, None]).to(dobl.dtype), input_precision=PRECISION)
                 decay = accumulate_level(ptrs, stride, j, lmask, decay, jj, update)
-        store_rows(dk, acc_k, t, valid, h, H, K, kk)
-        store_rows(dv, acc_v, t, valid, h, H, V, vs)
-        tl.store(kdk + t * H + h, tl.sum(acc_k * kc.to(tl.float32), 1), mask=valid)
     if HAS_INIT:
         flush_levels(ptrs, stride, lmask, decay, jj, J, c0, c0, False, HAS_INIT)

@@ -27,10 +27,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.common import interpreting, load_chunk_qk, load_rows, store_rows
+from loglinear.ops.triton.common import interpreting
 from loglinear.ops.triton.intra import (
     chunk_gates, intra_levels, intra_output, intra_score_grads, intra_scores, level_sums, level_weights,
 )
+from loglinear.ops.triton.mamba2_rows import load_qk_tiles, load_tile, store_tile
 
 INTRA_RUNTIME_ARGS = ["H", "G", "L"]
 
@@ -44,11 +45,13 @@ def intra_launch_options() -> dict[str, int]:
 
 @triton.jit
 def chunk_rows(starts, ends, C: tl.constexpr):
-    """Token indices t [C] (int64) of chunk program_id(0), whether each is inside its sequence, and r = arange(C)."""
+    """Chunk program_id(0): its first token t0 (int64), r = arange(C), the token indices t = t0 + r and
+    whether each is inside its sequence."""
     n = tl.program_id(0)
     r = tl.arange(0, C)
-    t = tl.load(starts + n).to(tl.int64) + r
-    return t, t < tl.load(ends + n).to(tl.int64), r
+    t0 = tl.load(starts + n).to(tl.int64)
+    t = t0 + r
+    return t0, r, t, t < tl.load(ends + n).to(tl.int64)
 
 
 @triton.jit(do_not_specialize=INTRA_RUNTIME_ARGS)
@@ -60,14 +63,14 @@ def mamba2_intra_fwd_kernel(
     """q, k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H]; lam: [tokens, H, L]; starts, ends: [NC] int32.
     oi: [tokens, H, V] fp32 out, the unscaled in-chunk outputs.  Grid (NC, H)."""
     h = tl.program_id(1)
-    t, valid, r = chunk_rows(starts, ends, C)
+    t0, r, t, valid = chunk_rows(starts, ends, C)
     kk, vv = tl.arange(0, BK), tl.arange(0, BV)
-    qc, kc = load_chunk_qk(q, k, t, valid, h // (H // G), G, K, kk, BK)
-    vc = load_rows(v, t, valid, h, H, V, vv, BV)
+    qc, kc = load_qk_tiles(q, k, t0, r, valid, h // (H // G), G, K, kk)
+    vc = load_tile(v, t0, r, valid, h, H, V, vv)
     Gc, _ = chunk_gates(g, t, valid, h, H)
     acc = intra_output(qc, kc, vc, Gc, lam, t, valid, h, H, L, intra_levels(r, LOG_C), r[:, None] >= r[None, :],
                        LOG_C, PRECISION)
-    store_rows(oi, acc, t, valid, h, H, V, vv)
+    store_tile(oi, acc, t0, r, valid, h, H, V, vv)
 
 
 @triton.jit(do_not_specialize=INTRA_RUNTIME_ARGS)
@@ -80,20 +83,20 @@ def mamba2_intra_bwd_kernel(
     """Inputs as the forward, do: [tokens, H, V]. Out (fp32, per value head, the scans add to them):
     dq, dk: [tokens, H, K]; dv: [tokens, H, V]; dlam: [tokens, H, L] (columns > c written as 0).  Grid (NC, H)."""
     h = tl.program_id(1)
-    t, valid, r = chunk_rows(starts, ends, C)
+    t0, r, t, valid = chunk_rows(starts, ends, C)
     kk, vv, ll = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BL)
     lev = intra_levels(r, LOG_C)
     causal = r[:, None] >= r[None, :]
-    qc, kc = load_chunk_qk(q, k, t, valid, h // (H // G), G, K, kk, BK)
-    vc = load_rows(v, t, valid, h, H, V, vv, BV)
-    doc = load_rows(do, t, valid, h, H, V, vv, BV)
+    qc, kc = load_qk_tiles(q, k, t0, r, valid, h // (H // G), G, K, kk)
+    vc = load_tile(v, t0, r, valid, h, H, V, vv)
+    doc = load_tile(do, t0, r, valid, h, H, V, vv)
     Gc, _ = chunk_gates(g, t, valid, h, H)
     p, gamma = intra_scores(qc, kc, Gc, causal, PRECISION)
     d_a = intra_score_grads(doc, vc, causal, scale, PRECISION)
-    store_rows(dlam, level_sums(d_a * p, lev, ll, LOG_C), t, valid, h, H, L, ll)
+    store_tile(dlam, level_sums(d_a * p, lev, ll, LOG_C), t0, r, valid, h, H, L, ll)
     weights = level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C)
     d_s = (d_a * gamma * weights).to(qc.dtype)
-    store_rows(dq, tl.dot(d_s, kc, input_precision=PRECISION), t, valid, h, H, K, kk)
-    store_rows(dk, tl.dot(tl.trans(d_s), qc, input_precision=PRECISION), t, valid, h, H, K, kk)
+    store_tile(dq, tl.dot(d_s, kc, input_precision=PRECISION), t0, r, valid, h, H, K, kk)
+    store_tile(dk, tl.dot(tl.trans(d_s), qc, input_precision=PRECISION), t0, r, valid, h, H, K, kk)
     d_v = tl.dot(tl.trans((p * weights).to(doc.dtype)), doc, input_precision=PRECISION) * scale
-    store_rows(dv, d_v, t, valid, h, H, V, vv)
+    store_tile(dv, d_v, t0, r, valid, h, H, V, vv)
