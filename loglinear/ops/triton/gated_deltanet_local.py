@@ -142,24 +142,36 @@ def _chunk_local_kernel(
 
 
 @triton.jit
-def _chunk_local_bwd_kernel(
-    q, k, v, g, beta, lam, do, dqt, dwt, dkt, du, ddecay,
-    dq, dk, dv, dg, dbeta, dlam,
+def _dot(a, b, dt: tl.constexpr, PREC: tl.constexpr):
+    """a @ b with operands in dt (the backward's products take the operand dtype; fp32 accumulation)."""
+    return tl.dot(a.to(dt), b.to(dt), input_precision=PREC)
+
+
+@triton.jit
+def _cc_tile(ptr, i, rc, C: tl.constexpr):
+    """[C, C] block i of a chunk's scratch (row-major blocks of C x C)."""
+    return ptr + i * C * C + rc[:, None] * C + rc[None, :]
+
+
+@triton.jit
+def _chunk_local_bwd_cc_kernel(
+    q, k, v, g, beta, lam, do, dqt, dwt, du,
+    dv, dbeta, dlam, scratch, dGp,
     T, front, Tp, N, H, NG, L,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
     BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Gradients of chunk n of head bh (the forward's [C, C] blocks are recomputed in fp32).  Upstream (any
-    float dtype): do, du: [BH, Tp, V]; dqt, dwt, dkt: [BH, Tp, K]; ddecay: [BH, N].  Outputs (fp32, valid
-    tokens only): dq, dk: [b, T, H, K] (per value head); dv: [b, T, H, V]; dg, dbeta: [b, T, H];
-    dlam: [b, T, H, L] (levels 0..c).  With P = (QK T) * beta_s * Lambda, QK = (Q K^T) * Gamma,
-    bk = beta e K, bv = beta V (e = exp(G), f = exp(G_last - G)), backwards:
+    """Backward, part 1, chunk n of head bh: everything of [C, C] size (the forward's blocks recomputed in
+    fp32), dV, dbeta and dLambda.  Upstream: do: [BH, Tp, V] fp32, du: [BH, Tp, V], dqt, dwt: [BH, Tp, K]
+    (operand dtype).  Outputs (valid tokens only): dv: [b, T, H, V], dbeta: [b, T, H], dlam: [b, T, H, L]
+    (levels 0..c) fp32; for part 2: scratch [BH N, 4, C, C] (operand dtype) = QK, T, dQK * Gamma, dKK + dKK^T
+    and dGp [BH, Tp] fp32 (dG but for the K~ and decay terms).  With P = (QK T) * beta_s * Lambda,
+    QK = (Q K^T) * Gamma, bk = beta e K, bv = beta V (e = exp(G), f = exp(G_last - G)):
 
         dP = do V^T;  dV = P^T do + beta T^T du;  dLambda = dP * M * beta_s;  dM = dP * beta_s * Lambda
         dQK = dM T^T - dqt W~^T;   dW = dwt - QK^T dqt;   dT = QK^T dM + dW bk^T + du bv^T
         dA = -T^T dT T^T (strict lower);  dKK = dA * beta_t * Gamma;  dGamma = dQK * QKraw + dA * beta_t * KK
-        dQ = e dqt + (dQK * Gamma) K;   dK = (dQK * Gamma)^T Q + (dKK + dKK^T) K + beta e T^T dW + f dkt
-        dbeta, dG from the same lines; dg = reverse cumsum of dG.
+        dbeta, dG from the same lines.
     """
     n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -171,12 +183,16 @@ def _chunk_local_bwd_kernel(
     b_c, G, gamma, lev, lam_c, kk, Tg, qkr = _chunk_setup(
         q, k, g, beta, lam, tok, valid, h, grp, H, NG, L, C, K, LOG_C, BK, NK, PREC, dt)
     causal = rc[:, None] >= rc[None, :]
-    G_last = tl.sum(tl.where(rc == C - 1, G, 0.0), axis=0)
     e = tl.exp(G)
-    f = tl.exp(G_last - G)
-    qk = qkr * gamma
-    M = tl.dot(qk, Tg, input_precision=PREC)
-    P = M * b_c[None, :] * lam_c
+    # QK and T are final: hand them to part 2 now and keep only their operand-dtype copies (registers)
+    out = scratch + (bh * N + n) * 4 * C * C
+    qk = (qkr * gamma).to(dt)
+    Tg = Tg.to(dt)
+    tl.store(_cc_tile(out, 0, rc, C), qk)
+    tl.store(_cc_tile(out, 1, rc, C), Tg)
+    Akk = gamma * kk
+    M = _dot(qk, Tg, dt, PREC)
+    P = (M * b_c[None, :] * lam_c).to(dt)
     # values: dP, dV, dT from u = T bv
     dP = tl.zeros([C, C], dtype=tl.float32)
     dT = tl.zeros([C, C], dtype=tl.float32)
@@ -185,20 +201,20 @@ def _chunk_local_bwd_kernel(
         v_b = load_tokens(v, tok, valid, h, H, V, vb * BV, BV, dt).to(tl.float32)
         do_b = _tile(do, rows, V, vb * BV, BV).to(tl.float32)
         du_b = _tile(du, rows, V, vb * BV, BV).to(tl.float32)
-        dP += tl.dot(do_b, tl.trans(v_b), input_precision=PREC)
-        dT += tl.dot(du_b, tl.trans(b_c[:, None] * v_b), input_precision=PREC)
-        dbv = tl.dot(tl.trans(Tg), du_b, input_precision=PREC)
+        dP += _dot(do_b, tl.trans(v_b), dt, PREC)
+        dT += _dot(du_b, tl.trans(b_c[:, None] * v_b), dt, PREC)
+        dbv = _dot(tl.trans(Tg), du_b, dt, PREC)
         db += tl.sum(dbv * v_b, axis=1)
-        store_tokens(dv, tl.dot(tl.trans(P), do_b, input_precision=PREC) + b_c[:, None] * dbv, tok, valid, h, H, V, vb * BV, BV)
-    dP = tl.where(causal, dP, 0.0)
-    dLam = dP * M * b_c[None, :]
+        store_tokens(dv, _dot(tl.trans(P), do_b, dt, PREC) + b_c[:, None] * dbv, tok, valid, h, H, V, vb * BV, BV)
+    dPM = tl.where(causal, dP, 0.0) * M
+    dLam = dPM * b_c[None, :]
     for level in tl.static_range(LOG_C + 1):
         tl.store(dlam + (tok * H + h) * L + level, tl.sum(tl.where(lev == level, dLam, 0.0), axis=1),
                  mask=valid & (tok * 0 + level < L))
-    dM = dP * b_c[None, :] * lam_c
-    db += tl.sum(dP * M * lam_c, axis=0)
-    dQK = tl.dot(dM, tl.trans(Tg), input_precision=PREC)
-    dT += tl.dot(tl.trans(qk), dM, input_precision=PREC)
+    dM = tl.where(causal, dP, 0.0) * b_c[None, :] * lam_c
+    db += tl.sum(dPM * lam_c, axis=0)
+    dQK = _dot(dM, tl.trans(Tg), dt, PREC)
+    dT += _dot(tl.trans(qk), dM, dt, PREC)
     # keys: qt = e q - QK W~,  W~ = T bk
     de = tl.zeros([C], dtype=tl.float32)
     sbk = tl.zeros([C], dtype=tl.float32)
@@ -207,40 +223,75 @@ def _chunk_local_bwd_kernel(
         k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt).to(tl.float32)
         bk_b = (b_c * e)[:, None] * k_b
         dqt_b = _tile(dqt, rows, K, kb * BK, BK).to(tl.float32)
-        dW_b = _tile(dwt, rows, K, kb * BK, BK).to(tl.float32) - tl.dot(tl.trans(qk), dqt_b, input_precision=PREC)
-        dQK -= tl.dot(dqt_b, tl.trans(tl.dot(Tg, bk_b, input_precision=PREC)), input_precision=PREC)
-        dT += tl.dot(dW_b, tl.trans(bk_b), input_precision=PREC)
+        dW_b = _tile(dwt, rows, K, kb * BK, BK).to(tl.float32) - _dot(tl.trans(qk), dqt_b, dt, PREC)
+        dQK -= _dot(dqt_b, tl.trans(_dot(Tg, bk_b, dt, PREC)), dt, PREC)
+        dT += _dot(dW_b, tl.trans(bk_b), dt, PREC)
         de += tl.sum(dqt_b * q_b, axis=1)
-        sbk += tl.sum(tl.dot(tl.trans(Tg), dW_b, input_precision=PREC) * k_b, axis=1)
+        sbk += tl.sum(_dot(tl.trans(Tg), dW_b, dt, PREC) * k_b, axis=1)
     db += e * sbk
     de += b_c * sbk
     # T = (I + A)^-1,  A = strict(beta_t Gamma KK),  QK = QKraw * Gamma
-    dA = -tl.dot(tl.trans(Tg), tl.dot(dT, tl.trans(Tg), input_precision=PREC), input_precision=PREC)
+    dA = -_dot(tl.trans(Tg), _dot(dT, tl.trans(Tg), dt, PREC), dt, PREC)
     dA = tl.where(rc[:, None] > rc[None, :], dA, 0.0)
-    db += tl.sum(dA * gamma * kk, axis=1)
-    dGamma = tl.where(causal, dQK * qkr, 0.0) + dA * b_c[:, None] * kk
+    db += tl.sum(dA * Akk, axis=1)
+    dGg = tl.where(causal, dQK * qk.to(tl.float32), 0.0) + dA * b_c[:, None] * Akk
+    tl.store(dGp + rows, de * e + tl.sum(dGg, axis=1) - tl.sum(dGg, axis=0))
+    tl.store(dbeta + tok * H + h, db, mask=valid)
+    gamma = decay_matrix(G, causal)
     dKK = dA * b_c[:, None] * gamma
-    dKK = dKK + tl.trans(dKK)
-    dQKr = dQK * gamma
+    tl.store(_cc_tile(out, 2, rc, C), (dQK * gamma).to(dt))
+    tl.store(_cc_tile(out, 3, rc, C), (dKK + tl.trans(dKK)).to(dt))
+
+
+@triton.jit
+def _chunk_local_bwd_k_kernel(
+    q, k, g, beta, dqt, dwt, dkt, ddecay, scratch, dGp,
+    dq, dk, dg,
+    T, front, Tp, N, H, NG,
+    K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr,
+):
+    """Backward, part 2, chunk n of head bh: the key-sized gradients from part 1's scratch.  Upstream: dqt,
+    dwt, dkt: [BH, Tp, K] (operand dtype), ddecay: [BH, N].  Outputs (fp32, valid tokens only): dq, dk:
+    [b, T, H, K] (per value head), dg: [b, T, H] (reverse cumsum of dG):
+
+        dW = dwt - QK^T dqt;  dQ = e dqt + (dQK * Gamma) K;
+        dK = (dQK * Gamma)^T Q + (dKK + dKK^T) K + beta e T^T dW + f dkt;  dG += -f rowsum(dkt K) + [last] dG_last
+    """
+    n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    tok, valid, h = chunk_tokens(n, bh, T, front, H, C)
+    grp = h // (H // NG)
+    rc = tl.arange(0, C)
+    rows = bh * Tp + n * C + rc
+    dt = dqt.dtype.element_ty
+    src = scratch + (bh * N + n) * 4 * C * C
+    qk = tl.load(_cc_tile(src, 0, rc, C))
+    Tg = tl.load(_cc_tile(src, 1, rc, C))
+    dQKr = tl.load(_cc_tile(src, 2, rc, C))
+    dKK = tl.load(_cc_tile(src, 3, rc, C))
+    G = tl.cumsum(tl.load(g + tok * H + h, mask=valid, other=0.0).to(tl.float32), axis=0)
+    G_last = tl.sum(tl.where(rc == C - 1, G, 0.0), axis=0)
+    e = tl.exp(G)
+    f = tl.exp(G_last - G)
+    be = tl.load(beta + tok * H + h, mask=valid, other=0.0).to(tl.float32) * e
     skt = tl.zeros([C], dtype=tl.float32)
     for kb in tl.static_range(NK):
-        q_b = load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, dt).to(tl.float32)
-        k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt).to(tl.float32)
-        dqt_b = _tile(dqt, rows, K, kb * BK, BK).to(tl.float32)
+        q_b = load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, dt)
+        k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt)
+        dqt_b = _tile(dqt, rows, K, kb * BK, BK)
         dkt_b = _tile(dkt, rows, K, kb * BK, BK).to(tl.float32)
-        dW_b = _tile(dwt, rows, K, kb * BK, BK).to(tl.float32) - tl.dot(tl.trans(qk), dqt_b, input_precision=PREC)
-        dbk_b = tl.dot(tl.trans(Tg), dW_b, input_precision=PREC)
-        store_tokens(dq, e[:, None] * dqt_b + tl.dot(dQKr, k_b, input_precision=PREC), tok, valid, h, H, K, kb * BK, BK)
-        dk_b = tl.dot(tl.trans(dQKr), q_b, input_precision=PREC) + tl.dot(dKK, k_b, input_precision=PREC)
-        dk_b += (b_c * e)[:, None] * dbk_b + f[:, None] * dkt_b
+        dW_b = _tile(dwt, rows, K, kb * BK, BK).to(tl.float32) - _dot(tl.trans(qk), dqt_b, dt, PREC)
+        dbk_b = _dot(tl.trans(Tg), dW_b.to(dt), dt, PREC)
+        dq_b = e[:, None] * dqt_b.to(tl.float32) + _dot(dQKr, k_b, dt, PREC)
+        store_tokens(dq, dq_b, tok, valid, h, H, K, kb * BK, BK)
+        dk_b = _dot(tl.trans(dQKr), q_b, dt, PREC) + _dot(dKK, k_b, dt, PREC)
+        dk_b += be[:, None] * dbk_b + f[:, None] * dkt_b
         store_tokens(dk, dk_b, tok, valid, h, H, K, kb * BK, BK)
-        skt += f * tl.sum(dkt_b * k_b, axis=1)
-    # K~ = f k, decay = exp(G_last), e = exp(G), Gamma = exp(G_t - G_s); G = cumsum(g)
+        skt += f * tl.sum(dkt_b * k_b.to(tl.float32), axis=1)
+    # K~ = f k, decay = exp(G_last); G = cumsum(g)
     dG_last = tl.sum(skt, axis=0) + tl.load(ddecay + bh * N + n).to(tl.float32) * tl.exp(G_last)
-    dGg = dGamma * gamma
-    dG = de * e - skt + tl.sum(dGg, axis=1) - tl.sum(dGg, axis=0) + tl.where(rc == C - 1, dG_last, 0.0)
+    dG = tl.load(dGp + rows) - skt + tl.where(rc == C - 1, dG_last, 0.0)
     tl.store(dg + tok * H + h, tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG, mask=valid)
-    tl.store(dbeta + tok * H + h, db, mask=valid)
 
 
 def _meta(ch: Chunking, K: int, V: int, G: int, L: int, dt: torch.dtype) -> dict:
@@ -284,8 +335,14 @@ class ChunkLocal(torch.autograd.Function):
         dq, dk = alloc((b, T, H, K), f32, dev), alloc((b, T, H, K), f32, dev)
         dv, dg, dbeta = alloc((b, T, H, V), f32, dev), alloc((b, T, H), f32, dev), alloc((b, T, H), f32, dev)
         dlam = torch.zeros(b, T, H, L, dtype=f32, device=dev)  # levels > c: the scan's part
-        _chunk_local_bwd_kernel[(ch.N, ch.BH)](
-            q, k, v, g, beta, lam, *up, dq, dk, dv, dg, dbeta, dlam, **_meta(ch, K, V, G, L, dt))
+        scratch, dGp = alloc((ch.BH * ch.N, 4, ch.C, ch.C), dt, dev), alloc((ch.BH, ch.Tp), f32, dev)
+        do, dqt, dwt, dkt, du, ddecay = up
+        meta = _meta(ch, K, V, G, L, dt)
+        _chunk_local_bwd_cc_kernel[(ch.N, ch.BH)](
+            q, k, v, g, beta, lam, do, dqt, dwt, du, dv, dbeta, dlam, scratch, dGp, **meta)
+        for name in ("V", "BV", "NV", "LOG_C", "L"):
+            meta.pop(name)
+        _chunk_local_bwd_k_kernel[(ch.N, ch.BH)](q, k, g, beta, dqt, dwt, dkt, ddecay, scratch, dGp, dq, dk, dg, **meta)
         group = lambda x: x.view(b, T, G, H // G, K).sum(3)  # noqa: E731  (value heads -> their q/k group)
         grads = [group(dq), group(dk), dv, dg, dbeta, dlam]
         return (*[d.to(x.dtype) for d, x in zip(grads, (q, k, v, g, beta, lam))], None, None)
