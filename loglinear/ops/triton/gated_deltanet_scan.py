@@ -46,8 +46,8 @@ def _scan_fwd_kernel(
     PREC: tl.constexpr, SNAP: tl.constexpr,
 ):
     """qt, wt, kt: [BH, Tp, K]; u: [BH, Tp, V]; decay: [BH, N]; lam: [BH, Tp, J]; merge, live, snap_at: [N]
-    int32 (cascade target, bitmask of the live levels, first snapshot slot); states: [BH, 2, J, K, V] fp32
-    (slot 0 holds the initial states, slot N % 2 ends with the final ones of the live levels); snap: [BH, S, K, V]
+    int32 (cascade target, bitmask of the live levels, first snapshot slot); states: [BH, J, K, V] fp32,
+    updated in place (the initial states; at the end the final ones of the live levels); snap: [BH, S, K, V]
     (SNAP: the live states entering each chunk, in level order); o_intra: [BH, Tp, V] fp32, the chunk-local
     outputs; o: [b, T, H, V] (Chunking's tokens) = scale (o_intra + the readouts)."""
     iv = tl.program_id(0)
@@ -60,6 +60,8 @@ def _scan_fwd_kernel(
     hoff = rk[:, None] * V + rv[None, :]
     hmask = mk[:, None] & mv[None, :]
     KV = K * V
+    # in place: level j is read, then written (j > m); the cascade target m is written after every read
+    src = states + bh * J * KV
     for i in range(N):
         rows = bh * Tp + i * C + rc
         ck = rows[:, None] * K + rk[None, :]
@@ -72,17 +74,15 @@ def _scan_fwd_kernel(
         alive = tl.load(live + i)
         # running sum of what moves into level m: the deposit, then g_j for the live j <= m
         carry = tl.dot(tl.trans(k_i), u_i, input_precision=PREC)
-        src = states + (bh * 2 + i % 2) * J * KV
-        dst = states + (bh * 2 + (i + 1) % 2) * J * KV
         keep = snap + (bh * S + tl.load(snap_at + i)) * KV
         acc = tl.load(o_intra + rows[:, None] * V + rv[None, :], mask=mv[None, :], other=0.0)
         slot = 0
         for j in range(J):
             if (alive >> j) & 1:
-                h = tl.load(src + j * KV + hoff, mask=hmask, other=0.0)
+                h = tl.load(src + j * KV + hoff, mask=hmask, other=0.0, eviction_policy="evict_last")
                 hd = h.to(q_i.dtype)
                 if SNAP:
-                    tl.store(keep + slot * KV + hoff, hd.to(snap.dtype.element_ty), mask=hmask)
+                    tl.store(keep + slot * KV + hoff, hd.to(snap.dtype.element_ty), mask=hmask, eviction_policy="evict_first")
                 slot += 1
                 lam_j = tl.load(lam + rows * J + j)
                 acc += lam_j[:, None] * tl.dot(q_i, hd, input_precision=PREC)
@@ -91,9 +91,9 @@ def _scan_fwd_kernel(
                 if j <= m:
                     carry += g
                 else:
-                    tl.store(dst + j * KV + hoff, g, mask=hmask)
+                    tl.store(src + j * KV + hoff, g, mask=hmask)
         if m >= 0:
-            tl.store(dst + m * KV + hoff, carry, mask=hmask)
+            tl.store(src + m * KV + hoff, carry, mask=hmask)
         tok, valid, head = chunk_tokens(i, bh, T, front, H, C)
         store_tokens(o, scale * acc, tok, valid, head, H, V, iv * BV, BV)
         tl.debug_barrier()
@@ -107,9 +107,9 @@ def _scan_dh_kernel(
     PREC: tl.constexpr,
 ):
     """Backward, pass 1 (sequential, reverse over chunks): the chain dh_j = d_i dg_j - wt_i^T (kt_i dg_j) +
-    qt_i^T Y_j for the live levels only.  do: [b, T, H, V] (any float dtype); dstates: [BH, 2, J, K, V] fp32
-    (slot N % 2 holds dh of the final states; slot 0 ends with dh of the initial states of the levels live
-    at chunk 0); dsnap: [BH, S, K, V] (operand dtype): dh entering each chunk, the slots of snap_at (the
+    qt_i^T Y_j for the live levels only.  do: [b, T, H, V] (any float dtype); dstates: [BH, J, K, V] fp32,
+    updated in place (dh of the final states; at the end dh of the initial states of the levels live at
+    chunk 0); dsnap: [BH, S, K, V] (operand dtype): dh entering each chunk, the slots of snap_at (the
     host has filled chunk N's, dhN); do_intra: [BH, Tp, V] fp32 (scale do, 0 on padding)."""
     iv = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -121,6 +121,9 @@ def _scan_dh_kernel(
     hoff = rk[:, None] * V + rv[None, :]
     hmask = mk[:, None] & mv[None, :]
     KV = K * V
+    # in place: dh_m is read first; a live j > m is read, then written; the levels below m were cleared
+    # by the cascade (their dh after the chunk is never read)
+    src = dstates + bh * J * KV
     for r in range(N):
         i = N - 1 - r
         rows = bh * Tp + i * C + rc
@@ -134,22 +137,23 @@ def _scan_dh_kernel(
         d = tl.load(decay + bh * N + i)
         m = tl.load(merge + i)
         alive = tl.load(live + i)
-        src = dstates + (bh * 2 + (i + 1) % 2) * J * KV
-        dst = dstates + (bh * 2 + i % 2) * J * KV
         keep = dsnap + (bh * S + tl.load(snap_at + i)) * KV
         dh_m = tl.load(src + tl.maximum(m, 0) * KV + hoff, mask=hmask, other=0.0)
         dh_m = tl.where(m >= 0, dh_m, 0.0)
         slot = 0
         for j in range(J):
             if (alive >> j) & 1:
-                dg = tl.where(j <= m, dh_m, tl.load(src + j * KV + hoff, mask=hmask, other=0.0))
+                if j <= m:
+                    dg = dh_m
+                else:
+                    dg = tl.load(src + j * KV + hoff, mask=hmask, other=0.0, eviction_policy="evict_last")
                 lam_j = tl.load(lam + rows * J + j)
                 y = (lam_j[:, None] * do_i).to(q_i.dtype)
                 kdg = tl.dot(k_i, dg.to(q_i.dtype), input_precision=PREC).to(q_i.dtype)
                 dh = d * dg - tl.dot(tl.trans(w_i), kdg, input_precision=PREC)
                 dh += tl.dot(tl.trans(q_i), y, input_precision=PREC)
-                tl.store(dst + j * KV + hoff, dh, mask=hmask)
-                tl.store(keep + slot * KV + hoff, dh.to(dsnap.dtype.element_ty), mask=hmask)
+                tl.store(src + j * KV + hoff, dh, mask=hmask)
+                tl.store(keep + slot * KV + hoff, dh.to(dsnap.dtype.element_ty), mask=hmask, eviction_policy="evict_first")
                 slot += 1
         tl.debug_barrier()
 
@@ -295,9 +299,7 @@ class FenwickDeltaScan(torch.autograd.Function):
         V, N, J = u.shape[-1], decay.shape[1], lam.shape[-1]
         BK, BV, NV = _blocks(K, V, qt.dtype)
         keep = ctx.needs_input_grad[:8] != (False,) * 8
-        states = alloc((BH, 2, J, K, V), torch.float32, qt.device)
-        if h0 is not None:
-            states[:, 0] = h0
+        states = h0.clone() if h0 is not None else alloc((BH, J, K, V), torch.float32, qt.device)
         snap = alloc((BH, sched.slots, K, V) if keep else (1,), qt.dtype, qt.device)
         o = alloc((ch.b, ch.T, ch.H, V), dtype, qt.device)
         _scan_fwd_kernel[(NV, BH)](
@@ -307,7 +309,7 @@ class FenwickDeltaScan(torch.autograd.Function):
         )
         ctx.save_for_backward(qt, wt, kt, u, decay, lam, snap if keep else None)
         ctx.sched, ctx.ch, ctx.scale = sched, ch, scale
-        hN = torch.where(sched.level_mask(N - 1, J)[:, None, None], states[:, N % 2], 0.0)
+        hN = torch.where(sched.level_mask(N - 1, J)[:, None, None], states, 0.0)
         return o, hN
 
     @staticmethod
@@ -320,10 +322,8 @@ class FenwickDeltaScan(torch.autograd.Function):
         dev, dt, prec = qt.device, qt.dtype, dot_precision(qt.dtype)
         nan = lambda *shape, dtype=torch.float32: alloc(shape, dtype, dev)  # noqa: E731
         final = sched.levels(N, J)
-        dstates = torch.zeros(BH, 2, J, K, V, dtype=torch.float32, device=dev)
+        dstates = torch.zeros(BH, J, K, V, dtype=torch.float32, device=dev) if dhN is None else dhN.clone()
         dsnap = nan(BH, sched.slots + len(final), K, V, dtype=dt)
-        if dhN is not None:
-            dstates[:, N % 2] = dhN
         dsnap[:, sched.slots :] = 0.0 if dhN is None else dhN[:, final]
         do_intra = nan(BH, Tp, V)
         do = torch.zeros(ch.b, ch.T, ch.H, V, device=dev) if do is None else do.contiguous()
@@ -339,7 +339,7 @@ class FenwickDeltaScan(torch.autograd.Function):
             dqt, dwt, dkt, du, dd, dlam, N, J, Tp, sched.slots, dsnap.shape[1],
             K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec, **_launch(),
         )
-        dh0 = torch.where(sched.level_mask(0, J)[:, None, None], dstates[:, 0], 0.0) if ctx.needs_input_grad[6] else None
+        dh0 = torch.where(sched.level_mask(0, J)[:, None, None], dstates, 0.0) if ctx.needs_input_grad[6] else None
         return dqt, dwt, dkt, du, dd, dlam, dh0, do_intra, None, None, None, None
 
 
