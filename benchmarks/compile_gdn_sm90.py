@@ -64,12 +64,12 @@ def main() -> None:
                **{n: "constexpr" for n in [*const, "SNAP"]})
     print(report(scan._scan_fwd_kernel, sig, dict(const, SNAP=True), **launch))
     sig = dict(qt=P, wt=P, kt=P, decay=f32, lam=f32, merge="*i32", live="*i32", snap_at="*i32", do=P,
-               dstates=f32, dsnap=P, do_intra=f32, N="i32", J="i32", Tp="i32", S="i32", **rows,
+               dstates=f32, dsnap=P, do_intra=f32, N="i32", J="i32", Tp="i32", S="i32", **rows, i0="i32", i1="i32",
                **{n: "constexpr" for n in const})
     print(report(scan._scan_dh_kernel, sig, const, **launch))
     sig = dict(qt=P, wt=P, kt=P, u=P, lam=f32, merge="*i32", live="*i32", snap_at="*i32", snap=P, dsnap=P,
                do_intra=f32, dqt=P, dwt=P, dkt=P, du=P, dd=f32, dlam=f32, N="i32", J="i32", Tp="i32", S="i32",
-               SD="i32", **{n: "constexpr" for n in [*const, "NV"]})
+               SD="i32", i0="i32", **{n: "constexpr" for n in [*const, "NV"]})
     print(report(scan._scan_grads_kernel, sig, dict(const, NV=-(-V // BV)), **launch))
     ch = Chunking(b=2, T=8192, H=48, front=0, C=C)
     meta = local._meta(ch, K, V, 1, 18, dtype)

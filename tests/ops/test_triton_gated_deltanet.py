@@ -18,6 +18,7 @@ from loglinear.ops.triton import gated_deltanet as gdn
 from loglinear.ops.triton.gated_deltanet import triton_backend
 from loglinear.ops.triton.gated_deltanet_common import Chunking
 from loglinear.ops.triton.gated_deltanet_local import chunk_local, chunk_local_torch
+from loglinear.ops.triton import gated_deltanet_scan as scan_module
 from loglinear.ops.triton.gated_deltanet_scan import fenwick_delta_scan
 
 NAMES = ["q", "k", "v", "g", "beta", "level_scales"]
@@ -184,10 +185,12 @@ def _scan_torch(qt, wt, kt, u, decay, lam, h0, merge):
     return torch.cat(outs, 1), torch.stack(h, 1)
 
 
-@pytest.mark.parametrize("seeded", [True, False])
-def test_scan_kernel_and_its_backward(seeded):
+@pytest.mark.parametrize("seeded, segment", [(True, 256), (False, 256), (True, 4)])
+def test_scan_kernel_and_its_backward(seeded, segment, monkeypatch):
     """Initial states in every level (all live at chunk 0), or none (only the levels the cascade filled);
-    o = scale (o_intra + readouts) written for the real tokens of the op's layout."""
+    o = scale (o_intra + readouts) written for the real tokens of the op's layout; the backward in one
+    segment of chunks or two."""
+    monkeypatch.setattr(scan_module, "BWD_SEGMENT", segment)
     b, H, N, C, K, V, J = 1, 3, 6, 16, 20, 40, 3  # V = 40: two V blocks of 32 (partial sums)
     BH, ch, scale = b * H, Chunking(b, N * C - 8, H, front=5, C=C), 0.7
     merge = [0, 2, 0, 1, 0, -1]  # chunks 2..7

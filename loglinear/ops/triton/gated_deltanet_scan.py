@@ -102,15 +102,16 @@ def _scan_fwd_kernel(
 @triton.jit
 def _scan_dh_kernel(
     qt, wt, kt, decay, lam, merge, live, snap_at, do, dstates, dsnap, do_intra,
-    N, J, Tp, S, T, front, H, scale,
+    N, J, Tp, S, T, front, H, scale, i0, i1,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """Backward, pass 1 (sequential, reverse over chunks): the chain dh_j = d_i dg_j - wt_i^T (kt_i dg_j) +
-    qt_i^T Y_j for the live levels only.  do: [b, T, H, V] (any float dtype); dstates: [BH, J, K, V] fp32,
-    updated in place (dh of the final states; at the end dh of the initial states of the levels live at
-    chunk 0); dsnap: [BH, S, K, V] (operand dtype): dh entering each chunk, the slots of snap_at (the
-    host has filled chunk N's, dhN); do_intra: [BH, Tp, V] fp32 (scale do, 0 on padding)."""
+    """Backward, pass 1 (sequential, chunks i1-1 down to i0): the chain dh_j = d_i dg_j - wt_i^T (kt_i dg_j)
+    + qt_i^T Y_j for the live levels only.  do: [b, T, H, V] (any float dtype); dstates: [BH, J, K, V] fp32,
+    updated in place (dh entering chunk i1, at the end entering chunk i0: after the last segment, dh of the
+    initial states of the levels live at chunk 0); dsnap: [BH, S, K, V] (operand dtype): dh entering each
+    chunk of the segment at slot snap_at[i] - snap_at[i0] (the host has filled chunk i1's);
+    do_intra: [BH, Tp, V] fp32 (scale do, 0 on padding)."""
     iv = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rc = tl.arange(0, C)
@@ -124,8 +125,9 @@ def _scan_dh_kernel(
     # in place: dh_m is read first; a live j > m is read, then written; the levels below m were cleared
     # by the cascade (their dh after the chunk is never read)
     src = dstates + bh * J * KV
-    for r in range(N):
-        i = N - 1 - r
+    base = tl.load(snap_at + i0)
+    for r in range(i1 - i0):
+        i = i1 - 1 - r
         rows = bh * Tp + i * C + rc
         ck = rows[:, None] * K + rk[None, :]
         q_i = tl.load(qt + ck, mask=mk[None, :], other=0.0)
@@ -137,7 +139,7 @@ def _scan_dh_kernel(
         d = tl.load(decay + bh * N + i)
         m = tl.load(merge + i)
         alive = tl.load(live + i)
-        keep = dsnap + (bh * S + tl.load(snap_at + i)) * KV
+        keep = dsnap + (bh * S + tl.load(snap_at + i) - base) * KV
         dh_m = tl.load(src + tl.maximum(m, 0) * KV + hoff, mask=hmask, other=0.0)
         dh_m = tl.where(m >= 0, dh_m, 0.0)
         slot = 0
@@ -162,16 +164,17 @@ def _scan_dh_kernel(
 def _scan_grads_kernel(
     qt, wt, kt, u, lam, merge, live, snap_at, snap, dsnap, do_intra,
     dqt, dwt, dkt, du, dd, dlam,
-    N, J, Tp, S, SD,
+    N, J, Tp, S, SD, i0,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """Backward, pass 2 (chunk i of head bh, all in parallel): the gradients of the chunk's inputs from the
     forward's states entering it (snap: [BH, S, K, V]) and the gradients dg_j leaving it (dh entering chunk
-    i + 1, dsnap: [BH, SD, K, V]; level m is its slot 0, a live j > m its slot among chunk i + 1's live levels).
+    i + 1, dsnap: [BH, SD, K, V] of the segment from chunk i0 (_scan_dh_kernel); level m is its slot 0, a live
+    j > m its slot among chunk i + 1's live levels).
     do_intra: [BH, Tp, V] fp32 (scale do). Outputs: dqt, dwt, dkt: [BH, Tp, K], du: [BH, Tp, V] (operand
     dtype); dd: [BH, N], dlam: [BH, Tp, J] (fp32). V is walked in NV blocks of BV."""
-    i = tl.program_id(0)
+    i = tl.program_id(0) + i0
     bh = tl.program_id(1).to(tl.int64)
     rc = tl.arange(0, C)
     rk = tl.arange(0, BK)
@@ -186,7 +189,7 @@ def _scan_grads_kernel(
     alive = tl.load(live + i)
     after = tl.load(live + i + 1)
     hsrc = snap + (bh * S + tl.load(snap_at + i)) * KV
-    gsrc = dsnap + (bh * SD + tl.load(snap_at + i + 1)) * KV
+    gsrc = dsnap + (bh * SD + tl.load(snap_at + i + 1) - tl.load(snap_at + i0)) * KV
     dq_acc = tl.zeros([C, BK], dtype=tl.float32)
     dw_acc = tl.zeros([C, BK], dtype=tl.float32)
     dk_acc = tl.zeros([C, BK], dtype=tl.float32)
@@ -230,6 +233,9 @@ def _scan_grads_kernel(
     tl.store(dd + bh * N + i, dd_acc)
 
 
+BWD_SEGMENT = 256  # chunks per backward segment: bounds the dh snapshots (~2 GB at B H = 96, K = 128, V = 64)
+
+
 def _blocks(K: int, V: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BK, BV, number of V blocks): K whole (the transition contracts over it); V in blocks of 64 for
     bf16/fp16 operands with K <= 128 (the whole-tile shape that the Mamba-2 kernels found correct on
@@ -248,12 +254,13 @@ def _launch() -> dict[str, int]:
 class Schedule:
     """What the scan needs to know about its chunks (the same for every head).  merge: [N], live, snap_at:
     [N + 1] int32 on the device (cascade target, live-level bitmask, first snapshot slot; entry N: the final
-    states); bits: live on the host; slots: snapshot slots of chunks 0..N-1 per head (snap_at[N])."""
+    states); bits, at: live and snap_at on the host; slots: snapshot slots of chunks 0..N-1 per head."""
 
     merge: torch.Tensor
     live: torch.Tensor
     snap_at: torch.Tensor
     bits: list[int]
+    at: list[int]
     slots: int
 
     def levels(self, i: int, J: int) -> list[int]:
@@ -278,7 +285,7 @@ def schedule(merge: list[int], J: int, seeded: bool, device: torch.device) -> Sc
         if m >= 0:  # levels 0..m merge into m
             alive = (alive & ~((2 << m) - 1)) | (1 << m)
     as_int = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-    return Schedule(as_int(merge), as_int(live), as_int(snap_at), live, snap_at[-1])
+    return Schedule(as_int(merge), as_int(live), as_int(snap_at), live, snap_at, snap_at[-1])
 
 
 class FenwickDeltaScan(torch.autograd.Function):
@@ -321,24 +328,27 @@ class FenwickDeltaScan(torch.autograd.Function):
         BK, BV, NV = _blocks(K, V, qt.dtype)
         dev, dt, prec = qt.device, qt.dtype, dot_precision(qt.dtype)
         nan = lambda *shape, dtype=torch.float32: alloc(shape, dtype, dev)  # noqa: E731
-        final = sched.levels(N, J)
         dstates = torch.zeros(BH, J, K, V, dtype=torch.float32, device=dev) if dhN is None else dhN.clone()
-        dsnap = nan(BH, sched.slots + len(final), K, V, dtype=dt)
-        dsnap[:, sched.slots :] = 0.0 if dhN is None else dhN[:, final]
         do_intra = nan(BH, Tp, V)
         do = torch.zeros(ch.b, ch.T, ch.H, V, device=dev) if do is None else do.contiguous()
-        _scan_dh_kernel[(NV, BH)](
-            qt, wt, kt, decay, lam, sched.merge, sched.live, sched.snap_at, do, dstates, dsnap, do_intra,
-            N, J, Tp, dsnap.shape[1], ch.T, ch.front, ch.H, ctx.scale,
-            K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, **_launch(),
-        )
         dqt, dwt, dkt = [nan(BH, Tp, K, dtype=dt) for _ in range(3)]
         du, dd, dlam = nan(BH, Tp, V, dtype=u.dtype), nan(BH, N), nan(BH, Tp, J)
-        _scan_grads_kernel[(N, BH)](
-            qt, wt, kt, u, lam, sched.merge, sched.live, sched.snap_at, snap, dsnap, do_intra,
-            dqt, dwt, dkt, du, dd, dlam, N, J, Tp, sched.slots, dsnap.shape[1],
-            K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec, **_launch(),
-        )
+        for i1 in range(N, 0, -BWD_SEGMENT):  # segments of chunks, last first: dsnap holds one segment
+            i0 = max(0, i1 - BWD_SEGMENT)
+            base, tail = sched.at[i0], sched.at[i1]
+            dsnap = nan(BH, tail - base + len(sched.levels(i1, J)), K, V, dtype=dt)
+            dsnap[:, tail - base :] = dstates[:, sched.levels(i1, J)]
+            _scan_dh_kernel[(NV, BH)](
+                qt, wt, kt, decay, lam, sched.merge, sched.live, sched.snap_at, do, dstates, dsnap, do_intra,
+                N, J, Tp, dsnap.shape[1], ch.T, ch.front, ch.H, ctx.scale, i0, i1,
+                K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, **_launch(),
+            )
+            _scan_grads_kernel[(i1 - i0, BH)](
+                qt, wt, kt, u, lam, sched.merge, sched.live, sched.snap_at, snap, dsnap, do_intra,
+                dqt, dwt, dkt, du, dd, dlam, N, J, Tp, sched.slots, dsnap.shape[1], i0,
+                K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec, **_launch(),
+            )
+            del dsnap
         dh0 = torch.where(sched.level_mask(0, J)[:, None, None], dstates, 0.0) if ctx.needs_input_grad[6] else None
         return dqt, dwt, dkt, du, dd, dlam, dh0, do_intra, None, None, None, None
 
