@@ -3,8 +3,9 @@
     PYTHONPATH=/path/to/triton36 python benchmarks/compile_mamba2_sm90.py            # bf16, whole tiles
     python benchmarks/compile_mamba2_sm90.py --dtype fp32 --split                      # the fp32 tiling
 
-Paper setting (K = 128, V = 64, C = 64). Lists the chunk-parallel in-chunk kernels and the chunk-level
-scans as the op launches them (v2), and the v1.2 scans (mamba2_v12.py, mamba2.CHUNK_PARALLEL_INTRA = False).
+Paper setting (K = 128, V = 64, C = 64). Lists the kernels as the op launches them: v2 (the chunk-level
+scans mamba2_fwd.py / mamba2_bwd.py and the chunk-parallel mamba2_chunk.py), then the v1.2 scans
+(mamba2_v12.py, mamba2.CHUNK_PARALLEL_INTRA = False).
 Uses the installed triton (compile with the GPU's version) and its bundled ptxas. A kernel whose shared
 memory exceeds 232448 bytes fails to launch on an H100/H200.
 """
@@ -26,7 +27,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from loglinear.ops.triton import mamba2_bwd, mamba2_fwd, mamba2_intra, mamba2_v12  # noqa: E402
+from loglinear.ops.triton import mamba2_bwd, mamba2_chunk, mamba2_fwd, mamba2_v12  # noqa: E402
 from loglinear.ops.triton.common import MAX_CHUNK_LEVELS, dot_precision, launch_options, split_block  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -79,32 +80,27 @@ def main() -> None:
     ints = dict(K=args.K, V=args.V)
     ptrs = dict(g=f32, lam=P, scale="fp32", starts=i32, ends=i32, bos_ptr=i32, eos_ptr=i32, chunk0_ptr=i32)
 
-    intra = mamba2_intra.intra_launch_options()
-    const = base
-    sig = signature("q k v g lam oi starts ends H G K V L", P, oi=f32, **ptrs)
-    print(report(mamba2_intra.mamba2_intra_fwd_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, ints=ints, **intra))
-    const = dict(base, BL=32)
-    sig = signature("q k v g lam do dq dk dv dlam starts ends scale H G K V L", P,
-                    dq=f32, dk=f32, dv=f32, dlam=f32, **ptrs)
-    print(report(mamba2_intra.mamba2_intra_bwd_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, ints=ints, **intra))
-
-    launch = launch_options(BKS, BV)
     scan = dict(base, BJ=MAX_CHUNK_LEVELS, HAS_INIT=False)
-    fwd = "q k v g lam o oi levels bos_ptr eos_ptr chunk0_ptr scale H G K V L J"
-    dq = "q k v g lam do dq dlam qdq levels bos_ptr eos_ptr chunk0_ptr scale tokens H G K V L J"
+    bufs = dict(levels=f32, buckets=P, decays=f32, h0=f32, dq=f32, dk=f32, dv=f32, dlam=f32, qdq=f32, kdk=f32,
+                d_levels=f32, chunks=i32, seqs=i32, chunk0=i32, base_ptr=i32)
+    chunk = "q k v g lam {} h0 buckets decays starts ends seqs chunks chunk0 scale {}H G K V L J"
     dkv = "q k v g lam do dk dv kdk d_levels bos_ptr eos_ptr chunk0_ptr scale tokens H G K V L J"
-    fp32_bufs = dict(oi=f32, levels=f32, dq=f32, dlam=f32, qdq=f32, dk=f32, dv=f32, kdk=f32, d_levels=f32)
-    kernels = [
-        (mamba2_fwd.mamba2_fwd_kernel, fwd, dict(scan, BV=BVS)),
-        (mamba2_bwd.mamba2_bwd_dq_kernel, dq, dict(scan, BKS=BKS, BL=32)),
-        (mamba2_bwd.mamba2_bwd_dkv_kernel, dkv, dict(scan, BVS=BVS)),
-        (mamba2_v12.mamba2_v12_fwd_kernel, fwd.replace(" oi", ""), dict(scan, BV=BVS)),
-        (mamba2_v12.mamba2_v12_bwd_dq_kernel, dq, dict(scan, BKS=BKS, BL=32)),
-        (mamba2_v12.mamba2_v12_bwd_dkv_kernel, dkv, dict(scan, BVS=BVS)),
+    dq = "q k v g lam do dq dlam qdq levels bos_ptr eos_ptr chunk0_ptr scale tokens H G K V L J"
+    kernels = [  # (kernel, its arguments, constexprs, launch options): v2, then v1.2
+        (mamba2_fwd.mamba2_fwd_kernel, "k v g levels buckets decays bos_ptr eos_ptr chunk0_ptr base_ptr H G K V J",
+         dict(scan, BV=BVS), launch_options(BK, BVS)),
+        (mamba2_chunk.mamba2_chunk_fwd_kernel, chunk.format("o", ""), base, mamba2_chunk.chunk_launch_options(False)),
+        (mamba2_chunk.mamba2_chunk_bwd_kernel, chunk.format("do", "dq dk dv dlam qdq "), dict(base, BL=32),
+         mamba2_chunk.chunk_launch_options(True)),
+        (mamba2_bwd.mamba2_bwd_dkv_kernel, dkv, dict(scan, BVS=BVS), launch_options(BK, BVS)),
+        (mamba2_v12.mamba2_v12_fwd_kernel, "q k v g lam o levels bos_ptr eos_ptr chunk0_ptr scale H G K V L J",
+         dict(scan, BV=BVS), launch_options(BKS, BV)),
+        (mamba2_v12.mamba2_v12_bwd_dq_kernel, dq, dict(scan, BKS=BKS, BL=32), launch_options(BKS, BV)),
+        (mamba2_v12.mamba2_v12_bwd_dkv_kernel, dkv, dict(scan, BVS=BVS), launch_options(BKS, BV)),
     ]
-    for fn, names, const in kernels:
+    for fn, names, const, launch in kernels:
         const = {n: c for n, c in const.items() if n in fn.arg_names}
-        sig = signature(names, P, **fp32_bufs, **ptrs)
+        sig = signature(names, P, **{n: t for n, t in {**bufs, **ptrs}.items() if n in names.split()})
         print(report(fn, {**sig, **dict.fromkeys(const, "constexpr")}, const, ints=ints, **launch))
 
 if __name__ == "__main__":

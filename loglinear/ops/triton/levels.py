@@ -49,15 +49,31 @@ def load_level(ptrs, stride, j, mask, decay, jj):
 
 
 @triton.jit
+def level_source(chunk, c0, j, HAS_INIT: tl.constexpr):
+    """Where the value of level j that chunk ``chunk`` reads was stored: (kind, back) with kind 1 = by the
+    merge after chunk ``chunk - back`` (>= c0), 2 = the initial state (level j not assigned since c0),
+    0 = level j is dead.
+
+    Merges into j happen after the chunks e with e + 1 = 2^j mod 2^(j+1) and clears at multiples of
+    2^(j+1); so a live level j holds the merge after e = (chunk >> j << j) - 1 (chunk with bit j cleared
+    and bits 0..j-1 set) when bit j of chunk is set, else (or when e < c0) the initial state."""
+    e = ((chunk >> j) << j) - 1
+    assigned = (((chunk >> j) & 1) == 1) & (e >= c0)
+    kind = tl.where(assigned, 1, tl.where(level_live(chunk, c0, j, HAS_INIT), 2, 0))
+    return kind, chunk - e
+
+
+@triton.jit
 def merge_levels(ptrs, stride, mask, deposit, decay, jj, chunk, c0, HAS_INIT: tl.constexpr, BJ: tl.constexpr):
-    """Forward merge after chunk ``chunk`` (already decayed): H_m = deposit + sum_{j<=m, live} H_j.  Returns decay."""
+    """Forward merge after chunk ``chunk`` (already decayed): H_m = deposit + sum_{j<=m, live} H_j.
+    Returns (H_m, decay)."""
     m = merge_target(chunk, jj, BJ)
     total = deposit
     for j in range(m + 1):
         if level_live(chunk, c0, j, HAS_INIT):
             total += load_level(ptrs, stride, j, mask, decay, jj)
     tl.store(ptrs + m * stride, total, mask=mask)
-    return tl.where(jj <= m, 0.0, decay)
+    return total, tl.where(jj <= m, 0.0, decay)
 
 
 @triton.jit

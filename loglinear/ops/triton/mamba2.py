@@ -7,8 +7,10 @@ Composition (all sequences of a call in one launch per kernel):
      first C - p_n mod C tokens through the torch chunk path (exact, differentiable), so the kernels
      always start chunk-aligned: after the carry past an aligned position, every incoming level is a
      chunk level (token level > c);
-  3. the in-chunk block of every chunk runs chunk-parallel (mamba2_intra.py), then the kernels scan the
-     rest (mamba2_fwd.py, mamba2_bwd.py) carrying all chunk levels;
+  3. a sequential scan carries all chunk levels (mamba2_fwd.py: deposits and merges, recording each merged
+     level and every chunk's level decays), then one chunk-parallel kernel computes the in-chunk block and
+     the readout of every chunk (mamba2_chunk.py); the backward mirrors it (the chunk kernel gives dq,
+     dlambda and the in-chunk dk / dv; one reverse scan, mamba2_bwd.py, adds the deposit terms);
   4. the final state = the last chunk's in-chunk buckets (torch, differentiable) + the scan's chunk levels.
 """
 
@@ -27,9 +29,9 @@ from loglinear.ops.torch_chunk.scan import _carry_past
 from loglinear.ops.triton.common import (
     MAX_CHUNK_LEVELS, alloc, dot_precision, interpreting, launch_options, next_pow2, split_block,
 )
-from loglinear.ops.triton.mamba2_bwd import mamba2_bwd_dkv_kernel, mamba2_bwd_dq_kernel
+from loglinear.ops.triton.mamba2_bwd import mamba2_bwd_dkv_kernel
+from loglinear.ops.triton.mamba2_chunk import chunk_launch_options, mamba2_chunk_bwd_kernel, mamba2_chunk_fwd_kernel
 from loglinear.ops.triton.mamba2_fwd import mamba2_fwd_kernel
-from loglinear.ops.triton.mamba2_intra import intra_launch_options, mamba2_intra_bwd_kernel, mamba2_intra_fwd_kernel
 from loglinear.ops.triton.mamba2_v12 import (
     mamba2_v12_bwd_dkv_kernel, mamba2_v12_bwd_dq_kernel, mamba2_v12_fwd_kernel,
 )
@@ -39,15 +41,27 @@ __all__ = ["mamba2_triton", "kernel_chunk_size", "LevelScanPlan"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Temporary, until the chunk-parallel in-chunk kernels (v2) are measured on the device: True runs the
-# in-chunk block in mamba2_intra.py and the scans carry only the chunk levels; False is v1.2 (the scans
-# compute the in-chunk block themselves: mamba2_v12.py, to be deleted with this switch).
+# Temporary, until v2 is measured on the device: True runs v2 (a scan that only deposits and merges the
+# chunk levels, then chunk-parallel kernels for the in-chunk block and the readout, mamba2_chunk.py);
+# False runs v1.2 (everything inside the sequential scans: mamba2_v12.py, deleted with this switch).
 CHUNK_PARALLEL_INTRA = True
 
 
 def kernel_chunk_size(chunk_size: int) -> int:
     """The kernels' chunk (16..64; the result does not depend on it, tl.dot needs >= 16)."""
     return min(max(chunk_size, 16), 64)
+
+
+@dataclass
+class ChunkTable:
+    """The kernel chunks of all sequences, int32 [NC] each: first token, the sequence's end, the sequence,
+    the absolute chunk index; ``base`` [N]: each sequence's first row."""
+
+    starts: torch.Tensor
+    ends: torch.Tensor
+    seqs: torch.Tensor
+    chunks: torch.Tensor
+    base: torch.Tensor
 
 
 @dataclass
@@ -69,15 +83,19 @@ class LevelScanPlan:
         packed = torch.tensor([self.bos, self.eos, self.chunk0], dtype=torch.int32).to(device, non_blocking=True)
         return packed[0], packed[1], packed[2]
 
-    def chunk_table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every kernel chunk of every sequence: its first token and its sequence's end, int32 [NC] each."""
+    def chunk_table(self, device: torch.device) -> ChunkTable:
+        """Every kernel chunk of every sequence, in sequence order (see ChunkTable)."""
         C = self.chunk_size
-        counts = torch.tensor([triton.cdiv(b - a, C) for a, b in zip(self.bos, self.eos)])
-        seq = torch.repeat_interleave(torch.arange(len(self.bos)), counts)
-        first = torch.cumsum(counts, 0) - counts
-        starts = torch.tensor(self.bos)[seq] + (torch.arange(len(seq)) - first[seq]) * C
-        packed = torch.stack([starts, torch.tensor(self.eos)[seq]]).to(torch.int32).to(device, non_blocking=True)
-        return packed[0], packed[1]
+        counts = torch.tensor([triton.cdiv(b - a, C) for a, b in zip(self.bos, self.eos)], dtype=torch.long)
+        seqs = torch.repeat_interleave(torch.arange(len(self.bos)), counts)
+        base = torch.cumsum(counts, 0) - counts
+        local = torch.arange(len(seqs)) - base[seqs]
+        starts = torch.tensor(self.bos, dtype=torch.long)[seqs] + local * C
+        chunks = torch.tensor(self.chunk0, dtype=torch.long)[seqs] + local
+        packed = torch.cat([starts, torch.tensor(self.eos, dtype=torch.long)[seqs], seqs, chunks, base])
+        packed = packed.to(torch.int32).to(device, non_blocking=True)
+        NC = len(seqs)
+        return ChunkTable(*packed[: 4 * NC].view(4, NC), packed[4 * NC :])
 
 
 def _splits(dtype: torch.dtype) -> bool:
@@ -89,26 +107,16 @@ def _splits(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or interpreting()
 
 
-def _meta(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, L: int) -> tuple[dict, int, int, int, int]:
-    """Arguments shared by the scans, and the blocks BK, BV (whole) and BKS, BVS (split) of K and V."""
-    K, V = q.shape[-1], v.shape[-1]
-    BK, BV = next_pow2(K), next_pow2(V)
-    BKS, BVS = (split_block(BK), split_block(BV)) if _splits(q.dtype) else (BK, BV)
-    meta = dict(
-        H=v.shape[1], G=q.shape[1], K=K, V=V, L=L, J=plan.num_levels, C=plan.chunk_size,
-        LOG_C=chunk_bits(plan.chunk_size), BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init,
-        PRECISION=dot_precision(q.dtype), **launch_options(BKS, BV),
-    )
-    return meta, BK, BV, BKS, BVS
+def _blocks(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
+    """The whole (BK, BV) and split (BKS, BVS) blocks of K and V."""
+    BK, BV = next_pow2(q.shape[-1]), next_pow2(v.shape[-1])
+    return (BK, BV, split_block(BK), split_block(BV)) if _splits(q.dtype) else (BK, BV, BK, BV)
 
 
-def _intra_meta(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, L: int) -> dict:
-    """Arguments of the chunk-parallel in-chunk kernels (whole K and V tiles, one chunk per program)."""
-    K, V = q.shape[-1], v.shape[-1]
-    return dict(
-        H=v.shape[1], G=q.shape[1], K=K, V=V, L=L, C=plan.chunk_size, LOG_C=chunk_bits(plan.chunk_size),
-        BK=next_pow2(K), BV=next_pow2(V), PRECISION=dot_precision(q.dtype), **intra_launch_options(),
-    )
+def _sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor) -> dict:
+    """Runtime sizes and constexprs every kernel takes."""
+    return dict(H=v.shape[1], G=q.shape[1], K=q.shape[-1], V=v.shape[-1], J=plan.num_levels, C=plan.chunk_size,
+                HAS_INIT=plan.has_init, PRECISION=dot_precision(q.dtype))
 
 
 def _reverse_cumsum(x: torch.Tensor, plan: LevelScanPlan) -> torch.Tensor:
@@ -129,7 +137,7 @@ def _zero_prefixes(plan: LevelScanPlan, *xs: torch.Tensor) -> None:
 @dataclass
 class _Grads:
     """The backward's fp32 buffers: dq, dv [tokens, H, K | V]; dk, kdk partial sums over NV value blocks;
-    dlam, qdq partial sums over NK key blocks (see mamba2_bwd.py)."""
+    dlam, qdq partial sums over NK key blocks (NK = 1 but in the v1.2 path)."""
 
     dq: torch.Tensor
     dk: torch.Tensor
@@ -139,48 +147,67 @@ class _Grads:
     kdk: torch.Tensor
 
 
-def _forward_v2(q, k, v, g, lam, o, levels, ranges, chunks, plan: LevelScanPlan) -> None:
-    """In-chunk kernel, then the chunk-level scan: o and levels (final chunk levels) written in place."""
-    (meta, BK, _, _, BVS), L = _meta(plan, q, v, lam.shape[-1]), lam.shape[-1]
-    starts, ends = chunks
-    oi = alloc(tuple(v.shape), torch.float32, v.device)
-    if starts.numel():
-        mamba2_intra_fwd_kernel[(starts.numel(), v.shape[1])](q, k, v, g, lam, oi, starts, ends,
-                                                                **_intra_meta(plan, q, v, L))
-    grid = (len(plan.bos), v.shape[1], triton.cdiv(v.shape[2], BVS))
-    mamba2_fwd_kernel[grid](q, k, v, g, lam, o, oi, levels, *ranges, plan.scale, BK=BK, BV=BVS, **meta)
-
-
-def _backward_v2(q, k, v, g, lam, d_o, scratch, d_levels, ranges, chunks, out: _Grads, plan: LevelScanPlan) -> None:
-    """In-chunk gradients, then the two chunk-level scans adding to them (d_levels: final in, initial out)."""
-    (meta, BK, BV, BKS, BVS), L = _meta(plan, q, v, lam.shape[-1]), lam.shape[-1]
-    starts, ends = chunks
-    tokens, H = v.shape[:2]
-    BL = next_pow2(L, minimum=32)
-    if starts.numel():
-        mamba2_intra_bwd_kernel[(starts.numel(), H)](q, k, v, g, lam, d_o, out.dq, out.dk, out.dv, out.dlam,
-                                                      starts, ends, plan.scale, BL=BL, **_intra_meta(plan, q, v, L))
-    args = (*ranges, plan.scale, tokens)
-    mamba2_bwd_dq_kernel[(len(plan.bos), H, out.dlam.shape[0])](
-        q, k, v, g, lam, d_o, out.dq, out.dlam, out.qdq, scratch, *args, BKS=BKS, BV=BV, BL=BL, **meta
+def _forward_v2(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> tuple:
+    """The chunk-level scan (levels in/out, buckets, decays), then the chunk kernel writing o.
+    Returns what the backward needs: (chunk table, buckets [NC, H, K, V], decays [NC, H, J])."""
+    BK, BV, _, BVS = _blocks(q, v)
+    sizes, L, (N, H) = _sizes(plan, q, v), lam.shape[-1], (len(plan.bos), v.shape[1])
+    table = plan.chunk_table(q.device)
+    NC = table.starts.numel()
+    buckets = alloc((NC, H, q.shape[-1], v.shape[-1]), q.dtype, q.device)
+    decays = alloc((NC, H, plan.num_levels), torch.float32, q.device)
+    mamba2_fwd_kernel[(N, H, triton.cdiv(v.shape[-1], BVS))](
+        k, v, g, levels, buckets, decays, *ranges, table.base, BK=BK, BV=BVS, BJ=MAX_CHUNK_LEVELS,
+        **sizes, **launch_options(BK, BVS),
     )
-    mamba2_bwd_dkv_kernel[(len(plan.bos), H, out.dk.shape[0])](
-        q, k, v, g, lam, d_o, out.dk, out.dv, out.kdk, d_levels, *args, BK=BK, BVS=BVS, **meta
+    if NC:
+        mamba2_chunk_fwd_kernel[(NC, H)](
+            q, k, v, g, lam, o, h0, buckets, decays, table.starts, table.ends, table.seqs, table.chunks, ranges[2],
+            plan.scale, L=L, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, **sizes, **chunk_launch_options(False),
+        )
+    return table, buckets, decays
+
+
+def _backward_v2(q, k, v, g, lam, h0, d_o, d_levels, ranges, saved, out: _Grads, plan: LevelScanPlan) -> None:
+    """The chunk kernel (dq, dlam, q.dq, in-chunk dk / dv), then the reverse scan adding the deposit
+    terms to dk / dv (d_levels: the final levels' gradient in, the initial ones' out)."""
+    table, buckets, decays = saved
+    BK, BV, _, BVS = _blocks(q, v)
+    sizes, L, (N, H) = _sizes(plan, q, v), lam.shape[-1], (len(plan.bos), v.shape[1])
+    LOG_C = chunk_bits(plan.chunk_size)
+    if table.starts.numel():
+        mamba2_chunk_bwd_kernel[(table.starts.numel(), H)](
+            q, k, v, g, lam, d_o, h0, buckets, decays, table.starts, table.ends, table.seqs, table.chunks,
+            ranges[2], plan.scale, out.dq, out.dk, out.dv, out.dlam, out.qdq, L=L, LOG_C=LOG_C, BK=BK, BV=BV,
+            BL=next_pow2(L, minimum=32), **sizes, **chunk_launch_options(True),
+        )
+    mamba2_bwd_dkv_kernel[(N, H, out.dk.shape[0])](
+        q, k, v, g, lam, d_o, out.dk, out.dv, out.kdk, d_levels, *ranges, plan.scale, v.shape[0], L=L, LOG_C=LOG_C,
+        BK=BK, BVS=BVS, BJ=MAX_CHUNK_LEVELS, **sizes, **launch_options(BK, BVS),
     )
 
 
-def _forward_v12(q, k, v, g, lam, o, levels, ranges, chunks, plan: LevelScanPlan) -> None:
+def _v12_meta(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, L: int) -> dict:
+    """TEMPORARY: the v1.2 scans' common arguments."""
+    _, BV, BKS, _ = _blocks(q, v)
+    return dict(_sizes(plan, q, v), L=L, LOG_C=chunk_bits(plan.chunk_size), BJ=MAX_CHUNK_LEVELS,
+                **launch_options(BKS, BV))
+
+
+def _forward_v12(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> None:
     """TEMPORARY (CHUNK_PARALLEL_INTRA = False): the v1.2 scan with the in-chunk block inside."""
-    meta, BK, _, _, BVS = _meta(plan, q, v, lam.shape[-1])
+    BK, _, _, BVS = _blocks(q, v)
     grid = (len(plan.bos), v.shape[1], triton.cdiv(v.shape[2], BVS))
-    mamba2_v12_fwd_kernel[grid](q, k, v, g, lam, o, levels, *ranges, plan.scale, BK=BK, BV=BVS, **meta)
+    mamba2_v12_fwd_kernel[grid](q, k, v, g, lam, o, levels, *ranges, plan.scale, BK=BK, BV=BVS,
+                                **_v12_meta(plan, q, v, lam.shape[-1]))
 
 
-def _backward_v12(q, k, v, g, lam, d_o, scratch, d_levels, ranges, chunks, out: _Grads, plan: LevelScanPlan) -> None:
+def _backward_v12(q, k, v, g, lam, h0, d_o, d_levels, ranges, saved, out: _Grads, plan: LevelScanPlan) -> None:
     """TEMPORARY (CHUNK_PARALLEL_INTRA = False): the v1.2 backward scans with the in-chunk block inside."""
-    meta, BK, BV, BKS, BVS = _meta(plan, q, v, lam.shape[-1])
-    H = v.shape[1]
+    BK, BV, BKS, BVS = _blocks(q, v)
+    meta, H = _v12_meta(plan, q, v, lam.shape[-1]), v.shape[1]
     args = (*ranges, plan.scale, v.shape[0])
+    scratch = h0.detach().clone(memory_format=torch.contiguous_format)
     mamba2_v12_bwd_dq_kernel[(len(plan.bos), H, out.dlam.shape[0])](
         q, k, v, g, lam, d_o, out.dq, out.dlam, out.qdq, scratch, *args, BK=BK, BKS=BKS, BV=BV,
         BL=next_pow2(lam.shape[-1], minimum=32), **meta
@@ -200,12 +227,11 @@ class LevelScanMamba2(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, lam, h0, plan: LevelScanPlan):
         ranges = plan.device_tensors(q.device)
-        chunks = plan.chunk_table(q.device) if CHUNK_PARALLEL_INTRA else None
         o = alloc(tuple(v.shape), v.dtype, v.device)
         levels = h0.detach().clone(memory_format=torch.contiguous_format)
         forward = _forward_v2 if CHUNK_PARALLEL_INTRA else _forward_v12
-        forward(q, k, v, g, lam, o, levels, ranges, chunks, plan)
-        ctx.plan, ctx.ranges, ctx.chunks = plan, ranges, chunks
+        ctx.saved = forward(q, k, v, g, lam, h0, o, levels, ranges, plan)
+        ctx.plan, ctx.ranges = plan, ranges
         ctx.save_for_backward(q, k, v, g, lam, h0, levels)
         return o, levels
 
@@ -217,16 +243,15 @@ class LevelScanMamba2(torch.autograd.Function):
         K, L = q.shape[-1], lam.shape[-1]
         d_o = torch.zeros_like(v) if d_o is None else d_o.to(v.dtype).contiguous()
         d_final = torch.zeros_like(final) if d_final is None else d_final.float().contiguous()
-        _, _, _, BKS, BVS = _meta(plan, q, v, L)
-        NK, NV = triton.cdiv(K, BKS), triton.cdiv(V, BVS)
+        _, _, BKS, BVS = _blocks(q, v)
+        NK, NV = (1 if CHUNK_PARALLEL_INTRA else triton.cdiv(K, BKS)), triton.cdiv(V, BVS)
         dev, f32 = q.device, torch.float32
         out = _Grads(alloc((tokens, H, K), f32, dev), alloc((NV, tokens, H, K), f32, dev),
                      alloc((tokens, H, V), f32, dev), alloc((NK, tokens, H, L), f32, dev),
                      alloc((NK, tokens, H), f32, dev), alloc((NV, tokens, H), f32, dev))
-        scratch = h0.detach().clone(memory_format=torch.contiguous_format)
         d_levels = d_final.clone()
         backward = _backward_v2 if CHUNK_PARALLEL_INTRA else _backward_v12
-        backward(q, k, v, g, lam, d_o, scratch, d_levels, ctx.ranges, ctx.chunks, out, plan)
+        backward(q, k, v, g, lam, h0, d_o, d_levels, ctx.ranges, ctx.saved, out, plan)
         dq, dk, dv = out.dq, out.dk, out.dv
         dlam, qdq, kdk = out.dlam.sum(0), out.qdq.sum(0), out.kdk.sum(0)
         d_gate = qdq - kdk

@@ -1,23 +1,16 @@
-"""Backward scans of log-linear Mamba-2 (the chunk levels): one program per (sequence, value head).
+"""Backward scan of log-linear Mamba-2: the transposed chunk-level cascade, one program per (sequence, value head).
 
-mamba2_intra.py has written the in-chunk gradients (dq, dk in block 0, dv, dlambda levels 0..c in
-block 0); the scans add the chunk levels' terms to them. With dO the output gradient, per chunk
-(Qt = exp(G) * Q, G the chunk-local cumsum, Gl = G at the chunk's end):
+mamba2_chunk.py has written dq and dlambda in full and the in-chunk terms of dk (block 0) and dv; this
+scan walks the chunks in reverse carrying the level gradients dH and adds the deposit terms. Per chunk
+(G the chunk-local cumsum, Gl = G at the chunk's end):
 
-    readout  dlambda_t[c+1+j] = scale * exp(G_t) * dO_t . (Q H_j)_t = scale * exp(G_t) * q_t . (dO H_j^T)_t
-             dQ += scale * exp(G) * sum_j lambda_j (dO H_j^T)
-             dH_j += Q^T (scale * lambda_j * exp(G) * dO)                (the row factors on the V side)
     deposit  dD_i = dH_m (transposed merge),  dK += exp(Gl - G) * (V dD^T),  dV += exp(Gl - G) * (K dD)
+    reads    dH_j += Q^T (scale * lambda_j * exp(G) * dO)      for every live level j (row factors on dO)
 
-Kernel 1 walks forward (it needs the level states H_j: the forward cascade again) and adds to dQ and
-dlambda; kernel 2 walks backward with the transposed cascade on dH, adds to dK and dV and writes the
-initial states' gradient. Kernel 1 may split K and kernel 2 V over programs (fp32; see
-mamba2._splits): the sums over the split axis (dlambda's readout part and q.dq in kernel 1, dK's
-deposit part and k.dk in kernel 2) are written per block and added by the caller in a fixed order;
-block 0 adds them to the in-chunk terms, the other blocks start from 0. Both write q.dq and k.dk per
-(token, head) on the full gradients (in-chunk + chunk levels): dG_t = q_t.dq_t - k_t.dk_t (plus the
-final states' term; mamba2_intra.py derives it), and dg is its reverse cumsum (done by the caller).
-No atomics: every output element has one writer at a time.
+It may split V over programs (fp32; see mamba2._splits): dK's deposit part and k.dk are sums over the
+value blocks, written per block and added by the caller in a fixed order; block 0 adds them to the
+in-chunk terms, the other blocks start from 0. k.dk feeds the gate's gradient (mamba2_chunk.py derives
+dG_t = q_t.dq_t - k_t.dk_t). No atomics: every output element has one writer at a time.
 """
 
 from __future__ import annotations
@@ -27,10 +20,7 @@ import triton.language as tl
 
 from loglinear.ops.triton.common import SCAN_RUNTIME_ARGS, load_column
 from loglinear.ops.triton.intra import chunk_gates
-from loglinear.ops.triton.levels import (
-    accumulate_level, flush_levels, level_live, load_level, merge_levels, split_levels,
-)
-from loglinear.ops.triton.mamba2_fwd import chunk_deposit
+from loglinear.ops.triton.levels import accumulate_level, flush_levels, level_live, split_levels
 from loglinear.ops.triton.mamba2_rows import load_qk_tiles, load_tile, store_tile
 
 
@@ -38,62 +28,6 @@ from loglinear.ops.triton.mamba2_rows import load_qk_tiles, load_tile, store_til
 def block_zero_rows(valid, t, block):
     """valid [C] for the split block 0 (it adds to the in-chunk terms), all False for the others."""
     return valid & ((t * 0 + block) == 0)
-
-
-@triton.jit(do_not_specialize=SCAN_RUNTIME_ARGS)
-def mamba2_bwd_dq_kernel(
-    q, k, v, g, lam, do, dq, dlam, qdq, levels, bos_ptr, eos_ptr, chunk0_ptr, scale, tokens,
-    H, G, K, V, L, J,
-    C: tl.constexpr, LOG_C: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
-    BJ: tl.constexpr, BL: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """Grid (N, H, cdiv(K, BKS)). dq: [tokens, H, K] fp32 (per value head), in-chunk terms in, totals out;
-    dlam, qdq: [NK, tokens, H, L] / [NK, tokens, H] fp32 partial sums over K blocks (dlam[0] holds the
-    in-chunk levels on entry); levels: [N, J, H, K, V] fp32 scratch holding the initial chunk-level
-    states (overwritten)."""
-    n, h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    grp = h // (H // G)
-    bos = tl.load(bos_ptr + n).to(tl.int64)
-    eos = tl.load(eos_ptr + n).to(tl.int64)
-    c0 = tl.load(chunk0_ptr + n).to(tl.int64)
-    r = tl.arange(0, C)
-    vv, jj, ll = tl.arange(0, BV), tl.arange(0, BJ), tl.arange(0, BL)
-    ks = kb * BKS + tl.arange(0, BKS)
-    stride = H * K * V
-    ptrs = levels + (n * J * H + h) * K * V + ks[:, None] * V + vv[None, :]
-    lmask = (ks[:, None] < K) & (vv[None, :] < V)
-    dlam += kb.to(tl.int64) * tokens * H * L
-    qdq += kb.to(tl.int64) * tokens * H
-    decay = tl.zeros([BJ], dtype=tl.float32)
-    n_chunks = tl.cdiv(eos - bos, C)
-    for i in range(n_chunks):
-        t0 = bos + i * C
-        t = t0 + r
-        valid = t < eos
-        chunk = c0 + i
-        qs = load_tile(q, t0, r, valid, grp, G, K, ks)
-        doc = load_tile(do, t0, r, valid, h, H, V, vv)
-        Gc, Gl = chunk_gates(g, t, valid, h, H)
-        row_scale = scale * tl.exp(Gc)
-        d_lam = load_tile(dlam, t0, r, block_zero_rows(valid, t, kb), h, H, L, ll)
-        d_qt = tl.zeros([C, BKS], dtype=tl.float32)
-        for j in range(J):
-            if level_live(chunk, c0, j, HAS_INIT):
-                lam_j = load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)
-                state = load_level(ptrs, stride, j, lmask, decay, jj).to(qs.dtype)
-                d_read = tl.dot(doc, tl.trans(state), input_precision=PRECISION)
-                d_qt += lam_j[:, None] * d_read
-                col = tl.sum(d_read * qs.to(tl.float32), 1) * row_scale
-                d_lam = tl.where(ll[None, :] == LOG_C + 1 + j, col[:, None], d_lam)
-        acc = load_tile(dq, t0, r, valid, h, H, K, ks) + d_qt * row_scale[:, None]
-        store_tile(dq, acc, t0, r, valid, h, H, K, ks)
-        store_tile(dlam, d_lam, t0, r, valid, h, H, L, ll)
-        tl.store(qdq + t * H + h, tl.sum(acc * qs.to(tl.float32), 1), mask=valid)
-        decay += Gl
-        if i < n_chunks - 1:
-            kbl = load_tile(k, t0, r, valid, grp, G, K, ks)
-            deposit = chunk_deposit(kbl, load_tile(v, t0, r, valid, h, H, V, vv), Gc, Gl, PRECISION)
-            decay = merge_levels(ptrs, stride, lmask, deposit, decay, jj, chunk, c0, HAS_INIT, BJ)
 
 
 @triton.jit(do_not_specialize=SCAN_RUNTIME_ARGS)

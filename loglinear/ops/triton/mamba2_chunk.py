@@ -1,25 +1,33 @@
-"""In-chunk part of log-linear Mamba-2 (levels 0..c), chunk-parallel: one program per (chunk, value head).
+"""Chunk-parallel part of log-linear Mamba-2: one program per (kernel chunk, value head).
 
-The chunks of all sequences are listed in one table: chunk n covers tokens [starts[n], starts[n] + C),
-clipped at its sequence's end ends[n]; rows past the end read as 0 (g = 0) and are not written.
-With G the chunk-local inclusive cumsum of g (intra.py has the block and its gradients):
+The chunks of all sequences are listed in one table (mamba2.ChunkTable): chunk p covers tokens
+[starts[p], starts[p] + C) clipped at its sequence's end ends[p], belongs to sequence seqs[p] and has the
+absolute chunk index chunks[p]; rows past the end read as 0 (g = 0) and are not written. With G the
+chunk-local inclusive cumsum of g, each program does the whole chunk but the level cascade:
 
-    forward    O_intra = (Q K^T * Gamma * Lambda) V                                  (unscaled)
-    backward   dQ = dS K,  dK = dS^T Q,  dV = scale * A^T dO,  dlambda_t[l] (l <= c)
+    in-chunk (levels 0..c, intra.py)   O = (Q K^T * Gamma * Lambda) V
+    readout (chunk levels j, live)     O += diag(exp(G)) sum_j diag(lambda_j * exp(decay_j)) Q B_j
+    o = scale * O
 
-The scans (mamba2_fwd.py, mamba2_bwd.py) then only carry the chunk levels: the forward scan adds the
-readout to O_intra, the backward scans add the readout / deposit gradients to these buffers.
+B_j is the value of level j as stored (the bucket the forward scan recorded after the merge that
+assigned it, or the initial state; levels.level_source) and decay_j its log-decay since then (recorded
+by the scan for this chunk). The backward of the same terms (dlambda for every level, dQ in full, the
+in-chunk dK and dV):
 
-The gate's gradient needs no per-chunk term here. Every term of o (and of the final states' level
-sums, apart from their own end-of-sequence factor) depends on the gates only through q_t e^{G_t} and
-k_s e^{-G_s}, G the sequence's cumsum: the in-chunk block through exp(G_t - G_s), the readout through
-Qt = e^{G_t} Q, the deposit through e^{G_l - G_s} k_s and the transitions e^{G_l} of the chunk
-levels telescope into the same differences. So o(q e^d, k e^-d, G - d) = o for any per-token d, and
+    dQ = dS K + diag(scale * exp(G)) sum_j lambda_j exp(decay_j) dO B_j^T
+    dlambda_t[c+1+j] = scale * exp(G_t + decay_j) q_t . (dO B_j^T)_t
+    dK = dS^T Q,  dV = scale * A^T dO                                  (the scan adds the deposit terms)
+
+The gate's gradient needs no per-chunk term: every term of o (and of the final states, apart from
+their own end-of-sequence factor) depends on the gates only through q_t e^{G_t} and k_s e^{-G_s}, G the
+sequence's cumsum: the in-chunk block through exp(G_t - G_s), the readout through e^{G_t} Q, the
+deposit through e^{G_l - G_s} k_s, and the chunk levels' transitions e^{G_l} telescope into the same
+differences. So o(q e^d, k e^-d, G - d) = o for any per-token d, and
 
     dG_t = q_t . dq_t - k_t . dk_t  (+ the final states' term at the last token),   dg_t = sum_{u >= t} dG_u
 
-holds for the in-chunk and the chunk-level parts separately: the scans form q.dq and k.dk on the sums
-(in-chunk + chunk-level) of dq and dk, and the caller takes the reverse cumsum.
+where the kernels form q.dq here (dq is complete) and k.dk in the backward scan (after its deposit
+terms); the caller adds the final states' term and takes the reverse cumsum.
 """
 
 from __future__ import annotations
@@ -27,76 +35,128 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.common import interpreting
+from loglinear.ops.triton.common import interpreting, load_column
 from loglinear.ops.triton.intra import (
     chunk_gates, intra_levels, intra_output, intra_score_grads, intra_scores, level_sums, level_weights,
 )
+from loglinear.ops.triton.levels import level_source
 from loglinear.ops.triton.mamba2_rows import load_qk_tiles, load_tile, store_tile
 
-INTRA_RUNTIME_ARGS = ["H", "G", "L"]
+CHUNK_RUNTIME_ARGS = ["H", "G", "L", "J"]
 
 
-def intra_launch_options() -> dict[str, int]:
-    """num_warps / num_stages of the in-chunk kernels (no loop to pipeline); fixed under the interpreter."""
+def chunk_launch_options(backward: bool) -> dict[str, int]:
+    """num_warps / num_stages of the chunk kernels; fixed under the interpreter. On sm_90 (bf16, K = 128,
+    V = 64) the forward fits 4 warps without spills (173 registers), the backward needs 8 (4: 252 B of spills)."""
     if interpreting():
         return {"num_warps": 1, "num_stages": 1}
-    return {"num_warps": 4, "num_stages": 1}
+    return {"num_warps": 8 if backward else 4, "num_stages": 1}
 
 
 @triton.jit
 def chunk_rows(starts, ends, C: tl.constexpr):
     """Chunk program_id(0): its first token t0 (int64), r = arange(C), the token indices t = t0 + r and
     whether each is inside its sequence."""
-    n = tl.program_id(0)
+    p = tl.program_id(0)
     r = tl.arange(0, C)
-    t0 = tl.load(starts + n).to(tl.int64)
+    t0 = tl.load(starts + p).to(tl.int64)
     t = t0 + r
-    return t0, r, t, t < tl.load(ends + n).to(tl.int64)
+    return t0, r, t, t < tl.load(ends + p).to(tl.int64)
 
 
-@triton.jit(do_not_specialize=INTRA_RUNTIME_ARGS)
-def mamba2_intra_fwd_kernel(
-    q, k, v, g, lam, oi, starts, ends,
-    H, G, K, V, L,
-    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+@triton.jit
+def chunk_position(seqs, chunks, chunk0):
+    """Chunk program_id(0): (sequence n, absolute chunk index, the sequence's first absolute chunk c0)."""
+    p = tl.program_id(0)
+    n = tl.load(seqs + p)
+    return n, tl.load(chunks + p).to(tl.int64), tl.load(chunk0 + n).to(tl.int64)
+
+
+@triton.jit
+def read_level(buckets, h0, decays, n, h, H, J, K, V, j, kind, back, offs, mask):
+    """Level j as this chunk reads it, before its decay: [BK, BV] fp32 from buckets [NC, H, K, V]
+    (kind 1: the merge ``back`` chunks ago) or h0 [N, J, H, K, V] (kind 2); and exp(decay_j) (scalar)."""
+    p = tl.program_id(0).to(tl.int64)
+    if kind == 1:
+        state = tl.load(buckets + ((p - back) * H + h) * K * V + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        state = tl.load(h0 + ((n * J + j) * H + h) * K * V + offs, mask=mask, other=0.0)
+    return state, tl.exp(tl.load(decays + (p * H + h) * J + j))
+
+
+@triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
+def mamba2_chunk_fwd_kernel(
+    q, k, v, g, lam, o, h0, buckets, decays, starts, ends, seqs, chunks, chunk0, scale,
+    H, G, K, V, L, J,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_INIT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """q, k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H]; lam: [tokens, H, L]; starts, ends: [NC] int32.
-    oi: [tokens, H, V] fp32 out, the unscaled in-chunk outputs.  Grid (NC, H)."""
+    """q, k: [tokens, G, K]; v, o: [tokens, H, V]; g: [tokens, H]; lam: [tokens, H, L];
+    h0: [N, J, H, K, V] fp32; buckets: [NC, H, K, V], decays: [NC, H, J] fp32 (the forward scan's);
+    starts, ends, seqs, chunks: [NC] int32 (the chunk table), chunk0: [N].  Grid (NC, H)."""
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
+    n, chunk, c0 = chunk_position(seqs, chunks, chunk0)
     kk, vv = tl.arange(0, BK), tl.arange(0, BV)
+    offs = kk[:, None] * V + vv[None, :]
+    lmask = (kk[:, None] < K) & (vv[None, :] < V)
     qc, kc = load_qk_tiles(q, k, t0, r, valid, h // (H // G), G, K, kk)
     vc = load_tile(v, t0, r, valid, h, H, V, vv)
     Gc, _ = chunk_gates(g, t, valid, h, H)
+    read = tl.zeros([C, BV], dtype=tl.float32)
+    for j in range(J):
+        kind, back = level_source(chunk, c0, j, HAS_INIT)
+        if kind != 0:
+            state, to_now = read_level(buckets, h0, decays, n, h, H, J, K, V, j, kind, back, offs, lmask)
+            lam_j = load_column(lam, t, valid, h, H, L, LOG_C + 1 + j) * to_now
+            read += lam_j[:, None] * tl.dot(qc, state.to(qc.dtype), input_precision=PRECISION)
     acc = intra_output(qc, kc, vc, Gc, lam, t, valid, h, H, L, intra_levels(r, LOG_C), r[:, None] >= r[None, :],
                        LOG_C, PRECISION)
-    store_tile(oi, acc, t0, r, valid, h, H, V, vv)
+    store_tile(o, (acc + read * tl.exp(Gc)[:, None]) * scale, t0, r, valid, h, H, V, vv)
 
 
-@triton.jit(do_not_specialize=INTRA_RUNTIME_ARGS)
-def mamba2_intra_bwd_kernel(
-    q, k, v, g, lam, do, dq, dk, dv, dlam, starts, ends, scale,
-    H, G, K, V, L,
+@triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
+def mamba2_chunk_bwd_kernel(
+    q, k, v, g, lam, do, h0, buckets, decays, starts, ends, seqs, chunks, chunk0, scale,
+    dq, dk, dv, dlam, qdq,
+    H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Inputs as the forward, do: [tokens, H, V]. Out (fp32, per value head, the scans add to them):
-    dq, dk: [tokens, H, K]; dv: [tokens, H, V]; dlam: [tokens, H, L] (columns > c written as 0).  Grid (NC, H)."""
+    """Inputs as the forward, do: [tokens, H, V]. Out (fp32, per value head): dq: [tokens, H, K] and
+    dlam: [tokens, H, L] complete, qdq = q.dq: [tokens, H]; the in-chunk dk: [tokens, H, K] and
+    dv: [tokens, H, V] (the backward scan adds the deposit terms).  Grid (NC, H)."""
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
+    n, chunk, c0 = chunk_position(seqs, chunks, chunk0)
     kk, vv, ll = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BL)
+    offs = kk[:, None] * V + vv[None, :]
+    lmask = (kk[:, None] < K) & (vv[None, :] < V)
     lev = intra_levels(r, LOG_C)
     causal = r[:, None] >= r[None, :]
     qc, kc = load_qk_tiles(q, k, t0, r, valid, h // (H // G), G, K, kk)
     vc = load_tile(v, t0, r, valid, h, H, V, vv)
     doc = load_tile(do, t0, r, valid, h, H, V, vv)
     Gc, _ = chunk_gates(g, t, valid, h, H)
+    row_scale = scale * tl.exp(Gc)
     p, gamma = intra_scores(qc, kc, Gc, causal, PRECISION)
     d_a = intra_score_grads(doc, vc, causal, scale, PRECISION)
-    store_tile(dlam, level_sums(d_a * p, lev, ll, LOG_C), t0, r, valid, h, H, L, ll)
+    d_lam = level_sums(d_a * p, lev, ll, LOG_C)
     weights = level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C)
     d_s = (d_a * gamma * weights).to(qc.dtype)
-    store_tile(dq, tl.dot(d_s, kc, input_precision=PRECISION), t0, r, valid, h, H, K, kk)
     store_tile(dk, tl.dot(tl.trans(d_s), qc, input_precision=PRECISION), t0, r, valid, h, H, K, kk)
     d_v = tl.dot(tl.trans((p * weights).to(doc.dtype)), doc, input_precision=PRECISION) * scale
     store_tile(dv, d_v, t0, r, valid, h, H, V, vv)
+    d_qt = tl.zeros([C, BK], dtype=tl.float32)
+    for j in range(J):
+        kind, back = level_source(chunk, c0, j, HAS_INIT)
+        if kind != 0:
+            state, to_now = read_level(buckets, h0, decays, n, h, H, J, K, V, j, kind, back, offs, lmask)
+            d_read = tl.dot(doc, tl.trans(state.to(doc.dtype)), input_precision=PRECISION) * to_now
+            d_qt += load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)[:, None] * d_read
+            col = tl.sum(d_read * qc.to(tl.float32), 1) * row_scale
+            d_lam = tl.where(ll[None, :] == LOG_C + 1 + j, col[:, None], d_lam)
+    d_q = tl.dot(d_s, kc, input_precision=PRECISION) + d_qt * row_scale[:, None]
+    store_tile(dq, d_q, t0, r, valid, h, H, K, kk)
+    store_tile(dlam, d_lam, t0, r, valid, h, H, L, ll)
+    tl.store(qdq + t * H + h, tl.sum(d_q * qc.to(tl.float32), 1), mask=valid)

@@ -68,7 +68,7 @@ def mamba2_v12_fwd_kernel(
         if i < n_chunks - 1:
             kt = kc.to(tl.float32) * tl.exp(Gl - Gc)[:, None]
             deposit = tl.dot(tl.trans(kt.to(vc.dtype)), vc, input_precision=PRECISION)
-            decay = merge_levels(ptrs, stride, lmask, deposit, decay, jj, chunk, c0, HAS_INIT, BJ)
+            _, decay = merge_levels(ptrs, stride, lmask, deposit, decay, jj, chunk, c0, HAS_INIT, BJ)
     flush_levels(ptrs, stride, lmask, decay, jj, J, chunk, c0, True, HAS_INIT)
 
 
@@ -133,7 +133,7 @@ def mamba2_v12_bwd_dq_kernel(
         if i < n_chunks - 1:
             kt = kbl.to(tl.float32) * tl.exp(Gl - Gc)[:, None]
             deposit = tl.dot(tl.trans(kt.to(vc.dtype)), vc, input_precision=PRECISION)
-            decay = merge_levels(ptrs, stride, lmask, deposit, decay, jj, chunk, c0, HAS_INIT, BJ)
+            _, decay = merge_levels(ptrs, stride, lmask, deposit, decay, jj, chunk, c0, HAS_INIT, BJ)
 
 
 @triton.jit(do_not_specialize=SCAN_RUNTIME_ARGS)
