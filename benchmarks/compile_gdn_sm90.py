@@ -62,7 +62,11 @@ def main() -> None:
     sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", live="*i32", snap_at="*i32", states=f32,
                snap=P, o_intra=f32, o=P, N="i32", J="i32", Tp="i32", S="i32", **rows,
                **{n: "constexpr" for n in [*const, "SNAP"]})
-    print(report(scan._scan_fwd_kernel, sig, dict(const, SNAP=True), **launch))
+    for snap in (True, False):
+        print(report(scan._scan_fwd_kernel, sig, dict(const, SNAP=snap), **launch) + f"  (SNAP={snap})")
+    sig = dict(qt=P, lam=f32, live="*i32", snap_at="*i32", snap=P, o_intra=f32, o=P, J="i32", Tp="i32", S="i32",
+               **rows, **{n: "constexpr" for n in [*const, "NV"]})
+    print(report(scan._scan_readout_kernel, sig, dict(const, NV=-(-V // BV)), **launch))
     sig = dict(qt=P, wt=P, kt=P, decay=f32, lam=f32, merge="*i32", live="*i32", snap_at="*i32", do=P,
                dstates=f32, dsnap=P, do_intra=f32, N="i32", J="i32", Tp="i32", S="i32", **rows, i0="i32", i1="i32",
                **{n: "constexpr" for n in const})

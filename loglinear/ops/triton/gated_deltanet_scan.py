@@ -49,7 +49,8 @@ def _scan_fwd_kernel(
     int32 (cascade target, bitmask of the live levels, first snapshot slot); states: [BH, J, K, V] fp32,
     updated in place (the initial states; at the end the final ones of the live levels); snap: [BH, S, K, V]
     (SNAP: the live states entering each chunk, in level order); o_intra: [BH, Tp, V] fp32, the chunk-local
-    outputs; o: [b, T, H, V] (Chunking's tokens) = scale (o_intra + the readouts)."""
+    outputs; o: [b, T, H, V] (Chunking's tokens) = scale (o_intra + the readouts), written here without
+    SNAP; with SNAP the readouts leave the sequential chain (_scan_readout_kernel reads the snapshots)."""
     iv = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rc = tl.arange(0, C)
@@ -75,7 +76,8 @@ def _scan_fwd_kernel(
         # running sum of what moves into level m: the deposit, then g_j for the live j <= m
         carry = tl.dot(tl.trans(k_i), u_i, input_precision=PREC)
         keep = snap + (bh * S + tl.load(snap_at + i)) * KV
-        acc = tl.load(o_intra + rows[:, None] * V + rv[None, :], mask=mv[None, :], other=0.0)
+        if not SNAP:
+            acc = tl.load(o_intra + rows[:, None] * V + rv[None, :], mask=mv[None, :], other=0.0)
         slot = 0
         for j in range(J):
             if (alive >> j) & 1:
@@ -83,9 +85,9 @@ def _scan_fwd_kernel(
                 hd = h.to(q_i.dtype)
                 if SNAP:
                     tl.store(keep + slot * KV + hoff, hd.to(snap.dtype.element_ty), mask=hmask, eviction_policy="evict_first")
+                else:
+                    acc += tl.load(lam + rows * J + j)[:, None] * tl.dot(q_i, hd, input_precision=PREC)
                 slot += 1
-                lam_j = tl.load(lam + rows * J + j)
-                acc += lam_j[:, None] * tl.dot(q_i, hd, input_precision=PREC)
                 wh = tl.dot(w_i, hd, input_precision=PREC)
                 g = d * h - tl.dot(tl.trans(k_i), wh.to(q_i.dtype), input_precision=PREC)
                 if j <= m:
@@ -94,9 +96,44 @@ def _scan_fwd_kernel(
                     tl.store(src + j * KV + hoff, g, mask=hmask)
         if m >= 0:
             tl.store(src + m * KV + hoff, carry, mask=hmask)
-        tok, valid, head = chunk_tokens(i, bh, T, front, H, C)
-        store_tokens(o, scale * acc, tok, valid, head, H, V, iv * BV, BV)
+        if not SNAP:
+            tok, valid, head = chunk_tokens(i, bh, T, front, H, C)
+            store_tokens(o, scale * acc, tok, valid, head, H, V, iv * BV, BV)
         tl.debug_barrier()
+
+
+@triton.jit
+def _scan_readout_kernel(
+    qt, lam, live, snap_at, snap, o_intra, o,
+    J, Tp, S, T, front, H, scale,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The readouts of chunk i of head bh (all in parallel) from the forward's snapshots: o = scale (o_intra +
+    sum_j lam[:, j] (qt_i h_j)) over the live levels, written for the real tokens of o: [b, T, H, V].
+    Shapes as _scan_fwd_kernel; V in NV blocks of BV."""
+    i = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rc = tl.arange(0, C)
+    rk = tl.arange(0, BK)
+    mk = rk < K
+    KV = K * V
+    rows = bh * Tp + i * C + rc
+    q_i = tl.load(qt + rows[:, None] * K + rk[None, :], mask=mk[None, :], other=0.0)
+    alive = tl.load(live + i)
+    hsrc = snap + (bh * S + tl.load(snap_at + i)) * KV
+    tok, valid, head = chunk_tokens(i, bh, T, front, H, C)
+    for iv in tl.static_range(NV):
+        rv = iv * BV + tl.arange(0, BV)
+        acc = tl.load(o_intra + rows[:, None] * V + rv[None, :], mask=(rv < V)[None, :], other=0.0)
+        slot = 0
+        for j in range(J):
+            if (alive >> j) & 1:
+                hd = tl.load(hsrc + slot * KV + rk[:, None] * V + rv[None, :], mask=mk[:, None] & (rv < V)[None, :],
+                             other=0.0)
+                acc += tl.load(lam + rows * J + j)[:, None] * tl.dot(q_i, hd, input_precision=PREC)
+                slot += 1
+        store_tokens(o, scale * acc, tok, valid, head, H, V, iv * BV, BV)
 
 
 @triton.jit
@@ -314,6 +351,11 @@ class FenwickDeltaScan(torch.autograd.Function):
             N, J, Tp, sched.slots, ch.T, ch.front, ch.H, scale,
             K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), SNAP=keep, **_launch(),
         )
+        if keep:
+            _scan_readout_kernel[(N, BH)](
+                qt, lam, sched.live, sched.snap_at, snap, o_intra, o, J, Tp, sched.slots, ch.T, ch.front, ch.H, scale,
+                K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=dot_precision(qt.dtype), **_launch(),
+            )
         ctx.save_for_backward(qt, wt, kt, u, decay, lam, snap if keep else None)
         ctx.sched, ctx.ch, ctx.scale = sched, ch, scale
         hN = torch.where(sched.level_mask(N - 1, J)[:, None, None], states, 0.0)
