@@ -59,7 +59,7 @@ def main() -> None:
     launch = dict(num_warps=8, num_stages=2)
     const = dict(K=K, V=V, C=C, BK=BK, BV=BV, PREC=prec)
     rows = dict(T="i32", front="i32", H="i32", scale="fp32")
-    sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", live="*i32", snap_at="*i32", states=f32,
+    sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", states=f32,
                snap=P, o_intra=f32, o=P, N="i32", J="i32", Tp="i32", S="i32", **rows,
                **{n: "constexpr" for n in [*const, "SNAP"]})
     for snap in (True, False):
@@ -67,7 +67,7 @@ def main() -> None:
     sig = dict(qt=P, lam=f32, live="*i32", snap_at="*i32", snap=P, o_intra=f32, o=P, J="i32", Tp="i32", S="i32",
                **rows, **{n: "constexpr" for n in [*const, "NV"]})
     print(report(scan._scan_readout_kernel, sig, dict(const, NV=-(-V // BV)), **launch))
-    sig = dict(qt=P, wt=P, kt=P, decay=f32, lam=f32, merge="*i32", live="*i32", snap_at="*i32", do=P,
+    sig = dict(qt=P, wt=P, kt=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", do=P,
                dstates=f32, dsnap=P, do_intra=f32, N="i32", J="i32", Tp="i32", S="i32", **rows, i0="i32", i1="i32",
                **{n: "constexpr" for n in const})
     print(report(scan._scan_dh_kernel, sig, const, **launch))

@@ -39,14 +39,22 @@ from loglinear.ops.triton.gated_deltanet_common import Chunking, chunk_tokens, d
 
 
 @triton.jit
+def _ahead(src, j, KV, hoff, hmask, rk, s, count):
+    """Level j's [K, BV] fp32 tile of the running states when s < count (the s-th live level), else 0."""
+    ahead = (rk * 0 + s) < count
+    return tl.load(src + j * KV + hoff, mask=hmask & ahead[:, None], other=0.0, eviction_policy="evict_last")
+
+
+@triton.jit
 def _scan_fwd_kernel(
-    qt, wt, kt, u, decay, lam, merge, live, snap_at, states, snap, o_intra, o,
+    qt, wt, kt, u, decay, lam, merge, lev, snap_at, states, snap, o_intra, o,
     N, J, Tp, S, T, front, H, scale,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr, SNAP: tl.constexpr,
 ):
-    """qt, wt, kt: [BH, Tp, K]; u: [BH, Tp, V]; decay: [BH, N]; lam: [BH, Tp, J]; merge, live, snap_at: [N]
-    int32 (cascade target, bitmask of the live levels, first snapshot slot); states: [BH, J, K, V] fp32,
+    """qt, wt, kt: [BH, Tp, K]; u: [BH, Tp, V]; decay: [BH, N]; lam: [BH, Tp, J]; merge: [N], snap_at: [N + 1]
+    int32 (cascade target, first snapshot slot); lev: the live levels of chunk i at lev[snap_at[i] : snap_at[i + 1]]
+    (ascending; one entry past the end); states: [BH, J, K, V] fp32,
     updated in place (the initial states; at the end the final ones of the live levels); snap: [BH, S, K, V]
     (SNAP: the live states entering each chunk, in level order); o_intra: [BH, Tp, V] fp32, the chunk-local
     outputs; o: [b, T, H, V] (Chunking's tokens) = scale (o_intra + the readouts), written here without
@@ -72,28 +80,31 @@ def _scan_fwd_kernel(
         u_i = tl.load(u + rows[:, None] * V + rv[None, :], mask=mv[None, :], other=0.0)
         d = tl.load(decay + bh * N + i)
         m = tl.load(merge + i)
-        alive = tl.load(live + i)
+        start = tl.load(snap_at + i)
+        count = tl.load(snap_at + i + 1) - start
         # running sum of what moves into level m: the deposit, then g_j for the live j <= m
         carry = tl.dot(tl.trans(k_i), u_i, input_precision=PREC)
-        keep = snap + (bh * S + tl.load(snap_at + i)) * KV
+        keep = snap + (bh * S + start) * KV
         if not SNAP:
             acc = tl.load(o_intra + rows[:, None] * V + rv[None, :], mask=mv[None, :], other=0.0)
-        slot = 0
-        for j in range(J):
-            if (alive >> j) & 1:
-                h = tl.load(src + j * KV + hoff, mask=hmask, other=0.0, eviction_policy="evict_last")
-                hd = h.to(q_i.dtype)
-                if SNAP:
-                    tl.store(keep + slot * KV + hoff, hd.to(snap.dtype.element_ty), mask=hmask, eviction_policy="evict_first")
-                else:
-                    acc += tl.load(lam + rows * J + j)[:, None] * tl.dot(q_i, hd, input_precision=PREC)
-                slot += 1
-                wh = tl.dot(w_i, hd, input_precision=PREC)
-                g = d * h - tl.dot(tl.trans(k_i), wh.to(q_i.dtype), input_precision=PREC)
-                if j <= m:
-                    carry += g
-                else:
-                    tl.store(src + j * KV + hoff, g, mask=hmask)
+        j = tl.load(lev + start)
+        h = _ahead(src, j, KV, hoff, hmask, rk, 0, count)
+        for s in range(count):  # the live levels; the next one's state is loaded a level ahead
+            j_next = tl.load(lev + start + s + 1)
+            h_next = _ahead(src, j_next, KV, hoff, hmask, rk, s + 1, count)
+            hd = h.to(q_i.dtype)
+            if SNAP:
+                tl.store(keep + s * KV + hoff, hd.to(snap.dtype.element_ty), mask=hmask, eviction_policy="evict_first")
+            else:
+                acc += tl.load(lam + rows * J + j)[:, None] * tl.dot(q_i, hd, input_precision=PREC)
+            wh = tl.dot(w_i, hd, input_precision=PREC)
+            g = d * h - tl.dot(tl.trans(k_i), wh.to(q_i.dtype), input_precision=PREC)
+            if j <= m:
+                carry += g
+            else:
+                tl.store(src + j * KV + hoff, g, mask=hmask)
+            j = j_next
+            h = h_next
         if m >= 0:
             tl.store(src + m * KV + hoff, carry, mask=hmask)
         if not SNAP:
@@ -138,7 +149,7 @@ def _scan_readout_kernel(
 
 @triton.jit
 def _scan_dh_kernel(
-    qt, wt, kt, decay, lam, merge, live, snap_at, do, dstates, dsnap, do_intra,
+    qt, wt, kt, decay, lam, merge, lev, snap_at, do, dstates, dsnap, do_intra,
     N, J, Tp, S, T, front, H, scale, i0, i1,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr,
@@ -148,7 +159,7 @@ def _scan_dh_kernel(
     updated in place (dh entering chunk i1, at the end entering chunk i0: after the last segment, dh of the
     initial states of the levels live at chunk 0); dsnap: [BH, S, K, V] (operand dtype): dh entering each
     chunk of the segment at slot snap_at[i] - snap_at[i0] (the host has filled chunk i1's);
-    do_intra: [BH, Tp, V] fp32 (scale do, 0 on padding)."""
+    do_intra: [BH, Tp, V] fp32 (scale do, 0 on padding); merge, lev, snap_at as in _scan_fwd_kernel."""
     iv = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rc = tl.arange(0, C)
@@ -175,25 +186,25 @@ def _scan_dh_kernel(
         tl.store(do_intra + rows[:, None] * V + rv[None, :], do_i, mask=mv[None, :])
         d = tl.load(decay + bh * N + i)
         m = tl.load(merge + i)
-        alive = tl.load(live + i)
-        keep = dsnap + (bh * S + tl.load(snap_at + i) - base) * KV
+        start = tl.load(snap_at + i)
+        count = tl.load(snap_at + i + 1) - start
+        keep = dsnap + (bh * S + start - base) * KV
         dh_m = tl.load(src + tl.maximum(m, 0) * KV + hoff, mask=hmask, other=0.0)
         dh_m = tl.where(m >= 0, dh_m, 0.0)
-        slot = 0
-        for j in range(J):
-            if (alive >> j) & 1:
-                if j <= m:
-                    dg = dh_m
-                else:
-                    dg = tl.load(src + j * KV + hoff, mask=hmask, other=0.0, eviction_policy="evict_last")
-                lam_j = tl.load(lam + rows * J + j)
-                y = (lam_j[:, None] * do_i).to(q_i.dtype)
-                kdg = tl.dot(k_i, dg.to(q_i.dtype), input_precision=PREC).to(q_i.dtype)
-                dh = d * dg - tl.dot(tl.trans(w_i), kdg, input_precision=PREC)
-                dh += tl.dot(tl.trans(q_i), y, input_precision=PREC)
-                tl.store(src + j * KV + hoff, dh, mask=hmask)
-                tl.store(keep + slot * KV + hoff, dh.to(dsnap.dtype.element_ty), mask=hmask, eviction_policy="evict_first")
-                slot += 1
+        j = tl.load(lev + start)
+        dh_j = _ahead(src, j, KV, hoff, hmask, rk, 0, count)
+        for s in range(count):  # the live levels; the next one's dh is loaded a level ahead
+            j_next = tl.load(lev + start + s + 1)
+            dh_next = _ahead(src, j_next, KV, hoff, hmask, rk, s + 1, count)
+            dg = tl.where(j <= m, dh_m, dh_j)
+            y = (tl.load(lam + rows * J + j)[:, None] * do_i).to(q_i.dtype)
+            kdg = tl.dot(k_i, dg.to(q_i.dtype), input_precision=PREC).to(q_i.dtype)
+            dh = d * dg - tl.dot(tl.trans(w_i), kdg, input_precision=PREC)
+            dh += tl.dot(tl.trans(q_i), y, input_precision=PREC)
+            tl.store(src + j * KV + hoff, dh, mask=hmask)
+            tl.store(keep + s * KV + hoff, dh.to(dsnap.dtype.element_ty), mask=hmask, eviction_policy="evict_first")
+            j = j_next
+            dh_j = dh_next
         tl.debug_barrier()
 
 
@@ -291,11 +302,12 @@ def _launch() -> dict[str, int]:
 class Schedule:
     """What the scan needs to know about its chunks (the same for every head).  merge: [N], live, snap_at:
     [N + 1] int32 on the device (cascade target, live-level bitmask, first snapshot slot; entry N: the final
-    states); bits, at: live and snap_at on the host; slots: snapshot slots of chunks 0..N-1 per head."""
+    states); lev: the live levels, chunk after chunk (chunk i's from snap_at[i]; one padding entry); bits, at: live and snap_at on the host; slots: snapshot slots of chunks 0..N-1 per head."""
 
     merge: torch.Tensor
     live: torch.Tensor
     snap_at: torch.Tensor
+    lev: torch.Tensor
     bits: list[int]
     at: list[int]
     slots: int
@@ -322,7 +334,8 @@ def schedule(merge: list[int], J: int, seeded: bool, device: torch.device) -> Sc
         if m >= 0:  # levels 0..m merge into m
             alive = (alive & ~((2 << m) - 1)) | (1 << m)
     as_int = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-    return Schedule(as_int(merge), as_int(live), as_int(snap_at), live, snap_at, snap_at[-1])
+    lev = [j for bits in live for j in range(J) if (bits >> j) & 1] + [0]
+    return Schedule(as_int(merge), as_int(live), as_int(snap_at), as_int(lev), live, snap_at, snap_at[-1])
 
 
 class FenwickDeltaScan(torch.autograd.Function):
@@ -347,7 +360,7 @@ class FenwickDeltaScan(torch.autograd.Function):
         snap = alloc((BH, sched.slots, K, V) if keep else (1,), qt.dtype, qt.device)
         o = alloc((ch.b, ch.T, ch.H, V), dtype, qt.device)
         _scan_fwd_kernel[(NV, BH)](
-            qt, wt, kt, u, decay, lam, sched.merge, sched.live, sched.snap_at, states, snap, o_intra, o,
+            qt, wt, kt, u, decay, lam, sched.merge, sched.lev, sched.snap_at, states, snap, o_intra, o,
             N, J, Tp, sched.slots, ch.T, ch.front, ch.H, scale,
             K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), SNAP=keep, **_launch(),
         )
@@ -381,7 +394,7 @@ class FenwickDeltaScan(torch.autograd.Function):
             dsnap = nan(BH, tail - base + len(sched.levels(i1, J)), K, V, dtype=dt)
             dsnap[:, tail - base :] = dstates[:, sched.levels(i1, J)]
             _scan_dh_kernel[(NV, BH)](
-                qt, wt, kt, decay, lam, sched.merge, sched.live, sched.snap_at, do, dstates, dsnap, do_intra,
+                qt, wt, kt, decay, lam, sched.merge, sched.lev, sched.snap_at, do, dstates, dsnap, do_intra,
                 N, J, Tp, dsnap.shape[1], ch.T, ch.front, ch.H, ctx.scale, i0, i1,
                 K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, **_launch(),
             )
