@@ -167,6 +167,17 @@ def _cc_tile(ptr, i, rc, C: tl.constexpr):
 
 
 @triton.jit
+def _store_level_sums(dlam, x, tok, valid, h, H, L, r_t, r_s, LOG_C: tl.constexpr):
+    """dlam[tok, h, l] = sum_s x[t, s] over level(t, s) = bit_length(r_t XOR r_s) = l, levels l = 0..c (< L).
+    (The levels are rebuilt here from the row indices instead of kept alive through the kernel.)"""
+    xr = r_t[:, None] ^ r_s[None, :]
+    for level in tl.static_range(LOG_C + 1):
+        sel = (xr == 0) if level == 0 else ((xr >> (level - 1)) == 1)
+        tl.store(dlam + (tok * H + h) * L + level, tl.sum(tl.where(sel, x, 0.0), axis=1),
+                 mask=valid & (tok * 0 + level < L))
+
+
+@triton.jit
 def _chunk_local_bwd_cc_kernel(
     q, k, v, g, beta, lam, do, dqt, dwt, du,
     dv, dbeta, dlam, scratch, dGp,
@@ -221,9 +232,7 @@ def _chunk_local_bwd_cc_kernel(
         store_tokens(dv, _dot(tl.trans(P), do_b, dt, PREC) + b_c[:, None] * dbv, tok, valid, h, H, V, vb * BV, BV)
     dPM = tl.where(causal, dP, 0.0) * M
     dLam = dPM * b_c[None, :]
-    for level in tl.static_range(LOG_C + 1):
-        tl.store(dlam + (tok * H + h) * L + level, tl.sum(tl.where(lev == level, dLam, 0.0), axis=1),
-                 mask=valid & (tok * 0 + level < L))
+    _store_level_sums(dlam, dLam, tok, valid, h, H, L, tok - (tok - rc), rc, LOG_C)
     dM = tl.where(causal, dP, 0.0) * b_c[None, :] * lam_c
     db += tl.sum(dPM * lam_c, axis=0)
     dQK = _dot(dM, tl.trans(Tg), dt, PREC)
