@@ -45,9 +45,18 @@ def cli(*args: str, log_to: Path) -> subprocess.Popen:
                             stdout=log_to.open("a"), stderr=subprocess.STDOUT)
 
 
-def wait_all(procs: dict[str, subprocess.Popen], what: str) -> list[str]:
-    """Wait; return the names that failed."""
-    failed = [name for name, p in procs.items() if p.wait() != 0]
+def wait_all(procs: dict[str, subprocess.Popen], what: str, deadline: float | None = None) -> list[str]:
+    """Wait (ending at the monotonic deadline the processes still running); return the names that failed."""
+    failed = []
+    for name, p in procs.items():
+        try:
+            code = p.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.terminate()
+            code = p.wait()
+            log(f"{what}: {name} stopped at the deadline")
+        if code != 0:
+            failed.append(name)
     log(f"{what}: done" + (f", FAILED: {failed}" if failed else ""))
     return failed
 
@@ -66,7 +75,8 @@ def main() -> None:
     p.add_argument("--tag", default="h200")
     p.add_argument("--budget", type=float, default=320, help="wall-clock seconds for everything")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--data-dir", default="runs/data/stdlib-bpe4096")
+    p.add_argument("--corpus", default="python", help="'python' (stdlib + installed packages), 'stdlib' or a folder")
+    p.add_argument("--data-dir", default=None, help="default: runs/data/<corpus>-bpe4096")
     p.add_argument("--d-model", type=int, default=384)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--seq-len", type=int, default=4096)
@@ -84,14 +94,14 @@ def main() -> None:
     p.add_argument("--mqar-workers", type=int, default=6)
     p.add_argument("--mqar-args", default="--widths 16 32 64 --seeds 0 1 --lrs 1e-2 3e-3 --seq-len 256 "
                    "--kv-pairs 4 8 16 32 64 --vocab-size 8192 --train-examples 12800 --test-examples 1000 "
-                   "--epochs 2 --batch-size 64 --chunk-size 64")
+                   "--epochs 6 --batch-size 64 --chunk-size 64")
     p.add_argument("--smoke", action="store_true", help="tiny sizes for a CPU check of the whole pipeline")
     a = p.parse_args()
     if a.smoke:
         a.device, a.d_model, a.layers, a.seq_len, a.global_batch, a.max_steps = "cpu", 32, 1, 128, 2, 12
         a.probe_steps, a.eval_len, a.eval_windows, a.niah_lengths, a.niah_samples = 4, 256, 2, [256], 1
         a.niah_depths = [0.5]
-        a.mqar_workers, a.eval_seconds = 2, 20
+        a.mqar_workers, a.eval_seconds, a.corpus = 2, 20, "stdlib"
         a.mqar_args = ("--widths 16 --seeds 0 --lrs 3e-3 --seq-len 32 --kv-pairs 4 --vocab-size 64 "
                        "--train-examples 128 --test-examples 32 --epochs 1 --batch-size 32 --archs transformer ll_mamba2")
     out = Path(a.out).resolve()
@@ -106,12 +116,12 @@ def main() -> None:
                *a.mqar_args.split(), log_to=logs / "mqar.log")
     log("mqar sweep started")
 
-    a.data_dir = str(ROOT / a.data_dir)  # the trainers run in ROOT
-    meta = prepare_corpus(None, a.data_dir, vocab_size=4096)  # once, before the trainers start
+    a.data_dir = str(ROOT / (a.data_dir or f"runs/data/{Path(a.corpus).name}-bpe4096"))  # trainers run in ROOT
+    meta = prepare_corpus(a.corpus, a.data_dir, vocab_size=4096)  # once, before the trainers start
     log(f"corpus: {meta['train_tokens'] / 1e6:.1f}M train / {meta['val_tokens'] / 1e6:.2f}M val tokens")
     common = ["--d-model", str(a.d_model), "--layers", str(a.layers), "--seq-len", str(a.seq_len),
               "--global-batch", str(a.global_batch), "--lr", str(a.lr), "--warmup", str(2 * a.probe_steps),
-              "--needle-rate", str(a.needle_rate), "--data-dir", a.data_dir, "--device", a.device,
+              "--needle-rate", str(a.needle_rate), "--corpus", a.corpus, "--data-dir", a.data_dir, "--device", a.device,
               "--log-every", str(a.probe_steps // 2), "--eval-batches", "2", "--no-progress"]
     runs = {arch: out / "lm" / arch for arch in LM_ARCHS}
     probe = {arch: cli("train", "--arch", arch, "--out-dir", str(d), "--steps", str(a.max_steps), "--stop-after",
@@ -122,11 +132,14 @@ def main() -> None:
         raise SystemExit("every LM probe failed; see the logs")
     rates = {arch: sec_per_step(d) for arch, d in alive.items()}
     left = train_end - time.monotonic() - 15  # restart: imports, model build, checkpoint load
-    steps = int(min(a.max_steps, max(a.probe_steps + 1, a.probe_steps + left / max(rates.values()))))
+    # 0.85: the probe's rates are noisy; --max-seconds below ends a slower run at the deadline anyway
+    steps = int(min(a.max_steps, max(a.probe_steps + 1, a.probe_steps + 0.85 * left / max(rates.values()))))
     log(f"LM s/step under load: { {k: round(v, 3) for k, v in rates.items()} } -> {steps} steps each "
         f"({steps * a.global_batch * a.seq_len / 1e6:.1f}M tokens)")
+    budget = str(max(1.0, train_end - time.monotonic() - 15))
     main_runs = {arch: cli("train", "--arch", arch, "--out-dir", str(d), "--steps", str(steps), "--resume",
-                           *common, log_to=logs / f"train-{arch}.log") for arch, d in alive.items()}
+                           "--max-seconds", budget, *common, log_to=logs / f"train-{arch}.log")
+                 for arch, d in alive.items()}
     failed += wait_all(main_runs, "LM training")
     alive = {k: v for k, v in runs.items() if k not in failed}
 
@@ -135,7 +148,7 @@ def main() -> None:
                        "--niah-depths", *map(str, a.niah_depths),
                        "--niah-samples", str(a.niah_samples), "--device", a.device, "--out", str(out / "eval" / arch),
                        "--tag", a.tag, log_to=logs / f"eval-{arch}.log") for arch, d in alive.items()}
-    failed += wait_all(evals, "LM eval")
+    failed += wait_all(evals, "LM eval", deadline=end - 10)
     records, niah = [], []
     for arch in alive:
         if arch not in failed:

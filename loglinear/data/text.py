@@ -36,15 +36,27 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
 
 
+def python_files() -> list[Path]:
+    """The standard library's and the installed packages' .py files, sorted: a larger corpus on every machine
+    (its size depends on what is installed: tens of millions of tokens next to torch and transformers)."""
+    paths = sysconfig.get_paths()
+    roots = sorted({Path(paths[k]).resolve() for k in ("stdlib", "purelib", "platlib")})
+    files = {p.resolve() for root in roots for p in root.rglob("*.py")}
+    return sorted(files)
+
+
 def corpus_files(source: str | Path | None) -> list[Path]:
-    """Files of a corpus: None or "stdlib" -> stdlib_files(); a folder -> its text files; a file -> itself."""
+    """Files of a corpus: None or "stdlib" -> stdlib_files(); "python" -> python_files(); a folder -> its
+    text files; a file -> itself."""
     if source is None or str(source) == "stdlib":
         return stdlib_files()
+    if str(source) == "python":
+        return python_files()
     path = Path(source)
     if path.is_file():
         return [path]
     if not path.is_dir():
-        raise ValueError(f"corpus must be 'stdlib', a file or a folder, got {str(source)!r} (not found)")
+        raise ValueError(f"corpus must be 'stdlib', 'python', a file or a folder, got {str(source)!r} (not found)")
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
     if not files:
         raise ValueError(f"corpus folder {str(source)!r} has no {'/'.join(TEXT_SUFFIXES)} files")

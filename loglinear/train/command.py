@@ -20,7 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=d.n_layers)
     p.add_argument("--heads", type=int, default=None, help="default: d_model // 64")
     p.add_argument("--model-config", type=json.loads, default={}, help="JSON of extra config fields")
-    p.add_argument("--corpus", default=None, help="'stdlib' (default) or a folder of .txt/.md/.py/.jsonl files")
+    p.add_argument("--corpus", default=None, help="'stdlib' (default: the Python standard library's "
+                   "source), 'python' (the standard library and the installed packages' source) or a folder of "
+                   ".txt/.md/.py/.jsonl files")
     p.add_argument("--data-dir", default=None, help="where the tokenized corpus is cached "
                    "(default: runs/data/<corpus>-<tokenizer><vocab>)")
     p.add_argument("--tokenizer", default=d.tokenizer, choices=["bpe", "bytes"])
@@ -50,11 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from <out-dir>/checkpoint.pt")
     p.add_argument("--stop-after", type=int, default=None, help="end this run after this many steps "
                    "(checkpointed; --resume continues it exactly)")
+    p.add_argument("--max-seconds", type=float, default=None, help="end this run (checkpoint, validation) "
+                   "once training took this many seconds")
     p.add_argument("--no-progress", action="store_true")
 
 
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
-    corpus_name = "stdlib" if a.corpus in (None, "stdlib") else a.corpus.rstrip("/").split("/")[-1]
+    corpus_name = a.corpus.rstrip("/").split("/")[-1] if a.corpus else "stdlib"
     vocab = a.vocab_size if a.tokenizer == "bpe" else ""
     return TrainConfig(
         arch=a.arch, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads, model_overrides=a.model_config,
@@ -65,7 +69,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         lr=a.lr, min_lr_ratio=a.min_lr_ratio, warmup=a.warmup, weight_decay=a.weight_decay,
         grad_clip=a.grad_clip, precision=a.precision, seed=a.seed, out_dir=a.out_dir or f"runs/lm/{a.arch}",
         save_every=a.save_every, eval_every=a.eval_every, eval_batches=a.eval_batches, log_every=a.log_every,
-        device=a.device, stop_after=a.stop_after, progress=not a.no_progress,
+        device=a.device, stop_after=a.stop_after, max_seconds=a.max_seconds, progress=not a.no_progress,
     )
 
 

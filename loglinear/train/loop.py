@@ -68,6 +68,7 @@ class TrainConfig:
     log_every: int = 10
     device: str | None = None
     stop_after: int | None = None  # end this run after this many steps (a later --resume continues)
+    max_seconds: float | None = None  # end this run (checkpoint + validation) once training took this long
     progress: bool = True
 
 
@@ -231,9 +232,23 @@ def _train(cfg: TrainConfig, par: Parallel, resume: bool) -> dict:
                 _log(metrics, {"step": step + 1, "val_loss": v})
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < end:
             save_checkpoint(out, step + 1, model, optimizer, scheduler, par)
+        if step + 1 < end and _out_of_time(cfg, t0, par):
+            end, timed_out = step + 1, True
+            break
+    else:
+        timed_out = False
     save_checkpoint(out, end, model, optimizer, scheduler, par)
-    val_loss = evaluate_loss(model, val, cfg, par, cp) if end == cfg.steps else None
+    val_loss = evaluate_loss(model, val, cfg, par, cp) if end == cfg.steps or timed_out else None
     if par.is_main and val_loss is not None:
-        _log(metrics, {"step": end, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
+        _log(metrics, {"step": end, "val_loss": val_loss, "val_ppl": math.exp(val_loss)}
+             | ({"stopped": f"max_seconds={cfg.max_seconds}"} if timed_out else {}))
     return {"step": end, "losses": losses, "val_loss": val_loss, "params": n_params,
-            "train_seconds": time.perf_counter() - t0}
+            "train_seconds": time.perf_counter() - t0, "timed_out": timed_out}
+
+
+def _out_of_time(cfg: TrainConfig, t0: float, par: Parallel) -> bool:
+    """max_seconds passed (every process stops at the same step: the flag is reduced over processes)."""
+    if cfg.max_seconds is None:
+        return False
+    over = float(time.perf_counter() - t0 > cfg.max_seconds)
+    return all_reduce_mean(torch.tensor(over, device=par.device), par) > 0

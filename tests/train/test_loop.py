@@ -54,6 +54,14 @@ def test_resume_is_exact(tiny_data, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_max_seconds_ends_the_run_with_a_checkpoint_and_validation(tiny_data, tmp_path):
+    res = train(_cfg(tiny_data, tmp_path, steps=50, max_seconds=0.0))
+    assert res["timed_out"] and res["step"] == 1 and res["val_loss"] is not None
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 1 and rows[-1]["stopped"] == "max_seconds=0.0"
+    assert torch.load(tmp_path / CHECKPOINT, weights_only=False)["step"] == 1
+
+
 def test_micro_batches_match_full_batch(tiny_data, tmp_path):
     full = train(_cfg(tiny_data, tmp_path / "full", steps=3))
     micro = train(_cfg(tiny_data, tmp_path / "micro", steps=3, micro_batch=1))
