@@ -83,12 +83,12 @@ def main() -> None:
     meta = {n: v for n, v in meta.items() if n not in runtime}
     sig = dict(q=P, k=P, v=P, g=P, beta=P, lam=P, o=f32, qt=P, wt=P, kt=P, u=P, decay=f32, **runtime, **const)
     print(report(local._chunk_local_kernel, sig, meta, **launch))
-    sig = dict(q=P, k=P, v=P, g=P, beta=P, lam=P, do=f32, dqt=P, dwt=P, du=P, dv=f32, dbeta=f32, dlam=f32,
+    sig = dict(q=P, k=P, v=P, g=P, beta=P, lam=P, do=f32, dqt=P, dwt=P, du=P, dv=P, dbeta=P, dlam=P,
                scratch=P, dGp=f32, **runtime, **const)
     print(report(local._chunk_local_bwd_cc_kernel, sig, meta, **launch))
     keep = [n for n in const if n not in ("V", "BV", "NV", "LOG_C")]
     runtime.pop("L")
-    sig = dict(q=P, k=P, g=P, beta=P, dqt=P, dwt=P, dkt=P, ddecay=f32, scratch=P, dGp=f32, dq=f32, dk=f32, dg=f32,
+    sig = dict(q=P, k=P, g=P, beta=P, dqt=P, dwt=P, dkt=P, ddecay=f32, scratch=P, dGp=f32, dq=f32, dk=f32, dg=P,
                **runtime, **{n: "constexpr" for n in keep})
     print(report(local._chunk_local_bwd_k_kernel, sig, {n: meta[n] for n in keep}, **launch))
 

@@ -187,8 +187,8 @@ def _chunk_local_bwd_cc_kernel(
 ):
     """Backward, part 1, chunk n of head bh: everything of [C, C] size (the forward's blocks recomputed in
     fp32), dV, dbeta and dLambda.  Upstream: do: [BH, Tp, V] fp32, du: [BH, Tp, V], dqt, dwt: [BH, Tp, K]
-    (operand dtype).  Outputs (valid tokens only): dv: [b, T, H, V], dbeta: [b, T, H], dlam: [b, T, H, L]
-    (levels 0..c) fp32; for part 2: scratch [BH N, 4, C, C] (operand dtype) = QK, T, dQK * Gamma, dKK + dKK^T
+    (operand dtype).  Outputs (valid tokens only, any float dtype): dv: [b, T, H, V], dbeta: [b, T, H],
+    dlam: [b, T, H, L] (levels 0..c); for part 2: scratch [BH N, 4, C, C] (operand dtype) = QK, T, dQK * Gamma, dKK + dKK^T
     and dGp [BH, Tp] fp32 (dG but for the K~ and decay terms).  With P = (QK T) * beta_s * Lambda,
     QK = (Q K^T) * Gamma, bk = beta e K, bv = beta V (e = exp(G), f = exp(G_last - G)):
 
@@ -273,8 +273,8 @@ def _chunk_local_bwd_k_kernel(
     K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr,
 ):
     """Backward, part 2, chunk n of head bh: the key-sized gradients from part 1's scratch.  Upstream: dqt,
-    dwt, dkt: [BH, Tp, K] (operand dtype), ddecay: [BH, N].  Outputs (fp32, valid tokens only): dq, dk:
-    [b, T, H, K] (per value head), dg: [b, T, H] (reverse cumsum of dG):
+    dwt, dkt: [BH, Tp, K] (operand dtype), ddecay: [BH, N].  Outputs (valid tokens only): dq, dk:
+    [b, T, H, K] fp32 (per value head), dg: [b, T, H] (any float dtype; reverse cumsum of dG):
 
         dW = dwt - QK^T dqt;  dQ = e dqt + (dQK * Gamma) K;
         dK = (dQK * Gamma)^T Q + (dKK + dKK^T) K + beta e T^T dW + f dkt;  dG += -f rowsum(dkt K) + [last] dG_last
@@ -355,8 +355,9 @@ class ChunkLocal(torch.autograd.Function):
               for x, (s, d) in zip((do, dqt, dwt, dkt, du, ddecay), like)]
         f32 = torch.float32
         dq, dk = alloc((b, T, H, K), f32, dev), alloc((b, T, H, K), f32, dev)
-        dv, dg, dbeta = alloc((b, T, H, V), f32, dev), alloc((b, T, H), f32, dev), alloc((b, T, H), f32, dev)
-        dlam = torch.zeros(b, T, H, L, dtype=f32, device=dev)  # levels > c: the scan's part
+        # written once, in the inputs' dtypes; dq, dk per value head in fp32 (summed over each q/k group)
+        dv, dg, dbeta = alloc(v.shape, v.dtype, dev), alloc(g.shape, g.dtype, dev), alloc(beta.shape, beta.dtype, dev)
+        dlam = torch.zeros_like(lam)  # levels > c: the scan's part
         scratch, dGp = alloc((ch.BH * ch.N, 4, ch.C, ch.C), dt, dev), alloc((ch.BH, ch.Tp), f32, dev)
         do, dqt, dwt, dkt, du, ddecay = up
         meta = _meta(ch, K, V, G, L, dt)
