@@ -99,7 +99,7 @@ def _chunk_setup(q, k, g, beta, lam, tok, valid, h, grp, H, NG, L, C: tl.constex
     rc = tl.arange(0, C)
     kk = tl.zeros([C, C], dtype=tl.float32)
     qk = tl.zeros([C, C], dtype=tl.float32)
-    for kb in tl.static_range(NK):
+    for kb in range(NK):
         k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt)
         kk += tl.dot(k_b, tl.trans(k_b), input_precision=PREC)
         qk += tl.dot(load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, dt), tl.trans(k_b), input_precision=PREC)
@@ -140,14 +140,14 @@ def _chunk_local_kernel(
     Tgd = Tg.to(dt)
     qkd = qk.to(dt)
     P = (tl.dot(qkd, Tgd, input_precision=PREC) * b_c[None, :] * lam_c).to(dt)
-    for kb in tl.static_range(NK):
+    for kb in range(NK):
         q_b = load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, dt).to(tl.float32)
         k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt).to(tl.float32)
         w_b = tl.dot(Tgd, ((b_c * e)[:, None] * k_b).to(dt), input_precision=PREC)
         _put(wt, w_b, rows, K, kb * BK, BK)
         _put(qt, e[:, None] * q_b - tl.dot(qkd, w_b.to(dt), input_precision=PREC), rows, K, kb * BK, BK)
         _put(kt, f[:, None] * k_b, rows, K, kb * BK, BK)
-    for vb in tl.static_range(NV):
+    for vb in range(NV):
         v_b = load_tokens(v, tok, valid, h, H, V, vb * BV, BV, dt)
         _put(u, tl.dot(Tgd, (b_c[:, None] * v_b.to(tl.float32)).to(dt), input_precision=PREC), rows, V, vb * BV, BV)
         _put(o, tl.dot(P, v_b, input_precision=PREC), rows, V, vb * BV, BV)
@@ -221,7 +221,7 @@ def _chunk_local_bwd_cc_kernel(
     dP = tl.zeros([C, C], dtype=tl.float32)
     dT = tl.zeros([C, C], dtype=tl.float32)
     db = tl.zeros([C], dtype=tl.float32)
-    for vb in tl.static_range(NV):
+    for vb in range(NV):
         v_b = load_tokens(v, tok, valid, h, H, V, vb * BV, BV, dt).to(tl.float32)
         do_b = _tile(do, rows, V, vb * BV, BV).to(tl.float32)
         du_b = _tile(du, rows, V, vb * BV, BV).to(tl.float32)
@@ -240,7 +240,7 @@ def _chunk_local_bwd_cc_kernel(
     # keys: qt = e q - QK W~,  W~ = T bk
     de = tl.zeros([C], dtype=tl.float32)
     sbk = tl.zeros([C], dtype=tl.float32)
-    for kb in tl.static_range(NK):
+    for kb in range(NK):
         q_b = load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, dt).to(tl.float32)
         k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt).to(tl.float32)
         bk_b = (b_c * e)[:, None] * k_b
@@ -297,7 +297,7 @@ def _chunk_local_bwd_k_kernel(
     f = tl.exp(G_last - G)
     be = tl.load(beta + tok * H + h, mask=valid, other=0.0).to(tl.float32) * e
     skt = tl.zeros([C], dtype=tl.float32)
-    for kb in tl.static_range(NK):
+    for kb in range(NK):
         q_b = load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, dt)
         k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt)
         dqt_b = _tile(dqt, rows, K, kb * BK, BK)

@@ -134,7 +134,7 @@ def _scan_readout_kernel(
     alive = tl.load(live + i)
     hsrc = snap + (bh * S + tl.load(snap_at + i)) * KV
     tok, valid, head = chunk_tokens(i, bh, T, front, H, C)
-    for iv in tl.static_range(NV):
+    for iv in range(NV):
         rv = iv * BV + tl.arange(0, BV)
         acc = tl.load(o_intra + rows[:, None] * V + rv[None, :], mask=(rv < V)[None, :], other=0.0)
         slot = 0
@@ -241,7 +241,7 @@ def _scan_grads_kernel(
     dq_acc = tl.zeros([C, BK], dtype=tl.float32)
     dw_acc = tl.zeros([C, BK], dtype=tl.float32)
     dk_acc = tl.zeros([C, BK], dtype=tl.float32)
-    for iv in tl.static_range(NV):  # the cascade: dD = dh_m; du = kt dD; dkt += u dD^T
+    for iv in range(NV):  # the cascade: dD = dh_m; du = kt dD; dkt += u dD^T
         rv = iv * BV + tl.arange(0, BV)
         hmask = mk[:, None] & (rv < V)[None, :]
         cascade = (rk * 0 + m) >= 0  # (no slot to read after the last chunk)
@@ -258,7 +258,7 @@ def _scan_grads_kernel(
         if (alive >> j) & 1:
             lam_j = tl.load(lam + rows * J + j)
             gslot = tl.where(j <= m, 0, after_slot)
-            for iv in tl.static_range(NV):
+            for iv in range(NV):
                 rv = iv * BV + tl.arange(0, BV)
                 hmask = mk[:, None] & (rv < V)[None, :]
                 hoff = rk[:, None] * V + rv[None, :]
