@@ -43,10 +43,11 @@ def aligned(fn, signature: dict, ints: dict) -> dict:
     return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
 
 
-def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, ints: dict, tag: str = "") -> str:
-    attrs = aligned(fn, signature, ints)
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, ints: dict) -> str:
+    """One line: shared memory, then ptxas's registers / stack / spills for the compiled kernel."""
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned(fn, signature, ints))
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})
     ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(kernel.asm["ptx"])
@@ -55,8 +56,7 @@ def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: in
     info = [line.split("info    :")[-1].strip() for line in (out.stdout + out.stderr).splitlines()
             if "stack frame" in line or "Used" in line]
     over = "  OVER THE SHARED LIMIT" if kernel.metadata.shared > SHARED_LIMIT else ""
-    name = f"{fn.__name__}{tag}"
-    return f"{name:38s} warps={num_warps} shared={kernel.metadata.shared:6d}  " + "; ".join(info) + over
+    return f"{fn.__name__:28s} warps={num_warps} shared={kernel.metadata.shared:6d}  " + "; ".join(info) + over
 
 
 def signature(names: str, ptr: str, **special: str) -> dict:
@@ -70,29 +70,34 @@ def main() -> None:
     ap.add_argument("--split", action="store_true", help="split K / V state tiles over two programs (fp32's tiling)")
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--V", type=int, default=64)
+    ap.add_argument("--has-init", action="store_true", help="the variant for calls with initial states")
     args = ap.parse_args()
     P, f32, i32 = "*" + args.dtype, "*fp32", "*i32"
     prec = dot_precision(DTYPES[args.dtype])
     BK, BV, C = triton.next_power_of_2(args.K), triton.next_power_of_2(args.V), 64
     BKS, BVS = (split_block(BK), split_block(BV)) if args.split else (BK, BV)
-    print(f"triton {triton.__version__}, {args.dtype}, K={args.K}, V={args.V}, C={C}, split={args.split}, {prec}")
-    base = dict(C=C, LOG_C=6, BK=BK, BV=BV, PRECISION=prec)
+    print(f"triton {triton.__version__}, {args.dtype}, K={args.K}, V={args.V}, C={C}, split={args.split}, "
+          f"has_init={args.has_init}, {prec}")
+    base = dict(C=C, LOG_C=6, BK=BK, BV=BV, PRECISION=prec, HAS_INIT=args.has_init)
     ints = dict(K=args.K, V=args.V)
     ptrs = dict(g=f32, lam=P, scale="fp32", starts=i32, ends=i32, bos_ptr=i32, eos_ptr=i32, chunk0_ptr=i32)
 
-    scan = dict(base, BJ=MAX_CHUNK_LEVELS, HAS_INIT=False)
+    scan = dict(base, BJ=MAX_CHUNK_LEVELS)
     bufs = dict(levels=f32, buckets=P, decays=f32, h0=f32, dq=f32, dk=f32, dv=f32, dlam=f32, qdq=f32, kdk=f32,
-                d_levels=f32, chunks=i32, seqs=i32, chunk0=i32, base_ptr=i32)
+                d_levels=f32, d_buckets=f32, chunks=i32, seqs=i32, chunk0=i32, base_ptr=i32)
     chunk = "q k v g lam {} h0 buckets decays starts ends seqs chunks chunk0 scale {}H G K V L J"
     dkv = "q k v g lam do dk dv kdk d_levels bos_ptr eos_ptr chunk0_ptr scale tokens H G K V L J"
+    dkv_v2 = dkv.replace("d_levels", "d_levels d_buckets").replace("chunk0_ptr", "chunk0_ptr base_ptr")
     dq = "q k v g lam do dq dlam qdq levels bos_ptr eos_ptr chunk0_ptr scale tokens H G K V L J"
     kernels = [  # (kernel, its arguments, constexprs, launch options): v2, then v1.2
         (mamba2_fwd.mamba2_fwd_kernel, "k v g levels buckets decays bos_ptr eos_ptr chunk0_ptr base_ptr H G K V J",
          dict(scan, BV=BVS), launch_options(BK, BVS)),
-        (mamba2_chunk.mamba2_chunk_fwd_kernel, chunk.format("o", ""), base, mamba2_chunk.chunk_launch_options(False)),
+        (mamba2_chunk.mamba2_chunk_fwd_kernel, chunk.format("o", ""), base, mamba2_chunk.chunk_launch_options(4)),
         (mamba2_chunk.mamba2_chunk_bwd_kernel, chunk.format("do", "dq dk dv dlam qdq "), dict(base, BL=32),
-         mamba2_chunk.chunk_launch_options(True)),
-        (mamba2_bwd.mamba2_bwd_dkv_kernel, dkv, dict(scan, BVS=BVS), launch_options(BK, BVS)),
+         mamba2_chunk.chunk_launch_options(8)),
+        (mamba2_chunk.mamba2_level_grad_kernel, "q g lam do decays starts ends chunks d_buckets scale H G K V L J",
+         dict(base, BJ=MAX_CHUNK_LEVELS), mamba2_chunk.chunk_launch_options(4, 3)),
+        (mamba2_bwd.mamba2_bwd_dkv_kernel, dkv_v2, dict(scan, BVS=BVS), launch_options(BK, BVS)),
         (mamba2_v12.mamba2_v12_fwd_kernel, "q k v g lam o levels bos_ptr eos_ptr chunk0_ptr scale H G K V L J",
          dict(scan, BV=BVS), launch_options(BKS, BV)),
         (mamba2_v12.mamba2_v12_bwd_dq_kernel, dq, dict(scan, BKS=BKS, BL=32), launch_options(BKS, BV)),

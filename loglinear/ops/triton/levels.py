@@ -87,13 +87,15 @@ def flush_levels(ptrs, stride, mask, decay, jj, J, chunk, c0, LIVE_ONLY: tl.cons
 
 
 @triton.jit
-def split_levels(ptrs, stride, mask, decay, jj, chunk, BJ: tl.constexpr):
-    """Transposed merge after chunk ``chunk``: returns (d deposit = dH_m, decay); dH_j <- dH_m for j < m."""
+def split_levels(ptrs, stride, mask, decay, jj, chunk, reads, BJ: tl.constexpr):
+    """Transposed merge after chunk ``chunk``: dH_m += reads (the gradient of the merged value from its
+    readers, when the scan does not accumulate them itself; else 0), then dH_j <- dH_m for j <= m.
+    Returns (d deposit = dH_m, decay)."""
     m = merge_target(chunk, jj, BJ)
-    d_deposit = load_level(ptrs, stride, m, mask, decay, jj)
-    for j in range(m):
+    d_deposit = load_level(ptrs, stride, m, mask, decay, jj) + reads
+    for j in range(m + 1):
         tl.store(ptrs + j * stride, d_deposit, mask=mask)
-    return d_deposit, tl.where(jj < m, 0.0, decay)
+    return d_deposit, tl.where(jj <= m, 0.0, decay)
 
 
 @triton.jit

@@ -30,7 +30,9 @@ from loglinear.ops.triton.common import (
     MAX_CHUNK_LEVELS, alloc, dot_precision, interpreting, launch_options, next_pow2, split_block,
 )
 from loglinear.ops.triton.mamba2_bwd import mamba2_bwd_dkv_kernel
-from loglinear.ops.triton.mamba2_chunk import chunk_launch_options, mamba2_chunk_bwd_kernel, mamba2_chunk_fwd_kernel
+from loglinear.ops.triton.mamba2_chunk import (
+    chunk_launch_options, mamba2_chunk_bwd_kernel, mamba2_chunk_fwd_kernel, mamba2_level_grad_kernel,
+)
 from loglinear.ops.triton.mamba2_fwd import mamba2_fwd_kernel
 from loglinear.ops.triton.mamba2_v12 import (
     mamba2_v12_bwd_dkv_kernel, mamba2_v12_bwd_dq_kernel, mamba2_v12_fwd_kernel,
@@ -114,9 +116,9 @@ def _blocks(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 def _sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor) -> dict:
-    """Runtime sizes and constexprs every kernel takes."""
+    """Runtime sizes and constexprs every kernel takes (all but the level-gradient kernel take HAS_INIT too)."""
     return dict(H=v.shape[1], G=q.shape[1], K=q.shape[-1], V=v.shape[-1], J=plan.num_levels, C=plan.chunk_size,
-                HAS_INIT=plan.has_init, PRECISION=dot_precision(q.dtype))
+                PRECISION=dot_precision(q.dtype))
 
 
 def _reverse_cumsum(x: torch.Tensor, plan: LevelScanPlan) -> torch.Tensor:
@@ -158,40 +160,48 @@ def _forward_v2(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> 
     decays = alloc((NC, H, plan.num_levels), torch.float32, q.device)
     mamba2_fwd_kernel[(N, H, triton.cdiv(v.shape[-1], BVS))](
         k, v, g, levels, buckets, decays, *ranges, table.base, BK=BK, BV=BVS, BJ=MAX_CHUNK_LEVELS,
-        **sizes, **launch_options(BK, BVS),
+        HAS_INIT=plan.has_init, **sizes, **launch_options(BK, BVS),
     )
     if NC:
         mamba2_chunk_fwd_kernel[(NC, H)](
             q, k, v, g, lam, o, h0, buckets, decays, table.starts, table.ends, table.seqs, table.chunks, ranges[2],
-            plan.scale, L=L, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, **sizes, **chunk_launch_options(False),
+            plan.scale, L=L, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, HAS_INIT=plan.has_init, **sizes,
+            **chunk_launch_options(4),
         )
     return table, buckets, decays
 
 
 def _backward_v2(q, k, v, g, lam, h0, d_o, d_levels, ranges, saved, out: _Grads, plan: LevelScanPlan) -> None:
-    """The chunk kernel (dq, dlam, q.dq, in-chunk dk / dv), then the reverse scan adding the deposit
-    terms to dk / dv (d_levels: the final levels' gradient in, the initial ones' out)."""
+    """The chunk kernel (dq, dlam, q.dq, in-chunk dk / dv), the merged levels' gradients from their
+    readers, then the reverse scan adding the deposit terms to dk / dv (d_levels: the final levels'
+    gradient in, the initial ones' out)."""
     table, buckets, decays = saved
     BK, BV, _, BVS = _blocks(q, v)
     sizes, L, (N, H) = _sizes(plan, q, v), lam.shape[-1], (len(plan.bos), v.shape[1])
-    LOG_C = chunk_bits(plan.chunk_size)
-    if table.starts.numel():
-        mamba2_chunk_bwd_kernel[(table.starts.numel(), H)](
+    LOG_C, NC = chunk_bits(plan.chunk_size), table.starts.numel()
+    d_buckets = alloc((NC, H, q.shape[-1], v.shape[-1]), torch.float32, q.device)
+    if NC:
+        mamba2_chunk_bwd_kernel[(NC, H)](
             q, k, v, g, lam, d_o, h0, buckets, decays, table.starts, table.ends, table.seqs, table.chunks,
             ranges[2], plan.scale, out.dq, out.dk, out.dv, out.dlam, out.qdq, L=L, LOG_C=LOG_C, BK=BK, BV=BV,
-            BL=next_pow2(L, minimum=32), **sizes, **chunk_launch_options(True),
+            BL=next_pow2(L, minimum=32), HAS_INIT=plan.has_init, **sizes, **chunk_launch_options(8),
+        )
+        mamba2_level_grad_kernel[(NC, H)](
+            q, g, lam, d_o, decays, table.starts, table.ends, table.chunks, d_buckets, plan.scale, L=L, LOG_C=LOG_C,
+            BK=BK, BV=BV, BJ=MAX_CHUNK_LEVELS, **sizes, **chunk_launch_options(4, 3),
         )
     mamba2_bwd_dkv_kernel[(N, H, out.dk.shape[0])](
-        q, k, v, g, lam, d_o, out.dk, out.dv, out.kdk, d_levels, *ranges, plan.scale, v.shape[0], L=L, LOG_C=LOG_C,
-        BK=BK, BVS=BVS, BJ=MAX_CHUNK_LEVELS, **sizes, **launch_options(BK, BVS),
+        q, k, v, g, lam, d_o, out.dk, out.dv, out.kdk, d_levels, d_buckets, *ranges, table.base, plan.scale,
+        v.shape[0], L=L, LOG_C=LOG_C, BK=BK, BVS=BVS, BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, **sizes,
+        **launch_options(BK, BVS),
     )
 
 
 def _v12_meta(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, L: int) -> dict:
     """TEMPORARY: the v1.2 scans' common arguments."""
     _, BV, BKS, _ = _blocks(q, v)
-    return dict(_sizes(plan, q, v), L=L, LOG_C=chunk_bits(plan.chunk_size), BJ=MAX_CHUNK_LEVELS,
-                **launch_options(BKS, BV))
+    return dict(_sizes(plan, q, v), HAS_INIT=plan.has_init, L=L, LOG_C=chunk_bits(plan.chunk_size),
+                BJ=MAX_CHUNK_LEVELS, **launch_options(BKS, BV))
 
 
 def _forward_v12(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> None:

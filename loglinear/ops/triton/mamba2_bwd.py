@@ -5,7 +5,9 @@ scan walks the chunks in reverse carrying the level gradients dH and adds the de
 (G the chunk-local cumsum, Gl = G at the chunk's end):
 
     deposit  dD_i = dH_m (transposed merge),  dK += exp(Gl - G) * (V dD^T),  dV += exp(Gl - G) * (K dD)
-    reads    dH_j += Q^T (scale * lambda_j * exp(G) * dO)      for every live level j (row factors on dO)
+    reads    dH_m += dB_i: the gradient of the level merged after chunk i from all its readers, summed
+             chunk-parallel (mamba2_chunk.mamba2_level_grad_kernel); only reads of the initial state
+             (HAS_INIT) are added here: dH_j += Q^T (scale * lambda_j * exp(G) * dO)
 
 It may split V over programs (fp32; see mamba2._splits): dK's deposit part and k.dk are sums over the
 value blocks, written per block and added by the caller in a fixed order; block 0 adds them to the
@@ -20,7 +22,7 @@ import triton.language as tl
 
 from loglinear.ops.triton.common import SCAN_RUNTIME_ARGS, load_column
 from loglinear.ops.triton.intra import chunk_gates
-from loglinear.ops.triton.levels import accumulate_level, flush_levels, level_live, split_levels
+from loglinear.ops.triton.levels import accumulate_level, flush_levels, level_source, split_levels
 from loglinear.ops.triton.mamba2_rows import load_qk_tiles, load_tile, store_tile
 
 
@@ -32,7 +34,7 @@ def block_zero_rows(valid, t, block):
 
 @triton.jit(do_not_specialize=SCAN_RUNTIME_ARGS)
 def mamba2_bwd_dkv_kernel(
-    q, k, v, g, lam, do, dk, dv, kdk, d_levels, bos_ptr, eos_ptr, chunk0_ptr, scale, tokens,
+    q, k, v, g, lam, do, dk, dv, kdk, d_levels, d_buckets, bos_ptr, eos_ptr, chunk0_ptr, base_ptr, scale, tokens,
     H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BVS: tl.constexpr,
     BJ: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
@@ -40,17 +42,19 @@ def mamba2_bwd_dkv_kernel(
     """Grid (N, H, cdiv(V, BVS)). dk, kdk: [NV, tokens, H, K] / [NV, tokens, H] fp32 partial sums over
     V blocks (per value head; dk[0] holds the in-chunk terms on entry); dv: [tokens, H, V], in-chunk
     terms in, totals out; d_levels: [N, J, H, K, V] fp32: the final chunk-level states' gradient in,
-    the initial ones' out."""
+    the initial ones' out; d_buckets: [NC, H, K, V] fp32, dB per kernel chunk; base: [N] each sequence's first."""
     n, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     grp = h // (H // G)
     bos = tl.load(bos_ptr + n).to(tl.int64)
     eos = tl.load(eos_ptr + n).to(tl.int64)
     c0 = tl.load(chunk0_ptr + n).to(tl.int64)
+    base = tl.load(base_ptr + n).to(tl.int64)
     r = tl.arange(0, C)
     kk, jj = tl.arange(0, BK), tl.arange(0, BJ)
     vs = vb * BVS + tl.arange(0, BVS)
     stride = H * K * V
-    ptrs = d_levels + (n * J * H + h) * K * V + kk[:, None] * V + vs[None, :]
+    offs = kk[:, None] * V + vs[None, :]
+    ptrs = d_levels + (n * J * H + h) * K * V + offs
     lmask = (kk[:, None] < K) & (vs[None, :] < V)
     dk += vb.to(tl.int64) * tokens * H * K
     kdk += vb.to(tl.int64) * tokens * H
@@ -68,7 +72,8 @@ def mamba2_bwd_dkv_kernel(
         acc_k = load_tile(dk, t0, r, block_zero_rows(valid, t, vb), h, H, K, kk)
         acc_v = load_tile(dv, t0, r, valid, h, H, V, vs)
         if i < n_chunks - 1:
-            d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, chunk, BJ)
+            reads = tl.load(d_buckets + ((base + i) * H + h) * K * V + offs, mask=lmask, other=0.0)
+            d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, chunk, reads, BJ)
             to_end = tl.exp(Gl - Gc)[:, None]
             vbl = load_tile(v, t0, r, valid, h, H, V, vs)
             d_deposit = d_deposit.to(vbl.dtype)
@@ -78,11 +83,14 @@ def mamba2_bwd_dkv_kernel(
         store_tile(dv, acc_v, t0, r, valid, h, H, V, vs)
         tl.store(kdk + t * H + h, tl.sum(acc_k * kc.to(tl.float32), 1), mask=valid)
         decay += Gl
-        do_scaled = dobl.to(tl.float32) * (scale * tl.exp(Gc))[:, None]
-        for j in range(J):
-            if level_live(chunk, c0, j, HAS_INIT):
-                lam_j = load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)
-                update = tl.dot(tl.trans(qc), (do_scaled * lam_j[:, None]).to(dobl.dtype), input_precision=PRECISION)
-                decay = accumulate_level(ptrs, stride, j, lmask, decay, jj, update)
+        if HAS_INIT:
+            do_scaled = dobl.to(tl.float32) * (scale * tl.exp(Gc))[:, None]
+            for j in range(J):
+                kind, _ = level_source(chunk, c0, j, HAS_INIT)
+                if kind == 2:
+                    lam_j = load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)
+                    update = tl.dot(tl.trans(qc), (do_scaled * lam_j[:, None]).to(dobl.dtype),
+                                    input_precision=PRECISION)
+                    decay = accumulate_level(ptrs, stride, j, lmask, decay, jj, update)
     if HAS_INIT:
         flush_levels(ptrs, stride, lmask, decay, jj, J, c0, c0, False, HAS_INIT)

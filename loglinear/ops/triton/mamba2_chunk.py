@@ -28,6 +28,15 @@ differences. So o(q e^d, k e^-d, G - d) = o for any per-token d, and
 
 where the kernels form q.dq here (dq is complete) and k.dk in the backward scan (after its deposit
 terms); the caller adds the final states' term and takes the reverse cumsum.
+
+The readout's gradient with respect to the merged levels is also chunk-parallel: the level m merged
+after chunk e (m = ctz(e + 1)) is read, as bucket, by exactly the chunks e+1 .. e+2^m (those of the
+sequence), so
+
+    dB_e = sum_{i = e+1 .. e+2^m} exp(decay_{i,m}) Q_i^T (scale * lambda_i[c+1+m] * exp(G_i) * dO_i)
+
+(mamba2_level_grad_kernel, one program per (chunk e, head) looping over its readers); the backward scan
+adds dB_e to dH_m at the transposed merge.
 """
 
 from __future__ import annotations
@@ -39,18 +48,19 @@ from loglinear.ops.triton.common import interpreting, load_column
 from loglinear.ops.triton.intra import (
     chunk_gates, intra_levels, intra_output, intra_score_grads, intra_scores, level_sums, level_weights,
 )
-from loglinear.ops.triton.levels import level_source
+from loglinear.ops.triton.levels import level_source, merge_target
 from loglinear.ops.triton.mamba2_rows import load_qk_tiles, load_tile, store_tile
 
 CHUNK_RUNTIME_ARGS = ["H", "G", "L", "J"]
 
 
-def chunk_launch_options(backward: bool) -> dict[str, int]:
-    """num_warps / num_stages of the chunk kernels; fixed under the interpreter. On sm_90 (bf16, K = 128,
-    V = 64) the forward fits 4 warps without spills (173 registers), the backward needs 8 (4: 252 B of spills)."""
+def chunk_launch_options(num_warps: int, num_stages: int = 1) -> dict[str, int]:
+    """Launch options of a chunk kernel on the GPU; one fixed config under the interpreter. On sm_90
+    (bf16, K = 128, V = 64) the forward fits 4 warps without spills, the backward needs 8 (with 4: 252 B
+    of spills), the level-gradient kernel pipelines its loop over the readers."""
     if interpreting():
         return {"num_warps": 1, "num_stages": 1}
-    return {"num_warps": 8 if backward else 4, "num_stages": 1}
+    return {"num_warps": num_warps, "num_stages": num_stages}
 
 
 @triton.jit
@@ -160,3 +170,32 @@ def mamba2_chunk_bwd_kernel(
     store_tile(dq, d_q, t0, r, valid, h, H, K, kk)
     store_tile(dlam, d_lam, t0, r, valid, h, H, L, ll)
     tl.store(qdq + t * H + h, tl.sum(d_q * qc.to(tl.float32), 1), mask=valid)
+
+
+@triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
+def mamba2_level_grad_kernel(
+    q, g, lam, do, decays, starts, ends, chunks, d_buckets, scale,
+    H, G, K, V, L, J,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """d_buckets: [NC, H, K, V] fp32 out, dB of the level merged after each kernel chunk (0 when nothing
+    reads it); other arguments as mamba2_chunk_bwd_kernel.  Grid (NC, H)."""
+    p, h = tl.program_id(0), tl.program_id(1)
+    r, kk, vv = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV)
+    first = tl.load(starts + p).to(tl.int64)
+    end = tl.load(ends + p).to(tl.int64)
+    m = merge_target(tl.load(chunks + p).to(tl.int64), tl.arange(0, BJ), BJ)
+    readers = tl.minimum(1 << m, tl.cdiv(end - first, C) - 1)
+    acc = tl.zeros([BK, BV], dtype=tl.float32)
+    for d in range(1, readers + 1):
+        t0 = first + d * C
+        valid = t0 + r < end
+        qc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk)
+        doc = load_tile(do, t0, r, valid, h, H, V, vv)
+        Gc, _ = chunk_gates(g, t0 + r, valid, h, H)
+        to_now = tl.exp(tl.load(decays + ((p + d).to(tl.int64) * H + h) * J + m))
+        w = load_column(lam, t0 + r, valid, h, H, L, LOG_C + 1 + m) * tl.exp(Gc) * (scale * to_now)
+        acc += tl.dot(tl.trans(qc), (doc.to(tl.float32) * w[:, None]).to(doc.dtype), input_precision=PRECISION)
+    offs = kk[:, None] * V + vv[None, :]
+    tl.store(d_buckets + (p.to(tl.int64) * H + h) * K * V + offs, acc, mask=(kk[:, None] < K) & (vv[None, :] < V))

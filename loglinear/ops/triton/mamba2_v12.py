@@ -181,7 +181,7 @@ def mamba2_v12_bwd_dkv_kernel(
         acc_k = tl.dot(tl.trans(d_s.to(qc.dtype)), qc, input_precision=PRECISION)
         acc_v = tl.dot(tl.trans((p * weights).to(dobl.dtype)), dobl, input_precision=PRECISION) * scale
         if i < n_chunks - 1:
-            d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, chunk, BJ)
+            d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, chunk, 0.0, BJ)
             to_end = tl.exp(Gl - Gc)[:, None]
             d_deposit = d_deposit.to(vbl.dtype)
             acc_k += to_end * tl.dot(vbl, tl.trans(d_deposit), input_precision=PRECISION)
