@@ -123,6 +123,14 @@ def test_varlen_with_states():
     _compare(x, cu_seqlens=cu, state=_random_state(3, [17, 0, 48], 2, 8, 5))
 
 
+def test_many_chunk_levels_varlen_with_states():
+    """Deeper cascades (up to 2^5 chunks of 16): merged levels read by many later chunks, an initial state
+    at an unaligned position read at several levels, and a sequence starting at 0, in one varlen call."""
+    cu = torch.tensor([0, 300, 529])
+    x = mamba2_args(make_inputs(1, 529, 1, 2, 16, 8, start=200))
+    _compare(x, cu_seqlens=cu, state=_random_state(2, [200, 0], 2, 16, 8))
+
+
 def test_varlen_without_states(monkeypatch):
     _no_torch_fallback(monkeypatch)
     cu = torch.tensor([0, 1, 17, 50, 51])
