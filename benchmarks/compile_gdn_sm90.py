@@ -33,8 +33,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> str:
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})
     ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(kernel.asm["ptx"])

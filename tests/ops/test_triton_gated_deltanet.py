@@ -13,12 +13,12 @@ from loglinear import FenwickState, log_linear_gated_deltanet
 from loglinear import reference as R
 from loglinear.inputs import check_inputs, expand_groups
 from loglinear.ops.torch_chunk.scan import _chunked, _pad_time
-from loglinear.ops.triton.common import set_poison
 from loglinear.ops.triton import gated_deltanet as gdn
+from loglinear.ops.triton import gated_deltanet_scan as scan_module
+from loglinear.ops.triton.common import set_poison
 from loglinear.ops.triton.gated_deltanet import triton_backend
 from loglinear.ops.triton.gated_deltanet_common import Chunking
 from loglinear.ops.triton.gated_deltanet_local import chunk_local, chunk_local_torch
-from loglinear.ops.triton import gated_deltanet_scan as scan_module
 from loglinear.ops.triton.gated_deltanet_scan import fenwick_delta_scan
 
 NAMES = ["q", "k", "v", "g", "beta", "level_scales"]

@@ -1,18 +1,21 @@
-"""Log-linear Gated DeltaNet on Triton kernels: the chunk-local stage and the fused Fenwick delta scan.
+"""Log-linear Gated DeltaNet on Triton kernels: the chunk-local stage and the Fenwick delta scan.
 
 Composition, per group of rows that start at the same absolute position p0 (spec section 5):
 
-  1. align chunks to absolute positions (front-pad p0 mod C identity tokens), chunk everything;
+  1. chunks aligned to absolute positions: p0 mod C identity tokens in front (Chunking; the kernels read
+     the op's [b, T, G|H, D] tensors with the padding as masks, q/k from group h // (H / G));
   2. chunk_local   (gated_deltanet_local):  o_intra (levels 0..c), qt, W~, K~, u, decay per chunk;
   3. incoming state: carried past p0; its levels <= c are buckets inside the first chunk (read by
      query t at level max(l, bit_length(t XOR p0)), and folded into the chunk-level state that the
      first chunk's cascade fills), its levels > c seed the chunk-level states;
-  4. fenwick_delta_scan (gated_deltanet_scan): every chunk-level state in one pass, o_inter;
-  5. o = scale (o_intra + o_inter); the final state splits the last chunk into token-level buckets.
+  4. fenwick_delta_scan (gated_deltanet_scan): every live chunk-level state in one pass, and
+     o = scale (o_intra + readouts) written in [b, T, H, V];
+  5. the final state splits the last chunk into token-level buckets.
 
-Gradients flow through every stage (both kernels have Triton backwards; the glue is torch autograd), so
-q, k, v, g, beta, level_scales and the initial state all get them. run_segments does the GQA expansion,
-the optional q/k L2 normalisation, varlen and per-row start positions (one launch set per segment).
+Gradients flow through every stage (the kernels have Triton backwards; the glue is torch autograd), so
+q, k, v, g, beta, level_scales and the initial state all get them. A call whose rows all start at one
+position (no varlen) runs on the op's tensors as they are (_run_one_segment: no fp32 copies, no q/k
+expansion); varlen and rows at different positions go through run_segments (one launch set per segment).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from loglinear.state import FenwickState
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Opt-in (LOGLINEAR_BACKEND=triton) until a device run has checked these kernels against the torch path:
-# their first device run (v0) failed to launch (shared memory); v1 is verified by compiling for sm_90 only.
+# v1 passed its device check (12:29 UTC) but ran 11-12x fla_gdn; v2 is verified by compiling for sm_90 only.
 DEFAULT_ON_CUDA = False
 MAX_K = 256  # the scan keeps K whole in a tile
 

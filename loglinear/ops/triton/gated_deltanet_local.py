@@ -13,8 +13,9 @@ Inside a chunk (G = local cumsum of g, Gamma[t, s] = exp(G_t - G_s) for s <= t, 
 
 This is what loglinear.ops.torch_chunk.forms.GatedDeltaNetForm computes, arranged for the kernels:
 ``chunk_local_torch`` is the differentiable torch form (the tests' reference), ``chunk_local`` the fused
-forward and backward kernels inside one autograd.Function (one program per chunk and head;
-the triangular inverse by forward substitution in fp32, see unit_lower_inverse; the backward recomputes the forward's [C, C] blocks instead of storing them). The kernels
+forward and backward kernels inside one autograd.Function (one program per chunk and head; the
+triangular inverse by forward substitution in fp32, see unit_lower_inverse; the backward recomputes the
+forward's [C, C] blocks instead of storing them, in two kernels joined by a [C, C] scratch). The kernels
 read the op's layouts (q, k: [b, T, G, K] of group h // (H / G); v: [b, T, H, V]; g, beta: [b, T, H];
 lambda: [b, T, H, L]) with the chunk alignment (Chunking) as masks: no padded, expanded or flattened
 copies, and the backward writes the gradients in those layouts.
@@ -94,8 +95,8 @@ def unit_lower_inverse(A, C: tl.constexpr):
 @triton.jit
 def _chunk_setup(q, k, g, beta, lam, tok, valid, h, grp, H, NG, L, C: tl.constexpr, K, LOG_C: tl.constexpr,
                  BK: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr, dt: tl.constexpr):
-    """What both directions need, fp32: beta, G, Gamma, the levels and Lambda (causal), K K^T, T_g and
-    Q K^T (raw). q, k are read in NK column blocks of BK, in the operand dtype dt."""
+    """What both directions need, fp32: beta, G, Gamma, Lambda (causal), K K^T, T_g and Q K^T (raw).
+    q, k are read in NK column blocks of BK, in the operand dtype dt."""
     rc = tl.arange(0, C)
     kk = tl.zeros([C, C], dtype=tl.float32)
     qk = tl.zeros([C, C], dtype=tl.float32)
@@ -111,7 +112,7 @@ def _chunk_setup(q, k, g, beta, lam, tok, valid, h, grp, H, NG, L, C: tl.constex
     lam_c = level_weights(lam, tok, valid, h, H, L, lev, causal, LOG_C)
     A = tl.where(rc[:, None] > rc[None, :], b_c[:, None] * gamma * kk, 0.0)
     Tg = unit_lower_inverse(A, C)
-    return b_c, G, gamma, lev, lam_c, kk, Tg, qk
+    return b_c, G, gamma, lam_c, kk, Tg, qk
 
 
 @triton.jit
@@ -131,7 +132,7 @@ def _chunk_local_kernel(
     rc = tl.arange(0, C)
     rows = bh * Tp + n * C + rc
     dt = qt.dtype.element_ty
-    b_c, G, gamma, lev, lam_c, kk, Tg, qk = _chunk_setup(
+    b_c, G, gamma, lam_c, _, Tg, qk = _chunk_setup(
         q, k, g, beta, lam, tok, valid, h, grp, H, NG, L, C, K, LOG_C, BK, NK, PREC, dt)
     G_last = tl.sum(tl.where(rc == C - 1, G, 0.0), axis=0)
     e = tl.exp(G)
@@ -188,9 +189,10 @@ def _chunk_local_bwd_cc_kernel(
     """Backward, part 1, chunk n of head bh: everything of [C, C] size (the forward's blocks recomputed in
     fp32), dV, dbeta and dLambda.  Upstream: do: [BH, Tp, V] fp32, du: [BH, Tp, V], dqt, dwt: [BH, Tp, K]
     (operand dtype).  Outputs (valid tokens only, any float dtype): dv: [b, T, H, V], dbeta: [b, T, H],
-    dlam: [b, T, H, L] (levels 0..c); for part 2: scratch [BH N, 4, C, C] (operand dtype) = QK, T, dQK * Gamma, dKK + dKK^T
-    and dGp [BH, Tp] fp32 (dG but for the K~ and decay terms).  With P = (QK T) * beta_s * Lambda,
-    QK = (Q K^T) * Gamma, bk = beta e K, bv = beta V (e = exp(G), f = exp(G_last - G)):
+    dlam: [b, T, H, L] (levels 0..c); for part 2: scratch [BH N, 4, C, C] (operand dtype) = QK, T,
+    dQK * Gamma, dKK + dKK^T and dGp [BH, Tp] fp32 (dG but for the K~ and decay terms).
+    With P = (QK T) * beta_s * Lambda, QK = (Q K^T) * Gamma, bk = beta e K, bv = beta V (e = exp(G),
+    f = exp(G_last - G)):
 
         dP = do V^T;  dV = P^T do + beta T^T du;  dLambda = dP * M * beta_s;  dM = dP * beta_s * Lambda
         dQK = dM T^T - dqt W~^T;   dW = dwt - QK^T dqt;   dT = QK^T dM + dW bk^T + du bv^T
@@ -204,7 +206,7 @@ def _chunk_local_bwd_cc_kernel(
     rc = tl.arange(0, C)
     rows = bh * Tp + n * C + rc
     dt = dqt.dtype.element_ty  # the operand dtype: qt's gradient comes in qt's dtype
-    b_c, G, gamma, lev, lam_c, kk, Tg, qkr = _chunk_setup(
+    b_c, G, gamma, lam_c, kk, Tg, qkr = _chunk_setup(
         q, k, g, beta, lam, tok, valid, h, grp, H, NG, L, C, K, LOG_C, BK, NK, PREC, dt)
     causal = rc[:, None] >= rc[None, :]
     e = tl.exp(G)

@@ -1,4 +1,4 @@
-"""The fused Fenwick delta-rule scan: all chunk-level states of log-linear Gated DeltaNet in one pass.
+"""The Fenwick delta-rule scan: all chunk-level states of log-linear Gated DeltaNet in one pass.
 
 Per head, chunks i = 0..N-1 of C tokens, J chunk-level states h_j (each [K, V], fp32). Chunk i brings
     qt_i, wt_i, kt_i: [C, K]   readout queries, W~ and K~ of the chunk (spec section 5)
@@ -18,12 +18,25 @@ Backward (reverse over chunks, dh_j carried the same way):
     readout:     Y_j = lam_i[:, j] * do_i;  dqt_i += sum_j Y_j h_j^T;  dh_j += qt_i^T Y_j
                  dlam_i[:, j] = rowsum(do_i * (qt_i h_j))
 
-Programs split V into blocks (columns of a state are independent); each walks its chunks and, inside a
-chunk, the levels one [K, BV] tile at a time (loaded from and stored to global memory, a barrier per
-chunk). The running states live in two fp32 ping-pong slots; with gradients the forward also keeps a
-snapshot of every chunk's incoming states h^i in the operand dtype (the backward multiplies them in that
-dtype anyway; bf16 halves their memory). Gradients that contract over V are written per V block and
-summed afterwards: no atomics, deterministic.
+Only live levels are touched: entering chunk i a level holds a (possibly) nonzero state iff a cascade put
+keys into it and none has cleared it since (bit j of the chunk index from position 0), or the initial
+states seeded it and no cascade has reached it yet (schedule); the others are 0, so half of the level
+steps vanish. Three kinds of kernels:
+
+  _scan_fwd_kernel      sequential over chunks (programs: V blocks x heads): per live level load the state
+                        (the next level's one level ahead), transition it (2 GEMMs), carry; the states are
+                        updated in place in one fp32 buffer (L2-resident: the snapshots stream past it).
+                        With gradients it stores every live incoming state (operand dtype) and leaves the
+                        readouts to _scan_readout_kernel (chunk-parallel, reads the snapshots); without,
+                        it reads out in the chain.
+  _scan_dh_kernel       the backward's sequential chain, reverse: dh_j = d dg_j - wt^T (kt dg_j) + qt^T Y_j
+                        (3 GEMMs per live level), stores every live dh (operand dtype).
+  _scan_grads_kernel    chunk-parallel: dqt, dwt, dkt, du, dd, dlam of a chunk from its incoming states and
+                        the dh leaving it (6 GEMMs per live level; all V in one program: no partial sums,
+                        deterministic, no atomics).
+
+The backward runs in segments of BWD_SEGMENT chunks (dh chain, then the chunk gradients of the segment),
+so only one segment's dh snapshots exist at a time.
 """
 
 from __future__ import annotations
@@ -302,7 +315,8 @@ def _launch() -> dict[str, int]:
 class Schedule:
     """What the scan needs to know about its chunks (the same for every head).  merge: [N], live, snap_at:
     [N + 1] int32 on the device (cascade target, live-level bitmask, first snapshot slot; entry N: the final
-    states); lev: the live levels, chunk after chunk (chunk i's from snap_at[i]; one padding entry); bits, at: live and snap_at on the host; slots: snapshot slots of chunks 0..N-1 per head."""
+    states); lev: the live levels, chunk after chunk (chunk i's from snap_at[i]; one padding entry);
+    bits, at: live and snap_at on the host; slots: snapshot slots of chunks 0..N-1 per head."""
 
     merge: torch.Tensor
     live: torch.Tensor
