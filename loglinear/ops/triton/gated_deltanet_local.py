@@ -74,21 +74,28 @@ def _put(ptr, x, rows, D, col0, BD: tl.constexpr):
 
 
 @triton.jit
-def unit_lower_inverse(A, C: tl.constexpr):
-    """(I + A)^-1 of a strictly lower triangular A: [C, C] fp32, by forward substitution in fp32:
+def unit_lower_inverse(A, C: tl.constexpr, PREC: tl.constexpr = "tf32x3"):
+    """(I + A)^-1 of a strictly lower triangular A: [C, C] fp32, by doubling solved diagonal blocks: when the
+    diagonal blocks of size b are inverted (T block diagonal), every block of size 2b is finished by its
+    lower-left quarter T21 = -T22 A21 T11 (block forward substitution):
 
-        T[0] = e_0,   T[i] = e_i - sum_{j<i} A[i, j] T[j]      (rows)
+        T <- T - T (A_q T),   A_q = A on the (second half rows, first half columns) of every 2b-block
 
-    Every row is a combination of finished rows, so the error stays at fp32 level whenever the inverse is
-    O(1), as it is for the delta rule. Summing powers of A instead (repeated squaring, (I - A)(I + A^2)...)
-    is not stable: for near-parallel keys (early in training) the entries of A^16, A^32 grow like binomial
-    coefficients (1e10 at C = 64) and their cancellation in tf32/bf16 products loses every digit (NaN)."""
+    log2(C) steps of two [C, C] products at precision PREC (3xTF32: fp32-level error; the kernels pass TF32
+    for bf16/fp16 operands). Every entry formed is an entry of the inverse of a diagonal block, O(1) for the
+    delta rule, so the error stays at the products' level. Summing powers of
+    A instead (repeated squaring, (I - A)(I + A^2)...) is not stable: for near-parallel keys (early in
+    training) the entries of A^16, A^32 grow like binomial coefficients (1e10 at C = 64) and their
+    cancellation in tf32/bf16 products loses every digit (NaN). (Row-by-row forward substitution is as
+    exact but takes C - 1 dependent steps, each two [C, C] reductions across warps.)"""
     rc = tl.arange(0, C)
     T = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
-    for i in range(1, C):
-        a_i = tl.sum(tl.where(rc[:, None] == i, A, 0.0), axis=0)  # row i of A: [C], zero from column i on
-        t_i = tl.sum(a_i[:, None] * T, axis=0)  # sum_j A[i, j] T[j, :]
-        T = tl.where(rc[:, None] == i, T - t_i[None, :], T)
+    for s in tl.static_range(7):  # block sizes 2^s = 1, 2, 4, ..., C / 2 (C <= 128)
+        if (1 << s) < C:
+            quarter = (((rc[:, None] >> s) % 2) == 1) & (((rc[None, :] >> s) % 2) == 0)
+            quarter = quarter & ((rc[:, None] >> (s + 1)) == (rc[None, :] >> (s + 1)))
+            X = tl.dot(tl.where(quarter, A, 0.0), T, input_precision=PREC)
+            T = T - tl.dot(T, X, input_precision=PREC)
     return T
 
 
@@ -111,7 +118,7 @@ def _chunk_setup(q, k, g, beta, lam, tok, valid, h, grp, H, NG, L, C: tl.constex
     lev = intra_levels(rc, LOG_C)
     lam_c = level_weights(lam, tok, valid, h, H, L, lev, causal, LOG_C)
     A = tl.where(rc[:, None] > rc[None, :], b_c[:, None] * gamma * kk, 0.0)
-    Tg = unit_lower_inverse(A, C)
+    Tg = unit_lower_inverse(A, C, PREC)
     return b_c, G, gamma, lam_c, kk, Tg, qk
 
 
