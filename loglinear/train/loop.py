@@ -28,7 +28,7 @@ from loglinear.train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpo
 from loglinear.train.factory import build_model, count_parameters
 from loglinear.train.parallel import Parallel, all_reduce_mean, parallelize, setup_parallel, teardown
 
-__all__ = ["TrainConfig", "train", "lm_loss", "cosine_schedule", "model_from_config"]
+__all__ = ["TrainConfig", "train", "lm_loss", "cosine_schedule", "model_from_config", "peak_memory_gib"]
 
 
 @dataclass
@@ -219,13 +219,16 @@ def _train(cfg: TrainConfig, par: Parallel, resume: bool) -> dict:
         scheduler.step()
         losses.append(float(loss))
         tokens += cfg.global_batch * cfg.seq_len
+        log_now = (step + 1) % cfg.log_every == 0 or step + 1 == end
+        peak = peak_memory_gib(par) if log_now else None
         if par.is_main:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
-            if (step + 1) % cfg.log_every == 0 or step + 1 == end:
+            if log_now:
                 dt = time.perf_counter() - t0
                 _log(metrics, {"step": step + 1, "loss": losses[-1], "lr": scheduler.get_last_lr()[0],
                                "grad_norm": float(grad_norm), "tokens": (step + 1) * cfg.global_batch * cfg.seq_len,
-                               "elapsed_s": round(dt, 2), "tok_per_s": round(tokens / dt)})
+                               "elapsed_s": round(dt, 2), "tok_per_s": round(tokens / dt)}
+                     | ({"peak_mem_gib": peak} if peak is not None else {}))
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < end:
             v = evaluate_loss(model, val, cfg, par, cp)
             if par.is_main:
@@ -244,6 +247,19 @@ def _train(cfg: TrainConfig, par: Parallel, resume: bool) -> dict:
              | ({"stopped": f"max_seconds={cfg.max_seconds}"} if timed_out else {}))
     return {"step": end, "losses": losses, "val_loss": val_loss, "params": n_params,
             "train_seconds": time.perf_counter() - t0, "timed_out": timed_out}
+
+
+def peak_memory_gib(par: Parallel) -> float | None:
+    """The largest `torch.cuda.max_memory_allocated` of any process so far, in GiB (None off CUDA).
+    Every process must call it (a max all-reduce with several)."""
+    if par.device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(par.device) / 2**30
+    if par.distributed:
+        most = torch.tensor(peak, device=par.device)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        peak = float(most)
+    return round(peak, 3)
 
 
 def _out_of_time(cfg: TrainConfig, t0: float, par: Parallel) -> bool:
