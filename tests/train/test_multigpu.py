@@ -1,0 +1,111 @@
+"""benchmarks/run_multigpu.py without launching anything: the run plan, the throughput and comparison
+arithmetic, the report; and the training loop's peak-memory metric."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from loglinear.train.loop import peak_memory_gib
+from loglinear.train.parallel import Parallel
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "run_multigpu.py"
+
+
+@pytest.fixture(scope="module")
+def mg():
+    spec = importlib.util.spec_from_file_location("run_multigpu", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_peak_memory_is_cuda_only(monkeypatch):
+    assert peak_memory_gib(Parallel()) is None
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**29)
+    assert peak_memory_gib(Parallel(device=torch.device("cuda", 0))) == 1.5
+
+
+def test_cpu_plan(mg, tmp_path):
+    a = mg.parse_args(["--device", "cpu", "--gpus", "4", "--out", str(tmp_path), "--long-steps", "5"])
+    assert (a.tag, a.d_model, a.long_steps, a.cp_sizes) == ("cpu-x4", 32, 5, [4])
+    fsdp, cp = mg.plan_fsdp(a, tmp_path), mg.plan_cp(a, tmp_path)
+    assert [r.nproc for r in fsdp] == [1, 2, 4] and all(r.args == fsdp[0].args for r in fsdp)
+    assert [r.name for r in cp] == ["cp_exact-1", "cp_exact-2", "cp_exact-4", "cp_base-64", "cp_long-256-cp4",
+                                    "cp_base-128", "cp_long-512-cp4"]
+    base, long = cp[3].args, cp[4].args
+    flag = lambda args, name: args[args.index(name) + 1]  # noqa: E731
+    assert flag(long, "--context-parallel") == "4" and flag(long, "--global-batch") == "1"
+    assert "--context-parallel" not in base and flag(base, "--global-batch") == "4" and flag(base, "--seq-len") == "64"
+    assert flag(long, "--stop-after") == "5" and flag(long, "--device") == "cpu"
+    assert mg.child_env("cuda")["NCCL_NVLS_ENABLE"] == "0"
+
+
+def _metrics(step_s: float, n: int = 5, tokens: int = 100, loss: float = 1.0) -> list[dict]:
+    return [{"step": s, "loss": loss + s, "tokens": s * tokens, "elapsed_s": 10 + s * step_s} for s in range(1, n + 1)]
+
+
+def test_steady_rate_leaves_out_the_first_steps(mg):
+    rows = _metrics(0.5)
+    rows[0]["elapsed_s"] = 30.0  # compilation in step 1 only shifts later times
+    for r in rows[1:]:
+        r["elapsed_s"] += 20
+    assert mg.steady_rate(rows, 2) == pytest.approx((200.0, 0.5))
+    assert mg.steady_rate(rows[:2], 2) is None
+
+
+def test_compare(mg):
+    row = lambda part, run, **kw: {"part": part, "run": run, "error": None, "val_loss": None, **kw}  # noqa: E731
+    rows = [row("fsdp", "fsdp-1", gpus=1, tok_per_s=100, losses=[3.0, 2.0]),
+            row("fsdp", "fsdp-2", gpus=2, tok_per_s=150, losses=[3.0, 2.1]),
+            row("cp_base", "cp_base-128", step_s=1.0, losses=[]),
+            row("cp_long", "cp_long-256-cp2", shard_len=128, step_s=1.25, losses=[])]
+    out = {r["run"]: r for r in mg.compare(rows)}
+    assert out["fsdp-1"]["efficiency"] == 1.0 and out["fsdp-2"]["efficiency"] == 0.75
+    assert out["fsdp-2"]["max_loss_diff_vs_1gpu"] == pytest.approx(0.1)
+    assert out["cp_long-256-cp2"]["cp_overhead_share"] == 0.2
+
+
+def test_report_keeps_the_other_parts(mg, tmp_path):
+    a = mg.parse_args(["--device", "cpu", "--out", str(tmp_path), "--parts", "fsdp"])
+    old = {"command": "first", "rows": [{"part": "cp_long", "run": "x", "error": "skipped: budget spent"},
+                                        {"part": "fsdp", "run": "fsdp-1", "error": "replaced"}]}
+    (tmp_path / "multigpu-cpu-x2.json").write_text(json.dumps(old))
+    rows = [{"part": "fsdp", "run": "fsdp-1", "error": None, "gpus": 1, "tok_per_s": 10,
+             "losses": [2.0, 1.5], "val_loss": 1.4}]
+    mg.writer(a, "second", {"fsdp-1", "fsdp-2"})(rows)
+    doc = json.loads((tmp_path / "multigpu-cpu-x2.json").read_text())
+    assert [r["run"] for r in doc["rows"]] == ["x", "fsdp-1"] and doc["rows"][1]["efficiency"] == 1.0
+    assert doc["kind"] == "cpu-x2" and doc["command"] == "first; second"
+    md = (tmp_path / "multigpu-cpu-x2.md").read_text()
+    assert "| 1 | 10 | — | 1 |" in md and "skipped: budget spent" in md
+    assert (tmp_path / "multigpu-cpu-x2.png").stat().st_size > 0
+
+
+def test_first_error_is_the_root_cause(mg, tmp_path):
+    log = tmp_path / "log.txt"
+    log.write_text("step 1\ntraceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html\n"
+                   "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB\n"
+                   "RuntimeError: NCCL communicator was aborted\n"
+                   "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n")
+    assert mg.first_error(log).startswith("torch.OutOfMemoryError: CUDA out of memory")
+    log.write_text("no exception\nlast line\n")
+    assert mg.first_error(log) == "last line"
+
+
+def test_a_run_that_fails_after_its_last_step_keeps_its_numbers(mg, tmp_path):
+    a = mg.parse_args(["--device", "cpu", "--work", str(tmp_path), "--out", str(tmp_path)])
+    run = mg.plan_fsdp(a, tmp_path)[0]
+    (tmp_path / run.name).mkdir()
+    lines = [json.dumps(r) for r in _metrics(0.5, n=a.steps)]
+    (tmp_path / run.name / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    assert mg.measure(run, a, "exit code 1")["error"] == "exit code 1"
+    (tmp_path / run.name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    row = mg.measure(run, a, "exit code -6: terminate called without an active exception")
+    assert row["error"] is None and row["exit_error"].startswith("exit code -6") and row["step_s"] == 0.5
