@@ -44,7 +44,7 @@ from loglinear.data.text import prepare_corpus  # noqa: E402
 
 # NVLink multicast stays off in every process (KINDS.md: using it can take the host's shared GPUs down).
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-PARTS = ("fsdp", "cp")
+PARTS = ("fsdp", "cp", "cp_exact", "cp_long")  # cp = cp_exact + cp_long
 # --device cpu: tiny sizes for the options not given
 CPU_DEFAULTS = {"corpus": "stdlib", "d_model": 32, "layers": 1, "seq_len": 256, "global_batch": 2, "steps": 4,
                 "cp_d_model": 32, "cp_layers": 1, "exact_seq_len": 256, "exact_steps": 3, "long_seq_lens": [256, 512],
@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: gloo processes at tiny sizes (the smoke test of this pipeline)")
     p.add_argument("--gpus", type=int, default=None, help="processes at most (default: all GPUs; 2 on CPU)")
-    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=["fsdp", "cp"])
     p.add_argument("--budget", type=float, default=None, help="seconds: no run starts after this (its row says "
                    "so) and one still going 60 s after it is stopped")
     p.add_argument("--run-timeout", type=float, default=300, help="seconds: a run still going is stopped")
@@ -142,20 +142,25 @@ def plan_fsdp(a: argparse.Namespace, data_dir: Path) -> list[Run]:
             for n in gpu_counts(a.gpus)]
 
 
-def plan_cp(a: argparse.Namespace, data_dir: Path) -> list[Run]:
-    """Exactness (cp n on n processes vs 1), then for every long length and cp size: the baseline at the
-    shard length without context parallelism (once per shard length) and the context-parallel run."""
-    runs = [Run(f"cp_exact-{n}", "cp_exact", n,
+def plan_cp_exact(a: argparse.Namespace, data_dir: Path) -> list[Run]:
+    """The same short fp32 run with --context-parallel n on n processes, n = 1, 2, 4, 8."""
+    return [Run(f"cp_exact-{n}", "cp_exact", n,
                 train_args(a, data_dir, a.cp_d_model, a.cp_layers, a.exact_seq_len, 2, a.exact_steps,
                            "--context-parallel", str(n), "--precision", "fp32"),
                 {"gpus": n, "context_parallel": n, "seq_len": a.exact_seq_len, "global_batch": 2})
             for n in gpu_counts(a.gpus)]
+
+
+def plan_cp_long(a: argparse.Namespace, data_dir: Path) -> list[Run]:
+    """For every long length and cp size: the baseline at the shard length without context parallelism
+    (once per shard length), then the context-parallel run."""
 
     def long(T: int, batch: int, *extra: str) -> list[str]:
         # --stop-after < --steps: no validation at the end (the validation split may be shorter than T)
         return train_args(a, data_dir, a.cp_d_model, a.cp_layers, T, batch, 1000, "--stop-after", str(a.long_steps),
                           *extra)
 
+    runs: list[Run] = []
     baselines: set[int] = set()
     for T in a.long_seq_lens:
         for c in a.cp_sizes:
@@ -248,8 +253,9 @@ def measure(run: Run, a: argparse.Namespace, error: str | None) -> dict:
     last step and then failed (seen on CPU: gloo processes aborting at exit) keeps its numbers; the
     failure goes to "exit_error"."""
     rows, val = read_metrics(a.work / run.name)
+    losses = [r["loss"] for r in rows]
     row = {"part": run.part, "run": run.name, **run.info, "error": error, "steps": len(rows),
-           "losses": [r["loss"] for r in rows], "val_loss": val}
+           "final_loss": losses[-1] if losses else None, "losses": losses, "val_loss": val}
     if error and rows and rows[-1]["step"] == planned_steps(run.args):
         row |= {"error": None, "exit_error": error}
     rate = steady_rate(rows, a.skip_steps)
@@ -355,7 +361,7 @@ def markdown(doc: dict) -> str:
              "(compilation left out); cp_overhead_share = 1 - baseline_step_s / step_s.")
     lines = [f"# Multi-GPU runs: {doc['kind']}", "", f"`{doc['command']}`", "", about, ""]
     for part, (title, cols) in TABLES.items():
-        rows = [r | {"final_loss": (r.get("losses") or [None])[-1]} for r in doc["rows"] if r["part"] == part]
+        rows = [r for r in doc["rows"] if r["part"] == part]
         if rows:
             lines += [f"## {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
             lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows] + [""]
@@ -425,7 +431,9 @@ def main(argv: list[str] | None = None) -> None:
     meta = prepare_corpus(a.corpus, data_dir, vocab_size=4096)  # once, before the runs
     print(f"corpus {a.corpus}: {meta['train_tokens']} train / {meta['val_tokens']} val tokens "
           f"({time.monotonic() - t:.0f} s) in {data_dir}", flush=True)
-    runs = (plan_fsdp(a, data_dir) if "fsdp" in a.parts else []) + (plan_cp(a, data_dir) if "cp" in a.parts else [])
+    plans = {"fsdp": plan_fsdp, "cp_exact": plan_cp_exact, "cp_long": plan_cp_long}
+    wanted = set(a.parts) | ({"cp_exact", "cp_long"} if "cp" in a.parts else set())
+    runs = [run for part, plan in plans.items() if part in wanted for run in plan(a, data_dir)]
     command = " ".join(["python benchmarks/run_multigpu.py", *(sys.argv[1:] if argv is None else argv)])
     execute(runs, a, meta, writer(a, command, {run.name for run in runs}))
     print(f"wrote {a.out / f'multigpu-{a.tag}'}.{{json,md,png}} ({time.monotonic() - T0:.0f} s)", flush=True)

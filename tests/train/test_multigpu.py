@@ -35,7 +35,7 @@ def test_peak_memory_is_cuda_only(monkeypatch):
 def test_cpu_plan(mg, tmp_path):
     a = mg.parse_args(["--device", "cpu", "--gpus", "4", "--out", str(tmp_path), "--long-steps", "5"])
     assert (a.tag, a.d_model, a.long_steps, a.cp_sizes) == ("cpu-x4", 32, 5, [4])
-    fsdp, cp = mg.plan_fsdp(a, tmp_path), mg.plan_cp(a, tmp_path)
+    fsdp, cp = mg.plan_fsdp(a, tmp_path), mg.plan_cp_exact(a, tmp_path) + mg.plan_cp_long(a, tmp_path)
     assert [r.nproc for r in fsdp] == [1, 2, 4] and all(r.args == fsdp[0].args for r in fsdp)
     assert [r.name for r in cp] == ["cp_exact-1", "cp_exact-2", "cp_exact-4", "cp_base-64", "cp_long-256-cp4",
                                     "cp_base-128", "cp_long-512-cp4"]
@@ -72,7 +72,7 @@ def test_compare(mg):
     assert out["cp_long-256-cp2"]["cp_overhead_share"] == 0.2
 
 
-def test_report_keeps_the_other_parts(mg, tmp_path):
+def test_report_keeps_the_runs_not_planned_now(mg, tmp_path):
     a = mg.parse_args(["--device", "cpu", "--out", str(tmp_path), "--parts", "fsdp"])
     old = {"command": "first", "rows": [{"part": "cp_long", "run": "x", "error": "skipped: budget spent"},
                                         {"part": "fsdp", "run": "fsdp-1", "error": "replaced"}]}
@@ -109,3 +109,4 @@ def test_a_run_that_fails_after_its_last_step_keeps_its_numbers(mg, tmp_path):
     (tmp_path / run.name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     row = mg.measure(run, a, "exit code -6: terminate called without an active exception")
     assert row["error"] is None and row["exit_error"].startswith("exit code -6") and row["step_s"] == 0.5
+    assert row["final_loss"] == row["losses"][-1] == 1.0 + a.steps
