@@ -10,7 +10,8 @@ Composition (all sequences of a call in one launch per kernel):
   3. a sequential scan carries all chunk levels (mamba2_fwd.py: deposits and merges, recording each merged
      level and every chunk's level decays), then one chunk-parallel kernel computes the in-chunk block and
      the readout of every chunk (mamba2_chunk.py); the backward mirrors it (the chunk kernel gives dq,
-     dlambda and the in-chunk dk / dv; one reverse scan, mamba2_bwd.py, adds the deposit terms);
+     dlambda and the in-chunk dk / dv, a second chunk-parallel kernel each merged level's gradient from
+     its readers, and one reverse scan, mamba2_bwd.py, the transposed cascade and the deposit terms);
   4. the final state = the last chunk's in-chunk buckets (torch, differentiable) + the scan's chunk levels.
 """
 

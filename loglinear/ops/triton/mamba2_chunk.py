@@ -18,16 +18,20 @@ in-chunk dK and dV):
     dlambda_t[c+1+j] = scale * exp(G_t + decay_j) q_t . (dO B_j^T)_t
     dK = dS^T Q,  dV = scale * A^T dO                                  (the scan adds the deposit terms)
 
-The gate's gradient needs no per-chunk term: every term of o (and of the final states, apart from
-their own end-of-sequence factor) depends on the gates only through q_t e^{G_t} and k_s e^{-G_s}, G the
-sequence's cumsum: the in-chunk block through exp(G_t - G_s), the readout through e^{G_t} Q, the
-deposit through e^{G_l - G_s} k_s, and the chunk levels' transitions e^{G_l} telescope into the same
-differences. So o(q e^d, k e^-d, G - d) = o for any per-token d, and
+The gate's gradient needs no per-chunk term. Let Gs be the sequence's inclusive cumsum of g (G is it
+minus its value before the chunk). Every factor the kernels apply telescopes into a difference of Gs:
+the in-chunk block uses exp(G_t - G_s) = exp(Gs_t - Gs_s); the readout of key s (deposited in chunk e,
+read by query t in chunk i through level j) uses exp(G_t) * exp(decay_j) * exp(Gl_e - G_s), and decay_j
+sums the chunk totals between, so the product is exp(Gs_t - Gs_s) too; only the final states carry
+exp(Gs_end - Gs_s). Hence the loss depends on Gs_u only through q_u e^{Gs_u}, k_u e^{-Gs_u} and, at
+u = end, the final states' factor, so o(q e^d, k e^-d, Gs - d) = o for any per-token d and
 
-    dG_t = q_t . dq_t - k_t . dk_t  (+ the final states' term at the last token),   dg_t = sum_{u >= t} dG_u
+    dGs_u = q_u . dq_u - k_u . dk_u  (+ sum(dS_final * S_final) at the last token),
+    dg_u  = sum_{t >= u} dGs_t                                        (g_u enters every Gs_t, t >= u)
 
-where the kernels form q.dq here (dq is complete) and k.dk in the backward scan (after its deposit
-terms); the caller adds the final states' term and takes the reverse cumsum.
+with dq, dk the full gradients (in-chunk + chunk levels). The kernels form q.dq here (dq is complete)
+and k.dk in the backward scan (after its deposit terms); the caller adds the final states' term and
+takes the reverse cumsum.
 
 The readout's gradient with respect to the merged levels is also chunk-parallel: the level m merged
 after chunk e (m = ctz(e + 1)) is read, as bucket, by exactly the chunks e+1 .. e+2^m (those of the
