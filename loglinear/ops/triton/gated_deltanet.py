@@ -21,6 +21,7 @@ expansion); varlen and rows at different positions go through run_segments (one 
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 
@@ -63,6 +64,34 @@ def _last_chunk(x: torch.Tensor, ch: Chunking) -> torch.Tensor:
     return _chunked(expand_groups(_pad_time(part, front, ch.C - front - part.shape[1]), ch.H), ch.C)
 
 
+def _incoming_state(
+    levels: torch.Tensor, position: int, ch: Chunking, J: int, lc: torch.Tensor, qt: torch.Tensor,
+    o_intra: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The incoming state (carried past ``position``): levels [b, Ls, H, K, V] fp32.  Adds the first chunk's
+    readout of its in-chunk buckets (levels <= c) to o_intra [b H, Tp, V] in place and returns them,
+    partial [b, H, c+1, K, V], with the chunk-level seeds h0 [b H, J, K, V].  lc: lambda chunked
+    [b, H, N, C, L]; qt: [b H, Tp, K]."""
+    b, H, C, N = ch.b, ch.H, ch.C, ch.N
+    K, V, c, c0 = levels.shape[-2], levels.shape[-1], chunk_bits(C), position // C
+    levels = torch.nn.functional.pad(levels, (0, 0, 0, 0, 0, 0, 0, max(0, c + 1 + J - levels.shape[1])))
+    partial = levels[:, : c + 1].transpose(1, 2)  # [b, H, c+1, K, V]
+    h0 = levels[:, c + 1 :].transpose(1, 2)  # [b, H, J, K, V]
+    pos = c0 * C + torch.arange(C, device=levels.device)
+    idx = torch.maximum(torch.arange(c + 1, device=levels.device)[None, :], bit_length(pos ^ position)[:, None])
+    weights = _level_scales_at(lc[:, :, 0], idx)  # [b, H, C, c+1]
+    if N > 1:
+        # The first chunk's cascade moves its transitioned buckets into chunk level m0. Seeding h_m0
+        # with them instead is the same, except that chunk 0 would also read them at level c+1+m0:
+        # take that read off the weights.
+        m0 = int(carry_target(c0 + 1)) - 1
+        weights = weights - _level_scales_at(lc[:, :, 0], torch.full((C, 1), c + 1 + m0, device=levels.device))
+        h0 = h0 + torch.nn.functional.one_hot(torch.tensor(m0), J).to(h0)[:, None, None] * partial.sum(2, True)
+    qt0 = qt.view(b, H, N, C, K)[:, :, 0].float()
+    o_intra.view(b, H, N, C, V)[:, :, 0] += torch.einsum("bhtm,bhtk,bhmkv->bhtv", weights.float(), qt0, partial)
+    return partial, h0.reshape(b * H, J, K, V)
+
+
 def gated_deltanet_core(
     q, k, v, g, beta, lam, scale: float, levels: torch.Tensor | None, position: int, chunk_size: int,
     dtype: torch.dtype,
@@ -85,22 +114,7 @@ def gated_deltanet_core(
     if levels is not None:
         levels = _carry_past(levels, position) if position > 0 else levels
         J = max(J, levels.shape[1] - c - 1)
-        levels = torch.nn.functional.pad(levels, (0, 0, 0, 0, 0, 0, 0, max(0, c + 1 + J - levels.shape[1])))
-        partial = levels[:, : c + 1].transpose(1, 2)  # [b, H, c+1, K, V]
-        h0 = levels[:, c + 1 :].transpose(1, 2)  # [b, H, J, K, V]
-        pos = c0 * C + torch.arange(C, device=q.device)
-        idx = torch.maximum(torch.arange(c + 1, device=q.device)[None, :], bit_length(pos ^ position)[:, None])
-        weights = _level_scales_at(lc[:, :, 0], idx)  # [b, H, C, c+1]
-        if N > 1:
-            # The first chunk's cascade moves its transitioned buckets into chunk level m0. Seeding h_m0
-            # with them instead is the same, except that chunk 0 would also read them at level c+1+m0:
-            # take that read off the weights.
-            m0 = int(carry_target(c0 + 1)) - 1
-            weights = weights - _level_scales_at(lc[:, :, 0], torch.full((C, 1), c + 1 + m0, device=q.device))
-            h0 = h0 + torch.nn.functional.one_hot(torch.tensor(m0), J).to(h0)[:, None, None] * partial.sum(2, True)
-        qt0 = qt.view(b, H, N, C, K)[:, :, 0].float()
-        o_intra.view(b, H, N, C, V)[:, :, 0] += torch.einsum("bhtm,bhtk,bhmkv->bhtv", weights.float(), qt0, partial)
-        h0 = h0.reshape(b * H, J, K, V)
+        partial, h0 = _incoming_state(levels, position, ch, J, lc, qt, o_intra)
 
     lam_inter = _level_scales_at(lc, (c + 1 + torch.arange(J, device=q.device)).expand(C, -1))
     o, hN = fenwick_delta_scan(
@@ -110,12 +124,14 @@ def gated_deltanet_core(
     last = GatedDeltaNetForm(*(_last_chunk(x, ch) for x in (q, k, v, g, beta)))
     H_levels = list(hN.view(b, H, J, K, V).unbind(2))
     final = _final_levels(last, H_levels, partial if N == 1 else None, position, end, c0 + N - 1, 1, C, c)
-    n_final = max(levels_needed(end), levels.shape[1] if levels is not None else 0)
+    n_final = max(levels_needed(end), c + 1 + J if levels is not None else 0)  # the incoming levels, widened
     final = torch.nn.functional.pad(final, (0, 0, 0, 0, 0, 0, 0, max(0, n_final - final.shape[1])))[:, :n_final]
     return o, final
 
 
-def _run_one_segment(inp: OpInputs, core, output_final_state: bool, l2norm_qk: bool):
+def _run_one_segment(
+    inp: OpInputs, core: Callable[..., tuple[torch.Tensor, torch.Tensor]], output_final_state: bool, l2norm_qk: bool,
+) -> tuple[torch.Tensor, FenwickState | None]:
     """run_segments for the common call (no varlen, every row at one position) without its fp32 copies and
     q/k expansion: the kernels read the op's tensors.  Returns (o, state) like run_segments."""
     q, k = (l2norm(inp.q.float()), l2norm(inp.k.float())) if l2norm_qk else (inp.q, inp.k)
