@@ -89,7 +89,7 @@ def main() -> None:
     print(report(local._chunk_local_bwd_cc_kernel, sig, meta, **launch))
     keep = [n for n in const if n not in ("V", "BV", "NV", "LOG_C")]
     runtime.pop("L")
-    sig = dict(q=P, k=P, g=P, beta=P, dqt=P, dwt=P, dkt=P, ddecay=f32, scratch=P, dGp=f32, dq=f32, dk=f32, dg=P,
+    sig = dict(q=P, k=P, g=P, beta=P, dqt=P, dwt=P, dkt=P, ddecay=f32, scratch=P, dGp=f32, dq=P, dk=P, dg=P,
                **runtime, **{n: "constexpr" for n in keep})
     print(report(local._chunk_local_bwd_k_kernel, sig, {n: meta[n] for n in keep}, **launch))
 

@@ -282,8 +282,8 @@ def _chunk_local_bwd_k_kernel(
     K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr,
 ):
     """Backward, part 2, chunk n of head bh: the key-sized gradients from part 1's scratch.  Upstream: dqt,
-    dwt, dkt: [BH, Tp, K] (operand dtype), ddecay: [BH, N].  Outputs (valid tokens only): dq, dk:
-    [b, T, H, K] fp32 (per value head), dg: [b, T, H] (any float dtype; reverse cumsum of dG):
+    dwt, dkt: [BH, Tp, K] (operand dtype), ddecay: [BH, N].  Outputs (valid tokens only, any float dtype):
+    dq, dk: [b, T, H, K] (per value head), dg: [b, T, H] (reverse cumsum of dG):
 
         dW = dwt - QK^T dqt;  dQ = e dqt + (dQK * Gamma) K;
         dK = (dQK * Gamma)^T Q + (dKK + dKK^T) K + beta e T^T dW + f dkt;  dG += -f rowsum(dkt K) + [last] dG_last
@@ -363,8 +363,9 @@ class ChunkLocal(torch.autograd.Function):
         up = [torch.zeros(s, dtype=d, device=dev) if x is None else x.contiguous()
               for x, (s, d) in zip((do, dqt, dwt, dkt, du, ddecay), like)]
         f32 = torch.float32
-        dq, dk = alloc((b, T, H, K), f32, dev), alloc((b, T, H, K), f32, dev)
-        # written once, in the inputs' dtypes; dq, dk per value head in fp32 (summed over each q/k group)
+        # written once, in the inputs' dtypes; dq, dk per value head in the operand dtype (summed over each q/k
+        # group in fp32)
+        dq, dk = alloc((b, T, H, K), dt, dev), alloc((b, T, H, K), dt, dev)
         dv, dg, dbeta = alloc(v.shape, v.dtype, dev), alloc(g.shape, g.dtype, dev), alloc(beta.shape, beta.dtype, dev)
         dlam = torch.zeros_like(lam)  # levels > c: the scan's part
         scratch, dGp = alloc((ch.BH * ch.N, 4, ch.C, ch.C), dt, dev), alloc((ch.BH, ch.Tp), f32, dev)
@@ -375,7 +376,7 @@ class ChunkLocal(torch.autograd.Function):
         for name in ("V", "BV", "NV", "LOG_C", "L"):
             meta.pop(name)
         _chunk_local_bwd_k_kernel[(ch.N, ch.BH)](q, k, g, beta, dqt, dwt, dkt, ddecay, scratch, dGp, dq, dk, dg, **meta)
-        group = lambda x: x.view(b, T, G, H // G, K).sum(3)  # noqa: E731  (value heads -> their q/k group)
+        group = lambda x: x if G == H else x.view(b, T, G, H // G, K).sum(3, dtype=f32)  # noqa: E731
         grads = [group(dq), group(dk), dv, dg, dbeta, dlam]
         return (*[d.to(x.dtype) for d, x in zip(grads, (q, k, v, g, beta, lam))], None, None)
 
