@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--exact-steps", type=int, default=6)
     g.add_argument("--long-seq-lens", nargs="+", type=int, default=[131072, 262144, 524288, 1048576])
     g.add_argument("--cp-sizes", nargs="+", type=int, default=None, help="context-parallel degrees (default: all GPUs)")
-    g.add_argument("--long-steps", type=int, default=6)
+    g.add_argument("--long-steps", type=int, default=8)
     if p.parse_known_args(argv)[0].device == "cpu":
         p.set_defaults(**CPU_DEFAULTS)
     a = p.parse_args(argv)
@@ -391,8 +391,10 @@ def plot(doc: dict, path: Path) -> None:
         xs = [r["seq_len"] for r in mine]
         ax[2].plot(xs, [r["tok_per_s_per_gpu"] for r in mine], "o-", label=f"cp {c}")
         ax[3].plot(xs, [r.get("cp_overhead_share") for r in mine], "o-", label=f"cp {c}")
-    ax[2].set(title="CP: tokens/s per GPU", xlabel="sequence length", xscale="log")
-    ax[3].set(title="CP: overhead share of the step", xlabel="sequence length", xscale="log", ylim=(0, 1))
+    ax[2].set(title="CP: tokens/s per GPU", xlabel="sequence length")
+    ax[3].set(title="CP: overhead share of the step", xlabel="sequence length", ylim=(0, 1))
+    for axis in ax[2:]:
+        axis.set_xscale("log", base=2)
     for axis in ax:
         if axis.get_legend_handles_labels()[0]:
             axis.legend()
