@@ -1,6 +1,7 @@
 """Compile the Gated DeltaNet kernels for sm_90 on any machine (no GPU): shared memory, registers, spills.
 
     python benchmarks/compile_gdn_sm90.py                 # bf16, K = 128, V = 64, the op's block choices
+    python benchmarks/compile_gdn_sm90.py --l2norm        # the benchmark's case: q, k in fp32 after the op's l2norm
     python benchmarks/compile_gdn_sm90.py --dtype fp32 --K 256
 
 Uses the installed triton (compile with the GPU's triton version: e.g. a triton 3.6 wheel on PYTHONPATH)
@@ -45,53 +46,70 @@ def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: in
     return f"{fn.__name__:26s} shared={kernel.metadata.shared:6d}  " + "; ".join(info)
 
 
+def scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: str) -> list[str]:
+    """The four scan kernels (the forward with and without snapshots) at the op's block choices."""
+    f32 = "*fp32"
+    BK, BV, NV = scan._blocks(K, V, dtype)
+    launch = dict(num_warps=8, num_stages=2)
+    const = dict(K=K, V=V, C=C, BK=BK, BV=BV, PREC=prec)
+    rows = dict(T="i32", front="i32", H="i32", scale="fp32")
+    out = []
+    sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", states=f32,
+               snap=P, o_intra=f32, o=P, N="i32", J="i32", Tp="i32", S="i32", **rows,
+               **{n: "constexpr" for n in [*const, "SNAP"]})
+    for snap in (True, False):
+        out.append(report(scan._scan_fwd_kernel, sig, dict(const, SNAP=snap), **launch) + f"  (SNAP={snap})")
+    sig = dict(qt=P, lam=f32, live="*i32", snap_at="*i32", snap=P, o_intra=f32, o=P, J="i32", Tp="i32", S="i32",
+               **rows, **{n: "constexpr" for n in [*const, "NV"]})
+    out.append(report(scan._scan_readout_kernel, sig, dict(const, NV=NV), **launch))
+    sig = dict(qt=P, wt=P, kt=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", do=P,
+               dstates=f32, dsnap=P, do_intra=f32, N="i32", J="i32", Tp="i32", S="i32", **rows, i0="i32", i1="i32",
+               **{n: "constexpr" for n in const})
+    out.append(report(scan._scan_dh_kernel, sig, const, **launch))
+    sig = dict(qt=P, wt=P, kt=P, u=P, lam=f32, merge="*i32", live="*i32", snap_at="*i32", snap=P, dsnap=P,
+               do_intra=f32, dqt=P, dwt=P, dkt=P, du=P, dd=f32, dlam=f32, N="i32", J="i32", Tp="i32", S="i32",
+               SD="i32", i0="i32", **{n: "constexpr" for n in [*const, "NV"]})
+    out.append(report(scan._scan_grads_kernel, sig, dict(const, NV=NV), **launch))
+    return out
+
+
+def local_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, QK: str) -> list[str]:
+    """The three chunk-local kernels; QK: the pointer type of q and k (fp32 when the op L2-normalises them)."""
+    f32 = "*fp32"
+    meta = local._meta(Chunking(b=2, T=8192, H=48, front=0, C=C), K, V, 1, 18, dtype)
+    launch = dict(num_warps=meta.pop("num_warps"), num_stages=meta.pop("num_stages"))
+    runtime = {n: "i32" for n in ("T", "front", "Tp", "N", "H", "NG", "L")}
+    const = {n: "constexpr" for n in meta if n not in runtime}
+    meta = {n: v for n, v in meta.items() if n not in runtime}
+    out = []
+    sig = dict(q=QK, k=QK, v=P, g=P, beta=P, lam=P, o=f32, qt=P, wt=P, kt=P, u=P, decay=f32, **runtime, **const)
+    out.append(report(local._chunk_local_kernel, sig, meta, **launch))
+    sig = dict(q=QK, k=QK, v=P, g=P, beta=P, lam=P, do=f32, dqt=P, dwt=P, du=P, dv=P, dbeta=P, dlam=P,
+               scratch=P, dGp=f32, **runtime, **const)
+    out.append(report(local._chunk_local_bwd_cc_kernel, sig, meta, **launch))
+    keep = [n for n in const if n not in ("V", "BV", "NV", "LOG_C")]
+    runtime.pop("L")
+    sig = dict(q=QK, k=QK, g=P, beta=P, dqt=P, dwt=P, dkt=P, ddecay=f32, scratch=P, dGp=f32, dq=P, dk=P, dg=P,
+               **runtime, **{n: "constexpr" for n in keep})
+    out.append(report(local._chunk_local_bwd_k_kernel, sig, {n: meta[n] for n in keep}, **launch))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", choices=DTYPES, default="bf16")
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--V", type=int, default=64)
+    ap.add_argument("--l2norm", action="store_true", help="q, k reach the chunk-local kernels in fp32 (use_qk_l2norm)")
     args = ap.parse_args()
     dtype, K, V = DTYPES[args.dtype], args.K, args.V
     C = kernel_chunk_size(64, dtype, K)
-    P, f32 = "*" + args.dtype, "*fp32"
-    prec = dot_precision(dtype)
-    print(f"triton {triton.__version__}, {args.dtype}, K={K}, V={V}, C={C}, precision {prec}")
-    BK, BV, _ = scan._blocks(K, V, dtype)
-    launch = dict(num_warps=8, num_stages=2)
-    const = dict(K=K, V=V, C=C, BK=BK, BV=BV, PREC=prec)
-    rows = dict(T="i32", front="i32", H="i32", scale="fp32")
-    sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", states=f32,
-               snap=P, o_intra=f32, o=P, N="i32", J="i32", Tp="i32", S="i32", **rows,
-               **{n: "constexpr" for n in [*const, "SNAP"]})
-    for snap in (True, False):
-        print(report(scan._scan_fwd_kernel, sig, dict(const, SNAP=snap), **launch) + f"  (SNAP={snap})")
-    sig = dict(qt=P, lam=f32, live="*i32", snap_at="*i32", snap=P, o_intra=f32, o=P, J="i32", Tp="i32", S="i32",
-               **rows, **{n: "constexpr" for n in [*const, "NV"]})
-    print(report(scan._scan_readout_kernel, sig, dict(const, NV=-(-V // BV)), **launch))
-    sig = dict(qt=P, wt=P, kt=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", do=P,
-               dstates=f32, dsnap=P, do_intra=f32, N="i32", J="i32", Tp="i32", S="i32", **rows, i0="i32", i1="i32",
-               **{n: "constexpr" for n in const})
-    print(report(scan._scan_dh_kernel, sig, const, **launch))
-    sig = dict(qt=P, wt=P, kt=P, u=P, lam=f32, merge="*i32", live="*i32", snap_at="*i32", snap=P, dsnap=P,
-               do_intra=f32, dqt=P, dwt=P, dkt=P, du=P, dd=f32, dlam=f32, N="i32", J="i32", Tp="i32", S="i32",
-               SD="i32", i0="i32", **{n: "constexpr" for n in [*const, "NV"]})
-    print(report(scan._scan_grads_kernel, sig, dict(const, NV=-(-V // BV)), **launch))
-    ch = Chunking(b=2, T=8192, H=48, front=0, C=C)
-    meta = local._meta(ch, K, V, 1, 18, dtype)
-    launch = dict(num_warps=meta.pop("num_warps"), num_stages=meta.pop("num_stages"))
-    runtime = {n: "i32" for n in ("T", "front", "Tp", "N", "H", "NG", "L")}
-    const = {n: "constexpr" for n in meta if n not in runtime}
-    meta = {n: v for n, v in meta.items() if n not in runtime}
-    sig = dict(q=P, k=P, v=P, g=P, beta=P, lam=P, o=f32, qt=P, wt=P, kt=P, u=P, decay=f32, **runtime, **const)
-    print(report(local._chunk_local_kernel, sig, meta, **launch))
-    sig = dict(q=P, k=P, v=P, g=P, beta=P, lam=P, do=f32, dqt=P, dwt=P, du=P, dv=P, dbeta=P, dlam=P,
-               scratch=P, dGp=f32, **runtime, **const)
-    print(report(local._chunk_local_bwd_cc_kernel, sig, meta, **launch))
-    keep = [n for n in const if n not in ("V", "BV", "NV", "LOG_C")]
-    runtime.pop("L")
-    sig = dict(q=P, k=P, g=P, beta=P, dqt=P, dwt=P, dkt=P, ddecay=f32, scratch=P, dGp=f32, dq=P, dk=P, dg=P,
-               **runtime, **{n: "constexpr" for n in keep})
-    print(report(local._chunk_local_bwd_k_kernel, sig, {n: meta[n] for n in keep}, **launch))
+    P, prec = "*" + args.dtype, dot_precision(dtype)
+    qk = "*fp32" if args.l2norm else P
+    print(f"triton {triton.__version__}, {args.dtype}, K={K}, V={V}, C={C}, precision {prec}, q/k {qk[1:]}")
+    for line in scan_reports(K, V, C, dtype, P, prec) + local_reports(K, V, C, dtype, P, qk):
+        print(line)
+
 
 if __name__ == "__main__":
     main()
