@@ -3,9 +3,8 @@
     PYTHONPATH=/path/to/triton36 python benchmarks/compile_mamba2_sm90.py            # bf16, whole tiles
     python benchmarks/compile_mamba2_sm90.py --dtype fp32 --split                      # the fp32 tiling
 
-Paper setting (K = 128, V = 64, C = 64). Lists the kernels as the op launches them: v2 (the chunk-level
-scans mamba2_fwd.py / mamba2_bwd.py and the chunk-parallel mamba2_chunk.py), then the v1.2 scans
-(mamba2_v12.py, mamba2.CHUNK_PARALLEL_INTRA = False).
+Paper setting (K = 128, V = 64, C = 64). Lists the kernels as the op launches them: the chunk-level
+scans mamba2_fwd.py / mamba2_bwd.py and the chunk-parallel mamba2_chunk.py.
 Uses the installed triton (compile with the GPU's version) and its bundled ptxas. A kernel whose shared
 memory exceeds 232448 bytes fails to launch on an H100/H200.
 """
@@ -27,7 +26,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from loglinear.ops.triton import mamba2_bwd, mamba2_chunk, mamba2_fwd, mamba2_v12  # noqa: E402
+from loglinear.ops.triton import mamba2_bwd, mamba2_chunk, mamba2_fwd  # noqa: E402
 from loglinear.ops.triton.common import MAX_CHUNK_LEVELS, dot_precision, launch_options, split_block  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -67,7 +66,7 @@ def signature(names: str, ptr: str, **special: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", choices=DTYPES, default="bf16")
-    ap.add_argument("--split", action="store_true", help="split K / V state tiles over two programs (fp32's tiling)")
+    ap.add_argument("--split", action="store_true", help="split the scans' V tiles over two programs (fp32's tiling)")
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--V", type=int, default=64)
     ap.add_argument("--has-init", action="store_true", help="the variant for calls with initial states")
@@ -75,7 +74,7 @@ def main() -> None:
     P, f32, i32 = "*" + args.dtype, "*fp32", "*i32"
     prec = dot_precision(DTYPES[args.dtype])
     BK, BV, C = triton.next_power_of_2(args.K), triton.next_power_of_2(args.V), 64
-    BKS, BVS = (split_block(BK), split_block(BV)) if args.split else (BK, BV)
+    BVS = split_block(BV) if args.split else BV
     print(f"triton {triton.__version__}, {args.dtype}, K={args.K}, V={args.V}, C={C}, split={args.split}, "
           f"has_init={args.has_init}, {prec}")
     base = dict(C=C, LOG_C=6, BK=BK, BV=BV, PRECISION=prec, HAS_INIT=args.has_init)
@@ -86,10 +85,9 @@ def main() -> None:
     bufs = dict(levels=f32, buckets=P, decays=f32, h0=f32, dq=f32, dk=f32, dv=f32, dlam=f32, qdq=f32, kdk=f32,
                 d_levels=f32, d_buckets=f32, chunks=i32, seqs=i32, chunk0=i32, base_ptr=i32)
     chunk = "q k v g lam {} h0 buckets decays starts ends seqs chunks chunk0 scale {}H G K V L J"
-    dkv = "q k v g lam do dk dv kdk d_levels bos_ptr eos_ptr chunk0_ptr scale tokens H G K V L J"
-    dkv_v2 = dkv.replace("d_levels", "d_levels d_buckets").replace("chunk0_ptr", "chunk0_ptr base_ptr")
-    dq = "q k v g lam do dq dlam qdq levels bos_ptr eos_ptr chunk0_ptr scale tokens H G K V L J"
-    kernels = [  # (kernel, its arguments, constexprs, launch options): v2, then v1.2
+    dkv = ("q k v g lam do dk dv kdk d_levels d_buckets bos_ptr eos_ptr chunk0_ptr base_ptr scale tokens "
+           "H G K V L J")
+    kernels = [  # (kernel, its arguments, constexprs, launch options)
         (mamba2_fwd.mamba2_fwd_kernel, "k v g levels buckets decays bos_ptr eos_ptr chunk0_ptr base_ptr H G K V J",
          dict(scan, BV=BVS), launch_options(BK, BVS)),
         (mamba2_chunk.mamba2_chunk_fwd_kernel, chunk.format("o", ""), base, mamba2_chunk.chunk_launch_options(4)),
@@ -97,11 +95,7 @@ def main() -> None:
          mamba2_chunk.chunk_launch_options(8)),
         (mamba2_chunk.mamba2_level_grad_kernel, "q g lam do decays starts ends chunks d_buckets scale H G K V L J",
          dict(base, BJ=MAX_CHUNK_LEVELS), mamba2_chunk.chunk_launch_options(4, 3)),
-        (mamba2_bwd.mamba2_bwd_dkv_kernel, dkv_v2, dict(scan, BVS=BVS), launch_options(BK, BVS)),
-        (mamba2_v12.mamba2_v12_fwd_kernel, "q k v g lam o levels bos_ptr eos_ptr chunk0_ptr scale H G K V L J",
-         dict(scan, BV=BVS), launch_options(BKS, BV)),
-        (mamba2_v12.mamba2_v12_bwd_dq_kernel, dq, dict(scan, BKS=BKS, BL=32), launch_options(BKS, BV)),
-        (mamba2_v12.mamba2_v12_bwd_dkv_kernel, dkv, dict(scan, BVS=BVS), launch_options(BKS, BV)),
+        (mamba2_bwd.mamba2_bwd_dkv_kernel, dkv, dict(scan, BVS=BVS), launch_options(BK, BVS)),
     ]
     for fn, names, const, launch in kernels:
         const = {n: c for n, c in const.items() if n in fn.arg_names}

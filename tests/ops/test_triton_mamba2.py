@@ -97,18 +97,6 @@ def test_whole_state_tiles(monkeypatch):
     _compare(x, state=_random_state(1, [21], 2, 40, 24))
 
 
-@pytest.mark.parametrize("split", [True, False])
-def test_scans_with_the_in_chunk_block(monkeypatch, split):
-    """The v1.2 path (mamba2.CHUNK_PARALLEL_INTRA = False: the scans compute the in-chunk block), kept
-    selectable until v2 is measured on the device; split and whole state tiles, GQA, a state."""
-    from loglinear.ops.triton import mamba2
-
-    monkeypatch.setattr(mamba2, "CHUNK_PARALLEL_INTRA", False)
-    monkeypatch.setattr(mamba2, "_splits", lambda dtype: split)
-    x = mamba2_args(make_inputs(1, 50, 2, 4, 40, 24, start=21))
-    _compare(x, state=_random_state(1, [21], 4, 40, 24))
-
-
 @pytest.mark.parametrize("positions", [[32, 48], [5, 64], [0, 3], [16, 1]])
 def test_continuation_from_state(positions):
     """States at aligned and unaligned positions (also 0), junk in every level; gradients reach the state."""

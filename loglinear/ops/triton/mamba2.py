@@ -35,20 +35,11 @@ from loglinear.ops.triton.mamba2_chunk import (
     chunk_launch_options, mamba2_chunk_bwd_kernel, mamba2_chunk_fwd_kernel, mamba2_level_grad_kernel,
 )
 from loglinear.ops.triton.mamba2_fwd import mamba2_fwd_kernel
-from loglinear.ops.triton.mamba2_v12 import (
-    mamba2_v12_bwd_dkv_kernel, mamba2_v12_bwd_dq_kernel, mamba2_v12_fwd_kernel,
-)
 from loglinear.state import FenwickState
 
 __all__ = ["mamba2_triton", "kernel_chunk_size", "LevelScanPlan"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-# Temporary, until v2 is measured on the device: True runs v2 (a scan that only deposits and merges the
-# chunk levels, then chunk-parallel kernels for the in-chunk block and the readout, mamba2_chunk.py);
-# False runs v1.2 (everything inside the sequential scans: mamba2_v12.py, deleted with this switch).
-CHUNK_PARALLEL_INTRA = True
-
 
 def kernel_chunk_size(chunk_size: int) -> int:
     """The kernels' chunk (16..64; the result does not depend on it, tl.dot needs >= 16)."""
@@ -102,7 +93,7 @@ class LevelScanPlan:
 
 
 def _splits(dtype: torch.dtype) -> bool:
-    """Split the state tile over two programs (K for the dq scan, V for the others)?
+    """Split the scans' state tile over two programs along V?
 
     fp32 (and everything under the interpreter) splits; bf16/fp16 on the GPU keep whole tiles: with
     split [128, 32] tiles, bf16 forwards on triton 3.6 / H200 gave wrong outputs and an illegal memory
@@ -110,10 +101,10 @@ def _splits(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or interpreting()
 
 
-def _blocks(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
-    """The whole (BK, BV) and split (BKS, BVS) blocks of K and V."""
+def _blocks(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int]:
+    """The whole blocks of K and V (BK, BV) and the scans' V block BVS (BV or half of it)."""
     BK, BV = next_pow2(q.shape[-1]), next_pow2(v.shape[-1])
-    return (BK, BV, split_block(BK), split_block(BV)) if _splits(q.dtype) else (BK, BV, BK, BV)
+    return BK, BV, split_block(BV) if _splits(q.dtype) else BV
 
 
 def _sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor) -> dict:
@@ -139,8 +130,8 @@ def _zero_prefixes(plan: LevelScanPlan, *xs: torch.Tensor) -> None:
 
 @dataclass
 class _Grads:
-    """The backward's fp32 buffers: dq, dv [tokens, H, K | V]; dk, kdk partial sums over NV value blocks;
-    dlam, qdq partial sums over NK key blocks (NK = 1 but in the v1.2 path)."""
+    """The backward's fp32 buffers: dq, dv [tokens, H, K | V]; dlam [tokens, H, L]; qdq [tokens, H]; dk, kdk
+    partial sums over the NV value blocks of the reverse scan: [NV, tokens, H, K], [NV, tokens, H]."""
 
     dq: torch.Tensor
     dk: torch.Tensor
@@ -150,10 +141,10 @@ class _Grads:
     kdk: torch.Tensor
 
 
-def _forward_v2(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> tuple:
+def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> tuple:
     """The chunk-level scan (levels in/out, buckets, decays), then the chunk kernel writing o.
     Returns what the backward needs: (chunk table, buckets [NC, H, K, V], decays [NC, H, J])."""
-    BK, BV, _, BVS = _blocks(q, v)
+    BK, BV, BVS = _blocks(q, v)
     sizes, L, (N, H) = _sizes(plan, q, v), lam.shape[-1], (len(plan.bos), v.shape[1])
     table = plan.chunk_table(q.device)
     NC = table.starts.numel()
@@ -172,12 +163,12 @@ def _forward_v2(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> 
     return table, buckets, decays
 
 
-def _backward_v2(q, k, v, g, lam, h0, d_o, d_levels, ranges, saved, out: _Grads, plan: LevelScanPlan) -> None:
+def _backward(q, k, v, g, lam, h0, d_o, d_levels, ranges, saved, out: _Grads, plan: LevelScanPlan) -> None:
     """The chunk kernel (dq, dlam, q.dq, in-chunk dk / dv), the merged levels' gradients from their
     readers, then the reverse scan adding the deposit terms to dk / dv (d_levels: the final levels'
     gradient in, the initial ones' out)."""
     table, buckets, decays = saved
-    BK, BV, _, BVS = _blocks(q, v)
+    BK, BV, BVS = _blocks(q, v)
     sizes, L, (N, H) = _sizes(plan, q, v), lam.shape[-1], (len(plan.bos), v.shape[1])
     LOG_C, NC = chunk_bits(plan.chunk_size), table.starts.numel()
     d_buckets = alloc((NC, H, q.shape[-1], v.shape[-1]), torch.float32, q.device)
@@ -198,36 +189,6 @@ def _backward_v2(q, k, v, g, lam, h0, d_o, d_levels, ranges, saved, out: _Grads,
     )
 
 
-def _v12_meta(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, L: int) -> dict:
-    """TEMPORARY: the v1.2 scans' common arguments."""
-    _, BV, BKS, _ = _blocks(q, v)
-    return dict(_sizes(plan, q, v), HAS_INIT=plan.has_init, L=L, LOG_C=chunk_bits(plan.chunk_size),
-                BJ=MAX_CHUNK_LEVELS, **launch_options(BKS, BV))
-
-
-def _forward_v12(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> None:
-    """TEMPORARY (CHUNK_PARALLEL_INTRA = False): the v1.2 scan with the in-chunk block inside."""
-    BK, _, _, BVS = _blocks(q, v)
-    grid = (len(plan.bos), v.shape[1], triton.cdiv(v.shape[2], BVS))
-    mamba2_v12_fwd_kernel[grid](q, k, v, g, lam, o, levels, *ranges, plan.scale, BK=BK, BV=BVS,
-                                **_v12_meta(plan, q, v, lam.shape[-1]))
-
-
-def _backward_v12(q, k, v, g, lam, h0, d_o, d_levels, ranges, saved, out: _Grads, plan: LevelScanPlan) -> None:
-    """TEMPORARY (CHUNK_PARALLEL_INTRA = False): the v1.2 backward scans with the in-chunk block inside."""
-    BK, BV, BKS, BVS = _blocks(q, v)
-    meta, H = _v12_meta(plan, q, v, lam.shape[-1]), v.shape[1]
-    args = (*ranges, plan.scale, v.shape[0])
-    scratch = h0.detach().clone(memory_format=torch.contiguous_format)
-    mamba2_v12_bwd_dq_kernel[(len(plan.bos), H, out.dlam.shape[0])](
-        q, k, v, g, lam, d_o, out.dq, out.dlam, out.qdq, scratch, *args, BK=BK, BKS=BKS, BV=BV,
-        BL=next_pow2(lam.shape[-1], minimum=32), **meta
-    )
-    mamba2_v12_bwd_dkv_kernel[(len(plan.bos), H, out.dk.shape[0])](
-        q, k, v, g, lam, d_o, out.dk, out.dv, out.kdk, d_levels, *args, BK=BK, BV=BV, BVS=BVS, **meta
-    )
-
-
 class LevelScanMamba2(torch.autograd.Function):
     """(q, k, v, g, lam, h0) -> (o, chunk-level final states) on the kernels.
 
@@ -240,8 +201,7 @@ class LevelScanMamba2(torch.autograd.Function):
         ranges = plan.device_tensors(q.device)
         o = alloc(tuple(v.shape), v.dtype, v.device)
         levels = h0.detach().clone(memory_format=torch.contiguous_format)
-        forward = _forward_v2 if CHUNK_PARALLEL_INTRA else _forward_v12
-        ctx.saved = forward(q, k, v, g, lam, h0, o, levels, ranges, plan)
+        ctx.saved = _forward(q, k, v, g, lam, h0, o, levels, ranges, plan)
         ctx.plan, ctx.ranges = plan, ranges
         ctx.save_for_backward(q, k, v, g, lam, h0, levels)
         return o, levels
@@ -254,17 +214,15 @@ class LevelScanMamba2(torch.autograd.Function):
         K, L = q.shape[-1], lam.shape[-1]
         d_o = torch.zeros_like(v) if d_o is None else d_o.to(v.dtype).contiguous()
         d_final = torch.zeros_like(final) if d_final is None else d_final.float().contiguous()
-        _, _, BKS, BVS = _blocks(q, v)
-        NK, NV = (1 if CHUNK_PARALLEL_INTRA else triton.cdiv(K, BKS)), triton.cdiv(V, BVS)
+        NV = triton.cdiv(V, _blocks(q, v)[2])
         dev, f32 = q.device, torch.float32
         out = _Grads(alloc((tokens, H, K), f32, dev), alloc((NV, tokens, H, K), f32, dev),
-                     alloc((tokens, H, V), f32, dev), alloc((NK, tokens, H, L), f32, dev),
-                     alloc((NK, tokens, H), f32, dev), alloc((NV, tokens, H), f32, dev))
+                     alloc((tokens, H, V), f32, dev), alloc((tokens, H, L), f32, dev),
+                     alloc((tokens, H), f32, dev), alloc((NV, tokens, H), f32, dev))
         d_levels = d_final.clone()
-        backward = _backward_v2 if CHUNK_PARALLEL_INTRA else _backward_v12
-        backward(q, k, v, g, lam, h0, d_o, d_levels, ctx.ranges, ctx.saved, out, plan)
+        _backward(q, k, v, g, lam, h0, d_o, d_levels, ctx.ranges, ctx.saved, out, plan)
         dq, dk, dv = out.dq, out.dk, out.dv
-        dlam, qdq, kdk = out.dlam.sum(0), out.qdq.sum(0), out.kdk.sum(0)
+        dlam, qdq, kdk = out.dlam, out.qdq, out.kdk.sum(0)
         d_gate = qdq - kdk
         for n, (a, b) in enumerate(zip(plan.bos, plan.eos)):
             if b > a:
