@@ -10,7 +10,6 @@ kernel name; writes profile-gdn-<gpu>.md (one table per T, ms per step).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -62,7 +61,6 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args()
-    os.environ["LOGLINEAR_BACKEND"] = "triton"  # the GDN kernels are opt-in until a device check passed
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
     lines = [f"# log-linear Gated DeltaNet, CUDA time per kernel ({gpu}, torch {torch.__version__})", "",
              "B=2, H=48, G=1, K=128, V=64, bf16, use_qk_l2norm; `python " + " ".join(sys.argv) + "`", ""]

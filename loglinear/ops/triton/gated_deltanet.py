@@ -20,7 +20,6 @@ expansion); varlen and rows at different positions go through run_segments (one 
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
@@ -36,9 +35,6 @@ from loglinear.ops.triton.gated_deltanet_scan import fenwick_delta_scan
 from loglinear.state import FenwickState
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Opt-in (LOGLINEAR_BACKEND=triton) until a device run has checked these kernels against the torch path:
-# v1 passed its device check (12:29 UTC) but ran 11-12x fla_gdn; v2 is verified by compiling for sm_90 only.
-DEFAULT_ON_CUDA = False
 MAX_K = 256  # the scan keeps K whole in a tile
 
 
@@ -150,13 +146,11 @@ def triton_backend(
 ) -> tuple[torch.Tensor, FenwickState | None]:
     """The registered "triton" backend of log_linear_gated_deltanet (CUDA, or CPU under TRITON_INTERPRET=1).
 
-    float64 inputs, K > 256, and CPU tensors without the interpreter go to the torch chunk path; so does
-    every call that did not ask for this backend (LOGLINEAR_BACKEND=triton) while DEFAULT_ON_CUDA is False."""
+    float64 inputs, K > 256, and CPU tensors without the interpreter go to the torch chunk path."""
     dtype = inp.v.dtype
-    opted_in = DEFAULT_ON_CUDA or os.environ.get("LOGLINEAR_BACKEND") == "triton"
     if dtype not in SUPPORTED_DTYPES or inp.q.dtype not in SUPPORTED_DTYPES or inp.q.shape[-1] > MAX_K or (
         inp.q.device.type != "cuda" and not interpreting()
-    ) or not opted_in:
+    ):
         from loglinear.ops.api import _BACKENDS
 
         return _BACKENDS["gated_deltanet"]["torch"](inp, output_final_state, chunk_size, use_qk_l2norm)
