@@ -28,6 +28,22 @@ from loglinear.ops.triton.common import pick
 
 
 @triton.jit
+def sequence_range(n, bos_ptr, eos_ptr, chunk0_ptr, base_ptr):
+    """Sequence n of a scan: its first and end token, first absolute chunk and first kernel chunk (int64)."""
+    return (tl.load(bos_ptr + n).to(tl.int64), tl.load(eos_ptr + n).to(tl.int64),
+            tl.load(chunk0_ptr + n).to(tl.int64), tl.load(base_ptr + n).to(tl.int64))
+
+
+@triton.jit
+def level_tile(levels, n, h, H, J, K, V, kk, vv):
+    """Tile (kk, vv) of sequence n's head-h states in levels: [N, J, H, K, V] fp32 -> (ptrs of level 0
+    [BK, BV], stride between levels, in-state offsets [BK, BV], mask [BK, BV])."""
+    offs = kk[:, None] * V + vv[None, :]
+    lmask = (kk[:, None] < K) & (vv[None, :] < V)
+    return levels + (n * J * H + h) * K * V + offs, H * K * V, offs, lmask
+
+
+@triton.jit
 def level_live(chunk, c0, j, HAS_INIT: tl.constexpr):
     """Is chunk-level j non-empty (or carrying an initial state) when chunk ``chunk`` reads?"""
     live = ((chunk >> j) & 1) == 1

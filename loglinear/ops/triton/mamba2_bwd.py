@@ -22,7 +22,9 @@ import triton.language as tl
 
 from loglinear.ops.triton.common import SCAN_RUNTIME_ARGS, load_column
 from loglinear.ops.triton.intra import chunk_gates
-from loglinear.ops.triton.levels import accumulate_level, flush_levels, level_source, split_levels
+from loglinear.ops.triton.levels import (
+    accumulate_level, flush_levels, level_source, level_tile, sequence_range, split_levels,
+)
 from loglinear.ops.triton.mamba2_rows import load_qk_tiles, load_tile, store_tile
 
 
@@ -45,17 +47,11 @@ def mamba2_bwd_dkv_kernel(
     the initial ones' out; d_buckets: [NC, H, K, V] fp32, dB per kernel chunk; base: [N] each sequence's first."""
     n, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     grp = h // (H // G)
-    bos = tl.load(bos_ptr + n).to(tl.int64)
-    eos = tl.load(eos_ptr + n).to(tl.int64)
-    c0 = tl.load(chunk0_ptr + n).to(tl.int64)
-    base = tl.load(base_ptr + n).to(tl.int64)
+    bos, eos, c0, base = sequence_range(n, bos_ptr, eos_ptr, chunk0_ptr, base_ptr)
     r = tl.arange(0, C)
     kk, jj = tl.arange(0, BK), tl.arange(0, BJ)
     vs = vb * BVS + tl.arange(0, BVS)
-    stride = H * K * V
-    offs = kk[:, None] * V + vs[None, :]
-    ptrs = d_levels + (n * J * H + h) * K * V + offs
-    lmask = (kk[:, None] < K) & (vs[None, :] < V)
+    ptrs, stride, offs, lmask = level_tile(d_levels, n, h, H, J, K, V, kk, vs)
     dk += vb.to(tl.int64) * tokens * H * K
     kdk += vb.to(tl.int64) * tokens * H
     decay = tl.zeros([BJ], dtype=tl.float32)

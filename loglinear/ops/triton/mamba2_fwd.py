@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from loglinear.ops.triton.intra import chunk_gates
-from loglinear.ops.triton.levels import flush_levels, merge_levels
+from loglinear.ops.triton.levels import flush_levels, level_tile, merge_levels, sequence_range
 from loglinear.ops.triton.mamba2_rows import load_tile
 
 
@@ -43,17 +43,11 @@ def mamba2_fwd_kernel(
     Grid (N, H, cdiv(V, BV)): value blocks are independent (block 0 writes decays)."""
     n, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     grp = h // (H // G)
-    bos = tl.load(bos_ptr + n).to(tl.int64)
-    eos = tl.load(eos_ptr + n).to(tl.int64)
-    c0 = tl.load(chunk0_ptr + n).to(tl.int64)
-    base = tl.load(base_ptr + n).to(tl.int64)
+    bos, eos, c0, base = sequence_range(n, bos_ptr, eos_ptr, chunk0_ptr, base_ptr)
     r = tl.arange(0, C)
     kk, jj = tl.arange(0, BK), tl.arange(0, BJ)
     vv = vb * BV + tl.arange(0, BV)
-    stride = H * K * V
-    offs = kk[:, None] * V + vv[None, :]
-    lmask = (kk[:, None] < K) & (vv[None, :] < V)
-    ptrs = levels + (n * J * H + h) * K * V + offs
+    ptrs, stride, offs, lmask = level_tile(levels, n, h, H, J, K, V, kk, vv)
     decay = tl.zeros([BJ], dtype=tl.float32)
     n_chunks = tl.cdiv(eos - bos, C)
     chunk = c0
