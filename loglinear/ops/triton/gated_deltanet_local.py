@@ -100,6 +100,17 @@ def unit_lower_inverse(A, C: tl.constexpr, PREC: tl.constexpr = "tf32x3"):
 
 
 @triton.jit
+def _chunk_program(T, front, Tp, H, NG, C: tl.constexpr):
+    """A chunk-local program's chunk n (axis 0) and head row bh (axis 1): its tokens (chunk_tokens), head h,
+    q/k group, chunk rows rc [C] and rows of the [BH, Tp, *] stage tensors."""
+    n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    tok, valid, h = chunk_tokens(n, bh, T, front, H, C)
+    rc = tl.arange(0, C)
+    return n, bh, tok, valid, h, h // (H // NG), rc, bh * Tp + n * C + rc
+
+
+@triton.jit
 def _chunk_setup(q, k, g, beta, lam, tok, valid, h, grp, H, NG, L, C: tl.constexpr, K, LOG_C: tl.constexpr,
                  BK: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr, dt: tl.constexpr):
     """What both directions need, fp32: beta, G, Gamma, Lambda (causal), K K^T, T_g and Q K^T (raw).
@@ -132,12 +143,7 @@ def _chunk_local_kernel(
     """Chunk n of head bh (grid N x BH).  Inputs in the op's layouts (any float dtype; module docstring);
     outputs o: [BH, Tp, V] fp32, qt, wt, kt: [BH, Tp, K] and u: [BH, Tp, V] in the operand dtype,
     decay: [BH, N] fp32. K and V are walked in blocks."""
-    n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    tok, valid, h = chunk_tokens(n, bh, T, front, H, C)
-    grp = h // (H // NG)
-    rc = tl.arange(0, C)
-    rows = bh * Tp + n * C + rc
+    n, bh, tok, valid, h, grp, rc, rows = _chunk_program(T, front, Tp, H, NG, C)
     dt = qt.dtype.element_ty
     b_c, G, gamma, lam_c, _, Tg, qk = _chunk_setup(
         q, k, g, beta, lam, tok, valid, h, grp, H, NG, L, C, K, LOG_C, BK, NK, PREC, dt)
@@ -206,12 +212,7 @@ def _chunk_local_bwd_cc_kernel(
         dA = -T^T dT T^T (strict lower);  dKK = dA * beta_t * Gamma;  dGamma = dQK * QKraw + dA * beta_t * KK
         dbeta, dG from the same lines.
     """
-    n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    tok, valid, h = chunk_tokens(n, bh, T, front, H, C)
-    grp = h // (H // NG)
-    rc = tl.arange(0, C)
-    rows = bh * Tp + n * C + rc
+    n, bh, tok, valid, h, grp, rc, rows = _chunk_program(T, front, Tp, H, NG, C)
     dt = dqt.dtype.element_ty  # the operand dtype: qt's gradient comes in qt's dtype
     b_c, G, gamma, lam_c, kk, Tg, qkr = _chunk_setup(
         q, k, g, beta, lam, tok, valid, h, grp, H, NG, L, C, K, LOG_C, BK, NK, PREC, dt)
@@ -288,12 +289,7 @@ def _chunk_local_bwd_k_kernel(
         dW = dwt - QK^T dqt;  dQ = e dqt + (dQK * Gamma) K;
         dK = (dQK * Gamma)^T Q + (dKK + dKK^T) K + beta e T^T dW + f dkt;  dG += -f rowsum(dkt K) + [last] dG_last
     """
-    n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    tok, valid, h = chunk_tokens(n, bh, T, front, H, C)
-    grp = h // (H // NG)
-    rc = tl.arange(0, C)
-    rows = bh * Tp + n * C + rc
+    n, bh, tok, valid, h, grp, rc, rows = _chunk_program(T, front, Tp, H, NG, C)
     dt = dqt.dtype.element_ty
     src = scratch + (bh * N + n) * 4 * C * C
     qk = tl.load(_cc_tile(src, 0, rc, C))

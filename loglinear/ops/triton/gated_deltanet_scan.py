@@ -52,6 +52,19 @@ from loglinear.ops.triton.gated_deltanet_common import Chunking, chunk_tokens, d
 
 
 @triton.jit
+def _state_block(C: tl.constexpr, K, V, BK: tl.constexpr, BV: tl.constexpr):
+    """A sequential program's value block iv (axis 0) and head row bh (axis 1), the chunk rows rc [C], and
+    its tile of a [K, V] state: rk [BK], rv [BV], their masks, offsets hoff and mask hmask [BK, BV]."""
+    iv = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rk = tl.arange(0, BK)
+    rv = iv * BV + tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    return iv, bh, tl.arange(0, C), rk, rv, mk, mv, rk[:, None] * V + rv[None, :], mk[:, None] & mv[None, :]
+
+
+@triton.jit
 def _ahead(src, j, KV, hoff, hmask, rk, s, count):
     """Level j's [K, BV] fp32 tile of the running states when s < count (the s-th live level), else 0."""
     ahead = (rk * 0 + s) < count
@@ -72,15 +85,7 @@ def _scan_fwd_kernel(
     (SNAP: the live states entering each chunk, in level order); o_intra: [BH, Tp, V] fp32, the chunk-local
     outputs; o: [b, T, H, V] (Chunking's tokens) = scale (o_intra + the readouts), written here without
     SNAP; with SNAP the readouts leave the sequential chain (_scan_readout_kernel reads the snapshots)."""
-    iv = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    rc = tl.arange(0, C)
-    rk = tl.arange(0, BK)
-    rv = iv * BV + tl.arange(0, BV)
-    mk = rk < K
-    mv = rv < V
-    hoff = rk[:, None] * V + rv[None, :]
-    hmask = mk[:, None] & mv[None, :]
+    iv, bh, rc, rk, rv, mk, mv, hoff, hmask = _state_block(C, K, V, BK, BV)
     KV = K * V
     # in place: level j is read, then written (j > m); the cascade target m is written after every read
     src = states + bh * J * KV
@@ -173,15 +178,7 @@ def _scan_dh_kernel(
     initial states of the levels live at chunk 0); dsnap: [BH, S, K, V] (operand dtype): dh entering each
     chunk of the segment at slot snap_at[i] - snap_at[i0] (the host has filled chunk i1's);
     do_intra: [BH, Tp, V] fp32 (scale do, 0 on padding); merge, lev, snap_at as in _scan_fwd_kernel."""
-    iv = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    rc = tl.arange(0, C)
-    rk = tl.arange(0, BK)
-    rv = iv * BV + tl.arange(0, BV)
-    mk = rk < K
-    mv = rv < V
-    hoff = rk[:, None] * V + rv[None, :]
-    hmask = mk[:, None] & mv[None, :]
+    iv, bh, rc, rk, rv, mk, mv, hoff, hmask = _state_block(C, K, V, BK, BV)
     KV = K * V
     # in place: dh_m is read first; a live j > m is read, then written; the levels below m were cleared
     # by the cascade (their dh after the chunk is never read)
