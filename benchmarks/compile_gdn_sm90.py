@@ -12,38 +12,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 from loglinear.ops.triton import gated_deltanet_local as local  # noqa: E402
 from loglinear.ops.triton import gated_deltanet_scan as scan  # noqa: E402
 from loglinear.ops.triton.gated_deltanet import kernel_chunk_size  # noqa: E402
 from loglinear.ops.triton.gated_deltanet_common import Chunking, dot_precision  # noqa: E402
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> str:
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps, "num_stages": num_stages})
-    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(kernel.asm["ptx"])
-    out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
-    info = [line.split("info    :")[-1].strip() for line in (out.stdout + out.stderr).splitlines()
-            if "stack frame" in line or "Used" in line]
-    return f"{fn.__name__:26s} shared={kernel.metadata.shared:6d}  " + "; ".join(info)
+from sm90 import DTYPES, report  # noqa: E402
 
 
 def scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: str) -> list[str]:
