@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             rows.append(row)
             print(json.dumps(row), flush=True)
-        if rows:  # after every T: a crash later keeps what was measured
+            # after every row: a crash or a time limit later keeps what was measured
             write_results(rows, meta, out_dir / f"ops-{args.variant}-{gpu}", args.variant)
 
 
