@@ -65,6 +65,15 @@ def _state_block(C: tl.constexpr, K, V, BK: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
+def _chunk_rows(i, Tp, C: tl.constexpr, K, BK: tl.constexpr):
+    """A chunk-parallel program's head row bh (axis 1), its key columns rk [BK] and mask, and chunk i's rows
+    of the [BH, Tp, *] stage tensors [C]."""
+    bh = tl.program_id(1).to(tl.int64)
+    rk = tl.arange(0, BK)
+    return bh, rk, rk < K, bh * Tp + i * C + tl.arange(0, C)
+
+
+@triton.jit
 def _ahead(src, j, KV, hoff, hmask, rk, s, count):
     """Level j's [K, BV] fp32 tile of the running states when s < count (the s-th live level), else 0."""
     ahead = (rk * 0 + s) < count
@@ -142,12 +151,8 @@ def _scan_readout_kernel(
     sum_j lam[:, j] (qt_i h_j)) over the live levels, written for the real tokens of o: [b, T, H, V].
     Shapes as _scan_fwd_kernel; V in NV blocks of BV."""
     i = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    rc = tl.arange(0, C)
-    rk = tl.arange(0, BK)
-    mk = rk < K
+    bh, rk, mk, rows = _chunk_rows(i, Tp, C, K, BK)
     KV = K * V
-    rows = bh * Tp + i * C + rc
     q_i = tl.load(qt + rows[:, None] * K + rk[None, :], mask=mk[None, :], other=0.0)
     alive = tl.load(live + i)
     hsrc = snap + (bh * S + tl.load(snap_at + i)) * KV
@@ -233,12 +238,8 @@ def _scan_grads_kernel(
     do_intra: [BH, Tp, V] fp32 (scale do). Outputs: dqt, dwt, dkt: [BH, Tp, K], du: [BH, Tp, V] (operand
     dtype); dd: [BH, N], dlam: [BH, Tp, J] (fp32). V is walked in NV blocks of BV."""
     i = tl.program_id(0) + i0
-    bh = tl.program_id(1).to(tl.int64)
-    rc = tl.arange(0, C)
-    rk = tl.arange(0, BK)
-    mk = rk < K
+    bh, rk, mk, rows = _chunk_rows(i, Tp, C, K, BK)
     KV = K * V
-    rows = bh * Tp + i * C + rc
     ck = rows[:, None] * K + rk[None, :]
     q_i = tl.load(qt + ck, mask=mk[None, :], other=0.0)
     w_i = tl.load(wt + ck, mask=mk[None, :], other=0.0)
