@@ -40,6 +40,7 @@ from loglinear.fenwick import levels_needed  # noqa: E402
 
 IMPLS = ("loglinear", "loglinear_torch", "fla_log_linear", "fla_mamba2", "sdpa_flash")
 IMPLS_GDN = ("loglinear", "loglinear_torch", "fla_gdn", "sdpa_flash")
+OUR_BACKENDS = {"loglinear": "triton", "loglinear_torch": "torch"}  # impl -> LOGLINEAR_BACKEND
 PAPER = dict(B=2, H=48, G=1, K=128, V=64)
 SHAPE = dict(PAPER)  # what measure() runs: the paper setting unless --shape
 
@@ -84,9 +85,9 @@ def lift_fla_guard() -> None:
 
 def build(impl: str, x: dict, H: int, G: int) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor]]:
     """The forward closure of an impl and the leaf tensors that need gradients."""
-    if impl in ("loglinear", "loglinear_torch"):
+    if impl in OUR_BACKENDS:
         args = [x["q"], x["k"], x["v"], x["g"], x["level_scales"]]
-        return on_backend(impl.removeprefix("loglinear").lstrip("_") or "triton", lambda: log_linear_mamba2(*args)[0]), args
+        return on_backend(OUR_BACKENDS[impl], lambda: log_linear_mamba2(*args)[0]), args
     if impl == "fla_log_linear":
         from fla.ops.log_linear_attn import chunk_log_linear_attn
 
@@ -121,10 +122,9 @@ def gdn_inputs(T: int, B: int, H: int, G: int, K: int, V: int, dtype: torch.dtyp
 
 def build_gdn(impl: str, x: dict, H: int, G: int) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor]]:
     """build() for --variant gdn: ours, fla's linear chunk_gated_delta_rule, or SDPA flash."""
-    if impl in ("loglinear", "loglinear_torch"):
+    if impl in OUR_BACKENDS:
         args = [x["q"], x["k"], x["v"], x["g"], x["beta"], x["level_scales"]]
-        return on_backend(impl.removeprefix("loglinear").lstrip("_") or "triton",
-                          lambda: log_linear_gated_deltanet(*args, use_qk_l2norm=True)[0]), args
+        return on_backend(OUR_BACKENDS[impl], lambda: log_linear_gated_deltanet(*args, use_qk_l2norm=True)[0]), args
     if impl == "fla_gdn":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
