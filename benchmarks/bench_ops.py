@@ -402,7 +402,8 @@ def main(argv: list[str] | None = None) -> None:
     meta = {
         "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
         "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", "command": command,
-        "setting": f"B={SHAPE['B']}, {SHAPE['H']} value heads, q/k groups {SHAPE['G']}, K={SHAPE['K']}, V={SHAPE['V']}, bf16; g = -(0.01..0.11), lambda in [0.2, 1.2]; "
+        "setting": f"B={SHAPE['B']}, {SHAPE['H']} value heads, q/k groups {SHAPE['G']}, K={SHAPE['K']}, "
+                   f"V={SHAPE['V']}, bf16; g = -(0.01..0.11), lambda in [0.2, 1.2]; "
                    + ("beta in [0.05, 0.95], q/k L2-normalised inside the ops; " if args.variant == "gdn" else "")
                    + f"sdpa_flash: {SHAPE['H']} heads x {SHAPE['V']}, causal. Median of triton.testing.do_bench.",
         "notes": notes,
