@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import triton  # noqa: E402
 
-from loglinear.ops.triton import mamba2_bwd, mamba2_chunk, mamba2_fwd  # noqa: E402
+from loglinear.ops.triton import mamba2, mamba2_bwd, mamba2_chunk, mamba2_fwd  # noqa: E402
 from loglinear.ops.triton.common import MAX_CHUNK_LEVELS, dot_precision, launch_options, split_block  # noqa: E402
 from sm90 import DTYPES, report  # noqa: E402
 
@@ -51,20 +51,23 @@ def main() -> None:
     ptrs = dict(g=f32, lam=P, scale="fp32", starts=i32, ends=i32, bos_ptr=i32, eos_ptr=i32, chunk0_ptr=i32)
 
     scan = dict(base, BJ=MAX_CHUNK_LEVELS)
-    bufs = dict(levels=f32, buckets=P, decays=f32, h0=f32, dq=f32, dk=f32, dv=f32, dlam=f32, qdq=f32, kdk=f32,
-                d_levels=f32, d_buckets=f32, chunks=i32, seqs=i32, chunk0=i32, base_ptr=i32)
+    bufs = dict(levels=f32, buckets=P, decays=f32, h0=f32, dq=f32, dk=f32, dv=P, dlam=P, qdq=f32, kdk=f32,
+                d_levels=f32, d_buckets=f32, d_deposits=f32, chunks=i32, seqs=i32, chunk0=i32, base_ptr=i32)
     chunk = "q k v g lam {} h0 buckets decays starts ends seqs chunks chunk0 scale {}H G K V L J"
-    dkv = ("q k v g lam do dk dv kdk d_levels d_buckets bos_ptr eos_ptr chunk0_ptr base_ptr scale tokens "
-           "H G K V L J")
+    rows = BK if args.has_init and args.dtype != "fp32" and not args.split else mamba2.SCAN_ROWS
     kernels = [  # (kernel, its arguments, constexprs, launch options)
         (mamba2_fwd.mamba2_fwd_kernel, "k v g levels buckets decays bos_ptr eos_ptr chunk0_ptr base_ptr H G K V J",
          dict(scan, BV=BVS), launch_options(BK, BVS)),
         (mamba2_chunk.mamba2_chunk_fwd_kernel, chunk.format("o", ""), base, mamba2_chunk.chunk_launch_options(4)),
-        (mamba2_chunk.mamba2_chunk_bwd_kernel, chunk.format("do", "dq dk dv dlam qdq "), dict(base, BL=32),
+        (mamba2_chunk.mamba2_chunk_bwd_dq_kernel, chunk.format("do", "dq dlam qdq "), dict(base, BL=32),
          mamba2_chunk.chunk_launch_options(8)),
         (mamba2_chunk.mamba2_level_grad_kernel, "q g lam do decays starts ends chunks d_buckets scale H G K V L J",
          dict(base, BJ=MAX_CHUNK_LEVELS), mamba2_chunk.chunk_launch_options(4, 3)),
-        (mamba2_bwd.mamba2_bwd_dkv_kernel, dkv, dict(scan, BVS=BVS), launch_options(BK, BVS)),
+        (mamba2_bwd.mamba2_bwd_scan_kernel,
+         "q g lam do d_levels d_buckets bos_ptr eos_ptr chunk0_ptr base_ptr scale H G K V L J",
+         dict(scan, BKS=rows), launch_options(rows, BV)),
+        (mamba2_chunk.mamba2_chunk_bwd_dkv_kernel, "q k v g lam do d_deposits starts ends scale dk dv kdk H G K V L",
+         base, mamba2_chunk.chunk_launch_options(8)),
     ]
     for fn, names, const, launch in kernels:
         const = {n: c for n, c in const.items() if n in fn.arg_names}

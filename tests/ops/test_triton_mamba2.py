@@ -97,6 +97,14 @@ def test_whole_state_tiles(monkeypatch):
     _compare(x, state=_random_state(1, [21], 2, 40, 24))
 
 
+def test_split_state_rows_with_state(monkeypatch):
+    """The reverse scan's state cut into blocks of K rows (three, the last partly masked) with the
+    initial-state read GEMMs in every block; forward scans split along V."""
+    _no_torch_fallback(monkeypatch)
+    x = mamba2_args(make_inputs(1, 45, 1, 2, 40, 24, start=21))
+    _compare(x, state=_random_state(1, [21], 2, 40, 24))
+
+
 @pytest.mark.parametrize("positions", [[32, 48], [5, 64], [0, 3], [16, 1]])
 def test_continuation_from_state(positions):
     """States at aligned and unaligned positions (also 0), junk in every level; gradients reach the state."""

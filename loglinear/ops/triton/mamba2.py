@@ -30,9 +30,10 @@ from loglinear.ops.torch_chunk.scan import _carry_past
 from loglinear.ops.triton.common import (
     MAX_CHUNK_LEVELS, alloc, dot_precision, interpreting, launch_options, next_pow2, split_block,
 )
-from loglinear.ops.triton.mamba2_bwd import mamba2_bwd_dkv_kernel
+from loglinear.ops.triton.mamba2_bwd import mamba2_bwd_scan_kernel
 from loglinear.ops.triton.mamba2_chunk import (
-    chunk_launch_options, mamba2_chunk_bwd_kernel, mamba2_chunk_fwd_kernel, mamba2_level_grad_kernel,
+    chunk_launch_options, mamba2_chunk_bwd_dkv_kernel, mamba2_chunk_bwd_dq_kernel, mamba2_chunk_fwd_kernel,
+    mamba2_level_grad_kernel,
 )
 from loglinear.ops.triton.mamba2_fwd import mamba2_fwd_kernel
 from loglinear.state import FenwickState
@@ -40,6 +41,7 @@ from loglinear.state import FenwickState
 __all__ = ["mamba2_triton", "kernel_chunk_size", "LevelScanPlan"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SCAN_ROWS = 16  # K rows per program of the reverse scan when its tile may be split
 
 def kernel_chunk_size(chunk_size: int) -> int:
     """The kernels' chunk (16..64; the result does not depend on it, tl.dot needs >= 16)."""
@@ -93,7 +95,7 @@ class LevelScanPlan:
 
 
 def _splits(dtype: torch.dtype) -> bool:
-    """Split the scans' state tile over two programs along V?
+    """Split the scans' state tiles over programs (whenever they multiply them)?
 
     fp32 (and everything under the interpreter) splits; bf16/fp16 on the GPU keep whole tiles: with
     split [128, 32] tiles, bf16 forwards on triton 3.6 / H200 gave wrong outputs and an illegal memory
@@ -102,9 +104,17 @@ def _splits(dtype: torch.dtype) -> bool:
 
 
 def _blocks(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int]:
-    """The whole blocks of K and V (BK, BV) and the scans' V block BVS (BV or half of it)."""
+    """The whole blocks of K and V (BK, BV) and the forward scan's V block BVS (BV or half of it)."""
     BK, BV = next_pow2(q.shape[-1]), next_pow2(v.shape[-1])
     return BK, BV, split_block(BV) if _splits(q.dtype) else BV
+
+
+def _scan_rows(q: torch.Tensor, has_init: bool) -> int:
+    """The reverse scan's block of K rows: 16 (its chain multiplies no tiles, so many small programs;
+    contiguous rows of the [K, V] states), or all of K where it multiplies tiles (reads of initial states)
+    that must stay whole (_splits)."""
+    BK = next_pow2(q.shape[-1])
+    return BK if has_init and not _splits(q.dtype) else SCAN_ROWS
 
 
 def _sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor) -> dict:
@@ -130,8 +140,8 @@ def _zero_prefixes(plan: LevelScanPlan, *xs: torch.Tensor) -> None:
 
 @dataclass
 class _Grads:
-    """The backward's fp32 buffers: dq, dv [tokens, H, K | V]; dlam [tokens, H, L]; qdq [tokens, H]; dk, kdk
-    partial sums over the NV value blocks of the reverse scan: [NV, tokens, H, K], [NV, tokens, H]."""
+    """The backward's outputs per value head: dq, dk [tokens, H, K] fp32; dv [tokens, H, V] (v's dtype);
+    dlam [tokens, H, L] (lam's dtype); qdq = q.dq, kdk = k.dk [tokens, H] fp32."""
 
     dq: torch.Tensor
     dk: torch.Tensor
@@ -139,6 +149,13 @@ class _Grads:
     dlam: torch.Tensor
     qdq: torch.Tensor
     kdk: torch.Tensor
+
+    @staticmethod
+    def alloc(q: torch.Tensor, v: torch.Tensor, lam: torch.Tensor) -> "_Grads":
+        (tokens, H, V), K, f32 = v.shape, q.shape[-1], torch.float32
+        return _Grads(alloc((tokens, H, K), f32, q.device), alloc((tokens, H, K), f32, q.device),
+                      alloc((tokens, H, V), v.dtype, q.device), alloc(tuple(lam.shape), lam.dtype, q.device),
+                      alloc((tokens, H), f32, q.device), alloc((tokens, H), f32, q.device))
 
 
 def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> tuple:
@@ -164,29 +181,35 @@ def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> tup
 
 
 def _backward(q, k, v, g, lam, h0, d_o, d_levels, ranges, saved, out: _Grads, plan: LevelScanPlan) -> None:
-    """The chunk kernel (dq, dlam, q.dq, in-chunk dk / dv), the merged levels' gradients from their
-    readers, then the reverse scan adding the deposit terms to dk / dv (d_levels: the final levels'
-    gradient in, the initial ones' out)."""
+    """Four launches: the chunk kernel for dq / dlambda / q.dq; the merged levels' gradients dB from their
+    readers; the reverse scan turning them into the deposits' gradients dD (d_levels: the final levels'
+    gradient in, the initial ones' out); the chunk kernel for dk / dv / k.dk with the deposit terms."""
     table, buckets, decays = saved
-    BK, BV, BVS = _blocks(q, v)
+    BK, BV, _ = _blocks(q, v)
     sizes, L, (N, H) = _sizes(plan, q, v), lam.shape[-1], (len(plan.bos), v.shape[1])
     LOG_C, NC = chunk_bits(plan.chunk_size), table.starts.numel()
     d_buckets = alloc((NC, H, q.shape[-1], v.shape[-1]), torch.float32, q.device)
+    chunk = dict(L=L, LOG_C=LOG_C, BK=BK, BV=BV, **sizes)
     if NC:
-        mamba2_chunk_bwd_kernel[(NC, H)](
+        mamba2_chunk_bwd_dq_kernel[(NC, H)](
             q, k, v, g, lam, d_o, h0, buckets, decays, table.starts, table.ends, table.seqs, table.chunks,
-            ranges[2], plan.scale, out.dq, out.dk, out.dv, out.dlam, out.qdq, L=L, LOG_C=LOG_C, BK=BK, BV=BV,
-            BL=next_pow2(L, minimum=32), HAS_INIT=plan.has_init, **sizes, **chunk_launch_options(8),
+            ranges[2], plan.scale, out.dq, out.dlam, out.qdq, BL=next_pow2(L, minimum=32), HAS_INIT=plan.has_init,
+            **chunk, **chunk_launch_options(8),
         )
         mamba2_level_grad_kernel[(NC, H)](
-            q, g, lam, d_o, decays, table.starts, table.ends, table.chunks, d_buckets, plan.scale, L=L, LOG_C=LOG_C,
-            BK=BK, BV=BV, BJ=MAX_CHUNK_LEVELS, **sizes, **chunk_launch_options(4, 3),
+            q, g, lam, d_o, decays, table.starts, table.ends, table.chunks, d_buckets, plan.scale,
+            BJ=MAX_CHUNK_LEVELS, **chunk, **chunk_launch_options(4, 3),
         )
-    mamba2_bwd_dkv_kernel[(N, H, out.dk.shape[0])](
-        q, k, v, g, lam, d_o, out.dk, out.dv, out.kdk, d_levels, d_buckets, *ranges, table.base, plan.scale,
-        v.shape[0], L=L, LOG_C=LOG_C, BK=BK, BVS=BVS, BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, **sizes,
-        **launch_options(BK, BVS),
+    BKS = _scan_rows(q, plan.has_init)
+    mamba2_bwd_scan_kernel[(N, H, triton.cdiv(q.shape[-1], BKS))](
+        q, g, lam, d_o, d_levels, d_buckets, *ranges, table.base, plan.scale, L=L, LOG_C=LOG_C, BKS=BKS, BV=BV,
+        BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, **sizes, **launch_options(BKS, BV),
     )
+    if NC:
+        mamba2_chunk_bwd_dkv_kernel[(NC, H)](
+            q, k, v, g, lam, d_o, d_buckets, table.starts, table.ends, plan.scale, out.dk, out.dv, out.kdk,
+            **{n: x for n, x in chunk.items() if n != "J"}, **chunk_launch_options(8),
+        )
 
 
 class LevelScanMamba2(torch.autograd.Function):
@@ -210,32 +233,22 @@ class LevelScanMamba2(torch.autograd.Function):
     def backward(ctx, d_o, d_final):
         q, k, v, g, lam, h0, final = ctx.saved_tensors
         plan: LevelScanPlan = ctx.plan
-        tokens, H, V = v.shape
-        K, L = q.shape[-1], lam.shape[-1]
+        tokens, H, G, K = v.shape[0], v.shape[1], q.shape[1], q.shape[-1]
         d_o = torch.zeros_like(v) if d_o is None else d_o.to(v.dtype).contiguous()
         d_final = torch.zeros_like(final) if d_final is None else d_final.float().contiguous()
-        NV = triton.cdiv(V, _blocks(q, v)[2])
-        dev, f32 = q.device, torch.float32
-        out = _Grads(alloc((tokens, H, K), f32, dev), alloc((NV, tokens, H, K), f32, dev),
-                     alloc((tokens, H, V), f32, dev), alloc((tokens, H, L), f32, dev),
-                     alloc((tokens, H), f32, dev), alloc((NV, tokens, H), f32, dev))
+        out = _Grads.alloc(q, v, lam)
         d_levels = d_final.clone()
         _backward(q, k, v, g, lam, h0, d_o, d_levels, ctx.ranges, ctx.saved, out, plan)
-        dq, dk, dv = out.dq, out.dk, out.dv
-        dlam, qdq, kdk = out.dlam, out.qdq, out.kdk.sum(0)
-        d_gate = qdq - kdk
+        d_gate = out.qdq - out.kdk
         for n, (a, b) in enumerate(zip(plan.bos, plan.eos)):
             if b > a:
                 d_gate[b - 1] += (d_final[n] * final[n]).sum((0, 2, 3))
         dg = _reverse_cumsum(d_gate, plan)
-        _zero_prefixes(plan, dq, dv, dlam)
-        for part in dk:
-            _zero_prefixes(plan, part)
-        G = q.shape[1]
-        dq = dq.view(tokens, G, H // G, K).sum(2)
-        dk = dk.view(NV, tokens, G, H // G, K).sum((0, 3))
+        _zero_prefixes(plan, out.dq, out.dk, out.dv, out.dlam)
+        dq = out.dq.view(tokens, G, H // G, K).sum(2)
+        dk = out.dk.view(tokens, G, H // G, K).sum(2)
         d_h0 = d_levels if plan.has_init else None
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dlam.to(lam.dtype), d_h0, None
+        return dq.to(q.dtype), dk.to(k.dtype), out.dv, dg.to(g.dtype), out.dlam, d_h0, None
 
 
 def _last_chunk_levels(k, v, g, a: int, b: int, C: int, H: int) -> torch.Tensor:

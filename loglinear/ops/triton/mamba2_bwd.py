@@ -1,18 +1,19 @@
-"""Backward scan of log-linear Mamba-2: the transposed chunk-level cascade, one program per (sequence, value head).
+"""Backward scan of log-linear Mamba-2: the transposed chunk-level cascade only, one program per
+(sequence, value head, block of K rows of the level states).
 
-mamba2_chunk.py has written dq and dlambda in full and the in-chunk terms of dk (block 0) and dv; this
-scan walks the chunks in reverse carrying the level gradients dH and adds the deposit terms. Per chunk
-(G the chunk-local cumsum, Gl = G at the chunk's end):
+The scan walks the chunks in reverse carrying the level gradients dH. Per chunk i (Gl = the chunk's gate
+total), with m = ctz(i + 1) the level merged after it (levels.py):
 
-    deposit  dD_i = dH_m (transposed merge),  dK += exp(Gl - G) * (V dD^T),  dV += exp(Gl - G) * (K dD)
-    reads    dH_m += dB_i: the gradient of the level merged after chunk i from all its readers, summed
-             chunk-parallel (mamba2_chunk.mamba2_level_grad_kernel); only reads of the initial state
-             (HAS_INIT) are added here: dH_j += Q^T (scale * lambda_j * exp(G) * dO)
+    split    dD_i = dH_m + dB_i,   dH_j <- dD_i for j <= m      (transposed merge)
+    decay    dH_j <- exp(Gl) dH_j (lazy)
+    reads    only reads of the initial state (HAS_INIT): dH_j += Q^T (scale * lambda_j * exp(G) * dO)
 
-It may split V over programs (fp32; see mamba2._splits): dK's deposit part and k.dk are sums over the
-value blocks, written per block and added by the caller in a fixed order; block 0 adds them to the
-in-chunk terms, the other blocks start from 0. k.dk feeds the gate's gradient (mamba2_chunk.py derives
-dG_t = q_t.dq_t - k_t.dk_t). No atomics: every output element has one writer at a time.
+dB_i, the gradient of the level merged after chunk i from all its readers, comes summed chunk-parallel
+(mamba2_chunk.mamba2_level_grad_kernel) in d_buckets; the scan overwrites it with dD_i, the gradient of
+chunk i's deposit D_i = K^T (exp(Gl - G) * V). The deposit's terms in dK and dV are chunk-parallel again
+(mamba2_chunk.mamba2_chunk_bwd_dkv_kernel). Without initial states the chain per chunk is one level
+load, the split's stores and dD's store: no GEMM, so the state tile can be cut into blocks of K rows
+(contiguous in the [K, V] states) over many programs. No atomics: every output element has one writer.
 """
 
 from __future__ import annotations
@@ -25,68 +26,57 @@ from loglinear.ops.triton.intra import chunk_gates
 from loglinear.ops.triton.levels import (
     accumulate_level, flush_levels, level_source, level_tile, sequence_range, split_levels,
 )
-from loglinear.ops.triton.mamba2_rows import load_qk_tiles, load_tile, store_tile
+from loglinear.ops.triton.mamba2_rows import load_tile
 
 
 @triton.jit
-def block_zero_rows(valid, t, block):
-    """valid [C] for the split block 0 (it adds to the in-chunk terms), all False for the others."""
-    return valid & ((t * 0 + block) == 0)
+def initial_read_grads(q, do, lam, ptrs, stride, lmask, decay, jj, t0, r, valid, Gc, grp, h, G, H, K, V, L, J,
+                       chunk, c0, scale, kk, vv, LOG_C: tl.constexpr, PRECISION: tl.constexpr):
+    """dH_j += Q^T (scale * lambda_j * exp(G) * dO) for every level j that the chunk reads from the initial
+    state (kind 2); Q's rows kk, dO's columns vv.  Returns decay."""
+    t = t0 + r
+    qc = load_tile(q, t0, r, valid, grp, G, K, kk)
+    dobl = load_tile(do, t0, r, valid, h, H, V, vv)
+    do_scaled = dobl.to(tl.float32) * (scale * tl.exp(Gc))[:, None]
+    for j in range(J):
+        kind, _ = level_source(chunk, c0, j, True)
+        if kind == 2:
+            lam_j = load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)
+            update = tl.dot(tl.trans(qc), (do_scaled * lam_j[:, None]).to(dobl.dtype), input_precision=PRECISION)
+            decay = accumulate_level(ptrs, stride, j, lmask, decay, jj, update)
+    return decay
 
 
 @triton.jit(do_not_specialize=SCAN_RUNTIME_ARGS)
-def mamba2_bwd_dkv_kernel(
-    q, k, v, g, lam, do, dk, dv, kdk, d_levels, d_buckets, bos_ptr, eos_ptr, chunk0_ptr, base_ptr, scale, tokens,
+def mamba2_bwd_scan_kernel(
+    q, g, lam, do, d_levels, d_buckets, bos_ptr, eos_ptr, chunk0_ptr, base_ptr, scale,
     H, G, K, V, L, J,
-    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BVS: tl.constexpr,
+    C: tl.constexpr, LOG_C: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
     BJ: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid (N, H, cdiv(V, BVS)). dk, kdk: [NV, tokens, H, K] / [NV, tokens, H] fp32 partial sums over
-    V blocks (per value head; dk[0] holds the in-chunk terms on entry); dv: [tokens, H, V], in-chunk
-    terms in, totals out; d_levels: [N, J, H, K, V] fp32: the final chunk-level states' gradient in,
-    the initial ones' out; d_buckets: [NC, H, K, V] fp32, dB per kernel chunk; base: [N] each sequence's first."""
-    n, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    grp = h // (H // G)
+    """Grid (N, H, cdiv(K, BKS)). d_levels: [N, J, H, K, V] fp32, the final chunk-level states' gradient in,
+    the initial ones' out (HAS_INIT); d_buckets: [NC, H, K, V] fp32, dB per kernel chunk in, dD out (every
+    chunk but each sequence's last); base: [N] each sequence's first kernel chunk."""
+    n, h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, c0, base = sequence_range(n, bos_ptr, eos_ptr, chunk0_ptr, base_ptr)
     r = tl.arange(0, C)
-    kk, jj = tl.arange(0, BK), tl.arange(0, BJ)
-    vs = vb * BVS + tl.arange(0, BVS)
-    ptrs, stride, offs, lmask = level_tile(d_levels, n, h, H, J, K, V, kk, vs)
-    dk += vb.to(tl.int64) * tokens * H * K
-    kdk += vb.to(tl.int64) * tokens * H
+    kk, vv, jj = kb * BKS + tl.arange(0, BKS), tl.arange(0, BV), tl.arange(0, BJ)
+    ptrs, stride, offs, lmask = level_tile(d_levels, n, h, H, J, K, V, kk, vv)
     decay = tl.zeros([BJ], dtype=tl.float32)
     n_chunks = tl.cdiv(eos - bos, C)
     for back in range(n_chunks):
         i = n_chunks - 1 - back
         t0 = bos + i * C
-        t = t0 + r
-        valid = t < eos
-        chunk = c0 + i
-        qc, kc = load_qk_tiles(q, k, t0, r, valid, grp, G, K, kk)
-        dobl = load_tile(do, t0, r, valid, h, H, V, vs)
-        Gc, Gl = chunk_gates(g, t, valid, h, H)
-        acc_k = load_tile(dk, t0, r, block_zero_rows(valid, t, vb), h, H, K, kk)
-        acc_v = load_tile(dv, t0, r, valid, h, H, V, vs)
+        valid = t0 + r < eos
+        Gc, Gl = chunk_gates(g, t0 + r, valid, h, H)
         if i < n_chunks - 1:
-            reads = tl.load(d_buckets + ((base + i) * H + h) * K * V + offs, mask=lmask, other=0.0)
-            d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, chunk, reads, BJ)
-            to_end = tl.exp(Gl - Gc)[:, None]
-            vbl = load_tile(v, t0, r, valid, h, H, V, vs)
-            d_deposit = d_deposit.to(vbl.dtype)
-            acc_k += to_end * tl.dot(vbl, tl.trans(d_deposit), input_precision=PRECISION)
-            acc_v += to_end * tl.dot(kc, d_deposit, input_precision=PRECISION)
-        store_tile(dk, acc_k, t0, r, valid, h, H, K, kk)
-        store_tile(dv, acc_v, t0, r, valid, h, H, V, vs)
-        tl.store(kdk + t * H + h, tl.sum(acc_k * kc.to(tl.float32), 1), mask=valid)
+            slot = d_buckets + ((base + i) * H + h) * K * V + offs
+            reads = tl.load(slot, mask=lmask, other=0.0)
+            d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, c0 + i, reads, BJ)
+            tl.store(slot, d_deposit, mask=lmask)
         decay += Gl
         if HAS_INIT:
-            do_scaled = dobl.to(tl.float32) * (scale * tl.exp(Gc))[:, None]
-            for j in range(J):
-                kind, _ = level_source(chunk, c0, j, HAS_INIT)
-                if kind == 2:
-                    lam_j = load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)
-                    update = tl.dot(tl.trans(qc), (do_scaled * lam_j[:, None]).to(dobl.dtype),
-                                    input_precision=PRECISION)
-                    decay = accumulate_level(ptrs, stride, j, lmask, decay, jj, update)
+            decay = initial_read_grads(q, do, lam, ptrs, stride, lmask, decay, jj, t0, r, valid, Gc, h // (H // G),
+                                       h, G, H, K, V, L, J, c0 + i, c0, scale, kk, vv, LOG_C, PRECISION)
     if HAS_INIT:
         flush_levels(ptrs, stride, lmask, decay, jj, J, c0, c0, False, HAS_INIT)

@@ -129,17 +129,31 @@ def mamba2_chunk_fwd_kernel(
     store_tile(o, (acc + read * tl.exp(Gc)[:, None]) * scale, t0, r, valid, h, H, V, vv)
 
 
+@triton.jit
+def intra_grad_blocks(qc, kc, vc, doc, Gc, lam, t, valid, h, H, L, lev, causal, scale,
+                      LOG_C: tl.constexpr, PRECISION: tl.constexpr):
+    """The in-chunk block's pieces both backward kernels need, [C, C] fp32 each: P = Q K^T * Gamma,
+    dA = scale * dO V^T (causal), Lambda, and dS = dA * Gamma * Lambda in q's dtype."""
+    p, gamma = intra_scores(qc, kc, Gc, causal, PRECISION)
+    d_a = intra_score_grads(doc, vc, causal, scale, PRECISION)
+    weights = level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C)
+    return p, d_a, weights, (d_a * gamma * weights).to(qc.dtype)
+
+
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
-def mamba2_chunk_bwd_kernel(
+def mamba2_chunk_bwd_dq_kernel(
     q, k, v, g, lam, do, h0, buckets, decays, starts, ends, seqs, chunks, chunk0, scale,
-    dq, dk, dv, dlam, qdq,
+    dq, dlam, qdq,
     H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
     HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Inputs as the forward, do: [tokens, H, V]. Out (fp32, per value head): dq: [tokens, H, K] and
-    dlam: [tokens, H, L] complete, qdq = q.dq: [tokens, H]; the in-chunk dk: [tokens, H, K] and
-    dv: [tokens, H, V] (the backward scan adds the deposit terms).  Grid (NC, H)."""
+    """dQ (in-chunk + readout) and dlambda (every level), complete:
+
+        dQ = dS K + diag(scale * exp(G)) sum_j lambda_j exp(decay_j) dO B_j^T,   q.dQ per row.
+
+    Inputs as the forward, do: [tokens, H, V]. Out: dq: [tokens, H, K] fp32 (per value head),
+    dlam: [tokens, H, L] (lam's dtype), qdq: [tokens, H] fp32.  Grid (NC, H)."""
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
     n, chunk, c0 = chunk_position(seqs, chunks, chunk0)
@@ -147,33 +161,62 @@ def mamba2_chunk_bwd_kernel(
     offs = kk[:, None] * V + vv[None, :]
     lmask = (kk[:, None] < K) & (vv[None, :] < V)
     lev = intra_levels(r, LOG_C)
-    causal = r[:, None] >= r[None, :]
     qc, kc = load_qk_tiles(q, k, t0, r, valid, h // (H // G), G, K, kk)
-    vc = load_tile(v, t0, r, valid, h, H, V, vv)
     doc = load_tile(do, t0, r, valid, h, H, V, vv)
     Gc, _ = chunk_gates(g, t, valid, h, H)
-    row_scale = scale * tl.exp(Gc)
-    p, gamma = intra_scores(qc, kc, Gc, causal, PRECISION)
-    d_a = intra_score_grads(doc, vc, causal, scale, PRECISION)
+    p, d_a, _, d_s = intra_grad_blocks(qc, kc, load_tile(v, t0, r, valid, h, H, V, vv), doc, Gc, lam, t, valid, h,
+                                       H, L, lev, r[:, None] >= r[None, :], scale, LOG_C, PRECISION)
     d_lam = level_sums(d_a * p, lev, ll, LOG_C)
-    weights = level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C)
-    d_s = (d_a * gamma * weights).to(qc.dtype)
-    store_tile(dk, tl.dot(tl.trans(d_s), qc, input_precision=PRECISION), t0, r, valid, h, H, K, kk)
-    d_v = tl.dot(tl.trans((p * weights).to(doc.dtype)), doc, input_precision=PRECISION) * scale
-    store_tile(dv, d_v, t0, r, valid, h, H, V, vv)
-    d_qt = tl.zeros([C, BK], dtype=tl.float32)
+    d_q = tl.dot(d_s, kc, input_precision=PRECISION)
+    row_scale = scale * tl.exp(Gc)
     for j in range(J):
         kind, back = level_source(chunk, c0, j, HAS_INIT)
         if kind != 0:
             state, to_now = read_level(buckets, h0, decays, n, h, H, J, K, V, j, kind, back, offs, lmask)
-            d_read = tl.dot(doc, tl.trans(state.to(doc.dtype)), input_precision=PRECISION) * to_now
-            d_qt += load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)[:, None] * d_read
-            col = tl.sum(d_read * qc.to(tl.float32), 1) * row_scale
+            d_read = tl.dot(doc, tl.trans(state.to(doc.dtype)), input_precision=PRECISION) * (row_scale * to_now)[:, None]
+            d_q += load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)[:, None] * d_read
+            col = tl.sum(d_read * qc.to(tl.float32), 1)
             d_lam = tl.where(ll[None, :] == LOG_C + 1 + j, col[:, None], d_lam)
-    d_q = tl.dot(d_s, kc, input_precision=PRECISION) + d_qt * row_scale[:, None]
     store_tile(dq, d_q, t0, r, valid, h, H, K, kk)
     store_tile(dlam, d_lam, t0, r, valid, h, H, L, ll)
     tl.store(qdq + t * H + h, tl.sum(d_q * qc.to(tl.float32), 1), mask=valid)
+
+
+@triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
+def mamba2_chunk_bwd_dkv_kernel(
+    q, k, v, g, lam, do, d_deposits, starts, ends, scale,
+    dk, dv, kdk,
+    H, G, K, V, L,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """dK and dV (in-chunk + deposit), complete:
+
+        dK = dS^T Q + diag(exp(Gl - G)) V dD^T,   dV = scale * A^T dO + diag(exp(Gl - G)) K dD,   k.dK per row,
+
+    dD = d_deposits [NC, H, K, V] fp32 (the backward scan's; not read for a sequence's last chunk, which
+    deposits nothing). Out: dk: [tokens, H, K] fp32 (per value head), dv: [tokens, H, V] (v's dtype),
+    kdk: [tokens, H] fp32.  Grid (NC, H)."""
+    h = tl.program_id(1)
+    t0, r, t, valid = chunk_rows(starts, ends, C)
+    kk, vv = tl.arange(0, BK), tl.arange(0, BV)
+    qc, kc = load_qk_tiles(q, k, t0, r, valid, h // (H // G), G, K, kk)
+    vc = load_tile(v, t0, r, valid, h, H, V, vv)
+    doc = load_tile(do, t0, r, valid, h, H, V, vv)
+    Gc, Gl = chunk_gates(g, t, valid, h, H)
+    p, _, weights, d_s = intra_grad_blocks(qc, kc, vc, doc, Gc, lam, t, valid, h, H, L, intra_levels(r, LOG_C),
+                                           r[:, None] >= r[None, :], scale, LOG_C, PRECISION)
+    d_v = tl.dot(tl.trans((p * weights).to(doc.dtype)), doc, input_precision=PRECISION) * scale
+    d_k = tl.dot(tl.trans(d_s), qc, input_precision=PRECISION)
+    if t0 + C < tl.load(ends + tl.program_id(0)):
+        offs = kk[:, None] * V + vv[None, :]
+        d_d = tl.load(d_deposits + (tl.program_id(0).to(tl.int64) * H + h) * K * V + offs,
+                      mask=(kk[:, None] < K) & (vv[None, :] < V), other=0.0).to(vc.dtype)
+        to_end = tl.exp(Gl - Gc)[:, None]
+        d_k += to_end * tl.dot(vc, tl.trans(d_d), input_precision=PRECISION)
+        d_v += to_end * tl.dot(kc, d_d, input_precision=PRECISION)
+    store_tile(dk, d_k, t0, r, valid, h, H, K, kk)
+    store_tile(dv, d_v, t0, r, valid, h, H, V, vv)
+    tl.store(kdk + t * H + h, tl.sum(d_k * kc.to(tl.float32), 1), mask=valid)
 
 
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
