@@ -60,14 +60,14 @@ def main() -> None:
          dict(scan, BV=BVS), launch_options(BK, BVS)),
         (mamba2_chunk.mamba2_chunk_fwd_kernel, chunk.format("o", ""), base, mamba2_chunk.chunk_launch_options(4)),
         (mamba2_chunk.mamba2_chunk_bwd_dq_kernel, chunk.format("do", "dq dlam qdq "), dict(base, BL=32),
-         mamba2_chunk.chunk_launch_options(8)),
+         mamba2_chunk.chunk_launch_options(4)),
         (mamba2_chunk.mamba2_level_grad_kernel, "q g lam do decays starts ends chunks d_buckets scale H G K V L J",
          dict(base, BJ=MAX_CHUNK_LEVELS), mamba2_chunk.chunk_launch_options(4, 3)),
         (mamba2_bwd.mamba2_bwd_scan_kernel,
          "q g lam do d_levels d_buckets bos_ptr eos_ptr chunk0_ptr base_ptr scale H G K V L J",
          dict(scan, BKS=rows), launch_options(rows, BV)),
         (mamba2_chunk.mamba2_chunk_bwd_dkv_kernel, "q k v g lam do d_deposits starts ends scale dk dv kdk H G K V L",
-         base, mamba2_chunk.chunk_launch_options(8)),
+         base, mamba2_chunk.chunk_launch_options(4)),
     ]
     for fn, names, const, launch in kernels:
         const = {n: c for n, c in const.items() if n in fn.arg_names}

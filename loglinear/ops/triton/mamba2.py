@@ -194,7 +194,7 @@ def _backward(q, k, v, g, lam, h0, d_o, d_levels, ranges, saved, out: _Grads, pl
         mamba2_chunk_bwd_dq_kernel[(NC, H)](
             q, k, v, g, lam, d_o, h0, buckets, decays, table.starts, table.ends, table.seqs, table.chunks,
             ranges[2], plan.scale, out.dq, out.dlam, out.qdq, BL=next_pow2(L, minimum=32), HAS_INIT=plan.has_init,
-            **chunk, **chunk_launch_options(8),
+            **chunk, **chunk_launch_options(4),
         )
         mamba2_level_grad_kernel[(NC, H)](
             q, g, lam, d_o, decays, table.starts, table.ends, table.chunks, d_buckets, plan.scale,
@@ -208,7 +208,7 @@ def _backward(q, k, v, g, lam, h0, d_o, d_levels, ranges, saved, out: _Grads, pl
     if NC:
         mamba2_chunk_bwd_dkv_kernel[(NC, H)](
             q, k, v, g, lam, d_o, d_buckets, table.starts, table.ends, plan.scale, out.dk, out.dv, out.kdk,
-            **{n: x for n, x in chunk.items() if n != "J"}, **chunk_launch_options(8),
+            **{n: x for n, x in chunk.items() if n != "J"}, **chunk_launch_options(4),
         )
 
 

@@ -53,15 +53,15 @@ from loglinear.ops.triton.intra import (
     chunk_gates, intra_levels, intra_output, intra_score_grads, intra_scores, level_sums, level_weights,
 )
 from loglinear.ops.triton.levels import level_source, merge_target
-from loglinear.ops.triton.mamba2_rows import load_qk_tiles, load_tile, store_tile
+from loglinear.ops.triton.mamba2_rows import load_qk_tiles, load_tile, store_column, store_tile
 
 CHUNK_RUNTIME_ARGS = ["H", "G", "L", "J"]
 
 
 def chunk_launch_options(num_warps: int, num_stages: int = 1) -> dict[str, int]:
     """Launch options of a chunk kernel on the GPU; one fixed config under the interpreter. On sm_90
-    (bf16, K = 128, V = 64) the forward fits 4 warps without spills, the backward needs 8 (with 4: 252 B
-    of spills), the level-gradient kernel pipelines its loop over the readers."""
+    (bf16, K = 128, V = 64) every chunk kernel fits 4 warps without spills (the backward ones at 255
+    registers: two programs per SM), the level-gradient kernel pipelines its loop over the readers."""
     if interpreting():
         return {"num_warps": 1, "num_stages": 1}
     return {"num_warps": num_warps, "num_stages": num_stages}
@@ -130,6 +130,13 @@ def mamba2_chunk_fwd_kernel(
 
 
 @triton.jit
+def read_columns(ll, chunk, c0, J, LOG_C: tl.constexpr, HAS_INIT: tl.constexpr):
+    """Which of the lambda columns ll (token levels) are chunk levels that chunk ``chunk`` reads."""
+    j = tl.maximum(ll - (LOG_C + 1), 0)
+    return (ll > LOG_C) & (j < J) & (level_source(chunk, c0, j, HAS_INIT)[0] != 0)
+
+
+@triton.jit
 def intra_grad_blocks(qc, kc, vc, doc, Gc, lam, t, valid, h, H, L, lev, causal, scale,
                       LOG_C: tl.constexpr, PRECISION: tl.constexpr):
     """The in-chunk block's pieces both backward kernels need, [C, C] fp32 each: P = Q K^T * Gamma,
@@ -166,7 +173,9 @@ def mamba2_chunk_bwd_dq_kernel(
     Gc, _ = chunk_gates(g, t, valid, h, H)
     p, d_a, _, d_s = intra_grad_blocks(qc, kc, load_tile(v, t0, r, valid, h, H, V, vv), doc, Gc, lam, t, valid, h,
                                        H, L, lev, r[:, None] >= r[None, :], scale, LOG_C, PRECISION)
-    d_lam = level_sums(d_a * p, lev, ll, LOG_C)
+    # in-chunk columns and zeros; the columns of the live chunk levels are the loop's (one writer each)
+    skip = read_columns(ll, chunk, c0, J, LOG_C, HAS_INIT)
+    store_tile(dlam, level_sums(d_a * p, lev, ll, LOG_C), t0, r, valid, h, H, L, tl.where(skip, L, ll))
     d_q = tl.dot(d_s, kc, input_precision=PRECISION)
     row_scale = scale * tl.exp(Gc)
     for j in range(J):
@@ -175,10 +184,8 @@ def mamba2_chunk_bwd_dq_kernel(
             state, to_now = read_level(buckets, h0, decays, n, h, H, J, K, V, j, kind, back, offs, lmask)
             d_read = tl.dot(doc, tl.trans(state.to(doc.dtype)), input_precision=PRECISION) * (row_scale * to_now)[:, None]
             d_q += load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)[:, None] * d_read
-            col = tl.sum(d_read * qc.to(tl.float32), 1)
-            d_lam = tl.where(ll[None, :] == LOG_C + 1 + j, col[:, None], d_lam)
+            store_column(dlam, tl.sum(d_read * qc.to(tl.float32), 1), t, valid, h, H, L, LOG_C + 1 + j)
     store_tile(dq, d_q, t0, r, valid, h, H, K, kk)
-    store_tile(dlam, d_lam, t0, r, valid, h, H, L, ll)
     tl.store(qdq + t * H + h, tl.sum(d_q * qc.to(tl.float32), 1), mask=valid)
 
 

@@ -35,3 +35,10 @@ def store_tile(ptr, x, t0, r, valid, head, HEADS, D, cols):
 def load_qk_tiles(q, k, t0, r, valid, grp, G, K, kk):
     """The chunk's q and k rows of group grp from [tokens, G, K] tensors -> [C, len(kk)] each (0 outside)."""
     return load_tile(q, t0, r, valid, grp, G, K, kk), load_tile(k, t0, r, valid, grp, G, K, kk)
+
+
+@triton.jit
+def store_column(ptr, x, t, valid, head, HEADS, L, level):
+    """x[t, head, level] = x [C] of a [tokens, HEADS, L] tensor (rows with valid, level < L)."""
+    ok = valid & ((t * 0 + level) < L)
+    tl.store(ptr + (t * HEADS + head) * L + level, x.to(ptr.dtype.element_ty), mask=ok)
