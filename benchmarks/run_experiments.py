@@ -91,10 +91,10 @@ def main() -> None:
     p.add_argument("--niah-depths", nargs="+", type=float, default=[0.0, 0.5, 1.0])
     p.add_argument("--niah-samples", type=int, default=4)
     p.add_argument("--eval-seconds", type=float, default=55, help="time kept for evaluation at the end")
-    p.add_argument("--mqar-workers", type=int, default=6)
+    p.add_argument("--mqar-workers", type=int, default=8)
     p.add_argument("--mqar-args", default="--widths 16 32 64 --seeds 0 1 --lrs 1e-2 3e-3 --seq-len 256 "
-                   "--kv-pairs 4 8 16 32 64 --vocab-size 8192 --train-examples 12800 --test-examples 1000 "
-                   "--epochs 6 --batch-size 64 --chunk-size 64")
+                   "--kv-pairs 4 8 16 32 64 --vocab-size 8192 --train-examples 20000 --test-examples 1000 "
+                   "--epochs 8 --batch-size 64 --chunk-size 64")
     p.add_argument("--smoke", action="store_true", help="tiny sizes for a CPU check of the whole pipeline")
     a = p.parse_args()
     if a.smoke:

@@ -20,7 +20,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -110,40 +110,60 @@ def _init_worker(threads: int) -> None:
 
 
 def sweep(runs: list[MQARRun], workers: int = 1, threads: int | None = None,
-          max_seconds: float | None = None, on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
+          max_seconds: float | None = None, on_row: Callable[[list[dict]], None] | None = None,
+          retries: int = 1) -> list[dict]:
     """Run `runs` in order (in `workers` processes when > 1), with a progress bar; no run starts after
-    max_seconds (the rest are skipped). on_row(rows so far) is called after every finished run.
+    max_seconds (the rest are skipped). A failed run is tried again up to `retries` times after the others
+    (its row then says "attempts"). on_row(rows so far) is called after every finished run.
     Returns one row per finished run."""
     deadline = time.monotonic() + (max_seconds if max_seconds is not None else math.inf)
     rows = []
     bar = tqdm(total=len(runs), desc="mqar", dynamic_ncols=True)
-
-    def done(row: dict) -> None:
-        rows.append(row)
-        result = f"{row['accuracy']:.2f}" if "accuracy" in row else "FAILED"
-        bar.set_postfix(last=f"{row['arch']} d{row['d_model']}: {result}")
-        bar.update()
-        if on_row is not None:
-            on_row(_ordered(rows))
-
-    if workers <= 1:
-        for r in runs:
-            row = _run_before(r, deadline)
-            if row is None:
-                break
-            done(row)
-    else:
-        threads = threads or max(1, torch.get_num_threads() // workers)
-        with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
-                                 initargs=(threads,)) as pool:
-            pending = {pool.submit(_run_before, r, deadline) for r in runs}
-            for fut in as_completed(pending):
-                if fut.result() is not None:
-                    done(fut.result())
+    pending = list(runs)
+    for attempt in range(1, retries + 2):
+        failed = []
+        for run, row in _execute(pending, workers, threads, deadline):
+            if "error" in row and attempt <= retries:
+                failed.append(run)
+                continue
+            row["attempts"] = attempt
+            rows.append(row)
+            result = f"{row['accuracy']:.2f}" if "accuracy" in row else "FAILED"
+            bar.set_postfix(last=f"{row['arch']} d{row['d_model']}: {result}")
+            bar.update()
+            if on_row is not None:
+                on_row(_ordered(rows))
+        pending = failed
+        if not pending:
+            break
     bar.close()
     if len(rows) < len(runs):
         print(f"mqar: {len(runs) - len(rows)} of {len(runs)} runs skipped at the {max_seconds} s limit")
     return _ordered(rows)
+
+
+def _execute(runs: list[MQARRun], workers: int, threads: int | None,
+             deadline: float) -> Iterator[tuple[MQARRun, dict]]:
+    """(run, row) for each run started before the deadline, in this process or in `workers` processes.
+
+    On a GPU every run gets a fresh process: a CUDA error (an illegal memory access, say) poisons its
+    process's context for good, and would otherwise fail every later run of that worker.
+    """
+    if workers <= 1:
+        for r in runs:
+            row = _run_before(r, deadline)
+            if row is None:
+                return
+            yield r, row
+        return
+    threads = threads or max(1, torch.get_num_threads() // workers)
+    fresh = 1 if any(r.device.startswith("cuda") for r in runs) else None
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
+                             initargs=(threads,), max_tasks_per_child=fresh) as pool:
+        futures = {pool.submit(_run_before, r, deadline): r for r in runs}
+        for fut in as_completed(futures):
+            if fut.result() is not None:
+                yield futures[fut], fut.result()
 
 
 def _ordered(rows: list[dict]) -> list[dict]:

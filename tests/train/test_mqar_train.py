@@ -45,5 +45,22 @@ def test_a_failing_run_is_reported_and_the_sweep_goes_on(tmp_path):
                   train_examples=64, test_examples=32, epochs=1, batch_size=32)  # 4 * 9 > seq_len
     rows = mqar.sweep([bad, good])
     assert len(rows) == 2 and "num_kv_pairs" in rows[1]["error"] and "accuracy" in rows[0]
+    assert (rows[0]["attempts"], rows[1]["attempts"]) == (1, 2)  # the failing run was tried again once
     assert list(summarize(rows)) == [("transformer", 16)]
     assert "1 runs failed" in mqar.report(rows, tmp_path / "m", "t")
+
+
+def test_a_run_that_fails_once_is_tried_again(monkeypatch):
+    calls = []
+
+    def flaky(run):
+        calls.append(run.seed)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return dict(arch=run.arch, d_model=run.d_model, seed=run.seed, lr=run.lr, accuracy=0.5)
+
+    monkeypatch.setattr(mqar, "train_mqar", flaky)
+    runs = [MQARRun("transformer", 16, seed=s, lr=3e-3) for s in (0, 1)]
+    rows = mqar.sweep(runs)
+    assert calls == [0, 1, 0]
+    assert [(r["seed"], r["accuracy"], r["attempts"]) for r in rows] == [(0, 0.5, 2), (1, 0.5, 1)]
