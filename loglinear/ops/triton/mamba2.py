@@ -132,6 +132,12 @@ def _reverse_cumsum(x: torch.Tensor, plan: LevelScanPlan) -> torch.Tensor:
     return out
 
 
+def _group_sum(x: torch.Tensor, G: int) -> torch.Tensor:
+    """[tokens, H, K] per value head -> [tokens, G, K], summed over each group's heads in fp32."""
+    tokens, H, K = x.shape
+    return x if G == H else x.view(tokens, G, H // G, K).sum(2, dtype=torch.float32).to(x.dtype)
+
+
 def _zero_prefixes(plan: LevelScanPlan, *xs: torch.Tensor) -> None:
     for a, b in plan.prefixes:
         for x in xs:
@@ -140,8 +146,9 @@ def _zero_prefixes(plan: LevelScanPlan, *xs: torch.Tensor) -> None:
 
 @dataclass
 class _Grads:
-    """The backward's outputs per value head: dq, dk [tokens, H, K] fp32; dv [tokens, H, V] (v's dtype);
-    dlam [tokens, H, L] (lam's dtype); qdq = q.dq, kdk = k.dk [tokens, H] fp32."""
+    """The backward's outputs per value head: dq, dk [tokens, H, K] (q's dtype: summed over a group's
+    heads in fp32 afterwards); dv [tokens, H, V] (v's dtype); dlam [tokens, H, L] (lam's dtype);
+    qdq = q.dq, kdk = k.dk [tokens, H] fp32 (from the kernels' fp32 dq, dk)."""
 
     dq: torch.Tensor
     dk: torch.Tensor
@@ -153,7 +160,7 @@ class _Grads:
     @staticmethod
     def alloc(q: torch.Tensor, v: torch.Tensor, lam: torch.Tensor) -> "_Grads":
         (tokens, H, V), K, f32 = v.shape, q.shape[-1], torch.float32
-        return _Grads(alloc((tokens, H, K), f32, q.device), alloc((tokens, H, K), f32, q.device),
+        return _Grads(alloc((tokens, H, K), q.dtype, q.device), alloc((tokens, H, K), q.dtype, q.device),
                       alloc((tokens, H, V), v.dtype, q.device), alloc(tuple(lam.shape), lam.dtype, q.device),
                       alloc((tokens, H), f32, q.device), alloc((tokens, H), f32, q.device))
 
@@ -233,7 +240,7 @@ class LevelScanMamba2(torch.autograd.Function):
     def backward(ctx, d_o, d_final):
         q, k, v, g, lam, h0, final = ctx.saved_tensors
         plan: LevelScanPlan = ctx.plan
-        tokens, H, G, K = v.shape[0], v.shape[1], q.shape[1], q.shape[-1]
+        G = q.shape[1]
         d_o = torch.zeros_like(v) if d_o is None else d_o.to(v.dtype).contiguous()
         d_final = torch.zeros_like(final) if d_final is None else d_final.float().contiguous()
         out = _Grads.alloc(q, v, lam)
@@ -245,10 +252,8 @@ class LevelScanMamba2(torch.autograd.Function):
                 d_gate[b - 1] += (d_final[n] * final[n]).sum((0, 2, 3))
         dg = _reverse_cumsum(d_gate, plan)
         _zero_prefixes(plan, out.dq, out.dk, out.dv, out.dlam)
-        dq = out.dq.view(tokens, G, H // G, K).sum(2)
-        dk = out.dk.view(tokens, G, H // G, K).sum(2)
         d_h0 = d_levels if plan.has_init else None
-        return dq.to(q.dtype), dk.to(k.dtype), out.dv, dg.to(g.dtype), out.dlam, d_h0, None
+        return _group_sum(out.dq, G), _group_sum(out.dk, G), out.dv, dg.to(g.dtype), out.dlam, d_h0, None
 
 
 def _last_chunk_levels(k, v, g, a: int, b: int, C: int, H: int) -> torch.Tensor:

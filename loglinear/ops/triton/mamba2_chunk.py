@@ -159,7 +159,7 @@ def mamba2_chunk_bwd_dq_kernel(
 
         dQ = dS K + diag(scale * exp(G)) sum_j lambda_j exp(decay_j) dO B_j^T,   q.dQ per row.
 
-    Inputs as the forward, do: [tokens, H, V]. Out: dq: [tokens, H, K] fp32 (per value head),
+    Inputs as the forward, do: [tokens, H, V]. Out: dq: [tokens, H, K] (q's dtype, per value head),
     dlam: [tokens, H, L] (lam's dtype), qdq: [tokens, H] fp32.  Grid (NC, H)."""
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
@@ -201,7 +201,7 @@ def mamba2_chunk_bwd_dkv_kernel(
         dK = dS^T Q + diag(exp(Gl - G)) V dD^T,   dV = scale * A^T dO + diag(exp(Gl - G)) K dD,   k.dK per row,
 
     dD = d_deposits [NC, H, K, V] fp32 (the backward scan's; not read for a sequence's last chunk, which
-    deposits nothing). Out: dk: [tokens, H, K] fp32 (per value head), dv: [tokens, H, V] (v's dtype),
+    deposits nothing). Out: dk: [tokens, H, K] (k's dtype, per value head), dv: [tokens, H, V] (v's dtype),
     kdk: [tokens, H] fp32.  Grid (NC, H)."""
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
