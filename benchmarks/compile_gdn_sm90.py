@@ -57,24 +57,25 @@ def scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: str) 
 
 
 def local_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, QK: str) -> list[str]:
-    """The three chunk-local kernels; QK: the pointer type of q and k (fp32 when the op L2-normalises them)."""
+    """The four chunk-local kernels; QK: the pointer type of q and k (fp32 when the op L2-normalises them)."""
     f32 = "*fp32"
     meta = local._meta(Chunking(b=2, T=8192, H=48, front=0, C=C), K, V, 1, 18, dtype)
-    launch = dict(num_warps=meta.pop("num_warps"), num_stages=meta.pop("num_stages"))
-    runtime = {n: "i32" for n in ("T", "front", "Tp", "N", "H", "NG", "L")}
-    const = {n: "constexpr" for n in meta if n not in runtime}
-    meta = {n: v for n, v in meta.items() if n not in runtime}
+    runtime = ("T", "front", "Tp", "N", "H", "NG", "L")
+    pointers = [
+        (local._chunk_inverse_kernel, dict(k=QK, g=P, beta=P, tg=P)),
+        (local._chunk_local_kernel, dict(q=QK, k=QK, v=P, g=P, beta=P, lam=P, tg=P, o=f32, qt=P, wt=P, kt=P, u=P,
+                                         decay=f32)),
+        (local._chunk_local_bwd_cc_kernel, dict(q=QK, k=QK, v=P, g=P, beta=P, lam=P, tg=P, do=f32, dqt=P, dwt=P,
+                                                du=P, dv=P, dbeta=P, dlam=P, scratch=P, dGp=f32)),
+        (local._chunk_local_bwd_k_kernel, dict(q=QK, k=QK, g=P, beta=P, tg=P, dqt=P, dwt=P, dkt=P, ddecay=f32,
+                                               scratch=P, dGp=f32, dq=P, dk=P, dg=P)),
+    ]
     out = []
-    sig = dict(q=QK, k=QK, v=P, g=P, beta=P, lam=P, o=f32, qt=P, wt=P, kt=P, u=P, decay=f32, **runtime, **const)
-    out.append(report(local._chunk_local_kernel, sig, meta, **launch))
-    sig = dict(q=QK, k=QK, v=P, g=P, beta=P, lam=P, do=f32, dqt=P, dwt=P, du=P, dv=P, dbeta=P, dlam=P,
-               scratch=P, dGp=f32, **runtime, **const)
-    out.append(report(local._chunk_local_bwd_cc_kernel, sig, meta, **launch))
-    keep = [n for n in const if n not in ("V", "BV", "NV", "LOG_C")]
-    runtime.pop("L")
-    sig = dict(q=QK, k=QK, g=P, beta=P, dqt=P, dwt=P, dkt=P, ddecay=f32, scratch=P, dGp=f32, dq=P, dk=P, dg=P,
-               **runtime, **{n: "constexpr" for n in keep})
-    out.append(report(local._chunk_local_bwd_k_kernel, sig, {n: meta[n] for n in keep}, **launch))
+    for kernel, sig in pointers:
+        args = local.kernel_meta(kernel, meta)
+        sig = dict(sig, **{n: "i32" if n in runtime else "constexpr" for n in args})
+        const = {n: x for n, x in args.items() if n not in runtime}
+        out.append(report(kernel, sig, const, **local.launch_options(kernel)))
     return out
 
 

@@ -74,6 +74,13 @@ def _put(ptr, x, rows, D, col0, BD: tl.constexpr):
 
 
 @triton.jit
+def _quarter(rc, s: tl.constexpr):
+    """[C, C] mask of the lower-left quarters (second half rows, first half columns) of every 2^(s+1)-block."""
+    lower = (((rc[:, None] >> s) % 2) == 1) & (((rc[None, :] >> s) % 2) == 0)
+    return lower & ((rc[:, None] >> (s + 1)) == (rc[None, :] >> (s + 1)))
+
+
+@triton.jit
 def unit_lower_inverse(A, C: tl.constexpr, PREC: tl.constexpr = "tf32x3"):
     """(I + A)^-1 of a strictly lower triangular A: [C, C] fp32, by doubling solved diagonal blocks: when the
     diagonal blocks of size b are inverted (T block diagonal), every block of size 2b is finished by its
@@ -81,20 +88,19 @@ def unit_lower_inverse(A, C: tl.constexpr, PREC: tl.constexpr = "tf32x3"):
 
         T <- T - T (A_q T),   A_q = A on the (second half rows, first half columns) of every 2b-block
 
-    log2(C) steps of two [C, C] products at precision PREC (3xTF32: fp32-level error; the kernels pass TF32
-    for bf16/fp16 operands). Every entry formed is an entry of the inverse of a diagonal block, O(1) for the
+    The 2 x 2 blocks are exact without products (T = I - A_q at b = 1); then log2(C) - 1 steps of two
+    dependent [C, C] products at precision PREC (3xTF32: fp32-level error; the kernels pass TF32 for
+    bf16/fp16 operands). Every entry formed is an entry of the inverse of a diagonal block, O(1) for the
     delta rule, so the error stays at the products' level. Summing powers of
     A instead (repeated squaring, (I - A)(I + A^2)...) is not stable: for near-parallel keys (early in
     training) the entries of A^16, A^32 grow like binomial coefficients (1e10 at C = 64) and their
     cancellation in tf32/bf16 products loses every digit (NaN). (Row-by-row forward substitution is as
     exact but takes C - 1 dependent steps, each two [C, C] reductions across warps.)"""
     rc = tl.arange(0, C)
-    T = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
-    for s in tl.static_range(7):  # block sizes 2^s = 1, 2, 4, ..., C / 2 (C <= 128)
+    T = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0) - tl.where(_quarter(rc, 0), A, 0.0)
+    for s in tl.static_range(1, 7):  # block sizes 2^s = 2, 4, ..., C / 2 (C <= 128)
         if (1 << s) < C:
-            quarter = (((rc[:, None] >> s) % 2) == 1) & (((rc[None, :] >> s) % 2) == 0)
-            quarter = quarter & ((rc[:, None] >> (s + 1)) == (rc[None, :] >> (s + 1)))
-            X = tl.dot(tl.where(quarter, A, 0.0), T, input_precision=PREC)
+            X = tl.dot(tl.where(_quarter(rc, s), A, 0.0), T, input_precision=PREC)
             T = T - tl.dot(T, X, input_precision=PREC)
     return T
 
@@ -111,48 +117,69 @@ def _chunk_program(T, front, Tp, H, NG, C: tl.constexpr):
 
 
 @triton.jit
-def _chunk_setup(q, k, g, beta, lam, tok, valid, h, grp, H, NG, L, C: tl.constexpr, K, LOG_C: tl.constexpr,
-                 BK: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr, dt: tl.constexpr):
-    """What both directions need, fp32: beta, G, Gamma, Lambda (causal), K K^T, T_g and Q K^T (raw).
-    q, k are read in NK column blocks of BK, in the operand dtype dt."""
-    rc = tl.arange(0, C)
-    kk = tl.zeros([C, C], dtype=tl.float32)
-    qk = tl.zeros([C, C], dtype=tl.float32)
+def _gram(x, k, tok, valid, grp, NG, K, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
+          PREC: tl.constexpr, dt: tl.constexpr):
+    """X K^T [C, C] fp32 of the chunk's rows of x, k [tokens, NG, K] (group grp), in NK column blocks of BK
+    (operands in dt)."""
+    acc = tl.zeros([C, C], dtype=tl.float32)
     for kb in range(NK):
         k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt)
-        kk += tl.dot(k_b, tl.trans(k_b), input_precision=PREC)
-        qk += tl.dot(load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, dt), tl.trans(k_b), input_precision=PREC)
+        acc += tl.dot(load_tokens(x, tok, valid, grp, NG, K, kb * BK, BK, dt), tl.trans(k_b), input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _chunk_gates(g, beta, tok, valid, h, H, C: tl.constexpr):
+    """beta [C], G [C] (local cumsum of g), Gamma [C, C] and the causal mask [C, C], fp32."""
+    rc = tl.arange(0, C)
+    causal = rc[:, None] >= rc[None, :]
     b_c = tl.load(beta + tok * H + h, mask=valid, other=0.0).to(tl.float32)
     G = tl.cumsum(tl.load(g + tok * H + h, mask=valid, other=0.0).to(tl.float32), axis=0)
-    causal = rc[:, None] >= rc[None, :]
-    gamma = decay_matrix(G, causal)
-    lev = intra_levels(rc, LOG_C)
-    lam_c = level_weights(lam, tok, valid, h, H, L, lev, causal, LOG_C)
+    return b_c, G, decay_matrix(G, causal), causal
+
+
+@triton.jit
+def _chunk_levels(lam, tok, valid, h, H, L, causal, C: tl.constexpr, LOG_C: tl.constexpr):
+    """Lambda [C, C] fp32 (causal) of levels 0..c from lam [tokens, H, L]."""
+    return level_weights(lam, tok, valid, h, H, L, intra_levels(tl.arange(0, C), LOG_C), causal, LOG_C)
+
+
+@triton.jit
+def _chunk_inverse_kernel(
+    k, g, beta, tg,
+    T, front, Tp, H, NG,
+    K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr,
+):
+    """Chunk n of head bh (grid N x BH): T_g = (I + A)^-1 of A = strict_lower(beta_t Gamma[t, s] (k_t . k_s))
+    (unit_lower_inverse) -> tg: [BH, Tp, C] in the operand dtype (row t of the chunk: T_g[t, :]).
+    Read by the forward and the backward; alone in its kernel so its dependent products run at a few
+    programs per SM (few registers) instead of inside the register-heavy chunk kernels."""
+    n, bh, tok, valid, h, grp, rc, rows = _chunk_program(T, front, Tp, H, NG, C)
+    b_c, G, gamma, _ = _chunk_gates(g, beta, tok, valid, h, H, C)
+    kk = _gram(k, k, tok, valid, grp, NG, K, C, BK, NK, PREC, tg.dtype.element_ty)
     A = tl.where(rc[:, None] > rc[None, :], b_c[:, None] * gamma * kk, 0.0)
-    Tg = unit_lower_inverse(A, C, PREC)
-    return b_c, G, gamma, lam_c, kk, Tg, qk
+    _put(tg, unit_lower_inverse(A, C, PREC), rows, C, 0, C)
 
 
 @triton.jit
 def _chunk_local_kernel(
-    q, k, v, g, beta, lam, o, qt, wt, kt, u, decay,
+    q, k, v, g, beta, lam, tg, o, qt, wt, kt, u, decay,
     T, front, Tp, N, H, NG, L,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
     BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Chunk n of head bh (grid N x BH).  Inputs in the op's layouts (any float dtype; module docstring);
-    outputs o: [BH, Tp, V] fp32, qt, wt, kt: [BH, Tp, K] and u: [BH, Tp, V] in the operand dtype,
-    decay: [BH, N] fp32. K and V are walked in blocks."""
+    """Chunk n of head bh (grid N x BH).  Inputs in the op's layouts (any float dtype; module docstring) and
+    T_g (tg: [BH, Tp, C], _chunk_inverse_kernel); outputs o: [BH, Tp, V] fp32, qt, wt, kt: [BH, Tp, K] and
+    u: [BH, Tp, V] in the operand dtype, decay: [BH, N] fp32. K and V are walked in blocks."""
     n, bh, tok, valid, h, grp, rc, rows = _chunk_program(T, front, Tp, H, NG, C)
     dt = qt.dtype.element_ty
-    b_c, G, gamma, lam_c, _, Tg, qk = _chunk_setup(
-        q, k, g, beta, lam, tok, valid, h, grp, H, NG, L, C, K, LOG_C, BK, NK, PREC, dt)
+    b_c, G, gamma, causal = _chunk_gates(g, beta, tok, valid, h, H, C)
+    qkd = (_gram(q, k, tok, valid, grp, NG, K, C, BK, NK, PREC, dt) * gamma).to(dt)
+    lam_c = _chunk_levels(lam, tok, valid, h, H, L, causal, C, LOG_C)
+    Tgd = _tile(tg, rows, C, 0, C)
     G_last = tl.sum(tl.where(rc == C - 1, G, 0.0), axis=0)
     e = tl.exp(G)
     f = tl.exp(G_last - G)
-    qk = qk * gamma
-    Tgd = Tg.to(dt)
-    qkd = qk.to(dt)
     P = (tl.dot(qkd, Tgd, input_precision=PREC) * b_c[None, :] * lam_c).to(dt)
     for kb in range(NK):
         q_b = load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, dt).to(tl.float32)
@@ -193,17 +220,17 @@ def _store_level_sums(dlam, x, tok, valid, h, H, L, r_t, r_s, LOG_C: tl.constexp
 
 @triton.jit
 def _chunk_local_bwd_cc_kernel(
-    q, k, v, g, beta, lam, do, dqt, dwt, du,
+    q, k, v, g, beta, lam, tg, do, dqt, dwt, du,
     dv, dbeta, dlam, scratch, dGp,
     T, front, Tp, N, H, NG, L,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
     BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Backward, part 1, chunk n of head bh: everything of [C, C] size (the forward's blocks recomputed in
-    fp32), dV, dbeta and dLambda.  Upstream: do: [BH, Tp, V] fp32, du: [BH, Tp, V], dqt, dwt: [BH, Tp, K]
-    (operand dtype).  Outputs (valid tokens only, any float dtype): dv: [b, T, H, V], dbeta: [b, T, H],
-    dlam: [b, T, H, L] (levels 0..c); for part 2: scratch [BH N, 4, C, C] (operand dtype) = QK, T,
-    dQK * Gamma, dKK + dKK^T and dGp [BH, Tp] fp32 (dG but for the K~ and decay terms).
+    """Backward, part 1, chunk n of head bh: everything of [C, C] size (T_g read from the forward's tg, the
+    other blocks recomputed in fp32), dV, dbeta and dLambda.  Upstream: do: [BH, Tp, V] fp32, du: [BH, Tp, V],
+    dqt, dwt: [BH, Tp, K] (operand dtype).  Outputs (valid tokens only, any float dtype): dv: [b, T, H, V],
+    dbeta: [b, T, H], dlam: [b, T, H, L] (levels 0..c); for part 2: scratch [BH N, 3, C, C] (operand dtype)
+    = QK, dQK * Gamma, dKK + dKK^T and dGp [BH, Tp] fp32 (dG but for the K~ and decay terms).
     With P = (QK T) * beta_s * Lambda, QK = (Q K^T) * Gamma, bk = beta e K, bv = beta V (e = exp(G),
     f = exp(G_last - G)):
 
@@ -214,17 +241,16 @@ def _chunk_local_bwd_cc_kernel(
     """
     n, bh, tok, valid, h, grp, rc, rows = _chunk_program(T, front, Tp, H, NG, C)
     dt = dqt.dtype.element_ty  # the operand dtype: qt's gradient comes in qt's dtype
-    b_c, G, gamma, lam_c, kk, Tg, qkr = _chunk_setup(
-        q, k, g, beta, lam, tok, valid, h, grp, H, NG, L, C, K, LOG_C, BK, NK, PREC, dt)
-    causal = rc[:, None] >= rc[None, :]
+    b_c, G, gamma, causal = _chunk_gates(g, beta, tok, valid, h, H, C)
+    lam_c = _chunk_levels(lam, tok, valid, h, H, L, causal, C, LOG_C)
+    Tg = _tile(tg, rows, C, 0, C)
     e = tl.exp(G)
-    # QK and T are final: hand them to part 2 now and keep only their operand-dtype copies (registers)
-    out = scratch + (bh * N + n) * 4 * C * C
+    # QK is final: hand it to part 2 now and keep only its operand-dtype copy (registers)
+    out = scratch + (bh * N + n) * 3 * C * C
+    qkr = _gram(q, k, tok, valid, grp, NG, K, C, BK, NK, PREC, dt)
     qk = (qkr * gamma).to(dt)
-    Tg = Tg.to(dt)
     tl.store(_cc_tile(out, 0, rc, C), qk)
-    tl.store(_cc_tile(out, 1, rc, C), Tg)
-    Akk = gamma * kk
+    Akk = gamma * _gram(k, k, tok, valid, grp, NG, K, C, BK, NK, PREC, dt)
     M = _dot(qk, Tg, dt, PREC)
     P = (M * b_c[None, :] * lam_c).to(dt)
     # values: dP, dV, dT from u = T bv
@@ -271,18 +297,18 @@ def _chunk_local_bwd_cc_kernel(
     tl.store(dbeta + tok * H + h, db, mask=valid)
     gamma = decay_matrix(G, causal)
     dKK = dA * b_c[:, None] * gamma
-    tl.store(_cc_tile(out, 2, rc, C), (dQK * gamma).to(dt))
-    tl.store(_cc_tile(out, 3, rc, C), (dKK + tl.trans(dKK)).to(dt))
+    tl.store(_cc_tile(out, 1, rc, C), (dQK * gamma).to(dt))
+    tl.store(_cc_tile(out, 2, rc, C), (dKK + tl.trans(dKK)).to(dt))
 
 
 @triton.jit
 def _chunk_local_bwd_k_kernel(
-    q, k, g, beta, dqt, dwt, dkt, ddecay, scratch, dGp,
+    q, k, g, beta, tg, dqt, dwt, dkt, ddecay, scratch, dGp,
     dq, dk, dg,
     T, front, Tp, N, H, NG,
     K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Backward, part 2, chunk n of head bh: the key-sized gradients from part 1's scratch.  Upstream: dqt,
+    """Backward, part 2, chunk n of head bh: the key-sized gradients from part 1's scratch and T_g (tg).  Upstream: dqt,
     dwt, dkt: [BH, Tp, K] (operand dtype), ddecay: [BH, N].  Outputs (valid tokens only, any float dtype):
     dq, dk: [b, T, H, K] (per value head), dg: [b, T, H] (reverse cumsum of dG):
 
@@ -291,11 +317,11 @@ def _chunk_local_bwd_k_kernel(
     """
     n, bh, tok, valid, h, grp, rc, rows = _chunk_program(T, front, Tp, H, NG, C)
     dt = dqt.dtype.element_ty
-    src = scratch + (bh * N + n) * 4 * C * C
+    src = scratch + (bh * N + n) * 3 * C * C
     qk = tl.load(_cc_tile(src, 0, rc, C))
-    Tg = tl.load(_cc_tile(src, 1, rc, C))
-    dQKr = tl.load(_cc_tile(src, 2, rc, C))
-    dKK = tl.load(_cc_tile(src, 3, rc, C))
+    Tg = _tile(tg, rows, C, 0, C)
+    dQKr = tl.load(_cc_tile(src, 1, rc, C))
+    dKK = tl.load(_cc_tile(src, 2, rc, C))
     G = tl.cumsum(tl.load(g + tok * H + h, mask=valid, other=0.0).to(tl.float32), axis=0)
     G_last = tl.sum(tl.where(rc == C - 1, G, 0.0), axis=0)
     e = tl.exp(G)
@@ -322,19 +348,41 @@ def _chunk_local_bwd_k_kernel(
 
 
 def _meta(ch: Chunking, K: int, V: int, G: int, L: int, dt: torch.dtype) -> dict:
-    """Runtime sizes, constexprs and launch options of the chunk-local kernels: K and V in blocks of <= 64 columns."""
+    """Runtime sizes and constexprs of the chunk-local kernels: K and V in blocks of <= 64 columns."""
     BK, BV = min(64, next_pow2(K)), min(64, next_pow2(V))
     return dict(
         T=ch.T, front=ch.front, Tp=ch.Tp, N=ch.N, H=ch.H, NG=G, L=L,
         K=K, V=V, C=ch.C, LOG_C=chunk_bits(ch.C), BK=BK, NK=triton.cdiv(K, BK), BV=BV, NV=triton.cdiv(V, BV),
         PREC=dot_precision(dt),
-        num_warps=1 if interpreting() else 8, num_stages=1 if interpreting() else 2,
     )
 
 
+# warps per program (sm_90, triton 3.6, benchmarks/compile_gdn_sm90.py): at 4 warps the inverse (167 registers),
+# the forward and the key backward (255 / 247) run 3, 2 and 2 programs per SM, which hide each other's dependent
+# products; the [C, C] backward spills 1.5 KB at 4 warps and keeps 8 (one program per SM)
+WARPS = {"_chunk_inverse_kernel": 4, "_chunk_local_kernel": 4, "_chunk_local_bwd_cc_kernel": 8,
+         "_chunk_local_bwd_k_kernel": 4}
+
+
+def launch_options(kernel) -> dict:
+    """num_warps / num_stages of a chunk-local kernel (one warp in the interpreter)."""
+    return dict(num_warps=1 if interpreting() else WARPS[kernel.__name__], num_stages=1 if interpreting() else 2)
+
+
+def kernel_meta(kernel, meta: dict) -> dict:
+    """The entries of _meta that kernel takes."""
+    return {n: x for n, x in meta.items() if n in kernel.arg_names}
+
+
+def _launch(kernel, ch: Chunking, meta: dict, *tensors: torch.Tensor) -> None:
+    """kernel over the grid chunks x heads."""
+    kernel[(ch.N, ch.BH)](*tensors, **kernel_meta(kernel, meta), **launch_options(kernel))
+
+
 class ChunkLocal(torch.autograd.Function):
-    """The chunk-local stage: fused forward kernel, fused backward kernel (recomputes the forward from the
-    op's tensors, which it saves as they are: no copies)."""
+    """The chunk-local stage: the inverse kernel (T_g, kept for the backward), the fused forward kernel, and
+    two backward kernels (they recompute the other [C, C] blocks from the op's tensors, which the forward
+    saves as they are: no copies)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, lam, ch: Chunking, dtype: torch.dtype):
@@ -342,15 +390,17 @@ class ChunkLocal(torch.autograd.Function):
         dt, dev, BH, Tp = dot_dtype(dtype), q.device, ch.BH, ch.Tp
         o, u = alloc((BH, Tp, V), torch.float32, dev), alloc((BH, Tp, V), dt, dev)
         qt, wt, kt = (alloc((BH, Tp, K), dt, dev) for _ in range(3))
-        decay = alloc((BH, ch.N), torch.float32, dev)
-        _chunk_local_kernel[(ch.N, BH)](q, k, v, g, beta, lam, o, qt, wt, kt, u, decay, **_meta(ch, K, V, G, L, dt))
-        ctx.save_for_backward(q, k, v, g, beta, lam)
+        tg, decay = alloc((BH, Tp, ch.C), dt, dev), alloc((BH, ch.N), torch.float32, dev)
+        meta = _meta(ch, K, V, G, L, dt)
+        _launch(_chunk_inverse_kernel, ch, meta, k, g, beta, tg)
+        _launch(_chunk_local_kernel, ch, meta, q, k, v, g, beta, lam, tg, o, qt, wt, kt, u, decay)
+        ctx.save_for_backward(q, k, v, g, beta, lam, tg)
         ctx.ch, ctx.dt = ch, dt
         return o, qt, wt, kt, u, decay
 
     @staticmethod
     def backward(ctx, do, dqt, dwt, dkt, du, ddecay):
-        q, k, v, g, beta, lam = ctx.saved_tensors
+        q, k, v, g, beta, lam, tg = ctx.saved_tensors
         ch, dt = ctx.ch, ctx.dt
         b, T, G, K = q.shape
         H, V, L, dev = ch.H, v.shape[-1], lam.shape[-1], q.device
@@ -364,14 +414,12 @@ class ChunkLocal(torch.autograd.Function):
         dq, dk = alloc((b, T, H, K), dt, dev), alloc((b, T, H, K), dt, dev)
         dv, dg, dbeta = alloc(v.shape, v.dtype, dev), alloc(g.shape, g.dtype, dev), alloc(beta.shape, beta.dtype, dev)
         dlam = torch.zeros_like(lam)  # levels > c: the scan's part
-        scratch, dGp = alloc((ch.BH * ch.N, 4, ch.C, ch.C), dt, dev), alloc((ch.BH, ch.Tp), f32, dev)
+        scratch, dGp = alloc((ch.BH * ch.N, 3, ch.C, ch.C), dt, dev), alloc((ch.BH, ch.Tp), f32, dev)
         do, dqt, dwt, dkt, du, ddecay = up
         meta = _meta(ch, K, V, G, L, dt)
-        _chunk_local_bwd_cc_kernel[(ch.N, ch.BH)](
-            q, k, v, g, beta, lam, do, dqt, dwt, du, dv, dbeta, dlam, scratch, dGp, **meta)
-        for name in ("V", "BV", "NV", "LOG_C", "L"):
-            meta.pop(name)
-        _chunk_local_bwd_k_kernel[(ch.N, ch.BH)](q, k, g, beta, dqt, dwt, dkt, ddecay, scratch, dGp, dq, dk, dg, **meta)
+        _launch(_chunk_local_bwd_cc_kernel, ch, meta, q, k, v, g, beta, lam, tg, do, dqt, dwt, du, dv, dbeta, dlam,
+                scratch, dGp)
+        _launch(_chunk_local_bwd_k_kernel, ch, meta, q, k, g, beta, tg, dqt, dwt, dkt, ddecay, scratch, dGp, dq, dk, dg)
         group = lambda x: x if G == H else x.view(b, T, G, H // G, K).sum(3, dtype=f32)  # noqa: E731
         grads = [group(dq), group(dk), dv, dg, dbeta, dlam]
         return (*[d.to(x.dtype) for d, x in zip(grads, (q, k, v, g, beta, lam))], None, None)
