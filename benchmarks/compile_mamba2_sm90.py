@@ -52,7 +52,7 @@ def main() -> None:
 
     scan = dict(base, BJ=MAX_CHUNK_LEVELS)
     bufs = dict(levels=f32, buckets=P, decays=f32, h0=f32, dq=P, dk=P, dv=P, dlam=P, qdq=f32, kdk=f32,
-                d_levels=f32, d_buckets=f32, d_deposits=f32, chunks=i32, seqs=i32, chunk0=i32, base_ptr=i32)
+                d_levels=f32, d_buckets=P, d_deposits=P, chunks=i32, seqs=i32, chunk0=i32, base_ptr=i32)
     chunk = "q k v g lam {} h0 buckets decays starts ends seqs chunks chunk0 scale {}H G K V L J"
     rows = BK if args.has_init and args.dtype != "fp32" and not args.split else mamba2.SCAN_ROWS
     kernels = [  # (kernel, its arguments, constexprs, launch options)

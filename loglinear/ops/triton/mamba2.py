@@ -195,7 +195,7 @@ def _backward(q, k, v, g, lam, h0, d_o, d_levels, ranges, saved, out: _Grads, pl
     BK, BV, _ = _blocks(q, v)
     sizes, L, (N, H) = _sizes(plan, q, v), lam.shape[-1], (len(plan.bos), v.shape[1])
     LOG_C, NC = chunk_bits(plan.chunk_size), table.starts.numel()
-    d_buckets = alloc((NC, H, q.shape[-1], v.shape[-1]), torch.float32, q.device)
+    d_buckets = alloc((NC, H, q.shape[-1], v.shape[-1]), q.dtype, q.device)  # dB, then dD in place
     chunk = dict(L=L, LOG_C=LOG_C, BK=BK, BV=BV, **sizes)
     if NC:
         mamba2_chunk_bwd_dq_kernel[(NC, H)](

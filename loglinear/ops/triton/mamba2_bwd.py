@@ -55,7 +55,7 @@ def mamba2_bwd_scan_kernel(
     BJ: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (N, H, cdiv(K, BKS)). d_levels: [N, J, H, K, V] fp32, the final chunk-level states' gradient in,
-    the initial ones' out (HAS_INIT); d_buckets: [NC, H, K, V] fp32, dB per kernel chunk in, dD out (every
+    the initial ones' out (HAS_INIT); d_buckets: [NC, H, K, V] (q's dtype), dB per kernel chunk in, dD out (every
     chunk but each sequence's last); base: [N] each sequence's first kernel chunk."""
     n, h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, c0, base = sequence_range(n, bos_ptr, eos_ptr, chunk0_ptr, base_ptr)
@@ -71,9 +71,9 @@ def mamba2_bwd_scan_kernel(
         Gc, Gl = chunk_gates(g, t0 + r, valid, h, H)
         if i < n_chunks - 1:
             slot = d_buckets + ((base + i) * H + h) * K * V + offs
-            reads = tl.load(slot, mask=lmask, other=0.0)
+            reads = tl.load(slot, mask=lmask, other=0.0).to(tl.float32)
             d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, c0 + i, reads, BJ)
-            tl.store(slot, d_deposit, mask=lmask)
+            tl.store(slot, d_deposit.to(d_buckets.dtype.element_ty), mask=lmask)
         decay += Gl
         if HAS_INIT:
             decay = initial_read_grads(q, do, lam, ptrs, stride, lmask, decay, jj, t0, r, valid, Gc, h // (H // G),

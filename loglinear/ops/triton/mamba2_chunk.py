@@ -182,7 +182,8 @@ def mamba2_chunk_bwd_dq_kernel(
         kind, back = level_source(chunk, c0, j, HAS_INIT)
         if kind != 0:
             state, to_now = read_level(buckets, h0, decays, n, h, H, J, K, V, j, kind, back, offs, lmask)
-            d_read = tl.dot(doc, tl.trans(state.to(doc.dtype)), input_precision=PRECISION) * (row_scale * to_now)[:, None]
+            d_read = tl.dot(doc, tl.trans(state.to(doc.dtype)), input_precision=PRECISION)
+            d_read *= (row_scale * to_now)[:, None]
             d_q += load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)[:, None] * d_read
             store_column(dlam, tl.sum(d_read * qc.to(tl.float32), 1), t, valid, h, H, L, LOG_C + 1 + j)
     store_tile(dq, d_q, t0, r, valid, h, H, K, kk)
@@ -200,7 +201,7 @@ def mamba2_chunk_bwd_dkv_kernel(
 
         dK = dS^T Q + diag(exp(Gl - G)) V dD^T,   dV = scale * A^T dO + diag(exp(Gl - G)) K dD,   k.dK per row,
 
-    dD = d_deposits [NC, H, K, V] fp32 (the backward scan's; not read for a sequence's last chunk, which
+    dD = d_deposits [NC, H, K, V] (q's dtype; the backward scan's; not read for a sequence's last chunk, which
     deposits nothing). Out: dk: [tokens, H, K] (k's dtype, per value head), dv: [tokens, H, V] (v's dtype),
     kdk: [tokens, H] fp32.  Grid (NC, H)."""
     h = tl.program_id(1)
@@ -233,8 +234,8 @@ def mamba2_level_grad_kernel(
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """d_buckets: [NC, H, K, V] fp32 out, dB of the level merged after each kernel chunk (0 when nothing
-    reads it); other arguments as mamba2_chunk_bwd_kernel.  Grid (NC, H)."""
+    """d_buckets: [NC, H, K, V] out (q's dtype, summed in fp32), dB of the level merged after each kernel chunk
+    (0 when nothing reads it); other arguments as mamba2_chunk_bwd_dq_kernel.  Grid (NC, H)."""
     p, h = tl.program_id(0), tl.program_id(1)
     r, kk, vv = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV)
     first = tl.load(starts + p).to(tl.int64)
@@ -252,4 +253,5 @@ def mamba2_level_grad_kernel(
         w = load_column(lam, t0 + r, valid, h, H, L, LOG_C + 1 + m) * tl.exp(Gc) * (scale * to_now)
         acc += tl.dot(tl.trans(qc), (doc.to(tl.float32) * w[:, None]).to(doc.dtype), input_precision=PRECISION)
     offs = kk[:, None] * V + vv[None, :]
-    tl.store(d_buckets + (p.to(tl.int64) * H + h) * K * V + offs, acc, mask=(kk[:, None] < K) & (vv[None, :] < V))
+    tl.store(d_buckets + (p.to(tl.int64) * H + h) * K * V + offs, acc.to(d_buckets.dtype.element_ty),
+             mask=(kk[:, None] < K) & (vv[None, :] < V))
