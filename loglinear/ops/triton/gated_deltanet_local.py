@@ -220,14 +220,14 @@ def _store_level_sums(dlam, x, tok, valid, h, H, L, r_t, r_s, LOG_C: tl.constexp
 
 @triton.jit
 def _chunk_local_bwd_cc_kernel(
-    q, k, v, g, beta, lam, tg, do, dqt, dwt, du,
+    q, k, v, g, beta, lam, tg, wt, do, dqt, dwt, du,
     dv, dbeta, dlam, scratch, dGp,
     T, front, Tp, N, H, NG, L,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
     BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Backward, part 1, chunk n of head bh: everything of [C, C] size (T_g read from the forward's tg, the
-    other blocks recomputed in fp32), dV, dbeta and dLambda.  Upstream: do: [BH, Tp, V] fp32, du: [BH, Tp, V],
+    """Backward, part 1, chunk n of head bh: everything of [C, C] size (T_g and W~ read from the forward's tg
+    and wt, the other blocks recomputed in fp32), dV, dbeta and dLambda.  Upstream: do: [BH, Tp, V] fp32, du: [BH, Tp, V],
     dqt, dwt: [BH, Tp, K] (operand dtype).  Outputs (valid tokens only, any float dtype): dv: [b, T, H, V],
     dbeta: [b, T, H], dlam: [b, T, H, L] (levels 0..c); for part 2: scratch [BH N, 3, C, C] (operand dtype)
     = QK, dQK * Gamma, dKK + dKK^T and dGp [BH, Tp] fp32 (dG but for the K~ and decay terms).
@@ -242,7 +242,6 @@ def _chunk_local_bwd_cc_kernel(
     n, bh, tok, valid, h, grp, rc, rows = _chunk_program(T, front, Tp, H, NG, C)
     dt = dqt.dtype.element_ty  # the operand dtype: qt's gradient comes in qt's dtype
     b_c, G, gamma, causal = _chunk_gates(g, beta, tok, valid, h, H, C)
-    lam_c = _chunk_levels(lam, tok, valid, h, H, L, causal, C, LOG_C)
     Tg = _tile(tg, rows, C, 0, C)
     e = tl.exp(G)
     # QK is final: hand it to part 2 now and keep only its operand-dtype copy (registers)
@@ -250,9 +249,8 @@ def _chunk_local_bwd_cc_kernel(
     qkr = _gram(q, k, tok, valid, grp, NG, K, C, BK, NK, PREC, dt)
     qk = (qkr * gamma).to(dt)
     tl.store(_cc_tile(out, 0, rc, C), qk)
-    Akk = gamma * _gram(k, k, tok, valid, grp, NG, K, C, BK, NK, PREC, dt)
     M = _dot(qk, Tg, dt, PREC)
-    P = (M * b_c[None, :] * lam_c).to(dt)
+    P = (M * b_c[None, :] * _chunk_levels(lam, tok, valid, h, H, L, causal, C, LOG_C)).to(dt)
     # values: dP, dV, dT from u = T bv
     dP = tl.zeros([C, C], dtype=tl.float32)
     dT = tl.zeros([C, C], dtype=tl.float32)
@@ -269,33 +267,34 @@ def _chunk_local_bwd_cc_kernel(
     dPM = tl.where(causal, dP, 0.0) * M
     dLam = dPM * b_c[None, :]
     _store_level_sums(dlam, dLam, tok, valid, h, H, L, tok - (tok - rc), rc, LOG_C)
+    lam_c = _chunk_levels(lam, tok, valid, h, H, L, causal, C, LOG_C)  # again: not live in the value loop
     dM = tl.where(causal, dP, 0.0) * b_c[None, :] * lam_c
     db += tl.sum(dPM * lam_c, axis=0)
     dQK = _dot(dM, tl.trans(Tg), dt, PREC)
     dT += _dot(tl.trans(qk), dM, dt, PREC)
-    # keys: qt = e q - QK W~,  W~ = T bk
+    # keys: qt = e q - QK W~,  W~ = T bk (the forward's wt)
     de = tl.zeros([C], dtype=tl.float32)
     sbk = tl.zeros([C], dtype=tl.float32)
     for kb in range(NK):
-        q_b = load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, dt).to(tl.float32)
-        k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt).to(tl.float32)
-        bk_b = (b_c * e)[:, None] * k_b
-        dqt_b = _tile(dqt, rows, K, kb * BK, BK).to(tl.float32)
+        k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt)
+        dqt_b = _tile(dqt, rows, K, kb * BK, BK)
         dW_b = _tile(dwt, rows, K, kb * BK, BK).to(tl.float32) - _dot(tl.trans(qk), dqt_b, dt, PREC)
-        dQK -= _dot(dqt_b, tl.trans(_dot(Tg, bk_b, dt, PREC)), dt, PREC)
-        dT += _dot(dW_b, tl.trans(bk_b), dt, PREC)
-        de += tl.sum(dqt_b * q_b, axis=1)
-        sbk += tl.sum(_dot(tl.trans(Tg), dW_b, dt, PREC) * k_b, axis=1)
+        dQK -= _dot(dqt_b, tl.trans(_tile(wt, rows, K, kb * BK, BK)), dt, PREC)
+        dT += _dot(dW_b, tl.trans((b_c * e)[:, None] * k_b.to(tl.float32)), dt, PREC)
+        q_b = load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, dt)
+        de += tl.sum(dqt_b.to(tl.float32) * q_b.to(tl.float32), axis=1)
+        sbk += tl.sum(_dot(tl.trans(Tg), dW_b, dt, PREC) * k_b.to(tl.float32), axis=1)
     db += e * sbk
     de += b_c * sbk
-    # T = (I + A)^-1,  A = strict(beta_t Gamma KK),  QK = QKraw * Gamma
+    # T = (I + A)^-1,  A = strict(beta_t Gamma KK),  QK = QKraw * Gamma (K K^T formed here: not live in the loops)
+    gamma = decay_matrix(G, causal)
+    Akk = gamma * _gram(k, k, tok, valid, grp, NG, K, C, BK, NK, PREC, dt)
     dA = -_dot(tl.trans(Tg), _dot(dT, tl.trans(Tg), dt, PREC), dt, PREC)
     dA = tl.where(rc[:, None] > rc[None, :], dA, 0.0)
     db += tl.sum(dA * Akk, axis=1)
     dGg = tl.where(causal, dQK * qk.to(tl.float32), 0.0) + dA * b_c[:, None] * Akk
     tl.store(dGp + rows, de * e + tl.sum(dGg, axis=1) - tl.sum(dGg, axis=0))
     tl.store(dbeta + tok * H + h, db, mask=valid)
-    gamma = decay_matrix(G, causal)
     dKK = dA * b_c[:, None] * gamma
     tl.store(_cc_tile(out, 1, rc, C), (dQK * gamma).to(dt))
     tl.store(_cc_tile(out, 2, rc, C), (dKK + tl.trans(dKK)).to(dt))
@@ -394,13 +393,13 @@ class ChunkLocal(torch.autograd.Function):
         meta = _meta(ch, K, V, G, L, dt)
         _launch(_chunk_inverse_kernel, ch, meta, k, g, beta, tg)
         _launch(_chunk_local_kernel, ch, meta, q, k, v, g, beta, lam, tg, o, qt, wt, kt, u, decay)
-        ctx.save_for_backward(q, k, v, g, beta, lam, tg)
+        ctx.save_for_backward(q, k, v, g, beta, lam, tg, wt)  # wt: the scan keeps it anyway
         ctx.ch, ctx.dt = ch, dt
         return o, qt, wt, kt, u, decay
 
     @staticmethod
     def backward(ctx, do, dqt, dwt, dkt, du, ddecay):
-        q, k, v, g, beta, lam, tg = ctx.saved_tensors
+        q, k, v, g, beta, lam, tg, wt = ctx.saved_tensors
         ch, dt = ctx.ch, ctx.dt
         b, T, G, K = q.shape
         H, V, L, dev = ch.H, v.shape[-1], lam.shape[-1], q.device
@@ -417,7 +416,7 @@ class ChunkLocal(torch.autograd.Function):
         scratch, dGp = alloc((ch.BH * ch.N, 3, ch.C, ch.C), dt, dev), alloc((ch.BH, ch.Tp), f32, dev)
         do, dqt, dwt, dkt, du, ddecay = up
         meta = _meta(ch, K, V, G, L, dt)
-        _launch(_chunk_local_bwd_cc_kernel, ch, meta, q, k, v, g, beta, lam, tg, do, dqt, dwt, du, dv, dbeta, dlam,
+        _launch(_chunk_local_bwd_cc_kernel, ch, meta, q, k, v, g, beta, lam, tg, wt, do, dqt, dwt, du, dv, dbeta, dlam,
                 scratch, dGp)
         _launch(_chunk_local_bwd_k_kernel, ch, meta, q, k, g, beta, tg, dqt, dwt, dkt, ddecay, scratch, dGp, dq, dk, dg)
         group = lambda x: x if G == H else x.view(b, T, G, H // G, K).sum(3, dtype=f32)  # noqa: E731
