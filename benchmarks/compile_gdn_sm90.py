@@ -30,7 +30,7 @@ from sm90 import DTYPES, report  # noqa: E402
 
 
 def scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: str) -> list[str]:
-    """The four scan kernels (the forward with and without snapshots) at the op's block choices."""
+    """The five scan kernels (the forward with and without snapshots) at the op's block choices."""
     f32 = "*fp32"
     BK, BV, NV = scan._blocks(K, V, dtype)
     launch = dict(num_warps=8, num_stages=2)
@@ -49,10 +49,13 @@ def scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: str) 
                dstates=f32, dsnap=P, do_intra=f32, N="i32", J="i32", Tp="i32", S="i32", **rows, i0="i32", i1="i32",
                **{n: "constexpr" for n in const})
     out.append(report(scan._scan_dh_kernel, sig, const, **launch))
-    sig = dict(qt=P, wt=P, kt=P, u=P, lam=f32, merge="*i32", live="*i32", snap_at="*i32", snap=P, dsnap=P,
-               do_intra=f32, dqt=P, dwt=P, dkt=P, du=P, dd=f32, dlam=f32, N="i32", J="i32", Tp="i32", S="i32",
-               SD="i32", i0="i32", **{n: "constexpr" for n in [*const, "NV"]})
+    sig = dict(wt=P, kt=P, u=P, merge="*i32", live="*i32", snap_at="*i32", lev="*i32", snap=P, dsnap=P, dwt=P,
+               dkt=P, du=P, dd=f32, N="i32", Tp="i32", S="i32", SD="i32", i0="i32",
+               **{n: "constexpr" for n in [*const, "NV"]})
     out.append(report(scan._scan_grads_kernel, sig, dict(const, NV=NV), **launch))
+    sig = dict(qt=P, lam=f32, snap_at="*i32", lev="*i32", snap=P, do_intra=f32, dqt=P, dlam=f32, J="i32", Tp="i32",
+               S="i32", **{n: "constexpr" for n in [*const, "NV"]})
+    out.append(report(scan._scan_readout_bwd_kernel, sig, dict(const, NV=NV), **scan._launch(scan.READOUT_BWD_WARPS)))
     return out
 
 

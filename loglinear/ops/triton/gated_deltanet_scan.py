@@ -21,7 +21,7 @@ Backward (reverse over chunks, dh_j carried the same way):
 Only live levels are touched: entering chunk i a level holds a (possibly) nonzero state iff a cascade put
 keys into it and none has cleared it since (bit j of the chunk index from position 0), or the initial
 states seeded it and no cascade has reached it yet (schedule); the others are 0, so half of the level
-steps vanish. Three kinds of kernels:
+steps vanish. The kernels:
 
   _scan_fwd_kernel      sequential over chunks (programs: V blocks x heads): per live level load the state
                         (the next level's one level ahead), transition it (2 GEMMs), carry; the states are
@@ -31,9 +31,12 @@ steps vanish. Three kinds of kernels:
                         it reads out in the chain.
   _scan_dh_kernel       the backward's sequential chain, reverse: dh_j = d dg_j - wt^T (kt dg_j) + qt^T Y_j
                         (3 GEMMs per live level), stores every live dh (operand dtype).
-  _scan_grads_kernel    chunk-parallel: dqt, dwt, dkt, du, dd, dlam of a chunk from its incoming states and
-                        the dh leaving it (6 GEMMs per live level; all V in one program: no partial sums,
-                        deterministic, no atomics).
+  _scan_grads_kernel    chunk-parallel: dwt, dkt, du, dd of a chunk from its incoming states and the dh leaving
+                        it (4 GEMMs per live level).
+  _scan_readout_bwd_kernel  chunk-parallel: dqt, dlam of a chunk from its incoming states and do (2 GEMMs per
+                        live level; needs no dh: one launch after the chain).
+The chunk-parallel kernels walk the chunk's live levels from the live-level list with the next level's
+tiles loaded a step ahead; all V in one program: no partial sums, deterministic, no atomics.
 
 The backward runs in segments of BWD_SEGMENT chunks (dh chain, then the chunk gradients of the segment),
 so only one segment's dh snapshots exist at a time.
@@ -224,35 +227,112 @@ def _scan_dh_kernel(
 
 
 @triton.jit
-def _scan_grads_kernel(
-    qt, wt, kt, u, lam, merge, live, snap_at, snap, dsnap, do_intra,
-    dqt, dwt, dkt, du, dd, dlam,
-    N, J, Tp, S, SD, i0,
+def _popcount(x):
+    """Set bits of a non-negative int32 (SWAR byte sums)."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + ((x >> 24) & 0xFF)
+
+
+@triton.jit
+def _level_step(lev, start, t, steps, rk, mk, V, BV: tl.constexpr, NV: tl.constexpr):
+    """Step t of a chunk's walk over its live levels x NV value blocks (level-major; the chunk's live levels
+    at lev[start:], steps = their count x NV): live slot s, level j, value block iv, and the offsets hoff and
+    mask hmask of a [BK, BV] state tile (nothing past the last step: the walk loads one step ahead)."""
+    s = t // NV
+    iv = t % NV
+    j = tl.load(lev + start + s)  # t = steps reads one entry past the chunk's (lev has a padding entry)
+    rv = iv * BV + tl.arange(0, BV)
+    hmask = mk[:, None] & (rv < V)[None, :] & ((rk * 0 + t) < steps)[:, None]
+    return s, j, iv, rk[:, None] * V + rv[None, :], hmask
+
+
+@triton.jit
+def _grad_tiles(hsrc, gsrc, lev, start, m, after, t, steps, KV, rk, mk, V, BV: tl.constexpr, NV: tl.constexpr):
+    """_level_step's tiles for the grads kernel: the state entering the chunk hd and the gradient leaving it dg
+    ([BK, BV]; dg of a level j <= m is dh_m, slot 0 after the cascade, of j > m its slot among the next
+    chunk's live levels, after: their bitmask), with the level j and value block iv."""
+    s, j, iv, hoff, hmask = _level_step(lev, start, t, steps, rk, mk, V, BV, NV)
+    gslot = tl.where(j <= m, 0, _popcount(after & ((1 << j) - 1)))
+    return j, iv, tl.load(hsrc + s * KV + hoff, mask=hmask, other=0.0), tl.load(gsrc + gslot * KV + hoff, mask=hmask,
+                                                                               other=0.0)
+
+
+@triton.jit
+def _scan_readout_bwd_kernel(
+    qt, lam, snap_at, lev, snap, do_intra, dqt, dlam,
+    J, Tp, S,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """Backward, pass 2 (chunk i of head bh, all in parallel): the gradients of the chunk's inputs from the
-    forward's states entering it (snap: [BH, S, K, V]) and the gradients dg_j leaving it (dh entering chunk
-    i + 1, dsnap: [BH, SD, K, V] of the segment from chunk i0 (_scan_dh_kernel); level m is its slot 0, a live
-    j > m its slot among chunk i + 1's live levels).
-    do_intra: [BH, Tp, V] fp32 (scale do). Outputs: dqt, dwt, dkt: [BH, Tp, K], du: [BH, Tp, V] (operand
-    dtype); dd: [BH, N], dlam: [BH, Tp, J] (fp32). V is walked in NV blocks of BV."""
-    i = tl.program_id(0) + i0
+    """Backward of the readouts (chunk i of head bh, all in parallel; they do not need dh): from the forward's
+    states entering the chunk (snap: [BH, S, K, V]) and do_intra = scale do ([BH, Tp, V] fp32, _scan_dh_kernel):
+
+        Y_j = lam_i[:, j] * do_i;   dqt_i = sum_j Y_j h_j^T;   dlam_i[:, j] = rowsum(do_i * (qt_i h_j))
+
+    over the live levels (walked from lev, the next state tile loaded a step ahead).  Outputs dqt: [BH, Tp, K]
+    (operand dtype), dlam: [BH, Tp, J] fp32 (the live levels' columns; the caller zeroes the others)."""
+    i = tl.program_id(0)
     bh, rk, mk, rows = _chunk_rows(i, Tp, C, K, BK)
     KV = K * V
     ck = rows[:, None] * K + rk[None, :]
     q_i = tl.load(qt + ck, mask=mk[None, :], other=0.0)
+    start = tl.load(snap_at + i)
+    steps = (tl.load(snap_at + i + 1) - start) * NV
+    hsrc = snap + (bh * S + start) * KV
+    dq_acc = tl.zeros([C, BK], dtype=tl.float32)
+    dl = tl.zeros([C], dtype=tl.float32)
+    s, j, iv, hoff, hmask = _level_step(lev, start, 0, steps, rk, mk, V, BV, NV)
+    hd = tl.load(hsrc + s * KV + hoff, mask=hmask, other=0.0)
+    for t in range(steps):
+        s_n, j_n, iv_n, hoff, hmask = _level_step(lev, start, t + 1, steps, rk, mk, V, BV, NV)
+        hd_n = tl.load(hsrc + s_n * KV + hoff, mask=hmask, other=0.0)
+        rv = iv * BV + tl.arange(0, BV)
+        do_b = tl.load(do_intra + rows[:, None] * V + rv[None, :], mask=(rv < V)[None, :], other=0.0)
+        y = tl.load(lam + rows * J + j)[:, None] * do_b
+        dq_acc += tl.dot(y.to(q_i.dtype), tl.trans(hd), input_precision=PREC)
+        dl += tl.sum(do_b * tl.dot(q_i, hd, input_precision=PREC), axis=1)
+        last = (rows * 0 + iv) == NV - 1  # the level's last value block: its dlam column is complete
+        tl.store(dlam + rows * J + j, dl, mask=last)
+        dl = tl.where(last, 0.0, dl)
+        j, iv, hd = j_n, iv_n, hd_n
+    tl.store(dqt + ck, dq_acc.to(dqt.dtype.element_ty), mask=mk[None, :])
+
+
+@triton.jit
+def _scan_grads_kernel(
+    wt, kt, u, merge, live, snap_at, lev, snap, dsnap,
+    dwt, dkt, du, dd,
+    N, Tp, S, SD, i0,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Backward, pass 2 (chunk i of head bh, all in parallel): the gradients of the chunk's transition inputs
+    from the forward's states entering it (snap: [BH, S, K, V]) and the gradients dg_j leaving it (dh entering
+    chunk i + 1, dsnap: [BH, SD, K, V] of the segment from chunk i0 (_scan_dh_kernel); level m is its slot 0,
+    a live j > m its slot among chunk i + 1's live levels):
+
+        cascade:     dD = dh_m;  du_i = kt_i dD;  dkt_i += u_i dD^T
+        transition:  dd_i = sum_j <dg_j, h_j>;  dkt_i -= sum_j (wt_i h_j) dg_j^T;  dwt_i -= sum_j (kt_i dg_j) h_j^T
+
+    Outputs: dwt, dkt: [BH, Tp, K], du: [BH, Tp, V] (operand dtype); dd: [BH, N] fp32.  The live levels are
+    walked from lev (V in NV blocks of BV per level), the next step's two tiles loaded a step ahead."""
+    i = tl.program_id(0) + i0
+    bh, rk, mk, rows = _chunk_rows(i, Tp, C, K, BK)
+    KV = K * V
+    ck = rows[:, None] * K + rk[None, :]
     w_i = tl.load(wt + ck, mask=mk[None, :], other=0.0)
     k_i = tl.load(kt + ck, mask=mk[None, :], other=0.0)
     m = tl.load(merge + i)
-    alive = tl.load(live + i)
     after = tl.load(live + i + 1)
-    hsrc = snap + (bh * S + tl.load(snap_at + i)) * KV
+    start = tl.load(snap_at + i)
+    steps = (tl.load(snap_at + i + 1) - start) * NV
+    hsrc = snap + (bh * S + start) * KV
     gsrc = dsnap + (bh * SD + tl.load(snap_at + i + 1) - tl.load(snap_at + i0)) * KV
-    dq_acc = tl.zeros([C, BK], dtype=tl.float32)
     dw_acc = tl.zeros([C, BK], dtype=tl.float32)
     dk_acc = tl.zeros([C, BK], dtype=tl.float32)
-    for iv in range(NV):  # the cascade: dD = dh_m; du = kt dD; dkt += u dD^T
+    for iv in range(NV):  # the cascade
         rv = iv * BV + tl.arange(0, BV)
         hmask = mk[:, None] & (rv < V)[None, :]
         cascade = (rk * 0 + m) >= 0  # (no slot to read after the last chunk)
@@ -262,36 +342,21 @@ def _scan_grads_kernel(
         u_b = tl.load(u + cv, mask=(rv < V)[None, :], other=0.0)
         dk_acc += tl.dot(u_b, tl.trans(dh_m), input_precision=PREC)
     dd_acc = 0.0
-    slot = 0
-    after_slot = 0  # chunk i + 1's live levels below j
-    for j in range(J):
-        dl = tl.zeros([C], dtype=tl.float32)
-        if (alive >> j) & 1:
-            lam_j = tl.load(lam + rows * J + j)
-            gslot = tl.where(j <= m, 0, after_slot)
-            for iv in range(NV):
-                rv = iv * BV + tl.arange(0, BV)
-                hmask = mk[:, None] & (rv < V)[None, :]
-                hoff = rk[:, None] * V + rv[None, :]
-                hd = tl.load(hsrc + slot * KV + hoff, mask=hmask, other=0.0)
-                dgd = tl.load(gsrc + gslot * KV + hoff, mask=hmask, other=0.0)
-                do_b = tl.load(do_intra + rows[:, None] * V + rv[None, :], mask=(rv < V)[None, :], other=0.0)
-                dq_acc += tl.dot((lam_j[:, None] * do_b).to(q_i.dtype), tl.trans(hd), input_precision=PREC)
-                dl += tl.sum(do_b * tl.dot(q_i, hd, input_precision=PREC), axis=1)
-                dd_acc += tl.sum(tl.sum(dgd.to(tl.float32) * hd.to(tl.float32), axis=1), axis=0)
-                wh = tl.dot(w_i, hd, input_precision=PREC).to(q_i.dtype)
-                dk_acc -= tl.dot(wh, tl.trans(dgd), input_precision=PREC)
-                kdg = tl.dot(k_i, dgd, input_precision=PREC).to(q_i.dtype)
-                dw_acc -= tl.dot(kdg, tl.trans(hd), input_precision=PREC)
-            slot += 1
-        tl.store(dlam + rows * J + j, dl)
-        after_slot += (after >> j) & 1
-    tl.store(dqt + ck, dq_acc.to(dqt.dtype.element_ty), mask=mk[None, :])
+    _, _, hd, dgd = _grad_tiles(hsrc, gsrc, lev, start, m, after, 0, steps, KV, rk, mk, V, BV, NV)
+    for t in range(steps):
+        _, _, hd_n, dgd_n = _grad_tiles(hsrc, gsrc, lev, start, m, after, t + 1, steps, KV, rk, mk, V, BV, NV)
+        dd_acc += tl.sum(tl.sum(dgd.to(tl.float32) * hd.to(tl.float32), axis=1), axis=0)
+        wh = tl.dot(w_i, hd, input_precision=PREC).to(w_i.dtype)
+        dk_acc -= tl.dot(wh, tl.trans(dgd), input_precision=PREC)
+        kdg = tl.dot(k_i, dgd, input_precision=PREC).to(w_i.dtype)
+        dw_acc -= tl.dot(kdg, tl.trans(hd), input_precision=PREC)
+        hd, dgd = hd_n, dgd_n
     tl.store(dwt + ck, dw_acc.to(dwt.dtype.element_ty), mask=mk[None, :])
     tl.store(dkt + ck, dk_acc.to(dkt.dtype.element_ty), mask=mk[None, :])
     tl.store(dd + bh * N + i, dd_acc)
 
 
+READOUT_BWD_WARPS = 4
 BWD_SEGMENT = 256  # chunks per backward segment: bounds the dh snapshots (~2 GB at B H = 96, K = 128, V = 64)
 
 
@@ -305,8 +370,11 @@ def _blocks(K: int, V: int, dtype: torch.dtype) -> tuple[int, int, int]:
     return BK, BV, triton.cdiv(V, BV)
 
 
-def _launch() -> dict[str, int]:
-    return {"num_warps": 1, "num_stages": 1} if interpreting() else {"num_warps": 8, "num_stages": 2}
+def _launch(num_warps: int = 8) -> dict[str, int]:
+    """Launch options: num_warps on the GPU (8: the sequential kernels' [K, BV] states and the grads kernel's
+    accumulators; the readout backward takes 4, two programs per SM without spills on sm_90), 1 in the
+    interpreter."""
+    return {"num_warps": 1, "num_stages": 1} if interpreting() else {"num_warps": num_warps, "num_stages": 2}
 
 
 @dataclass
@@ -399,7 +467,8 @@ class FenwickDeltaScan(torch.autograd.Function):
         do_intra = nan(BH, Tp, V)
         do = torch.zeros(ch.b, ch.T, ch.H, V, device=dev) if do is None else do.contiguous()
         dqt, dwt, dkt = [nan(BH, Tp, K, dtype=dt) for _ in range(3)]
-        du, dd, dlam = nan(BH, Tp, V, dtype=u.dtype), nan(BH, N), nan(BH, Tp, J)
+        du, dd = nan(BH, Tp, V, dtype=u.dtype), nan(BH, N)
+        dlam = torch.zeros(BH, Tp, J, device=dev)  # the grads kernel writes the live levels' columns
         for i1 in range(N, 0, -BWD_SEGMENT):  # segments of chunks, last first: dsnap holds one segment
             i0 = max(0, i1 - BWD_SEGMENT)
             base, tail = sched.at[i0], sched.at[i1]
@@ -411,11 +480,14 @@ class FenwickDeltaScan(torch.autograd.Function):
                 K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, **_launch(),
             )
             _scan_grads_kernel[(i1 - i0, BH)](
-                qt, wt, kt, u, lam, sched.merge, sched.live, sched.snap_at, snap, dsnap, do_intra,
-                dqt, dwt, dkt, du, dd, dlam, N, J, Tp, sched.slots, dsnap.shape[1], i0,
-                K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec, **_launch(),
+                wt, kt, u, sched.merge, sched.live, sched.snap_at, sched.lev, snap, dsnap, dwt, dkt, du, dd,
+                N, Tp, sched.slots, dsnap.shape[1], i0, K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec, **_launch(),
             )
             del dsnap
+        _scan_readout_bwd_kernel[(N, BH)](
+            qt, lam, sched.snap_at, sched.lev, snap, do_intra, dqt, dlam, J, Tp, sched.slots,
+            K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec, **_launch(READOUT_BWD_WARPS),
+        )
         dh0 = torch.where(sched.level_mask(0, J)[:, None, None], dstates, 0.0) if ctx.needs_input_grad[6] else None
         return dqt, dwt, dkt, du, dd, dlam, dh0, do_intra, None, None, None, None
 
