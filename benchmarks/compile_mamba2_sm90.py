@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import triton  # noqa: E402
 
 from loglinear.ops.triton import mamba2, mamba2_bwd, mamba2_chunk, mamba2_fwd  # noqa: E402
-from loglinear.ops.triton.common import MAX_CHUNK_LEVELS, dot_precision, launch_options, split_block  # noqa: E402
+from loglinear.ops.triton.common import MAX_CHUNK_LEVELS, dot_precision, launch_options  # noqa: E402
 from sm90 import DTYPES, report  # noqa: E402
 
 
@@ -35,7 +35,8 @@ def signature(names: str, ptr: str, **special: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", choices=DTYPES, default="bf16")
-    ap.add_argument("--split", action="store_true", help="split the scans' V tiles over two programs (fp32's tiling)")
+    ap.add_argument("--split", action="store_true",
+                    help="split the reverse scan's tiles into K rows also with initial states (fp32's tiling)")
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--V", type=int, default=64)
     ap.add_argument("--has-init", action="store_true", help="the variant for calls with initial states")
@@ -43,7 +44,7 @@ def main() -> None:
     P, f32, i32 = "*" + args.dtype, "*fp32", "*i32"
     prec = dot_precision(DTYPES[args.dtype])
     BK, BV, C = triton.next_power_of_2(args.K), triton.next_power_of_2(args.V), 64
-    BVS = split_block(BV) if args.split else BV
+    rows = BK if args.has_init and not args.split else mamba2.SCAN_ROWS  # the reverse scan's (_scan_rows)
     print(f"triton {triton.__version__}, {args.dtype}, K={args.K}, V={args.V}, C={C}, split={args.split}, "
           f"has_init={args.has_init}, {prec}")
     base = dict(C=C, LOG_C=6, BK=BK, BV=BV, PRECISION=prec, HAS_INIT=args.has_init)
@@ -54,10 +55,11 @@ def main() -> None:
     bufs = dict(levels=f32, buckets=P, decays=f32, h0=f32, dq=P, dk=P, dv=P, dlam=P, qdq=f32, kdk=f32,
                 d_levels=f32, d_buckets=P, d_deposits=P, chunks=i32, seqs=i32, chunk0=i32, base_ptr=i32)
     chunk = "q k v g lam {} h0 buckets decays starts ends seqs chunks chunk0 scale {}H G K V L J"
-    rows = BK if args.has_init and args.dtype != "fp32" and not args.split else mamba2.SCAN_ROWS
     kernels = [  # (kernel, its arguments, constexprs, launch options)
-        (mamba2_fwd.mamba2_fwd_kernel, "k v g levels buckets decays bos_ptr eos_ptr chunk0_ptr base_ptr H G K V J",
-         dict(scan, BV=BVS), launch_options(BK, BVS)),
+        (mamba2_chunk.mamba2_deposit_kernel, "k v g buckets starts ends H G K V", base,
+         mamba2_chunk.chunk_launch_options(4)),
+        (mamba2_fwd.mamba2_fwd_kernel, "g levels buckets decays bos_ptr eos_ptr chunk0_ptr base_ptr H K V J",
+         dict(scan, BKS=mamba2.SCAN_ROWS), launch_options(mamba2.SCAN_ROWS, BV)),
         (mamba2_chunk.mamba2_chunk_fwd_kernel, chunk.format("o", ""), base, mamba2_chunk.chunk_launch_options(4)),
         (mamba2_chunk.mamba2_chunk_bwd_dq_kernel, chunk.format("do", "dq dlam qdq "), dict(base, BL=32),
          mamba2_chunk.chunk_launch_options(4)),

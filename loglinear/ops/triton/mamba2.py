@@ -28,12 +28,12 @@ from loglinear.inputs import OpInputs, expand_groups
 from loglinear.ops.torch_chunk import Mamba2Form, chunk_scan
 from loglinear.ops.torch_chunk.scan import _carry_past
 from loglinear.ops.triton.common import (
-    MAX_CHUNK_LEVELS, alloc, dot_precision, interpreting, launch_options, next_pow2, split_block,
+    MAX_CHUNK_LEVELS, alloc, dot_precision, interpreting, launch_options, next_pow2,
 )
 from loglinear.ops.triton.mamba2_bwd import mamba2_bwd_scan_kernel
 from loglinear.ops.triton.mamba2_chunk import (
     chunk_launch_options, mamba2_chunk_bwd_dkv_kernel, mamba2_chunk_bwd_dq_kernel, mamba2_chunk_fwd_kernel,
-    mamba2_level_grad_kernel,
+    mamba2_deposit_kernel, mamba2_level_grad_kernel,
 )
 from loglinear.ops.triton.mamba2_fwd import mamba2_fwd_kernel
 from loglinear.state import FenwickState
@@ -95,7 +95,7 @@ class LevelScanPlan:
 
 
 def _splits(dtype: torch.dtype) -> bool:
-    """Split the scans' state tiles over programs (whenever they multiply them)?
+    """May a scan that multiplies state tiles split them over programs?
 
     fp32 (and everything under the interpreter) splits; bf16/fp16 on the GPU keep whole tiles: with
     split [128, 32] tiles, bf16 forwards on triton 3.6 / H200 gave wrong outputs and an illegal memory
@@ -103,18 +103,17 @@ def _splits(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or interpreting()
 
 
-def _blocks(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int]:
-    """The whole blocks of K and V (BK, BV) and the forward scan's V block BVS (BV or half of it)."""
-    BK, BV = next_pow2(q.shape[-1]), next_pow2(v.shape[-1])
-    return BK, BV, split_block(BV) if _splits(q.dtype) else BV
+def _blocks(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
+    """The whole blocks of K and V (BK, BV)."""
+    return next_pow2(q.shape[-1]), next_pow2(v.shape[-1])
 
 
-def _scan_rows(q: torch.Tensor, has_init: bool) -> int:
-    """The reverse scan's block of K rows: 16 (its chain multiplies no tiles, so many small programs;
-    contiguous rows of the [K, V] states), or all of K where it multiplies tiles (reads of initial states)
-    that must stay whole (_splits)."""
+def _scan_rows(q: torch.Tensor, multiplies: bool) -> int:
+    """A scan's block of K rows: SCAN_ROWS (a chain that multiplies no tiles: many small programs over
+    contiguous rows of the [K, V] states), or all of K for one that multiplies tiles (the reverse scan's
+    reads of initial states) where they must stay whole (_splits)."""
     BK = next_pow2(q.shape[-1])
-    return BK if has_init and not _splits(q.dtype) else SCAN_ROWS
+    return BK if multiplies and not _splits(q.dtype) else min(SCAN_ROWS, BK)
 
 
 def _sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor) -> dict:
@@ -166,17 +165,24 @@ class _Grads:
 
 
 def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> tuple:
-    """The chunk-level scan (levels in/out, buckets, decays), then the chunk kernel writing o.
-    Returns what the backward needs: (chunk table, buckets [NC, H, K, V], decays [NC, H, J])."""
-    BK, BV, BVS = _blocks(q, v)
+    """The chunks' deposits, the chunk-level scan merging them (levels in/out, buckets, decays), then the
+    chunk kernel writing o. Returns what the backward needs: (chunk table, buckets [NC, H, K, V], decays
+    [NC, H, J])."""
+    BK, BV = _blocks(q, v)
     sizes, L, (N, H) = _sizes(plan, q, v), lam.shape[-1], (len(plan.bos), v.shape[1])
     table = plan.chunk_table(q.device)
     NC = table.starts.numel()
-    buckets = alloc((NC, H, q.shape[-1], v.shape[-1]), q.dtype, q.device)
+    buckets = alloc((NC, H, q.shape[-1], v.shape[-1]), q.dtype, q.device)  # deposits, then merged levels
     decays = alloc((NC, H, plan.num_levels), torch.float32, q.device)
-    mamba2_fwd_kernel[(N, H, triton.cdiv(v.shape[-1], BVS))](
-        k, v, g, levels, buckets, decays, *ranges, table.base, BK=BK, BV=BVS, BJ=MAX_CHUNK_LEVELS,
-        HAS_INIT=plan.has_init, **sizes, **launch_options(BK, BVS),
+    if NC:
+        mamba2_deposit_kernel[(NC, H)](
+            k, v, g, buckets, table.starts, table.ends, H=H, G=q.shape[1], K=q.shape[-1], V=v.shape[-1],
+            C=plan.chunk_size, BK=BK, BV=BV, PRECISION=sizes["PRECISION"], **chunk_launch_options(4),
+        )
+    BKS = _scan_rows(q, False)
+    mamba2_fwd_kernel[(N, H, triton.cdiv(q.shape[-1], BKS))](
+        g, levels, buckets, decays, *ranges, table.base, H=H, K=q.shape[-1], V=v.shape[-1], J=plan.num_levels,
+        C=plan.chunk_size, BKS=BKS, BV=BV, BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, **launch_options(BKS, BV),
     )
     if NC:
         mamba2_chunk_fwd_kernel[(NC, H)](
@@ -192,7 +198,7 @@ def _backward(q, k, v, g, lam, h0, d_o, d_levels, ranges, saved, out: _Grads, pl
     readers; the reverse scan turning them into the deposits' gradients dD (d_levels: the final levels'
     gradient in, the initial ones' out); the chunk kernel for dk / dv / k.dk with the deposit terms."""
     table, buckets, decays = saved
-    BK, BV, _ = _blocks(q, v)
+    BK, BV = _blocks(q, v)
     sizes, L, (N, H) = _sizes(plan, q, v), lam.shape[-1], (len(plan.bos), v.shape[1])
     LOG_C, NC = chunk_bits(plan.chunk_size), table.starts.numel()
     d_buckets = alloc((NC, H, q.shape[-1], v.shape[-1]), q.dtype, q.device)  # dB, then dD in place
@@ -207,7 +213,7 @@ def _backward(q, k, v, g, lam, h0, d_o, d_levels, ranges, saved, out: _Grads, pl
             q, g, lam, d_o, decays, table.starts, table.ends, table.chunks, d_buckets, plan.scale,
             BJ=MAX_CHUNK_LEVELS, **chunk, **chunk_launch_options(4, 3),
         )
-    BKS = _scan_rows(q, plan.has_init)
+    BKS = _scan_rows(q, plan.has_init)  # initial states: the scan multiplies for their reads
     mamba2_bwd_scan_kernel[(N, H, triton.cdiv(q.shape[-1], BKS))](
         q, g, lam, d_o, d_levels, d_buckets, *ranges, table.base, plan.scale, L=L, LOG_C=LOG_C, BKS=BKS, BV=BV,
         BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, **sizes, **launch_options(BKS, BV),

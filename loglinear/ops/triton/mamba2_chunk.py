@@ -98,6 +98,33 @@ def read_level(buckets, h0, decays, n, h, H, J, K, V, j, kind, back, offs, mask)
     return state, tl.exp(tl.load(decays + (p * H + h) * J + j))
 
 
+@triton.jit
+def chunk_deposit(kc, vc, Gc, Gl, PRECISION: tl.constexpr):
+    """D = sum_s exp(Gl - G_s) k_s v_s^T = K^T (exp(Gl - G) * V) -> [BK, BV] fp32 (k [C, BK], v [C, BV])."""
+    to_end = tl.exp(Gl - Gc)[:, None]
+    return tl.dot(tl.trans(kc), (vc.to(tl.float32) * to_end).to(vc.dtype), input_precision=PRECISION)
+
+
+@triton.jit(do_not_specialize=["H", "G"])
+def mamba2_deposit_kernel(
+    k, v, g, buckets, starts, ends,
+    H, G, K, V,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """buckets[p] = D_p = K^T (exp(Gl - G) * V) for every kernel chunk p but its sequence's last (which
+    deposits nothing; the forward scan merges D_p and overwrites the slot with the merged level).
+    k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H]; buckets: [NC, H, K, V].  Grid (NC, H)."""
+    h = tl.program_id(1)
+    t0, r, t, valid = chunk_rows(starts, ends, C)
+    if t0 + C < tl.load(ends + tl.program_id(0)):
+        kk, vv = tl.arange(0, BK), tl.arange(0, BV)
+        Gc, Gl = chunk_gates(g, t, valid, h, H)
+        deposit = chunk_deposit(load_tile(k, t0, r, valid, h // (H // G), G, K, kk),
+                                load_tile(v, t0, r, valid, h, H, V, vv), Gc, Gl, PRECISION)
+        tl.store(buckets + (tl.program_id(0).to(tl.int64) * H + h) * K * V + kk[:, None] * V + vv[None, :],
+                 deposit.to(buckets.dtype.element_ty), mask=(kk[:, None] < K) & (vv[None, :] < V))
+
+
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
 def mamba2_chunk_fwd_kernel(
     q, k, v, g, lam, o, h0, buckets, decays, starts, ends, seqs, chunks, chunk0, scale,
