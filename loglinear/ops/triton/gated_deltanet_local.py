@@ -154,8 +154,8 @@ def _chunk_inverse_kernel(
     (unit_lower_inverse) -> tg: [BH, Tp, C] in the operand dtype (row t of the chunk: T_g[t, :]).
     Read by the forward and the backward; alone in its kernel so its dependent products run at a few
     programs per SM (few registers) instead of inside the register-heavy chunk kernels."""
-    n, bh, tok, valid, h, grp, rc, rows = _chunk_program(T, front, Tp, H, NG, C)
-    b_c, G, gamma, _ = _chunk_gates(g, beta, tok, valid, h, H, C)
+    _, _, tok, valid, h, grp, rc, rows = _chunk_program(T, front, Tp, H, NG, C)
+    b_c, _, gamma, _ = _chunk_gates(g, beta, tok, valid, h, H, C)
     kk = _gram(k, k, tok, valid, grp, NG, K, C, BK, NK, PREC, tg.dtype.element_ty)
     A = tl.where(rc[:, None] > rc[None, :], b_c[:, None] * gamma * kk, 0.0)
     _put(tg, unit_lower_inverse(A, C, PREC), rows, C, 0, C)
@@ -163,18 +163,20 @@ def _chunk_inverse_kernel(
 
 @triton.jit
 def _chunk_local_kernel(
-    q, k, v, g, beta, lam, tg, o, qt, wt, kt, u, decay,
+    q, k, v, g, beta, lam, tg, o, qt, wt, kt, u, qkg, decay,
     T, front, Tp, N, H, NG, L,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
     BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr,
 ):
     """Chunk n of head bh (grid N x BH).  Inputs in the op's layouts (any float dtype; module docstring) and
     T_g (tg: [BH, Tp, C], _chunk_inverse_kernel); outputs o: [BH, Tp, V] fp32, qt, wt, kt: [BH, Tp, K] and
-    u: [BH, Tp, V] in the operand dtype, decay: [BH, N] fp32. K and V are walked in blocks."""
+    u: [BH, Tp, V] in the operand dtype, decay: [BH, N] fp32, and for the backward QK (qkg: [BH, Tp, C], operand
+    dtype). K and V are walked in blocks."""
     n, bh, tok, valid, h, grp, rc, rows = _chunk_program(T, front, Tp, H, NG, C)
     dt = qt.dtype.element_ty
     b_c, G, gamma, causal = _chunk_gates(g, beta, tok, valid, h, H, C)
     qkd = (_gram(q, k, tok, valid, grp, NG, K, C, BK, NK, PREC, dt) * gamma).to(dt)
+    _put(qkg, qkd, rows, C, 0, C)
     lam_c = _chunk_levels(lam, tok, valid, h, H, L, causal, C, LOG_C)
     Tgd = _tile(tg, rows, C, 0, C)
     G_last = tl.sum(tl.where(rc == C - 1, G, 0.0), axis=0)
@@ -220,17 +222,18 @@ def _store_level_sums(dlam, x, tok, valid, h, H, L, r_t, r_s, LOG_C: tl.constexp
 
 @triton.jit
 def _chunk_local_bwd_cc_kernel(
-    q, k, v, g, beta, lam, tg, wt, do, dqt, dwt, du,
+    q, k, v, g, beta, lam, tg, qkg, wt, do, dqt, dwt, du,
     dv, dbeta, dlam, scratch, dGp,
     T, front, Tp, N, H, NG, L,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
     BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Backward, part 1, chunk n of head bh: everything of [C, C] size (T_g and W~ read from the forward's tg
-    and wt, the other blocks recomputed in fp32), dV, dbeta and dLambda.  Upstream: do: [BH, Tp, V] fp32, du: [BH, Tp, V],
-    dqt, dwt: [BH, Tp, K] (operand dtype).  Outputs (valid tokens only, any float dtype): dv: [b, T, H, V],
-    dbeta: [b, T, H], dlam: [b, T, H, L] (levels 0..c); for part 2: scratch [BH N, 3, C, C] (operand dtype)
-    = QK, dQK * Gamma, dKK + dKK^T and dGp [BH, Tp] fp32 (dG but for the K~ and decay terms).
+    """Backward, part 1, chunk n of head bh: everything of [C, C] size (T_g, QK and W~ read from the forward's
+    tg, qkg and wt, the other blocks recomputed in fp32), dV, dbeta and dLambda.  Upstream: do: [BH, Tp, V]
+    fp32, du: [BH, Tp, V], dqt, dwt: [BH, Tp, K] (operand dtype).  Outputs (valid tokens only, any float
+    dtype): dv: [b, T, H, V], dbeta: [b, T, H], dlam: [b, T, H, L] (levels 0..c); for part 2: scratch
+    [BH N, 2, C, C] (operand dtype) = dQK * Gamma, dKK + dKK^T and dGp [BH, Tp] fp32 (dG but for the K~ and
+    decay terms).
     With P = (QK T) * beta_s * Lambda, QK = (Q K^T) * Gamma, bk = beta e K, bv = beta V (e = exp(G),
     f = exp(G_last - G)):
 
@@ -244,11 +247,7 @@ def _chunk_local_bwd_cc_kernel(
     b_c, G, gamma, causal = _chunk_gates(g, beta, tok, valid, h, H, C)
     Tg = _tile(tg, rows, C, 0, C)
     e = tl.exp(G)
-    # QK is final: hand it to part 2 now and keep only its operand-dtype copy (registers)
-    out = scratch + (bh * N + n) * 3 * C * C
-    qkr = _gram(q, k, tok, valid, grp, NG, K, C, BK, NK, PREC, dt)
-    qk = (qkr * gamma).to(dt)
-    tl.store(_cc_tile(out, 0, rc, C), qk)
+    qk = _tile(qkg, rows, C, 0, C)
     M = _dot(qk, Tg, dt, PREC)
     P = (M * b_c[None, :] * _chunk_levels(lam, tok, valid, h, H, L, causal, C, LOG_C)).to(dt)
     # values: dP, dV, dT from u = T bv
@@ -296,18 +295,20 @@ def _chunk_local_bwd_cc_kernel(
     tl.store(dGp + rows, de * e + tl.sum(dGg, axis=1) - tl.sum(dGg, axis=0))
     tl.store(dbeta + tok * H + h, db, mask=valid)
     dKK = dA * b_c[:, None] * gamma
-    tl.store(_cc_tile(out, 1, rc, C), (dQK * gamma).to(dt))
-    tl.store(_cc_tile(out, 2, rc, C), (dKK + tl.trans(dKK)).to(dt))
+    out = scratch + (bh * N + n) * 2 * C * C
+    tl.store(_cc_tile(out, 0, rc, C), (dQK * gamma).to(dt))
+    tl.store(_cc_tile(out, 1, rc, C), (dKK + tl.trans(dKK)).to(dt))
 
 
 @triton.jit
 def _chunk_local_bwd_k_kernel(
-    q, k, g, beta, tg, dqt, dwt, dkt, ddecay, scratch, dGp,
+    q, k, g, beta, tg, qkg, dqt, dwt, dkt, ddecay, scratch, dGp,
     dq, dk, dg,
     T, front, Tp, N, H, NG,
     K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Backward, part 2, chunk n of head bh: the key-sized gradients from part 1's scratch and T_g (tg).  Upstream: dqt,
+    """Backward, part 2, chunk n of head bh: the key-sized gradients from part 1's scratch, T_g and QK (tg, qkg).
+    Upstream: dqt,
     dwt, dkt: [BH, Tp, K] (operand dtype), ddecay: [BH, N].  Outputs (valid tokens only, any float dtype):
     dq, dk: [b, T, H, K] (per value head), dg: [b, T, H] (reverse cumsum of dG):
 
@@ -316,11 +317,11 @@ def _chunk_local_bwd_k_kernel(
     """
     n, bh, tok, valid, h, grp, rc, rows = _chunk_program(T, front, Tp, H, NG, C)
     dt = dqt.dtype.element_ty
-    src = scratch + (bh * N + n) * 3 * C * C
-    qk = tl.load(_cc_tile(src, 0, rc, C))
+    src = scratch + (bh * N + n) * 2 * C * C
+    qk = _tile(qkg, rows, C, 0, C)
     Tg = _tile(tg, rows, C, 0, C)
-    dQKr = tl.load(_cc_tile(src, 1, rc, C))
-    dKK = tl.load(_cc_tile(src, 2, rc, C))
+    dQKr = tl.load(_cc_tile(src, 0, rc, C))
+    dKK = tl.load(_cc_tile(src, 1, rc, C))
     G = tl.cumsum(tl.load(g + tok * H + h, mask=valid, other=0.0).to(tl.float32), axis=0)
     G_last = tl.sum(tl.where(rc == C - 1, G, 0.0), axis=0)
     e = tl.exp(G)
@@ -389,17 +390,18 @@ class ChunkLocal(torch.autograd.Function):
         dt, dev, BH, Tp = dot_dtype(dtype), q.device, ch.BH, ch.Tp
         o, u = alloc((BH, Tp, V), torch.float32, dev), alloc((BH, Tp, V), dt, dev)
         qt, wt, kt = (alloc((BH, Tp, K), dt, dev) for _ in range(3))
-        tg, decay = alloc((BH, Tp, ch.C), dt, dev), alloc((BH, ch.N), torch.float32, dev)
+        tg, qkg = alloc((BH, Tp, ch.C), dt, dev), alloc((BH, Tp, ch.C), dt, dev)
+        decay = alloc((BH, ch.N), torch.float32, dev)
         meta = _meta(ch, K, V, G, L, dt)
         _launch(_chunk_inverse_kernel, ch, meta, k, g, beta, tg)
-        _launch(_chunk_local_kernel, ch, meta, q, k, v, g, beta, lam, tg, o, qt, wt, kt, u, decay)
-        ctx.save_for_backward(q, k, v, g, beta, lam, tg, wt)  # wt: the scan keeps it anyway
+        _launch(_chunk_local_kernel, ch, meta, q, k, v, g, beta, lam, tg, o, qt, wt, kt, u, qkg, decay)
+        ctx.save_for_backward(q, k, v, g, beta, lam, tg, qkg, wt)  # wt: the scan keeps it anyway
         ctx.ch, ctx.dt = ch, dt
         return o, qt, wt, kt, u, decay
 
     @staticmethod
     def backward(ctx, do, dqt, dwt, dkt, du, ddecay):
-        q, k, v, g, beta, lam, tg, wt = ctx.saved_tensors
+        q, k, v, g, beta, lam, tg, qkg, wt = ctx.saved_tensors
         ch, dt = ctx.ch, ctx.dt
         b, T, G, K = q.shape
         H, V, L, dev = ch.H, v.shape[-1], lam.shape[-1], q.device
@@ -413,12 +415,13 @@ class ChunkLocal(torch.autograd.Function):
         dq, dk = alloc((b, T, H, K), dt, dev), alloc((b, T, H, K), dt, dev)
         dv, dg, dbeta = alloc(v.shape, v.dtype, dev), alloc(g.shape, g.dtype, dev), alloc(beta.shape, beta.dtype, dev)
         dlam = torch.zeros_like(lam)  # levels > c: the scan's part
-        scratch, dGp = alloc((ch.BH * ch.N, 3, ch.C, ch.C), dt, dev), alloc((ch.BH, ch.Tp), f32, dev)
+        scratch, dGp = alloc((ch.BH * ch.N, 2, ch.C, ch.C), dt, dev), alloc((ch.BH, ch.Tp), f32, dev)
         do, dqt, dwt, dkt, du, ddecay = up
         meta = _meta(ch, K, V, G, L, dt)
-        _launch(_chunk_local_bwd_cc_kernel, ch, meta, q, k, v, g, beta, lam, tg, wt, do, dqt, dwt, du, dv, dbeta, dlam,
-                scratch, dGp)
-        _launch(_chunk_local_bwd_k_kernel, ch, meta, q, k, g, beta, tg, dqt, dwt, dkt, ddecay, scratch, dGp, dq, dk, dg)
+        _launch(_chunk_local_bwd_cc_kernel, ch, meta, q, k, v, g, beta, lam, tg, qkg, wt, do, dqt, dwt, du, dv, dbeta,
+                dlam, scratch, dGp)
+        _launch(_chunk_local_bwd_k_kernel, ch, meta, q, k, g, beta, tg, qkg, dqt, dwt, dkt, ddecay, scratch, dGp,
+                dq, dk, dg)
         group = lambda x: x if G == H else x.view(b, T, G, H // G, K).sum(3, dtype=f32)  # noqa: E731
         grads = [group(dq), group(dk), dv, dg, dbeta, dlam]
         return (*[d.to(x.dtype) for d, x in zip(grads, (q, k, v, g, beta, lam))], None, None)
