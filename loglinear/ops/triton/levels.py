@@ -80,6 +80,22 @@ def level_source(chunk, c0, j, HAS_INIT: tl.constexpr):
 
 
 @triton.jit
+def bucket_levels(chunk, c0, jj, J):
+    """The levels that chunk ``chunk`` reads from a bucket (level_source kind 1), as a list to loop over
+    without branches (so the loop's loads can be pipelined): (live [BJ] bool, rank [BJ] int32 of each
+    live level among them, how many), jj = arange(BJ). The list's i-th level: nth_level."""
+    kind, _ = level_source(chunk, c0, jj, False)
+    live = (kind == 1) & (jj < J)
+    return live, tl.cumsum(live.to(tl.int32), 0) - 1, tl.sum(live.to(tl.int32), 0)
+
+
+@triton.jit
+def nth_level(live, rank, jj, i):
+    """The i-th level of a bucket_levels list (scalar)."""
+    return tl.sum(tl.where(live & (rank == i), jj, 0), 0)
+
+
+@triton.jit
 def merge_levels(ptrs, stride, mask, deposit, decay, jj, chunk, c0, HAS_INIT: tl.constexpr, BJ: tl.constexpr):
     """Forward merge after chunk ``chunk`` (already decayed): H_m = deposit + sum_{j<=m, live} H_j.
     Returns (H_m, decay)."""

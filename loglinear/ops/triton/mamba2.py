@@ -187,8 +187,8 @@ def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> tup
     if NC:
         mamba2_chunk_fwd_kernel[(NC, H)](
             q, k, v, g, lam, o, h0, buckets, decays, table.starts, table.ends, table.seqs, table.chunks, ranges[2],
-            plan.scale, L=L, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, HAS_INIT=plan.has_init, **sizes,
-            **chunk_launch_options(4),
+            plan.scale, L=L, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, BJ=MAX_CHUNK_LEVELS,
+            HAS_INIT=plan.has_init, **sizes, **chunk_launch_options(4, 2),
         )
     return table, buckets, decays
 
@@ -206,8 +206,8 @@ def _backward(q, k, v, g, lam, h0, d_o, d_levels, ranges, saved, out: _Grads, pl
     if NC:
         mamba2_chunk_bwd_dq_kernel[(NC, H)](
             q, k, v, g, lam, d_o, h0, buckets, decays, table.starts, table.ends, table.seqs, table.chunks,
-            ranges[2], plan.scale, out.dq, out.dlam, out.qdq, BL=next_pow2(L, minimum=32), HAS_INIT=plan.has_init,
-            **chunk, **chunk_launch_options(4),
+            ranges[2], plan.scale, out.dq, out.dlam, out.qdq, BL=next_pow2(L, minimum=32), BJ=MAX_CHUNK_LEVELS,
+            HAS_INIT=plan.has_init, **chunk, **chunk_launch_options(4, 2),
         )
         mamba2_level_grad_kernel[(NC, H)](
             q, g, lam, d_o, decays, table.starts, table.ends, table.chunks, d_buckets, plan.scale,

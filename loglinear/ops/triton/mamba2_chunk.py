@@ -52,7 +52,7 @@ from loglinear.ops.triton.common import interpreting, load_column
 from loglinear.ops.triton.intra import (
     chunk_gates, intra_levels, intra_output, intra_score_grads, intra_scores, level_sums, level_weights,
 )
-from loglinear.ops.triton.levels import level_source, merge_target
+from loglinear.ops.triton.levels import bucket_levels, level_source, merge_target, nth_level
 from loglinear.ops.triton.mamba2_rows import load_qk_tiles, load_tile, store_column, store_tile
 
 CHUNK_RUNTIME_ARGS = ["H", "G", "L", "J"]
@@ -60,8 +60,9 @@ CHUNK_RUNTIME_ARGS = ["H", "G", "L", "J"]
 
 def chunk_launch_options(num_warps: int, num_stages: int = 1) -> dict[str, int]:
     """Launch options of a chunk kernel on the GPU; one fixed config under the interpreter. On sm_90
-    (bf16, K = 128, V = 64) every chunk kernel fits 4 warps without spills (the backward ones at 255
-    registers: two programs per SM), the level-gradient kernel pipelines its loop over the readers."""
+    (bf16, K = 128, V = 64) every chunk kernel fits 4 warps without spills (the backward ones at 253-255
+    registers: two programs per SM); kernels with a loop over levels or readers pipeline its loads
+    (num_stages > 1: the next bucket / reader chunk is in flight during the current one's GEMM)."""
     if interpreting():
         return {"num_warps": 1, "num_stages": 1}
     return {"num_warps": num_warps, "num_stages": num_stages}
@@ -87,15 +88,41 @@ def chunk_position(seqs, chunks, chunk0):
 
 
 @triton.jit
-def read_level(buckets, h0, decays, n, h, H, J, K, V, j, kind, back, offs, mask):
-    """Level j as this chunk reads it, before its decay: [BK, BV] fp32 from buckets [NC, H, K, V]
-    (kind 1: the merge ``back`` chunks ago) or h0 [N, J, H, K, V] (kind 2); and exp(decay_j) (scalar)."""
+def read_bucket(buckets, decays, h, H, J, K, V, chunk, c0, j, offs, mask):
+    """Level j as this chunk reads it from its bucket in buckets [NC, H, K, V] (the merge levels.level_source
+    points to), before its decay: [BK, BV] in buckets' dtype; and exp(decay_j) (scalar)."""
     p = tl.program_id(0).to(tl.int64)
-    if kind == 1:
-        state = tl.load(buckets + ((p - back) * H + h) * K * V + offs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        state = tl.load(h0 + ((n * J + j) * H + h) * K * V + offs, mask=mask, other=0.0)
+    _, back = level_source(chunk, c0, j, False)
+    state = tl.load(buckets + ((p - back) * H + h) * K * V + offs, mask=mask, other=0.0)
     return state, tl.exp(tl.load(decays + (p * H + h) * J + j))
+
+
+@triton.jit
+def read_initial(h0, decays, n, h, H, J, K, V, j, offs, mask):
+    """Level j as this chunk reads it from the initial states h0 [N, J, H, K, V] fp32 (level_source kind 2),
+    before its decay: [BK, BV] fp32; and exp(decay_j) (scalar)."""
+    p = tl.program_id(0).to(tl.int64)
+    state = tl.load(h0 + ((n * J + j) * H + h) * K * V + offs, mask=mask, other=0.0)
+    return state, tl.exp(tl.load(decays + (p * H + h) * J + j))
+
+
+@triton.jit
+def readout(qc, state, to_now, lam, t, valid, h, H, L, level, PRECISION: tl.constexpr):
+    """One level's readout lambda_level * exp(decay) * (Q B), unscaled by exp(G) -> [C, BV] fp32."""
+    lam_j = load_column(lam, t, valid, h, H, L, level) * to_now
+    return lam_j[:, None] * tl.dot(qc, state.to(qc.dtype), input_precision=PRECISION)
+
+
+@triton.jit
+def readout_grad(doc, qc, state, to_now, row_scale, lam, dlam, t, valid, h, H, L, level,
+                 PRECISION: tl.constexpr):
+    """One level's share of dQ, lambda_level * d_read with d_read = diag(row_scale * exp(decay)) dO B^T
+    ([C, BK] fp32); stores dlambda's column ``level`` = rowsum(Q * d_read) and returns it too ([C])."""
+    d_read = tl.dot(doc, tl.trans(state.to(doc.dtype)), input_precision=PRECISION)
+    d_read *= (row_scale * to_now)[:, None]
+    col = tl.sum(d_read * qc.to(tl.float32), 1)
+    store_column(dlam, col, t, valid, h, H, L, level)
+    return load_column(lam, t, valid, h, H, L, level)[:, None] * d_read
 
 
 @triton.jit
@@ -129,8 +156,8 @@ def mamba2_deposit_kernel(
 def mamba2_chunk_fwd_kernel(
     q, k, v, g, lam, o, h0, buckets, decays, starts, ends, seqs, chunks, chunk0, scale,
     H, G, K, V, L, J,
-    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_INIT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
+    HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """q, k: [tokens, G, K]; v, o: [tokens, H, V]; g: [tokens, H]; lam: [tokens, H, L];
     h0: [N, J, H, K, V] fp32; buckets: [NC, H, K, V], decays: [NC, H, J] fp32 (the forward scan's);
@@ -138,19 +165,23 @@ def mamba2_chunk_fwd_kernel(
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
     n, chunk, c0 = chunk_position(seqs, chunks, chunk0)
-    kk, vv = tl.arange(0, BK), tl.arange(0, BV)
+    kk, vv, jj = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BJ)
     offs = kk[:, None] * V + vv[None, :]
     lmask = (kk[:, None] < K) & (vv[None, :] < V)
     qc, kc = load_qk_tiles(q, k, t0, r, valid, h // (H // G), G, K, kk)
     vc = load_tile(v, t0, r, valid, h, H, V, vv)
     Gc, _ = chunk_gates(g, t, valid, h, H)
     read = tl.zeros([C, BV], dtype=tl.float32)
-    for j in range(J):
-        kind, back = level_source(chunk, c0, j, HAS_INIT)
-        if kind != 0:
-            state, to_now = read_level(buckets, h0, decays, n, h, H, J, K, V, j, kind, back, offs, lmask)
-            lam_j = load_column(lam, t, valid, h, H, L, LOG_C + 1 + j) * to_now
-            read += lam_j[:, None] * tl.dot(qc, state.to(qc.dtype), input_precision=PRECISION)
+    live, rank, count = bucket_levels(chunk, c0, jj, J)
+    for i in range(count):
+        j = nth_level(live, rank, jj, i)
+        state, to_now = read_bucket(buckets, decays, h, H, J, K, V, chunk, c0, j, offs, lmask)
+        read += readout(qc, state, to_now, lam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION)
+    if HAS_INIT:
+        for j in range(J):
+            if level_source(chunk, c0, j, True)[0] == 2:
+                state, to_now = read_initial(h0, decays, n, h, H, J, K, V, j, offs, lmask)
+                read += readout(qc, state, to_now, lam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION)
     acc = intra_output(qc, kc, vc, Gc, lam, t, valid, h, H, L, intra_levels(r, LOG_C), r[:, None] >= r[None, :],
                        LOG_C, PRECISION)
     store_tile(o, (acc + read * tl.exp(Gc)[:, None]) * scale, t0, r, valid, h, H, V, vv)
@@ -180,7 +211,7 @@ def mamba2_chunk_bwd_dq_kernel(
     dq, dlam, qdq,
     H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
-    HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
+    BJ: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dQ (in-chunk + readout) and dlambda (every level), complete:
 
@@ -191,7 +222,7 @@ def mamba2_chunk_bwd_dq_kernel(
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
     n, chunk, c0 = chunk_position(seqs, chunks, chunk0)
-    kk, vv, ll = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BL)
+    kk, vv, ll, jj = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BL), tl.arange(0, BJ)
     offs = kk[:, None] * V + vv[None, :]
     lmask = (kk[:, None] < K) & (vv[None, :] < V)
     lev = intra_levels(r, LOG_C)
@@ -205,14 +236,17 @@ def mamba2_chunk_bwd_dq_kernel(
     store_tile(dlam, level_sums(d_a * p, lev, ll, LOG_C), t0, r, valid, h, H, L, tl.where(skip, L, ll))
     d_q = tl.dot(d_s, kc, input_precision=PRECISION)
     row_scale = scale * tl.exp(Gc)
-    for j in range(J):
-        kind, back = level_source(chunk, c0, j, HAS_INIT)
-        if kind != 0:
-            state, to_now = read_level(buckets, h0, decays, n, h, H, J, K, V, j, kind, back, offs, lmask)
-            d_read = tl.dot(doc, tl.trans(state.to(doc.dtype)), input_precision=PRECISION)
-            d_read *= (row_scale * to_now)[:, None]
-            d_q += load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)[:, None] * d_read
-            store_column(dlam, tl.sum(d_read * qc.to(tl.float32), 1), t, valid, h, H, L, LOG_C + 1 + j)
+    live, rank, count = bucket_levels(chunk, c0, jj, J)
+    for i in range(count):
+        j = nth_level(live, rank, jj, i)
+        state, to_now = read_bucket(buckets, decays, h, H, J, K, V, chunk, c0, j, offs, lmask)
+        d_q += readout_grad(doc, qc, state, to_now, row_scale, lam, dlam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION)
+    if HAS_INIT:
+        for j in range(J):
+            if level_source(chunk, c0, j, True)[0] == 2:
+                state, to_now = read_initial(h0, decays, n, h, H, J, K, V, j, offs, lmask)
+                d_q += readout_grad(doc, qc, state, to_now, row_scale, lam, dlam, t, valid, h, H, L, LOG_C + 1 + j,
+                                    PRECISION)
     store_tile(dq, d_q, t0, r, valid, h, H, K, kk)
     tl.store(qdq + t * H + h, tl.sum(d_q * qc.to(tl.float32), 1), mask=valid)
 
