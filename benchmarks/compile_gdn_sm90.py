@@ -69,9 +69,9 @@ def local_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, QK: str) -
         (local._chunk_local_kernel, dict(q=QK, k=QK, v=P, g=P, beta=P, lam=P, tg=P, o=f32, qt=P, wt=P, kt=P, u=P,
                                          qkg=P, decay=f32)),
         (local._chunk_local_bwd_cc_kernel, dict(q=QK, k=QK, v=P, g=P, beta=P, lam=P, tg=P, qkg=P, wt=P, do=f32,
-                                                dqt=P, dwt=P, du=P, dv=P, dbeta=P, dlam=P, scratch=P, dGp=f32)),
-        (local._chunk_local_bwd_k_kernel, dict(q=QK, k=QK, g=P, beta=P, tg=P, qkg=P, dqt=P, dwt=P, dkt=P, ddecay=f32,
-                                               scratch=P, dGp=f32, dq=P, dk=P, dg=P)),
+                                                dqt=P, dwt=P, du=P, dv=P, dbeta=P, dlam=P, scratch=P, dGp=f32, dbk=P)),
+        (local._chunk_local_bwd_k_kernel, dict(q=QK, k=QK, g=P, beta=P, dqt=P, dkt=P, ddecay=f32, scratch=P, dGp=f32,
+                                               dbk=P, dq=P, dk=P, dg=P)),
     ]
     out = []
     for kernel, sig in pointers:

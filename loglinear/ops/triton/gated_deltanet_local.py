@@ -223,7 +223,7 @@ def _store_level_sums(dlam, x, tok, valid, h, H, L, r_t, r_s, LOG_C: tl.constexp
 @triton.jit
 def _chunk_local_bwd_cc_kernel(
     q, k, v, g, beta, lam, tg, qkg, wt, do, dqt, dwt, du,
-    dv, dbeta, dlam, scratch, dGp,
+    dv, dbeta, dlam, scratch, dGp, dbk,
     T, front, Tp, N, H, NG, L,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
     BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr,
@@ -232,8 +232,8 @@ def _chunk_local_bwd_cc_kernel(
     tg, qkg and wt, the other blocks recomputed in fp32), dV, dbeta and dLambda.  Upstream: do: [BH, Tp, V]
     fp32, du: [BH, Tp, V], dqt, dwt: [BH, Tp, K] (operand dtype).  Outputs (valid tokens only, any float
     dtype): dv: [b, T, H, V], dbeta: [b, T, H], dlam: [b, T, H, L] (levels 0..c); for part 2: scratch
-    [BH N, 2, C, C] (operand dtype) = dQK * Gamma, dKK + dKK^T and dGp [BH, Tp] fp32 (dG but for the K~ and
-    decay terms).
+    [BH N, 2, C, C] (operand dtype) = dQK * Gamma, dKK + dKK^T, dGp [BH, Tp] fp32 (dG but for the K~ and
+    decay terms) and dbk = T^T dW [BH, Tp, K] (operand dtype; the gradient of bk).
     With P = (QK T) * beta_s * Lambda, QK = (Q K^T) * Gamma, bk = beta e K, bv = beta V (e = exp(G),
     f = exp(G_last - G)):
 
@@ -282,7 +282,9 @@ def _chunk_local_bwd_cc_kernel(
         dT += _dot(dW_b, tl.trans((b_c * e)[:, None] * k_b.to(tl.float32)), dt, PREC)
         q_b = load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, dt)
         de += tl.sum(dqt_b.to(tl.float32) * q_b.to(tl.float32), axis=1)
-        sbk += tl.sum(_dot(tl.trans(Tg), dW_b, dt, PREC) * k_b.to(tl.float32), axis=1)
+        dbk_b = _dot(tl.trans(Tg), dW_b, dt, PREC)
+        _put(dbk, dbk_b, rows, K, kb * BK, BK)
+        sbk += tl.sum(dbk_b * k_b.to(tl.float32), axis=1)
     db += e * sbk
     de += b_c * sbk
     # T = (I + A)^-1,  A = strict(beta_t Gamma KK),  QK = QKraw * Gamma (K K^T formed here: not live in the loops)
@@ -302,24 +304,21 @@ def _chunk_local_bwd_cc_kernel(
 
 @triton.jit
 def _chunk_local_bwd_k_kernel(
-    q, k, g, beta, tg, qkg, dqt, dwt, dkt, ddecay, scratch, dGp,
+    q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbk,
     dq, dk, dg,
     T, front, Tp, N, H, NG,
     K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Backward, part 2, chunk n of head bh: the key-sized gradients from part 1's scratch, T_g and QK (tg, qkg).
-    Upstream: dqt,
-    dwt, dkt: [BH, Tp, K] (operand dtype), ddecay: [BH, N].  Outputs (valid tokens only, any float dtype):
-    dq, dk: [b, T, H, K] (per value head), dg: [b, T, H] (reverse cumsum of dG):
+    """Backward, part 2, chunk n of head bh: the key-sized gradients from part 1's scratch, dGp and dbk.
+    Upstream: dqt, dkt: [BH, Tp, K] (operand dtype), ddecay: [BH, N].  Outputs (valid tokens only, any float
+    dtype): dq, dk: [b, T, H, K] (per value head), dg: [b, T, H] (reverse cumsum of dG):
 
-        dW = dwt - QK^T dqt;  dQ = e dqt + (dQK * Gamma) K;
-        dK = (dQK * Gamma)^T Q + (dKK + dKK^T) K + beta e T^T dW + f dkt;  dG += -f rowsum(dkt K) + [last] dG_last
+        dQ = e dqt + (dQK * Gamma) K;
+        dK = (dQK * Gamma)^T Q + (dKK + dKK^T) K + beta e dbk + f dkt;  dG += -f rowsum(dkt K) + [last] dG_last
     """
     n, bh, tok, valid, h, grp, rc, rows = _chunk_program(T, front, Tp, H, NG, C)
     dt = dqt.dtype.element_ty
     src = scratch + (bh * N + n) * 2 * C * C
-    qk = _tile(qkg, rows, C, 0, C)
-    Tg = _tile(tg, rows, C, 0, C)
     dQKr = tl.load(_cc_tile(src, 0, rc, C))
     dKK = tl.load(_cc_tile(src, 1, rc, C))
     G = tl.cumsum(tl.load(g + tok * H + h, mask=valid, other=0.0).to(tl.float32), axis=0)
@@ -333,12 +332,10 @@ def _chunk_local_bwd_k_kernel(
         k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt)
         dqt_b = _tile(dqt, rows, K, kb * BK, BK)
         dkt_b = _tile(dkt, rows, K, kb * BK, BK).to(tl.float32)
-        dW_b = _tile(dwt, rows, K, kb * BK, BK).to(tl.float32) - _dot(tl.trans(qk), dqt_b, dt, PREC)
-        dbk_b = _dot(tl.trans(Tg), dW_b.to(dt), dt, PREC)
         dq_b = e[:, None] * dqt_b.to(tl.float32) + _dot(dQKr, k_b, dt, PREC)
         store_tokens(dq, dq_b, tok, valid, h, H, K, kb * BK, BK)
         dk_b = _dot(tl.trans(dQKr), q_b, dt, PREC) + _dot(dKK, k_b, dt, PREC)
-        dk_b += be[:, None] * dbk_b + f[:, None] * dkt_b
+        dk_b += be[:, None] * _tile(dbk, rows, K, kb * BK, BK).to(tl.float32) + f[:, None] * dkt_b
         store_tokens(dk, dk_b, tok, valid, h, H, K, kb * BK, BK)
         skt += f * tl.sum(dkt_b * k_b.to(tl.float32), axis=1)
     # K~ = f k, decay = exp(G_last); G = cumsum(g)
@@ -416,12 +413,12 @@ class ChunkLocal(torch.autograd.Function):
         dv, dg, dbeta = alloc(v.shape, v.dtype, dev), alloc(g.shape, g.dtype, dev), alloc(beta.shape, beta.dtype, dev)
         dlam = torch.zeros_like(lam)  # levels > c: the scan's part
         scratch, dGp = alloc((ch.BH * ch.N, 2, ch.C, ch.C), dt, dev), alloc((ch.BH, ch.Tp), f32, dev)
+        dbk = alloc((ch.BH, ch.Tp, K), dt, dev)
         do, dqt, dwt, dkt, du, ddecay = up
         meta = _meta(ch, K, V, G, L, dt)
         _launch(_chunk_local_bwd_cc_kernel, ch, meta, q, k, v, g, beta, lam, tg, qkg, wt, do, dqt, dwt, du, dv, dbeta,
-                dlam, scratch, dGp)
-        _launch(_chunk_local_bwd_k_kernel, ch, meta, q, k, g, beta, tg, qkg, dqt, dwt, dkt, ddecay, scratch, dGp,
-                dq, dk, dg)
+                dlam, scratch, dGp, dbk)
+        _launch(_chunk_local_bwd_k_kernel, ch, meta, q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbk, dq, dk, dg)
         group = lambda x: x if G == H else x.view(b, T, G, H // G, K).sum(3, dtype=f32)  # noqa: E731
         grads = [group(dq), group(dk), dv, dg, dbeta, dlam]
         return (*[d.to(x.dtype) for d, x in zip(grads, (q, k, v, g, beta, lam))], None, None)
