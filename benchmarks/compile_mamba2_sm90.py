@@ -53,7 +53,7 @@ def main() -> None:
 
     scan = dict(base, BJ=MAX_CHUNK_LEVELS)
     bufs = dict(levels=f32, buckets=P, decays=f32, h0=f32, dq=P, dk=P, dv=P, dlam=P, qdq=f32, kdk=f32,
-                d_levels=f32, d_buckets=P, d_deposits=P, chunks=i32, seqs=i32, chunk0=i32, base_ptr=i32)
+                d_levels=f32, d_buckets=P, d_deposits=P, chunks=i32, by_level=i32, seqs=i32, chunk0=i32, base_ptr=i32)
     chunk = "q k v g lam {} h0 buckets decays starts ends seqs chunks chunk0 scale {}H G K V L J"
     kernels = [  # (kernel, its arguments, constexprs, launch options)
         (mamba2_chunk.mamba2_deposit_kernel, "k v g buckets starts ends H G K V", base,
@@ -64,7 +64,8 @@ def main() -> None:
          mamba2_chunk.chunk_launch_options(4, 2)),
         (mamba2_chunk.mamba2_chunk_bwd_dq_kernel, chunk.format("do", "dq dlam qdq "),
          dict(base, BL=32, BJ=MAX_CHUNK_LEVELS), mamba2_chunk.chunk_launch_options(4, 2)),
-        (mamba2_chunk.mamba2_level_grad_kernel, "q g lam do decays starts ends chunks d_buckets scale H G K V L J",
+        (mamba2_chunk.mamba2_level_grad_kernel,
+         "q g lam do decays starts ends chunks by_level d_buckets scale H G K V L J",
          dict(base, BJ=MAX_CHUNK_LEVELS), mamba2_chunk.chunk_launch_options(4, 3)),
         (mamba2_bwd.mamba2_bwd_scan_kernel,
          "q g lam do d_levels d_buckets bos_ptr eos_ptr chunk0_ptr base_ptr scale H G K V L J",

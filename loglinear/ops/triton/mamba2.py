@@ -51,12 +51,15 @@ def kernel_chunk_size(chunk_size: int) -> int:
 @dataclass
 class ChunkTable:
     """The kernel chunks of all sequences, int32 [NC] each: first token, the sequence's end, the sequence,
-    the absolute chunk index; ``base`` [N]: each sequence's first row."""
+    the absolute chunk index, and ``by_level``: the kernel chunks by the level merged after them,
+    highest first (the level-gradient kernel's longest loops start first); ``base`` [N]: each
+    sequence's first row."""
 
     starts: torch.Tensor
     ends: torch.Tensor
     seqs: torch.Tensor
     chunks: torch.Tensor
+    by_level: torch.Tensor
     base: torch.Tensor
 
 
@@ -88,10 +91,12 @@ class LevelScanPlan:
         local = torch.arange(len(seqs)) - base[seqs]
         starts = torch.tensor(self.bos, dtype=torch.long)[seqs] + local * C
         chunks = torch.tensor(self.chunk0, dtype=torch.long)[seqs] + local
-        packed = torch.cat([starts, torch.tensor(self.eos, dtype=torch.long)[seqs], seqs, chunks, base])
+        merged = ((chunks + 1) & -(chunks + 1)).log2()  # the level merged after each chunk: ctz(chunk + 1)
+        by_level = torch.argsort(merged, descending=True, stable=True)
+        packed = torch.cat([starts, torch.tensor(self.eos, dtype=torch.long)[seqs], seqs, chunks, by_level, base])
         packed = packed.to(torch.int32).to(device, non_blocking=True)
         NC = len(seqs)
-        return ChunkTable(*packed[: 4 * NC].view(4, NC), packed[4 * NC :])
+        return ChunkTable(*packed[: 5 * NC].view(5, NC), packed[5 * NC :])
 
 
 def _splits(dtype: torch.dtype) -> bool:
@@ -209,8 +214,8 @@ def _backward(q, k, v, g, lam, h0, d_o, d_levels, ranges, saved, out: _Grads, pl
             ranges[2], plan.scale, out.dq, out.dlam, out.qdq, BL=next_pow2(L, minimum=32), BJ=MAX_CHUNK_LEVELS,
             HAS_INIT=plan.has_init, **chunk, **chunk_launch_options(4, 2),
         )
-        mamba2_level_grad_kernel[(NC, H)](
-            q, g, lam, d_o, decays, table.starts, table.ends, table.chunks, d_buckets, plan.scale,
+        mamba2_level_grad_kernel[(NC * H,)](
+            q, g, lam, d_o, decays, table.starts, table.ends, table.chunks, table.by_level, d_buckets, plan.scale,
             BJ=MAX_CHUNK_LEVELS, **chunk, **chunk_launch_options(4, 3),
         )
     BKS = _scan_rows(q, plan.has_init)  # initial states: the scan multiplies for their reads
