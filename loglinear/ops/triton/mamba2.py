@@ -7,11 +7,14 @@ Composition (all sequences of a call in one launch per kernel):
      first C - p_n mod C tokens through the torch chunk path (exact, differentiable), so the kernels
      always start chunk-aligned: after the carry past an aligned position, every incoming level is a
      chunk level (token level > c);
-  3. a sequential scan carries all chunk levels (mamba2_fwd.py: deposits and merges, recording each merged
-     level and every chunk's level decays), then one chunk-parallel kernel computes the in-chunk block and
-     the readout of every chunk (mamba2_chunk.py); the backward mirrors it (the chunk kernel gives dq,
-     dlambda and the in-chunk dk / dv, a second chunk-parallel kernel each merged level's gradient from
-     its readers, and one reverse scan, mamba2_bwd.py, the transposed cascade and the deposit terms);
+  3. forward: a chunk-parallel kernel computes every chunk's deposit, a sequential scan merges them
+     through the chunk levels (mamba2_fwd.py: recording each merged level and every chunk's level
+     decays; no GEMM, the states cut into K-row blocks), then a chunk-parallel kernel computes the
+     in-chunk block and the readout of every chunk (mamba2_chunk.py). Backward: a chunk kernel gives dq,
+     dlambda (complete) and q.dq; a second one each merged level's gradient from its readers; the reverse
+     scan (mamba2_bwd.py) only the transposed cascade, giving every deposit's gradient; a last chunk
+     kernel dk and dv (in-chunk + deposit terms) and k.dk. dq / dk per value head in the operand dtype,
+     summed over the group's heads in fp32 here;
   4. the final state = the last chunk's in-chunk buckets (torch, differentiable) + the scan's chunk levels.
 """
 

@@ -3,20 +3,31 @@
 The chunks of all sequences are listed in one table (mamba2.ChunkTable): chunk p covers tokens
 [starts[p], starts[p] + C) clipped at its sequence's end ends[p], belongs to sequence seqs[p] and has the
 absolute chunk index chunks[p]; rows past the end read as 0 (g = 0) and are not written. With G the
-chunk-local inclusive cumsum of g, each program does the whole chunk but the level cascade:
+chunk-local inclusive cumsum of g and Gl its value at the chunk's end:
 
+    deposit (mamba2_deposit_kernel, before the forward scan)   D = K^T (exp(Gl - G) * V)
     in-chunk (levels 0..c, intra.py)   O = (Q K^T * Gamma * Lambda) V
     readout (chunk levels j, live)     O += diag(exp(G)) sum_j diag(lambda_j * exp(decay_j)) Q B_j
-    o = scale * O
+    o = scale * O                      (mamba2_chunk_fwd_kernel, after the forward scan)
 
 B_j is the value of level j as stored (the bucket the forward scan recorded after the merge that
 assigned it, or the initial state; levels.level_source) and decay_j its log-decay since then (recorded
-by the scan for this chunk). The backward of the same terms (dlambda for every level, dQ in full, the
-in-chunk dK and dV):
+by the scan for this chunk). The readout loops walk the bucket levels as a branch-free list
+(levels.bucket_levels), so their bucket loads are pipelined; initial-state levels have their own loop.
 
-    dQ = dS K + diag(scale * exp(G)) sum_j lambda_j exp(decay_j) dO B_j^T
-    dlambda_t[c+1+j] = scale * exp(G_t + decay_j) q_t . (dO B_j^T)_t
-    dK = dS^T Q,  dV = scale * A^T dO                                  (the scan adds the deposit terms)
+The backward runs in two kernels around the reverse scan. mamba2_chunk_bwd_dq_kernel (before it):
+dlambda for every level and dQ in full,
+
+    dQ = dS K + diag(scale * exp(G)) sum_j lambda_j exp(decay_j) dO B_j^T,   dS = dA * Gamma * Lambda
+    dlambda_t[l <= c] = sum_{s: level(t,s) = l} (dA * P)_ts
+    dlambda_t[c+1+j] = scale exp(G_t + decay_j) q_t . (dO B_j^T)_t
+
+and mamba2_chunk_bwd_dkv_kernel (after it, with the deposits' gradients dD_i from the scan):
+
+    dK = dS^T Q + diag(exp(Gl - G)) V dD^T,   dV = scale * A^T dO + diag(exp(Gl - G)) K dD
+
+Both recompute the in-chunk [C, C] blocks (P, dA, Lambda; two extra C x C x K/V GEMMs) instead of
+passing them, so each fits 4 warps without spills.
 
 The gate's gradient needs no per-chunk term. Let Gs be the sequence's inclusive cumsum of g (G is it
 minus its value before the chunk). Every factor the kernels apply telescopes into a difference of Gs:
@@ -29,9 +40,8 @@ u = end, the final states' factor, so o(q e^d, k e^-d, Gs - d) = o for any per-t
     dGs_u = q_u . dq_u - k_u . dk_u  (+ sum(dS_final * S_final) at the last token),
     dg_u  = sum_{t >= u} dGs_t                                        (g_u enters every Gs_t, t >= u)
 
-with dq, dk the full gradients (in-chunk + chunk levels). The kernels form q.dq here (dq is complete)
-and k.dk in the backward scan (after its deposit terms); the caller adds the final states' term and
-takes the reverse cumsum.
+with dq, dk the full gradients (in-chunk + chunk levels): the dq kernel forms q.dq, the dk/dv kernel
+k.dk (both complete there); the caller adds the final states' term and takes the reverse cumsum.
 
 The readout's gradient with respect to the merged levels is also chunk-parallel: the level m merged
 after chunk e (m = ctz(e + 1)) is read, as bucket, by exactly the chunks e+1 .. e+2^m (those of the
@@ -39,10 +49,10 @@ sequence), so
 
     dB_e = sum_{i = e+1 .. e+2^m} exp(decay_{i,m}) Q_i^T (scale * lambda_i[c+1+m] * exp(G_i) * dO_i)
 
-(mamba2_level_grad_kernel, one program per (chunk e, head) looping over its readers); the backward scan
-adds dB_e to dH_m at the transposed merge.
+(mamba2_level_grad_kernel, one program per (chunk e, head) looping over its readers, pipelined; the
+chunks with the highest m, the longest loops, launch first); the reverse scan (mamba2_bwd.py) turns
+them into the deposits' gradients dD.
 """
-
 from __future__ import annotations
 
 import triton
