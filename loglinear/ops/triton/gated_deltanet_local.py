@@ -12,10 +12,16 @@ Inside a chunk (G = local cumsum of g, Gamma[t, s] = exp(G_t - G_s) for s <= t, 
     K~    = exp(G_last - G) * K,  decay = exp(G_last)    the chunk's transition h <- decay h - K~^T (W~ h)
 
 This is what loglinear.ops.torch_chunk.forms.GatedDeltaNetForm computes, arranged for the kernels:
-``chunk_local_torch`` is the differentiable torch form (the tests' reference), ``chunk_local`` the fused
-forward and backward kernels inside one autograd.Function (one program per chunk and head; the
-triangular inverse by forward substitution in fp32, see unit_lower_inverse; the backward recomputes the
-forward's [C, C] blocks instead of storing them, in two kernels joined by a [C, C] scratch). The kernels
+``chunk_local_torch`` is the differentiable torch form (the tests' reference), ``chunk_local`` the kernels
+inside one autograd.Function, one program per chunk and head each:
+
+    _chunk_inverse_kernel        T_g (unit_lower_inverse: doubling solved diagonal blocks, fp32)
+    _chunk_local_kernel          qt, W~, K~, u, o, decay from T_g; keeps QK for the backward
+    _chunk_local_bwd_cc_kernel   the [C, C] gradients (T_g, QK, W~ read back; K K^T recomputed), dV, dbeta,
+                                 dLambda; hands dQK, dKK, dbk = T^T dW and dGp to
+    _chunk_local_bwd_k_kernel    dQ, dK, dg.
+
+The kernels
 read the op's layouts (q, k: [b, T, G, K] of group h // (H / G); v: [b, T, H, V]; g, beta: [b, T, H];
 lambda: [b, T, H, L]) with the chunk alignment (Chunking) as masks: no padded, expanded or flattened
 copies, and the backward writes the gradients in those layouts.
