@@ -44,6 +44,18 @@ def level_tile(levels, n, h, H, J, K, V, kk, vv):
 
 
 @triton.jit
+def chunk_inputs(tiles, g, slot, t0, r, bos, eos, h, H, offs, mask):
+    """What a scan step needs from memory for the chunk at t0 of the sequence [bos, eos): its tile in
+    ``slot`` of a per-chunk buffer (the deposit / its gradient: [BKS, BV] fp32; 0 for the sequence's last
+    chunk, which deposits nothing, and outside the sequence) and its gate total (0 outside). Loaded one
+    chunk ahead by the scans, off their dependent chain."""
+    first = offs * 0 + t0  # the chunk's first token as a tile: the interpreter masks with tensors only
+    tile = tl.load(tiles + slot + offs, mask=mask & (first >= bos) & (first + r.shape[0] < eos), other=0.0)
+    rows = (bos <= t0 + r) & (t0 + r < eos)
+    return tile.to(tl.float32), tl.sum(tl.load(g + (t0 + r) * H + h, mask=rows, other=0.0).to(tl.float32), 0)
+
+
+@triton.jit
 def level_live(chunk, c0, j, HAS_INIT: tl.constexpr):
     """Is chunk-level j non-empty (or carrying an initial state) when chunk ``chunk`` reads?"""
     live = ((chunk >> j) & 1) == 1

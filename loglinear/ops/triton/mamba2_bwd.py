@@ -24,17 +24,19 @@ import triton.language as tl
 from loglinear.ops.triton.common import SCAN_RUNTIME_ARGS, load_column
 from loglinear.ops.triton.intra import chunk_gates
 from loglinear.ops.triton.levels import (
-    accumulate_level, flush_levels, level_source, level_tile, sequence_range, split_levels,
+    accumulate_level, chunk_inputs, flush_levels, level_source, level_tile, sequence_range, split_levels,
 )
 from loglinear.ops.triton.mamba2_rows import load_tile
 
 
 @triton.jit
-def initial_read_grads(q, do, lam, ptrs, stride, lmask, decay, jj, t0, r, valid, Gc, grp, h, G, H, K, V, L, J,
+def initial_read_grads(q, g, do, lam, ptrs, stride, lmask, decay, jj, t0, r, eos, grp, h, G, H, K, V, L, J,
                        chunk, c0, scale, kk, vv, LOG_C: tl.constexpr, PRECISION: tl.constexpr):
-    """dH_j += Q^T (scale * lambda_j * exp(G) * dO) for every level j that the chunk reads from the initial
-    state (kind 2); Q's rows kk, dO's columns vv.  Returns decay."""
+    """dH_j += Q^T (scale * lambda_j * exp(G) * dO) for every level j that the chunk at t0 reads from the
+    initial state (kind 2); Q's rows kk, dO's columns vv.  Returns decay."""
     t = t0 + r
+    valid = t < eos
+    Gc = chunk_gates(g, t, valid, h, H)[0]
     qc = load_tile(q, t0, r, valid, grp, G, K, kk)
     dobl = load_tile(do, t0, r, valid, h, H, V, vv)
     do_scaled = dobl.to(tl.float32) * (scale * tl.exp(Gc))[:, None]
@@ -64,19 +66,19 @@ def mamba2_bwd_scan_kernel(
     ptrs, stride, offs, lmask = level_tile(d_levels, n, h, H, J, K, V, kk, vv)
     decay = tl.zeros([BJ], dtype=tl.float32)
     n_chunks = tl.cdiv(eos - bos, C)
+    slot = ((base + n_chunks - 1) * H + h) * K * V
+    reads, Gl = chunk_inputs(d_buckets, g, slot, bos + (n_chunks - 1) * C, r, bos, eos, h, H, offs, lmask)
     for back in range(n_chunks):
         i = n_chunks - 1 - back
         t0 = bos + i * C
-        valid = t0 + r < eos
-        Gc, Gl = chunk_gates(g, t0 + r, valid, h, H)
+        next_reads, next_Gl = chunk_inputs(d_buckets, g, slot - H * K * V, t0 - C, r, bos, eos, h, H, offs, lmask)
         if i < n_chunks - 1:
-            slot = d_buckets + ((base + i) * H + h) * K * V + offs
-            reads = tl.load(slot, mask=lmask, other=0.0).to(tl.float32)
             d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, c0 + i, reads, BJ)
-            tl.store(slot, d_deposit.to(d_buckets.dtype.element_ty), mask=lmask)
+            tl.store(d_buckets + slot + offs, d_deposit.to(d_buckets.dtype.element_ty), mask=lmask)
         decay += Gl
         if HAS_INIT:
-            decay = initial_read_grads(q, do, lam, ptrs, stride, lmask, decay, jj, t0, r, valid, Gc, h // (H // G),
-                                       h, G, H, K, V, L, J, c0 + i, c0, scale, kk, vv, LOG_C, PRECISION)
+            decay = initial_read_grads(q, g, do, lam, ptrs, stride, lmask, decay, jj, t0, r, eos, h // (H // G), h, G,
+                                       H, K, V, L, J, c0 + i, c0, scale, kk, vv, LOG_C, PRECISION)
+        reads, Gl, slot = next_reads, next_Gl, slot - H * K * V
     if HAS_INIT:
         flush_levels(ptrs, stride, lmask, decay, jj, J, c0, c0, False, HAS_INIT)

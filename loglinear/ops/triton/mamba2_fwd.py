@@ -22,17 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.levels import flush_levels, level_tile, merge_levels, sequence_range
-
-
-@triton.jit
-def chunk_inputs(buckets, g, slot, t0, r, eos, h, H, offs, lmask):
-    """What a step of the scan needs from memory for the chunk at t0: its deposit in ``slot`` of buckets
-    ([BKS, BV] fp32; 0 for a sequence's last chunk, which deposits nothing, and past it) and its gate
-    total (0 past the sequence)."""
-    deposits = (offs * 0 + t0 + r.shape[0]) < eos  # as a tile: the interpreter masks with tensors only
-    deposit = tl.load(buckets + slot + offs, mask=lmask & deposits, other=0.0).to(tl.float32)
-    return deposit, tl.sum(tl.load(g + (t0 + r) * H + h, mask=t0 + r < eos, other=0.0).to(tl.float32), 0)
+from loglinear.ops.triton.levels import chunk_inputs, flush_levels, level_tile, merge_levels, sequence_range
 
 
 @triton.jit(do_not_specialize=["H", "J"])
@@ -53,13 +43,13 @@ def mamba2_fwd_kernel(
     ptrs, stride, offs, lmask = level_tile(levels, n, h, H, J, K, V, kk, vv)
     decay = tl.zeros([BJ], dtype=tl.float32)
     n_chunks = tl.cdiv(eos - bos, C)
-    deposit, Gl = chunk_inputs(buckets, g, (base * H + h) * K * V, bos, r, eos, h, H, offs, lmask)
+    deposit, Gl = chunk_inputs(buckets, g, (base * H + h) * K * V, bos, r, bos, eos, h, H, offs, lmask)
     chunk = c0
     for i in range(n_chunks):
         chunk = c0 + i
         slot = ((base + i) * H + h) * K * V
-        next_deposit, next_Gl = chunk_inputs(buckets, g, slot + H * K * V, bos + (i + 1) * C, r, eos, h, H, offs,
-                                             lmask)
+        next_deposit, next_Gl = chunk_inputs(buckets, g, slot + H * K * V, bos + (i + 1) * C, r, bos, eos, h, H,
+                                             offs, lmask)
         tl.store(decays + ((base + i) * H + h) * J + jj, decay, mask=(jj < J) & ((jj * 0 + kb) == 0))
         decay += Gl
         if i < n_chunks - 1:
