@@ -1,7 +1,6 @@
 """Compile the Gated DeltaNet kernels for sm_90 on any machine (no GPU): shared memory, registers, spills.
 
     python benchmarks/compile_gdn_sm90.py                 # bf16, K = 128, V = 64, the op's block choices
-    python benchmarks/compile_gdn_sm90.py --l2norm        # the benchmark's case: q, k in fp32 after the op's l2norm
     python benchmarks/compile_gdn_sm90.py --dtype fp32 --K 256
 
 Uses the installed triton (compile with the GPU's triton version: e.g. a triton 3.6 wheel on PYTHONPATH)
@@ -59,18 +58,18 @@ def scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: str) 
     return out
 
 
-def local_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, QK: str) -> list[str]:
-    """The four chunk-local kernels; QK: the pointer type of q and k (fp32 when the op L2-normalises them)."""
+def local_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str) -> list[str]:
+    """The four chunk-local kernels (q and k reach them in the operand dtype, also after the op's fp32 l2norm)."""
     f32 = "*fp32"
     meta = local._meta(Chunking(b=2, T=8192, H=48, front=0, C=C), K, V, 1, 18, dtype)
     runtime = ("T", "front", "Tp", "N", "H", "NG", "L")
     pointers = [
-        (local._chunk_inverse_kernel, dict(k=QK, g=P, beta=P, tg=P)),
-        (local._chunk_local_kernel, dict(q=QK, k=QK, v=P, g=P, beta=P, lam=P, tg=P, o=f32, qt=P, wt=P, kt=P, u=P,
+        (local._chunk_inverse_kernel, dict(k=P, g=P, beta=P, tg=P)),
+        (local._chunk_local_kernel, dict(q=P, k=P, v=P, g=P, beta=P, lam=P, tg=P, o=f32, qt=P, wt=P, kt=P, u=P,
                                          qkg=P, decay=f32)),
-        (local._chunk_local_bwd_cc_kernel, dict(q=QK, k=QK, v=P, g=P, beta=P, lam=P, tg=P, qkg=P, wt=P, do=f32,
+        (local._chunk_local_bwd_cc_kernel, dict(q=P, k=P, v=P, g=P, beta=P, lam=P, tg=P, qkg=P, wt=P, do=f32,
                                                 dqt=P, dwt=P, du=P, dv=P, dbeta=P, dlam=P, scratch=P, dGp=f32, dbk=P)),
-        (local._chunk_local_bwd_k_kernel, dict(q=QK, k=QK, g=P, beta=P, dqt=P, dkt=P, ddecay=f32, scratch=P, dGp=f32,
+        (local._chunk_local_bwd_k_kernel, dict(q=P, k=P, g=P, beta=P, dqt=P, dkt=P, ddecay=f32, scratch=P, dGp=f32,
                                                dbk=P, dq=P, dk=P, dg=P)),
     ]
     out = []
@@ -87,14 +86,12 @@ def main() -> None:
     ap.add_argument("--dtype", choices=DTYPES, default="bf16")
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--V", type=int, default=64)
-    ap.add_argument("--l2norm", action="store_true", help="q, k reach the chunk-local kernels in fp32 (use_qk_l2norm)")
     args = ap.parse_args()
     dtype, K, V = DTYPES[args.dtype], args.K, args.V
     C = kernel_chunk_size(64, dtype, K)
     P, prec = "*" + args.dtype, dot_precision(dtype)
-    qk = "*fp32" if args.l2norm else P
-    print(f"triton {triton.__version__}, {args.dtype}, K={K}, V={V}, C={C}, precision {prec}, q/k {qk[1:]}")
-    for line in scan_reports(K, V, C, dtype, P, prec) + local_reports(K, V, C, dtype, P, qk):
+    print(f"triton {triton.__version__}, {args.dtype}, K={K}, V={V}, C={C}, precision {prec}")
+    for line in scan_reports(K, V, C, dtype, P, prec) + local_reports(K, V, C, dtype, P):
         print(line)
 
 

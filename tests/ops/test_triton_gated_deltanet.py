@@ -146,10 +146,14 @@ def _chunk_view(x, ch, H):
     return _chunked(expand_groups(_pad_time(x, ch.front, ch.Tp - ch.front - ch.T), H), ch.C)
 
 
-@pytest.mark.parametrize("K, V", [(20, 12), (72, 80)])  # one block; two K and two V blocks of 64
-def test_chunk_local_kernels_match_torch_form(K, V):
-    """The fused chunk-local forward and backward kernels, reading the op's layouts (front padding, a
-    partial last chunk, two value heads per q/k group), against autograd through the float64 torch form."""
+@pytest.mark.parametrize("K, V, dtype, rtol", [
+    (20, 12, torch.float32, RTOL),
+    (72, 80, torch.float32, RTOL),  # two K and two V blocks of 64
+    (72, 80, torch.float16, 5e-3),  # 16-bit operands: the Gram and the [C, C] backward take one 128-column K block
+])
+def test_chunk_local_kernels_match_torch_form(K, V, dtype, rtol):
+    """The chunk-local forward and backward kernels, reading the op's layouts (front padding, a partial last
+    chunk, two value heads per q/k group), against autograd through the float64 torch form."""
     b, T, G, H, L = 2, 37, 1, 2, 7
     ch = Chunking(b, T, H, front=5, C=16)  # 3 chunks: 5 padding tokens in front, 6 behind
     xs = [torch.randn(b, T, G, K), torch.randn(b, T, G, K) / K**0.5, torch.randn(b, T, H, V),
@@ -158,14 +162,14 @@ def test_chunk_local_kernels_match_torch_form(K, V):
     x32 = [x.float().requires_grad_() for x in xs]
     want = chunk_local_torch(*[_chunk_view(x, ch, H) for x in x64[:5]], _chunk_view(x64[5], ch, H)[..., :5])
     want = [w.reshape(b * H, -1, *w.shape[4:]) if w.dim() == 5 else w.reshape(b * H, ch.N) for w in want]
-    got = chunk_local(*x32, ch, torch.float32)
+    got = chunk_local(*x32, ch, dtype)
     for name, a, e in zip(["o", "qt", "wt", "kt", "u", "decay"], got, want):
-        assert_close(a.double(), e, RTOL, name)
+        assert_close(a.double(), e, rtol, name)
     cot = [torch.randn_like(w) for w in want]
     g64 = torch.autograd.grad(sum((w * c).sum() for w, c in zip(want, cot)), x64)
-    g32 = torch.autograd.grad(sum((w * c.float()).sum() for w, c in zip(got, cot)), x32)
+    g32 = torch.autograd.grad(sum((w * c.to(w.dtype)).sum() for w, c in zip(got, cot)), x32)
     for name, a, e in zip(["q", "k", "v", "g", "beta", "lam"], g32, g64):
-        assert_close(a.double(), e, RTOL, f"d{name}")
+        assert_close(a.double(), e, rtol, f"d{name}")
 
 
 def _scan_torch(qt, wt, kt, u, decay, lam, h0, merge):

@@ -351,30 +351,35 @@ def _chunk_local_bwd_k_kernel(
 
 
 def _meta(ch: Chunking, K: int, V: int, G: int, L: int, dt: torch.dtype) -> dict:
-    """Runtime sizes and constexprs of the chunk-local kernels: K and V in blocks of <= 64 columns."""
-    BK, BV = min(64, next_pow2(K)), min(64, next_pow2(V))
+    """Runtime sizes and constexprs of the chunk-local kernels: V in blocks of <= 64 columns; K in blocks of
+    kernel_meta's choice, at most BK_MAX (64 for fp32 operands: wider fp32 tiles spill KBs)."""
+    BV = min(64, next_pow2(V))
     return dict(
         T=ch.T, front=ch.front, Tp=ch.Tp, N=ch.N, H=ch.H, NG=G, L=L,
-        K=K, V=V, C=ch.C, LOG_C=chunk_bits(ch.C), BK=BK, NK=triton.cdiv(K, BK), BV=BV, NV=triton.cdiv(V, BV),
-        PREC=dot_precision(dt),
+        K=K, V=V, C=ch.C, LOG_C=chunk_bits(ch.C), BV=BV, NV=triton.cdiv(V, BV), PREC=dot_precision(dt),
+        BK_MAX=64 if dt == torch.float32 else 128,
     )
 
 
-# warps per program (sm_90, triton 3.6, benchmarks/compile_gdn_sm90.py): at 4 warps the inverse (167 registers),
-# the forward and the key backward (255 / 247) run 3, 2 and 2 programs per SM, which hide each other's dependent
-# products; the [C, C] backward spills 1.5 KB at 4 warps and keeps 8 (one program per SM)
-WARPS = {"_chunk_inverse_kernel": 4, "_chunk_local_kernel": 4, "_chunk_local_bwd_cc_kernel": 8,
-         "_chunk_local_bwd_k_kernel": 4}
+# per kernel: warps and the widest key block (sm_90, triton 3.6, benchmarks/compile_gdn_sm90.py). At 4 warps the
+# inverse (166 registers), the forward and the key backward (255 / 214) run 3, 2 and 2 programs per SM, which
+# hide each other's products; the [C, C] backward spills 1.2 KB at 4 warps and keeps 8 (one program per SM).
+# Whole 128-column key blocks halve the Gram's and the [C, C] backward's key-loop products (fewer spills there
+# too; 16-bit operands only); the forward and the key backward keep 64 (at 128 they spill 256 / 32 B at 4 warps)
+CONFIG = {"_chunk_inverse_kernel": (4, 128), "_chunk_local_kernel": (4, 64), "_chunk_local_bwd_cc_kernel": (8, 128),
+          "_chunk_local_bwd_k_kernel": (4, 64)}
 
 
 def launch_options(kernel) -> dict:
     """num_warps / num_stages of a chunk-local kernel (one warp in the interpreter)."""
-    return dict(num_warps=1 if interpreting() else WARPS[kernel.__name__], num_stages=1 if interpreting() else 2)
+    warps = CONFIG[kernel.__name__][0]
+    return dict(num_warps=1 if interpreting() else warps, num_stages=1 if interpreting() else 2)
 
 
 def kernel_meta(kernel, meta: dict) -> dict:
-    """The entries of _meta that kernel takes."""
-    return {n: x for n, x in meta.items() if n in kernel.arg_names}
+    """The entries of _meta that kernel takes, and its key block BK (NK blocks)."""
+    BK = min(CONFIG[kernel.__name__][1], meta["BK_MAX"], next_pow2(meta["K"]))
+    return {n: x for n, x in dict(meta, BK=BK, NK=triton.cdiv(meta["K"], BK)).items() if n in kernel.arg_names}
 
 
 def _launch(kernel, ch: Chunking, meta: dict, *tensors: torch.Tensor) -> None:
@@ -385,12 +390,15 @@ def _launch(kernel, ch: Chunking, meta: dict, *tensors: torch.Tensor) -> None:
 class ChunkLocal(torch.autograd.Function):
     """The chunk-local stage: the inverse kernel (T_g, kept for the backward), the fused forward kernel, and
     two backward kernels (they recompute the other [C, C] blocks from the op's tensors, which the forward
-    saves as they are: no copies)."""
+    saves as they are: no copies; q and k in the operand dtype, a cast only where they come in wider, e.g.
+    fp32 after the op's l2norm: the kernels would round them there anyway)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, lam, ch: Chunking, dtype: torch.dtype):
         K, V, G, L = q.shape[-1], v.shape[-1], q.shape[2], lam.shape[-1]
         dt, dev, BH, Tp = dot_dtype(dtype), q.device, ch.BH, ch.Tp
+        ctx.qk_dtypes = q.dtype, k.dtype
+        q, k = q.to(dt), k.to(dt)
         o, u = alloc((BH, Tp, V), torch.float32, dev), alloc((BH, Tp, V), dt, dev)
         qt, wt, kt = (alloc((BH, Tp, K), dt, dev) for _ in range(3))
         tg, qkg = alloc((BH, Tp, ch.C), dt, dev), alloc((BH, Tp, ch.C), dt, dev)
@@ -427,7 +435,8 @@ class ChunkLocal(torch.autograd.Function):
         _launch(_chunk_local_bwd_k_kernel, ch, meta, q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbk, dq, dk, dg)
         group = lambda x: x if G == H else x.view(b, T, G, H // G, K).sum(3, dtype=f32)  # noqa: E731
         grads = [group(dq), group(dk), dv, dg, dbeta, dlam]
-        return (*[d.to(x.dtype) for d, x in zip(grads, (q, k, v, g, beta, lam))], None, None)
+        dtypes = (*ctx.qk_dtypes, v.dtype, g.dtype, beta.dtype, lam.dtype)
+        return (*[d.to(x) for d, x in zip(grads, dtypes)], None, None)
 
 
 def chunk_local(q, k, v, g, beta, lam, ch: Chunking, dtype: torch.dtype) -> LocalOut:
