@@ -200,8 +200,9 @@ def _scan_dh_kernel(
     + qt_i^T Y_j for the live levels only, the last two terms as one product over 2C:
     [-wt_i^T | qt_i^T] [kt_i dg_j; Y_j] (2 products per live level).  do: [b, T, H, V] (any float dtype);
     dstates: [BH, J, K, V] fp32, updated in place (dh entering chunk i1, at the end entering chunk i0: after
-    the last segment, dh of the initial states of the levels live at chunk 0); dsnap: [BH, S, K, V] (operand dtype): dh entering each
-    chunk of the segment at slot snap_at[i] - snap_at[i0] (the host has filled chunk i1's);
+    the last segment, dh of the initial states of the levels live at chunk 0); dsnap: [BH, S, K, V] (operand
+    dtype): dh entering each chunk of the segment at slot snap_at[i] - snap_at[i0] (the host has filled chunk
+    i1's);
     do_intra: [BH, Tp, V] fp32 (scale do, 0 on padding); merge, lev, snap_at as in _scan_fwd_kernel."""
     iv, bh, rc, rk, rv, mk, mv, hoff, hmask = _state_block(C, K, V, BK, BV)
     KV = K * V
