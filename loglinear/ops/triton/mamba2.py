@@ -125,8 +125,9 @@ def _scan_rows(q: torch.Tensor, multiplies: bool) -> int:
 
 
 def _sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor) -> dict:
-    """Runtime sizes and constexprs every kernel takes (all but the level-gradient kernel take HAS_INIT too)."""
-    return dict(H=v.shape[1], G=q.shape[1], K=q.shape[-1], V=v.shape[-1], J=plan.num_levels, C=plan.chunk_size,
+    """Runtime sizes and constexprs of the chunk kernels and the reverse scan (those reading levels also
+    take J = plan.num_levels)."""
+    return dict(H=v.shape[1], G=q.shape[1], K=q.shape[-1], V=v.shape[-1], C=plan.chunk_size,
                 PRECISION=dot_precision(q.dtype))
 
 
@@ -184,8 +185,7 @@ def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> tup
     decays = alloc((NC, H, plan.num_levels), torch.float32, q.device)
     if NC:
         mamba2_deposit_kernel[(NC, H)](
-            k, v, g, buckets, table.starts, table.ends, H=H, G=q.shape[1], K=q.shape[-1], V=v.shape[-1],
-            C=plan.chunk_size, BK=BK, BV=BV, PRECISION=sizes["PRECISION"], **chunk_launch_options(4),
+            k, v, g, buckets, table.starts, table.ends, BK=BK, BV=BV, **sizes, **chunk_launch_options(4),
         )
     BKS = _scan_rows(q, False)
     mamba2_fwd_kernel[(N, H, triton.cdiv(q.shape[-1], BKS))](
@@ -195,7 +195,7 @@ def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> tup
     if NC:
         mamba2_chunk_fwd_kernel[(NC, H)](
             q, k, v, g, lam, o, h0, buckets, decays, table.starts, table.ends, table.seqs, table.chunks, ranges[2],
-            plan.scale, L=L, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, BJ=MAX_CHUNK_LEVELS,
+            plan.scale, L=L, J=plan.num_levels, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, BJ=MAX_CHUNK_LEVELS,
             HAS_INIT=plan.has_init, **sizes, **chunk_launch_options(4, 2),
         )
     return table, buckets, decays
@@ -210,26 +210,26 @@ def _backward(q, k, v, g, lam, h0, d_o, d_levels, ranges, saved, out: _Grads, pl
     sizes, L, (N, H) = _sizes(plan, q, v), lam.shape[-1], (len(plan.bos), v.shape[1])
     LOG_C, NC = chunk_bits(plan.chunk_size), table.starts.numel()
     d_buckets = alloc((NC, H, q.shape[-1], v.shape[-1]), q.dtype, q.device)  # dB, then dD in place
-    chunk = dict(L=L, LOG_C=LOG_C, BK=BK, BV=BV, **sizes)
+    chunk, J = dict(L=L, LOG_C=LOG_C, BK=BK, BV=BV, **sizes), plan.num_levels
     if NC:
         mamba2_chunk_bwd_dq_kernel[(NC, H)](
             q, k, v, g, lam, d_o, h0, buckets, decays, table.starts, table.ends, table.seqs, table.chunks,
             ranges[2], plan.scale, out.dq, out.dlam, out.qdq, BL=next_pow2(L, minimum=32), BJ=MAX_CHUNK_LEVELS,
-            HAS_INIT=plan.has_init, **chunk, **chunk_launch_options(4, 2),
+            J=J, HAS_INIT=plan.has_init, **chunk, **chunk_launch_options(4, 2),
         )
         mamba2_level_grad_kernel[(NC * H,)](
             q, g, lam, d_o, decays, table.starts, table.ends, table.chunks, table.by_level, d_buckets, plan.scale,
-            BJ=MAX_CHUNK_LEVELS, **chunk, **chunk_launch_options(4, 3),
+            J=J, BJ=MAX_CHUNK_LEVELS, **chunk, **chunk_launch_options(4, 3),
         )
     BKS = _scan_rows(q, plan.has_init)  # initial states: the scan multiplies for their reads
     mamba2_bwd_scan_kernel[(N, H, triton.cdiv(q.shape[-1], BKS))](
-        q, g, lam, d_o, d_levels, d_buckets, *ranges, table.base, plan.scale, L=L, LOG_C=LOG_C, BKS=BKS, BV=BV,
+        q, g, lam, d_o, d_levels, d_buckets, *ranges, table.base, plan.scale, L=L, J=J, LOG_C=LOG_C, BKS=BKS, BV=BV,
         BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, **sizes, **launch_options(BKS, BV),
     )
     if NC:
         mamba2_chunk_bwd_dkv_kernel[(NC, H)](
             q, k, v, g, lam, d_o, d_buckets, table.starts, table.ends, plan.scale, out.dk, out.dv, out.kdk,
-            **{n: x for n, x in chunk.items() if n != "J"}, **chunk_launch_options(4),
+            **chunk, **chunk_launch_options(4),
         )
 
 

@@ -12,8 +12,9 @@ dB_i, the gradient of the level merged after chunk i from all its readers, comes
 (mamba2_chunk.mamba2_level_grad_kernel) in d_buckets; the scan overwrites it with dD_i, the gradient of
 chunk i's deposit D_i = K^T (exp(Gl - G) * V). The deposit's terms in dK and dV are chunk-parallel again
 (mamba2_chunk.mamba2_chunk_bwd_dkv_kernel). Without initial states the chain per chunk is one level
-load, the split's stores and dD's store: no GEMM, so the state tile can be cut into blocks of K rows
-(contiguous in the [K, V] states) over many programs. No atomics: every output element has one writer.
+load, the split's stores and dD's store (dB and the gate total are loaded a chunk ahead): no GEMM, so the
+state tile is cut into blocks of K rows (contiguous in the [K, V] states) over many programs. No atomics:
+every output element has one writer.
 """
 
 from __future__ import annotations
