@@ -10,6 +10,7 @@ and the scan does, for every level j at once (one kernel, one pass over the chun
     o_i   = sum_j lam_i[:, j] * (qt_i h_j)                              readout, depth J*K
     g_j   = d_i h_j - kt_i^T (wt_i h_j)                                 delta-rule transition
     h_j   = 0 (j < m),  g_m + sum_{j<m} g_j + kt_i^T u_i (j = m),  g_j (j > m)     the binary-counter carry
+            (the carry as one transition of the summed states: d S - kt_i^T (wt_i S - u_i), S = sum_{j<=m} h_j)
 
 Backward (reverse over chunks, dh_j carried the same way):
     cascade:     dg_j = dh_m (j <= m), dh_j (j > m);   dD = dh_m;  du_i = kt_i dD;  dkt_i += u_i dD^T
@@ -24,7 +25,8 @@ states seeded it and no cascade has reached it yet (schedule); the others are 0,
 steps vanish. The kernels:
 
   _scan_fwd_kernel      sequential over chunks (programs: V blocks x heads): per live level load the state
-                        (the next level's one level ahead), transition it (2 GEMMs), carry; the states are
+                        (the next level's one level ahead), transition it (2 GEMMs) or add it to the
+                        carry's sum (levels <= m: one 2-GEMM transition for all of them); the states are
                         updated in place in one fp32 buffer (L2-resident: the snapshots stream past it).
                         With gradients it stores every live incoming state (operand dtype) and leaves the
                         readouts to _scan_readout_kernel (chunk-parallel, reads the snapshots); without,
@@ -128,8 +130,7 @@ def _scan_fwd_kernel(
         m = tl.load(merge + i)
         start = tl.load(snap_at + i)
         count = tl.load(snap_at + i + 1) - start
-        # running sum of what moves into level m: the deposit, then g_j for the live j <= m
-        carry = tl.dot(tl.trans(k_i), u_i, input_precision=PREC)
+        low = tl.zeros([BK, BV], dtype=tl.float32)  # sum of the live states j <= m (they merge into m)
         keep = snap + (bh * S + start) * KV
         if not SNAP:
             acc = tl.load(o_intra + rows[:, None] * V + rv[None, :], mask=mv[None, :], other=0.0)
@@ -143,16 +144,17 @@ def _scan_fwd_kernel(
                 tl.store(keep + s * KV + hoff, hd.to(snap.dtype.element_ty), mask=hmask, eviction_policy="evict_first")
             else:
                 acc += tl.load(lam + rows * J + j)[:, None] * tl.dot(q_i, hd, input_precision=PREC)
-            wh = tl.dot(w_i, hd, input_precision=PREC)
-            g = d * h - tl.dot(tl.trans(k_i), wh.to(q_i.dtype), input_precision=PREC)
             if j <= m:
-                carry += g
+                low += h
             else:
+                wh = tl.dot(w_i, hd, input_precision=PREC)
+                g = d * h - tl.dot(tl.trans(k_i), wh.to(q_i.dtype), input_precision=PREC)
                 tl.store(src + j * KV + hoff, g, mask=hmask)
             j = j_next
             h = h_next
-        if m >= 0:
-            tl.store(src + m * KV + hoff, carry, mask=hmask)
+        if m >= 0:  # h_m = sum_{j <= m} g_j + kt^T u = d low + kt^T (u - wt low): one transition for them all
+            x = (u_i - tl.dot(w_i, low.to(q_i.dtype), input_precision=PREC)).to(q_i.dtype)
+            tl.store(src + m * KV + hoff, d * low + tl.dot(tl.trans(k_i), x, input_precision=PREC), mask=hmask)
         if not SNAP:
             tok, valid, head = chunk_tokens(i, bh, T, front, H, C)
             store_tokens(o, scale * acc, tok, valid, head, H, V, iv * BV, BV)
