@@ -333,6 +333,9 @@ def _scan_grads_kernel(
         cascade:     dD = dh_m;  du_i = kt_i dD;  dkt_i += u_i dD^T
         transition:  dd_i = sum_j <dg_j, h_j>;  dkt_i -= sum_j (wt_i h_j) dg_j^T;  dwt_i -= sum_j (kt_i dg_j) h_j^T
 
+    where the levels j <= m (dg_j = dh_m) enter through their sum L: dd_i = <dh_m, L> + ..., dkt_i = (u_i - wt_i L)
+    dh_m^T - ..., dwt_i = -(kt_i dh_m) L^T - ... (4 products for all of them and the cascade).
+
     Outputs: dwt, dkt: [BH, Tp, K], du: [BH, Tp, V] (operand dtype); dd: [BH, N] fp32.  The live levels are
     walked from lev (V in NV blocks of BV per level), the next step's two tiles loaded a step ahead."""
     i = tl.program_id(0) + i0
@@ -345,22 +348,34 @@ def _scan_grads_kernel(
     after = tl.load(live + i + 1)
     start = tl.load(snap_at + i)
     steps = (tl.load(snap_at + i + 1) - start) * NV
+    # the live levels j <= m lead the chunk's list; their dg is dh_m
+    low_count = tl.where(m >= 0, _popcount(tl.load(live + i) & ((2 << tl.maximum(m, 0)) - 1)), 0)
     hsrc = snap + (bh * S + start) * KV
     gsrc = dsnap + (bh * SD + tl.load(snap_at + i + 1) - tl.load(snap_at + i0)) * KV
     dw_acc = tl.zeros([C, BK], dtype=tl.float32)
     dk_acc = tl.zeros([C, BK], dtype=tl.float32)
-    for iv in range(NV):  # the cascade
+    dd_acc = 0.0
+    for iv in range(NV):  # the cascade, with the levels j <= m summed: L = sum_{j <= m} h_j, dg_j = dh_m
         rv = iv * BV + tl.arange(0, BV)
         hmask = mk[:, None] & (rv < V)[None, :]
+        hoff = rk[:, None] * V + rv[None, :]
         cascade = (rk * 0 + m) >= 0  # (no slot to read after the last chunk)
-        dh_m = tl.load(gsrc + rk[:, None] * V + rv[None, :], mask=hmask & cascade[:, None], other=0.0)
+        dh_m = tl.load(gsrc + hoff, mask=hmask & cascade[:, None], other=0.0)
         cv = rows[:, None] * V + rv[None, :]
-        tl.store(du + cv, tl.dot(k_i, dh_m, input_precision=PREC).to(du.dtype.element_ty), mask=(rv < V)[None, :])
-        u_b = tl.load(u + cv, mask=(rv < V)[None, :], other=0.0)
-        dk_acc += tl.dot(u_b, tl.trans(dh_m), input_precision=PREC)
-    dd_acc = 0.0
-    _, _, hd, dgd = _grad_tiles(hsrc, gsrc, lev, start, m, after, 0, steps, KV, rk, mk, V, BV, NV)
-    for t in range(steps):
+        kd = tl.dot(k_i, dh_m, input_precision=PREC)
+        tl.store(du + cv, kd.to(du.dtype.element_ty), mask=(rv < V)[None, :])
+        x = tl.load(u + cv, mask=(rv < V)[None, :], other=0.0).to(tl.float32)
+        if low_count > 0:  # dd += <dh_m, L>;  dwt -= (kt dh_m) L^T;  dkt += (u - wt L) dh_m^T
+            low = tl.zeros([BK, BV], dtype=tl.float32)
+            for s in range(low_count):
+                low += tl.load(hsrc + s * KV + hoff, mask=hmask, other=0.0).to(tl.float32)
+            dd_acc += tl.sum(tl.sum(dh_m.to(tl.float32) * low, axis=1), axis=0)
+            dw_acc -= tl.dot(kd.to(w_i.dtype), tl.trans(low.to(w_i.dtype)), input_precision=PREC)
+            x -= tl.dot(w_i, low.to(w_i.dtype), input_precision=PREC)
+        dk_acc += tl.dot(x.to(w_i.dtype), tl.trans(dh_m), input_precision=PREC)
+    t0 = low_count * NV
+    _, _, hd, dgd = _grad_tiles(hsrc, gsrc, lev, start, m, after, t0, steps, KV, rk, mk, V, BV, NV)
+    for t in range(t0, steps):  # the live levels j > m
         _, _, hd_n, dgd_n = _grad_tiles(hsrc, gsrc, lev, start, m, after, t + 1, steps, KV, rk, mk, V, BV, NV)
         dd_acc += tl.sum(tl.sum(dgd.to(tl.float32) * hd.to(tl.float32), axis=1), axis=0)
         wh = tl.dot(w_i, hd, input_precision=PREC).to(w_i.dtype)
