@@ -86,22 +86,6 @@ def _ahead(src, j, KV, hoff, hmask, rk, s, count):
 
 
 @triton.jit
-def _stacked_transposes(a, b, row0, rk, mk, K, C: tl.constexpr):
-    """[BK, 2C] = [-a_i^T | b_i^T] of the chunk rows row0 .. row0 + C - 1 of two [BH, Tp, K] tensors."""
-    r2 = tl.arange(0, 2 * C)
-    first = (r2 < C)[None, :]
-    offs = (row0 + r2 % C)[None, :] * K + rk[:, None]
-    x_a = tl.load(a + offs, mask=mk[:, None] & first, other=0.0)
-    return tl.load(b + offs, mask=mk[:, None] & ~first, other=0.0) - x_a
-
-
-@triton.jit
-def _stack_rows(x, y, C: tl.constexpr, BV: tl.constexpr):
-    """[2C, BV] = [x; y] of two [C, BV] tiles."""
-    return tl.reshape(tl.permute(tl.join(x, y), (2, 0, 1)), (2 * C, BV))
-
-
-@triton.jit
 def _scan_fwd_kernel(
     qt, wt, kt, u, decay, lam, merge, lev, snap_at, states, snap, o_intra, o,
     N, J, Tp, S, T, front, H, scale,
@@ -199,13 +183,12 @@ def _scan_dh_kernel(
     PREC: tl.constexpr,
 ):
     """Backward, pass 1 (sequential, chunks i1-1 down to i0): the chain dh_j = d_i dg_j - wt_i^T (kt_i dg_j)
-    + qt_i^T Y_j for the live levels only, the last two terms as one product over 2C:
-    [-wt_i^T | qt_i^T] [kt_i dg_j; Y_j] (2 products per live level).  do: [b, T, H, V] (any float dtype);
-    dstates: [BH, J, K, V] fp32, updated in place (dh entering chunk i1, at the end entering chunk i0: after
-    the last segment, dh of the initial states of the levels live at chunk 0); dsnap: [BH, S, K, V] (operand
-    dtype): dh entering each chunk of the segment at slot snap_at[i] - snap_at[i0] (the host has filled chunk
-    i1's);
-    do_intra: [BH, Tp, V] fp32 (scale do, 0 on padding); merge, lev, snap_at as in _scan_fwd_kernel."""
+    + qt_i^T Y_j for the live levels only (3 products per live level; as one product over 2C,
+    [-wt_i^T | qt_i^T] [kt_i dg_j; Y_j], it spilled more and ran slower on sm_90).  do: [b, T, H, V] (any float
+    dtype); dstates: [BH, J, K, V] fp32, updated in place (dh entering chunk i1, at the end entering chunk i0:
+    after the last segment, dh of the initial states of the levels live at chunk 0); dsnap: [BH, S, K, V]
+    (operand dtype): dh entering each chunk of the segment at slot snap_at[i] - snap_at[i0] (the host has filled
+    chunk i1's); do_intra: [BH, Tp, V] fp32 (scale do, 0 on padding); merge, lev, snap_at as in _scan_fwd_kernel."""
     iv, bh, rc, rk, rv, mk, mv, hoff, hmask = _state_block(C, K, V, BK, BV)
     KV = K * V
     # in place: dh_m is read first; a live j > m is read, then written; the levels below m were cleared
@@ -215,8 +198,10 @@ def _scan_dh_kernel(
     for r in range(i1 - i0):
         i = i1 - 1 - r
         rows = bh * Tp + i * C + rc
-        k_i = tl.load(kt + rows[:, None] * K + rk[None, :], mask=mk[None, :], other=0.0)
-        wq = _stacked_transposes(wt, qt, bh * Tp + i * C, rk, mk, K, C)
+        ck = rows[:, None] * K + rk[None, :]
+        q_i = tl.load(qt + ck, mask=mk[None, :], other=0.0)
+        w_i = tl.load(wt + ck, mask=mk[None, :], other=0.0)
+        k_i = tl.load(kt + ck, mask=mk[None, :], other=0.0)
         tok, valid, head = chunk_tokens(i, bh, T, front, H, C)
         do_i = scale * load_tokens(do, tok, valid, head, H, V, iv * BV, BV, tl.float32)
         tl.store(do_intra + rows[:, None] * V + rv[None, :], do_i, mask=mv[None, :])
@@ -233,9 +218,10 @@ def _scan_dh_kernel(
             j_next = tl.load(lev + start + s + 1)
             dh_next = _ahead(src, j_next, KV, hoff, hmask, rk, s + 1, count)
             dg = tl.where(j <= m, dh_m, dh_j)
-            kdg = tl.dot(k_i, dg.to(k_i.dtype), input_precision=PREC)
-            y = tl.load(lam + rows * J + j)[:, None] * do_i
-            dh = d * dg + tl.dot(wq, _stack_rows(kdg, y, C, BV).to(k_i.dtype), input_precision=PREC)
+            y = (tl.load(lam + rows * J + j)[:, None] * do_i).to(q_i.dtype)
+            kdg = tl.dot(k_i, dg.to(q_i.dtype), input_precision=PREC).to(q_i.dtype)
+            dh = d * dg - tl.dot(tl.trans(w_i), kdg, input_precision=PREC)
+            dh += tl.dot(tl.trans(q_i), y, input_precision=PREC)
             tl.store(src + j * KV + hoff, dh, mask=hmask)
             tl.store(keep + s * KV + hoff, dh.to(dsnap.dtype.element_ty), mask=hmask, eviction_policy="evict_first")
             j = j_next
