@@ -49,6 +49,7 @@ class MQARRun:
     batch_size: int = 64
     chunk_size: int = 16  # of the recurrent models' chunkwise ops (16 is fastest at these lengths on a CPU)
     device: str = "cpu"
+    bf16: bool = True  # autocast on CUDA
 
 
 def _data(run: MQARRun, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,12 +59,13 @@ def _data(run: MQARRun, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def accuracy(model, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int, device: str) -> float:
+def accuracy(model, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int, device: str,
+             bf16: bool = True) -> float:
     """Fraction of query positions (targets != -100) whose argmax prediction is the value."""
     hit = total = 0
     for i in range(0, len(inputs), batch_size):
         x, y = inputs[i : i + batch_size].to(device), targets[i : i + batch_size].to(device)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16 and device.startswith("cuda")):
             pred = model(input_ids=x, use_cache=False).logits.argmax(-1)
         mask = y != IGNORE_INDEX
         hit += int((pred[mask] == y[mask]).sum())
@@ -71,8 +73,11 @@ def accuracy(model, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int
     return hit / total
 
 
-def train_mqar(run: MQARRun) -> dict:
-    """Train one model on MQAR; returns the run's fields plus accuracy, params, seconds."""
+def train_mqar(run: MQARRun, on_step: Callable[[int, torch.Tensor], None] | None = None) -> dict:
+    """Train one model on MQAR; returns the run's fields plus accuracy, params, seconds.
+
+    on_step(step, loss) is called after every optimizer step (step from 1; loss: the 0-dim tensor, not synced).
+    """
     t0 = time.perf_counter()
     torch.manual_seed(run.seed)
     x, y = (t.to(run.device) for t in _data(run, run.train_examples, seed=2 * run.seed))
@@ -85,20 +90,22 @@ def train_mqar(run: MQARRun) -> dict:
     total = run.epochs * steps_per_epoch
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_schedule(s, total // 10, total, 0.0))
     gen = torch.Generator().manual_seed(run.seed)
-    cuda = run.device.startswith("cuda")
+    amp = run.bf16 and run.device.startswith("cuda")
     for _ in range(run.epochs):
         perm = torch.randperm(len(x), generator=gen).to(run.device)
         for i in range(steps_per_epoch):
             idx = perm[i * run.batch_size : (i + 1) * run.batch_size]
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
                 loss = lm_loss(model, x[idx], y[idx])
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
+            if on_step is not None:
+                on_step(sched.last_epoch, loss.detach())
     model.eval()
-    acc = accuracy(model, xt, yt, 4 * run.batch_size, run.device)
+    acc = accuracy(model, xt, yt, 4 * run.batch_size, run.device, run.bf16)
     row = asdict(run)
     row.update(model=family(run.arch), log_linear=is_log_linear(run.arch), accuracy=acc,
                final_loss=float(loss.detach()), params=count_parameters(model), seconds=round(time.perf_counter() - t0, 1))

@@ -15,6 +15,14 @@ def test_transformer_learns_mqar():
     assert row["accuracy"] > 0.3  # chance: 1 / 16 values
 
 
+def test_on_step_sees_every_optimizer_step_and_its_loss():
+    run = MQARRun("transformer", 16, seed=0, lr=3e-3, seq_len=16, kv_pairs=(2,), vocab_size=32, n_layers=1,
+                  train_examples=64, test_examples=32, epochs=2, batch_size=32)
+    seen = []
+    row = train_mqar(run, on_step=lambda step, loss: seen.append((step, float(loss))))
+    assert [s for s, _ in seen] == [1, 2, 3, 4] and seen[-1][1] == row["final_loss"]
+
+
 def test_summary_takes_best_lr_then_mean_over_seeds():
     rows = [dict(arch="mamba2", d_model=16, seed=s, lr=lr, accuracy=a)
             for s, lr, a in [(0, 1e-3, 0.2), (0, 1e-2, 0.6), (1, 1e-3, 0.4), (1, 1e-2, 0.1)]]

@@ -1,0 +1,67 @@
+"""Diagnosis: one MQAR run with its loss printed every N steps, on any device and backend.
+
+Session 11's GPU sweep left every recurrent model at ln(V/2) (no learning) and the GDN runs at d = 16 at NaN,
+while the same LL GDN run learns on the CPU with the torch path. Run it per backend and precision:
+
+    python benchmarks/diag_mqar_loss.py --arch ll_gated_deltanet --d-model 16 --lr 3e-3 --device cpu
+    LOGLINEAR_BACKEND=torch  python benchmarks/diag_mqar_loss.py --arch ll_gated_deltanet --d-model 16 --device cuda
+    LOGLINEAR_BACKEND=triton python benchmarks/diag_mqar_loss.py --arch ll_gated_deltanet --d-model 16 --device cuda
+
+The defaults are run_experiments.py's MQAR setting (seq 256, 4-64 KV pairs, vocab 8192, 20K examples, 8
+epochs of batch 64, chunk 64). bf16 autocast on CUDA (as the sweep), off with --fp32. Stops at the first
+non-finite loss and says where.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loglinear.train.factory import ARCHS  # noqa: E402
+from loglinear.train.mqar import MQARRun, train_mqar  # noqa: E402
+
+
+class NonFinite(Exception):
+    pass
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", default="ll_gated_deltanet", choices=ARCHS)
+    p.add_argument("--d-model", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--train-examples", type=int, default=20000)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--every", type=int, default=100, help="print the loss every this many steps")
+    p.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA")
+    a = p.parse_args()
+    run = MQARRun(a.arch, a.d_model, seed=a.seed, lr=a.lr, seq_len=256, kv_pairs=(4, 8, 16, 32, 64),
+                  vocab_size=8192, train_examples=a.train_examples, test_examples=1000, epochs=a.epochs,
+                  batch_size=64, chunk_size=64, device=a.device, bf16=not a.fp32)
+    t0 = time.perf_counter()
+
+    def on_step(step: int, loss: torch.Tensor) -> None:
+        if step % a.every == 0 or step == 1:
+            value = float(loss)
+            print(f"step {step}: loss {value:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            if not math.isfinite(value):
+                raise NonFinite(f"non-finite loss at step {step} (first seen within the last {a.every} steps)")
+
+    try:
+        row = train_mqar(run, on_step=on_step)
+    except NonFinite as e:
+        raise SystemExit(str(e)) from None
+    print(f"accuracy {row['accuracy']:.4f}, final loss {row['final_loss']:.4f}, {row['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
