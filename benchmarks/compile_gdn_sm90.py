@@ -2,6 +2,7 @@
 
     python benchmarks/compile_gdn_sm90.py                 # bf16, K = 128, V = 64, the op's block choices
     python benchmarks/compile_gdn_sm90.py --dtype fp32 --K 256
+    python benchmarks/compile_gdn_sm90.py --l2norm          # the chunk-local kernels normalising q/k rows (NORM)
 
 Uses the installed triton (compile with the GPU's triton version: e.g. a triton 3.6 wheel on PYTHONPATH)
 and its bundled ptxas. A kernel whose shared memory exceeds 232448 bytes fails to launch on an H100/H200.
@@ -58,11 +59,11 @@ def scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: str) 
     return out
 
 
-def local_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str) -> list[str]:
-    """The four chunk-local kernels (q and k reach them in the operand dtype, also after the op's fp32 l2norm)."""
+def local_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, norm: bool) -> list[str]:
+    """The four chunk-local kernels (q and k in the operand dtype; norm: their rows normalised in the kernels)."""
     f32 = "*fp32"
-    meta = local._meta(Chunking(b=2, T=8192, H=48, front=0, C=C), K, V, 1, 18, dtype)
-    runtime = ("T", "front", "Tp", "N", "H", "NG", "L")
+    meta = local._meta(Chunking(b=2, T=8192, H=48, front=0, C=C), K, V, 1, 18, dtype, norm)
+    runtime = dict(T="i32", front="i32", Tp="i32", N="i32", H="i32", NG="i32", L="i32", eps="fp32")
     pointers = [
         (local._chunk_inverse_kernel, dict(k=P, g=P, beta=P, tg=P)),
         (local._chunk_local_kernel, dict(q=P, k=P, v=P, g=P, beta=P, lam=P, tg=P, o=f32, qt=P, wt=P, kt=P, u=P,
@@ -75,7 +76,7 @@ def local_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str) -> list[st
     out = []
     for kernel, sig in pointers:
         args = local.kernel_meta(kernel, meta)
-        sig = dict(sig, **{n: "i32" if n in runtime else "constexpr" for n in args})
+        sig = dict(sig, **{n: runtime.get(n, "constexpr") for n in args})
         const = {n: x for n, x in args.items() if n not in runtime}
         out.append(report(kernel, sig, const, **local.launch_options(kernel)))
     return out
@@ -86,12 +87,14 @@ def main() -> None:
     ap.add_argument("--dtype", choices=DTYPES, default="bf16")
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--V", type=int, default=64)
+    ap.add_argument("--l2norm", action="store_true", help="the chunk-local kernels with NORM (use_qk_l2norm)")
     args = ap.parse_args()
     dtype, K, V = DTYPES[args.dtype], args.K, args.V
     C = kernel_chunk_size(64, dtype, K)
     P, prec = "*" + args.dtype, dot_precision(dtype)
-    print(f"triton {triton.__version__}, {args.dtype}, K={K}, V={V}, C={C}, precision {prec}")
-    for line in scan_reports(K, V, C, dtype, P, prec) + local_reports(K, V, C, dtype, P):
+    print(f"triton {triton.__version__}, {args.dtype}, K={K}, V={V}, C={C}, precision {prec}"
+          + ", q/k l2norm in the kernels" * args.l2norm)
+    for line in scan_reports(K, V, C, dtype, P, prec) + local_reports(K, V, C, dtype, P, args.l2norm):
         print(line)
 
 

@@ -11,7 +11,7 @@ import torch
 from helpers import assert_close, make_inputs, slice_time
 from loglinear import FenwickState, log_linear_gated_deltanet
 from loglinear import reference as R
-from loglinear.inputs import check_inputs, expand_groups
+from loglinear.inputs import check_inputs, expand_groups, l2norm
 from loglinear.ops.torch_chunk.scan import _chunked, _pad_time
 from loglinear.ops.triton import gated_deltanet as gdn
 from loglinear.ops.triton import gated_deltanet_scan as scan_module
@@ -95,6 +95,45 @@ def test_qk_l2norm_in_op():
     _compare(x, l2norm=True)
 
 
+def _spread_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] with every row scaled by 10^u, u uniform in [-3, 3] (row norms over six decades: the
+    normalisation is exercised, the eps too for the smallest rows)."""
+    return x * 10.0 ** (6 * torch.rand(*x.shape[:-1], 1, dtype=x.dtype) - 3)
+
+
+@pytest.mark.parametrize(
+    "B, T, G, H, K, V, positions",
+    [
+        (2, 37, 1, 2, 72, 12, None),  # two K blocks of 64 (fp32), T not a multiple of the chunk
+        (1, 50, 2, 4, 20, 8, None),  # GQA
+        (2, 21, 1, 2, 8, 4, [5, 5]),  # from a state (one position: the in-kernel path with the incoming state)
+    ],
+)
+def test_qk_l2norm_in_kernels(B, T, G, H, K, V, positions, monkeypatch):
+    """use_qk_l2norm on the single-segment path: the chunk-local kernels get the op's q/k as they are and
+    normalise rows themselves; outputs, state and every gradient against the float64 reference."""
+    start = max(positions or [0])
+    x = make_inputs(B, T, G, H, K=K, V=V, start=start)
+    x["q"], x["k"] = _spread_rows(x["q"]), _spread_rows(x["k"])
+    L = max(1, (start - 1).bit_length() + 1)
+    state = _state(B, L, H, K, V, positions, torch.float64) if positions else None
+    seen = []
+    local = gdn.chunk_local
+    monkeypatch.setattr(gdn, "chunk_local", lambda *a: seen.append((a[0], a[-1])) or local(*a))
+    _compare(x, state, l2norm=True)
+    (q, norm), = seen[:1]
+    assert norm and torch.equal(q, x["q"].float())
+
+
+def test_qk_l2norm_varlen_with_states():
+    """use_qk_l2norm with varlen + states (run_segments: q/k normalised in torch before the kernels)."""
+    lengths, positions = [7, 30, 1], [0, 19, 64]
+    x = make_inputs(1, sum(lengths), 1, 2, K=8, V=4, start=64)
+    x["q"], x["k"] = _spread_rows(x["q"]), _spread_rows(x["k"])
+    cu = torch.tensor([0, 7, 37, 38])
+    _compare(x, _state(3, 8, 2, 8, 4, positions, torch.float64), cu_seqlens=cu, l2norm=True)
+
+
 @pytest.mark.parametrize("positions", [[5, 5], [16, 3], [37, 50]])
 def test_continuation_from_a_state(positions):
     """Rows at different (unaligned and aligned) positions, junk-perturbed level states, gradients to the state."""
@@ -146,23 +185,30 @@ def _chunk_view(x, ch, H):
     return _chunked(expand_groups(_pad_time(x, ch.front, ch.Tp - ch.front - ch.T), H), ch.C)
 
 
-@pytest.mark.parametrize("K, V, dtype, rtol", [
-    (20, 12, torch.float32, RTOL),
-    (72, 80, torch.float32, RTOL),  # two K and two V blocks of 64
-    (72, 80, torch.float16, 5e-3),  # 16-bit operands: the Gram and the [C, C] backward take one 128-column K block
+@pytest.mark.parametrize("K, V, dtype, rtol, norm", [
+    (20, 12, torch.float32, RTOL, False),
+    (72, 80, torch.float32, RTOL, False),  # two K and two V blocks of 64
+    (72, 80, torch.float16, 5e-3, False),  # 16-bit operands: the Gram and the [C, C] backward: one 128-column K block
+    (20, 12, torch.float32, RTOL, True),  # q/k rows normalised in the kernels
+    (72, 80, torch.float32, RTOL, True),  # ... over two K blocks
+    (72, 80, torch.float16, 5e-3, True),  # ... from one 128-column K block (the Gram, the [C, C] backward)
 ])
-def test_chunk_local_kernels_match_torch_form(K, V, dtype, rtol):
+def test_chunk_local_kernels_match_torch_form(K, V, dtype, rtol, norm):
     """The chunk-local forward and backward kernels, reading the op's layouts (front padding, a partial last
-    chunk, two value heads per q/k group), against autograd through the float64 torch form."""
+    chunk, two value heads per q/k group), against autograd through the float64 torch form; norm: q/k rows
+    spread over six decades and normalised in the kernels (the reference applies l2norm)."""
     b, T, G, H, L = 2, 37, 1, 2, 7
     ch = Chunking(b, T, H, front=5, C=16)  # 3 chunks: 5 padding tokens in front, 6 behind
     xs = [torch.randn(b, T, G, K), torch.randn(b, T, G, K) / K**0.5, torch.randn(b, T, H, V),
           -0.05 - 0.4 * torch.rand(b, T, H), 0.05 + 0.9 * torch.rand(b, T, H), 0.2 + torch.rand(b, T, H, L)]
+    if norm:
+        xs[0], xs[1] = _spread_rows(xs[0]), _spread_rows(xs[1])
     x64 = [x.double().requires_grad_() for x in xs]
     x32 = [x.float().requires_grad_() for x in xs]
-    want = chunk_local_torch(*[_chunk_view(x, ch, H) for x in x64[:5]], _chunk_view(x64[5], ch, H)[..., :5])
+    qk64 = [l2norm(x) if norm else x for x in x64[:2]]
+    want = chunk_local_torch(*[_chunk_view(x, ch, H) for x in qk64 + x64[2:5]], _chunk_view(x64[5], ch, H)[..., :5])
     want = [w.reshape(b * H, -1, *w.shape[4:]) if w.dim() == 5 else w.reshape(b * H, ch.N) for w in want]
-    got = chunk_local(*x32, ch, dtype)
+    got = chunk_local(*x32, ch, dtype, norm)
     for name, a, e in zip(["o", "qt", "wt", "kt", "u", "decay"], got, want):
         assert_close(a.double(), e, rtol, name)
     cot = [torch.randn_like(w) for w in want]

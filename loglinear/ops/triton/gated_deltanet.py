@@ -15,7 +15,8 @@ Composition, per group of rows that start at the same absolute position p0 (spec
 Gradients flow through every stage (the kernels have Triton backwards; the glue is torch autograd), so
 q, k, v, g, beta, level_scales and the initial state all get them. A call whose rows all start at one
 position (no varlen) runs on the op's tensors as they are (_run_one_segment: no fp32 copies, no q/k
-expansion); varlen and rows at different positions go through run_segments (one launch set per segment).
+expansion; with use_qk_l2norm the chunk-local kernels normalise q/k rows themselves); varlen and rows at
+different positions go through run_segments (one launch set per segment; q/k l2norm'd there in torch).
 """
 
 from __future__ import annotations
@@ -52,10 +53,12 @@ def _merge_targets(c0: int, N: int) -> list[int]:
     return (carry_target(chunks) - 1).tolist() + [-1]
 
 
-def _last_chunk(x: torch.Tensor, ch: Chunking) -> torch.Tensor:
-    """The last chunk of x [b, T, G|H, *] as [b, H, 1, C, *] fp32 (zero-padded like the kernels, groups expanded)."""
+def _last_chunk(x: torch.Tensor, ch: Chunking, norm: bool = False) -> torch.Tensor:
+    """The last chunk of x [b, T, G|H, *] as [b, H, 1, C, *] fp32 (zero-padded like the kernels, groups expanded;
+    norm: its rows l2norm'd, as the kernels do for q and k)."""
     start = ch.Tp - ch.C - ch.front  # token index of the chunk's first row (< 0: front padding)
     part = x[:, max(start, 0):].float()
+    part = l2norm(part) if norm else part
     front = max(-start, 0)
     return _chunked(expand_groups(_pad_time(part, front, ch.C - front - part.shape[1]), ch.H), ch.C)
 
@@ -90,11 +93,12 @@ def _incoming_state(
 
 def gated_deltanet_core(
     q, k, v, g, beta, lam, scale: float, levels: torch.Tensor | None, position: int, chunk_size: int,
-    dtype: torch.dtype,
+    dtype: torch.dtype, qk_l2norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows sharing the start ``position``.  q, k: [b, T, G, K] (G divides H); v: [b, T, H, V]; g, beta: [b, T, H];
     lam: [b, T, H, L] (any float dtypes); levels: [b, Ls, H, K, V] fp32 or None; dtype: the caller's dtype (the
-    kernels' operand dtype and o's).  Returns o: [b, T, H, V] in dtype and the final levels
+    kernels' operand dtype and o's); qk_l2norm: q and k are l2norm'd in the chunk-local kernels (and in the
+    last chunk's torch form), not here.  Returns o: [b, T, H, V] in dtype and the final levels
     [b, max(Ls, levels_needed(end)), H, K, V] fp32."""
     b, T, _, K = q.shape
     H, V = v.shape[2:]
@@ -102,7 +106,7 @@ def gated_deltanet_core(
     c = chunk_bits(C)
     ch = Chunking(b, T, H, position % C, C)
     N, c0, end = ch.N, position // C, position + T
-    o_intra, qt, wt, kt, u, decay = chunk_local(q, k, v, g, beta, lam, ch, dtype)
+    o_intra, qt, wt, kt, u, decay = chunk_local(q, k, v, g, beta, lam, ch, dtype, qk_l2norm)
     lc = _chunked(_pad_time(lam, ch.front, ch.Tp - ch.front - T), C)  # [b, H, N, C, L]
 
     J = max((end - 1) // C, 1).bit_length()
@@ -117,7 +121,8 @@ def gated_deltanet_core(
         qt, wt, kt, u, decay, lam_inter.reshape(b * H, ch.Tp, J), h0, o_intra, _merge_targets(c0, N), ch, scale,
         dtype,
     )
-    last = GatedDeltaNetForm(*(_last_chunk(x, ch) for x in (q, k, v, g, beta)))
+    last = GatedDeltaNetForm(_last_chunk(q, ch, qk_l2norm), _last_chunk(k, ch, qk_l2norm),
+                             *(_last_chunk(x, ch) for x in (v, g, beta)))
     H_levels = list(hN.view(b, H, J, K, V).unbind(2))
     final = _final_levels(last, H_levels, partial if N == 1 else None, position, end, c0 + N - 1, 1, C, c)
     n_final = max(levels_needed(end), c + 1 + J if levels is not None else 0)  # the incoming levels, widened
@@ -129,13 +134,14 @@ def _run_one_segment(
     inp: OpInputs, core: Callable[..., tuple[torch.Tensor, torch.Tensor]], output_final_state: bool, l2norm_qk: bool,
 ) -> tuple[torch.Tensor, FenwickState | None]:
     """run_segments for the common call (no varlen, every row at one position) without its fp32 copies and
-    q/k expansion: the kernels read the op's tensors.  Returns (o, state) like run_segments."""
-    q, k = (l2norm(inp.q.float()), l2norm(inp.k.float())) if l2norm_qk else (inp.q, inp.k)
+    q/k expansion: the kernels read the op's tensors (and normalise q/k themselves).  Returns (o, state) like
+    run_segments."""
+    q, k = inp.q, inp.k
     beta = inp.beta if inp.beta is not None else torch.ones_like(inp.g)
     state = inp.initial_state
     position = state.positions.tolist()[0] if state is not None else 0
     levels = state.levels.float() if state is not None else None
-    o, final = core(q, k, inp.v, inp.g, beta, inp.level_scales, inp.scale, levels, position)
+    o, final = core(q, k, inp.v, inp.g, beta, inp.level_scales, inp.scale, levels, position, qk_l2norm=l2norm_qk)
     if not output_final_state:
         return o, None
     return o, FenwickState(final, torch.full((q.shape[0],), position + q.shape[1], dtype=torch.int64))
@@ -155,8 +161,8 @@ def triton_backend(
 
         return _BACKENDS["gated_deltanet"]["torch"](inp, output_final_state, chunk_size, use_qk_l2norm)
 
-    def core(q, k, v, g, beta, lam, scale, levels, position):
-        return gated_deltanet_core(q, k, v, g, beta, lam, scale, levels, position, chunk_size, dtype)
+    def core(q, k, v, g, beta, lam, scale, levels, position, qk_l2norm=False):
+        return gated_deltanet_core(q, k, v, g, beta, lam, scale, levels, position, chunk_size, dtype, qk_l2norm)
 
     one = inp.bounds is None and (inp.initial_state is None or len(set(inp.initial_state.positions.tolist())) == 1)
     if one:

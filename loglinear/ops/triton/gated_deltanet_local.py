@@ -25,15 +25,32 @@ The kernels
 read the op's layouts (q, k: [b, T, G, K] of group h // (H / G); v: [b, T, H, V]; g, beta: [b, T, H];
 lambda: [b, T, H, L]) with the chunk alignment (Chunking) as masks: no padded, expanded or flattened
 copies, and the backward writes the gradients in those layouts.
+
+With NORM (the op's use_qk_l2norm) the kernels that read q and k normalise their rows themselves, as
+loglinear.inputs.l2norm does:
+
+    r_t   = rsqrt(sum_k x[t, k]^2 + eps)   (fp32, from the loaded rows: a first pass over the K blocks, or
+                                           the sums of a loop that reads them anyway)
+    x_n   = r_t x_t
+
+so everything above uses q_n, k_n (the kernels' dq, dk are the gradients w.r.t. them). The row factors are
+not applied to the [C, K] tiles but joined with the factors the rows already get: the Grams' rows and
+columns (Q_n K_n^T = diag(r_q) Q K^T diag(r_k)), e, f and beta e in the forward (qt = e r_q q - ..., K~ =
+f r_k k, W~ = T (beta e r_k k)), the row sums of the [C, C] backward, and the columns / rows of dQK, dKK
+in the key backward (dQ_n = e dqt + (dQK Gamma) diag(r_k) K, ...). After the group sum the norm's backward
+dx = r (dx_n - x_n <x_n, dx_n>) runs in torch (l2norm_backward; [b, T, G, K]).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import triton
 import triton.language as tl
 
 from loglinear.fenwick import chunk_bits, intra_chunk_levels
+from loglinear.inputs import l2norm
 from loglinear.ops.triton.common import alloc, interpreting, next_pow2
 from loglinear.ops.triton.gated_deltanet_common import (
     Chunking, chunk_tokens, dot_dtype, dot_precision, load_tokens, store_tokens,
@@ -41,6 +58,16 @@ from loglinear.ops.triton.gated_deltanet_common import (
 from loglinear.ops.triton.intra import decay_matrix, intra_levels, level_weights
 
 LocalOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+QK_NORM_EPS: float = inspect.signature(l2norm).parameters["eps"].default  # the in-kernel norm's eps: l2norm's
+
+
+def l2norm_backward(x: torch.Tensor, dxn: torch.Tensor) -> torch.Tensor:
+    """Gradient w.r.t. x [..., K] of x_n = l2norm(x), given dxn = dL/dx_n [..., K]: r (dxn - x_n <x_n, dxn>),
+    r = rsqrt(sum x^2 + eps).  fp32, shape of x."""
+    x, dxn = x.float(), dxn.float()
+    r = torch.rsqrt((x * x).sum(-1, keepdim=True) + QK_NORM_EPS)
+    xn = x * r
+    return r * (dxn - xn * (xn * dxn).sum(-1, keepdim=True))
 
 
 def chunk_local_torch(q, k, v, g, beta, lam) -> LocalOut:
@@ -123,14 +150,31 @@ def _chunk_program(T, front, Tp, H, NG, C: tl.constexpr):
 
 
 @triton.jit
-def _gram(x, k, tok, valid, grp, NG, K, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
-          PREC: tl.constexpr, dt: tl.constexpr):
+def _row_norms(x, tok, valid, grp, NG, K, eps, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
+               NORM: tl.constexpr):
+    """[C] fp32: r_t = rsqrt(sum_k x[t, k]^2 + eps) of the chunk's rows of q or k [tokens, NG, K] (group grp)
+    when NORM (loglinear.inputs.l2norm; one pass over the NK column blocks of BK), else 1."""
+    r = tl.full([C], 1.0, tl.float32)
+    if NORM:
+        ss = tl.zeros([C], dtype=tl.float32)
+        for kb in range(NK):
+            x_b = load_tokens(x, tok, valid, grp, NG, K, kb * BK, BK, tl.float32)
+            ss += tl.sum(x_b * x_b, axis=1)
+        r = tl.rsqrt(ss + eps)
+    return r
+
+
+@triton.jit
+def _gram(x, rx, k, rk, tok, valid, grp, NG, K, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
+          PREC: tl.constexpr, dt: tl.constexpr, NORM: tl.constexpr):
     """X K^T [C, C] fp32 of the chunk's rows of x, k [tokens, NG, K] (group grp), in NK column blocks of BK
-    (operands in dt)."""
+    (operands in dt); when NORM of the rows scaled by rx, rk: the product's rows and columns scaled instead."""
     acc = tl.zeros([C, C], dtype=tl.float32)
     for kb in range(NK):
         k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt)
         acc += tl.dot(load_tokens(x, tok, valid, grp, NG, K, kb * BK, BK, dt), tl.trans(k_b), input_precision=PREC)
+    if NORM:
+        acc = acc * rx[:, None] * rk[None, :]
     return acc
 
 
@@ -153,16 +197,18 @@ def _chunk_levels(lam, tok, valid, h, H, L, causal, C: tl.constexpr, LOG_C: tl.c
 @triton.jit
 def _chunk_inverse_kernel(
     k, g, beta, tg,
-    T, front, Tp, H, NG,
-    K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr,
+    T, front, Tp, H, NG, eps,
+    K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
 ):
     """Chunk n of head bh (grid N x BH): T_g = (I + A)^-1 of A = strict_lower(beta_t Gamma[t, s] (k_t . k_s))
-    (unit_lower_inverse) -> tg: [BH, Tp, C] in the operand dtype (row t of the chunk: T_g[t, :]).
+    (unit_lower_inverse; k row-normalised when NORM) -> tg: [BH, Tp, C] in the operand dtype (row t of the
+    chunk: T_g[t, :]).
     Read by the forward and the backward; alone in its kernel so its dependent products run at a few
     programs per SM (few registers) instead of inside the register-heavy chunk kernels."""
     _, _, tok, valid, h, grp, rc, rows = _chunk_program(T, front, Tp, H, NG, C)
     b_c, _, gamma, _ = _chunk_gates(g, beta, tok, valid, h, H, C)
-    kk = _gram(k, k, tok, valid, grp, NG, K, C, BK, NK, PREC, tg.dtype.element_ty)
+    r_k = _row_norms(k, tok, valid, grp, NG, K, eps, C, BK, NK, NORM)
+    kk = _gram(k, r_k, k, r_k, tok, valid, grp, NG, K, C, BK, NK, PREC, tg.dtype.element_ty, NORM)
     A = tl.where(rc[:, None] > rc[None, :], b_c[:, None] * gamma * kk, 0.0)
     _put(tg, unit_lower_inverse(A, C, PREC), rows, C, 0, C)
 
@@ -170,18 +216,20 @@ def _chunk_inverse_kernel(
 @triton.jit
 def _chunk_local_kernel(
     q, k, v, g, beta, lam, tg, o, qt, wt, kt, u, qkg, decay,
-    T, front, Tp, N, H, NG, L,
+    T, front, Tp, N, H, NG, L, eps,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
-    BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr,
+    BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
 ):
     """Chunk n of head bh (grid N x BH).  Inputs in the op's layouts (any float dtype; module docstring) and
     T_g (tg: [BH, Tp, C], _chunk_inverse_kernel); outputs o: [BH, Tp, V] fp32, qt, wt, kt: [BH, Tp, K] and
     u: [BH, Tp, V] in the operand dtype, decay: [BH, N] fp32, and for the backward QK (qkg: [BH, Tp, C], operand
-    dtype). K and V are walked in blocks."""
+    dtype). K and V are walked in blocks; q and k row-normalised when NORM."""
     n, bh, tok, valid, h, grp, rc, rows = _chunk_program(T, front, Tp, H, NG, C)
     dt = qt.dtype.element_ty
     b_c, G, gamma, causal = _chunk_gates(g, beta, tok, valid, h, H, C)
-    qkd = (_gram(q, k, tok, valid, grp, NG, K, C, BK, NK, PREC, dt) * gamma).to(dt)
+    r_q = _row_norms(q, tok, valid, grp, NG, K, eps, C, BK, NK, NORM)
+    r_k = _row_norms(k, tok, valid, grp, NG, K, eps, C, BK, NK, NORM)
+    qkd = (_gram(q, r_q, k, r_k, tok, valid, grp, NG, K, C, BK, NK, PREC, dt, NORM) * gamma).to(dt)
     _put(qkg, qkd, rows, C, 0, C)
     lam_c = _chunk_levels(lam, tok, valid, h, H, L, causal, C, LOG_C)
     Tgd = _tile(tg, rows, C, 0, C)
@@ -189,13 +237,13 @@ def _chunk_local_kernel(
     e = tl.exp(G)
     f = tl.exp(G_last - G)
     P = (tl.dot(qkd, Tgd, input_precision=PREC) * b_c[None, :] * lam_c).to(dt)
-    for kb in range(NK):
+    for kb in range(NK):  # q_n = r_q q, k_n = r_k k: the row factors join e, f, beta e
         q_b = load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, dt).to(tl.float32)
         k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt).to(tl.float32)
-        w_b = tl.dot(Tgd, ((b_c * e)[:, None] * k_b).to(dt), input_precision=PREC)
+        w_b = tl.dot(Tgd, ((b_c * e * r_k)[:, None] * k_b).to(dt), input_precision=PREC)
         _put(wt, w_b, rows, K, kb * BK, BK)
-        _put(qt, e[:, None] * q_b - tl.dot(qkd, w_b.to(dt), input_precision=PREC), rows, K, kb * BK, BK)
-        _put(kt, f[:, None] * k_b, rows, K, kb * BK, BK)
+        _put(qt, (e * r_q)[:, None] * q_b - tl.dot(qkd, w_b.to(dt), input_precision=PREC), rows, K, kb * BK, BK)
+        _put(kt, (f * r_k)[:, None] * k_b, rows, K, kb * BK, BK)
     for vb in range(NV):
         v_b = load_tokens(v, tok, valid, h, H, V, vb * BV, BV, dt)
         _put(u, tl.dot(Tgd, (b_c[:, None] * v_b.to(tl.float32)).to(dt), input_precision=PREC), rows, V, vb * BV, BV)
@@ -230,16 +278,17 @@ def _store_level_sums(dlam, x, tok, valid, h, H, L, r_t, r_s, LOG_C: tl.constexp
 def _chunk_local_bwd_cc_kernel(
     q, k, v, g, beta, lam, tg, qkg, wt, do, dqt, dwt, du,
     dv, dbeta, dlam, scratch, dGp, dbk,
-    T, front, Tp, N, H, NG, L,
+    T, front, Tp, N, H, NG, L, eps,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
-    BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr,
+    BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
 ):
     """Backward, part 1, chunk n of head bh: everything of [C, C] size (T_g, QK and W~ read from the forward's
     tg, qkg and wt, the other blocks recomputed in fp32), dV, dbeta and dLambda.  Upstream: do: [BH, Tp, V]
     fp32, du: [BH, Tp, V], dqt, dwt: [BH, Tp, K] (operand dtype).  Outputs (valid tokens only, any float
     dtype): dv: [b, T, H, V], dbeta: [b, T, H], dlam: [b, T, H, L] (levels 0..c); for part 2: scratch
     [BH N, 2, C, C] (operand dtype) = dQK * Gamma, dKK + dKK^T, dGp [BH, Tp] fp32 (dG but for the K~ and
-    decay terms) and dbk = T^T dW [BH, Tp, K] (operand dtype; the gradient of bk).
+    decay terms) and dbk = T^T dW [BH, Tp, K] (operand dtype; the gradient of bk).  With NORM, Q and K are
+    the row-normalised q_n, k_n (module docstring).
     With P = (QK T) * beta_s * Lambda, QK = (Q K^T) * Gamma, bk = beta e K, bv = beta V (e = exp(G),
     f = exp(G_last - G)):
 
@@ -250,6 +299,7 @@ def _chunk_local_bwd_cc_kernel(
     """
     n, bh, tok, valid, h, grp, rc, rows = _chunk_program(T, front, Tp, H, NG, C)
     dt = dqt.dtype.element_ty  # the operand dtype: qt's gradient comes in qt's dtype
+    r_k = _row_norms(k, tok, valid, grp, NG, K, eps, C, BK, NK, NORM)
     b_c, G, gamma, causal = _chunk_gates(g, beta, tok, valid, h, H, C)
     Tg = _tile(tg, rows, C, 0, C)
     e = tl.exp(G)
@@ -280,22 +330,27 @@ def _chunk_local_bwd_cc_kernel(
     # keys: qt = e q - QK W~,  W~ = T bk (the forward's wt)
     de = tl.zeros([C], dtype=tl.float32)
     sbk = tl.zeros([C], dtype=tl.float32)
+    qq = tl.zeros([C], dtype=tl.float32)  # sum q^2: r_q from the loop's q blocks
     for kb in range(NK):
         k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt)
         dqt_b = _tile(dqt, rows, K, kb * BK, BK)
         dW_b = _tile(dwt, rows, K, kb * BK, BK).to(tl.float32) - _dot(tl.trans(qk), dqt_b, dt, PREC)
         dQK -= _dot(dqt_b, tl.trans(_tile(wt, rows, K, kb * BK, BK)), dt, PREC)
-        dT += _dot(dW_b, tl.trans((b_c * e)[:, None] * k_b.to(tl.float32)), dt, PREC)
-        q_b = load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, dt)
-        de += tl.sum(dqt_b.to(tl.float32) * q_b.to(tl.float32), axis=1)
+        dT += _dot(dW_b, tl.trans((b_c * e * r_k)[:, None] * k_b.to(tl.float32)), dt, PREC)
+        q_b = load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, tl.float32)
+        de += tl.sum(dqt_b.to(tl.float32) * q_b, axis=1)
+        qq += tl.sum(q_b * q_b, axis=1)
         dbk_b = _dot(tl.trans(Tg), dW_b, dt, PREC)
         _put(dbk, dbk_b, rows, K, kb * BK, BK)
         sbk += tl.sum(dbk_b * k_b.to(tl.float32), axis=1)
+    if NORM:  # (q_n = r_q q, k_n = r_k k: the row factors of the sums above)
+        de *= tl.rsqrt(qq + eps)
+    sbk *= r_k
     db += e * sbk
     de += b_c * sbk
     # T = (I + A)^-1,  A = strict(beta_t Gamma KK),  QK = QKraw * Gamma (K K^T formed here: not live in the loops)
     gamma = decay_matrix(G, causal)
-    Akk = gamma * _gram(k, k, tok, valid, grp, NG, K, C, BK, NK, PREC, dt)
+    Akk = gamma * _gram(k, r_k, k, r_k, tok, valid, grp, NG, K, C, BK, NK, PREC, dt, NORM)
     dA = -_dot(tl.trans(Tg), _dot(dT, tl.trans(Tg), dt, PREC), dt, PREC)
     dA = tl.where(rc[:, None] > rc[None, :], dA, 0.0)
     db += tl.sum(dA * Akk, axis=1)
@@ -312,12 +367,13 @@ def _chunk_local_bwd_cc_kernel(
 def _chunk_local_bwd_k_kernel(
     q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbk,
     dq, dk, dg,
-    T, front, Tp, N, H, NG,
-    K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr,
+    T, front, Tp, N, H, NG, eps,
+    K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
 ):
     """Backward, part 2, chunk n of head bh: the key-sized gradients from part 1's scratch, dGp and dbk.
     Upstream: dqt, dkt: [BH, Tp, K] (operand dtype), ddecay: [BH, N].  Outputs (valid tokens only, any float
-    dtype): dq, dk: [b, T, H, K] (per value head), dg: [b, T, H] (reverse cumsum of dG):
+    dtype): dq, dk: [b, T, H, K] (per value head; w.r.t. the row-normalised q_n, k_n when NORM), dg: [b, T, H]
+    (reverse cumsum of dG):
 
         dQ = e dqt + (dQK * Gamma) K;
         dK = (dQK * Gamma)^T Q + (dKK + dKK^T) K + beta e dbk + f dkt;  dG += -f rowsum(dkt K) + [last] dG_last
@@ -332,6 +388,13 @@ def _chunk_local_bwd_k_kernel(
     e = tl.exp(G)
     f = tl.exp(G_last - G)
     be = tl.load(beta + tok * H + h, mask=valid, other=0.0).to(tl.float32) * e
+    # q_n = r_q q, k_n = r_k k: the row factors scale the [C, C] factors' columns / rows and f
+    r_q = _row_norms(q, tok, valid, grp, NG, K, eps, C, BK, NK, NORM)
+    r_k = _row_norms(k, tok, valid, grp, NG, K, eps, C, BK, NK, NORM)
+    dQKq = (dQKr.to(tl.float32) * r_q[:, None]).to(dt)
+    dQKr = (dQKr.to(tl.float32) * r_k[None, :]).to(dt)
+    dKK = (dKK.to(tl.float32) * r_k[None, :]).to(dt)
+    f_k = f * r_k
     skt = tl.zeros([C], dtype=tl.float32)
     for kb in range(NK):
         q_b = load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, dt)
@@ -340,24 +403,25 @@ def _chunk_local_bwd_k_kernel(
         dkt_b = _tile(dkt, rows, K, kb * BK, BK).to(tl.float32)
         dq_b = e[:, None] * dqt_b.to(tl.float32) + _dot(dQKr, k_b, dt, PREC)
         store_tokens(dq, dq_b, tok, valid, h, H, K, kb * BK, BK)
-        dk_b = _dot(tl.trans(dQKr), q_b, dt, PREC) + _dot(dKK, k_b, dt, PREC)
+        dk_b = _dot(tl.trans(dQKq), q_b, dt, PREC) + _dot(dKK, k_b, dt, PREC)
         dk_b += be[:, None] * _tile(dbk, rows, K, kb * BK, BK).to(tl.float32) + f[:, None] * dkt_b
         store_tokens(dk, dk_b, tok, valid, h, H, K, kb * BK, BK)
-        skt += f * tl.sum(dkt_b * k_b.to(tl.float32), axis=1)
+        skt += f_k * tl.sum(dkt_b * k_b.to(tl.float32), axis=1)
     # K~ = f k, decay = exp(G_last); G = cumsum(g)
     dG_last = tl.sum(skt, axis=0) + tl.load(ddecay + bh * N + n).to(tl.float32) * tl.exp(G_last)
     dG = tl.load(dGp + rows) - skt + tl.where(rc == C - 1, dG_last, 0.0)
     tl.store(dg + tok * H + h, tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG, mask=valid)
 
 
-def _meta(ch: Chunking, K: int, V: int, G: int, L: int, dt: torch.dtype) -> dict:
+def _meta(ch: Chunking, K: int, V: int, G: int, L: int, dt: torch.dtype, norm: bool) -> dict:
     """Runtime sizes and constexprs of the chunk-local kernels: V in blocks of <= 64 columns; K in blocks of
-    kernel_meta's choice, at most BK_MAX (64 for fp32 operands: wider fp32 tiles spill KBs)."""
+    kernel_meta's choice, at most BK_MAX (64 for fp32 operands: wider fp32 tiles spill KBs); norm: q/k rows
+    normalised in the kernels (NORM, with l2norm's eps)."""
     BV = min(64, next_pow2(V))
     return dict(
-        T=ch.T, front=ch.front, Tp=ch.Tp, N=ch.N, H=ch.H, NG=G, L=L,
+        T=ch.T, front=ch.front, Tp=ch.Tp, N=ch.N, H=ch.H, NG=G, L=L, eps=QK_NORM_EPS,
         K=K, V=V, C=ch.C, LOG_C=chunk_bits(ch.C), BV=BV, NV=triton.cdiv(V, BV), PREC=dot_precision(dt),
-        BK_MAX=64 if dt == torch.float32 else 128,
+        NORM=norm, BK_MAX=64 if dt == torch.float32 else 128,
     )
 
 
@@ -390,11 +454,12 @@ def _launch(kernel, ch: Chunking, meta: dict, *tensors: torch.Tensor) -> None:
 class ChunkLocal(torch.autograd.Function):
     """The chunk-local stage: the inverse kernel (T_g, kept for the backward), the fused forward kernel, and
     two backward kernels (they recompute the other [C, C] blocks from the op's tensors, which the forward
-    saves as they are: no copies; q and k in the operand dtype, a cast only where they come in wider, e.g.
-    fp32 after the op's l2norm: the kernels would round them there anyway)."""
+    saves as they are: no copies; q and k in the operand dtype, a cast only where they come in wider: the
+    kernels would round them there anyway).  norm: q and k are row-normalised in the kernels (module
+    docstring); the backward applies the norm's gradient to the kernels' group-summed dq_n, dk_n."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, lam, ch: Chunking, dtype: torch.dtype):
+    def forward(ctx, q, k, v, g, beta, lam, ch: Chunking, dtype: torch.dtype, norm: bool):
         K, V, G, L = q.shape[-1], v.shape[-1], q.shape[2], lam.shape[-1]
         dt, dev, BH, Tp = dot_dtype(dtype), q.device, ch.BH, ch.Tp
         ctx.qk_dtypes = q.dtype, k.dtype
@@ -403,11 +468,11 @@ class ChunkLocal(torch.autograd.Function):
         qt, wt, kt = (alloc((BH, Tp, K), dt, dev) for _ in range(3))
         tg, qkg = alloc((BH, Tp, ch.C), dt, dev), alloc((BH, Tp, ch.C), dt, dev)
         decay = alloc((BH, ch.N), torch.float32, dev)
-        meta = _meta(ch, K, V, G, L, dt)
+        meta = _meta(ch, K, V, G, L, dt, norm)
         _launch(_chunk_inverse_kernel, ch, meta, k, g, beta, tg)
         _launch(_chunk_local_kernel, ch, meta, q, k, v, g, beta, lam, tg, o, qt, wt, kt, u, qkg, decay)
         ctx.save_for_backward(q, k, v, g, beta, lam, tg, qkg, wt)  # wt: the scan keeps it anyway
-        ctx.ch, ctx.dt = ch, dt
+        ctx.ch, ctx.dt, ctx.norm = ch, dt, norm
         return o, qt, wt, kt, u, decay
 
     @staticmethod
@@ -429,19 +494,23 @@ class ChunkLocal(torch.autograd.Function):
         scratch, dGp = alloc((ch.BH * ch.N, 2, ch.C, ch.C), dt, dev), alloc((ch.BH, ch.Tp), f32, dev)
         dbk = alloc((ch.BH, ch.Tp, K), dt, dev)
         do, dqt, dwt, dkt, du, ddecay = up
-        meta = _meta(ch, K, V, G, L, dt)
+        meta = _meta(ch, K, V, G, L, dt, ctx.norm)
         _launch(_chunk_local_bwd_cc_kernel, ch, meta, q, k, v, g, beta, lam, tg, qkg, wt, do, dqt, dwt, du, dv, dbeta,
                 dlam, scratch, dGp, dbk)
         _launch(_chunk_local_bwd_k_kernel, ch, meta, q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbk, dq, dk, dg)
         group = lambda x: x if G == H else x.view(b, T, G, H // G, K).sum(3, dtype=f32)  # noqa: E731
-        grads = [group(dq), group(dk), dv, dg, dbeta, dlam]
+        dq, dk = group(dq), group(dk)
+        if ctx.norm:
+            dq, dk = l2norm_backward(q, dq), l2norm_backward(k, dk)
+        grads = [dq, dk, dv, dg, dbeta, dlam]
         dtypes = (*ctx.qk_dtypes, v.dtype, g.dtype, beta.dtype, lam.dtype)
-        return (*[d.to(x) for d, x in zip(grads, dtypes)], None, None)
+        return (*[d.to(x) for d, x in zip(grads, dtypes)], None, None, None)
 
 
-def chunk_local(q, k, v, g, beta, lam, ch: Chunking, dtype: torch.dtype) -> LocalOut:
+def chunk_local(q, k, v, g, beta, lam, ch: Chunking, dtype: torch.dtype, qk_l2norm: bool = False) -> LocalOut:
     """The chunk-local stage with gradients (see ChunkLocal).  q, k: [b, T, G, K]; v: [b, T, H, V];
     g, beta: [b, T, H]; lam: [b, T, H, L] (any float dtypes, contiguous); ch: their chunking; dtype sets the
-    operand dtype (dot_dtype).  Returns o_intra [BH, Tp, V] fp32, qt, wt, kt [BH, Tp, K] and u [BH, Tp, V]
-    (operand dtype), decay [BH, N] fp32: chunk_local_torch's outputs of the padded chunks, flattened."""
-    return ChunkLocal.apply(*(x.contiguous() for x in (q, k, v, g, beta, lam)), ch, dtype)
+    operand dtype (dot_dtype); qk_l2norm: the kernels use l2norm(q), l2norm(k) (gradients w.r.t. q, k).
+    Returns o_intra [BH, Tp, V] fp32, qt, wt, kt [BH, Tp, K] and u [BH, Tp, V] (operand dtype), decay [BH, N]
+    fp32: chunk_local_torch's outputs of the padded chunks, flattened."""
+    return ChunkLocal.apply(*(x.contiguous() for x in (q, k, v, g, beta, lam)), ch, dtype, qk_l2norm)
