@@ -223,19 +223,40 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _run_backend(backend: str, x: dict, cot: tuple | None, **kw) -> tuple:
-    """(o, final levels, grads, seconds) of one backend; cot = (d_o, d_state) cotangents or None."""
+def _run_backend(backend: str, x: dict, cot: tuple | None, op: Callable = log_linear_mamba2, **kw) -> tuple:
+    """(o, final levels, grads, seconds) of op on one backend; cot = (d_o, d_state) cotangents or None."""
     os.environ["LOGLINEAR_BACKEND"] = backend
     try:
         leaves = {n: t.detach().clone().requires_grad_(cot is not None) for n, t in x.items()}
         t0 = time.time()
-        o, st = log_linear_mamba2(**leaves, output_final_state=True, **kw)
+        o, st = op(**leaves, output_final_state=True, **kw)
         if cot is not None:
             ((o.float() * cot[0]).sum() + (st.levels * cot[1]).sum()).backward()
         torch.cuda.synchronize()
         return o, st.levels, {n: t.grad for n, t in leaves.items()}, time.time() - t0
     finally:
         os.environ.pop("LOGLINEAR_BACKEND")
+
+
+# (K, V) of the MQAR models at d_model 16 and 64 (one head): session 11's GPU MQAR runs with them did not learn
+SMALL_HEADS = {"mamba2": ((64, 32), (64, 128)), "gdn": ((16, 32), (64, 128))}
+
+
+def check_small_heads(log: Callable[[str], None], variant: str, dtypes: list[torch.dtype]) -> None:
+    """Kernels vs the torch chunk path at the MQAR models' shapes (B = 64, T = 256, H = 1): o, state, all grads."""
+    gdn = variant == "gdn"
+    op, inputs, kw = ((log_linear_gated_deltanet, gdn_inputs, {"use_qk_l2norm": True}) if gdn
+                      else (log_linear_mamba2, make_inputs, {}))
+    for dtype in dtypes:
+        for K, V in SMALL_HEADS[variant]:
+            x = inputs(256, 64, 1, 1, K, V, dtype, seed=K + V)
+            o, st = op(**x, output_final_state=True, **kw)
+            cot = (torch.randn_like(o, dtype=torch.float32), torch.randn_like(st.levels))
+            o1, s1, g1, t1 = _run_backend("triton", x, cot, op, **kw)
+            o2, s2, g2, t2 = _run_backend("torch", x, cot, op, **kw)
+            errs = {"o": rel(o1, o2), "state": rel(s1, s2), **{f"d{n}": rel(g1[n], g2[n]) for n in g1}}
+            log(f"small heads {variant} {dtype} T=256 B=64 H=1 K={K} V={V}: rel err vs torch chunk path "
+                + " ".join(f"{k}={v:.2e}" for k, v in errs.items()) + f"  [triton {t1:.2f}s, torch {t2:.2f}s]")
 
 
 def check(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]) -> None:
@@ -355,7 +376,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-lift-fla-guard", action="store_true")
     ap.add_argument("--check", action="store_true", help="kernels vs torch chunk path, and a long sequence")
     ap.add_argument("--long-T", type=int, default=2**20)
-    ap.add_argument("--check-dtypes", nargs="+", default=["float32", "bfloat16"], help="dtypes of the mamba2 check")
+    ap.add_argument("--check-dtypes", nargs="+", default=["float32", "bfloat16"],
+                    help="dtypes of the mamba2 check and of both variants' small-heads check")
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--profile-T", type=int, default=0, help="profile our kernels at this T (0: no)")
     ap.add_argument("--shape", type=int, nargs=5, metavar=("B", "H", "G", "K", "V"), default=None,
@@ -378,11 +400,13 @@ def main(argv: list[str] | None = None) -> None:
             print(s, flush=True)
             lines.append(s)
 
+        dtypes = [getattr(torch, d) for d in args.check_dtypes]
         try:
+            check_small_heads(log, args.variant, dtypes)
             if args.variant == "gdn":
                 check_gdn(log, args.long_T)
             else:
-                check(log, args.long_T, [getattr(torch, d) for d in args.check_dtypes])
+                check(log, args.long_T, dtypes)
         except Exception as e:  # keep the log and go on to the timings
             log(f"check failed: {type(e).__name__}: {e}")
         finally:
