@@ -137,6 +137,14 @@ def build_gdn(impl: str, x: dict, H: int, G: int) -> tuple[Callable[[], torch.Te
     raise ValueError(f"unknown impl {impl!r}, expected one of {IMPLS_GDN}")
 
 
+def settle(fn: Callable[[], object], calls: int = 12) -> None:
+    """Run fn `calls` times before timing: the first ~8 calls at a fresh shape take several times longer
+    (results/fwd-timing-H200-s11.log), which a short do_bench warmup does not absorb."""
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+
+
 def measure(impl: str, T: int, dtype: torch.dtype, warmup: int, rep: int, variant: str = "mamba2") -> dict:
     """fwd_ms, fwdbwd_ms (medians) and peak_gib of one forward+backward."""
     p = SHAPE
@@ -149,6 +157,7 @@ def measure(impl: str, T: int, dtype: torch.dtype, warmup: int, rep: int, varian
     for t in leaves:
         t.requires_grad_(True)
     with torch.no_grad():
+        settle(fn)
         fwd = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
     out = fn()
     grad = torch.randn_like(out)
@@ -157,6 +166,7 @@ def measure(impl: str, T: int, dtype: torch.dtype, warmup: int, rep: int, varian
     def step():
         fn().backward(grad)
 
+    settle(step)
     fwdbwd = triton.testing.do_bench(step, warmup=warmup, rep=rep, grad_to_none=leaves, return_mode="median")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
