@@ -137,9 +137,21 @@ def expand_groups(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x if groups == num_heads else x.repeat_interleave(num_heads // groups, dim=2)
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+L2NORM_EPS = 1e-6  # of the in-op q/k normalisation, in torch and in the Triton kernels alike
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     """x / sqrt(sum x^2 + eps) over the last dim (the in-op q/k normalisation of Gated DeltaNet)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def l2norm_backward(x: torch.Tensor, dxn: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """Gradient w.r.t. x [..., K] of x_n = l2norm(x), given dxn = dL/dx_n [..., K]: r (dxn - x_n <x_n, dxn>),
+    r = rsqrt(sum x^2 + eps).  fp32, shape of x."""
+    x, dxn = x.float(), dxn.float()
+    r = torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+    xn = x * r
+    return r * (dxn - xn * (xn * dxn).sum(-1, keepdim=True))
 
 
 @dataclass

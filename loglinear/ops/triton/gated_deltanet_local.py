@@ -43,14 +43,12 @@ dx = r (dx_n - x_n <x_n, dx_n>) runs in torch (l2norm_backward; [b, T, G, K]).
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import triton
 import triton.language as tl
 
 from loglinear.fenwick import chunk_bits, intra_chunk_levels
-from loglinear.inputs import l2norm
+from loglinear.inputs import L2NORM_EPS, l2norm_backward
 from loglinear.ops.triton.common import alloc, interpreting, next_pow2
 from loglinear.ops.triton.gated_deltanet_common import (
     Chunking, chunk_tokens, dot_dtype, dot_precision, load_tokens, store_tokens,
@@ -58,16 +56,6 @@ from loglinear.ops.triton.gated_deltanet_common import (
 from loglinear.ops.triton.intra import decay_matrix, intra_levels, level_weights
 
 LocalOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-QK_NORM_EPS: float = inspect.signature(l2norm).parameters["eps"].default  # the in-kernel norm's eps: l2norm's
-
-
-def l2norm_backward(x: torch.Tensor, dxn: torch.Tensor) -> torch.Tensor:
-    """Gradient w.r.t. x [..., K] of x_n = l2norm(x), given dxn = dL/dx_n [..., K]: r (dxn - x_n <x_n, dxn>),
-    r = rsqrt(sum x^2 + eps).  fp32, shape of x."""
-    x, dxn = x.float(), dxn.float()
-    r = torch.rsqrt((x * x).sum(-1, keepdim=True) + QK_NORM_EPS)
-    xn = x * r
-    return r * (dxn - xn * (xn * dxn).sum(-1, keepdim=True))
 
 
 def chunk_local_torch(q, k, v, g, beta, lam) -> LocalOut:
@@ -419,7 +407,7 @@ def _meta(ch: Chunking, K: int, V: int, G: int, L: int, dt: torch.dtype, norm: b
     normalised in the kernels (NORM, with l2norm's eps)."""
     BV = min(64, next_pow2(V))
     return dict(
-        T=ch.T, front=ch.front, Tp=ch.Tp, N=ch.N, H=ch.H, NG=G, L=L, eps=QK_NORM_EPS,
+        T=ch.T, front=ch.front, Tp=ch.Tp, N=ch.N, H=ch.H, NG=G, L=L, eps=L2NORM_EPS,
         K=K, V=V, C=ch.C, LOG_C=chunk_bits(ch.C), BV=BV, NV=triton.cdiv(V, BV), PREC=dot_precision(dt),
         NORM=norm, BK_MAX=64 if dt == torch.float32 else 128,
     )
