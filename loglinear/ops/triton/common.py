@@ -58,6 +58,15 @@ def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     return out.fill_(float("nan")) if _POISON else out
 
 
+def group_sum(x: torch.Tensor, groups: int, dim: int) -> torch.Tensor:
+    """Gradients per value head -> per q/k group: x [..., H, K] with H on `dim` -> [..., groups, K], the
+    heads of each group summed in fp32 (x itself when groups == H)."""
+    heads = x.shape[dim]
+    if groups == heads:
+        return x
+    return x.unflatten(dim, (groups, heads // groups)).sum(dim + 1, dtype=torch.float32)
+
+
 def split_block(block: int) -> int:
     """The block a kernel splits a K or V tile of side ``block`` into (halves, >= 16 for tl.dot)."""
     return max(16, block // 2)

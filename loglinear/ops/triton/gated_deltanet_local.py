@@ -49,7 +49,7 @@ import triton.language as tl
 
 from loglinear.fenwick import chunk_bits, intra_chunk_levels
 from loglinear.inputs import L2NORM_EPS, l2norm_backward
-from loglinear.ops.triton.common import alloc, interpreting, next_pow2
+from loglinear.ops.triton.common import alloc, group_sum, interpreting, next_pow2
 from loglinear.ops.triton.gated_deltanet_common import (
     Chunking, chunk_tokens, dot_dtype, dot_precision, load_tokens, store_tokens,
 )
@@ -486,8 +486,7 @@ class ChunkLocal(torch.autograd.Function):
         _launch(_chunk_local_bwd_cc_kernel, ch, meta, q, k, v, g, beta, lam, tg, qkg, wt, do, dqt, dwt, du, dv, dbeta,
                 dlam, scratch, dGp, dbk)
         _launch(_chunk_local_bwd_k_kernel, ch, meta, q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbk, dq, dk, dg)
-        group = lambda x: x if G == H else x.view(b, T, G, H // G, K).sum(3, dtype=f32)  # noqa: E731
-        dq, dk = group(dq), group(dk)
+        dq, dk = group_sum(dq, G, 2), group_sum(dk, G, 2)
         if ctx.norm:
             dq, dk = l2norm_backward(q, dq), l2norm_backward(k, dk)
         grads = [dq, dk, dv, dg, dbeta, dlam]

@@ -31,7 +31,7 @@ from loglinear.inputs import OpInputs, expand_groups
 from loglinear.ops.torch_chunk import Mamba2Form, chunk_scan
 from loglinear.ops.torch_chunk.scan import _carry_past
 from loglinear.ops.triton.common import (
-    MAX_CHUNK_LEVELS, alloc, dot_precision, interpreting, launch_options, next_pow2,
+    MAX_CHUNK_LEVELS, alloc, dot_precision, group_sum, interpreting, launch_options, next_pow2,
 )
 from loglinear.ops.triton.mamba2_bwd import mamba2_bwd_scan_kernel
 from loglinear.ops.triton.mamba2_chunk import (
@@ -138,12 +138,6 @@ def _reverse_cumsum(x: torch.Tensor, plan: LevelScanPlan) -> torch.Tensor:
         if b > a:  # scan along the contiguous axis: torch's outer-dim scan is serial over H columns
             out[a:b] = x[a:b].t().flip(-1).contiguous().cumsum(-1).flip(-1).t()
     return out
-
-
-def _group_sum(x: torch.Tensor, G: int) -> torch.Tensor:
-    """[tokens, H, K] per value head -> [tokens, G, K], summed over each group's heads in fp32."""
-    tokens, H, K = x.shape
-    return x if G == H else x.view(tokens, G, H // G, K).sum(2, dtype=torch.float32).to(x.dtype)
 
 
 def _zero_prefixes(plan: LevelScanPlan, *xs: torch.Tensor) -> None:
@@ -267,7 +261,8 @@ class LevelScanMamba2(torch.autograd.Function):
         dg = _reverse_cumsum(d_gate, plan)
         _zero_prefixes(plan, out.dq, out.dk, out.dv, out.dlam)
         d_h0 = d_levels if plan.has_init else None
-        return _group_sum(out.dq, G), _group_sum(out.dk, G), out.dv, dg.to(g.dtype), out.dlam, d_h0, None
+        dq, dk = (group_sum(x, G, 1).to(q.dtype) for x in (out.dq, out.dk))
+        return dq, dk, out.dv, dg.to(g.dtype), out.dlam, d_h0, None
 
 
 def _last_chunk_levels(k, v, g, a: int, b: int, C: int, H: int) -> torch.Tensor:
