@@ -248,6 +248,18 @@ def _run_backend(backend: str, x: dict, cot: tuple | None, op: Callable = log_li
         os.environ.pop("LOGLINEAR_BACKEND")
 
 
+def _compare_backends(log: Callable[[str], None], label: str, x: dict, op: Callable = log_linear_mamba2,
+                      **kw) -> None:
+    """Log op's triton-vs-torch relative errors on inputs x: o, final state, every gradient (same cotangents)."""
+    o, st = op(**x, output_final_state=True, **kw)
+    cot = (torch.randn_like(o, dtype=torch.float32), torch.randn_like(st.levels))
+    o1, s1, g1, t1 = _run_backend("triton", x, cot, op, **kw)
+    o2, s2, g2, t2 = _run_backend("torch", x, cot, op, **kw)
+    errs = {"o": rel(o1, o2), "state": rel(s1, s2), **{f"d{n}": rel(g1[n], g2[n]) for n in g1}}
+    log(f"{label}: rel err vs torch chunk path " + " ".join(f"{k}={v:.2e}" for k, v in errs.items())
+        + f"  [triton {t1:.2f}s, torch {t2:.2f}s]")
+
+
 # (K, V) of the MQAR models at d_model 16 and 64 (one head): session 11's GPU MQAR runs with them did not learn
 SMALL_HEADS = {"mamba2": ((64, 32), (64, 128)), "gdn": ((16, 32), (64, 128))}
 
@@ -260,13 +272,7 @@ def check_small_heads(log: Callable[[str], None], variant: str, dtypes: list[tor
     for dtype in dtypes:
         for K, V in SMALL_HEADS[variant]:
             x = inputs(256, 64, 1, 1, K, V, dtype, seed=K + V)
-            o, st = op(**x, output_final_state=True, **kw)
-            cot = (torch.randn_like(o, dtype=torch.float32), torch.randn_like(st.levels))
-            o1, s1, g1, t1 = _run_backend("triton", x, cot, op, **kw)
-            o2, s2, g2, t2 = _run_backend("torch", x, cot, op, **kw)
-            errs = {"o": rel(o1, o2), "state": rel(s1, s2), **{f"d{n}": rel(g1[n], g2[n]) for n in g1}}
-            log(f"small heads {variant} {dtype} T=256 B=64 H=1 K={K} V={V}: rel err vs torch chunk path "
-                + " ".join(f"{k}={v:.2e}" for k, v in errs.items()) + f"  [triton {t1:.2f}s, torch {t2:.2f}s]")
+            _compare_backends(log, f"small heads {variant} {dtype} T=256 B=64 H=1 K={K} V={V}", x, op, **kw)
 
 
 def check(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]) -> None:
@@ -276,13 +282,7 @@ def check(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]) ->
     for dtype in dtypes:
         for T, B, H in ((8192, 2, 48), (3000, 1, 8)):
             x = make_inputs(T, B, H, p["G"], p["K"], p["V"], dtype, seed=T)
-            o, st = log_linear_mamba2(**x, output_final_state=True)
-            cot = (torch.randn_like(o, dtype=torch.float32), torch.randn_like(st.levels))
-            o1, s1, g1, t1 = _run_backend("triton", x, cot)
-            o2, s2, g2, t2 = _run_backend("torch", x, cot)
-            errs = {"o": rel(o1, o2), "state": rel(s1, s2), **{f"d{n}": rel(g1[n], g2[n]) for n in g1}}
-            log(f"{dtype} T={T} B={B} H={H} G=1 K=128 V=64 chunk=64: rel err vs torch chunk path "
-                + " ".join(f"{k}={v:.2e}" for k, v in errs.items()) + f"  [triton {t1:.2f}s, torch {t2:.2f}s]")
+            _compare_backends(log, f"{dtype} T={T} B={B} H={H} G=1 K=128 V=64 chunk=64", x)
     x = make_inputs(long_T, 1, 2, 1, 64, 64, torch.float32, seed=1)
     x["g"] = -(0.001 + 0.2 * torch.rand_like(x["g"]))
     o_ref, s_ref, _, _ = _run_backend("torch", x, None, chunk_size=512)
