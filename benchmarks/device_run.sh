@@ -45,13 +45,13 @@ case $PART in
     for be in triton torch; do
       for prec in bf16 fp32; do
         flag=$([ $prec = fp32 ] && echo --fp32)
-        LOGLINEAR_BACKEND=$be timeout 200 python benchmarks/diag_mqar_loss.py --arch ll_gated_deltanet --d-model 16 \
-          --lr 3e-3 --epochs 4 --train-examples 16000 $flag > "$R/mqar-gdn16-$be-$prec.log" 2>&1 &
+        LOGLINEAR_BACKEND=$be timeout 200 python benchmarks/diag_mqar_loss.py --archs ll_gated_deltanet --widths 16 \
+          --lrs 3e-3 --epochs 4 --train-examples 16000 $flag > "$R/mqar-gdn16-$be-$prec.log" 2>&1 &
       done
     done
-    LOGLINEAR_BACKEND=triton timeout 200 python benchmarks/diag_mqar_loss.py --arch ll_mamba2 --d-model 64 --lr 1e-2 \
+    LOGLINEAR_BACKEND=triton timeout 200 python benchmarks/diag_mqar_loss.py --archs ll_mamba2 --widths 64 --lrs 1e-2 \
       --epochs 4 --train-examples 16000 > "$R/mqar-m2d64-triton-bf16.log" 2>&1 &
-    LOGLINEAR_BACKEND=torch timeout 200 python benchmarks/diag_mqar_loss.py --arch ll_mamba2 --d-model 64 --lr 1e-2 \
+    LOGLINEAR_BACKEND=torch timeout 200 python benchmarks/diag_mqar_loss.py --archs ll_mamba2 --widths 64 --lrs 1e-2 \
       --epochs 4 --train-examples 16000 > "$R/mqar-m2d64-torch-bf16.log" 2>&1 &
     wait
     for f in "$R"/mqar-*.log; do echo "$(basename "$f"): $(grep -E '^(step|accuracy|non-finite)' "$f" | tail -3 | tr '\n' ' ')"; done

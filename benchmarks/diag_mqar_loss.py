@@ -3,13 +3,13 @@
 Session 11's GPU sweep left every recurrent model at ln(V/2) (no learning) and the GDN runs at d = 16 at NaN,
 while the same LL GDN run learns on the CPU with the torch path. Run it per backend and precision:
 
-    python benchmarks/diag_mqar_loss.py --arch ll_gated_deltanet --d-model 16 --lr 3e-3 --device cpu
-    LOGLINEAR_BACKEND=torch  python benchmarks/diag_mqar_loss.py --arch ll_gated_deltanet --d-model 16 --device cuda
-    LOGLINEAR_BACKEND=triton python benchmarks/diag_mqar_loss.py --arch ll_gated_deltanet --d-model 16 --device cuda
+    python benchmarks/diag_mqar_loss.py --archs ll_gated_deltanet --widths 16 --lrs 3e-3 --device cpu
+    LOGLINEAR_BACKEND=torch  python benchmarks/diag_mqar_loss.py --archs ll_gated_deltanet --widths 16 --lrs 3e-3
+    LOGLINEAR_BACKEND=triton python benchmarks/diag_mqar_loss.py --archs ll_gated_deltanet --widths 16 --lrs 3e-3
 
-The defaults are run_experiments.py's MQAR setting (seq 256, 4-64 KV pairs, vocab 8192, 20K examples, 8
-epochs of batch 64, chunk 64). bf16 autocast on CUDA (as the sweep), off with --fp32. Stops at the first
-non-finite loss and says where.
+Takes `loglinear mqar`'s arguments, defaulting to the GPU sweep's (mqar.GPU_SWEEP_ARGS: seq 256, 4-64 KV pairs,
+vocab 8192, 20K examples, 8 epochs of batch 64, chunk 64), and runs the first arch, width, seed and lr given.
+bf16 autocast on CUDA (as the sweep), off with --fp32. Stops at the first non-finite loss and says where.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import argparse
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loglinear.train.factory import ARCHS  # noqa: E402
-from loglinear.train.mqar import MQARRun, train_mqar  # noqa: E402
+from loglinear.train.mqar import GPU_SWEEP_ARGS, add_arguments, base_run, train_mqar  # noqa: E402
 
 
 class NonFinite(Exception):
@@ -34,19 +34,11 @@ class NonFinite(Exception):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", default="ll_gated_deltanet", choices=ARCHS)
-    p.add_argument("--d-model", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--epochs", type=int, default=8)
-    p.add_argument("--train-examples", type=int, default=20000)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_arguments(p)
     p.add_argument("--every", type=int, default=100, help="print the loss every this many steps")
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA")
-    a = p.parse_args()
-    run = MQARRun(a.arch, a.d_model, seed=a.seed, lr=a.lr, seq_len=256, kv_pairs=(4, 8, 16, 32, 64),
-                  vocab_size=8192, train_examples=a.train_examples, test_examples=1000, epochs=a.epochs,
-                  batch_size=64, chunk_size=64, device=a.device, bf16=not a.fp32)
+    a = p.parse_args(GPU_SWEEP_ARGS.split() + sys.argv[1:])
+    run = replace(base_run(a), arch=a.archs[0], d_model=a.widths[0], seed=a.seeds[0], lr=a.lrs[0], bf16=not a.fp32)
     t0 = time.perf_counter()
 
     def on_step(step: int, loss: torch.Tensor) -> None:

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from loglinear.data.text import prepare_corpus  # noqa: E402
 from loglinear.eval.command import lm_report, niah_report  # noqa: E402
+from loglinear.train.mqar import GPU_SWEEP_ARGS  # noqa: E402
 
 LM_ARCHS = ["ll_mamba2", "mamba2", "ll_gated_deltanet", "gated_deltanet", "transformer"]
 T0 = time.monotonic()
@@ -92,9 +93,7 @@ def main() -> None:
     p.add_argument("--niah-samples", type=int, default=4)
     p.add_argument("--eval-seconds", type=float, default=55, help="time kept for evaluation at the end")
     p.add_argument("--mqar-workers", type=int, default=8)
-    p.add_argument("--mqar-args", default="--widths 16 32 64 --seeds 0 1 --lrs 1e-2 3e-3 --seq-len 256 "
-                   "--kv-pairs 4 8 16 32 64 --vocab-size 8192 --train-examples 20000 --test-examples 1000 "
-                   "--epochs 8 --batch-size 64 --chunk-size 64")
+    p.add_argument("--mqar-args", default=GPU_SWEEP_ARGS, help="arguments of the `loglinear mqar` sweep")
     p.add_argument("--smoke", action="store_true", help="tiny sizes for a CPU check of the whole pipeline")
     a = p.parse_args()
     if a.smoke:

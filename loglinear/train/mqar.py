@@ -30,7 +30,7 @@ from loglinear.eval.report import ARCH_LABELS, ARCH_STYLE, markdown_table, pyplo
 from loglinear.train.factory import ARCHS, build_model, count_parameters, family, is_log_linear
 from loglinear.train.loop import cosine_schedule, lm_loss
 
-__all__ = ["MQARRun", "train_mqar", "sweep", "summarize", "add_arguments", "run"]
+__all__ = ["MQARRun", "GPU_SWEEP_ARGS", "train_mqar", "sweep", "summarize", "add_arguments", "base_run", "run"]
 
 
 @dataclass(frozen=True)
@@ -234,6 +234,12 @@ def report(rows: list[dict], out: Path, title: str) -> str:
     return md
 
 
+# The paper's setting on a GPU (seq 256, 4-64 KV pairs, widths 16/32/64) as `loglinear mqar` arguments
+GPU_SWEEP_ARGS = ("--widths 16 32 64 --seeds 0 1 --lrs 1e-2 3e-3 --seq-len 256 --kv-pairs 4 8 16 32 64 "
+                  "--vocab-size 8192 --train-examples 20000 --test-examples 1000 --epochs 8 --batch-size 64 "
+                  "--chunk-size 64")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--archs", nargs="+", default=list(ARCHS), choices=ARCHS)
     d = MQARRun("transformer", 0, 0, 0.0)
@@ -255,11 +261,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/mqar/mqar-cpu", help="output path stem: writes .json, .md, .png")
 
 
-def run(args: argparse.Namespace) -> int:
-    base = MQARRun(arch="transformer", d_model=0, seed=0, lr=0.0, seq_len=args.seq_len,
+def base_run(args: argparse.Namespace) -> MQARRun:
+    """The settings every run of the parsed arguments shares (arch, width, seed, lr left at placeholders)."""
+    return MQARRun(arch="transformer", d_model=0, seed=0, lr=0.0, seq_len=args.seq_len,
                    kv_pairs=tuple(args.kv_pairs), vocab_size=args.vocab_size, n_layers=args.layers,
                    train_examples=args.train_examples, test_examples=args.test_examples, epochs=args.epochs,
                    batch_size=args.batch_size, chunk_size=args.chunk_size, device=args.device)
+
+
+def run(args: argparse.Namespace) -> int:
+    base = base_run(args)
     # seed-major order: a time limit leaves whole seeds, every model and width covered
     runs = [replace(base, arch=a, d_model=d, seed=s, lr=lr)
             for s, lr, d, a in itertools.product(args.seeds, args.lrs, args.widths, args.archs)]
