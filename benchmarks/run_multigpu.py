@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from loglinear.data.text import prepare_corpus  # noqa: E402
+from loglinear.eval.report import markdown_table, pyplot  # noqa: E402
 
 # NVLink multicast stays off in every process (KINDS.md: using it can take the host's shared GPUs down).
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -363,18 +364,13 @@ def markdown(doc: dict) -> str:
     for part, (title, cols) in TABLES.items():
         rows = [r for r in doc["rows"] if r["part"] == part]
         if rows:
-            lines += [f"## {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-            lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows] + [""]
+            lines += [f"## {title}", "", markdown_table(cols, [[_fmt(r.get(c)) for c in cols] for r in rows])]
     return "\n".join(lines)
 
 
 def plot(doc: dict, path: Path) -> None:
     """Loss curves and scaling efficiency (fsdp); throughput per GPU and overhead share vs T (cp_long)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = [r for r in doc["rows"] if not r.get("error")]
     fsdp = [r for r in rows if r["part"] == "fsdp"]
     long = [r for r in rows if r["part"] == "cp_long" and "tok_per_s" in r]
