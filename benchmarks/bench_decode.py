@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from loglinear.eval.report import pyplot
 from loglinear.fenwick import levels_needed
 from loglinear.layers.mixer import MixerState
 from loglinear.models import (
@@ -352,11 +353,7 @@ def write_markdown(results: dict, path: str) -> None:
 
 
 def plot(results: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     batches = sorted({r["batch"] for r in results["rows"]})
     fig, axes = plt.subplots(2, len(batches), figsize=(6 * len(batches), 8), squeeze=False)
     for j, batch in enumerate(batches):

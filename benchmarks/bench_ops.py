@@ -36,6 +36,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loglinear import FenwickState, log_linear_gated_deltanet, log_linear_mamba2  # noqa: E402
+from loglinear.eval.report import pyplot  # noqa: E402
 from loglinear.fenwick import levels_needed  # noqa: E402
 
 IMPLS = ("loglinear", "loglinear_torch", "fla_log_linear", "fla_mamba2", "sdpa_flash")
@@ -206,11 +207,7 @@ def write_results(rows: list[dict], meta: dict, out: Path, variant: str = "mamba
             )
             lines.append(f"| {t // 1024}K | " + " | ".join(ratio(o) for o in others) + " |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key in zip(axes, ("fwd_ms", "fwdbwd_ms")):
         for i in impls:
