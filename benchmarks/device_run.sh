@@ -1,20 +1,24 @@
 #!/bin/bash
-# The open device work of issues 3, 5 and 6 as two calls of under 10 minutes each on one H200.
+# The open device work of issues 3, 5 and 6 as two calls of under 10 minutes each on one H200, or as one call on a
+# two-GPU machine, each part on its own GPU with its own RESULTS:
+#   CUDA_VISIBLE_DEVICES=0 RESULTS=/tmp/r0 bash benchmarks/device_run.sh checks & CUDA_VISIBLE_DEVICES=1 RESULTS=/tmp/r1 bash benchmarks/device_run.sh bench
 #
 #   bash benchmarks/device_run.sh checks   # ~8 min: kernel checks (both variants, MQAR shapes first), MQAR diagnosis
 #   bash benchmarks/device_run.sh bench    # ~9 min: same-run benchmarks of both variants, profiles
 #
 # Run from the repository root. Results go to $RESULTS (default /tmp/device-results) as they come, and are packed into
-# $OUT/results.tgz (or $RESULTS/results.tgz) after every step, so a cut keeps what finished. FLA_WHEELS=<dir> installs the fla wheel first
+# $OUT/results-<part>.tgz (or under $RESULTS) after every step, so a cut keeps what finished. FLA_WHEELS=<dir> installs the fla wheel first
 # (the baselines; see the device README on carrying wheels). Every step has its own time limit, set from session
 # 11's timings on a fresh machine: fla compiles for >100 s at its first size, so our impl is timed first.
 set -u
 PART=${1:?usage: device_run.sh checks|bench}
 R=${RESULTS:-/tmp/device-results}
-PACK=${OUT:-$R}/results.tgz
+PACK=${OUT:-$R}/results-$PART.tgz
 mkdir -p "$R"
 if [ -n "${FLA_WHEELS:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$FLA_WHEELS"/*.whl
+  # installed once: on a two-GPU machine the parts run side by side (CUDA_VISIBLE_DEVICES=0 / 1)
+  [ -d /tmp/site/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$FLA_WHEELS"/*.whl
   export PYTHONPATH=$PWD:/tmp/site
 else
   export PYTHONPATH=$PWD
@@ -22,7 +26,7 @@ fi
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-pack() { tar czf /tmp/results.tgz -C "$R" --exclude results.tgz . && mv /tmp/results.tgz "$PACK"; }
+pack() { tar czf "/tmp/results-$PART.tgz" -C "$R" --exclude "results-*.tgz" . && mv "/tmp/results-$PART.tgz" "$PACK"; }
 step() {  # step <seconds> <log name> <command...>
   local limit=$1 name=$2
   shift 2
