@@ -4,6 +4,8 @@ Every case checks outputs, the final state and every gradient (q, k, v, g, level
 state levels) under random cotangents, with every kernel output buffer poisoned with NaN first.
 """
 
+import weakref
+
 import pytest
 import torch
 
@@ -170,6 +172,36 @@ def test_gradients_are_deterministic():
         o.square().sum().backward()
         grads.append([leaves[n].grad for n in x])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def _scan_node(o):
+    """The LevelScanMamba2 node (its autograd ctx) in o's graph."""
+    todo = [o.grad_fn]
+    while todo:
+        node = todo.pop()
+        if type(node).__name__ == "LevelScanMamba2Backward":
+            return node
+        todo += [f for f, _ in node.next_functions if f is not None]
+    raise AssertionError("no LevelScanMamba2 node in the graph")
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_backward_frees_the_buckets_and_runs_twice(with_state):
+    """The backward drops the forward's buckets after the dq kernel; a second backward through the
+    retained graph recomputes them and gives the same gradients."""
+    x = mamba2_args(make_inputs(1, 50, 1, 2, 16, 16, dtype=torch.float32))
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    state = _random_state(1, [21], 2, 16, 16).levels.float().requires_grad_() if with_state else None
+    o, _ = log_linear_mamba2(**leaves, chunk_size=16,
+                             initial_state=FenwickState(state, torch.tensor([21])) if with_state else None)
+    buckets = weakref.ref(_scan_node(o).saved.buckets)
+    loss = o.square().sum()
+    loss.backward(retain_graph=True)
+    assert buckets() is None
+    params = [*leaves.values()] + ([state] if with_state else [])
+    firsts = [t.grad.clone() for t in params]
+    loss.backward()
+    assert all(torch.equal(t.grad, 2 * first) for t, first in zip(params, firsts))
 
 
 def test_float64_uses_the_exact_torch_path():

@@ -14,7 +14,11 @@ Composition (all sequences of a call in one launch per kernel):
      dlambda (complete) and q.dq; a second one each merged level's gradient from its readers; the reverse
      scan (mamba2_bwd.py) only the transposed cascade, giving every deposit's gradient; a last chunk
      kernel dk and dv (in-chunk + deposit terms) and k.dk. dq / dk per value head in the operand dtype,
-     summed over the group's heads in fp32 here;
+     summed over the group's heads in fp32 here. Memory: the backward drops the buckets after the dq
+     kernel (their only reader there; a second backward recomputes them) and each per-head dq / dk and
+     the deposits' gradients once summed / read: at most one [NC, H, K, V] buffer and one per-head
+     [tokens, H, K] gradient are alive at a time (the peak: dD, per-head dk and dv during the dk / dv
+     kernel; benchmarks/NOTES.md);
   4. the final state = the last chunk's in-chunk buckets (torch, differentiable) + the scan's chunk levels.
 """
 
@@ -146,85 +150,122 @@ def _zero_prefixes(plan: LevelScanPlan, *xs: torch.Tensor) -> None:
             x[a:b] = 0
 
 
-@dataclass
-class _Grads:
-    """The backward's outputs per value head: dq, dk [tokens, H, K] (q's dtype: summed over a group's
-    heads in fp32 afterwards); dv [tokens, H, V] (v's dtype); dlam [tokens, H, L] (lam's dtype);
-    qdq = q.dq, kdk = k.dk [tokens, H] fp32 (from the kernels' fp32 dq, dk)."""
-
-    dq: torch.Tensor
-    dk: torch.Tensor
-    dv: torch.Tensor
-    dlam: torch.Tensor
-    qdq: torch.Tensor
-    kdk: torch.Tensor
-
-    @staticmethod
-    def alloc(q: torch.Tensor, v: torch.Tensor, lam: torch.Tensor) -> "_Grads":
-        (tokens, H, V), K, f32 = v.shape, q.shape[-1], torch.float32
-        return _Grads(alloc((tokens, H, K), q.dtype, q.device), alloc((tokens, H, K), q.dtype, q.device),
-                      alloc((tokens, H, V), v.dtype, q.device), alloc(tuple(lam.shape), lam.dtype, q.device),
-                      alloc((tokens, H), f32, q.device), alloc((tokens, H), f32, q.device))
+def _group_grad(x: torch.Tensor, groups: int, plan: LevelScanPlan) -> torch.Tensor:
+    """A kernel's per-value-head gradient x [tokens, H, K] -> [tokens, groups, K] in x's dtype: the torch
+    prefixes' rows zeroed, a group's heads summed in fp32 (x itself when groups == H)."""
+    _zero_prefixes(plan, x)
+    return group_sum(x, groups, 1).to(x.dtype)
 
 
-def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> tuple:
-    """The chunks' deposits, the chunk-level scan merging them (levels in/out, buckets, decays), then the
-    chunk kernel writing o. Returns what the backward needs: (chunk table, buckets [NC, H, K, V], decays
-    [NC, H, J])."""
-    BK, BV = _blocks(q, v)
-    sizes, L, (N, H) = _sizes(plan, q, v), lam.shape[-1], (len(plan.bos), v.shape[1])
-    table = plan.chunk_table(q.device)
-    NC = table.starts.numel()
-    buckets = alloc((NC, H, q.shape[-1], v.shape[-1]), q.dtype, q.device)  # deposits, then merged levels
-    decays = alloc((NC, H, plan.num_levels), torch.float32, q.device)
+def _merge_levels(k, v, g, levels, ranges, table: ChunkTable, plan: LevelScanPlan) -> tuple[torch.Tensor, ...]:
+    """The chunks' deposits, then the chunk-level scan merging them (levels [N, J, H, K, V] fp32: the initial
+    states in, the final ones out). -> buckets [NC, H, K, V] (k's dtype), decays [NC, H, J] fp32."""
+    BK, BV = _blocks(k, v)
+    (N, H), NC = (len(plan.bos), v.shape[1]), table.starts.numel()
+    buckets = alloc((NC, H, k.shape[-1], v.shape[-1]), k.dtype, k.device)  # deposits, then merged levels
+    decays = alloc((NC, H, plan.num_levels), torch.float32, k.device)
     if NC:
         mamba2_deposit_kernel[(NC, H)](
-            k, v, g, buckets, table.starts, table.ends, BK=BK, BV=BV, **sizes, **chunk_launch_options(4),
+            k, v, g, buckets, table.starts, table.ends, BK=BK, BV=BV, **_sizes(plan, k, v), **chunk_launch_options(4),
         )
-    BKS = _scan_rows(q, False)
-    mamba2_fwd_kernel[(N, H, triton.cdiv(q.shape[-1], BKS))](
-        g, levels, buckets, decays, *ranges, table.base, H=H, K=q.shape[-1], V=v.shape[-1], J=plan.num_levels,
+    BKS = _scan_rows(k, False)
+    mamba2_fwd_kernel[(N, H, triton.cdiv(k.shape[-1], BKS))](
+        g, levels, buckets, decays, *ranges, table.base, H=H, K=k.shape[-1], V=v.shape[-1], J=plan.num_levels,
         C=plan.chunk_size, BKS=BKS, BV=BV, BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, **launch_options(BKS, BV),
     )
-    if NC:
-        mamba2_chunk_fwd_kernel[(NC, H)](
-            q, k, v, g, lam, o, h0, buckets, decays, table.starts, table.ends, table.seqs, table.chunks, ranges[2],
-            plan.scale, L=L, J=plan.num_levels, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, BJ=MAX_CHUNK_LEVELS,
-            HAS_INIT=plan.has_init, **sizes, **chunk_launch_options(4, 2),
-        )
-    return table, buckets, decays
+    return buckets, decays
 
 
-def _backward(q, k, v, g, lam, h0, d_o, d_levels, ranges, saved, out: _Grads, plan: LevelScanPlan) -> None:
-    """Four launches: the chunk kernel for dq / dlambda / q.dq; the merged levels' gradients dB from their
-    readers; the reverse scan turning them into the deposits' gradients dD (d_levels: the final levels'
-    gradient in, the initial ones' out); the chunk kernel for dk / dv / k.dk with the deposit terms."""
-    table, buckets, decays = saved
+@dataclass
+class _Saved:
+    """What the backward needs besides save_for_backward's tensors: the chunk table, the merged levels
+    ``buckets`` [NC, H, K, V] (k's dtype; None once a backward took them) and the level decays [NC, H, J] fp32."""
+
+    table: ChunkTable
+    buckets: torch.Tensor | None
+    decays: torch.Tensor
+
+    def take_buckets(self, k, v, g, h0, ranges, plan: LevelScanPlan) -> torch.Tensor:
+        """The buckets, no longer held here, so the backward frees them after their only reader (the dq
+        kernel). A second backward through the graph (retain_graph=True) recomputes them from h0."""
+        buckets, self.buckets = self.buckets, None
+        if buckets is None:
+            levels = h0.detach().clone(memory_format=torch.contiguous_format)
+            buckets, _ = _merge_levels(k, v, g, levels, ranges, self.table, plan)
+        return buckets
+
+
+def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Saved:
+    """The deposits and the chunk-level scan (levels in/out), then the chunk kernel writing o."""
     BK, BV = _blocks(q, v)
-    sizes, L, (N, H) = _sizes(plan, q, v), lam.shape[-1], (len(plan.bos), v.shape[1])
-    LOG_C, NC = chunk_bits(plan.chunk_size), table.starts.numel()
-    d_buckets = alloc((NC, H, q.shape[-1], v.shape[-1]), q.dtype, q.device)  # dB, then dD in place
-    chunk, J = dict(L=L, LOG_C=LOG_C, BK=BK, BV=BV, **sizes), plan.num_levels
+    table = plan.chunk_table(q.device)
+    buckets, decays = _merge_levels(k, v, g, levels, ranges, table, plan)
+    NC = table.starts.numel()
     if NC:
-        mamba2_chunk_bwd_dq_kernel[(NC, H)](
-            q, k, v, g, lam, d_o, h0, buckets, decays, table.starts, table.ends, table.seqs, table.chunks,
-            ranges[2], plan.scale, out.dq, out.dlam, out.qdq, BL=next_pow2(L, minimum=32), BJ=MAX_CHUNK_LEVELS,
-            J=J, HAS_INIT=plan.has_init, **chunk, **chunk_launch_options(4, 2),
+        mamba2_chunk_fwd_kernel[(NC, v.shape[1])](
+            q, k, v, g, lam, o, h0, buckets, decays, table.starts, table.ends, table.seqs, table.chunks, ranges[2],
+            plan.scale, L=lam.shape[-1], J=plan.num_levels, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV,
+            BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, **_sizes(plan, q, v), **chunk_launch_options(4, 2),
         )
+    return _Saved(table, buckets, decays)
+
+
+def _chunk_sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, lam: torch.Tensor) -> dict:
+    """_sizes plus L, LOG_C and the whole blocks BK, BV: what every backward chunk kernel takes."""
+    BK, BV = _blocks(q, v)
+    return dict(L=lam.shape[-1], LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, **_sizes(plan, q, v))
+
+
+def _dq_grads(q, k, v, g, lam, h0, d_o, ranges, buckets, saved: _Saved, plan: LevelScanPlan) -> tuple:
+    """mamba2_chunk_bwd_dq_kernel, the only backward reader of the buckets.
+    -> dq [tokens, G, K] (q's dtype), dlam [tokens, H, L] (lam's dtype), q.dq [tokens, H] fp32 (per value head)."""
+    (tokens, H), K, L, table = v.shape[:2], q.shape[-1], lam.shape[-1], saved.table
+    dq = alloc((tokens, H, K), q.dtype, q.device)
+    dlam, qdq = alloc(tuple(lam.shape), lam.dtype, q.device), alloc((tokens, H), torch.float32, q.device)
+    if table.starts.numel():
+        mamba2_chunk_bwd_dq_kernel[(table.starts.numel(), H)](
+            q, k, v, g, lam, d_o, h0, buckets, saved.decays, table.starts, table.ends, table.seqs, table.chunks,
+            ranges[2], plan.scale, dq, dlam, qdq, BL=next_pow2(L, minimum=32), BJ=MAX_CHUNK_LEVELS,
+            J=plan.num_levels, HAS_INIT=plan.has_init, **_chunk_sizes(plan, q, v, lam), **chunk_launch_options(4, 2),
+        )
+    _zero_prefixes(plan, dlam)
+    return _group_grad(dq, q.shape[1], plan), dlam, qdq
+
+
+def _deposit_grads(q, g, lam, d_o, d_levels, ranges, saved: _Saved, plan: LevelScanPlan) -> torch.Tensor:
+    """The merged levels' gradients dB from their readers (mamba2_level_grad_kernel), then the reverse scan
+    turning them into the deposits' gradients dD, in place (d_levels: the final levels' gradient in, the
+    initial ones' out). -> dD [NC, H, K, V] (q's dtype)."""
+    (N, H), table, J = (len(plan.bos), d_o.shape[1]), saved.table, plan.num_levels
+    NC, chunk = table.starts.numel(), _chunk_sizes(plan, q, d_o, lam)
+    d_buckets = alloc((NC, H, q.shape[-1], d_o.shape[-1]), q.dtype, q.device)
+    if NC:
         mamba2_level_grad_kernel[(NC * H,)](
-            q, g, lam, d_o, decays, table.starts, table.ends, table.chunks, table.by_level, d_buckets, plan.scale,
-            J=J, BJ=MAX_CHUNK_LEVELS, **chunk, **chunk_launch_options(4, 3),
+            q, g, lam, d_o, saved.decays, table.starts, table.ends, table.chunks, table.by_level, d_buckets,
+            plan.scale, J=J, BJ=MAX_CHUNK_LEVELS, **chunk, **chunk_launch_options(4, 3),
         )
     BKS = _scan_rows(q, plan.has_init)  # initial states: the scan multiplies for their reads
     mamba2_bwd_scan_kernel[(N, H, triton.cdiv(q.shape[-1], BKS))](
-        q, g, lam, d_o, d_levels, d_buckets, *ranges, table.base, plan.scale, L=L, J=J, LOG_C=LOG_C, BKS=BKS, BV=BV,
-        BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, **sizes, **launch_options(BKS, BV),
+        q, g, lam, d_o, d_levels, d_buckets, *ranges, table.base, plan.scale, L=chunk["L"], J=J, LOG_C=chunk["LOG_C"],
+        BKS=BKS, BV=chunk["BV"], BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, **_sizes(plan, q, d_o),
+        **launch_options(BKS, chunk["BV"]),
     )
+    return d_buckets
+
+
+def _dkv_grads(q, k, v, g, lam, d_o, d_deposits, table: ChunkTable, plan: LevelScanPlan) -> tuple:
+    """mamba2_chunk_bwd_dkv_kernel (in-chunk + deposit terms). -> dk [tokens, G, K] (k's dtype),
+    dv [tokens, H, V] (v's dtype), k.dk [tokens, H] fp32 (per value head)."""
+    (tokens, H), K, NC = v.shape[:2], k.shape[-1], table.starts.numel()
+    dk, dv = alloc((tokens, H, K), k.dtype, k.device), alloc(tuple(v.shape), v.dtype, v.device)
+    kdk = alloc((tokens, H), torch.float32, k.device)
     if NC:
         mamba2_chunk_bwd_dkv_kernel[(NC, H)](
-            q, k, v, g, lam, d_o, d_buckets, table.starts, table.ends, plan.scale, out.dk, out.dv, out.kdk,
-            **chunk, **chunk_launch_options(4),
+            q, k, v, g, lam, d_o, d_deposits, table.starts, table.ends, plan.scale, dk, dv, kdk,
+            **_chunk_sizes(plan, q, v, lam), **chunk_launch_options(4),
         )
+    _zero_prefixes(plan, dv)
+    return _group_grad(dk, k.shape[1], plan), dv, kdk
 
 
 class LevelScanMamba2(torch.autograd.Function):
@@ -246,23 +287,26 @@ class LevelScanMamba2(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_o, d_final):
+        """Three stages, each freeing its largest input when it returns: the dq kernel (the buckets, whose
+        only reader it is), the deposits' gradients dD, the dk / dv kernel (dD)."""
         q, k, v, g, lam, h0, final = ctx.saved_tensors
-        plan: LevelScanPlan = ctx.plan
-        G = q.shape[1]
+        plan, saved, ranges = ctx.plan, ctx.saved, ctx.ranges
         d_o = torch.zeros_like(v) if d_o is None else d_o.to(v.dtype).contiguous()
         d_final = torch.zeros_like(final) if d_final is None else d_final.float().contiguous()
-        out = _Grads.alloc(q, v, lam)
+        buckets = saved.take_buckets(k, v, g, h0, ranges, plan)
+        dq, dlam, qdq = _dq_grads(q, k, v, g, lam, h0, d_o, ranges, buckets, saved, plan)
+        del buckets
         d_levels = d_final.clone()
-        _backward(q, k, v, g, lam, h0, d_o, d_levels, ctx.ranges, ctx.saved, out, plan)
-        d_gate = out.qdq - out.kdk
+        d_deposits = _deposit_grads(q, g, lam, d_o, d_levels, ranges, saved, plan)
+        dk, dv, kdk = _dkv_grads(q, k, v, g, lam, d_o, d_deposits, saved.table, plan)
+        del d_deposits
+        d_gate = qdq - kdk
         for n, (a, b) in enumerate(zip(plan.bos, plan.eos)):
             if b > a:
                 d_gate[b - 1] += (d_final[n] * final[n]).sum((0, 2, 3))
         dg = _reverse_cumsum(d_gate, plan)
-        _zero_prefixes(plan, out.dq, out.dk, out.dv, out.dlam)
         d_h0 = d_levels if plan.has_init else None
-        dq, dk = (group_sum(x, G, 1).to(q.dtype) for x in (out.dq, out.dk))
-        return dq, dk, out.dv, dg.to(g.dtype), out.dlam, d_h0, None
+        return dq, dk, dv, dg.to(g.dtype), dlam, d_h0, None
 
 
 def _last_chunk_levels(k, v, g, a: int, b: int, C: int, H: int) -> torch.Tensor:
