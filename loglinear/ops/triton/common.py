@@ -17,20 +17,27 @@ How a variant plugs in (mamba2_fwd.py / mamba2_bwd.py are the worked example):
   * ``intra_levels`` / ``level_weights`` (intra.py) build the in-chunk level mask Lambda[t, s].
   * ``launch_options`` picks num_warps / num_stages, with one fixed config under TRITON_INTERPRET=1 (no device
     queries, no autotune benchmarking on CPU tensors).
+  * ``run_padded`` runs a backend's kernels on heads zero-padded to ``min_head_dim`` (bf16/fp16 on CUDA: 64).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from loglinear.inputs import OpInputs
+from loglinear.state import FenwickState
 
 __all__ = [
     "SCAN_RUNTIME_ARGS", "MAX_CHUNK_LEVELS", "interpreting", "alloc", "next_pow2", "dot_precision",
     "launch_options", "set_poison", "split_block", "load_rows", "store_rows", "load_column", "pick",
-    "load_chunk_qk",
+    "load_chunk_qk", "min_head_dim", "pad_head_dims", "run_padded",
 ]
 
 _POISON = False
@@ -39,6 +46,8 @@ _POISON = False
 # K and V stay specialised (their divisibility gives vectorised loads).
 SCAN_RUNTIME_ARGS = ["tokens", "H", "G", "L", "J"]
 MAX_CHUNK_LEVELS = 32  # decay-vector length of the scans: T up to 2^32 chunks
+HALF_MIN_HEAD_DIM = 64  # narrowest K / V the bf16/fp16 kernels run at on CUDA (min_head_dim)
+FORCE_MIN_HEAD_DIM: int | None = None  # tests: pad heads to this width on any device and dtype
 
 
 def interpreting() -> bool:
@@ -89,6 +98,53 @@ def launch_options(block_k: int, block_v: int) -> dict[str, int]:
     if interpreting():
         return {"num_warps": 1, "num_stages": 1}
     return {"num_warps": 8 if block_k * block_v > 128 * 32 else 4, "num_stages": 2}
+
+
+def min_head_dim(dtype: torch.dtype, device: torch.device) -> int:
+    """The narrowest K and V the kernels get for operands of ``dtype`` on ``device`` (narrower heads are
+    zero-padded up to it by run_padded; 0: no padding).
+
+    bf16/fp16 on CUDA: 64. Measured 2026-11-29 on an H200 with torch 2.11 / triton 3.6
+    (``bench_ops.py --check``, B = 64, T = 256, H = G = 1, against the torch chunk path): with a head dim
+    below 64 (tile sides 16 / 32) the 16-bit kernels miscompute, Mamba-2 at K = 64, V = 32 gives NaN dk /
+    dg and dv 0.3 off, Gated DeltaNet at K = 16, V = 32 dk / dg / dbeta 5-7e-2 off; fp32, and bf16 with
+    K, V >= 64, are fine. fla guards a related Hopper miscompile (wgmma with N = 32) below triton 3.7.1;
+    not yet measured on newer triton or other GPUs, so the rule holds for every CUDA run.
+    FORCE_MIN_HEAD_DIM (tests: the padded path on CPU under the interpreter) overrides the rule."""
+    if FORCE_MIN_HEAD_DIM is not None:
+        return FORCE_MIN_HEAD_DIM
+    return HALF_MIN_HEAD_DIM if dtype in (torch.bfloat16, torch.float16) and device.type == "cuda" else 0
+
+
+def pad_head_dims(inp: OpInputs, K: int, V: int) -> OpInputs:
+    """inp with q, k [B, T, G, K0] zero-padded to K columns, v [B, T, H, V0] to V, the initial state's
+    levels [N, L, H, K0, V0] to [N, L, H, K, V] (F.pad: the gradients come back sliced; scale stays).
+
+    Exact for both variants: zero q / k columns add nothing to any q.k, k.k or row norm (GDN's l2norm),
+    so the padded state rows see the identity transition (GDN: (I - beta k k^T) is the identity there)
+    and no deposit; zero v columns deposit nothing; both stay 0 and feed only o's / the state's padded
+    columns, which run_padded drops."""
+    state = inp.initial_state
+    if state is not None:
+        levels = state.levels
+        state = FenwickState(F.pad(levels, (0, V - levels.shape[-1], 0, K - levels.shape[-2])), state.positions)
+    widen = lambda x, n: F.pad(x, (0, n - x.shape[-1]))  # noqa: E731
+    return dataclasses.replace(inp, q=widen(inp.q, K), k=widen(inp.k, K), v=widen(inp.v, V), initial_state=state)
+
+
+Kernels = Callable[[OpInputs], tuple[torch.Tensor, FenwickState | None]]
+
+
+def run_padded(inp: OpInputs, minimum: int, kernels: Kernels) -> tuple[torch.Tensor, FenwickState | None]:
+    """kernels(inp) -> (o [B, T, H, V], final state or None), with K and V below ``minimum`` zero-padded up
+    to it (pad_head_dims) and o and the state's levels [N, L, H, K, V] sliced back to the caller's K, V."""
+    K, V = inp.q.shape[-1], inp.v.shape[-1]
+    if min(K, V) >= minimum:
+        return kernels(inp)
+    o, state = kernels(pad_head_dims(inp, max(K, minimum), max(V, minimum)))
+    if state is not None:
+        state = FenwickState(state.levels[..., :K, :V].contiguous(), state.positions)
+    return o[..., :V].contiguous(), state
 
 
 @triton.jit

@@ -29,7 +29,7 @@ from loglinear.fenwick import bit_length, carry_target, chunk_bits, levels_neede
 from loglinear.inputs import OpInputs, expand_groups, l2norm, run_segments
 from loglinear.ops.torch_chunk.forms import GatedDeltaNetForm
 from loglinear.ops.torch_chunk.scan import _carry_past, _chunked, _final_levels, _level_scales_at, _pad_time
-from loglinear.ops.triton.common import interpreting
+from loglinear.ops.triton.common import interpreting, min_head_dim, run_padded
 from loglinear.ops.triton.gated_deltanet_common import Chunking, dot_dtype
 from loglinear.ops.triton.gated_deltanet_local import chunk_local
 from loglinear.ops.triton.gated_deltanet_scan import fenwick_delta_scan
@@ -152,7 +152,8 @@ def triton_backend(
 ) -> tuple[torch.Tensor, FenwickState | None]:
     """The registered "triton" backend of log_linear_gated_deltanet (CUDA, or CPU under TRITON_INTERPRET=1).
 
-    float64 inputs, K > 256, and CPU tensors without the interpreter go to the torch chunk path."""
+    float64 inputs, K > 256, and CPU tensors without the interpreter go to the torch chunk path; heads
+    narrower than min_head_dim run zero-padded."""
     dtype = inp.v.dtype
     if dtype not in SUPPORTED_DTYPES or inp.q.dtype not in SUPPORTED_DTYPES or inp.q.shape[-1] > MAX_K or (
         inp.q.device.type != "cuda" and not interpreting()
@@ -160,6 +161,15 @@ def triton_backend(
         from loglinear.ops.api import _BACKENDS
 
         return _BACKENDS["gated_deltanet"]["torch"](inp, output_final_state, chunk_size, use_qk_l2norm)
+    minimum = min_head_dim(dot_dtype(dtype), inp.q.device)
+    return run_padded(inp, minimum, lambda x: _run_kernels(x, output_final_state, chunk_size, use_qk_l2norm))
+
+
+def _run_kernels(
+    inp: OpInputs, output_final_state: bool, chunk_size: int, use_qk_l2norm: bool,
+) -> tuple[torch.Tensor, FenwickState | None]:
+    """triton_backend on the kernels, in v's dtype: (o [B, T, H, V], final state or None)."""
+    dtype = inp.v.dtype
 
     def core(q, k, v, g, beta, lam, scale, levels, position, qk_l2norm=False):
         return gated_deltanet_core(q, k, v, g, beta, lam, scale, levels, position, chunk_size, dtype, qk_l2norm)

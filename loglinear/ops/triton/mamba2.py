@@ -35,7 +35,8 @@ from loglinear.inputs import OpInputs, expand_groups
 from loglinear.ops.torch_chunk import Mamba2Form, chunk_scan
 from loglinear.ops.torch_chunk.scan import _carry_past
 from loglinear.ops.triton.common import (
-    MAX_CHUNK_LEVELS, alloc, dot_precision, group_sum, interpreting, launch_options, next_pow2,
+    MAX_CHUNK_LEVELS, alloc, dot_precision, group_sum, interpreting, launch_options, min_head_dim, next_pow2,
+    run_padded,
 )
 from loglinear.ops.triton.mamba2_bwd import mamba2_bwd_scan_kernel
 from loglinear.ops.triton.mamba2_chunk import (
@@ -353,12 +354,18 @@ class _Flat:
                     beta=torch.ones_like(g), lam=pick(self.lam))
 
 
+def _kernel_dtype(inp: OpInputs) -> torch.dtype:
+    """The kernels' operand dtype: q / k / v's when they agree, else fp32."""
+    dtype = inp.q.dtype if inp.q.dtype == inp.k.dtype == inp.v.dtype else torch.float32
+    if dtype == torch.bfloat16 and interpreting():
+        return torch.float32  # Triton's CPU interpreter (3.9) gets bf16 tl.dot wrong; GPUs run bf16
+    return dtype
+
+
 def _flatten(inp: OpInputs) -> _Flat:
     B, T, G, K = inp.q.shape
     H, V = inp.v.shape[2:]
-    dtype = inp.q.dtype if inp.q.dtype == inp.k.dtype == inp.v.dtype else torch.float32
-    if dtype == torch.bfloat16 and interpreting():
-        dtype = torch.float32  # Triton's CPU interpreter (3.9) gets bf16 tl.dot wrong; GPUs run bf16
+    dtype = _kernel_dtype(inp)
     bounds = inp.bounds if inp.bounds is not None else [n * T for n in range(B + 1)]
     state = inp.initial_state
     return _Flat(
@@ -439,13 +446,19 @@ def _final_state(flat: _Flat, aligned: _Aligned, final: torch.Tensor, C: int, n_
 
 def mamba2_triton(inp: OpInputs, output_final_state: bool, chunk_size: int, use_qk_l2norm: bool = False):
     """Backend "triton" for log_linear_mamba2 (see loglinear.ops.api.Backend); float64 and CPU tensors
-    outside the interpreter go to the torch path."""
+    outside the interpreter go to the torch path; heads narrower than min_head_dim run zero-padded."""
     if inp.q.dtype not in SUPPORTED_DTYPES or inp.v.dtype not in SUPPORTED_DTYPES or (
         inp.q.device.type != "cuda" and not interpreting()
     ):
         from loglinear.ops.api import _BACKENDS
 
         return _BACKENDS["mamba2"]["torch"](inp, output_final_state, chunk_size, use_qk_l2norm)
+    minimum = min_head_dim(_kernel_dtype(inp), inp.q.device)
+    return run_padded(inp, minimum, lambda x: _run_kernels(x, output_final_state, chunk_size))
+
+
+def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tuple[torch.Tensor, FenwickState | None]:
+    """mamba2_triton on the kernels: (o [B, T, H, V] in v's dtype, final state or None)."""
     C = kernel_chunk_size(chunk_size)
     flat = _flatten(inp)
     aligned = _align(flat, inp.initial_state, C, inp.scale)

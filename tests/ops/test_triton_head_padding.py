@@ -1,0 +1,143 @@
+"""Heads narrower than min_head_dim run zero-padded on both Triton backends (bf16/fp16 on CUDA: 64).
+
+The padded path is forced on CPU (common.FORCE_MIN_HEAD_DIM; fp32 under TRITON_INTERPRET=1) and checked
+against the float64 recurrent references: outputs, the final state and every gradient (q, k, v, g, beta,
+level_scales, initial state) under random cotangents, with every kernel output poisoned with NaN first.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from helpers import assert_close, make_inputs
+from loglinear import FenwickState, log_linear_gated_deltanet, log_linear_mamba2
+from loglinear import reference as R
+from loglinear.ops import api
+from loglinear.ops.triton import common
+
+pytestmark = pytest.mark.interpreter
+MIN_HEAD_DIM = 64  # forced on CPU: the GPU's width
+
+
+@dataclass(frozen=True)
+class Variant:
+    op: Callable
+    reference: Callable
+    names: tuple[str, ...]  # the op's tensor arguments
+    tol: float  # o and final state, fp32 kernels vs float64 (as in test_triton_<variant>.py)
+    grad_tol: float
+
+
+VARIANTS = {
+    "mamba2": Variant(log_linear_mamba2, R.log_linear_mamba2_recurrent, ("q", "k", "v", "g", "level_scales"),
+                      3e-5, 3e-5),
+    "gated_deltanet": Variant(log_linear_gated_deltanet, R.log_linear_gated_deltanet_recurrent,
+                              ("q", "k", "v", "g", "beta", "level_scales"), 2e-5, 2e-4),
+}
+
+
+@pytest.fixture(autouse=True)
+def padded_kernels(monkeypatch):
+    """The kernels (no torch fallback) with outputs poisoned, heads padded to MIN_HEAD_DIM; records the
+    widths (K, V) the kernels got."""
+    monkeypatch.setenv("LOGLINEAR_BACKEND", "triton")
+    monkeypatch.setattr(common, "FORCE_MIN_HEAD_DIM", MIN_HEAD_DIM)
+    widths = []
+    pad = common.pad_head_dims
+    monkeypatch.setattr(common, "pad_head_dims", lambda inp, K, V: widths.append((K, V)) or pad(inp, K, V))
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the triton backend fell back to the torch path")
+
+    for variant in VARIANTS:
+        monkeypatch.setitem(api._BACKENDS[variant], "torch", fail)
+    common.set_poison(True)
+    yield widths
+    common.set_poison(False)
+
+
+def _state(positions: list[int], H: int, K: int, V: int) -> FenwickState:
+    n_levels = max(positions).bit_length() + 2
+    return FenwickState(0.3 * torch.randn(len(positions), n_levels, H, K, V, dtype=torch.float64),
+                        torch.tensor(positions))
+
+
+def _compare(variant: Variant, x: dict, state: FenwickState | None, cu_seqlens: torch.Tensor | None, **kw) -> None:
+    """The fp32 kernels vs the float64 reference: o, final state, and the gradients of every input."""
+    x = {n: x[n] for n in variant.names}
+    ours = {n: t.float().requires_grad_() for n, t in x.items()}
+    ref = {n: t.clone().requires_grad_() for n, t in x.items()}
+    st_ours = st_ref = None
+    if state is not None:
+        st_ours = FenwickState(state.levels.float().requires_grad_(), state.positions)
+        st_ref = FenwickState(state.levels.clone().requires_grad_(), state.positions)
+    o, fs = variant.op(**ours, initial_state=st_ours, output_final_state=True, cu_seqlens=cu_seqlens,
+                       chunk_size=16, **kw)
+    o_ref, fs_ref = variant.reference(**ref, initial_state=st_ref, output_final_state=True, cu_seqlens=cu_seqlens,
+                                      **kw)
+    assert o.shape == o_ref.shape and o.is_contiguous() and fs.levels.shape == fs_ref.levels.shape
+    assert torch.equal(fs.positions, fs_ref.positions)
+    assert_close(o.double(), o_ref, variant.tol, "o")
+    assert_close(fs.levels.double(), fs_ref.levels, variant.tol, "final state")
+    d_o, d_s = torch.randn_like(o_ref), torch.randn_like(fs_ref.levels)
+    leaves_ref = [*ref.values()] + ([st_ref.levels] if state is not None else [])
+    leaves = [*ours.values()] + ([st_ours.levels] if state is not None else [])
+    grads_ref = torch.autograd.grad((o_ref * d_o).sum() + (fs_ref.levels * d_s).sum(), leaves_ref)
+    grads = torch.autograd.grad((o.double() * d_o).sum() + (fs.levels.double() * d_s).sum(), leaves)
+    for name, a, e in zip([*x, "initial_state"], grads, grads_ref):
+        assert a.shape == e.shape, f"d{name}: shape {tuple(a.shape)}, expected {tuple(e.shape)}"
+        assert_close(a.double(), e, variant.grad_tol, f"d{name}")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    "B, T, G, H, K, V, positions, cu, padded",
+    [
+        (2, 37, 1, 2, 8, 5, None, None, (64, 64)),  # T not a multiple of the chunk, both axes padded
+        (2, 41, 2, 4, 8, 12, [5, 32], None, (64, 64)),  # G < H, states at an unaligned and an aligned position
+        (1, 70, 1, 2, 8, 5, [17, 0, 48], [0, 3, 40, 70], (64, 64)),  # cu_seqlens with states
+        (1, 45, 1, 2, 72, 12, [21], None, (72, 64)),  # only V padded
+        (1, 30, 1, 1, 8, 66, None, None, (64, 66)),  # only K padded
+    ],
+)
+def test_padded_heads_match_reference(padded_kernels, variant, B, T, G, H, K, V, positions, cu, padded):
+    x = make_inputs(B, T, G, H, K=K, V=V, start=max(positions or [0]))
+    state = _state(positions, H, K, V) if positions else None
+    _compare(VARIANTS[variant], x, state, torch.tensor(cu) if cu else None)
+    assert padded_kernels == [padded]
+
+
+@pytest.mark.parametrize("positions", [None, [5, 5]])
+def test_padded_heads_with_qk_l2norm(padded_kernels, positions):
+    """Gated DeltaNet's in-op q/k normalisation (in the chunk-local kernels) sees the zero columns."""
+    x = make_inputs(2, 33, 1, 2, K=8, V=4, start=max(positions or [0]))
+    x["q"], x["k"] = 3 * x["q"], 3 * x["k"]
+    state = _state(positions, 2, 8, 4) if positions else None
+    _compare(VARIANTS["gated_deltanet"], x, state, None, use_qk_l2norm=True)
+    assert padded_kernels == [(64, 64)]
+
+
+def test_wide_heads_run_unpadded(padded_kernels):
+    x = make_inputs(1, 20, 1, 1, K=64, V=70)
+    _compare(VARIANTS["mamba2"], x, None, None)
+    assert padded_kernels == []
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_bad_inputs_still_name_the_argument(variant):
+    """Validation runs before the padding: the error names the caller's argument and its shape."""
+    x = {n: make_inputs(1, 20, 1, 2, K=8, V=5)[n] for n in VARIANTS[variant].names}
+    with pytest.raises(ValueError, match=r"initial_state.levels must be .*\[1, L, 2, 8, 5\]"):
+        VARIANTS[variant].op(**x, initial_state=_state([3], 2, 8, 4))
+    with pytest.raises(ValueError, match=r"k must match q's shape \(1, 20, 1, 8\)"):
+        VARIANTS[variant].op(**(x | {"k": x["k"][..., :6]}))
+
+
+def test_the_rule(monkeypatch):
+    """64 for 16-bit operands on CUDA (triton 3.6 / Hopper miscomputes narrower bf16 tiles), else no padding."""
+    monkeypatch.setattr(common, "FORCE_MIN_HEAD_DIM", None)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert common.min_head_dim(torch.bfloat16, cuda) == common.min_head_dim(torch.float16, cuda) == 64
+    assert common.min_head_dim(torch.float32, cuda) == common.min_head_dim(torch.bfloat16, cpu) == 0
