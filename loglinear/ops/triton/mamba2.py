@@ -24,6 +24,7 @@ Composition (all sequences of a call in one launch per kernel):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -86,25 +87,36 @@ class LevelScanPlan:
     scale: float
 
     def device_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """bos, eos, chunk0 as int32 [N] tensors on ``device`` (one host-to-device copy)."""
-        packed = torch.tensor([self.bos, self.eos, self.chunk0], dtype=torch.int32).to(device, non_blocking=True)
-        return packed[0], packed[1], packed[2]
+        """bos, eos, chunk0 as int32 [N] tensors on ``device`` (cached, see _tables)."""
+        return _tables(tuple(self.bos), tuple(self.eos), tuple(self.chunk0), self.chunk_size, device)[0]
 
     def chunk_table(self, device: torch.device) -> ChunkTable:
-        """Every kernel chunk of every sequence, in sequence order (see ChunkTable)."""
-        C = self.chunk_size
-        counts = torch.tensor([triton.cdiv(b - a, C) for a, b in zip(self.bos, self.eos)], dtype=torch.long)
-        seqs = torch.repeat_interleave(torch.arange(len(self.bos)), counts)
-        base = torch.cumsum(counts, 0) - counts
-        local = torch.arange(len(seqs)) - base[seqs]
-        starts = torch.tensor(self.bos, dtype=torch.long)[seqs] + local * C
-        chunks = torch.tensor(self.chunk0, dtype=torch.long)[seqs] + local
-        merged = ((chunks + 1) & -(chunks + 1)).log2()  # the level merged after each chunk: ctz(chunk + 1)
-        by_level = torch.argsort(merged, descending=True, stable=True)
-        packed = torch.cat([starts, torch.tensor(self.eos, dtype=torch.long)[seqs], seqs, chunks, by_level, base])
-        packed = packed.to(torch.int32).to(device, non_blocking=True)
-        NC = len(seqs)
-        return ChunkTable(*packed[: 5 * NC].view(5, NC), packed[5 * NC :])
+        """Every kernel chunk of every sequence, in sequence order (see ChunkTable; cached, see _tables)."""
+        return _tables(tuple(self.bos), tuple(self.eos), tuple(self.chunk0), self.chunk_size, device)[1]
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(bos: tuple[int, ...], eos: tuple[int, ...], chunk0: tuple[int, ...], C: int, device: torch.device
+            ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ChunkTable]:
+    """The plan's index tensors on ``device``: (bos, eos, chunk0) int32 [N] and the ChunkTable.
+
+    Built on the host and copied once per distinct plan: repeated calls at the same shapes (training, decoding
+    prefills, benchmarks) reuse them, so a call does no host-to-device copy and no host tensor work (on the
+    H200, a contended host took ~2 ms per call for this table alone: results/diag-host-H200-s12.log)."""
+    counts = torch.tensor([triton.cdiv(b - a, C) for a, b in zip(bos, eos)], dtype=torch.long)
+    seqs = torch.repeat_interleave(torch.arange(len(bos)), counts)
+    base = torch.cumsum(counts, 0) - counts
+    local = torch.arange(len(seqs)) - base[seqs]
+    starts = torch.tensor(bos, dtype=torch.long)[seqs] + local * C
+    chunks = torch.tensor(chunk0, dtype=torch.long)[seqs] + local
+    merged = ((chunks + 1) & -(chunks + 1)).log2()  # the level merged after each chunk: ctz(chunk + 1)
+    by_level = torch.argsort(merged, descending=True, stable=True)
+    packed = torch.cat([torch.tensor([bos, eos, chunk0], dtype=torch.long).flatten(), starts,
+                        torch.tensor(eos, dtype=torch.long)[seqs], seqs, chunks, by_level, base])
+    packed = packed.to(torch.int32).to(device)
+    N, NC = len(bos), len(seqs)
+    ranges, rows = packed[: 3 * N].view(3, N), packed[3 * N :]
+    return (ranges[0], ranges[1], ranges[2]), ChunkTable(*rows[: 5 * NC].view(5, NC), rows[5 * NC :])
 
 
 def _splits(dtype: torch.dtype) -> bool:
