@@ -300,3 +300,51 @@ def test_paper_head_dims_over_many_chunks(monkeypatch):
     assert_close(st.levels.double(), rst.levels, RTOL, "state")
     for n in x:
         assert_close(leaves[n].grad.double(), ref[n].grad, 10 * RTOL, f"d{n}")
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_no_final_state_skips_its_path(varlen, monkeypatch):
+    """output_final_state=False (the training default) never builds the final state (the torch forms of the
+    last chunk), plain call or varlen with states (run_segments); o and every gradient equal the call with
+    True."""
+    x = {n: t.float() for n, t in make_inputs(1, 45, 1, 2, K=8, V=4).items()}
+    cu = torch.tensor([0, 13, 45]) if varlen else None
+    state = _state(2, 8, 2, 8, 4, [3, 40], torch.float32) if varlen else None
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+
+    def run(final):
+        return triton_backend(check_inputs(*[leaves[n] for n in NAMES], None, state, cu, has_beta=True), final, 16, True)
+
+    o_full, _ = run(True)
+    want = torch.autograd.grad(o_full.sum(), list(leaves.values()))
+
+    def refuse(*args):
+        raise AssertionError("the final state was computed")
+
+    monkeypatch.setattr(gdn, "_final_levels", refuse)
+    o, st = run(False)
+    assert st is None
+    assert torch.equal(o, o_full)
+    for name, a, e in zip(NAMES, torch.autograd.grad(o.sum(), list(leaves.values())), want):
+        assert torch.equal(a, e), name
+
+
+def test_schedule_is_cached_per_shape(monkeypatch):
+    """Repeated calls at one shape reuse the scan's schedule (the same device tensors: no host-to-device copy
+    after the first call; the merge targets are built once too); another T gets its own, and both stay right."""
+    seen = []
+    apply = scan_module.FenwickDeltaScan.apply
+    monkeypatch.setattr(scan_module.FenwickDeltaScan, "apply", lambda *a: seen.append(a[8]) or apply(*a))
+    built = []  # per call: how often it built a tensor from Python values
+    tensor = torch.tensor
+    for T in (50, 50, 83, 50):
+        x = make_inputs(1, T, 1, 2, K=8, V=4)
+        built.append(0)
+        monkeypatch.setattr(torch, "tensor", lambda *a, **k: built.__setitem__(-1, built[-1] + 1) or tensor(*a, **k))
+        o, _ = log_linear_gated_deltanet(**{n: t.float() for n, t in x.items()}, chunk_size=16)
+        monkeypatch.setattr(torch, "tensor", tensor)
+        assert_close(o.double(), _reference(x)[0], RTOL, f"o (T = {T})")
+    assert seen[0] is seen[1] is seen[3] and seen[2] is not seen[0]
+    assert seen[0].lev is seen[1].lev and seen[0].merge is seen[3].merge
+    assert seen[2].bits != seen[0].bits
+    assert built[1] == built[3] == 0, built  # repeated shapes: no tensor built from host values

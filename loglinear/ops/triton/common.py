@@ -18,13 +18,18 @@ How a variant plugs in (mamba2_fwd.py / mamba2_bwd.py are the worked example):
   * ``launch_options`` picks num_warps / num_stages, with one fixed config under TRITON_INTERPRET=1 (no device
     queries, no autotune benchmarking on CPU tensors).
   * ``run_padded`` runs a backend's kernels on heads zero-padded to ``min_head_dim`` (bf16/fp16 on CUDA: 64).
+  * ``device_table`` puts a small index table built from Python values on the device without a synchronising
+    copy; ``table_cache`` memoises the functions that build them (a bounded LRU keyed by their arguments), so
+    that steady-state calls copy nothing from the host.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +42,7 @@ from loglinear.state import FenwickState
 __all__ = [
     "SCAN_RUNTIME_ARGS", "MAX_CHUNK_LEVELS", "interpreting", "alloc", "next_pow2", "dot_precision",
     "launch_options", "set_poison", "split_block", "load_rows", "store_rows", "load_column", "pick",
-    "load_chunk_qk", "min_head_dim", "pad_head_dims", "run_padded",
+    "load_chunk_qk", "min_head_dim", "pad_head_dims", "run_padded", "device_table", "table_cache", "TABLE_CACHE_SIZE",
 ]
 
 _POISON = False
@@ -48,6 +53,9 @@ SCAN_RUNTIME_ARGS = ["tokens", "H", "G", "L", "J"]
 MAX_CHUNK_LEVELS = 32  # decay-vector length of the scans: T up to 2^32 chunks
 HALF_MIN_HEAD_DIM = 64  # narrowest K / V the bf16/fp16 kernels run at on CUDA (min_head_dim)
 FORCE_MIN_HEAD_DIM: int | None = None  # tests: pad heads to this width on any device and dtype
+TABLE_CACHE_SIZE = 64  # entries of each table_cache: distinct shapes / positions a run cycles through
+
+Fn = TypeVar("Fn", bound=Callable)
 
 
 def interpreting() -> bool:
@@ -65,6 +73,23 @@ def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     """An uninitialised kernel output (NaN-filled when poisoning is on)."""
     out = torch.empty(shape, dtype=dtype, device=device)
     return out.fill_(float("nan")) if _POISON else out
+
+
+def device_table(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """values (a Python sequence, nested for more dims, or a CPU tensor) as a ``dtype`` tensor on ``device``.
+    On CUDA it is staged in pinned memory and copied without blocking the host (the caching host allocator
+    keeps the pinned block until the copy has run), so it does not synchronise as a pageable copy does."""
+    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def table_cache(maxsize: int = TABLE_CACHE_SIZE) -> Callable[[Fn], Fn]:
+    """Decorator: memoise a function of hashable arguments (ints, tuples, dtypes, devices) that builds small
+    host or device tables (functools.lru_cache, at most maxsize entries, least recently used dropped).
+    The cached results are shared between calls: callers must not modify them."""
+    return functools.lru_cache(maxsize=maxsize)
 
 
 def group_sum(x: torch.Tensor, groups: int, dim: int) -> torch.Tensor:

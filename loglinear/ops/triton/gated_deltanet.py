@@ -29,7 +29,7 @@ from loglinear.fenwick import bit_length, carry_target, chunk_bits, levels_neede
 from loglinear.inputs import OpInputs, expand_groups, l2norm, run_segments
 from loglinear.ops.torch_chunk.forms import GatedDeltaNetForm
 from loglinear.ops.torch_chunk.scan import _carry_past, _chunked, _final_levels, _level_scales_at, _pad_time
-from loglinear.ops.triton.common import interpreting, min_head_dim, run_padded
+from loglinear.ops.triton.common import interpreting, min_head_dim, run_padded, table_cache
 from loglinear.ops.triton.gated_deltanet_common import Chunking, dot_dtype
 from loglinear.ops.triton.gated_deltanet_local import chunk_local
 from loglinear.ops.triton.gated_deltanet_scan import fenwick_delta_scan
@@ -47,10 +47,21 @@ def kernel_chunk_size(chunk_size: int, dtype: torch.dtype, K: int) -> int:
     return min(max(chunk_size, 16), cap)
 
 
-def _merge_targets(c0: int, N: int) -> list[int]:
-    """Cascade target ctz(chunk + 1) after each chunk but the last (-1: no cascade).  [N]."""
+@table_cache()
+def _merge_targets(c0: int, N: int) -> tuple[int, ...]:
+    """Cascade target ctz(chunk + 1) after each chunk but the last (-1: no cascade).  [N]; cached (one tuple
+    object per (c0, N): the scan's schedule cache then finds it by identity)."""
     chunks = torch.arange(c0 + 1, c0 + N, dtype=torch.int64)
-    return (carry_target(chunks) - 1).tolist() + [-1]
+    return (*(carry_target(chunks) - 1).tolist(), -1)
+
+
+def _inter_level_scales(lam: torch.Tensor, ch: Chunking, c: int, J: int) -> torch.Tensor:
+    """lambda of the chunk levels c+1 .. c+J for every token of the padded chunks: lam [b, T, H, L] ->
+    [b H, Tp, J] fp32 (0 on padding tokens and for levels >= L, which only padding tokens would read)."""
+    part = lam[..., c + 1 : c + 1 + J].transpose(1, 2)  # [b, H, T, <= J]
+    out = torch.zeros(ch.b, ch.H, ch.Tp, J, dtype=torch.float32, device=lam.device)
+    out[:, :, ch.front : ch.front + ch.T, : part.shape[-1]] = part
+    return out.view(ch.BH, ch.Tp, J)
 
 
 def _last_chunk(x: torch.Tensor, ch: Chunking, norm: bool = False) -> torch.Tensor:
@@ -93,45 +104,60 @@ def _incoming_state(
 
 def gated_deltanet_core(
     q, k, v, g, beta, lam, scale: float, levels: torch.Tensor | None, position: int, chunk_size: int,
-    dtype: torch.dtype, qk_l2norm: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype: torch.dtype, qk_l2norm: bool = False, final: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows sharing the start ``position``.  q, k: [b, T, G, K] (G divides H); v: [b, T, H, V]; g, beta: [b, T, H];
     lam: [b, T, H, L] (any float dtypes); levels: [b, Ls, H, K, V] fp32 or None; dtype: the caller's dtype (the
     kernels' operand dtype and o's); qk_l2norm: q and k are l2norm'd in the chunk-local kernels (and in the
     last chunk's torch form), not here.  Returns o: [b, T, H, V] in dtype and the final levels
-    [b, max(Ls, levels_needed(end)), H, K, V] fp32."""
+    [b, max(Ls, levels_needed(end)), H, K, V] fp32 (final; else None, and nothing of them is computed)."""
     b, T, _, K = q.shape
-    H, V = v.shape[2:]
+    H = v.shape[2]
     C = kernel_chunk_size(chunk_size, dtype, K)
     c = chunk_bits(C)
     ch = Chunking(b, T, H, position % C, C)
     N, c0, end = ch.N, position // C, position + T
     o_intra, qt, wt, kt, u, decay = chunk_local(q, k, v, g, beta, lam, ch, dtype, qk_l2norm)
-    lc = _chunked(_pad_time(lam, ch.front, ch.Tp - ch.front - T), C)  # [b, H, N, C, L]
 
     J = max((end - 1) // C, 1).bit_length()
     partial = h0 = None
     if levels is not None:
         levels = _carry_past(levels, position) if position > 0 else levels
         J = max(J, levels.shape[1] - c - 1)
+        lc = _chunked(_pad_time(lam, ch.front, ch.Tp - ch.front - T), C)  # [b, H, N, C, L]
         partial, h0 = _incoming_state(levels, position, ch, J, lc, qt, o_intra)
 
-    lam_inter = _level_scales_at(lc, (c + 1 + torch.arange(J, device=q.device)).expand(C, -1))
     o, hN = fenwick_delta_scan(
-        qt, wt, kt, u, decay, lam_inter.reshape(b * H, ch.Tp, J), h0, o_intra, _merge_targets(c0, N), ch, scale,
-        dtype,
+        qt, wt, kt, u, decay, _inter_level_scales(lam, ch, c, J), h0, o_intra, _merge_targets(c0, N), ch, scale,
+        dtype, final,
     )
+    if not final:
+        return o, None
+    return o, _final_state(q, k, v, g, beta, hN, partial if N == 1 else None, ch, position, J, qk_l2norm,
+                           levels is not None)
+
+
+def _final_state(
+    q, k, v, g, beta, hN: torch.Tensor, partial: torch.Tensor | None, ch: Chunking, position: int, J: int,
+    qk_l2norm: bool, carried: bool,
+) -> torch.Tensor:
+    """The final levels [b, max(levels_needed(end), c + 1 + J if carried), H, K, V] fp32: the last chunk split
+    into token-level buckets (the torch path's form; q, k, v, g, beta as in gated_deltanet_core) and the
+    chunk-level states hN [b H, J, K, V]; partial [b, H, c+1, K, V]: the incoming in-chunk buckets when the
+    call is one chunk (else None); carried: an incoming state was given (its levels keep their width)."""
+    b, H, C, K, V = ch.b, ch.H, ch.C, hN.shape[-2], hN.shape[-1]
+    c, c0, end = chunk_bits(C), position // C, position + ch.T
     last = GatedDeltaNetForm(_last_chunk(q, ch, qk_l2norm), _last_chunk(k, ch, qk_l2norm),
                              *(_last_chunk(x, ch) for x in (v, g, beta)))
     H_levels = list(hN.view(b, H, J, K, V).unbind(2))
-    final = _final_levels(last, H_levels, partial if N == 1 else None, position, end, c0 + N - 1, 1, C, c)
-    n_final = max(levels_needed(end), c + 1 + J if levels is not None else 0)  # the incoming levels, widened
-    final = torch.nn.functional.pad(final, (0, 0, 0, 0, 0, 0, 0, max(0, n_final - final.shape[1])))[:, :n_final]
-    return o, final
+    final = _final_levels(last, H_levels, partial, position, end, c0 + ch.N - 1, 1, C, c)
+    n_final = max(levels_needed(end), c + 1 + J if carried else 0)  # the incoming levels, widened
+    return torch.nn.functional.pad(final, (0, 0, 0, 0, 0, 0, 0, max(0, n_final - final.shape[1])))[:, :n_final]
 
 
 def _run_one_segment(
-    inp: OpInputs, core: Callable[..., tuple[torch.Tensor, torch.Tensor]], output_final_state: bool, l2norm_qk: bool,
+    inp: OpInputs, core: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], output_final_state: bool,
+    l2norm_qk: bool,
 ) -> tuple[torch.Tensor, FenwickState | None]:
     """run_segments for the common call (no varlen, every row at one position) without its fp32 copies and
     q/k expansion: the kernels read the op's tensors (and normalise q/k themselves).  Returns (o, state) like
@@ -172,7 +198,10 @@ def _run_kernels(
     dtype = inp.v.dtype
 
     def core(q, k, v, g, beta, lam, scale, levels, position, qk_l2norm=False):
-        return gated_deltanet_core(q, k, v, g, beta, lam, scale, levels, position, chunk_size, dtype, qk_l2norm)
+        """gated_deltanet_core; the final levels only for output_final_state (else None: run_segments carries
+        nothing between segments, each starts from its own incoming state)."""
+        return gated_deltanet_core(q, k, v, g, beta, lam, scale, levels, position, chunk_size, dtype, qk_l2norm,
+                                   output_final_state)
 
     one = inp.bounds is None and (inp.initial_state is None or len(set(inp.initial_state.positions.tolist())) == 1)
     if one:

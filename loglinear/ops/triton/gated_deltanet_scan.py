@@ -46,13 +46,14 @@ so only one segment's dh snapshots exist at a time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.common import alloc, interpreting, next_pow2
+from loglinear.ops.triton.common import alloc, device_table, interpreting, next_pow2, table_cache
 from loglinear.ops.triton.gated_deltanet_common import Chunking, chunk_tokens, dot_precision, load_tokens, store_tokens
 
 
@@ -395,61 +396,68 @@ def _launch(num_warps: int = 8) -> dict[str, int]:
     return {"num_warps": 1, "num_stages": 1} if interpreting() else {"num_warps": num_warps, "num_stages": 2}
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Schedule:
     """What the scan needs to know about its chunks (the same for every head).  merge: [N], live, snap_at:
     [N + 1] int32 on the device (cascade target, live-level bitmask, first snapshot slot; entry N: the final
     states); lev: the live levels, chunk after chunk (chunk i's from snap_at[i]; one padding entry);
-    bits, at: live and snap_at on the host; slots: snapshot slots of chunks 0..N-1 per head."""
+    mask: [N + 1, J] bool on the device, the live levels entering each chunk; bits, at: live and snap_at on
+    the host; slots: snapshot slots of chunks 0..N-1 per head.  Shared by the calls with the same schedule
+    (see schedule): read only."""
 
     merge: torch.Tensor
     live: torch.Tensor
     snap_at: torch.Tensor
     lev: torch.Tensor
-    bits: list[int]
-    at: list[int]
+    mask: torch.Tensor
+    bits: tuple[int, ...]
+    at: tuple[int, ...]
     slots: int
 
-    def levels(self, i: int, J: int) -> list[int]:
-        """The levels live entering chunk i (i = N: the final states), ascending (their snapshot order)."""
-        return [j for j in range(J) if (self.bits[i] >> j) & 1]
+    def count(self, i: int) -> int:
+        """The number of levels live entering chunk i (i = N: the final states)."""
+        return self.bits[i].bit_count()
 
-    def level_mask(self, i: int, J: int) -> torch.Tensor:
-        """[J] bool: the levels live entering chunk i."""
-        return torch.tensor([(self.bits[i] >> j) & 1 == 1 for j in range(J)], device=self.live.device)
+    def level_index(self, i: int) -> torch.Tensor:
+        """[count(i)] int32 on the device: the levels live entering chunk i, ascending (their snapshot order)."""
+        return self.lev[self.at[i] : self.at[i] + self.count(i)]
 
 
-def schedule(merge: list[int], J: int, seeded: bool, device: torch.device) -> Schedule:
+@table_cache()
+def schedule(merge: tuple[int, ...], J: int, seeded: bool, device: torch.device) -> Schedule:
     """Live levels per chunk: a level holds a (possibly) nonzero state entering chunk i iff it is seeded by
     the initial states and no cascade has reached it yet, or a cascade moved keys into it and none has
     cleared it since (for a sequence from position 0: bit j of the chunk index). merge: [N] cascade targets
-    (-1 for the last chunk); seeded: the initial states may be nonzero (every level is live at chunk 0)."""
+    (-1 for the last chunk); seeded: the initial states may be nonzero (every level is live at chunk 0).
+    Cached per argument tuple: repeated calls get the same Schedule (no host-to-device copy)."""
     live, snap_at, alive, slots = [], [], (1 << J) - 1 if seeded else 0, 0
-    for m in merge + [-1]:
+    for m in (*merge, -1):
         live.append(alive)
         snap_at.append(slots)
         slots += bin(alive).count("1")
         if m >= 0:  # levels 0..m merge into m
             alive = (alive & ~((2 << m) - 1)) | (1 << m)
-    as_int = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     lev = [j for bits in live for j in range(J) if (bits >> j) & 1] + [0]
-    return Schedule(as_int(merge), as_int(live), as_int(snap_at), as_int(lev), live, snap_at, snap_at[-1])
+    mask = [[(bits >> j) & 1 == 1 for j in range(J)] for bits in live]
+    as_int = lambda x: device_table(x, torch.int32, device)  # noqa: E731
+    return Schedule(as_int(merge), as_int(live), as_int(snap_at), as_int(lev), device_table(mask, torch.bool, device),
+                    tuple(live), tuple(snap_at), snap_at[-1])
 
 
 class FenwickDeltaScan(torch.autograd.Function):
-    """(o, final states) = scan(qt, wt, kt, u, decay, lam, h0, o_intra, sched, ch, scale, dtype); see the module
-    docstring.
+    """(o, final states) = scan(qt, wt, kt, u, decay, lam, h0, o_intra, sched, ch, scale, dtype, final); see the
+    module docstring.
 
     qt, wt, kt: [BH, Tp, K] (the dot dtype); u: [BH, Tp, V] (dot dtype); decay: [BH, N] fp32;
     lam: [BH, Tp, J] fp32; h0: [BH, J, K, V] fp32 or None (zeros); o_intra: [BH, Tp, V] fp32;
     sched: schedule(merge, J, h0 is not None); ch: the chunking of the op's tokens.
-    Returns o: [b, T, H, V] in dtype (scale (o_intra + readouts) of the real tokens) and hN: [BH, J, K, V] fp32.
-    Only the live levels of each chunk are touched.
+    Returns o: [b, T, H, V] in dtype (scale (o_intra + readouts) of the real tokens) and hN: [BH, J, K, V] fp32
+    (None unless final).  Only the live levels of each chunk are touched.
     """
 
     @staticmethod
     def forward(ctx, qt, wt, kt, u, decay, lam, h0, o_intra, sched: Schedule, ch: Chunking, scale: float,
-                dtype: torch.dtype):
+                dtype: torch.dtype, final: bool):
         BH, Tp, K = qt.shape
         V, N, J = u.shape[-1], decay.shape[1], lam.shape[-1]
         BK, BV, NV = _blocks(K, V, qt.dtype)
@@ -469,8 +477,7 @@ class FenwickDeltaScan(torch.autograd.Function):
             )
         ctx.save_for_backward(qt, wt, kt, u, decay, lam, snap if keep else None)
         ctx.sched, ctx.ch, ctx.scale = sched, ch, scale
-        hN = torch.where(sched.level_mask(N - 1, J)[:, None, None], states, 0.0)
-        return o, hN
+        return o, torch.where(sched.mask[N - 1, :, None, None], states, 0.0) if final else None
 
     @staticmethod
     def backward(ctx, do, dhN):
@@ -490,8 +497,8 @@ class FenwickDeltaScan(torch.autograd.Function):
         for i1 in range(N, 0, -BWD_SEGMENT):  # segments of chunks, last first: dsnap holds one segment
             i0 = max(0, i1 - BWD_SEGMENT)
             base, tail = sched.at[i0], sched.at[i1]
-            dsnap = nan(BH, tail - base + len(sched.levels(i1, J)), K, V, dtype=dt)
-            dsnap[:, tail - base :] = dstates[:, sched.levels(i1, J)]
+            dsnap = nan(BH, tail - base + sched.count(i1), K, V, dtype=dt)
+            dsnap[:, tail - base :] = dstates.index_select(1, sched.level_index(i1))
             _scan_dh_kernel[(NV, BH)](
                 qt, wt, kt, decay, lam, sched.merge, sched.lev, sched.snap_at, do, dstates, dsnap, do_intra,
                 N, J, Tp, dsnap.shape[1], ch.T, ch.front, ch.H, ctx.scale, i0, i1,
@@ -506,18 +513,19 @@ class FenwickDeltaScan(torch.autograd.Function):
             qt, lam, sched.snap_at, sched.lev, snap, do_intra, dqt, dlam, J, Tp, sched.slots,
             K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec, **_launch(READOUT_BWD_WARPS),
         )
-        dh0 = torch.where(sched.level_mask(0, J)[:, None, None], dstates, 0.0) if ctx.needs_input_grad[6] else None
-        return dqt, dwt, dkt, du, dd, dlam, dh0, do_intra, None, None, None, None
+        dh0 = torch.where(sched.mask[0, :, None, None], dstates, 0.0) if ctx.needs_input_grad[6] else None
+        return dqt, dwt, dkt, du, dd, dlam, dh0, do_intra, None, None, None, None, None
 
 
 def fenwick_delta_scan(
-    qt, wt, kt, u, decay, lam, h0, o_intra, merge: list[int], ch: Chunking, scale: float, dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Functional form of FenwickDeltaScan (shapes there; merge: the N cascade targets, -1 last);
-    qt/wt/kt/u keep their (operand) dtype."""
-    sched = schedule(merge, lam.shape[-1], h0 is not None, qt.device)
+    qt, wt, kt, u, decay, lam, h0, o_intra, merge: Sequence[int], ch: Chunking, scale: float, dtype: torch.dtype,
+    final: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Functional form of FenwickDeltaScan (shapes there; merge: the N cascade targets, -1 last; final: return
+    the final states, else None); qt/wt/kt/u keep their (operand) dtype."""
+    sched = schedule(tuple(merge), lam.shape[-1], h0 is not None, qt.device)
     return FenwickDeltaScan.apply(
         qt.contiguous(), wt.contiguous(), kt.contiguous(), u.contiguous(), decay.float().contiguous(),
         lam.float().contiguous(), None if h0 is None else h0.float().contiguous(), o_intra.contiguous(),
-        sched, ch, scale, dtype,
+        sched, ch, scale, dtype, final,
     )
