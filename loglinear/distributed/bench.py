@@ -4,7 +4,9 @@
     python -m loglinear.distributed.bench --spawn 2 --T 4096                               # CPU, gloo
 
 Per repeat, all ranks synchronised: the single-device op on the whole sequence on rank 0 alone (unless
---no-single), then the context-parallel op on the shards; forward + backward. Reports medians in ms, the
+--no-single), with --shard-op the single-device op on every rank's own shard (no state: what the
+context-parallel op costs beyond it is its overhead), then the context-parallel op on the shards;
+forward + backward. Reports medians in ms (shard_op_ms, cp_ms: max over ranks), the
 time spent inside the cross-rank scans (forward and backward, max over ranks; it includes waiting for a
 slower partner rank), the scan's message size,
 peak memory per rank (CUDA) and, with --check, the max relative error of the shard outputs against the
@@ -41,6 +43,7 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--no-single", action="store_true", help="skip the single-device op (too long for one device)")
+    p.add_argument("--shard-op", action="store_true", help="also time the single-device op on each rank's shard")
     p.add_argument("--check", action="store_true", help="compare the shard outputs with the single-device op")
     p.add_argument("--spawn", type=int, default=0, help="spawn this many CPU processes with gloo (no torchrun)")
     p.add_argument("--out", default=None)
@@ -89,6 +92,13 @@ def _fwd_bwd(fn, tensors: list[torch.Tensor], device: torch.device) -> tuple[flo
     return time.perf_counter() - t0, o.detach()
 
 
+def _max_ms(seconds: float, device: torch.device) -> float:
+    """The largest of the ranks' times, in ms."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t) * 1e3
+
+
 def run(a: argparse.Namespace) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
@@ -102,13 +112,15 @@ def run(a: argparse.Namespace) -> dict | None:
     x = [t.to(device) for t in host] if needs_full else None
     del host
     timer = _ScanTimer()
-    single_ms, cp_ms, scan_ms, errors = [], [], [], []
+    single_ms, shard_ms, cp_ms, scan_ms, errors = [], [], [], [], []
     for _ in range(a.repeat + 1):  # the first round warms up
         ref = None
         if not a.no_single and rank == 0:
             seconds, ref = _fwd_bwd(lambda *t: single(*t, **kw), x, device)
             single_ms.append(seconds * 1e3)
         dist.barrier()
+        if a.shard_op:
+            shard_ms.append(_max_ms(_fwd_bwd(lambda *t: single(*t, **kw), shard, device)[0], device))
         timer.seconds = 0.0
         seconds, o = _fwd_bwd(lambda *t: cp(*t, **kw), shard, device)
         times = torch.tensor([seconds, timer.seconds], dtype=torch.float64, device=device)
@@ -134,7 +146,8 @@ def run(a: argparse.Namespace) -> dict | None:
     return {
         "variant": a.variant, "world": world, "T": a.T, "B": a.B, "H": a.H, "K": a.K, "V": a.V,
         "dtype": a.dtype, "chunk_size": a.chunk_size, "device": str(device), "backend": dist.get_backend(),
-        "torch": torch.__version__, "single_ms": med(single_ms), "cp_ms": med(cp_ms), "scan_ms": med(scan_ms),
+        "torch": torch.__version__, "single_ms": med(single_ms), "shard_op_ms": med(shard_ms), "cp_ms": med(cp_ms),
+        "scan_ms": med(scan_ms),
         "scan_rounds": (world - 1).bit_length(), "message_mb": (state_bytes + mat_bytes) / 1e6,
         "peak_mib_per_rank": peaks, "max_rel_err": max(e for e in errs) if a.check else None,
     }

@@ -11,6 +11,12 @@ Composition (every rank, on its own shard; the public op runs with any backend):
                 (ceil(log2 P) rounds of point-to-point messages, each O(L H K V) -- O(log T) states)
   5. output     op(shard, initial_state = incoming)  ->  o, exactly the single-process output
 
+The op calls get only the levels a state can hold at the shard's positions (levels_needed(p), when no
+initial state is given), and no state at all on a rank where every row starts fresh (rank 0 of a dense
+batch): a zero state would still put the kernels on their initial-state path (reads of every level
+above the shard's own in every chunk, a reverse scan with a GEMM per chunk on whole state tiles, the
+first chunk through the torch path at position 0), which costs time in proportion to the shard length.
+
 Backward mirrors it: autograd runs through both op calls and the transition, and the scan's backward
 is the reverse scan of the adjoint maps (scan.py). Gradients of the states entering each shard flow back
 to the ranks that produced them.
@@ -27,6 +33,7 @@ from loglinear.distributed.layout import ShardLayout, shard_layout
 from loglinear.distributed.local import decay_local_state
 from loglinear.distributed.scan import incoming_states
 from loglinear.distributed.transitions import decay_transition, delta_rule_transition
+from loglinear.fenwick import levels_needed
 from loglinear.inputs import check_inputs, expand_groups
 from loglinear.ops.api import log_linear_gated_deltanet, log_linear_mamba2
 from loglinear.state import FenwickState
@@ -78,6 +85,29 @@ def _base_levels(
     return torch.stack([zero if row is None else init[row] for row in layout.init_rows])
 
 
+def _op_levels_count(layout: ShardLayout, initial_state: FenwickState | None, num_levels: int) -> int:
+    """Levels of the op calls' states: all num_levels with an initial state (it may use them), else those a
+    state of sequences from position 0 can hold at the shard's positions (the rest are zero whatever the
+    inputs, and so is their contribution to any gradient)."""
+    if initial_state is not None:
+        return num_levels
+    return levels_needed(max(int(layout.positions.max()), 1))
+
+
+class _KeepInGraph(torch.autograd.Function):
+    """(o, unused) -> o, with ``unused`` in o's autograd graph (its gradient: None, read as zeros): the
+    cross-rank scan's backward, a collective, runs on this rank also when its op call did not read the
+    incoming state."""
+
+    @staticmethod
+    def forward(ctx, o: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
+        return o.view_as(o)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
 def _ending_state(final: FenwickState | None, layout: ShardLayout) -> FenwickState | None:
     if final is None or not layout.ending_rows:
         return None
@@ -103,22 +133,28 @@ def _context_parallel(
     layout = shard_layout(group, q, v, level_scales, cu_seqlens, positions)
     dtype = _compute_dtype(q, v)
     H, K, V, L = v.shape[2], q.shape[3], v.shape[3], level_scales.shape[3]
-    base = _base_levels(layout, initial_state, (L, H, K, V), dtype, q.device)
+    n = _op_levels_count(layout, initial_state, L)
+    base = _base_levels(layout, initial_state, (n, H, K, V), dtype, q.device)
+    fresh = initial_state is None and not layout.carries  # every row from position 0 with a zero state
     local_cu = layout.cu_seqlens.to(q.device) if layout.cu_seqlens is not None else None
     run = lambda levels, final: op(  # noqa: E731
-        *inputs, initial_state=FenwickState(levels, layout.positions), output_final_state=final,
-        cu_seqlens=local_cu, **op_kwargs,
+        *inputs, initial_state=None if levels is None else FenwickState(levels, layout.positions),
+        output_final_state=final, cu_seqlens=local_cu, **op_kwargs,
     )
     if local_state is not None and initial_state is None:
         local = local_state(layout, L)
     else:
-        local = run(base, True)[1].levels[layout.local_slice]
+        local = run(None if fresh else base, True)[1].with_levels(L).levels[layout.local_slice]
     R = layout.carried_rows
     mat_shape = (R, H, 1, 1) if scalar_transition else (R, H, K, K)
     with torch.autocast(q.device.type, enabled=False):  # boundary states stay in the state dtype under AMP
         mat = None if layout.reset else transition()
         incoming = incoming_states(local, mat, mat_shape, layout, group)
-    o, final = run(torch.cat([base[:R] + incoming, base[R:]]), output_final_state)
+    if fresh:
+        o, final = run(None, output_final_state)
+        o = _KeepInGraph.apply(o, incoming)
+    else:
+        o, final = run(torch.cat([base[:R] + incoming[:, :n], base[R:]]), output_final_state)
     return o, _ending_state(final, layout)
 
 

@@ -1,7 +1,8 @@
 """Context parallelism on CPU with gloo: 2 and 4 processes, float64, outputs and all gradients equal the
 single-process op (both variants, uneven shards, T_r = 1 shards, G < H, varlen across and inside shards,
 initial states, final states); on 4 processes also whole models under apply_context_parallel (logits and
-parameter gradients equal the single-process model's); on 2 processes the Triton backend (float32)."""
+parameter gradients equal the single-process model's); on 2 processes the Triton backend (float32, with and
+without initial states)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ TIMEOUT_S = 400  # a hang fails the test (gloo itself gives up after 60 s per ex
 
 
 def _triton_cases(lengths: list[int]) -> list[Case]:
-    """The Triton backend (float32, K = V = 16 for tl.dot), interpreted on the CPU."""
+    """The Triton backend (float32, K = V = 16 for tl.dot), interpreted on the CPU: with initial states, and
+    without (rank 0's op call then gets no state, rank 1's only the levels a state at its start can hold)."""
     return [
-        Case(f"{variant}-triton", variant, lengths, K=16, V=16, chunk_size=16, init_positions=[5, 12],
-             dtype=torch.float32, backend="triton")
-        for variant in ("mamba2", "gated_deltanet")
+        Case(f"{variant}-triton{'-state' if init else ''}", variant, lengths, K=16, V=16, chunk_size=16,
+             init_positions=init, dtype=torch.float32, backend="triton")
+        for variant in ("mamba2", "gated_deltanet") for init in ([5, 12], None)
     ]
 
 

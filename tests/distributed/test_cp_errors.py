@@ -33,6 +33,40 @@ def test_one_rank_is_the_op(one_rank):
     assert_close(final.levels, ref_final.with_levels(final.num_levels).levels, what="final state")
 
 
+def test_fresh_rank_calls_the_op_without_a_state(one_rank, monkeypatch):
+    """Rows that all start at position 0 with no initial state: the op gets no state (a zero one would put the
+    kernels on their initial-state path); the scan stays in the graph, so the backward still runs (and is exact)."""
+    from loglinear.distributed import ops
+
+    seen, op = [], ops.log_linear_gated_deltanet
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["initial_state"])
+        return op(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "log_linear_gated_deltanet", spy)
+    x = make_inputs(B=2, T=11, G=1, H=2, generator=torch.Generator().manual_seed(4))
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    context_parallel_log_linear_gated_deltanet(*leaves.values(), chunk_size=4)[0].square().sum().backward()
+    assert seen == [None, None], "the local state and the output call of a fresh rank take no initial state"
+    ref = {n: t.clone().requires_grad_() for n, t in x.items()}
+    loglinear.log_linear_gated_deltanet(*ref.values(), chunk_size=4)[0].square().sum().backward()
+    for n in x:
+        assert_close(leaves[n].grad, ref[n].grad, what=f"d{n}")
+
+
+@pytest.mark.parametrize("lengths, rank, expected", [([4096, 4096], 1, 13), ([5, 9, 1], 2, 5), ([7, 3], 0, 1)])
+def test_op_states_hold_only_the_levels_a_start_position_can_fill(lengths, rank, expected):
+    """Without an initial state, a shard starting at p gets levels_needed(p) levels (the state after tokens
+    0..p-1: levels 0..bit_length(p-1)); with one, all L."""
+    from loglinear.distributed.layout import _dense
+    from loglinear.distributed.ops import _op_levels_count
+
+    layout = _dense(lengths, rank, torch.zeros(2, dtype=torch.int64))
+    assert _op_levels_count(layout, None, 21) == expected
+    assert _op_levels_count(layout, FenwickState.zeros(2, 1, 4, 3), 21) == 21
+
+
 def test_bad_initial_state(one_rank):
     x = mamba2_args(make_inputs(B=2, T=6))
     with pytest.raises(TypeError, match="initial_state must be a FenwickState"):
