@@ -7,9 +7,10 @@ while the same LL GDN run learns on the CPU with the torch path. Run it per back
     LOGLINEAR_BACKEND=torch  python benchmarks/diag_mqar_loss.py --archs ll_gated_deltanet --widths 16 --lrs 3e-3
     LOGLINEAR_BACKEND=triton python benchmarks/diag_mqar_loss.py --archs ll_gated_deltanet --widths 16 --lrs 3e-3
 
-Takes `loglinear mqar`'s arguments, defaulting to the GPU sweep's (mqar.GPU_SWEEP_ARGS: seq 256, 4-64 KV pairs,
-vocab 8192, 20K examples, 8 epochs of batch 64, chunk 64), and runs the first arch, width, seed and lr given.
-bf16 autocast on CUDA (as the sweep), off with --fp32. Stops at the first non-finite loss and says where.
+Takes `loglinear mqar`'s arguments, defaulting to the GPU sweep's (`--preset gpu`, mqar.GPU_SWEEP_ARGS: seq 256,
+4-64 KV pairs, vocab 8192, 100K examples, batch 256, a step cap, the test set checked every --eval-every steps
+with early stop, chunk 64), and runs the first arch, width, seed and lr given. bf16 autocast on CUDA (as the
+sweep), off with --fp32. Stops at the first non-finite loss and says where; prints the periodic test accuracies.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ def main() -> None:
         row = train_mqar(run, on_step=on_step)
     except NonFinite as e:
         raise SystemExit(str(e)) from None
-    print(f"accuracy {row['accuracy']:.4f}, final loss {row['final_loss']:.4f}, {row['seconds']} s")
+    print(f"test accuracy at steps {row['evals']}")
+    print(f"accuracy {row['accuracy']:.4f} (by KV pairs {row['accuracy_by_kv']}), final loss {row['final_loss']:.4f}, "
+          f"{row['steps']} steps (stopped: {row['stopped']}), {row['seconds']} s")
 
 
 if __name__ == "__main__":

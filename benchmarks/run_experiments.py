@@ -1,7 +1,8 @@
 """All experiments of issue 6 on one machine, within a wall-clock budget (the device run):
 
-  1. the MQAR sweep (seq 256, 4-64 KV pairs, widths 16/32/64, seeds x learning rates), many small runs
-     packed concurrently in worker processes, no run started after its deadline;
+  1. the MQAR sweep (`loglinear mqar --preset gpu`: seq 256, 4-64 KV pairs, widths 16/32/64, seeds x
+     learning rates), many small runs packed concurrently in worker processes, no run started after its
+     budget, runs still training 60 s later stopped and evaluated;
   2. five language models (LL Mamba-2, Mamba-2, LL GDN, GDN, Transformer) trained concurrently on the
      Python standard library's source with the SAME token budget: a probe of --probe-steps steps (which
      also pays Triton's compilation), then the step budget that lets the slowest model finish before the
@@ -30,7 +31,6 @@ sys.path.insert(0, str(ROOT))
 
 from loglinear.data.text import prepare_corpus  # noqa: E402
 from loglinear.eval.command import lm_report, niah_report  # noqa: E402
-from loglinear.train.mqar import GPU_SWEEP_ARGS  # noqa: E402
 
 LM_ARCHS = ["ll_mamba2", "mamba2", "ll_gated_deltanet", "gated_deltanet", "transformer"]
 T0 = time.monotonic()
@@ -92,8 +92,8 @@ def main() -> None:
     p.add_argument("--niah-depths", nargs="+", type=float, default=[0.0, 0.5, 1.0])
     p.add_argument("--niah-samples", type=int, default=4)
     p.add_argument("--eval-seconds", type=float, default=55, help="time kept for evaluation at the end")
-    p.add_argument("--mqar-workers", type=int, default=8)
-    p.add_argument("--mqar-args", default=GPU_SWEEP_ARGS, help="arguments of the `loglinear mqar` sweep")
+    p.add_argument("--mqar-workers", type=int, default=8, help="MQAR runs at once (beside the LM trainers)")
+    p.add_argument("--mqar-args", default="--preset gpu", help="arguments of the `loglinear mqar` sweep")
     p.add_argument("--smoke", action="store_true", help="tiny sizes for a CPU check of the whole pipeline")
     a = p.parse_args()
     if a.smoke:
@@ -110,9 +110,9 @@ def main() -> None:
     end = T0 + a.budget
     train_end = end - a.eval_seconds
 
-    mqar = cli("mqar", "--device", a.device, "--workers", str(a.mqar_workers), "--max-seconds",
-               str(max(10, train_end - 40 - time.monotonic())), "--out", str(out / f"mqar-{a.tag}"),
-               *a.mqar_args.split(), log_to=logs / "mqar.log")
+    mqar = cli("mqar", *a.mqar_args.split(), "--device", a.device, "--workers", str(a.mqar_workers), "--budget",
+               str(max(10, train_end - 100 - time.monotonic())), "--grace", "60", "--out", str(out / f"mqar-{a.tag}"),
+               log_to=logs / "mqar.log")
     log("mqar sweep started")
 
     a.data_dir = str(ROOT / (a.data_dir or f"runs/data/{Path(a.corpus).name}-bpe4096"))  # trainers run in ROOT

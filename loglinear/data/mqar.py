@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["mqar_batch", "IGNORE_INDEX"]
+__all__ = ["mqar_batch", "query_targets", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
 
@@ -30,8 +30,27 @@ def _check(seq_len: int, num_kv_pairs: int, vocab_size: int) -> None:
 
 
 def _distinct(n: int, k: int, low: int, high: int, gen: torch.Generator) -> torch.Tensor:
-    """[n, k] int64: k distinct integers from [low, high) per row."""
-    return torch.rand(n, high - low, generator=gen).topk(k, dim=1).indices + low
+    """[n, k] int64: k distinct integers from [low, high) per row, uniformly (Floyd's algorithm over the rows
+    at once, then a random order): O(k) draws per row instead of O(high - low)."""
+    span, rows = high - low, torch.arange(n)
+    taken = torch.zeros(n, span, dtype=torch.bool)
+    out = torch.empty(n, k, dtype=torch.int64)
+    for i, j in enumerate(range(span - k, span)):
+        t = torch.randint(0, j + 1, (n,), generator=gen)
+        t = torch.where(taken[rows, t], j, t)
+        taken[rows, t] = True
+        out[:, i] = t
+    order = torch.rand(n, k, generator=gen).argsort(dim=1)
+    return out.gather(1, order) + low
+
+
+def query_targets(targets: torch.Tensor, num_queries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query positions of MQAR targets [N, T] and their values, padded to num_queries (>= every row's
+    count) per row: (positions [N, num_queries], values [N, num_queries], -100 in the padding). Lets a loss
+    read the LM head at these positions only (a gather of fixed shape, no host sync)."""
+    is_query = (targets != IGNORE_INDEX).to(torch.int8)
+    positions = is_query.argsort(dim=1, descending=True, stable=True)[:, :num_queries]
+    return positions, targets.gather(1, positions)
 
 
 def mqar_batch(

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from loglinear.data.mqar import IGNORE_INDEX, mqar_batch
+from loglinear.data.mqar import IGNORE_INDEX, _distinct, mqar_batch, query_targets
 
 
 @pytest.mark.parametrize("seq_len,kv,vocab", [(64, 4, 128), (256, 64, 8192), (32, 8, 40)])
@@ -51,3 +51,21 @@ def test_power_law_prefers_early_slots_and_filler_modes():
 def test_bad_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
         mqar_batch(4, seed=0, **kw)
+
+
+def test_query_targets_are_the_query_positions_padded():
+    _, y = mqar_batch(6, 64, 4, 128, seed=1)
+    pos, val = query_targets(y, 6)
+    assert pos.shape == val.shape == (6, 6)
+    for b in range(6):
+        where = (y[b] != IGNORE_INDEX).nonzero().flatten()
+        assert pos[b, :4].tolist() == where.tolist() and val[b, :4].tolist() == y[b, where].tolist()
+        assert (val[b, 4:] == IGNORE_INDEX).all()
+
+
+def test_distinct_is_uniform():
+    d = _distinct(60000, 3, 2, 8, torch.Generator().manual_seed(0))
+    assert all(len(set(r)) == 3 for r in d[:1000].tolist()) and int(d.min()) >= 2 and int(d.max()) < 8
+    for column in d.T:  # every value equally likely at every position
+        freq = torch.bincount(column - 2, minlength=6).float() / len(d)
+        assert (freq - 1 / 6).abs().max() < 0.01

@@ -1,10 +1,20 @@
-"""MQAR training and the sweep report: a small Transformer learns the task; best-lr / mean-over-seeds summary."""
+"""MQAR training and the sweep report: a small Transformer learns the task; best-lr / mean-over-seeds summary;
+the query-only loss, training segments, early stop, budget stop, GPU slots, the gpu preset."""
 
 import argparse
 import json
+import time
+from dataclasses import replace
+
+import pytest
+import torch
 
 from loglinear.train import mqar
+from loglinear.train.loop import lm_loss
 from loglinear.train.mqar import MQARRun, summarize, train_mqar
+
+TINY = MQARRun("transformer", 16, seed=0, lr=3e-3, seq_len=16, kv_pairs=(2,), vocab_size=32, n_layers=1,
+               train_examples=64, test_examples=32, epochs=2, batch_size=32)
 
 
 def test_transformer_learns_mqar():
@@ -61,7 +71,7 @@ def test_a_failing_run_is_reported_and_the_sweep_goes_on(tmp_path):
 def test_a_run_that_fails_once_is_tried_again(monkeypatch):
     calls = []
 
-    def flaky(run):
+    def flaky(run, stop_at=None):
         calls.append(run.seed)
         if len(calls) == 1:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -72,3 +82,64 @@ def test_a_run_that_fails_once_is_tried_again(monkeypatch):
     rows = mqar.sweep(runs)
     assert calls == [0, 1, 0]
     assert [(r["seed"], r["accuracy"], r["attempts"]) for r in rows] == [(0, 0.5, 2), (1, 0.5, 1)]
+
+
+@pytest.mark.parametrize("arch", ["transformer", "ll_gated_deltanet"])
+def test_query_loss_equals_the_full_lm_loss(arch):
+    from loglinear.data.mqar import mqar_batch, query_targets
+
+    x, y = mqar_batch(4, 32, 3, 64, seed=0)
+    model = mqar._build(replace(TINY, arch=arch, seq_len=32, vocab_size=64, chunk_size=8))
+    pos, val = query_targets(y, 5)  # padded beyond the 3 queries: ignored
+    assert torch.allclose(mqar.query_loss(model, x, pos, val), lm_loss(model, x, y), rtol=1e-5, atol=1e-6)
+
+
+def test_train_mix_keeps_each_batch_at_one_length():
+    segments = ((16, 2, 40), (32, 4, 40), (32, 8, 24))
+    pools = mqar.make_pools(segments, 64, seed=0)
+    assert [p[0].shape for p in pools] == [(40, 16), (64, 32)] and pools[1][1].shape == (64, 8)
+    run = replace(TINY, train_mix=segments, batch_size=16, epochs=3)
+    assert mqar.train_segments(run) == segments and mqar.total_steps(run, pools) == 3 * (2 + 4)
+    stream = mqar.batch_stream(pools, 16, torch.Generator().manual_seed(0))
+    lengths = [next(stream)[0].shape[1] for _ in range(12)]
+    assert sorted(lengths) == [16] * 4 + [32] * 8  # two epochs: 2 + 4 batches each
+    assert mqar.train_segments(TINY) == ((16, 2, 64),)
+    row = train_mqar(replace(run, max_steps=4))
+    assert row["steps"] == 4 and "2" in row["accuracy_by_kv"]
+
+
+def test_early_stop_at_the_first_good_enough_evaluation():
+    row = train_mqar(replace(TINY, epochs=4, eval_every=2, early_stop=0.0))
+    assert (row["steps"], row["stopped"], row["evals"][0][0]) == (2, "early_stop", 2)
+    row = train_mqar(replace(TINY, epochs=4, eval_every=2, early_stop=1.01))
+    assert (row["steps"], row["stopped"], [e[0] for e in row["evals"]]) == (8, None, [2, 4, 6])
+
+
+def test_a_run_stops_training_at_its_stop_time():
+    row = train_mqar(replace(TINY, epochs=4), stop_at=time.time())
+    assert (row["steps"], row["stopped"]) == (1, "budget") and 0.0 <= row["accuracy"] <= 1.0
+
+
+def test_slots_spread_over_the_gpus():
+    assert [mqar.slot_device("cuda", i, 2) for i in range(5)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:0"]
+    assert mqar.slot_device("cuda:1", 4, 2) == "cuda:1" and mqar.slot_device("cpu", 3, 2) == "cpu"
+    assert mqar.slot_device("cuda", 3, 0) == "cuda"
+
+
+def test_sweep_in_worker_slots_with_a_budget():
+    runs = [replace(TINY, seed=s, epochs=1) for s in (0, 1, 2)]
+    rows = mqar.sweep(runs, workers=2, threads=1, budget=120)
+    assert [r["seed"] for r in rows] == [0, 1, 2] and all("accuracy" in r for r in rows)
+    assert mqar.sweep(runs, workers=2, threads=1, budget=-1) == []  # nothing starts after the budget
+
+
+def test_gpu_preset_then_overrides():
+    parser = argparse.ArgumentParser()
+    mqar.add_arguments(parser)
+    args = parser.parse_args(["--preset", "gpu", "--seeds", "3", "--device", "cpu", "--train-mix", "64:4:100"])
+    run = mqar.base_run(args)
+    assert (run.seq_len, run.kv_pairs, run.batch_size, run.vocab_size, run.early_stop) == (256, (4, 8, 16, 32, 64), 256, 8192, 0.99)
+    assert run.eval_every > 0 and run.max_steps > 0 and run.device == "cpu" and run.train_mix == ((64, 4, 100),)
+    assert args.seeds == [3] and args.widths == [16, 32, 64]
+    default = parser.parse_args([])
+    assert mqar.base_run(default) == MQARRun("transformer", 0, 0, 0.0, device=default.device)
