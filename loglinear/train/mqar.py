@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import os
 import queue
@@ -380,9 +381,10 @@ def _error_row(run: MQARRun, e: BaseException) -> dict:
 
 
 def summarize(rows: list[dict]) -> dict[tuple[str, int], float]:
-    """(arch, d_model) -> mean over seeds of the best accuracy over learning rates (failed runs left out)."""
+    """(arch, d_model) -> mean over seeds of the best accuracy over learning rates (failed runs and runs cut
+    short by the budget left out)."""
     best: dict[tuple[str, int, int], float] = {}
-    for r in (r for r in rows if "accuracy" in r):
+    for r in (r for r in rows if "accuracy" in r and r.get("stopped") != "budget"):
         key = (r["arch"], r["d_model"], r["seed"])
         best[key] = max(best.get(key, 0.0), r["accuracy"])
     out: dict[tuple[str, int], list[float]] = {}
@@ -407,7 +409,7 @@ def report(rows: list[dict], out: Path, title: str) -> str:
           f"{first['vocab_size']}, {first['n_layers']} layers, batch {first['batch_size']}, up to {first['epochs']} "
           f"epochs / {first['max_steps'] or 'no'} step cap, {len(rows)} runs "
           f"(steps {min(steps, default=0)}-{max(steps, default=0)}; stopped early at {first['early_stop']}: "
-          f"{stops['early_stop']}, at the budget: {stops['budget']}; chance: {2 / first['vocab_size']:.3f}).\n\n{table}")
+          f"{stops['early_stop']}, at the budget (left out of the table): {stops['budget']}; chance: {2 / first['vocab_size']:.3f}).\n\n{table}")
     failed = [r for r in rows if "error" in r]
     if failed:
         md += f"\n{len(failed)} runs failed:\n\n" + "".join(
@@ -490,6 +492,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start no run after this many seconds; runs still training at budget + --grace stop and are evaluated")
     p.add_argument("--grace", type=float, default=60.0)
     p.add_argument("--out", default="runs/mqar/mqar-cpu", help="output path stem: writes .json, .md, .png")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows of an existing <out>.json that this call does not redo (a sweep over several calls)")
 
 
 def base_run(args: argparse.Namespace) -> MQARRun:
@@ -502,6 +506,14 @@ def base_run(args: argparse.Namespace) -> MQARRun:
                    early_stop=args.early_stop, chunk_size=args.chunk_size, device=args.device)
 
 
+def kept_rows(path: Path, runs: list[MQARRun]) -> list[dict]:
+    """The rows of an earlier sweep's json at path whose (arch, d_model, seed, lr) `runs` do not redo."""
+    if not path.exists():
+        return []
+    planned = {(r.arch, r.d_model, r.seed, r.lr) for r in runs}
+    return [r for r in json.loads(path.read_text()) if (r["arch"], r["d_model"], r["seed"], r["lr"]) not in planned]
+
+
 def run(args: argparse.Namespace) -> int:
     base = base_run(args)
     # seed-major order: a time limit leaves whole seeds, every model and width covered
@@ -512,8 +524,10 @@ def run(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     title = f"MQAR ({args.device})"
     workers = args.workers or default_workers(args.device)
+    earlier = kept_rows(out.with_suffix(".json"), runs) if args.merge else []
     rows = sweep(runs, workers=workers, threads=args.threads, budget=args.budget, grace=args.grace,
-                 on_row=lambda rows: report(rows, out, title))  # results so far survive an interruption
+                 on_row=lambda rows: report(_ordered(earlier + rows), out, title))  # survives an interruption
+    rows = _ordered(earlier + rows)
     if not rows:
         raise SystemExit("mqar: no run finished")
     md = report(rows, out, title)

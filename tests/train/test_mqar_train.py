@@ -37,6 +37,8 @@ def test_summary_takes_best_lr_then_mean_over_seeds():
     rows = [dict(arch="mamba2", d_model=16, seed=s, lr=lr, accuracy=a)
             for s, lr, a in [(0, 1e-3, 0.2), (0, 1e-2, 0.6), (1, 1e-3, 0.4), (1, 1e-2, 0.1)]]
     assert summarize(rows) == {("mamba2", 16): 0.5}
+    cut = dict(rows[0], lr=3e-2, accuracy=0.9, stopped="budget")  # cut short by the budget: left out
+    assert summarize([*rows, cut]) == {("mamba2", 16): 0.5}
 
 
 def test_command_writes_json_md_png(tmp_path):
@@ -143,3 +145,11 @@ def test_gpu_preset_then_overrides():
     assert args.seeds == [3] and args.widths == [16, 32, 64]
     default = parser.parse_args([])
     assert mqar.base_run(default) == MQARRun("transformer", 0, 0, 0.0, device=default.device)
+
+
+def test_merge_keeps_the_earlier_rows_this_call_does_not_redo(tmp_path):
+    earlier = [dict(arch="transformer", d_model=16, seed=s, lr=3e-3, accuracy=0.5) for s in (0, 1)]
+    (tmp_path / "m.json").write_text(json.dumps(earlier))
+    runs = [replace(TINY, seed=1), replace(TINY, seed=2)]
+    assert mqar.kept_rows(tmp_path / "m.json", runs) == earlier[:1]
+    assert mqar.kept_rows(tmp_path / "none.json", runs) == []
