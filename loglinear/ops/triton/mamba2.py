@@ -148,13 +148,22 @@ def _sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor) -> dict:
                 PRECISION=dot_precision(q.dtype))
 
 
-def _reverse_cumsum(x: torch.Tensor, plan: LevelScanPlan) -> torch.Tensor:
-    """dg[t] = sum_{u >= t in t's range} x[u] for every kernel range, 0 elsewhere.   x: [tokens, H] fp32."""
-    out = torch.zeros_like(x)
-    for a, b in zip(plan.bos, plan.eos):
-        if b > a:  # scan along the contiguous axis: torch's outer-dim scan is serial over H columns
-            out[a:b] = x[a:b].t().flip(-1).contiguous().cumsum(-1).flip(-1).t()
-    return out
+def _gate_grad(d_gate: torch.Tensor, d_final: torch.Tensor, final: torch.Tensor,
+               ranges: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """dg[t] = sum_{u >= t in t's range} d_gate[u], with each range's last row also carrying its final levels'
+    gate term sum(d_final * final); 0 outside the ranges. Whole-axis ops, no loop over sequences.
+
+    d_gate: [tokens, H] fp32; d_final, final: [N, J, H, K, V] fp32; ranges: bos, eos, chunk0 int32 [N].
+    The per-range suffix sums are differences of one whole-axis suffix sum, taken in fp64 so that subtracting
+    the later ranges' total loses nothing."""
+    bos, eos = ranges[0].long(), ranges[1].long()
+    t = torch.arange(d_gate.shape[0], device=d_gate.device)
+    n = torch.searchsorted(eos, t, right=True).clamp_max(eos.numel() - 1)  # the range that can hold t
+    inside = ((t >= bos[n]) & (t < eos[n]))[:, None]  # rows outside the ranges are not the kernels' (unwritten)
+    term = (d_final * final).sum((1, 3, 4)) * (eos > bos)[:, None]  # [N, H]; empty ranges add nothing
+    x = torch.where(inside, d_gate.double(), 0).index_add_(0, (eos - 1).clamp_min(0), term.double())
+    suffix = F.pad(x.flip(0).cumsum(0).flip(0), (0, 0, 0, 1))  # [tokens + 1, H]: sum_{u >= t} x[u]
+    return torch.where(inside, suffix[:-1] - suffix[eos[n]], 0).float()
 
 
 def _zero_prefixes(plan: LevelScanPlan, *xs: torch.Tensor) -> None:
@@ -313,11 +322,7 @@ class LevelScanMamba2(torch.autograd.Function):
         d_deposits = _deposit_grads(q, g, lam, d_o, d_levels, ranges, saved, plan)
         dk, dv, kdk = _dkv_grads(q, k, v, g, lam, d_o, d_deposits, saved.table, plan)
         del d_deposits
-        d_gate = qdq - kdk
-        for n, (a, b) in enumerate(zip(plan.bos, plan.eos)):
-            if b > a:
-                d_gate[b - 1] += (d_final[n] * final[n]).sum((0, 2, 3))
-        dg = _reverse_cumsum(d_gate, plan)
+        dg = _gate_grad(qdq - kdk, d_final, final, ranges)
         d_h0 = d_levels if plan.has_init else None
         return dq, dk, dv, dg.to(g.dtype), dlam, d_h0, None
 
