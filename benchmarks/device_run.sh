@@ -1,9 +1,11 @@
 #!/bin/bash
-# The open kernel device work (issues 3 and 5) in parts of under 10 minutes each.
+# The open device work (issues 3, 5, 6, 8) in parts of under 10 minutes each.
 #
 #   bash benchmarks/device_run.sh checks         # ~4 min: kernel checks, both variants, small (MQAR) heads first
 #   bash benchmarks/device_run.sh bench-mamba2   # ~6 min: host time per call, then the same-run Mamba-2 table
 #   bash benchmarks/device_run.sh bench-gdn      # ~5 min: the same-run GDN table and its profile
+#   bash benchmarks/device_run.sh mqar           # ~8 min, all GPUs: the MQAR sweep (issue 6)
+#   bash benchmarks/device_run.sh multigpu       # ~8 min, 2+ GPUs: context parallel, 128K-1M tokens (issue 8)
 #
 # On a two-GPU machine two parts run side by side, each on its own GPU with its own RESULTS; limit each one's CPU
 # threads (session 12: with CPU-heavy work beside it on the host our ops' small-T rows were host-bound):
@@ -60,8 +62,16 @@ case $PART in
       --T $TS --sdpa-max-T 32768 --out "$R"
     step 60 profile-gdn python benchmarks/profile_gdn.py --T 32768 131072 --out "$R"
     ;;
+  mqar)  # ~8 min on two GPUs (issue 6): the Zoology-style sweep, docs/experiments.md "Next GPU run"
+    step 560 mqar python -m loglinear.cli mqar --preset gpu --max-steps 2000 --budget 390 --grace 45 \
+      --out "$R/mqar-h200"
+    ;;
+  multigpu)  # ~8 min on two or more GPUs (issue 8): context parallel after e81b40f, then the long lengths
+    step 560 multigpu python benchmarks/run_multigpu.py --parts cp_exact cp_long \
+      --long-seq-lens 131072 262144 524288 1048576 --budget 470 --out "$R"
+    ;;
   *)
-    echo "unknown part $PART (checks|bench-mamba2|bench-gdn)" >&2
+    echo "unknown part $PART (checks|bench-mamba2|bench-gdn|mqar|multigpu)" >&2
     exit 2
     ;;
 esac
