@@ -67,6 +67,7 @@ case $PART in
       --out "$R/mqar-h200"
     ;;
   multigpu)  # ~8 min on two or more GPUs (issue 8): context parallel after e81b40f, then the long lengths
+    cp benchmarks/results/multigpu-*.json "$R"/ 2>/dev/null  # the rows not redone (FSDP2) are kept
     step 560 multigpu python benchmarks/run_multigpu.py --parts cp_exact cp_long \
       --long-seq-lens 131072 262144 524288 1048576 --budget 470 --out "$R"
     ;;
