@@ -24,7 +24,6 @@ Composition (all sequences of a call in one launch per kernel):
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +35,8 @@ from loglinear.inputs import OpInputs, expand_groups
 from loglinear.ops.torch_chunk import Mamba2Form, chunk_scan
 from loglinear.ops.torch_chunk.scan import _carry_past
 from loglinear.ops.triton.common import (
-    MAX_CHUNK_LEVELS, alloc, dot_precision, group_sum, interpreting, launch_options, min_head_dim, next_pow2,
-    run_padded,
+    MAX_CHUNK_LEVELS, alloc, device_table, dot_precision, group_sum, interpreting, launch_options, min_head_dim,
+    next_pow2, run_padded, table_cache,
 )
 from loglinear.ops.triton.mamba2_bwd import mamba2_bwd_scan_kernel
 from loglinear.ops.triton.mamba2_chunk import (
@@ -88,14 +87,17 @@ class LevelScanPlan:
 
     def device_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """bos, eos, chunk0 as int32 [N] tensors on ``device`` (cached, see _tables)."""
-        return _tables(tuple(self.bos), tuple(self.eos), tuple(self.chunk0), self.chunk_size, device)[0]
+        return self._cached_tables(device)[0]
 
     def chunk_table(self, device: torch.device) -> ChunkTable:
         """Every kernel chunk of every sequence, in sequence order (see ChunkTable; cached, see _tables)."""
-        return _tables(tuple(self.bos), tuple(self.eos), tuple(self.chunk0), self.chunk_size, device)[1]
+        return self._cached_tables(device)[1]
+
+    def _cached_tables(self, device: torch.device) -> tuple[tuple[torch.Tensor, ...], ChunkTable]:
+        return _tables(tuple(self.bos), tuple(self.eos), tuple(self.chunk0), self.chunk_size, device)
 
 
-@functools.lru_cache(maxsize=64)
+@table_cache()
 def _tables(bos: tuple[int, ...], eos: tuple[int, ...], chunk0: tuple[int, ...], C: int, device: torch.device
             ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ChunkTable]:
     """The plan's index tensors on ``device``: (bos, eos, chunk0) int32 [N] and the ChunkTable.
@@ -113,7 +115,7 @@ def _tables(bos: tuple[int, ...], eos: tuple[int, ...], chunk0: tuple[int, ...],
     by_level = torch.argsort(merged, descending=True, stable=True)
     packed = torch.cat([torch.tensor([bos, eos, chunk0], dtype=torch.long).flatten(), starts,
                         torch.tensor(eos, dtype=torch.long)[seqs], seqs, chunks, by_level, base])
-    packed = packed.to(torch.int32).to(device)
+    packed = device_table(packed, torch.int32, device)
     N, NC = len(bos), len(seqs)
     ranges, rows = packed[: 3 * N].view(3, N), packed[3 * N :]
     return (ranges[0], ranges[1], ranges[2]), ChunkTable(*rows[: 5 * NC].view(5, NC), rows[5 * NC :])
