@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from loglinear.data.text import PackedTokens
-from loglinear.train.loop import lm_loss
+from loglinear.train.loop import bf16_autocast, lm_loss
 
 __all__ = ["LMEval", "evaluate_lm"]
 
@@ -38,7 +38,7 @@ def evaluate_lm(model: torch.nn.Module, val: PackedTokens, *, num_windows: int, 
     model.eval()
     for i in range(0, n, batch_size):
         x, y = val.batch(idx[i : i + batch_size])
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and device.type == "cuda"):
+        with bf16_autocast(device.type, bf16):
             loss = lm_loss(model, x.to(device), y.to(device), reduction="none")
         sums += loss.double().sum(0)
     curve = (sums / n).cpu().numpy()

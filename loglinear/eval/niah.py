@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from loglinear.data.niah import make_niah_case
 from loglinear.data.tokenizer import Tokenizer
+from loglinear.train.loop import bf16_autocast
 
 __all__ = ["niah_accuracy", "evaluate_niah"]
 
@@ -27,7 +28,7 @@ def niah_accuracy(model, haystack: np.ndarray, tok: Tokenizer, *, length: int, d
     for i in range(0, samples, batch_size):
         batch = cases[i : i + batch_size]
         x = torch.from_numpy(np.stack([c.input_ids for c in batch])).to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and device.type == "cuda"):
+        with bf16_autocast(device.type, bf16):
             logits = model(input_ids=x, use_cache=False).logits
         for b, case in enumerate(batch):
             pred = logits[b, torch.from_numpy(case.answer_pos - 1).to(device)].argmax(-1).cpu().numpy()

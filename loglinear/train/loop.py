@@ -28,7 +28,9 @@ from loglinear.train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpo
 from loglinear.train.factory import build_model, count_parameters
 from loglinear.train.parallel import Parallel, all_reduce_mean, parallelize, setup_parallel, teardown
 
-__all__ = ["TrainConfig", "train", "lm_loss", "cosine_schedule", "model_from_config", "peak_memory_gib"]
+__all__ = [
+    "TrainConfig", "train", "lm_loss", "cosine_schedule", "bf16_autocast", "model_from_config", "peak_memory_gib",
+]
 
 
 @dataclass
@@ -111,9 +113,13 @@ def _step_windows(data: PackedTokens, cfg: TrainConfig, step: int, tok) -> np.nd
     return rows
 
 
+def bf16_autocast(device_type: str, bf16: bool) -> torch.autocast:
+    """bf16 autocast where it is wanted and the device is CUDA; a disabled context elsewhere (CPU runs fp32)."""
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16 and device_type == "cuda")
+
+
 def _autocast(par: Parallel, cfg: TrainConfig):
-    on = par.device.type == "cuda" and cfg.precision == "bf16"
-    return torch.autocast(par.device.type, dtype=torch.bfloat16, enabled=on)
+    return bf16_autocast(par.device.type, cfg.precision == "bf16")
 
 
 @torch.no_grad()

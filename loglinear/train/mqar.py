@@ -37,7 +37,7 @@ from tqdm import tqdm
 from loglinear.data.mqar import IGNORE_INDEX, mqar_batch, query_targets
 from loglinear.eval.report import ARCH_LABELS, ARCH_STYLE, markdown_table, pyplot, write_json
 from loglinear.train.factory import ARCHS, build_model, count_parameters, family, is_log_linear
-from loglinear.train.loop import cosine_schedule
+from loglinear.train.loop import bf16_autocast, cosine_schedule
 
 __all__ = ["MQARRun", "GPU_SWEEP_ARGS", "PRESETS", "train_mqar", "evaluate", "sweep", "slot_device", "summarize",
            "add_arguments", "base_run", "run"]
@@ -124,7 +124,7 @@ def evaluate(model: torch.nn.Module, tests: dict[int, Pool], batch_size: int, bf
     for kv, (x, pos, val) in tests.items():
         hit = torch.zeros((), dtype=torch.int64, device=x.device)
         for i in range(0, len(x), batch_size):
-            with _autocast(x.device.type, bf16):
+            with bf16_autocast(x.device.type, bf16):
                 pred = query_logits(model, x[i : i + batch_size], pos[i : i + batch_size]).argmax(-1)
             v = val[i : i + batch_size]
             hit += ((pred == v) & (v != IGNORE_INDEX)).sum()
@@ -133,10 +133,6 @@ def evaluate(model: torch.nn.Module, tests: dict[int, Pool], batch_size: int, bf
     out = {kv: hits[kv] / counts[kv] for kv in tests}
     out[0] = sum(hits.values()) / sum(counts.values())
     return out
-
-
-def _autocast(device_type: str, bf16: bool):
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16 and device_type == "cuda")
 
 
 def total_steps(run: MQARRun, pools: list[Pool]) -> int:
@@ -178,7 +174,7 @@ def _optimizer(model: torch.nn.Module, run: MQARRun, total: int) -> tuple[torch.
 
 def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched, batch: Pool, run: MQARRun) -> torch.Tensor:
     """One optimizer step on batch (inputs, query positions, values); returns the loss (not synced)."""
-    with _autocast(run.device.split(":")[0], run.bf16):
+    with bf16_autocast(run.device.split(":")[0], run.bf16):
         loss = query_loss(model, *batch)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
