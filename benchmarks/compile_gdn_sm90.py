@@ -30,28 +30,25 @@ from sm90 import DTYPES, report  # noqa: E402
 
 
 def scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: str) -> list[str]:
-    """The five scan kernels (the forward with and without snapshots) at the op's block choices (the chains with
-    their L levels per product)."""
+    """The five scan kernels (the forward with and without snapshots) at the op's block choices."""
     f32 = "*fp32"
     BK, BV, NV = scan._blocks(K, V, dtype)
     launch = dict(num_warps=8, num_stages=2)
     const = dict(K=K, V=V, C=C, BK=BK, BV=BV, PREC=prec)
     rows = dict(T="i32", front="i32", H="i32", scale="fp32")
     out = []
-    chain = dict(const, L=scan.LANES)
-    sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", live="*i32", lev="*i32", snap_at="*i32",
-               states=f32, snap=P, o_intra=f32, o=P, N="i32", J="i32", Tp="i32", S="i32", **rows,
-               **{n: "constexpr" for n in [*chain, "SNAP"]})
+    sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", states=f32,
+               snap=P, o_intra=f32, o=P, N="i32", J="i32", Tp="i32", S="i32", **rows,
+               **{n: "constexpr" for n in [*const, "SNAP"]})
     for snap in (True, False):
-        out.append(report(scan._scan_fwd_kernel, sig, dict(chain, SNAP=snap), **launch)
-                   + f"  (SNAP={snap}, L={chain['L']})")
+        out.append(report(scan._scan_fwd_kernel, sig, dict(const, SNAP=snap), **launch) + f"  (SNAP={snap})")
     sig = dict(qt=P, lam=f32, live="*i32", snap_at="*i32", snap=P, o_intra=f32, o=P, J="i32", Tp="i32", S="i32",
                **rows, **{n: "constexpr" for n in [*const, "NV"]})
     out.append(report(scan._scan_readout_kernel, sig, dict(const, NV=NV), **launch))
     sig = dict(qt=P, wt=P, kt=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", do=P,
                dstates=f32, dsnap=P, do_intra=f32, N="i32", J="i32", Tp="i32", S="i32", **rows, i0="i32", i1="i32",
-               **{n: "constexpr" for n in chain})
-    out.append(report(scan._scan_dh_kernel, sig, chain, **launch) + f"  (L={chain['L']})")
+               **{n: "constexpr" for n in const})
+    out.append(report(scan._scan_dh_kernel, sig, const, **launch))
     sig = dict(wt=P, kt=P, u=P, merge="*i32", live="*i32", snap_at="*i32", lev="*i32", snap=P, dsnap=P, dwt=P,
                dkt=P, du=P, dd=f32, N="i32", Tp="i32", S="i32", SD="i32", i0="i32",
                **{n: "constexpr" for n in [*const, "NV"]})

@@ -60,13 +60,7 @@ def chunk_tokens(n, bh, T, front, H, C: tl.constexpr):
 @triton.jit
 def load_tokens(ptr, tok, valid, head, HEADS, D, col0, BD: tl.constexpr, dt: tl.constexpr):
     """x[tok, head, col0 : col0 + BD] of a contiguous [tokens, HEADS, D] tensor in dtype dt -> [C, BD] (0 outside)."""
-    return load_token_columns(ptr, tok, valid, head, HEADS, D, col0 + tl.arange(0, BD), dt)
-
-
-@triton.jit
-def load_token_columns(ptr, tok, valid, head, HEADS, D, cols, dt: tl.constexpr):
-    """x[tok, head, cols] of a contiguous [tokens, HEADS, D] tensor in dtype dt -> [C, n] for any n columns
-    cols [n] (repeats allowed; 0 outside)."""
+    cols = col0 + tl.arange(0, BD)
     offs = (tok * HEADS + head)[:, None] * D + cols[None, :]
     return tl.load(ptr + offs, mask=valid[:, None] & (cols[None, :] < D), other=0.0).to(dt)
 

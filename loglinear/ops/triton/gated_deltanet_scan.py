@@ -24,16 +24,15 @@ keys into it and none has cleared it since (bit j of the chunk index from positi
 states seeded it and no cascade has reached it yet (schedule); the others are 0, so half of the level
 steps vanish. The kernels:
 
-  _scan_fwd_kernel      sequential over chunks (programs: V blocks x heads): a chunk's transitions (the
-                        carry's: one for the summed levels <= m, and one per live level j > m) are independent,
-                        so they go LANES at a time through 2 GEMMs as one [K, LANES BV] tile; the states are
+  _scan_fwd_kernel      sequential over chunks (programs: V blocks x heads): per live level load the state
+                        (the next level's one level ahead), transition it (2 GEMMs) or add it to the
+                        carry's sum (levels <= m: one 2-GEMM transition for all of them); the states are
                         updated in place in one fp32 buffer (L2-resident: the snapshots stream past it).
                         With gradients it stores every live incoming state (operand dtype) and leaves the
                         readouts to _scan_readout_kernel (chunk-parallel, reads the snapshots); without,
                         it reads out in the chain.
   _scan_dh_kernel       the backward's sequential chain, reverse: dh_j = d dg_j - wt^T (kt dg_j) + qt^T Y_j
-                        (3 GEMMs per LANES live levels, side by side as the forward's), stores every live dh
-                        (operand dtype).
+                        (3 GEMMs per live level), stores every live dh (operand dtype).
   _scan_grads_kernel    chunk-parallel: dwt, dkt, du, dd of a chunk from its incoming states and the dh leaving
                         it (4 GEMMs per live level).
   _scan_readout_bwd_kernel  chunk-parallel: dqt, dlam of a chunk from its incoming states and do (2 GEMMs per
@@ -55,48 +54,20 @@ import triton
 import triton.language as tl
 
 from loglinear.ops.triton.common import alloc, device_table, interpreting, next_pow2, table_cache
-from loglinear.ops.triton.gated_deltanet_common import (
-    Chunking,
-    chunk_tokens,
-    dot_precision,
-    load_token_columns,
-    store_tokens,
-)
+from loglinear.ops.triton.gated_deltanet_common import Chunking, chunk_tokens, dot_precision, load_tokens, store_tokens
 
 
 @triton.jit
-def _chain_program(C: tl.constexpr, K, BK: tl.constexpr):
-    """A sequential program's value block iv (axis 0) and head row bh (axis 1), the chunk rows rc [C] and the
-    key rows rk [BK] of its state tiles with their mask."""
+def _state_block(C: tl.constexpr, K, V, BK: tl.constexpr, BV: tl.constexpr):
+    """A sequential program's value block iv (axis 0) and head row bh (axis 1), the chunk rows rc [C], and
+    its tile of a [K, V] state: rk [BK], rv [BV], their masks, offsets hoff and mask hmask [BK, BV]."""
+    iv = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
     rk = tl.arange(0, BK)
-    return tl.program_id(0), tl.program_id(1).to(tl.int64), tl.arange(0, C), rk, rk < K
-
-
-@triton.jit
-def _lanes(g, iv, BV: tl.constexpr, L: tl.constexpr):
-    """Group g of a chunk's items, L per product: per column of an [*, L BV] tile (lane = column // BV) its item
-    t = g L + lane and its value column rv = iv BV + column % BV ([L BV] each)."""
-    col = tl.arange(0, L * BV)
-    return g * L + col // BV, iv * BV + col % BV
-
-
-@triton.jit
-def _lane_levels(lev, at, mask, BV: tl.constexpr):
-    """lev[at] per column of an [*, L BV] tile [L BV] (0 where masked), marked constant over each lane's BV
-    columns (so the state tiles' loads and stores stay vectorised)."""
-    return tl.max_constancy(tl.load(lev + at, mask=mask, other=0), [BV])
-
-
-@triton.jit
-def _lane_lambdas(lam, rows, J, j, mask):
-    """[C, L BV]: lam[rows, j[column]] (0 where mask [L BV] is not set)."""
-    return tl.load(lam + rows[:, None] * J + j[None, :], mask=mask[None, :], other=0.0)
-
-
-@triton.jit
-def _lane_sum(x, C: tl.constexpr, BV: tl.constexpr, L: tl.constexpr):
-    """[C, L BV] -> [C, BV]: the sum of the L lanes' column blocks."""
-    return tl.sum(tl.reshape(x, (C, L, BV)), axis=1)
+    rv = iv * BV + tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    return iv, bh, tl.arange(0, C), rk, rv, mk, mv, rk[:, None] * V + rv[None, :], mk[:, None] & mv[None, :]
 
 
 @triton.jit
@@ -109,54 +80,29 @@ def _chunk_rows(i, Tp, C: tl.constexpr, K, BK: tl.constexpr):
 
 
 @triton.jit
-def _popcount(x):
-    """Set bits of a non-negative int32 (SWAR byte sums)."""
-    x = x - ((x >> 1) & 0x55555555)
-    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
-    x = (x + (x >> 4)) & 0x0F0F0F0F
-    return (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + ((x >> 24) & 0xFF)
-
-
-@triton.jit
-def _low_count(live, i, m):
-    """The number of levels j <= m live entering chunk i (they lead its live-level list; 0 without a cascade)."""
-    return tl.where(m >= 0, _popcount(tl.load(live + i) & ((2 << tl.maximum(m, 0)) - 1)), 0)
+def _ahead(src, j, KV, hoff, hmask, rk, s, count):
+    """Level j's [K, BV] fp32 tile of the running states when s < count (the s-th live level), else 0."""
+    ahead = (rk * 0 + s) < count
+    return tl.load(src + j * KV + hoff, mask=hmask & ahead[:, None], other=0.0, eviction_policy="evict_last")
 
 
 @triton.jit
 def _scan_fwd_kernel(
-    qt, wt, kt, u, decay, lam, merge, live, lev, snap_at, states, snap, o_intra, o,
+    qt, wt, kt, u, decay, lam, merge, lev, snap_at, states, snap, o_intra, o,
     N, J, Tp, S, T, front, H, scale,
-    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr, SNAP: tl.constexpr,
 ):
-    """qt, wt, kt: [BH, Tp, K]; u: [BH, Tp, V]; decay: [BH, N]; lam: [BH, Tp, J]; merge: [N], live, snap_at: [N + 1]
-    int32 (cascade target, live-level bitmask, first snapshot slot); lev: the live levels of chunk i at
-    lev[snap_at[i] : snap_at[i + 1]] (ascending); states: [BH, J, K, V] fp32, updated in place (the initial
-    states; at the end the final ones of the live levels); snap: [BH, S, K, V] (SNAP: the live states entering
-    each chunk, in level order); o_intra: [BH, Tp, V] fp32, the chunk-local outputs; o: [b, T, H, V] (Chunking's
-    tokens) = scale (o_intra + the readouts), written here without SNAP; with SNAP the readouts leave the
-    sequential chain (_scan_readout_kernel reads the snapshots).
-
-    L levels per product.  A chunk's transitions are independent of each other (each item has its own state
-    and target), so its items, the cascade (if m >= 0) then the live levels j > m, go L at a time through the
-    two products as one [BK, L BV] tile H (lane l = columns l BV .. (l + 1) BV - 1: item g L + l's [BK, BV]):
-
-        G = d H - kt^T (wt H - U)        wt H: [C, K] x [K, L BV],  kt^T (.): [K, C] x [C, L BV]
-
-    where the cascade's lane holds S = sum_{j <= m} h_j and U = u (h_m = d S - kt^T (wt S - u)), the other lanes
-    their state and U = 0; lane l's columns of G go to its level (m for the cascade).  S is summed first (the live
-    levels j <= m lead the chunk's list) and parked in level m's slot, so every lane of the group loop loads one
-    state from its level's slot (a plain loop: the compiler pipelines its loads a group ahead).
-    2 ceil(items / L) products per chunk instead of 2 items."""
-    iv, bh, rc, rk, mk = _chain_program(C, K, BK)
+    """qt, wt, kt: [BH, Tp, K]; u: [BH, Tp, V]; decay: [BH, N]; lam: [BH, Tp, J]; merge: [N], snap_at: [N + 1]
+    int32 (cascade target, first snapshot slot); lev: the live levels of chunk i at lev[snap_at[i] : snap_at[i + 1]]
+    (ascending; one entry past the end); states: [BH, J, K, V] fp32,
+    updated in place (the initial states; at the end the final ones of the live levels); snap: [BH, S, K, V]
+    (SNAP: the live states entering each chunk, in level order); o_intra: [BH, Tp, V] fp32, the chunk-local
+    outputs; o: [b, T, H, V] (Chunking's tokens) = scale (o_intra + the readouts), written here without
+    SNAP; with SNAP the readouts leave the sequential chain (_scan_readout_kernel reads the snapshots)."""
+    iv, bh, rc, rk, rv, mk, mv, hoff, hmask = _state_block(C, K, V, BK, BV)
     KV = K * V
-    dt = qt.dtype.element_ty
-    rv0 = iv * BV + tl.arange(0, BV)  # the summed levels' [BK, BV] tiles
-    hoff = rk[:, None] * V + rv0[None, :]
-    hmask = mk[:, None] & (rv0 < V)[None, :]
-    # in place: a level's state is read, then (after its products) written; level m's slot is read by the summed
-    # levels' loop (m live: seeded) before S is parked there, and a barrier orders S before the group loop
+    # in place: level j is read, then written (j > m); the cascade target m is written after every read
     src = states + bh * J * KV
     for i in range(N):
         rows = bh * Tp + i * C + rc
@@ -164,46 +110,36 @@ def _scan_fwd_kernel(
         q_i = tl.load(qt + ck, mask=mk[None, :], other=0.0)
         w_i = tl.load(wt + ck, mask=mk[None, :], other=0.0)
         k_i = tl.load(kt + ck, mask=mk[None, :], other=0.0)
+        u_i = tl.load(u + rows[:, None] * V + rv[None, :], mask=mv[None, :], other=0.0)
         d = tl.load(decay + bh * N + i)
         m = tl.load(merge + i)
         start = tl.load(snap_at + i)
-        low = _low_count(live, i, m)
+        count = tl.load(snap_at + i + 1) - start
+        low = tl.zeros([BK, BV], dtype=tl.float32)  # sum of the live states j <= m (they merge into m)
         keep = snap + (bh * S + start) * KV
         if not SNAP:
-            acc = tl.load(o_intra + rows[:, None] * V + rv0[None, :], mask=(rv0 < V)[None, :], other=0.0)
-        total = tl.zeros([BK, BV], dtype=tl.float32)
-        for s in range(low):  # S: the live levels j <= m
-            j = tl.load(lev + start + s)
-            h = tl.load(src + j * KV + hoff, mask=hmask, other=0.0, eviction_policy="evict_last")
+            acc = tl.load(o_intra + rows[:, None] * V + rv[None, :], mask=mv[None, :], other=0.0)
+        j = tl.load(lev + start)
+        h = _ahead(src, j, KV, hoff, hmask, rk, 0, count)
+        for s in range(count):  # the live levels; the next one's state is loaded a level ahead
+            j_next = tl.load(lev + start + s + 1)
+            h_next = _ahead(src, j_next, KV, hoff, hmask, rk, s + 1, count)
+            hd = h.to(q_i.dtype)
             if SNAP:
-                tl.store(keep + s * KV + hoff, h.to(snap.dtype.element_ty), mask=hmask, eviction_policy="evict_first")
+                tl.store(keep + s * KV + hoff, hd.to(snap.dtype.element_ty), mask=hmask, eviction_policy="evict_first")
             else:
-                acc += tl.load(lam + rows * J + j)[:, None] * tl.dot(q_i, h.to(dt), input_precision=PREC)
-            total += h
-        if m >= 0:
-            tl.debug_barrier()  # level m's slot: every thread's read (m live) before any write
-            tl.store(src + m * KV + hoff, total, mask=hmask)
-        tl.debug_barrier()
-        cascade = (m >= 0).to(tl.int32)
-        items = cascade + tl.load(snap_at + i + 1) - start - low
-        for g in range(tl.cdiv(items, L)):
-            t, rv = _lanes(g, iv, BV, L)
-            ok = (t < items) & (rv < V)
-            to_m = t < cascade  # the cascade is item 0
-            own = ok & (t >= cascade)  # the lanes of live levels j > m
-            slot = low + t - cascade  # their snapshot slots
-            level = tl.where(to_m, m, _lane_levels(lev, start + slot, own, BV))
-            tile = rk[:, None] * V + level[None, :] * KV + rv[None, :]
-            h = tl.load(src + tile, mask=mk[:, None] & ok[None, :], other=0.0, eviction_policy="evict_last")
-            if SNAP:
-                tl.store(keep + rk[:, None] * V + slot[None, :] * KV + rv[None, :], h.to(snap.dtype.element_ty),
-                         mask=mk[:, None] & own[None, :], eviction_policy="evict_first")
+                acc += tl.load(lam + rows * J + j)[:, None] * tl.dot(q_i, hd, input_precision=PREC)
+            if j <= m:
+                low += h
             else:
-                qh = tl.dot(q_i, h.to(dt), input_precision=PREC)
-                acc += _lane_sum(_lane_lambdas(lam, rows, J, level, own) * qh, C, BV, L)
-            u_m = tl.load(u + rows[:, None] * V + rv[None, :], mask=(ok & to_m)[None, :], other=0.0)
-            x = (tl.dot(w_i, h.to(dt), input_precision=PREC) - u_m.to(tl.float32)).to(dt)
-            tl.store(src + tile, d * h - tl.dot(tl.trans(k_i), x, input_precision=PREC), mask=mk[:, None] & ok[None, :])
+                wh = tl.dot(w_i, hd, input_precision=PREC)
+                g = d * h - tl.dot(tl.trans(k_i), wh.to(q_i.dtype), input_precision=PREC)
+                tl.store(src + j * KV + hoff, g, mask=hmask)
+            j = j_next
+            h = h_next
+        if m >= 0:  # h_m = sum_{j <= m} g_j + kt^T u = d low + kt^T (u - wt low): one transition for them all
+            x = (u_i - tl.dot(w_i, low.to(q_i.dtype), input_precision=PREC)).to(q_i.dtype)
+            tl.store(src + m * KV + hoff, d * low + tl.dot(tl.trans(k_i), x, input_precision=PREC), mask=hmask)
         if not SNAP:
             tok, valid, head = chunk_tokens(i, bh, T, front, H, C)
             store_tokens(o, scale * acc, tok, valid, head, H, V, iv * BV, BV)
@@ -244,29 +180,20 @@ def _scan_readout_kernel(
 def _scan_dh_kernel(
     qt, wt, kt, decay, lam, merge, lev, snap_at, do, dstates, dsnap, do_intra,
     N, J, Tp, S, T, front, H, scale, i0, i1,
-    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """Backward, pass 1 (sequential, chunks i1-1 down to i0): the chain dh_j = d_i dg_j - wt_i^T (kt_i dg_j)
-    + qt_i^T Y_j for the live levels only.  do: [b, T, H, V] (any float dtype); dstates: [BH, J, K, V] fp32,
-    updated in place (dh entering chunk i1, at the end entering chunk i0: after the last segment, dh of the
-    initial states of the levels live at chunk 0); dsnap: [BH, S, K, V] (operand dtype): dh entering each chunk
-    of the segment at slot snap_at[i] - snap_at[i0] (the host has filled chunk i1's); do_intra: [BH, Tp, V] fp32
-    (scale do, 0 on padding); merge, lev, snap_at as in _scan_fwd_kernel.
-
-    L levels per product: the live levels' steps are independent within a chunk, so they go L at a time as one
-    [BK, L BV] tile (lane l: live level g L + l, dg = dh_m for j <= m, read from level m's slot, else dh_j):
-
-        Y = lam_i[:, lane's level] * do_i;   dH = d dG - wt_i^T (kt_i dG) + qt_i^T Y
-        kt_i dG: [C, K] x [K, L BV];  wt_i^T (.), qt_i^T Y: [K, C] x [C, L BV]
-
-    3 ceil(live / L) products per chunk instead of 3 live (as one product over 2C, [-wt_i^T | qt_i^T] [kt_i dg; Y],
-    it spilled more and ran slower on sm_90)."""
-    iv, bh, rc, rk, mk = _chain_program(C, K, BK)
+    + qt_i^T Y_j for the live levels only (3 products per live level; as one product over 2C,
+    [-wt_i^T | qt_i^T] [kt_i dg_j; Y_j], it spilled more and ran slower on sm_90).  do: [b, T, H, V] (any float
+    dtype); dstates: [BH, J, K, V] fp32, updated in place (dh entering chunk i1, at the end entering chunk i0:
+    after the last segment, dh of the initial states of the levels live at chunk 0); dsnap: [BH, S, K, V]
+    (operand dtype): dh entering each chunk of the segment at slot snap_at[i] - snap_at[i0] (the host has filled
+    chunk i1's); do_intra: [BH, Tp, V] fp32 (scale do, 0 on padding); merge, lev, snap_at as in _scan_fwd_kernel."""
+    iv, bh, rc, rk, rv, mk, mv, hoff, hmask = _state_block(C, K, V, BK, BV)
     KV = K * V
-    dt = qt.dtype.element_ty
-    # in place: a group reads its levels' dh (or dh_m) before it writes them; dh_m is read by the groups of the
-    # levels j <= m, which lead the list, and written (m live: seeded) in the last of them
+    # in place: dh_m is read first; a live j > m is read, then written; the levels below m were cleared
+    # by the cascade (their dh after the chunk is never read)
     src = dstates + bh * J * KV
     base = tl.load(snap_at + i0)
     for r in range(i1 - i0):
@@ -277,30 +204,39 @@ def _scan_dh_kernel(
         w_i = tl.load(wt + ck, mask=mk[None, :], other=0.0)
         k_i = tl.load(kt + ck, mask=mk[None, :], other=0.0)
         tok, valid, head = chunk_tokens(i, bh, T, front, H, C)
-        col = tl.arange(0, L * BV)
-        do_i = scale * load_token_columns(do, tok, valid, head, H, V, iv * BV + col % BV, tl.float32)  # per lane
-        tl.store(do_intra + rows[:, None] * V + (iv * BV + col)[None, :], do_i,
-                 mask=((col < BV) & (iv * BV + col < V))[None, :])
+        do_i = scale * load_tokens(do, tok, valid, head, H, V, iv * BV, BV, tl.float32)
+        tl.store(do_intra + rows[:, None] * V + rv[None, :], do_i, mask=mv[None, :])
         d = tl.load(decay + bh * N + i)
         m = tl.load(merge + i)
         start = tl.load(snap_at + i)
         count = tl.load(snap_at + i + 1) - start
         keep = dsnap + (bh * S + start - base) * KV
-        for g in range(tl.cdiv(count, L)):
-            t, rv = _lanes(g, iv, BV, L)
-            ok = (t < count) & (rv < V)
-            j = _lane_levels(lev, start + t, ok, BV)
-            tile = rk[:, None] * V + rv[None, :]
-            mask = mk[:, None] & ok[None, :]
-            dg = tl.load(src + tl.where(j <= m, m, j)[None, :] * KV + tile, mask=mask, other=0.0)
-            y = (_lane_lambdas(lam, rows, J, j, ok) * do_i).to(dt)
-            kdg = tl.dot(k_i, dg.to(dt), input_precision=PREC).to(dt)
+        dh_m = tl.load(src + tl.maximum(m, 0) * KV + hoff, mask=hmask, other=0.0)
+        dh_m = tl.where(m >= 0, dh_m, 0.0)
+        j = tl.load(lev + start)
+        dh_j = _ahead(src, j, KV, hoff, hmask, rk, 0, count)
+        for s in range(count):  # the live levels; the next one's dh is loaded a level ahead
+            j_next = tl.load(lev + start + s + 1)
+            dh_next = _ahead(src, j_next, KV, hoff, hmask, rk, s + 1, count)
+            dg = tl.where(j <= m, dh_m, dh_j)
+            y = (tl.load(lam + rows * J + j)[:, None] * do_i).to(q_i.dtype)
+            kdg = tl.dot(k_i, dg.to(q_i.dtype), input_precision=PREC).to(q_i.dtype)
             dh = d * dg - tl.dot(tl.trans(w_i), kdg, input_precision=PREC)
             dh += tl.dot(tl.trans(q_i), y, input_precision=PREC)
-            tl.store(src + j[None, :] * KV + tile, dh, mask=mask)
-            tl.store(keep + t[None, :] * KV + tile, dh.to(dsnap.dtype.element_ty), mask=mask,
-                     eviction_policy="evict_first")
+            tl.store(src + j * KV + hoff, dh, mask=hmask)
+            tl.store(keep + s * KV + hoff, dh.to(dsnap.dtype.element_ty), mask=hmask, eviction_policy="evict_first")
+            j = j_next
+            dh_j = dh_next
         tl.debug_barrier()
+
+
+@triton.jit
+def _popcount(x):
+    """Set bits of a non-negative int32 (SWAR byte sums)."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + ((x >> 24) & 0xFF)
 
 
 @triton.jit
@@ -400,7 +336,7 @@ def _scan_grads_kernel(
     start = tl.load(snap_at + i)
     steps = (tl.load(snap_at + i + 1) - start) * NV
     # the live levels j <= m lead the chunk's list; their dg is dh_m
-    low_count = _low_count(live, i, m)
+    low_count = tl.where(m >= 0, _popcount(tl.load(live + i) & ((2 << tl.maximum(m, 0)) - 1)), 0)
     hsrc = snap + (bh * S + start) * KV
     gsrc = dsnap + (bh * SD + tl.load(snap_at + i + 1) - tl.load(snap_at + i0)) * KV
     dw_acc = tl.zeros([C, BK], dtype=tl.float32)
@@ -440,7 +376,6 @@ def _scan_grads_kernel(
 
 
 READOUT_BWD_WARPS = 4
-LANES = 2  # levels per product in the sequential chains (4: the dh chain over sm_90's shared memory at K = 256, fp32)
 BWD_SEGMENT = 256  # chunks per backward segment: bounds the dh snapshots (~2 GB at B H = 96, K = 128, V = 64)
 
 
@@ -531,9 +466,9 @@ class FenwickDeltaScan(torch.autograd.Function):
         snap = alloc((BH, sched.slots, K, V) if keep else (1,), qt.dtype, qt.device)
         o = alloc((ch.b, ch.T, ch.H, V), dtype, qt.device)
         _scan_fwd_kernel[(NV, BH)](
-            qt, wt, kt, u, decay, lam, sched.merge, sched.live, sched.lev, sched.snap_at, states, snap, o_intra, o,
-            N, J, Tp, sched.slots, ch.T, ch.front, ch.H, scale, K=K, V=V, C=ch.C, BK=BK, BV=BV,
-            L=LANES, PREC=dot_precision(qt.dtype), SNAP=keep, **_launch(),
+            qt, wt, kt, u, decay, lam, sched.merge, sched.lev, sched.snap_at, states, snap, o_intra, o,
+            N, J, Tp, sched.slots, ch.T, ch.front, ch.H, scale,
+            K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), SNAP=keep, **_launch(),
         )
         if keep:
             _scan_readout_kernel[(N, BH)](
@@ -567,7 +502,7 @@ class FenwickDeltaScan(torch.autograd.Function):
             _scan_dh_kernel[(NV, BH)](
                 qt, wt, kt, decay, lam, sched.merge, sched.lev, sched.snap_at, do, dstates, dsnap, do_intra,
                 N, J, Tp, dsnap.shape[1], ch.T, ch.front, ch.H, ctx.scale, i0, i1,
-                K=K, V=V, C=ch.C, BK=BK, BV=BV, L=LANES, PREC=prec, **_launch(),
+                K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, **_launch(),
             )
             _scan_grads_kernel[(i1 - i0, BH)](
                 wt, kt, u, sched.merge, sched.live, sched.snap_at, sched.lev, snap, dsnap, dwt, dkt, du, dd,
