@@ -400,18 +400,27 @@ def plot(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _kept_if_skipped(row: dict, measured: dict[str, dict]) -> dict:
+    """row, or the earlier measured row of its run when this call skipped it."""
+    return measured.get(row["run"], row) if (row.get("error") or "").startswith("skipped") else row
+
+
 def writer(a: argparse.Namespace, command: str, planned: set[str]):
     """report(rows): rewrite <out>/multigpu-<tag>.{json,md,png} with these rows and an existing json's rows
-    of runs not planned now (their commands joined with '; '), the comparisons redone over all."""
+    of runs not planned now (their commands joined with '; '), the comparisons redone over all. A run this
+    call skipped (budget spent) keeps the existing json's measured row of the same name."""
     files = {ext: a.out / f"multigpu-{a.tag}.{ext}" for ext in ("json", "md", "png")}
     old = json.loads(files["json"].read_text()) if files["json"].exists() else {"rows": []}
     kept = [r for r in old["rows"] if r["run"] not in planned]
-    commands = "; ".join(([old["command"]] if kept else []) + [command])
+    measured = {r["run"]: r for r in old["rows"] if not r.get("error")}
     device = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu (gloo)"
 
     def report(rows: list[dict]) -> None:
+        rows = kept + [_kept_if_skipped(r, measured) for r in rows]
+        reused = any(r is measured.get(r["run"]) for r in rows)
         doc = {"kind": a.tag, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-               "command": commands, "device": device, "skip_steps": a.skip_steps, "rows": compare(kept + rows)}
+               "command": "; ".join(([old["command"]] if kept or reused else []) + [command]), "device": device,
+               "skip_steps": a.skip_steps, "rows": compare(rows)}
         files["json"].write_text(json.dumps(doc, indent=1))
         files["md"].write_text(markdown(doc))
         plot(doc, files["png"])

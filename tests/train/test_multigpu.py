@@ -88,6 +88,20 @@ def test_report_keeps_the_runs_not_planned_now(mg, tmp_path):
     assert (tmp_path / "multigpu-cpu-x2.png").stat().st_size > 0
 
 
+def test_report_keeps_a_measured_row_this_call_skipped(mg, tmp_path):
+    a = mg.parse_args(["--device", "cpu", "--out", str(tmp_path), "--parts", "fsdp"])
+    measured = {"part": "fsdp", "run": "fsdp-2", "error": None, "gpus": 2, "tok_per_s": 15, "losses": [2.0],
+                "val_loss": 1.4}
+    (tmp_path / "multigpu-cpu-x2.json").write_text(json.dumps({"command": "first", "rows": [measured]}))
+    rows = [{"part": "fsdp", "run": "fsdp-1", "error": None, "gpus": 1, "tok_per_s": 10, "losses": [2.0],
+             "val_loss": 1.4},
+            {"part": "fsdp", "run": "fsdp-2", "gpus": 2, "error": "skipped: budget spent"}]
+    mg.writer(a, "second", {"fsdp-1", "fsdp-2"})(rows)
+    doc = {r["run"]: r for r in json.loads((tmp_path / "multigpu-cpu-x2.json").read_text())["rows"]}
+    assert doc["fsdp-2"]["tok_per_s"] == 15 and doc["fsdp-2"]["efficiency"] == 0.75 and not doc["fsdp-2"]["error"]
+    assert json.loads((tmp_path / "multigpu-cpu-x2.json").read_text())["command"] == "first; second"
+
+
 def test_first_error_is_the_root_cause(mg, tmp_path):
     log = tmp_path / "log.txt"
     log.write_text("step 1\ntraceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html\n"
