@@ -3,8 +3,8 @@
 #
 #   bash benchmarks/device_run.sh checks         # ~4 min: kernel checks, both variants, small (MQAR) heads first
 #   bash benchmarks/device_run.sh bench-mamba2   # ~6 min: host time per call, then the same-run Mamba-2 table
-#   bash benchmarks/device_run.sh bench-gdn      # ~5 min: the same-run GDN table and its profile
-#   bash benchmarks/device_run.sh mqar           # ~8 min, all GPUs: the MQAR sweep (issue 6)
+#   bash benchmarks/device_run.sh bench-gdn      # ~8 min: the same-run GDN table and its profile
+#   bash benchmarks/device_run.sh mqar           # ~9 min, all GPUs: one seed of the MQAR sweep (MQAR_SEEDS=0)
 #   bash benchmarks/device_run.sh multigpu       # ~8 min, 2+ GPUs: context parallel, 128K-1M tokens (issue 8)
 #
 # On a two-GPU machine two parts run side by side, each on its own GPU with its own RESULTS; limit each one's CPU
@@ -45,6 +45,18 @@ step() {  # step <seconds> <log name> <command...>
   pack
 }
 
+# CUDA MPS lets the MQAR sweep's 8 processes per GPU run their small kernels side by side instead of
+# time-slicing the GPU (session 13, without it: 65-100 ms per step); off again if a CUDA client cannot start.
+mps_start() {
+  command -v nvidia-cuda-mps-control > /dev/null || { say "no MPS"; return; }
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && timeout 60 python -c "import torch; torch.ones(1, device='cuda').sum().item()" \
+    && { say "MPS on"; return; }
+  say "MPS failed, off"; mps_stop
+}
+mps_stop() { echo quit | nvidia-cuda-mps-control 2> /dev/null; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; }
+
 case $PART in
   checks)  # ~4 min: bf16 / fp32 triton vs the torch chunk path, small (MQAR) heads first, then the paper shapes
     step 100 check-mamba2 python benchmarks/bench_ops.py --check --no-bench --check-dtypes bfloat16 float32 \
@@ -57,14 +69,16 @@ case $PART in
     step 330 bench-mamba2 python benchmarks/bench_ops.py --impls loglinear fla_mamba2 fla_log_linear sdpa_flash \
       --T $TS --sdpa-max-T 32768 --profile-T 32768 --out "$R"
     ;;
-  bench-gdn)  # ~5 min
-    step 230 bench-gdn python benchmarks/bench_ops.py --variant gdn --impls loglinear fla_gdn sdpa_flash \
-      --T $TS --sdpa-max-T 32768 --out "$R"
+  bench-gdn)  # ~8 min (session 13: 230 s reached 32K only; fla_gdn compiles for ~2 min on a fresh machine)
+    step 400 bench-gdn python benchmarks/bench_ops.py --variant gdn --impls loglinear fla_gdn sdpa_flash \
+      --T $TS --sdpa-max-T 16384 --out "$R"
     step 60 profile-gdn python benchmarks/profile_gdn.py --T 32768 131072 --out "$R"
     ;;
-  mqar)  # ~8 min on two GPUs (issue 6): the Zoology-style sweep, docs/experiments.md "Next GPU run"
-    step 560 mqar python -m loglinear.cli mqar --preset gpu --max-steps 2000 --budget 390 --grace 45 \
+  mqar)  # ~9 min on two GPUs (issue 6): one seed of the Zoology-style sweep, docs/experiments.md "Next GPU run"
+    mps_start
+    step 560 mqar python -m loglinear.cli mqar --preset gpu --seeds ${MQAR_SEEDS:-0} --budget 420 --grace 60 \
       --out "$R/mqar-h200"
+    mps_stop
     ;;
   multigpu)  # ~8 min on two or more GPUs (issue 8): context parallel after e81b40f, then the long lengths
     cp benchmarks/results/multigpu-*.json "$R"/ 2>/dev/null  # the rows not redone (FSDP2) are kept

@@ -427,13 +427,15 @@ def report(rows: list[dict], out: Path, title: str) -> str:
     return md
 
 
-# The paper's MQAR setting (seq 256, 4-64 KV pairs, widths 16/32/64, 2 layers) Zoology-style on GPUs, as
-# `loglinear mqar` arguments (`--preset gpu`): batch 256, AdamW with weight decay 0.1, the middle two
-# learning rates of Zoology's logspace(-3, -1.5, 4), warmup then cosine, the test set checked every 200
-# steps with early stop at 0.99; the step cap is the device budget's (docs/experiments.md, "Next GPU run").
+# The paper's MQAR setting (test at seq 256 with 4-64 KV pairs, widths 16/32/64, 2 layers) Zoology-style on
+# GPUs, as `loglinear mqar` arguments (`--preset gpu`): Zoology's training mixture (64/4 x 100K, then 128/8 and
+# 256/16, 256/32, 256/64 x 20K), batch 256, AdamW with weight decay 0.1, the middle two learning rates of
+# Zoology's logspace(-3, -1.5, 4), warmup then cosine, the test set checked every 200 steps with early stop
+# at 0.99; the step cap is the device budget's (docs/experiments.md, "Next GPU run").
 GPU_SWEEP_ARGS = ("--device cuda --widths 16 32 64 --seeds 0 1 --lrs 3.2e-3 1e-2 --seq-len 256 "
-                  "--kv-pairs 4 8 16 32 64 --vocab-size 8192 --train-examples 100000 --test-examples 5000 "
-                  "--epochs 32 --max-steps 1000 --batch-size 256 --eval-every 200 --early-stop 0.99 --chunk-size 64")
+                  "--kv-pairs 4 8 16 32 64 --train-mix 64:4:100000 128:8:20000 256:16:20000 256:32:20000 "
+                  "256:64:20000 --vocab-size 8192 --test-examples 5000 --epochs 32 --max-steps 4000 "
+                  "--batch-size 256 --eval-every 200 --early-stop 0.99 --chunk-size 64")
 PRESETS = {"gpu": GPU_SWEEP_ARGS}
 
 

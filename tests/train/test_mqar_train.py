@@ -143,6 +143,8 @@ def test_gpu_preset_then_overrides():
     assert (run.seq_len, run.kv_pairs, run.batch_size, run.vocab_size, run.early_stop) == (256, (4, 8, 16, 32, 64), 256, 8192, 0.99)
     assert run.eval_every > 0 and run.max_steps > 0 and run.device == "cpu" and run.train_mix == ((64, 4, 100),)
     assert args.seeds == [3] and args.widths == [16, 32, 64]
+    zoology = mqar.base_run(parser.parse_args(["--preset", "gpu"])).train_mix  # Zoology's mixture unless overridden
+    assert zoology == ((64, 4, 100000), (128, 8, 20000), (256, 16, 20000), (256, 32, 20000), (256, 64, 20000))
     default = parser.parse_args([])
     assert mqar.base_run(default) == MQARRun("transformer", 0, 0, 0.0, device=default.device)
 
