@@ -3,11 +3,12 @@
   1. the MQAR sweep (`loglinear mqar --preset gpu`: seq 256, 4-64 KV pairs, widths 16/32/64, seeds x
      learning rates), many small runs packed concurrently in worker processes, no run started after its
      budget, runs still training 60 s later stopped and evaluated;
-  2. five language models (LL Mamba-2, Mamba-2, LL GDN, GDN, Transformer) trained concurrently on the
-     Python standard library's source with the SAME token budget: a probe of --probe-steps steps (which
+  2. the language models (--archs; default all five: LL Mamba-2, Mamba-2, LL GDN, GDN, Transformer) trained
+     concurrently, spread over the visible GPUs, on the Python standard library's source with the SAME token
+     budget: a probe of --probe-steps steps (which
      also pays Triton's compilation), then the step budget that lets the slowest model finish before the
      deadline, continued from the probe's checkpoint (exact resume: identical to one run of that length);
-  3. evaluation of the five, concurrently: per-position loss on long windows, needle-in-a-haystack.
+  3. evaluation of them, concurrently: per-position loss on long windows, needle-in-a-haystack.
 
 Writes <out>/{mqar,lm,niah}-<tag>.{json,md,png}, the runs' metrics, and <out>/results.tar.gz of them all.
 
@@ -29,8 +30,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
 from loglinear.data.text import prepare_corpus  # noqa: E402
 from loglinear.eval.command import lm_report, niah_report  # noqa: E402
+from loglinear.train.mqar import slot_device  # noqa: E402
 
 LM_ARCHS = ["ll_mamba2", "mamba2", "ll_gated_deltanet", "gated_deltanet", "transformer"]
 T0 = time.monotonic()
@@ -94,6 +98,9 @@ def main() -> None:
     p.add_argument("--eval-seconds", type=float, default=55, help="time kept for evaluation at the end")
     p.add_argument("--mqar-workers", type=int, default=8, help="MQAR runs at once (beside the LM trainers)")
     p.add_argument("--mqar-args", default="--preset gpu", help="arguments of the `loglinear mqar` sweep")
+    p.add_argument("--archs", nargs="+", default=LM_ARCHS, choices=LM_ARCHS,
+                   help="the language models (fewer per call: more tokens each)")
+    p.add_argument("--no-mqar", action="store_true", help="language models only")
     p.add_argument("--smoke", action="store_true", help="tiny sizes for a CPU check of the whole pipeline")
     a = p.parse_args()
     if a.smoke:
@@ -110,21 +117,24 @@ def main() -> None:
     end = T0 + a.budget
     train_end = end - a.eval_seconds
 
-    mqar = cli("mqar", *a.mqar_args.split(), "--device", a.device, "--workers", str(a.mqar_workers), "--budget",
+    mqar = None if a.no_mqar else cli("mqar", *a.mqar_args.split(), "--device", a.device, "--workers", str(a.mqar_workers), "--budget",
                str(max(10, train_end - 100 - time.monotonic())), "--grace", "60", "--out", str(out / f"mqar-{a.tag}"),
                log_to=logs / "mqar.log")
-    log("mqar sweep started")
+    log("mqar sweep " + ("skipped" if mqar is None else "started"))
 
     a.data_dir = str(ROOT / (a.data_dir or f"runs/data/{Path(a.corpus).name}-bpe4096"))  # trainers run in ROOT
     meta = prepare_corpus(a.corpus, a.data_dir, vocab_size=4096)  # once, before the trainers start
     log(f"corpus: {meta['train_tokens'] / 1e6:.1f}M train / {meta['val_tokens'] / 1e6:.2f}M val tokens")
     common = ["--d-model", str(a.d_model), "--layers", str(a.layers), "--seq-len", str(a.seq_len),
               "--global-batch", str(a.global_batch), "--lr", str(a.lr), "--warmup", str(2 * a.probe_steps),
-              "--needle-rate", str(a.needle_rate), "--corpus", a.corpus, "--data-dir", a.data_dir, "--device", a.device,
+              "--needle-rate", str(a.needle_rate), "--corpus", a.corpus, "--data-dir", a.data_dir,
               "--log-every", str(a.probe_steps // 2), "--eval-batches", "2", "--no-progress"]
-    runs = {arch: out / "lm" / arch for arch in LM_ARCHS}
+    runs = {arch: out / "lm" / arch for arch in a.archs}
+    gpus = torch.cuda.device_count() if a.device == "cuda" else 0
+    device = {arch: slot_device(a.device, i, gpus) for i, arch in enumerate(a.archs)}  # spread over the GPUs
     probe = {arch: cli("train", "--arch", arch, "--out-dir", str(d), "--steps", str(a.max_steps), "--stop-after",
-                       str(a.probe_steps), *common, log_to=logs / f"train-{arch}.log") for arch, d in runs.items()}
+                       str(a.probe_steps), "--device", device[arch], *common, log_to=logs / f"train-{arch}.log")
+             for arch, d in runs.items()}
     failed = wait_all(probe, "LM probe")
     alive = {k: v for k, v in runs.items() if k not in failed}
     if not alive:
@@ -137,7 +147,7 @@ def main() -> None:
         f"({steps * a.global_batch * a.seq_len / 1e6:.1f}M tokens)")
     budget = str(max(1.0, train_end - time.monotonic() - 15))
     main_runs = {arch: cli("train", "--arch", arch, "--out-dir", str(d), "--steps", str(steps), "--resume",
-                           "--max-seconds", budget, *common, log_to=logs / f"train-{arch}.log")
+                           "--max-seconds", budget, "--device", device[arch], *common, log_to=logs / f"train-{arch}.log")
                  for arch, d in alive.items()}
     failed += wait_all(main_runs, "LM training")
     alive = {k: v for k, v in runs.items() if k not in failed}
@@ -145,7 +155,7 @@ def main() -> None:
     evals = {arch: cli("eval", str(d), "--eval-len", str(a.eval_len), "--windows", str(a.eval_windows),
                        "--batch-size", "2", "--smooth", "64", "--niah-lengths", *map(str, a.niah_lengths),
                        "--niah-depths", *map(str, a.niah_depths),
-                       "--niah-samples", str(a.niah_samples), "--device", a.device, "--out", str(out / "eval" / arch),
+                       "--niah-samples", str(a.niah_samples), "--device", device[arch], "--out", str(out / "eval" / arch),
                        "--tag", a.tag, log_to=logs / f"eval-{arch}.log") for arch, d in alive.items()}
     failed += wait_all(evals, "LM eval", deadline=end - 10)
     records, niah = [], []
@@ -157,12 +167,13 @@ def main() -> None:
         print(lm_report(records, out / f"lm-{a.tag}", f"Language modelling, stdlib source ({a.tag})"))
         print(niah_report(niah, out / f"niah-{a.tag}", f"Needle in a haystack ({a.tag})"))
     try:
-        log(f"mqar: done (exit {mqar.wait(timeout=max(1.0, end - time.monotonic()))})")
+        if mqar is not None:
+            log(f"mqar: done (exit {mqar.wait(timeout=max(1.0, end - time.monotonic()))})")
     except subprocess.TimeoutExpired:
         mqar.terminate()
         log("mqar: stopped at the budget; its report holds the runs finished so far")
     mqar_md = out / f"mqar-{a.tag}.md"
-    if mqar_md.exists():
+    if mqar is not None and mqar_md.exists():
         print(mqar_md.read_text())
     with tarfile.open(out / "results.tar.gz", "w:gz") as tar:
         for f in sorted(out.glob(f"*-{a.tag}.*")) + sorted(out.glob("lm/*/metrics.jsonl")) + \
