@@ -15,6 +15,11 @@ them one after another, reads their metrics.jsonl and writes <out>/multigpu-<tag
     python benchmarks/run_multigpu.py --out benchmarks/results --budget 470       # on an H200 machine
     python benchmarks/run_multigpu.py --device cpu --out runs/multigpu-cpu         # gloo smoke, tiny sizes
 
+--profile-long: every cp_long run and its baseline trains one step more and runs that last step under
+torch.profiler (loglinear train --profile-step); each process's report is copied to
+<out>/profile-<run>-rank<r>.txt, and the throughput is taken over the steps before it. The context-parallel
+run goes before its baseline (its report is the one wanted first).
+
 Results are rewritten after every run (a killed command leaves what it finished); the rows of runs not planned
 now are kept from an existing <out>/multigpu-<tag>.json, so the parts (or lengths) can be separate commands.
 """
@@ -94,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--long-seq-lens", nargs="+", type=int, default=[131072, 262144, 524288, 1048576])
     g.add_argument("--cp-sizes", nargs="+", type=int, default=None, help="context-parallel degrees (default: all GPUs)")
     g.add_argument("--long-steps", type=int, default=8)
+    g.add_argument("--profile-long", action="store_true", help="cp_long and cp_base runs: one more step, "
+                   "profiled on every process (<out>/profile-<run>-rank<r>.txt), left out of the throughput")
     if p.parse_known_args(argv)[0].device == "cpu":
         p.set_defaults(**CPU_DEFAULTS)
     a = p.parse_args(argv)
@@ -154,26 +161,30 @@ def plan_cp_exact(a: argparse.Namespace, data_dir: Path) -> list[Run]:
 
 def plan_cp_long(a: argparse.Namespace, data_dir: Path) -> list[Run]:
     """For every long length and cp size: the baseline at the shard length without context parallelism
-    (once per shard length), then the context-parallel run."""
+    (once per shard length), then the context-parallel run (with --profile-long the other way round)."""
+
+    steps = a.long_steps + a.profile_long
+    profile = ["--profile-step", str(steps)] if a.profile_long else []
 
     def long(T: int, batch: int, *extra: str) -> list[str]:
         # --stop-after < --steps: no validation at the end (the validation split may be shorter than T)
-        return train_args(a, data_dir, a.cp_d_model, a.cp_layers, T, batch, 1000, "--stop-after", str(a.long_steps),
-                          *extra)
+        return train_args(a, data_dir, a.cp_d_model, a.cp_layers, T, batch, 1000, "--stop-after", str(steps),
+                          *profile, *extra)
 
     runs: list[Run] = []
     baselines: set[int] = set()
     for T in a.long_seq_lens:
         for c in a.cp_sizes:
-            shard = T // c
+            shard, dp = T // c, a.gpus // c
+            pair = [Run(f"cp_long-{T}-cp{c}", "cp_long", a.gpus, long(T, dp, "--context-parallel", str(c)),
+                        {"gpus": a.gpus, "context_parallel": c, "data_parallel": dp, "seq_len": T,
+                         "global_batch": dp, "shard_len": shard})]
             if shard not in baselines:
                 baselines.add(shard)
-                runs.append(Run(f"cp_base-{shard}", "cp_base", a.gpus, long(shard, a.gpus),
-                                {"gpus": a.gpus, "context_parallel": 1, "seq_len": shard, "global_batch": a.gpus}))
-            dp = a.gpus // c
-            runs.append(Run(f"cp_long-{T}-cp{c}", "cp_long", a.gpus, long(T, dp, "--context-parallel", str(c)),
-                            {"gpus": a.gpus, "context_parallel": c, "data_parallel": dp, "seq_len": T,
-                             "global_batch": dp, "shard_len": shard}))
+                base = Run(f"cp_base-{shard}", "cp_base", a.gpus, long(shard, a.gpus),
+                           {"gpus": a.gpus, "context_parallel": 1, "seq_len": shard, "global_batch": a.gpus})
+                pair = pair + [base] if a.profile_long else [base] + pair  # profiling: the CP run's report first
+            runs += pair
     return runs
 
 
@@ -237,6 +248,22 @@ def steady_rate(rows: list[dict], skip: int) -> tuple[float, float] | None:
     return (last["tokens"] - first["tokens"]) / seconds, seconds / (last["step"] - first["step"])
 
 
+def unprofiled(rows: list[dict]) -> list[dict]:
+    """The per-step rows before the first profiled step (whose time, and every later step's elapsed_s,
+    includes the profiler's)."""
+    marks = [i for i, r in enumerate(rows) if r.get("profiled")]
+    return rows[: marks[0]] if marks else rows
+
+
+def copy_profiles(run: Run, a: argparse.Namespace) -> list[str]:
+    """Copy the run's profile-rank<r>.txt to <out>/profile-<run>-rank<r>.txt; returns the new names."""
+    names = []
+    for path in sorted((a.work / run.name).glob("profile-rank*.txt")):
+        names.append(f"profile-{run.name}-{path.name.removeprefix('profile-')}")
+        shutil.copyfile(path, a.out / names[-1])
+    return names
+
+
 def max_diff(a: list[float], b: list[float]) -> float | None:
     """The largest |a_i - b_i| over the common steps (None without any)."""
     n = min(len(a), len(b))
@@ -259,7 +286,7 @@ def measure(run: Run, a: argparse.Namespace, error: str | None) -> dict:
            "final_loss": losses[-1] if losses else None, "losses": losses, "val_loss": val}
     if error and rows and rows[-1]["step"] == planned_steps(run.args):
         row |= {"error": None, "exit_error": error}
-    rate = steady_rate(rows, a.skip_steps)
+    rate = steady_rate(unprofiled(rows), a.skip_steps)
     if rate is not None:
         row |= {"tok_per_s": round(rate[0]), "tok_per_s_per_gpu": round(rate[0] / run.nproc),
                 "step_s": round(rate[1], 4)}
@@ -316,6 +343,9 @@ def execute(runs: list[Run], a: argparse.Namespace, meta: dict, report) -> list[
             t = time.monotonic()
             error = launch(run, a, left)
             rows.append(measure(run, a, error))
+            profiles = copy_profiles(run, a)
+            if profiles:
+                rows[-1]["profiles"] = profiles
             tqdm.write(f"[{time.monotonic() - T0:6.0f} s] {run.name}: {time.monotonic() - t:.0f} s, "
                        + (rows[-1]["error"] or _summary(rows[-1])))
         report(rows)

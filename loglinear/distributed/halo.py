@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from loglinear.distributed.comm import exchange
 
@@ -21,7 +22,8 @@ class _PreviousTokens(torch.autograd.Function):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         halo = x.new_zeros(x.shape[0], width, *x.shape[2:])
         sends = [(x[:, x.shape[1] - width :], rank + 1)] if rank + 1 < world else []
-        exchange(sends, [(halo, rank - 1)] if rank > 0 else [], group)
+        with record_function("cp/halo_forward"):
+            exchange(sends, [(halo, rank - 1)] if rank > 0 else [], group)
         ctx.width, ctx.group, ctx.shape = width, group, x.shape
         return halo
 
@@ -29,7 +31,8 @@ class _PreviousTokens(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         rank, world = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
         tail = grad.new_zeros(grad.shape)
-        exchange([(grad, rank - 1)] if rank > 0 else [], [(tail, rank + 1)] if rank + 1 < world else [], ctx.group)
+        with record_function("cp/halo_backward"):
+            exchange([(grad, rank - 1)] if rank > 0 else [], [(tail, rank + 1)] if rank + 1 < world else [], ctx.group)
         dx = grad.new_zeros(ctx.shape)
         dx[:, ctx.shape[1] - ctx.width :] = tail
         return dx, None, None

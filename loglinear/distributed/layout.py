@@ -8,19 +8,30 @@ rank 0, or a sequence starts inside the shard) and its route depth d = bit_lengt
 Dense batches [B, T_r]: the B rows are B sequences, all starting on rank 0, carried state rows R = B.
 Varlen (cu_seqlens, B = 1): global packing, the same on every rank; only the sequence crossing a shard
 boundary carries state (R = 1); the shard's own call packs the pieces of the sequences it overlaps.
+
+The all_gather reads its result on the host (a device sync under NCCL). Inside ``shared_shard_shapes()``
+(apply_context_parallel opens it around every model forward: every layer sees the same shards) it runs
+once per group and set of this rank's shapes, and the other calls reuse its result. Profiler scope:
+cp/shard_shapes_all_gather.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from loglinear.fenwick import bit_length
 from loglinear.inputs import _check_cu_seqlens
 
-__all__ = ["ShardLayout", "shard_layout"]
+__all__ = ["ShardLayout", "shard_layout", "shared_shard_shapes"]
+
+_SHARED: ContextVar[dict | None] = ContextVar("shared_shard_shapes", default=None)
 
 
 @dataclass
@@ -63,14 +74,38 @@ class ShardLayout:
         return self.depths[self.rank]
 
 
-def _gather_shapes(group: dist.ProcessGroup, dims: list[int], device: torch.device) -> list[list[int]]:
+@contextmanager
+def shared_shard_shapes() -> Iterator[None]:
+    """Within this scope, shard_layout gathers the shapes once per (group, this rank's shapes) and reuses
+    them. Only for calls that see the same shards on every rank (the layers of one forward pass): every
+    rank must open and close it at the same point of its calls."""
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def _all_gather_shapes(group: dist.ProcessGroup, dims: list[int], device: torch.device) -> list[list[int]]:
     """all_gather of small integer vectors (shard length and shape fields) over the group."""
     backend = dist.get_backend(group)
     device = device if backend == "nccl" else torch.device("cpu")
-    mine = torch.tensor(dims, dtype=torch.int64, device=device)
-    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, mine, group=group)
-    return [t.tolist() for t in out]
+    with record_function("cp/shard_shapes_all_gather"):
+        mine = torch.tensor(dims, dtype=torch.int64, device=device)
+        out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, mine, group=group)
+        return [t.tolist() for t in out]
+
+
+def _gather_shapes(group: dist.ProcessGroup, dims: list[int], device: torch.device) -> list[list[int]]:
+    """Every rank's dims, [world][len(dims)]: gathered, or reused inside shared_shard_shapes()."""
+    shared = _SHARED.get()
+    if shared is None:
+        return _all_gather_shapes(group, dims, device)
+    key = (group, device.type, tuple(dims))
+    if key not in shared:
+        shared[key] = _all_gather_shapes(group, dims, device)
+    return shared[key]
 
 
 def _depth(p0: torch.Tensor, p1: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,9 @@ sharding the sequence only changes the two sequence-mixing steps of each mixer:
     attention op        the context-parallel op (ops.py): the exact incoming Fenwick state per shard
 
 ``apply_context_parallel(model, group)`` rebinds the ``forward`` of every FenwickMixer in the model to
-that composition (parameter names and state_dict are unchanged, so FSDP2 and checkpoints work as before).
+that composition (parameter names and state_dict are unchanged, so FSDP2 and checkpoints work as before),
+and the model's own ``forward`` to run inside layout.shared_shard_shapes(): one all_gather of the shard
+shapes per forward pass, not one per layer (every layer sees the same shards).
 The model then takes this rank's slice of the inputs (mesh.shard_sequence) and returns its slice of the
 outputs; a loss over a shard must use targets shifted before sharding (inputs[:, :-1], targets[:, 1:]).
 Training and prefill from the start of the sequences only: no padding, packing or decoding state.
@@ -22,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from loglinear.distributed.halo import previous_tokens
+from loglinear.distributed.layout import shared_shard_shapes
 from loglinear.distributed.ops import context_parallel_log_linear_gated_deltanet, context_parallel_log_linear_mamba2
 
 __all__ = ["apply_context_parallel", "context_parallel_mixer_forward"]
@@ -69,8 +72,15 @@ def context_parallel_mixer_forward(
     return layout.unflatten(mixer.output(layout.from_op_view(o), inputs)), None
 
 
+def _forward_sharing_shard_shapes(model: torch.nn.Module, *args, **kwargs):
+    """The model class's forward inside shared_shard_shapes() (bound to the model by apply_context_parallel)."""
+    with shared_shard_shapes():
+        return type(model).forward(model, *args, **kwargs)
+
+
 def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> torch.nn.Module:
-    """Make every FenwickMixer of ``model`` context parallel over ``group`` (in place; returns the model)."""
+    """Make every FenwickMixer of ``model`` context parallel over ``group`` (in place; returns the model);
+    the model's forward gathers the shard shapes once for all its layers."""
     from loglinear.layers.mixer import FenwickMixer
 
     group = group if group is not None else dist.group.WORLD
@@ -80,4 +90,6 @@ def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup | No
     forward = lambda self, *args, **kwargs: context_parallel_mixer_forward(self, group, *args, **kwargs)  # noqa: E731
     for mixer in mixers:
         mixer.forward = types.MethodType(forward, mixer)
+    if not isinstance(model, FenwickMixer):
+        model.forward = types.MethodType(_forward_sharing_shard_shapes, model)
     return model

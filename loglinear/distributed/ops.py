@@ -11,6 +11,9 @@ Composition (every rank, on its own shard; the public op runs with any backend):
                 (ceil(log2 P) rounds of point-to-point messages, each O(L H K V) -- O(log T) states)
   5. output     op(shard, initial_state = incoming)  ->  o, exactly the single-process output
 
+The last rank skips steps 2 and 3: its state leaves the sequence, so nobody reads its local or mat (the
+scan gets zeros and no transition from it; see scan.py).
+
 The op calls get only the levels a state can hold at the shard's positions (levels_needed(p), when no
 initial state is given), and no state at all on a rank where every row starts fresh (rank 0 of a dense
 batch): a zero state would still put the kernels on their initial-state path (reads of every level
@@ -20,6 +23,10 @@ first chunk through the torch path at position 0), which costs time in proportio
 Backward mirrors it: autograd runs through both op calls and the transition, and the scan's backward
 is the reverse scan of the adjoint maps (scan.py). Gradients of the states entering each shard flow back
 to the ranks that produced them.
+
+Profiler scopes (torch.profiler.record_function): cp/local_state, cp/transition, cp/shard_op (the output
+call's forward), with cp/shard_shapes_all_gather (layout.py), cp/scan_forward, cp/scan_backward,
+cp/mat_grad (scan.py) and cp/halo_forward, cp/halo_backward (halo.py).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from loglinear.distributed.layout import ShardLayout, shard_layout
 from loglinear.distributed.local import decay_local_state
@@ -115,6 +123,20 @@ def _ending_state(final: FenwickState | None, layout: ShardLayout) -> FenwickSta
     return FenwickState(final.levels.index_select(0, rows.to(final.levels.device)), final.positions[rows])
 
 
+def _boundary_map(
+    layout: ShardLayout, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+    local: Callable[[], torch.Tensor], transition: Callable[[], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This shard's map x -> mat . route(x) + local for the scan: (local [R, L, H, K, V], mat or None when
+    the layout resets here). The last rank's is read by no one: zeros and None, nothing computed."""
+    if layout.rank == layout.world - 1:
+        return torch.zeros(shape, dtype=dtype, device=device), None
+    with record_function("cp/local_state"):
+        own = local().to(dtype)
+    with torch.autocast(device.type, enabled=False), record_function("cp/transition"):
+        return own, None if layout.reset else transition()
+
+
 def _context_parallel(
     op: Callable[..., tuple[torch.Tensor, FenwickState | None]],
     transition: Callable[[], torch.Tensor], scalar_transition: bool, inputs: tuple[torch.Tensor, ...],
@@ -141,20 +163,23 @@ def _context_parallel(
         *inputs, initial_state=None if levels is None else FenwickState(levels, layout.positions),
         output_final_state=final, cu_seqlens=local_cu, **op_kwargs,
     )
-    if local_state is not None and initial_state is None:
-        local = local_state(layout, L)
-    else:
-        local = run(None if fresh else base, True)[1].with_levels(L).levels[layout.local_slice]
     R = layout.carried_rows
     mat_shape = (R, H, 1, 1) if scalar_transition else (R, H, K, K)
+    def own_local() -> torch.Tensor:
+        if local_state is not None and initial_state is None:
+            return local_state(layout, L)
+        return run(None if fresh else base, True)[1].with_levels(L).levels[layout.local_slice]
+
+    local, mat = _boundary_map(layout, (R, L, H, K, V), dtype, q.device, own_local, transition)
     with torch.autocast(q.device.type, enabled=False):  # boundary states stay in the state dtype under AMP
-        mat = None if layout.reset else transition()
-        incoming = incoming_states(local, mat, mat_shape, layout, group)
+        incoming = incoming_states(local, mat, mat_shape, layout, group, anchors=inputs)
+    with record_function("cp/shard_op"):
+        if fresh:
+            o, final = run(None, output_final_state)
+        else:
+            o, final = run(torch.cat([base[:R] + incoming[:, :n], base[R:]]), output_final_state)
     if fresh:
-        o, final = run(None, output_final_state)
         o = _KeepInGraph.apply(o, incoming)
-    else:
-        o, final = run(torch.cat([base[:R] + incoming[:, :n], base[R:]]), output_final_state)
     return o, _ending_state(final, layout)
 
 

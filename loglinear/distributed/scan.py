@@ -12,12 +12,18 @@ Backward: with g_r = dloss/d(state entering r), the adjoint of the state leaving
 a_r = g_{r+1} + E_{r+1}^T(a_{r+1}),  E^T(x) = mat^T . route^T(x), a_{P-1} = 0: the same scan in reverse
 rank order over the adjoint maps x -> E_r^T(x) + g_r. Then d local_r = a_r and
 d mat_r = sum_levels a_r route_r(in_r)^T.
+
+The last rank's map is read by no one (its state leaves the sequence; a_{P-1} = 0), so its local and mat
+may be placeholders (zeros, None); the shard's inputs, passed as anchors, keep the scan in the autograd
+graph on every rank alike, so its backward, a collective, runs everywhere. Profiler scopes: cp/scan_forward,
+cp/scan_backward, cp/mat_grad.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from loglinear.distributed.comm import exchange
 from loglinear.distributed.layout import ShardLayout
@@ -62,22 +68,25 @@ def exclusive_scan(
         exchange(sends, [(t, order(pos - step)) for t in _tensors(received)] if received else [], group)
         if received is not None:
             exclusive = received if exclusive is None else compose(exclusive, received, adjoint)
-            inclusive = compose(inclusive, received, adjoint)
+            if pos + 2 * step < world:  # sent in a later round
+                inclusive = compose(inclusive, received, adjoint)
         step *= 2
     return torch.zeros_like(own.offset) if exclusive is None else exclusive.offset
 
 
 class _IncomingStates(torch.autograd.Function):
-    """local, mat -> the state entering this rank's shard (zeros where its first sequence starts fresh)."""
+    """local, mat -> the state entering this rank's shard (zeros where its first sequence starts fresh).
+    The anchors only put the scan into the autograd graph (no gradient)."""
 
     @staticmethod
-    def forward(ctx, local, mat, mat_shape, layout: ShardLayout, group):
+    def forward(ctx, local, mat, mat_shape, layout: ShardLayout, group, *anchors):
         own = LevelMap(local, None if layout.reset else mat, layout.depth)
-        incoming = exclusive_scan(own, layout, layout.resets, mat_shape, group, reverse=False, adjoint=False)
+        with record_function("cp/scan_forward"):
+            incoming = exclusive_scan(own, layout, layout.resets, mat_shape, group, reverse=False, adjoint=False)
         if not layout.carries:
             incoming = torch.zeros_like(local)
         ctx.save_for_backward(incoming, mat)
-        ctx.mat_shape, ctx.layout, ctx.group = mat_shape, layout, group
+        ctx.mat_shape, ctx.layout, ctx.group, ctx.num_anchors = mat_shape, layout, group, len(anchors)
         return incoming
 
     @staticmethod
@@ -88,23 +97,26 @@ class _IncomingStates(torch.autograd.Function):
         resets = [reset or r == last for r, reset in enumerate(layout.resets)]
         grad = grad if layout.carries else torch.zeros_like(incoming)
         own = LevelMap(grad, None if resets[layout.rank] else mat.mT, layout.depth)
-        adj = exclusive_scan(own, layout, resets, ctx.mat_shape, ctx.group, reverse=True, adjoint=True)
+        with record_function("cp/scan_backward"):
+            adj = exclusive_scan(own, layout, resets, ctx.mat_shape, ctx.group, reverse=True, adjoint=True)
         d_mat = None
         if mat is not None and ctx.needs_input_grad[1]:
-            d_mat = mat_grad(adj, route(incoming, layout.depth), scalar=mat.shape[-1] == 1)
-        return adj, d_mat, None, None, None
+            with record_function("cp/mat_grad"):
+                d_mat = mat_grad(adj, route(incoming, layout.depth), scalar=mat.shape[-1] == 1)
+        return adj, d_mat, None, None, None, *([None] * ctx.num_anchors)
 
 
 def incoming_states(
     local: torch.Tensor, mat: torch.Tensor | None, mat_shape: tuple[int, ...], layout: ShardLayout,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup, anchors: tuple[torch.Tensor, ...] = (),
 ) -> torch.Tensor:
     """The exact state entering this rank's shard, differentiable across ranks.
 
-    local: [R, L, H, K, V] the state leaving this shard when it is entered with zeros;
-    mat: this shard's transition [R, H, K, K] / [R, H, 1, 1], None when the layout resets here;
-    mat_shape: the transition's shape on every rank. Returns [R, L, H, K, V] (zeros where the shard's first
-    sequence starts at its first token).
+    local: [R, L, H, K, V] the state leaving this shard when it is entered with zeros (any values on the
+    last rank: no one reads it); mat: this shard's transition [R, H, K, K] / [R, H, 1, 1], None when the
+    layout resets here (or on the last rank); mat_shape: the transition's shape on every rank; anchors: the
+    shard's inputs, the same kinds on every rank (the result requires grad where any of them, local or mat
+    does). Returns [R, L, H, K, V] (zeros where the shard's first sequence starts at its first token).
     Every rank must call it, and backpropagate through its result, together.
     """
-    return _IncomingStates.apply(local, mat, tuple(mat_shape), layout, group)
+    return _IncomingStates.apply(local, mat, tuple(mat_shape), layout, group, *anchors)

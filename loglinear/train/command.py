@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(checkpointed; --resume continues it exactly)")
     p.add_argument("--max-seconds", type=float, default=None, help="end this run (checkpoint, validation) "
                    "once training took this many seconds")
+    p.add_argument("--profile-step", type=int, default=None, help="run this step (1-based; after the first "
+                   "steps' compilation) under torch.profiler on every process: <out-dir>/profile-rank<r>.txt "
+                   "(top kernels or ops, the context-parallel scopes cp/..., the step's wall time)")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -70,6 +73,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         grad_clip=a.grad_clip, precision=a.precision, seed=a.seed, out_dir=a.out_dir or f"runs/lm/{a.arch}",
         save_every=a.save_every, eval_every=a.eval_every, eval_batches=a.eval_batches, log_every=a.log_every,
         device=a.device, stop_after=a.stop_after, max_seconds=a.max_seconds, progress=not a.no_progress,
+        profile_step=a.profile_step,
     )
 
 

@@ -4,6 +4,10 @@ bf16 autocast on GPU, gradient accumulation, exact resume, a tqdm bar and a metr
 One process, or several under torchrun (data parallel with FSDP2, see parallel.py). The global batch
 (`global_batch` windows per step) is the same for any number of processes: each rank takes its slice of
 the step's windows, so N processes follow the single-process trajectory up to float reduction order.
+
+`profile_step` N runs step N (1-based, as logged) under torch.profiler on every process and writes
+out_dir/profile-rank<r>.txt: the step's wall time, the top kernels by device time (CUDA) or ops by self
+CPU time, and the labelled context-parallel scopes (cp/..., loglinear.distributed).
 """
 
 from __future__ import annotations
@@ -11,12 +15,16 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity
 from tqdm import tqdm
 
 from loglinear.data.niah import insert_needles
@@ -30,7 +38,10 @@ from loglinear.train.parallel import Parallel, all_reduce_mean, parallelize, set
 
 __all__ = [
     "TrainConfig", "train", "lm_loss", "cosine_schedule", "bf16_autocast", "model_from_config", "peak_memory_gib",
+    "profiled_call", "profile_report",
 ]
+
+Result = TypeVar("Result")
 
 
 @dataclass
@@ -72,6 +83,7 @@ class TrainConfig:
     stop_after: int | None = None  # end this run after this many steps (a later --resume continues)
     max_seconds: float | None = None  # end this run (checkpoint + validation) once training took this long
     progress: bool = True
+    profile_step: int | None = None  # profile this step (1-based) on every process: out_dir/profile-rank<r>.txt
 
 
 def cosine_schedule(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -158,6 +170,99 @@ def _train_step(model, rows: np.ndarray, cfg: TrainConfig, par: Parallel, cp: Co
     return total
 
 
+def _optimizer_step(
+    model, optimizer: torch.optim.Optimizer, scheduler, rows: np.ndarray, cfg: TrainConfig, par: Parallel,
+    cp: ContextParallelPlan,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One training step on the step's windows rows [global_batch, T + 1]: forward/backward, clipping, AdamW,
+    schedule. Returns (the loss averaged over processes, the gradient norm before clipping)."""
+    loss = all_reduce_mean(_train_step(model, rows, cfg, par, cp), par)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return loss, grad_norm
+
+
+def _synchronize(par: Parallel) -> None:
+    if par.device.type == "cuda":
+        torch.cuda.synchronize(par.device)
+
+
+def profiled_call(fn: Callable[[], Result], par: Parallel, path: Path, title: str) -> Result:
+    """fn() under torch.profiler (CPU activity, and CUDA on a GPU): the processes meet at a barrier first,
+    the device is synchronised before and after; profile_report goes to path. Returns fn's result."""
+    if par.distributed:
+        torch.distributed.barrier()
+    _synchronize(par)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if par.device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        result = fn()
+        _synchronize(par)
+        wall = time.perf_counter() - t0
+    path.write_text(profile_report(prof.key_averages(), wall, par.device.type == "cuda", title))
+    return result
+
+
+def _ms(us: float) -> str:
+    return f"{us / 1e3:.3f}"
+
+
+def _table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    """Fixed-width text table: the first column left-aligned (names), the others right-aligned."""
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    fmt = lambda cells: "  ".join(  # noqa: E731
+        str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+    )
+    return ["", f"## {title}", fmt(header), *map(fmt, rows)]
+
+
+def _kernel_rows(events, wall_s: float, top: int) -> list[list]:
+    """The top kernels / copies (device events, not annotations) by device time: name, calls, ms, % of step."""
+    device = sorted((e for e in events if e.device_type != DeviceType.CPU and not e.is_user_annotation),
+                    key=lambda e: -e.self_device_time_total)
+    return [[e.key[:110], e.count, _ms(e.self_device_time_total), f"{e.self_device_time_total / 1e4 / wall_s:.1f}"]
+            for e in device[:top]]
+
+
+def _host_rows(events, top: int) -> list[list]:
+    """The top host ops by self CPU time: name, calls, self ms, total ms."""
+    host = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: -e.self_cpu_time_total)
+    return [[e.key[:110], e.count, _ms(e.self_cpu_time_total), _ms(e.cpu_time_total)] for e in host[:top]]
+
+
+def _scope_rows(events) -> list[list]:
+    """Every cp/... scope, host and device side: name, side, calls, host ms, device ms."""
+    scopes = sorted((e for e in events if e.key.startswith("cp/")),
+                    key=lambda e: (e.key, e.device_type != DeviceType.CPU))
+    return [[e.key, "host" if e.device_type == DeviceType.CPU else "device", e.count, _ms(e.cpu_time_total),
+             _ms(e.device_time_total)] for e in scopes]
+
+
+def profile_report(events, wall_s: float, cuda: bool, title: str, top: int = 30) -> str:
+    """The text of a profiled step: wall time; on CUDA the kernels' total and the top kernels / copies by device
+    time, then the top host ops by self CPU time (top // 2 of them on CUDA); then every cp/... scope
+    (loglinear.distributed: the shard-shape all_gather, local state, transition, cross-rank scans, halo exchange,
+    shard op) with its host time and the device time of the kernels it launched (host side) or its span on
+    the GPU (device side). events: prof.key_averages() (FunctionEventAvg rows); times in ms."""
+    lines = [f"# {title}", f"step wall time: {wall_s * 1e3:.3f} ms (device synchronised before and after)"]
+    if cuda:
+        busy = sum(e.self_device_time_total for e in events
+                   if e.device_type != DeviceType.CPU and not e.is_user_annotation)
+        lines.append(f"kernels and copies, summed over streams: {_ms(busy)} ms")
+        lines += _table(f"top {top} kernels / copies by device time", ["name", "calls", "device ms", "% of step"],
+                        _kernel_rows(events, wall_s, top))
+    n_host = top // 2 if cuda else top
+    lines += _table(f"top {n_host} host ops by self CPU time", ["name", "calls", "self CPU ms", "CPU total ms"],
+                    _host_rows(events, n_host))
+    lines += _table("context-parallel scopes (cp/...)", ["name", "side", "calls", "host ms", "device ms"],
+                    _scope_rows(events))
+    return "\n".join(lines) + "\n"
+
+
 def _check(cfg: TrainConfig, par: Parallel, cp: ContextParallelPlan) -> None:
     share, rem = divmod(cfg.global_batch, cp.data_size)
     if rem or share == 0:
@@ -216,13 +321,15 @@ def _train(cfg: TrainConfig, par: Parallel, resume: bool) -> dict:
     losses, t0, tokens = [], time.perf_counter(), 0
     for step in bar:
         rows = _step_windows(data, cfg, step, tok)
-        loss = all_reduce_mean(_train_step(model, rows, cfg, par, cp), par)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
+        run_step = lambda: _optimizer_step(model, optimizer, scheduler, rows, cfg, par, cp)  # noqa: E731
+        profiled = step + 1 == cfg.profile_step
+        if profiled:
+            title = (f"loglinear train: step {step + 1}, rank {par.rank} of {par.world_size}, {par.device}, "
+                     f"context parallel {cp.size} (cp rank {cp.rank}), {cfg.arch} d_model {cfg.d_model} "
+                     f"x {cfg.n_layers} layers, seq_len {cfg.seq_len}, global batch {cfg.global_batch}")
+            loss, grad_norm = profiled_call(run_step, par, out / f"profile-rank{par.rank}.txt", title)
+        else:
+            loss, grad_norm = run_step()
         losses.append(float(loss))
         tokens += cfg.global_batch * cfg.seq_len
         log_now = (step + 1) % cfg.log_every == 0 or step + 1 == end
@@ -234,7 +341,7 @@ def _train(cfg: TrainConfig, par: Parallel, resume: bool) -> dict:
                 _log(metrics, {"step": step + 1, "loss": losses[-1], "lr": scheduler.get_last_lr()[0],
                                "grad_norm": float(grad_norm), "tokens": (step + 1) * cfg.global_batch * cfg.seq_len,
                                "elapsed_s": round(dt, 2), "tok_per_s": round(tokens / dt)}
-                     | ({"peak_mem_gib": peak} if peak is not None else {}))
+                     | ({"peak_mem_gib": peak} if peak is not None else {}) | ({"profiled": True} if profiled else {}))
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < end:
             v = evaluate_loss(model, val, cfg, par, cp)
             if par.is_main:

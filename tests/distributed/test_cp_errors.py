@@ -35,7 +35,8 @@ def test_one_rank_is_the_op(one_rank):
 
 def test_fresh_rank_calls_the_op_without_a_state(one_rank, monkeypatch):
     """Rows that all start at position 0 with no initial state: the op gets no state (a zero one would put the
-    kernels on their initial-state path); the scan stays in the graph, so the backward still runs (and is exact)."""
+    kernels on their initial-state path); the scan stays in the graph, so the backward still runs (and is exact).
+    The only rank is also the last: it computes no local state (no op call for it)."""
     from loglinear.distributed import ops
 
     seen, op = [], ops.log_linear_gated_deltanet
@@ -48,7 +49,7 @@ def test_fresh_rank_calls_the_op_without_a_state(one_rank, monkeypatch):
     x = make_inputs(B=2, T=11, G=1, H=2, generator=torch.Generator().manual_seed(4))
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
     context_parallel_log_linear_gated_deltanet(*leaves.values(), chunk_size=4)[0].square().sum().backward()
-    assert seen == [None, None], "the local state and the output call of a fresh rank take no initial state"
+    assert seen == [None], "the last rank's only op call is its output call, and a fresh rank's takes no state"
     ref = {n: t.clone().requires_grad_() for n, t in x.items()}
     loglinear.log_linear_gated_deltanet(*ref.values(), chunk_size=4)[0].square().sum().backward()
     for n in x:

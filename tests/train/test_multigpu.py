@@ -47,6 +47,41 @@ def test_cpu_plan(mg, tmp_path):
     assert mg.child_env("cuda")["NCCL_NVLS_ENABLE"] == "0"
 
 
+def test_profile_long_plan(mg, tmp_path):
+    """--profile-long: the cp_long runs and their baselines train one more step and profile it; others unchanged."""
+    argv = ["--device", "cpu", "--gpus", "2", "--out", str(tmp_path), "--long-steps", "5", "--parts", "cp"]
+    plain = mg.parse_args(argv)
+    a = mg.parse_args([*argv, "--profile-long"])
+    assert not plain.profile_long and a.profile_long
+    flag = lambda args, name: args[args.index(name) + 1]  # noqa: E731
+    for run in mg.plan_cp_long(a, tmp_path):
+        assert flag(run.args, "--stop-after") == flag(run.args, "--profile-step") == "6", run.name
+    assert all("--profile-step" not in r.args for r in mg.plan_cp_long(plain, tmp_path) + mg.plan_cp_exact(a, tmp_path))
+    assert [flag(r.args, "--stop-after") for r in mg.plan_cp_long(plain, tmp_path)] == ["5"] * 4
+    assert [r.name for r in mg.plan_cp_long(a, tmp_path)] == ["cp_long-256-cp2", "cp_base-128", "cp_long-512-cp2",
+                                                              "cp_base-256"]
+
+
+def test_a_profiled_last_step_is_left_out_and_its_reports_copied(mg, tmp_path):
+    a = mg.parse_args(["--device", "cpu", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
+                       "--long-steps", "4", "--profile-long"])
+    run = mg.plan_cp_long(a, tmp_path)[0]
+    folder = tmp_path / "work" / run.name
+    folder.mkdir(parents=True)
+    rows = _metrics(0.5, n=5)
+    rows[-1] |= {"profiled": True, "elapsed_s": rows[-1]["elapsed_s"] + 9.0}  # the profiler's time
+    (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    row = mg.measure(run, a, None)
+    assert row["step_s"] == 0.5 and row["steps"] == 5 and row["error"] is None
+    assert mg.unprofiled(rows) == rows[:4] and mg.unprofiled(rows[:4]) == rows[:4]
+    for r in range(2):
+        (folder / f"profile-rank{r}.txt").write_text(f"rank {r}\n")
+    (tmp_path / "out").mkdir()
+    names = mg.copy_profiles(run, a)
+    assert names == [f"profile-{run.name}-rank0.txt", f"profile-{run.name}-rank1.txt"]
+    assert (tmp_path / "out" / names[1]).read_text() == "rank 1\n"
+
+
 def _metrics(step_s: float, n: int = 5, tokens: int = 100, loss: float = 1.0) -> list[dict]:
     return [{"step": s, "loss": loss + s, "tokens": s * tokens, "elapsed_s": 10 + s * step_s} for s in range(1, n + 1)]
 
