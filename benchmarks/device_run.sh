@@ -6,6 +6,7 @@
 #   bash benchmarks/device_run.sh bench-gdn      # ~8 min: the same-run GDN table and its profile
 #   bash benchmarks/device_run.sh mqar           # ~9 min, all GPUs: one seed of the MQAR sweep (MQAR_SEEDS=0)
 #   bash benchmarks/device_run.sh lm             # ~9.5 min, all GPUs: five LMs (same tokens), per-position loss, NIAH
+#   bash benchmarks/device_run.sh cp-profile     # ~4 min, 2 GPUs: where a context-parallel step's time goes (issue 8)
 #   bash benchmarks/device_run.sh multigpu       # ~8 min, 2+ GPUs: context parallel, 128K-1M tokens (issue 8)
 #
 # On a two-GPU machine two parts run side by side, each on its own GPU with its own RESULTS; limit each one's CPU
@@ -19,7 +20,7 @@
 # installs the fla wheel first (the baselines; see the device README on carrying wheels). Every step has its own
 # time limit; the benchmarks list our impl first and the largest T first (fla compiles for >100 s on a fresh machine).
 set -u
-PART=${1:?usage: device_run.sh checks|bench-mamba2|bench-gdn|mqar|lm|multigpu}
+PART=${1:?usage: device_run.sh checks|bench-mamba2|bench-gdn|mqar|lm|cp-profile|multigpu}
 R=${RESULTS:-/tmp/device-results}
 PACK=${OUT:-$R}/results-$PART.tgz
 mkdir -p "$R"
@@ -84,13 +85,18 @@ case $PART in
   lm)  # ~9.5 min, all GPUs (issue 6): the five language models spread over the GPUs, then their evaluation
     step 570 lm python benchmarks/run_experiments.py --no-mqar --budget 540 --out "$R/exp" --tag h200
     ;;
+  cp-profile)  # ~4 min, 2 GPUs (issue 8): one profiled step per rank of CP at 128K and of its 64K baseline
+    cp benchmarks/results/multigpu-*.json "$R"/ 2>/dev/null
+    step 290 cp-profile python benchmarks/run_multigpu.py --parts cp_long --long-seq-lens 131072 --profile-long \
+      --budget 200 --out "$R"
+    ;;
   multigpu)  # ~8 min on two or more GPUs (issue 8): context parallel after e81b40f, then the long lengths
     cp benchmarks/results/multigpu-*.json "$R"/ 2>/dev/null  # the rows not redone (FSDP2) are kept
     step 560 multigpu python benchmarks/run_multigpu.py --parts cp_exact cp_long \
       --long-seq-lens 131072 262144 524288 1048576 --budget 470 --out "$R"
     ;;
   *)
-    echo "unknown part $PART (checks|bench-mamba2|bench-gdn|mqar|lm|multigpu)" >&2
+    echo "unknown part $PART (checks|bench-mamba2|bench-gdn|mqar|lm|cp-profile|multigpu)" >&2
     exit 2
     ;;
 esac
