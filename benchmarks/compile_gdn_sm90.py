@@ -68,10 +68,10 @@ def local_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, norm: bool
         (local._chunk_inverse_kernel, dict(k=P, g=P, beta=P, tg=P)),
         (local._chunk_local_kernel, dict(q=P, k=P, v=P, g=P, beta=P, lam=P, tg=P, o=f32, qt=P, wt=P, kt=P, u=P,
                                          qkg=P, decay=f32)),
-        (local._chunk_local_bwd_cc_kernel, dict(q=P, k=P, v=P, g=P, beta=P, lam=P, tg=P, qkg=P, wt=P, do=f32,
-                                                dqt=P, dwt=P, du=P, dv=P, dbeta=P, dlam=P, scratch=P, dGp=f32, dbk=P)),
+        (local._chunk_local_bwd_cc_kernel, dict(v=P, g=P, beta=P, lam=P, tg=P, qkg=P, wt=P, u=P, do=f32, dqt=P,
+                                                dwt=P, du=P, dv=P, dlam=P, scratch=P, dGp=f32, dbp=f32, dbk=P)),
         (local._chunk_local_bwd_k_kernel, dict(q=P, k=P, g=P, beta=P, dqt=P, dkt=P, ddecay=f32, scratch=P, dGp=f32,
-                                               dbk=P, dq=P, dk=P, dg=P)),
+                                               dbp=f32, dbk=P, dq=P, dk=P, dg=P, dbeta=P)),
     ]
     out = []
     for kernel, sig in pointers:

@@ -17,9 +17,10 @@ inside one autograd.Function, one program per chunk and head each:
 
     _chunk_inverse_kernel        T_g (unit_lower_inverse: doubling solved diagonal blocks, fp32)
     _chunk_local_kernel          qt, W~, K~, u, o, decay from T_g; keeps QK for the backward
-    _chunk_local_bwd_cc_kernel   the [C, C] gradients (T_g, QK, W~ read back; K K^T recomputed), dV, dbeta,
-                                 dLambda; hands dQK, dKK, dbk = T^T dW and dGp to
-    _chunk_local_bwd_k_kernel    dQ, dK, dg.
+    _chunk_local_bwd_cc_kernel   the [C, C] gradients from T_g, QK, W~ and u read back (no q, k: dA through
+                                 W~ = T bk and u = T bv instead of dT), dV, dLambda; hands dQK, dA, dbk = T^T dW
+                                 and the q/k-free parts of dG, dbeta to
+    _chunk_local_bwd_k_kernel    dQ, dK, the terms of dg and dbeta with q and k (K K^T through dA K), dg, dbeta.
 
 The kernels
 read the op's layouts (q, k: [b, T, G, K] of group h // (H / G); v: [b, T, H, V]; g, beta: [b, T, H];
@@ -264,140 +265,144 @@ def _store_level_sums(dlam, x, tok, valid, h, H, L, r_t, r_s, LOG_C: tl.constexp
 
 @triton.jit
 def _chunk_local_bwd_cc_kernel(
-    q, k, v, g, beta, lam, tg, qkg, wt, do, dqt, dwt, du,
-    dv, dbeta, dlam, scratch, dGp, dbk,
-    T, front, Tp, N, H, NG, L, eps,
+    v, g, beta, lam, tg, qkg, wt, u, do, dqt, dwt, du,
+    dv, dlam, scratch, dGp, dbp, dbk,
+    T, front, Tp, N, H, L,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
-    BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
+    BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Backward, part 1, chunk n of head bh: everything of [C, C] size (T_g, QK and W~ read from the forward's
-    tg, qkg and wt, the other blocks recomputed in fp32), dV, dbeta and dLambda.  Upstream: do: [BH, Tp, V]
-    fp32, du: [BH, Tp, V], dqt, dwt: [BH, Tp, K] (operand dtype).  Outputs (valid tokens only, any float
-    dtype): dv: [b, T, H, V], dbeta: [b, T, H], dlam: [b, T, H, L] (levels 0..c); for part 2: scratch
-    [BH N, 2, C, C] (operand dtype) = dQK * Gamma, dKK + dKK^T, dGp [BH, Tp] fp32 (dG but for the K~ and
-    decay terms) and dbk = T^T dW [BH, Tp, K] (operand dtype; the gradient of bk).  With NORM, Q and K are
-    the row-normalised q_n, k_n (module docstring).
-    With P = (QK T) * beta_s * Lambda, QK = (Q K^T) * Gamma, bk = beta e K, bv = beta V (e = exp(G),
-    f = exp(G_last - G)):
+    """Backward, part 1, chunk n of head bh: everything of [C, C] size from the forward's T_g, QK, W~ and u
+    (tg, qkg, wt, u; no q or k: with NORM they carry the row factors already), dV and dLambda.  Upstream:
+    do: [BH, Tp, V] fp32, du: [BH, Tp, V], dqt, dwt: [BH, Tp, K] (operand dtype).  Outputs (valid tokens
+    only, any float dtype): dv: [b, T, H, V], dlam: [b, T, H, L] (levels 0..c); for part 2: scratch
+    [BH N, 2, C, C] (operand dtype) = dQK * Gamma, dA * Gamma, dGp and dbp [BH, Tp] fp32 (the parts of dG
+    and dbeta without q and k) and dbk = T^T dW [BH, Tp, K] (operand dtype; the gradient of bk).
+    With P = (QK T) * beta_s * Lambda, M = QK T, QK = (Q K^T) * Gamma, bk = beta e K, bv = beta V, so that
+    W~ = T bk and u = T bv:
 
-        dP = do V^T;  dV = P^T do + beta T^T du;  dLambda = dP * M * beta_s;  dM = dP * beta_s * Lambda
-        dQK = dM T^T - dqt W~^T;   dW = dwt - QK^T dqt;   dT = QK^T dM + dW bk^T + du bv^T
-        dA = -T^T dT T^T (strict lower);  dKK = dA * beta_t * Gamma;  dGamma = dQK * QKraw + dA * beta_t * KK
-        dbeta, dG from the same lines.
+        dP = do V^T;  dV = P^T do + beta dbv, dbv = T^T du;  dLambda = dP * M * beta_s;  dM = dP * beta_s * Lambda
+        dQK = dM T^T - dqt W~^T;   dW = dwt - QK^T dqt;   dbk = T^T dW
+        dA = -T^T dT T^T (strict lower), dT = QK^T dM + dW bk^T + du bv^T, taken as
+        dA = -(M^T (dM T^T) + dbk W~^T + dbv u^T)      (no [C, C] dT, no products with T after the loops)
+        dbp = rowsum(dbv * V) + colsum(dP * M * Lambda);  dGp = rowsum(dGg) - colsum(dGg), dGg = dQK * QK
+    (the terms of dA * beta_t * A with K K^T, and those of dbk and dqt, are part 2's).
     """
-    n, bh, tok, valid, h, grp, rc, rows = _chunk_program(T, front, Tp, H, NG, C)
+    n, bh, tok, valid, h, _, rc, rows = _chunk_program(T, front, Tp, H, 1, C)
     dt = dqt.dtype.element_ty  # the operand dtype: qt's gradient comes in qt's dtype
-    r_k = _row_norms(k, tok, valid, grp, NG, K, eps, C, BK, NK, NORM)
-    b_c, G, gamma, causal = _chunk_gates(g, beta, tok, valid, h, H, C)
+    causal = rc[:, None] >= rc[None, :]
+    b_c = tl.load(beta + tok * H + h, mask=valid, other=0.0).to(tl.float32)
     Tg = _tile(tg, rows, C, 0, C)
-    e = tl.exp(G)
     qk = _tile(qkg, rows, C, 0, C)
-    M = _dot(qk, Tg, dt, PREC)
+    M = tl.dot(qk, Tg, input_precision=PREC)
     P = (M * b_c[None, :] * _chunk_levels(lam, tok, valid, h, H, L, causal, C, LOG_C)).to(dt)
-    # values: dP, dV, dT from u = T bv
+    # values: dP, dV and dbv u^T of dA, from u = T bv
     dP = tl.zeros([C, C], dtype=tl.float32)
-    dT = tl.zeros([C, C], dtype=tl.float32)
+    X = tl.zeros([C, C], dtype=tl.float32)  # -dA
     db = tl.zeros([C], dtype=tl.float32)
     for vb in range(NV):
-        v_b = load_tokens(v, tok, valid, h, H, V, vb * BV, BV, dt).to(tl.float32)
-        do_b = _tile(do, rows, V, vb * BV, BV).to(tl.float32)
-        du_b = _tile(du, rows, V, vb * BV, BV).to(tl.float32)
-        dP += _dot(do_b, tl.trans(v_b), dt, PREC)
-        dT += _dot(du_b, tl.trans(b_c[:, None] * v_b), dt, PREC)
-        dbv = _dot(tl.trans(Tg), du_b, dt, PREC)
-        db += tl.sum(dbv * v_b, axis=1)
-        store_tokens(dv, _dot(tl.trans(P), do_b, dt, PREC) + b_c[:, None] * dbv, tok, valid, h, H, V, vb * BV, BV)
+        v_b = load_tokens(v, tok, valid, h, H, V, vb * BV, BV, dt)
+        do_b = _tile(do, rows, V, vb * BV, BV).to(dt)
+        dbv = tl.dot(tl.trans(Tg), _tile(du, rows, V, vb * BV, BV), input_precision=PREC)
+        dP += tl.dot(do_b, tl.trans(v_b), input_precision=PREC)
+        X += _dot(dbv, tl.trans(_tile(u, rows, V, vb * BV, BV)), dt, PREC)
+        db += tl.sum(dbv * v_b.to(tl.float32), axis=1)
+        store_tokens(dv, tl.dot(tl.trans(P), do_b, input_precision=PREC) + b_c[:, None] * dbv,
+                     tok, valid, h, H, V, vb * BV, BV)
     dPM = tl.where(causal, dP, 0.0) * M
-    dLam = dPM * b_c[None, :]
-    _store_level_sums(dlam, dLam, tok, valid, h, H, L, tok - (tok - rc), rc, LOG_C)
+    _store_level_sums(dlam, dPM * b_c[None, :], tok, valid, h, H, L, tok - (tok - rc), rc, LOG_C)
     lam_c = _chunk_levels(lam, tok, valid, h, H, L, causal, C, LOG_C)  # again: not live in the value loop
-    dM = tl.where(causal, dP, 0.0) * b_c[None, :] * lam_c
     db += tl.sum(dPM * lam_c, axis=0)
-    dQK = _dot(dM, tl.trans(Tg), dt, PREC)
-    dT += _dot(tl.trans(qk), dM, dt, PREC)
+    dQK = _dot(tl.where(causal, dP, 0.0) * b_c[None, :] * lam_c, tl.trans(Tg), dt, PREC)
+    X += _dot(tl.trans(M), dQK, dt, PREC)
     # keys: qt = e q - QK W~,  W~ = T bk (the forward's wt)
-    de = tl.zeros([C], dtype=tl.float32)
-    sbk = tl.zeros([C], dtype=tl.float32)
-    qq = tl.zeros([C], dtype=tl.float32)  # sum q^2: r_q from the loop's q blocks
     for kb in range(NK):
-        k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt)
         dqt_b = _tile(dqt, rows, K, kb * BK, BK)
-        dW_b = _tile(dwt, rows, K, kb * BK, BK).to(tl.float32) - _dot(tl.trans(qk), dqt_b, dt, PREC)
-        dQK -= _dot(dqt_b, tl.trans(_tile(wt, rows, K, kb * BK, BK)), dt, PREC)
-        dT += _dot(dW_b, tl.trans((b_c * e * r_k)[:, None] * k_b.to(tl.float32)), dt, PREC)
-        q_b = load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, tl.float32)
-        de += tl.sum(dqt_b.to(tl.float32) * q_b, axis=1)
-        qq += tl.sum(q_b * q_b, axis=1)
-        dbk_b = _dot(tl.trans(Tg), dW_b, dt, PREC)
+        w_b = _tile(wt, rows, K, kb * BK, BK)
+        dW_b = _tile(dwt, rows, K, kb * BK, BK).to(tl.float32) - tl.dot(tl.trans(qk), dqt_b, input_precision=PREC)
+        dQK -= tl.dot(dqt_b, tl.trans(w_b), input_precision=PREC)
+        dbk_b = _dot(tl.trans(Tg), dW_b, dt, PREC).to(dt)
         _put(dbk, dbk_b, rows, K, kb * BK, BK)
-        sbk += tl.sum(dbk_b * k_b.to(tl.float32), axis=1)
-    if NORM:  # (q_n = r_q q, k_n = r_k k: the row factors of the sums above)
-        de *= tl.rsqrt(qq + eps)
-    sbk *= r_k
-    db += e * sbk
-    de += b_c * sbk
-    # T = (I + A)^-1,  A = strict(beta_t Gamma KK),  QK = QKraw * Gamma (K K^T formed here: not live in the loops)
+        X += tl.dot(dbk_b, tl.trans(w_b), input_precision=PREC)
+    # QK = QKraw * Gamma, A = strict(beta_t Gamma KK): Gamma's factors of dQK and dA (part 2 adds beta_t, KK)
+    G = tl.cumsum(tl.load(g + tok * H + h, mask=valid, other=0.0).to(tl.float32), axis=0)
     gamma = decay_matrix(G, causal)
-    Akk = gamma * _gram(k, r_k, k, r_k, tok, valid, grp, NG, K, C, BK, NK, PREC, dt, NORM)
-    dA = -_dot(tl.trans(Tg), _dot(dT, tl.trans(Tg), dt, PREC), dt, PREC)
-    dA = tl.where(rc[:, None] > rc[None, :], dA, 0.0)
-    db += tl.sum(dA * Akk, axis=1)
-    dGg = tl.where(causal, dQK * qk.to(tl.float32), 0.0) + dA * b_c[:, None] * Akk
-    tl.store(dGp + rows, de * e + tl.sum(dGg, axis=1) - tl.sum(dGg, axis=0))
-    tl.store(dbeta + tok * H + h, db, mask=valid)
-    dKK = dA * b_c[:, None] * gamma
+    dGg = tl.where(causal, dQK * qk.to(tl.float32), 0.0)
+    tl.store(dGp + rows, tl.sum(dGg, axis=1) - tl.sum(dGg, axis=0))
+    tl.store(dbp + rows, db)
     out = scratch + (bh * N + n) * 2 * C * C
     tl.store(_cc_tile(out, 0, rc, C), (dQK * gamma).to(dt))
-    tl.store(_cc_tile(out, 1, rc, C), (dKK + tl.trans(dKK)).to(dt))
+    tl.store(_cc_tile(out, 1, rc, C), tl.where(rc[:, None] > rc[None, :], -X * gamma, 0.0).to(dt))
 
 
 @triton.jit
 def _chunk_local_bwd_k_kernel(
-    q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbk,
-    dq, dk, dg,
+    q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbp, dbk,
+    dq, dk, dg, dbeta,
     T, front, Tp, N, H, NG, eps,
     K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
 ):
-    """Backward, part 2, chunk n of head bh: the key-sized gradients from part 1's scratch, dGp and dbk.
-    Upstream: dqt, dkt: [BH, Tp, K] (operand dtype), ddecay: [BH, N].  Outputs (valid tokens only, any float
-    dtype): dq, dk: [b, T, H, K] (per value head; w.r.t. the row-normalised q_n, k_n when NORM), dg: [b, T, H]
-    (reverse cumsum of dG):
+    """Backward, part 2, chunk n of head bh: the key-sized gradients and the terms of dG and dbeta with q and
+    k, from part 1's scratch (dQK * Gamma, dA * Gamma), dGp, dbp and dbk.  Upstream: dqt, dkt: [BH, Tp, K]
+    (operand dtype), ddecay: [BH, N].  Outputs (valid tokens only, any float dtype): dq, dk: [b, T, H, K] (per
+    value head; w.r.t. the row-normalised q_n, k_n when NORM), dg: [b, T, H] (reverse cumsum of dG), dbeta:
+    [b, T, H].  With dKK = beta_t dA * Gamma (A = strict(beta_t Gamma KK), KK = K K^T):
 
-        dQ = e dqt + (dQK * Gamma) K;
-        dK = (dQK * Gamma)^T Q + (dKK + dKK^T) K + beta e dbk + f dkt;  dG += -f rowsum(dkt K) + [last] dG_last
+        dQ = e dqt + (dQK * Gamma) K;   dK = (dQK * Gamma)^T Q + dKK K + dKK^T K + beta e dbk + f dkt
+        rho = rowsum(K * (dA * Gamma) K) = rowsum(dA * Gamma * KK),  kappa = rowsum(K * dKK^T K) = colsum(dKK * KK)
+        de = rowsum(dqt * Q) + beta sbk,  sbk = rowsum(dbk * K);   dbeta = dbp + rho + e sbk
+        dG = dGp + e de + beta rho - kappa - f rowsum(dkt * K) + [last] dG_last
     """
     n, bh, tok, valid, h, grp, rc, rows = _chunk_program(T, front, Tp, H, NG, C)
     dt = dqt.dtype.element_ty
     src = scratch + (bh * N + n) * 2 * C * C
     dQKr = tl.load(_cc_tile(src, 0, rc, C))
-    dKK = tl.load(_cc_tile(src, 1, rc, C))
+    dAG = tl.load(_cc_tile(src, 1, rc, C)).to(tl.float32)
     G = tl.cumsum(tl.load(g + tok * H + h, mask=valid, other=0.0).to(tl.float32), axis=0)
     G_last = tl.sum(tl.where(rc == C - 1, G, 0.0), axis=0)
     e = tl.exp(G)
     f = tl.exp(G_last - G)
-    be = tl.load(beta + tok * H + h, mask=valid, other=0.0).to(tl.float32) * e
-    # q_n = r_q q, k_n = r_k k: the row factors scale the [C, C] factors' columns / rows and f
+    b_c = tl.load(beta + tok * H + h, mask=valid, other=0.0).to(tl.float32)
+    be = b_c * e
+    # q_n = r_q q, k_n = r_k k: the row factors scale the [C, C] factors' columns / rows and the row sums
     r_q = _row_norms(q, tok, valid, grp, NG, K, eps, C, BK, NK, NORM)
     r_k = _row_norms(k, tok, valid, grp, NG, K, eps, C, BK, NK, NORM)
     dQKq = (dQKr.to(tl.float32) * r_q[:, None]).to(dt)
     dQKr = (dQKr.to(tl.float32) * r_k[None, :]).to(dt)
-    dKK = (dKK.to(tl.float32) * r_k[None, :]).to(dt)
-    f_k = f * r_k
+    dKKt = ((b_c * r_k)[:, None] * dAG).to(dt)  # dKK^T K_n = trans(dKKt) K
+    dAG = (dAG * r_k[None, :]).to(dt)
     skt = tl.zeros([C], dtype=tl.float32)
+    sbk = tl.zeros([C], dtype=tl.float32)
+    rho = tl.zeros([C], dtype=tl.float32)
+    kappa = tl.zeros([C], dtype=tl.float32)
+    de = tl.zeros([C], dtype=tl.float32)
     for kb in range(NK):
         q_b = load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, dt)
         k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt)
+        kf_b = k_b.to(tl.float32)
         dqt_b = _tile(dqt, rows, K, kb * BK, BK)
         dkt_b = _tile(dkt, rows, K, kb * BK, BK).to(tl.float32)
-        dq_b = e[:, None] * dqt_b.to(tl.float32) + _dot(dQKr, k_b, dt, PREC)
+        dbk_b = _tile(dbk, rows, K, kb * BK, BK).to(tl.float32)
+        dq_b = e[:, None] * dqt_b.to(tl.float32) + tl.dot(dQKr, k_b, input_precision=PREC)
         store_tokens(dq, dq_b, tok, valid, h, H, K, kb * BK, BK)
-        dk_b = _dot(tl.trans(dQKq), q_b, dt, PREC) + _dot(dKK, k_b, dt, PREC)
-        dk_b += be[:, None] * _tile(dbk, rows, K, kb * BK, BK).to(tl.float32) + f[:, None] * dkt_b
+        de += tl.sum(dqt_b.to(tl.float32) * q_b.to(tl.float32), axis=1)
+        ak_b = tl.dot(dAG, k_b, input_precision=PREC)
+        akt_b = tl.dot(tl.trans(dKKt), k_b, input_precision=PREC)
+        rho += tl.sum(ak_b * kf_b, axis=1)
+        kappa += tl.sum(akt_b * kf_b, axis=1)
+        dk_b = tl.dot(tl.trans(dQKq), q_b, input_precision=PREC) + b_c[:, None] * ak_b + akt_b
+        dk_b += be[:, None] * dbk_b + f[:, None] * dkt_b
         store_tokens(dk, dk_b, tok, valid, h, H, K, kb * BK, BK)
-        skt += f_k * tl.sum(dkt_b * k_b.to(tl.float32), axis=1)
+        skt += tl.sum(dkt_b * kf_b, axis=1)
+        sbk += tl.sum(dbk_b * kf_b, axis=1)
+    rho *= r_k
+    sbk *= r_k
+    skt *= f * r_k
+    # (q_n: r_q of the row sum)
+    de = de * r_q + b_c * sbk
+    tl.store(dbeta + tok * H + h, tl.load(dbp + rows) + rho + e * sbk, mask=valid)
     # K~ = f k, decay = exp(G_last); G = cumsum(g)
     dG_last = tl.sum(skt, axis=0) + tl.load(ddecay + bh * N + n).to(tl.float32) * tl.exp(G_last)
-    dG = tl.load(dGp + rows) - skt + tl.where(rc == C - 1, dG_last, 0.0)
+    dG = tl.load(dGp + rows) + e * de + b_c * rho - kappa * r_k - skt + tl.where(rc == C - 1, dG_last, 0.0)
     tl.store(dg + tok * H + h, tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG, mask=valid)
 
 
@@ -414,12 +419,13 @@ def _meta(ch: Chunking, K: int, V: int, G: int, L: int, dt: torch.dtype, norm: b
 
 
 # per kernel: warps and the widest key block (sm_90, triton 3.6, benchmarks/compile_gdn_sm90.py). At 4 warps the
-# inverse (166 registers), the forward and the key backward (255 / 214) run 3, 2 and 2 programs per SM, which
-# hide each other's products; the [C, C] backward spills 1.2 KB at 4 warps and keeps 8 (one program per SM).
+# inverse (166 registers), the forward and the key backward (255 / 242) run 3, 2 and 2 programs per SM, which
+# hide each other's products; the [C, C] backward spills 380 B at 4 warps and keeps 8 (one program per SM).
 # Whole 128-column key blocks halve the Gram's and the [C, C] backward's key-loop products (fewer spills there
-# too; 16-bit operands only); the forward and the key backward keep 64 (at 128 they spill 256 / 32 B at 4 warps)
+# too; 16-bit operands only); the forward keeps 64 (at 128 it spills 256 B at 4 warps) and the key backward 32
+# (its four [C, C] x [C, BK] products per block spill 260-300 B at 64)
 CONFIG = {"_chunk_inverse_kernel": (4, 128), "_chunk_local_kernel": (4, 64), "_chunk_local_bwd_cc_kernel": (8, 128),
-          "_chunk_local_bwd_k_kernel": (4, 64)}
+          "_chunk_local_bwd_k_kernel": (4, 32)}
 
 
 def launch_options(kernel) -> dict:
@@ -459,13 +465,13 @@ class ChunkLocal(torch.autograd.Function):
         meta = _meta(ch, K, V, G, L, dt, norm)
         _launch(_chunk_inverse_kernel, ch, meta, k, g, beta, tg)
         _launch(_chunk_local_kernel, ch, meta, q, k, v, g, beta, lam, tg, o, qt, wt, kt, u, qkg, decay)
-        ctx.save_for_backward(q, k, v, g, beta, lam, tg, qkg, wt)  # wt: the scan keeps it anyway
+        ctx.save_for_backward(q, k, v, g, beta, lam, tg, qkg, wt, u)  # wt, u: the scan keeps them anyway
         ctx.ch, ctx.dt, ctx.norm = ch, dt, norm
         return o, qt, wt, kt, u, decay
 
     @staticmethod
     def backward(ctx, do, dqt, dwt, dkt, du, ddecay):
-        q, k, v, g, beta, lam, tg, qkg, wt = ctx.saved_tensors
+        q, k, v, g, beta, lam, tg, qkg, wt, u = ctx.saved_tensors
         ch, dt = ctx.ch, ctx.dt
         b, T, G, K = q.shape
         H, V, L, dev = ch.H, v.shape[-1], lam.shape[-1], q.device
@@ -479,13 +485,15 @@ class ChunkLocal(torch.autograd.Function):
         dq, dk = alloc((b, T, H, K), dt, dev), alloc((b, T, H, K), dt, dev)
         dv, dg, dbeta = alloc(v.shape, v.dtype, dev), alloc(g.shape, g.dtype, dev), alloc(beta.shape, beta.dtype, dev)
         dlam = torch.zeros_like(lam)  # levels > c: the scan's part
-        scratch, dGp = alloc((ch.BH * ch.N, 2, ch.C, ch.C), dt, dev), alloc((ch.BH, ch.Tp), f32, dev)
+        scratch = alloc((ch.BH * ch.N, 2, ch.C, ch.C), dt, dev)
+        dGp, dbp = alloc((ch.BH, ch.Tp), f32, dev), alloc((ch.BH, ch.Tp), f32, dev)
         dbk = alloc((ch.BH, ch.Tp, K), dt, dev)
         do, dqt, dwt, dkt, du, ddecay = up
         meta = _meta(ch, K, V, G, L, dt, ctx.norm)
-        _launch(_chunk_local_bwd_cc_kernel, ch, meta, q, k, v, g, beta, lam, tg, qkg, wt, do, dqt, dwt, du, dv, dbeta,
-                dlam, scratch, dGp, dbk)
-        _launch(_chunk_local_bwd_k_kernel, ch, meta, q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbk, dq, dk, dg)
+        _launch(_chunk_local_bwd_cc_kernel, ch, meta, v, g, beta, lam, tg, qkg, wt, u, do, dqt, dwt, du, dv, dlam,
+                scratch, dGp, dbp, dbk)
+        _launch(_chunk_local_bwd_k_kernel, ch, meta, q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbp, dbk, dq, dk, dg,
+                dbeta)
         dq, dk = group_sum(dq, G, 2), group_sum(dk, G, 2)
         if ctx.norm:
             dq, dk = l2norm_backward(q, dq), l2norm_backward(k, dk)
