@@ -9,7 +9,6 @@ import json
 import os
 import socket
 from pathlib import Path
-
 from types import SimpleNamespace
 
 import torch
@@ -17,7 +16,8 @@ import torch.multiprocessing as mp
 from torch.autograd import DeviceType
 
 from loglinear.train.command import add_arguments, config_from_args
-from loglinear.train.loop import TrainConfig, profile_report, train
+from loglinear.train.loop import TrainConfig, train
+from loglinear.train.profiling import profile_report
 
 
 def _config(data: Path, out: Path, *extra: str) -> TrainConfig:
