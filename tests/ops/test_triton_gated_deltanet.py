@@ -235,13 +235,14 @@ def _scan_torch(qt, wt, kt, u, decay, lam, h0, merge):
     return torch.cat(outs, 1), torch.stack(h, 1)
 
 
-@pytest.mark.parametrize("seeded, segment", [(True, 256), (False, 256), (True, 4)])
-def test_scan_kernel_and_its_backward(seeded, segment, monkeypatch):
+@pytest.mark.parametrize("seeded, segment, K", [(True, 256, 20), (False, 256, 20), (True, 4, 20), (True, 4, 136)])
+def test_scan_kernel_and_its_backward(seeded, segment, K, monkeypatch):
     """Initial states in every level (all live at chunk 0), or none (only the levels the cascade filled);
-    o = scale (o_intra + readouts) written for the real tokens of the op's layout; the backward in one
-    segment of chunks or two."""
+    o = scale (o_intra + readouts) written for the real tokens of the op's layout, by the readout kernel
+    (gradients: snapshots) and by the chain itself (none); the backward in one segment of chunks or two.
+    K = 20: the chains' one [BK, BK] transition matrix per chunk; K = 136 (BK = 256): their two products."""
     monkeypatch.setattr(scan_module, "BWD_SEGMENT", segment)
-    b, H, N, C, K, V, J = 1, 3, 6, 16, 20, 40, 3  # V = 40: two V blocks of 32 (partial sums)
+    b, H, N, C, V, J = 1, 3, 6, 16, 40, 3  # V = 40: two V blocks of 32 (partial sums); three of 16 at K = 136
     BH, ch, scale = b * H, Chunking(b, N * C - 8, H, front=5, C=C), 0.7
     merge = [0, 2, 0, 1, 0, -1]  # chunks 2..7
     args = [0.3 * torch.randn(BH, N * C, K, dtype=torch.float64) for _ in range(3)]
@@ -257,6 +258,11 @@ def test_scan_kernel_and_its_backward(seeded, segment, monkeypatch):
     ro = (scale * (args[7] + inter)).view(b, H, N * C, V).transpose(1, 2)[:, ch.front : ch.front + ch.T]
     assert_close(o.double(), ro, RTOL, "o")
     assert_close(hN.double(), rh, RTOL, "hN")
+    with torch.no_grad():
+        o_chain, hN_chain = fenwick_delta_scan(*[a.float() for a in args[:6]], h0, args[7].float(), merge, ch, scale,
+                                               torch.float32)
+    assert_close(o_chain.double(), ro, RTOL, "o (the chain's readout)")
+    assert_close(hN_chain.double(), rh, RTOL, "hN (no gradients)")
     do, dh = torch.randn_like(ro), torch.randn_like(rh)
     inputs = args if seeded else args[:6] + args[7:]
     got = torch.autograd.grad((o * do.float()).sum() + (hN * dh.float()).sum(), inputs)

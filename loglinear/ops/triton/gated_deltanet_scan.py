@@ -8,13 +8,13 @@ Per head, chunks i = 0..N-1 of C tokens, J chunk-level states h_j (each [K, V], 
 and the scan does, for every level j at once (one kernel, one pass over the chunk inputs):
 
     o_i   = sum_j lam_i[:, j] * (qt_i h_j)                              readout, depth J*K
-    g_j   = d_i h_j - kt_i^T (wt_i h_j)                                 delta-rule transition
+    g_j   = d_i h_j - kt_i^T (wt_i h_j) = d_i h_j - Wm_i h_j            delta-rule transition, Wm_i = kt_i^T wt_i
     h_j   = 0 (j < m),  g_m + sum_{j<m} g_j + kt_i^T u_i (j = m),  g_j (j > m)     the binary-counter carry
-            (the carry as one transition of the summed states: d S - kt_i^T (wt_i S - u_i), S = sum_{j<=m} h_j)
+            (the carry as one transition of the summed states: d S - Wm_i S + kt_i^T u_i, S = sum_{j<=m} h_j)
 
 Backward (reverse over chunks, dh_j carried the same way):
     cascade:     dg_j = dh_m (j <= m), dh_j (j > m);   dD = dh_m;  du_i = kt_i dD;  dkt_i += u_i dD^T
-    transition:  dh_j = d_i dg_j - wt_i^T (kt_i dg_j);  dd_i = sum_j <dg_j, h_j>
+    transition:  dh_j = d_i dg_j - Wm_i^T dg_j;  dd_i = sum_j <dg_j, h_j>
                  dkt_i -= sum_j (wt_i h_j) dg_j^T;      dwt_i -= sum_j (kt_i dg_j) h_j^T
     readout:     Y_j = lam_i[:, j] * do_i;  dqt_i += sum_j Y_j h_j^T;  dh_j += qt_i^T Y_j
                  dlam_i[:, j] = rowsum(do_i * (qt_i h_j))
@@ -24,15 +24,18 @@ keys into it and none has cleared it since (bit j of the chunk index from positi
 states seeded it and no cascade has reached it yet (schedule); the others are 0, so half of the level
 steps vanish. The kernels:
 
-  _scan_fwd_kernel      sequential over chunks (programs: V blocks x heads): per live level load the state
-                        (the next level's one level ahead), transition it (2 GEMMs) or add it to the
-                        carry's sum (levels <= m: one 2-GEMM transition for all of them); the states are
-                        updated in place in one fp32 buffer (L2-resident: the snapshots stream past it).
+  _scan_fwd_kernel      sequential over chunks (programs: V blocks x heads): per chunk form Wm_i ([K, K],
+                        operand dtype; K <= 128 at 16 bits, 64 at fp32) from the chunk's inputs, then per live
+                        level load the state (the next level's one level ahead), transition it (1 GEMM with
+                        Wm_i; 2, kt^T (wt h), for wider keys) or add it to the carry's sum (levels <= m: one
+                        transition for all of them); the states are updated in place in one fp32 buffer
+                        (L2-resident: the snapshots stream past it).
                         With gradients it stores every live incoming state (operand dtype) and leaves the
                         readouts to _scan_readout_kernel (chunk-parallel, reads the snapshots); without,
                         it reads out in the chain.
-  _scan_dh_kernel       the backward's sequential chain, reverse: dh_j = d dg_j - wt^T (kt dg_j) + qt^T Y_j
-                        (3 GEMMs per live level), stores every live dh (operand dtype).
+  _scan_dh_kernel       the backward's sequential chain, reverse: dh_j = d dg_j - Wm^T dg_j + qt^T Y_j
+                        (Wm^T = wt^T kt once per chunk, then 2 GEMMs per live level, 1 of them on the chain;
+                        wider keys: 3, wt^T (kt dg_j)), stores every live dh (operand dtype).
   _scan_grads_kernel    chunk-parallel: dwt, dkt, du, dd of a chunk from its incoming states and the dh leaving
                         it (4 GEMMs per live level).
   _scan_readout_bwd_kernel  chunk-parallel: dqt, dlam of a chunk from its incoming states and do (2 GEMMs per
@@ -87,6 +90,13 @@ def _ahead(src, j, KV, hoff, hmask, rk, s, count):
 
 
 @triton.jit
+def _gram(a, b, PREC: tl.constexpr):
+    """a^T b: [C, BK] x [C, BK] -> [BK, BK] in the operand dtype (a chunk's transition matrix, kt^T wt or its
+    transpose wt^T kt)."""
+    return tl.dot(tl.trans(a), b, input_precision=PREC).to(a.dtype)
+
+
+@triton.jit
 def _scan_fwd_kernel(
     qt, wt, kt, u, decay, lam, merge, lev, snap_at, states, snap, o_intra, o,
     N, J, Tp, S, T, front, H, scale,
@@ -99,7 +109,17 @@ def _scan_fwd_kernel(
     updated in place (the initial states; at the end the final ones of the live levels); snap: [BH, S, K, V]
     (SNAP: the live states entering each chunk, in level order); o_intra: [BH, Tp, V] fp32, the chunk-local
     outputs; o: [b, T, H, V] (Chunking's tokens) = scale (o_intra + the readouts), written here without
-    SNAP; with SNAP the readouts leave the sequential chain (_scan_readout_kernel reads the snapshots)."""
+    SNAP; with SNAP the readouts leave the sequential chain (_scan_readout_kernel reads the snapshots).
+
+    TM (Wm_i fits 32 KB of registers: BK <= 128 for bf16/fp16 operands, <= 64 for fp32): the chunk's transition
+    through one matrix, formed (with ku_i) from the chunk's inputs only, off the states' chain,
+
+        Wm_i = kt_i^T wt_i: [BK, BK] (operand dtype);   ku_i = kt_i^T u_i: [BK, BV] fp32
+        g_j = d_i h_j - Wm_i h_j  (j > m);              h_m = d_i L - Wm_i L + ku_i,  L = sum_{j <= m} h_j
+
+    (one product per transition on the chain).  Otherwise two: g_j = d_i h_j - kt_i^T (wt_i h_j),
+    h_m = d_i L + kt_i^T (u_i - wt_i L)."""
+    TM: tl.constexpr = BK * BK * wt.dtype.element_ty.primitive_bitwidth <= 128 * 128 * 16
     iv, bh, rc, rk, rv, mk, mv, hoff, hmask = _state_block(C, K, V, BK, BV)
     KV = K * V
     # in place: level j is read, then written (j > m); the cascade target m is written after every read
@@ -107,7 +127,8 @@ def _scan_fwd_kernel(
     for i in range(N):
         rows = bh * Tp + i * C + rc
         ck = rows[:, None] * K + rk[None, :]
-        q_i = tl.load(qt + ck, mask=mk[None, :], other=0.0)
+        if not SNAP:
+            q_i = tl.load(qt + ck, mask=mk[None, :], other=0.0)
         w_i = tl.load(wt + ck, mask=mk[None, :], other=0.0)
         k_i = tl.load(kt + ck, mask=mk[None, :], other=0.0)
         u_i = tl.load(u + rows[:, None] * V + rv[None, :], mask=mv[None, :], other=0.0)
@@ -121,10 +142,13 @@ def _scan_fwd_kernel(
             acc = tl.load(o_intra + rows[:, None] * V + rv[None, :], mask=mv[None, :], other=0.0)
         j = tl.load(lev + start)
         h = _ahead(src, j, KV, hoff, hmask, rk, 0, count)
+        if TM:  # from the chunk's inputs only: w_i, k_i, u_i are dead after these two
+            wm = _gram(k_i, w_i, PREC)
+            ku = tl.dot(tl.trans(k_i), u_i, input_precision=PREC)
         for s in range(count):  # the live levels; the next one's state is loaded a level ahead
             j_next = tl.load(lev + start + s + 1)
             h_next = _ahead(src, j_next, KV, hoff, hmask, rk, s + 1, count)
-            hd = h.to(q_i.dtype)
+            hd = h.to(w_i.dtype)
             if SNAP:
                 tl.store(keep + s * KV + hoff, hd.to(snap.dtype.element_ty), mask=hmask, eviction_policy="evict_first")
             else:
@@ -132,14 +156,21 @@ def _scan_fwd_kernel(
             if j <= m:
                 low += h
             else:
-                wh = tl.dot(w_i, hd, input_precision=PREC)
-                g = d * h - tl.dot(tl.trans(k_i), wh.to(q_i.dtype), input_precision=PREC)
+                if TM:
+                    g = d * h - tl.dot(wm, hd, input_precision=PREC)
+                else:
+                    wh = tl.dot(w_i, hd, input_precision=PREC)
+                    g = d * h - tl.dot(tl.trans(k_i), wh.to(w_i.dtype), input_precision=PREC)
                 tl.store(src + j * KV + hoff, g, mask=hmask)
             j = j_next
             h = h_next
-        if m >= 0:  # h_m = sum_{j <= m} g_j + kt^T u = d low + kt^T (u - wt low): one transition for them all
-            x = (u_i - tl.dot(w_i, low.to(q_i.dtype), input_precision=PREC)).to(q_i.dtype)
-            tl.store(src + m * KV + hoff, d * low + tl.dot(tl.trans(k_i), x, input_precision=PREC), mask=hmask)
+        if m >= 0:  # h_m = sum_{j <= m} g_j + kt^T u: one transition for them all
+            if TM:
+                tl.store(src + m * KV + hoff, d * low - tl.dot(wm, low.to(w_i.dtype), input_precision=PREC) + ku,
+                         mask=hmask)
+            else:
+                x = (u_i - tl.dot(w_i, low.to(w_i.dtype), input_precision=PREC)).to(w_i.dtype)
+                tl.store(src + m * KV + hoff, d * low + tl.dot(tl.trans(k_i), x, input_precision=PREC), mask=hmask)
         if not SNAP:
             tok, valid, head = chunk_tokens(i, bh, T, front, H, C)
             store_tokens(o, scale * acc, tok, valid, head, H, V, iv * BV, BV)
@@ -183,13 +214,16 @@ def _scan_dh_kernel(
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """Backward, pass 1 (sequential, chunks i1-1 down to i0): the chain dh_j = d_i dg_j - wt_i^T (kt_i dg_j)
-    + qt_i^T Y_j for the live levels only (3 products per live level; as one product over 2C,
-    [-wt_i^T | qt_i^T] [kt_i dg_j; Y_j], it spilled more and ran slower on sm_90).  do: [b, T, H, V] (any float
+    """Backward, pass 1 (sequential, chunks i1-1 down to i0): the chain dh_j = d_i dg_j - Wm_i^T dg_j + qt_i^T Y_j
+    for the live levels only, Wm_i^T = wt_i^T kt_i: [BK, BK] (operand dtype) formed once per chunk (TM, as in
+    _scan_fwd_kernel: 2 products per live level, one of them, qt_i^T Y_j, off the chain); otherwise
+    d_i dg_j - wt_i^T (kt_i dg_j) + qt_i^T Y_j (3 products; as one product over 2C, [-wt_i^T | qt_i^T]
+    [kt_i dg_j; Y_j], it spilled more and ran slower on sm_90).  do: [b, T, H, V] (any float
     dtype); dstates: [BH, J, K, V] fp32, updated in place (dh entering chunk i1, at the end entering chunk i0:
     after the last segment, dh of the initial states of the levels live at chunk 0); dsnap: [BH, S, K, V]
     (operand dtype): dh entering each chunk of the segment at slot snap_at[i] - snap_at[i0] (the host has filled
     chunk i1's); do_intra: [BH, Tp, V] fp32 (scale do, 0 on padding); merge, lev, snap_at as in _scan_fwd_kernel."""
+    TM: tl.constexpr = BK * BK * wt.dtype.element_ty.primitive_bitwidth <= 128 * 128 * 16
     iv, bh, rc, rk, rv, mk, mv, hoff, hmask = _state_block(C, K, V, BK, BV)
     KV = K * V
     # in place: dh_m is read first; a live j > m is read, then written; the levels below m were cleared
@@ -215,13 +249,19 @@ def _scan_dh_kernel(
         dh_m = tl.where(m >= 0, dh_m, 0.0)
         j = tl.load(lev + start)
         dh_j = _ahead(src, j, KV, hoff, hmask, rk, 0, count)
+        if TM:
+            wmt = _gram(w_i, k_i, PREC)
         for s in range(count):  # the live levels; the next one's dh is loaded a level ahead
             j_next = tl.load(lev + start + s + 1)
             dh_next = _ahead(src, j_next, KV, hoff, hmask, rk, s + 1, count)
             dg = tl.where(j <= m, dh_m, dh_j)
+            dgd = dg.to(q_i.dtype)
             y = (tl.load(lam + rows * J + j)[:, None] * do_i).to(q_i.dtype)
-            kdg = tl.dot(k_i, dg.to(q_i.dtype), input_precision=PREC).to(q_i.dtype)
-            dh = d * dg - tl.dot(tl.trans(w_i), kdg, input_precision=PREC)
+            if TM:
+                dh = d * dg - tl.dot(wmt, dgd, input_precision=PREC)
+            else:
+                kdg = tl.dot(k_i, dgd, input_precision=PREC).to(q_i.dtype)
+                dh = d * dg - tl.dot(tl.trans(w_i), kdg, input_precision=PREC)
             dh += tl.dot(tl.trans(q_i), y, input_precision=PREC)
             tl.store(src + j * KV + hoff, dh, mask=hmask)
             tl.store(keep + s * KV + hoff, dh.to(dsnap.dtype.element_ty), mask=hmask, eviction_policy="evict_first")
