@@ -14,7 +14,7 @@ import torch
 from loglinear.fenwick import levels_needed
 from loglinear.state import FenwickState
 
-__all__ = ["OpInputs", "check_inputs", "Segment", "segments", "run_segments", "l2norm", "expand_groups"]
+__all__ = ["OpInputs", "check_inputs", "check_decode_inputs", "Segment", "segments", "run_segments", "l2norm", "expand_groups"]
 
 
 @dataclass
@@ -51,12 +51,15 @@ def _check_tensor(name: str, x: object, rank: int, layout: str) -> torch.Tensor:
     return x
 
 
-def _check_cu_seqlens(cu_seqlens: object, batch: int, T: int) -> list[int]:
+def _check_cu_seqlens(cu_seqlens: object, batch: int, T: int, device: torch.device | None = None) -> list[int]:
+    """cu_seqlens [N+1] (int32/int64, 0 = c_0 < ... < c_N = T, batch 1; on ``device`` or the CPU) -> its values."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
         what = _shape(cu_seqlens) if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
         raise TypeError(f"cu_seqlens must be an int32/int64 tensor [N+1], got {what}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be a 1-D tensor [N+1] with N >= 1, got {_shape(cu_seqlens)}")
+    if device is not None and cu_seqlens.device not in (device, torch.device("cpu")):
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device}; it must be on the inputs' device {device} or the CPU")
     if batch != 1:
         raise ValueError(f"cu_seqlens packs sequences along T and needs batch size 1, got B = {batch}")
     bounds = cu_seqlens.tolist()
@@ -74,6 +77,8 @@ def _check_state(state: object, n_seq: int, H: int, K: int, V: int, device: torc
             f"initial_state.levels must be [N, L, H, K, V] = [{n_seq}, L, {H}, {K}, {V}] "
             f"(N = number of sequences), got {tuple(state.levels.shape)}"
         )
+    if tuple(state.positions.shape) != (N,):
+        raise ValueError(f"initial_state.positions must be [N] = [{N}], got shape {tuple(state.positions.shape)}")
     if state.levels.device != device:
         raise ValueError(f"initial_state is on {state.levels.device}, the inputs on {device}")
     return state
@@ -95,6 +100,10 @@ def check_inputs(
     H = v.shape[2]
     if T < 1:
         raise ValueError(f"q must hold at least one token (T >= 1), got {_shape(q)}")
+    if min(B, G, K) < 1:
+        raise ValueError(f"q must be [B, T, G, K] with B, G, K >= 1, got {_shape(q)}")
+    if H < 1:
+        raise ValueError(f"v must be [B, T, H, V] with H >= 1, got {_shape(v)}")
     if k.shape != q.shape:
         raise ValueError(f"k must match q's shape {tuple(q.shape)} [B, T, G, K], got {_shape(k)}")
     if v.shape[:2] != (B, T):
@@ -113,7 +122,7 @@ def check_inputs(
         scale = K ** -0.5
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    bounds = _check_cu_seqlens(cu_seqlens, B, T) if cu_seqlens is not None else None
+    bounds = _check_cu_seqlens(cu_seqlens, B, T, q.device) if cu_seqlens is not None else None
     n_seq = len(bounds) - 1 if bounds is not None else B
     state = None
     if initial_state is not None:
@@ -129,6 +138,51 @@ def check_inputs(
             f"{max(p + n for p, n in zip(starts, lengths))} need L >= {needed}"
         )
     return OpInputs(q, k, v, g, beta if has_beta else None, level_scales, float(scale), state, cu_seqlens, bounds)
+
+
+def _check_same(name: str, x: torch.Tensor, shape: tuple[int, ...], layout: str) -> None:
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must be {layout} = {list(shape)}, got {_shape(x)}")
+
+
+def check_decode_inputs(
+    q: object, k: object, v: object, g: object, beta: object, level_scales: object, levels: object,
+    positions: object, *, fenwick: bool,
+) -> None:
+    """Validate the one-token step's arguments (see loglinear.ops.decode.decode_step)."""
+    q = _check_tensor("q", q, 3, "[N, G, K]")
+    v = _check_tensor("v", v, 3, "[N, H, V]")
+    levels = _check_tensor("levels", levels, 5, "[N, L, H, K, V]")
+    (N, G, K), H, L = q.shape, v.shape[1], levels.shape[1]
+    if H % G:
+        raise ValueError(f"the value heads H = {H} (v {tuple(v.shape)}) must be a multiple of the q/k groups G = {G}")
+    _check_same("k", _check_tensor("k", k, 3, "[N, G, K]"), (N, G, K), "[N, G, K]")
+    _check_same("v", v, (N, H, v.shape[2]), "[N, H, V]")
+    _check_same("g", _check_tensor("g", g, 2, "[N, H]"), (N, H), "[N, H]")
+    if beta is not None:
+        _check_same("beta", _check_tensor("beta", beta, 2, "[N, H]"), (N, H), "[N, H]")
+    _check_same("levels", levels, (N, L, H, K, v.shape[2]), "[N, L, H, K, V]")
+    named = {"q": q, "k": k, "v": v, "g": g} | ({"beta": beta} if beta is not None else {})
+    if fenwick:
+        lam = _check_tensor("level_scales", level_scales, 3, "[N, H, >= L]")
+        if lam.shape[:2] != (N, H) or lam.shape[2] < L:
+            raise ValueError(f"level_scales must be [N, H, >= L] = [{N}, {H}, >= {L}], got {_shape(lam)}")
+        named["level_scales"] = lam
+    if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64):
+        what = _shape(positions) if isinstance(positions, torch.Tensor) else type(positions).__name__
+        raise TypeError(f"positions must be an int32/int64 tensor [N], got {what}")
+    if tuple(positions.shape) != (N,):
+        raise ValueError(f"positions must be [N] = [{N}], got {_shape(positions)}")
+    if fenwick and positions.device.type == "cpu" and N:  # positions on the GPU are not read (no sync)
+        needed = levels_needed(int(positions.max()) + 1)
+        if L < needed:
+            raise ValueError(
+                f"levels has L = {L} levels ({_shape(levels)}), but a token at position {int(positions.max())} "
+                f"needs L >= {needed} (pad with FenwickState.with_levels)"
+            )
+    for name, x in named.items():
+        if x.device != levels.device:
+            raise ValueError(f"{name} is on {x.device} but levels is on {levels.device}; all inputs must share a device")
 
 
 def expand_groups(x: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -53,7 +53,9 @@ register_backend("gated_deltanet", "torch", partial(_torch_backend, GatedDeltaNe
 
 
 def _check_chunk_size(chunk_size: int) -> int:
-    if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool):
+        raise TypeError(f"chunk_size must be an int (a power of two >= 1), got {type(chunk_size).__name__}")
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= 1, got {chunk_size!r}")
     return chunk_size
 
@@ -73,10 +75,11 @@ def log_linear_mamba2(
     cu_seqlens: [N+1] packs N sequences into B = 1. Returns (o: [B, T, H, V] in v's dtype, state or None).
     """
     inp = check_inputs(q, k, v, g, None, level_scales, scale, initial_state, cu_seqlens, has_beta=False)
+    chunk_size = _check_chunk_size(chunk_size)
     if fused_decode_applies(inp):
         return op_decode_step(inp, output_final_state, False)
     backend = _BACKENDS["mamba2"][select_backend("mamba2", q.device)]
-    return backend(inp, output_final_state, _check_chunk_size(chunk_size), False)
+    return backend(inp, output_final_state, chunk_size, False)
 
 
 def log_linear_gated_deltanet(
@@ -94,7 +97,8 @@ def log_linear_gated_deltanet(
     over K inside the op.
     """
     inp = check_inputs(q, k, v, g, beta, level_scales, scale, initial_state, cu_seqlens, has_beta=True)
+    chunk_size = _check_chunk_size(chunk_size)
     if fused_decode_applies(inp):
         return op_decode_step(inp, output_final_state, use_qk_l2norm)
     backend = _BACKENDS["gated_deltanet"][select_backend("gated_deltanet", q.device)]
-    return backend(inp, output_final_state, _check_chunk_size(chunk_size), use_qk_l2norm)
+    return backend(inp, output_final_state, chunk_size, use_qk_l2norm)

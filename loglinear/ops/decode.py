@@ -22,7 +22,7 @@ import os
 import torch
 
 from loglinear.fenwick import carry, levels_needed
-from loglinear.inputs import OpInputs, expand_groups, l2norm
+from loglinear.inputs import OpInputs, check_decode_inputs, expand_groups, l2norm
 from loglinear.state import FenwickState
 
 __all__ = ["decode_step", "decode_step_torch", "fused_decode_applies", "op_decode_step"]
@@ -82,6 +82,7 @@ def decode_step(
     positions (fenwick: L >= levels_needed(p + 1)); positions: [N] int64, the token's absolute position.
     Returns o: [N, H, V] in v's dtype and the new levels [N, L, H, K, V] in levels' dtype (a new tensor).
     """
+    check_decode_inputs(q, k, v, g, beta, level_scales, levels, positions, fenwick=fenwick)
     positions = _on_device(positions, levels.device)
     if _use_triton(levels.device):
         from loglinear.ops.triton.decode import fused_decode_step

@@ -5,6 +5,7 @@ import torch
 
 from helpers import make_inputs, mamba2_args
 from loglinear import FenwickState, log_linear_gated_deltanet, log_linear_mamba2
+from loglinear.ops.decode import decode_step
 
 
 def base():
@@ -124,3 +125,100 @@ def test_bad_backend_env(monkeypatch):
     monkeypatch.setenv("LOGLINEAR_BACKEND", "cuda")
     with pytest.raises(ValueError, match="LOGLINEAR_BACKEND must be"):
         log_linear_mamba2(**mamba2_args(base()))
+
+
+@pytest.mark.parametrize("shape,match", [
+    ((0, 10, 1, 4), r"q must be \[B, T, G, K\] with B, G, K >= 1, got shape \(0, 10, 1, 4\)"),
+    ((2, 10, 0, 4), r"q must be \[B, T, G, K\] with B, G, K >= 1, got shape \(2, 10, 0, 4\)"),
+    ((2, 10, 1, 0), r"q must be \[B, T, G, K\] with B, G, K >= 1, got shape \(2, 10, 1, 0\)"),
+])
+def test_empty_q_dims(shape, match):
+    x = base()
+    if shape[0] == 0:
+        x = {n: t[:0] for n, t in x.items()}
+    x["q"] = x["k"] = torch.randn(shape, dtype=torch.float64)
+    with pytest.raises(ValueError, match=match):
+        call(x)
+
+
+def test_no_value_heads():
+    x = base()
+    x["v"] = torch.randn(2, 10, 0, 3, dtype=torch.float64)
+    x["g"], x["beta"] = x["g"][..., :0], x["beta"][..., :0]
+    x["level_scales"] = x["level_scales"][:, :, :0]
+    with pytest.raises(ValueError, match=r"v must be \[B, T, H, V\] with H >= 1, got shape \(2, 10, 0, 3\)"):
+        call(x)
+
+
+def test_cu_seqlens_on_another_device():
+    x = {n: t[:1] for n, t in base().items()}
+    with pytest.raises(ValueError, match="cu_seqlens is on meta"):
+        call(x, cu_seqlens=torch.tensor([0, 4, 10], device="meta"))
+
+
+def test_state_positions_of_wrong_length():
+    state = FenwickState.zeros(2, 2, 4, 3, dtype=torch.float64)
+    state.positions = torch.tensor([1, 2, 3])  # the dataclass field, replaced after construction
+    with pytest.raises(ValueError, match=r"initial_state.positions must be \[N\] = \[2\], got shape \(3,\)"):
+        call(base(), initial_state=state)
+
+
+@pytest.mark.parametrize("chunk_size,error,match", [
+    (True, TypeError, "chunk_size must be an int .* got bool"),
+    (16.0, TypeError, "chunk_size must be an int .* got float"),
+    (0, ValueError, "chunk_size must be a power of two >= 1, got 0"),
+])
+def test_chunk_size_type(chunk_size, error, match):
+    with pytest.raises(error, match=match):
+        call(base(), chunk_size=chunk_size)
+
+
+def test_chunk_size_checked_on_the_decode_path():
+    x = {n: t[:, :1] for n, t in base().items()}
+    with pytest.raises(ValueError, match="chunk_size must be a power of two"):
+        call(x, initial_state=FenwickState.zeros(2, 2, 4, 3, dtype=torch.float64), chunk_size=3)
+
+
+def step_args(**changes):
+    """Valid decode_step arguments (N = 2, G = 1, H = 2, K = 4, V = 3, L = 3, positions 3 and 2), then ``changes``."""
+    x = {n: t[:, 0] for n, t in make_inputs(2, 1, 1, 2, K=4, V=3, L=3).items()}
+    args = x | {"levels": torch.randn(2, 3, 2, 4, 3, dtype=torch.float64), "positions": torch.tensor([3, 2]), "scale": 0.5}
+    return args | changes
+
+
+def f64(*shape):
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+def test_decode_step_accepts_valid_arguments():
+    o, levels = decode_step(**step_args())
+    assert o.shape == (2, 2, 3) and levels.shape == (2, 3, 2, 4, 3)
+
+
+@pytest.mark.parametrize("changes,error,match", [
+    ({"q": f64(2, 1, 1, 4)}, ValueError, r"q must be \[N, G, K\] \(3 dims\), got shape \(2, 1, 1, 4\)"),
+    ({"q": torch.ones(2, 1, 4, dtype=torch.int64)}, TypeError, "q must be a floating-point tensor .* dtype torch.int64"),
+    ({"k": f64(2, 1, 5)}, ValueError, r"k must be \[N, G, K\] = \[2, 1, 4\], got shape \(2, 1, 5\)"),
+    ({"v": f64(3, 2, 3)}, ValueError, r"v must be \[N, H, V\] = \[2, 2, 3\], got shape \(3, 2, 3\)"),
+    ({"v": f64(2, 2, 5)}, ValueError, r"levels must be \[N, L, H, K, V\] = \[2, 3, 2, 4, 5\]"),
+    ({"q": f64(2, 3, 4), "k": f64(2, 3, 4)}, ValueError, "H = 2 .* multiple of the q/k groups G = 3"),
+    ({"g": f64(2, 3)}, ValueError, r"g must be \[N, H\] = \[2, 2\], got shape \(2, 3\)"),
+    ({"beta": f64(2)}, ValueError, r"beta must be \[N, H\] \(2 dims\)"),
+    ({"level_scales": f64(2, 2, 2)}, ValueError, r"level_scales must be \[N, H, >= L\] = \[2, 2, >= 3\]"),
+    ({"level_scales": None}, TypeError, "level_scales must be a torch.Tensor .* got NoneType"),
+    ({"levels": f64(2, 3, 2, 5, 3)}, ValueError, r"levels must be \[N, L, H, K, V\] = \[2, 3, 2, 4, 3\]"),
+    ({"levels": torch.ones(2, 3, 2, 4, 3, dtype=torch.int64)}, TypeError, "levels must be a floating-point"),
+    ({"positions": torch.tensor([3])}, ValueError, r"positions must be \[N\] = \[2\], got shape \(1,\)"),
+    ({"positions": torch.tensor([3.0, 2.0])}, TypeError, "positions must be an int32/int64 tensor .* dtype torch.float32"),
+    ({"positions": torch.tensor([8, 2])}, ValueError, "levels has L = 3 levels .* position 8 needs L >= 5"),
+    ({"v": f64(2, 2, 3).to("meta")}, ValueError, "v is on meta but levels is on cpu"),
+])
+def test_decode_step_bad_arguments(changes, error, match):
+    with pytest.raises(error, match=match):
+        decode_step(**step_args(**changes))
+
+
+def test_plain_decode_step_needs_no_level_scales_or_levels_for_positions():
+    o, levels = decode_step(**step_args(level_scales=None, levels=f64(2, 1, 2, 4, 3), positions=torch.tensor([8, 2])),
+                            fenwick=False)
+    assert o.shape == (2, 2, 3) and levels.shape == (2, 1, 2, 4, 3)
