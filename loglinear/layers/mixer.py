@@ -78,6 +78,13 @@ class MixerInputs:
     extra: dict[str, torch.Tensor]
 
 
+def _check_sizes(**sizes: object) -> None:
+    """Raise unless every value is a positive int."""
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 class FenwickMixer(nn.Module):
     """Base of the log-linear mixers (see module docstring).  Subclasses set variant, scale, l2norm_qk."""
 
@@ -89,6 +96,9 @@ class FenwickMixer(nn.Module):
         use_log_linear: bool = True, max_levels: int = DEFAULT_MAX_LEVELS, chunk_size: int = 64,
         layer_idx: int | None = None,
     ):
+        _check_sizes(hidden_size=hidden_size, num_heads=num_heads, conv_kernel=conv_kernel, chunk_size=chunk_size)
+        if chunk_size & (chunk_size - 1):
+            raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
         super().__init__()
         self.hidden_size, self.num_heads = hidden_size, num_heads
         self.use_log_linear, self.max_levels, self.chunk_size = use_log_linear, max_levels, chunk_size
@@ -133,7 +143,7 @@ class FenwickMixer(nn.Module):
     ) -> tuple[torch.Tensor, MixerState | None]:
         """hidden_states: [B, T, D]; attention_mask: [B, >= T] (0 = padding, any side); cu_seqlens: [N + 1]
         (packed, B = 1); state: the MixerState of the N sequences (continue them). Returns ([B, T, D], state)."""
-        B, T, _ = hidden_states.shape
+        B, T, _ = self._check_forward(hidden_states, state)
         if layout is None:
             layout = TokenLayout.build(B, T, attention_mask, cu_seqlens, hidden_states.device)
         x = layout.flatten(hidden_states)
@@ -146,6 +156,16 @@ class FenwickMixer(nn.Module):
         if not output_state:
             return y, None
         return y, MixerState(levels, positions, conv_state)
+
+    def _check_forward(self, x: object, state: object) -> torch.Size:
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+            what = f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"hidden_states must be a floating-point tensor [B, T, {self.hidden_size}], got {what}")
+        if x.dim() != 3 or x.shape[2] != self.hidden_size:
+            raise ValueError(f"hidden_states must be [B, T, hidden_size = {self.hidden_size}], got shape {tuple(x.shape)}")
+        if state is not None and not isinstance(state, MixerState):
+            raise TypeError(f"state must be a MixerState (from output_state=True), got {type(state).__name__}")
+        return x.shape
 
     def _attend(self, inputs: MixerInputs, lam, layout: TokenLayout, state: MixerState | None, output_state: bool):
         levels, positions = (state.levels, state.positions) if state is not None else (None, None)

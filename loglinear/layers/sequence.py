@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loglinear.inputs import _check_cu_seqlens
+
 __all__ = ["TokenLayout"]
 
 
@@ -62,6 +64,8 @@ class TokenLayout:
                     f"attention_mask must be [B, >= T] = [{batch}, >= {length}], got {tuple(attention_mask.shape)}"
                 )
             mask = attention_mask[:, -length:].to(device=device) != 0
+            if not bool(mask.any()):
+                raise ValueError(f"attention_mask {tuple(attention_mask.shape)} marks no real token among the last T = {length}")
             if not bool(mask.all()):
                 return cls._from_mask(batch, length, mask)
         seq_id = torch.arange(batch, device=device).repeat_interleave(length)
@@ -83,11 +87,7 @@ class TokenLayout:
 
     @classmethod
     def _from_cu_seqlens(cls, batch: int, length: int, cu_seqlens: torch.Tensor, device) -> "TokenLayout":
-        if batch != 1:
-            raise ValueError(f"cu_seqlens packs sequences into one row and needs batch size 1, got B = {batch}")
-        bounds = cu_seqlens.tolist()
-        if bounds[0] != 0 or bounds[-1] != length or any(b <= a for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"cu_seqlens must increase strictly from 0 to T = {length}, got {bounds}")
+        bounds = _check_cu_seqlens(cu_seqlens, batch, length)
         lengths = [b - a for a, b in zip(bounds, bounds[1:])]
         cu = cu_seqlens.to(device=device, dtype=torch.int64)
         seq_id = torch.arange(len(lengths), device=device).repeat_interleave(torch.tensor(lengths, device=device))

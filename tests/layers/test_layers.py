@@ -193,3 +193,56 @@ def test_bad_inputs_raise():
     _, state = layer(x, output_state=True)
     with pytest.raises(ValueError, match="conv state must be"):
         layer(x[:1], state=state.select(torch.tensor([0, 1, 1])))
+
+
+@pytest.mark.parametrize("variant", ["mamba2", "gated_deltanet"])
+@pytest.mark.parametrize("x,error,match", [
+    (torch.randn(4, D, dtype=torch.float64), ValueError, rf"hidden_states must be \[B, T, hidden_size = {D}\], got shape \(4, {D}\)"),
+    (torch.randn(2, 4, D + 1, dtype=torch.float64), ValueError, rf"hidden_states must be .* got shape \(2, 4, {D + 1}\)"),
+    (torch.ones(2, 4, D, dtype=torch.int64), TypeError, "hidden_states must be a floating-point tensor .* torch.int64"),
+    ([[0.0]], TypeError, "hidden_states must be a floating-point tensor .* got list"),
+])
+def test_bad_hidden_states(variant, x, error, match):
+    with pytest.raises(error, match=match):
+        make_layer(variant, True)(x)
+
+
+def test_bad_state_mask_and_cu_seqlens():
+    layer = make_layer("gated_deltanet", True)
+    x = torch.randn(2, 4, D, dtype=torch.float64)
+    _, state = layer(x, output_state=True)
+    with pytest.raises(TypeError, match="state must be a MixerState .* got FenwickState"):
+        layer(x, state=state.attn)
+    with pytest.raises(ValueError, match=r"attention_mask \(2, 4\) marks no real token"):
+        layer(x, attention_mask=torch.zeros(2, 4))
+    with pytest.raises(TypeError, match="cu_seqlens must be an int32/int64 tensor .* torch.float32"):
+        layer(x[:1], cu_seqlens=torch.tensor([0.0, 2.0, 4.0]))
+    with pytest.raises(ValueError, match=r"cu_seqlens must be a 1-D tensor \[N\+1\] with N >= 1, got shape \(0,\)"):
+        layer(x[:1], cu_seqlens=torch.tensor([], dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"cu_seqlens must be a 1-D tensor .* got shape \(1, 3\)"):
+        layer(x[:1], cu_seqlens=torch.tensor([[0, 2, 4]]))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"hidden_size": -1}, "hidden_size must be a positive int, got -1"),
+    ({"num_heads": 0}, "num_heads must be a positive int, got 0"),
+    ({"conv_kernel": 0}, "conv_kernel must be a positive int, got 0"),
+    ({"chunk_size": 48}, "chunk_size must be a power of two, got 48"),
+    ({"chunk_size": 16.0}, "chunk_size must be a positive int, got 16.0"),
+    ({"head_dim": 0}, "head_dim must be a positive int, got 0"),
+    ({"expand_v": 0.1}, r"expand_v must give a value head dim int\(head_dim \* expand_v\) >= 1, got expand_v = 0.1"),
+])
+def test_bad_gated_deltanet_sizes(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LogLinearGatedDeltaNet(**({"hidden_size": D, "num_heads": 2, "head_dim": 4} | kwargs))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"state_size": 0}, "state_size must be a positive int, got 0"),
+    ({"n_groups": 0}, "n_groups must be a positive int, got 0"),
+    ({"head_dim": 0}, "head_dim must be a positive int, got 0"),
+    ({"n_groups": 3}, "num_heads = 2 must be a multiple of n_groups = 3"),
+])
+def test_bad_mamba2_sizes(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LogLinearMamba2(**({"hidden_size": D, "num_heads": 2, "head_dim": 4, "state_size": 4} | kwargs))
