@@ -35,6 +35,12 @@ class _FenwickConfig(PretrainedConfig):
             raise ValueError(f"max_levels must be an int in [1, 62] (2^(max_levels-1) tokens), got {max_levels!r}")
         if chunk_size & (chunk_size - 1):
             raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
+        if intermediate_size is not None and (not isinstance(intermediate_size, int) or intermediate_size < 0):
+            raise ValueError(f"intermediate_size must be an int >= 0 (0: no MLP) or None, got {intermediate_size!r}")
+        if not isinstance(norm_eps, (int, float)) or norm_eps < 0:
+            raise ValueError(f"norm_eps must be a number >= 0, got {norm_eps!r}")
+        if pad_token_id is not None and not 0 <= pad_token_id < vocab_size:
+            raise ValueError(f"pad_token_id must be None or in [0, vocab_size = {vocab_size}), got {pad_token_id!r}")
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.num_hidden_layers, self.num_heads = num_hidden_layers, num_heads
         self.head_dim = head_dim
@@ -46,6 +52,17 @@ class _FenwickConfig(PretrainedConfig):
             tie_word_embeddings=tie_word_embeddings, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
             eos_token_id=eos_token_id, **kwargs,
         )
+
+    def _check_time_steps(self) -> None:
+        if not (0 < self.time_step_floor and 0 < self.time_step_min <= self.time_step_max):
+            raise ValueError(
+                f"time steps must satisfy 0 < time_step_min <= time_step_max and time_step_floor > 0, got min = "
+                f"{self.time_step_min}, max = {self.time_step_max}, floor = {self.time_step_floor}"
+            )
+
+    def _check_head_dim(self) -> None:
+        if not isinstance(self.head_dim, int) or self.head_dim < 1:
+            raise ValueError(f"head_dim must be a positive int, got {self.head_dim!r}")
 
     def _shared_mixer_kwargs(self) -> dict:
         return dict(
@@ -72,6 +89,13 @@ class LogLinearMamba2Config(_FenwickConfig):
             self.head_dim = expand * self.hidden_size // self.num_heads
         self.state_size, self.expand, self.n_groups = state_size, expand, n_groups
         self.time_step_min, self.time_step_max, self.time_step_floor = time_step_min, time_step_max, time_step_floor
+        self._check_head_dim()
+        self._check_time_steps()
+        for name, value in {"state_size": state_size, "expand": expand, "n_groups": n_groups}.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_heads % n_groups:
+            raise ValueError(f"num_heads = {self.num_heads} must be a multiple of n_groups = {n_groups}")
 
     def mixer_kwargs(self) -> dict:
         return self._shared_mixer_kwargs() | dict(
@@ -95,6 +119,11 @@ class LogLinearGatedDeltaNetConfig(_FenwickConfig):
             self.head_dim = self.hidden_size // self.num_heads
         self.expand_v = expand_v
         self.time_step_min, self.time_step_max, self.time_step_floor = time_step_min, time_step_max, time_step_floor
+        self._check_head_dim()
+        self._check_time_steps()
+        if not isinstance(expand_v, (int, float)) or int(self.head_dim * expand_v) < 1:
+            raise ValueError(f"expand_v must give a value head dim int(head_dim * expand_v) >= 1, got expand_v = "
+                             f"{expand_v!r} with head_dim = {self.head_dim}")
 
     def mixer_kwargs(self) -> dict:
         return self._shared_mixer_kwargs() | dict(

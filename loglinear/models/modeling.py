@@ -119,6 +119,7 @@ class _FenwickModel(_FenwickPreTrainedModel):
         """input_ids: [B, T] (or inputs_embeds [B, T, D]); see the module docstring for the rest."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, D]")
+        self._check_inputs(input_ids, inputs_embeds)
         hidden = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = hidden.shape[:2]
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
@@ -138,7 +139,23 @@ class _FenwickModel(_FenwickPreTrainedModel):
         hidden_states = tuple(all_hidden) if all_hidden is not None else None
         return BaseModelOutputWithPast(last_hidden_state=hidden, hidden_states=hidden_states, **{CACHE_KEY: cache})
 
+    def _check_inputs(self, input_ids: object, inputs_embeds: object) -> None:
+        if input_ids is not None:
+            if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64):
+                what = f"dtype {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+                raise TypeError(f"input_ids must be an int32/int64 tensor [B, T], got {what}")
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        elif not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3 \
+                or inputs_embeds.shape[2] != self.config.hidden_size:
+            what = tuple(inputs_embeds.shape) if isinstance(inputs_embeds, torch.Tensor) else type(inputs_embeds).__name__
+            raise ValueError(f"inputs_embeds must be [B, T, hidden_size = {self.config.hidden_size}], got {what}")
+
     def _cache(self, cache: Cache | None, use_cache: bool) -> FenwickCache | None:
+        if cache is not None and not isinstance(cache, Cache):
+            raise TypeError(f"cache must be a FenwickCache (or None), got {type(cache).__name__}")
+        if isinstance(cache, FenwickCache) and len(cache) != self.config.num_hidden_layers:
+            raise ValueError(f"cache holds {len(cache)} layers, the model has num_hidden_layers = {self.config.num_hidden_layers}")
         if cache is not None and not isinstance(cache, FenwickCache):
             if cache.get_seq_length() != 0:
                 raise TypeError(f"log-linear models decode with a FenwickCache, got a non-empty {type(cache).__name__}")
@@ -192,6 +209,8 @@ class _FenwickForCausalLM(_FenwickPreTrainedModel, GenerationMixin):
     @staticmethod
     def loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """Mean cross-entropy of logits[:, t] against labels[:, t + 1].  logits: [B, T, V]; labels: [B, T]."""
+        if labels.shape != logits.shape[:2]:
+            raise ValueError(f"labels must be [B, T] = {list(logits.shape[:2])} like the logits, got shape {tuple(labels.shape)}")
         targets = labels[:, 1:].clone()
         if cu_seqlens is not None:
             starts = cu_seqlens[1:-1].to(targets.device)

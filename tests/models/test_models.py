@@ -192,3 +192,41 @@ def test_cache_selection_and_limits():
         cache.crop(-1)
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.nbytes() == 0
+
+
+@pytest.mark.parametrize("config_cls,kwargs,match", [
+    (LogLinearMamba2Config, {"n_groups": 0}, "n_groups must be a positive int, got 0"),
+    (LogLinearMamba2Config, {"num_heads": 4, "n_groups": 3}, "num_heads = 4 must be a multiple of n_groups = 3"),
+    (LogLinearMamba2Config, {"state_size": 0}, "state_size must be a positive int, got 0"),
+    (LogLinearMamba2Config, {"expand": 0}, "head_dim must be a positive int, got 0"),
+    (LogLinearGatedDeltaNetConfig, {"head_dim": 0}, "head_dim must be a positive int, got 0"),
+    (LogLinearGatedDeltaNetConfig, {"hidden_size": 2, "num_heads": 4}, "head_dim must be a positive int, got 0"),
+    (LogLinearGatedDeltaNetConfig, {"expand_v": -1}, r"expand_v must give a value head dim .* got expand_v = -1"),
+    (LogLinearGatedDeltaNetConfig, {"intermediate_size": -1}, "intermediate_size must be an int >= 0 .* got -1"),
+    (LogLinearGatedDeltaNetConfig, {"norm_eps": -1.0}, "norm_eps must be a number >= 0, got -1.0"),
+    (LogLinearGatedDeltaNetConfig, {"time_step_min": 1.0, "time_step_max": 0.1}, "time_step_min <= time_step_max"),
+    (LogLinearMamba2Config, {"time_step_floor": 0.0}, "time_step_floor > 0"),
+    (LogLinearGatedDeltaNetConfig, {"vocab_size": 10, "pad_token_id": 10}, r"pad_token_id must be None or in \[0, vocab_size = 10\), got 10"),
+])
+def test_invalid_config_fields(config_cls, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        config_cls(**kwargs)
+
+
+def test_bad_forward_inputs():
+    model = make_model("gated_deltanet", True)
+    ids = torch.randint(1, VOCAB, (2, 5))
+    with pytest.raises(TypeError, match="input_ids must be an int32/int64 tensor .* torch.float32"):
+        model(ids.float())
+    with pytest.raises(ValueError, match=r"input_ids must be \[B, T\], got shape \(5,\)"):
+        model(ids[0])
+    D = model.config.hidden_size
+    with pytest.raises(ValueError, match=rf"inputs_embeds must be \[B, T, hidden_size = {D}\], got \(2, 5, {D + 1}\)"):
+        model(inputs_embeds=torch.randn(2, 5, D + 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"labels must be \[B, T\] = \[2, 5\] like the logits, got shape \(2, 3\)"):
+        model(ids, labels=ids[:, :3])
+    with pytest.raises(TypeError, match="cache must be a FenwickCache .* got Tensor"):
+        model(ids, cache=torch.zeros(3), use_cache=True)
+    layers = model.config.num_hidden_layers
+    with pytest.raises(ValueError, match=f"cache holds {layers + 1} layers, the model has num_hidden_layers = {layers}"):
+        model(ids, cache=FenwickCache(layers + 1), use_cache=True)
