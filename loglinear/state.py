@@ -52,7 +52,10 @@ class FenwickState(LevelsView):
             raise ValueError(f"FenwickState.levels must be a tensor [N, L, H, K, V], got {shape}")
         if not self.levels.dtype.is_floating_point:
             raise TypeError(f"FenwickState.levels must be floating point, got {self.levels.dtype}")
-        positions = torch.as_tensor(self.positions, dtype=torch.int64, device="cpu")
+        raw = torch.as_tensor(self.positions)
+        if raw.dtype.is_floating_point or raw.dtype.is_complex or raw.dtype == torch.bool:
+            raise TypeError(f"FenwickState.positions must be integers (token counts), got {raw.dtype}")
+        positions = raw.to(dtype=torch.int64, device="cpu")
         if positions.shape != (self.levels.shape[0],):
             raise ValueError(
                 f"FenwickState.positions must have shape [N] = [{self.levels.shape[0]}], "

@@ -103,6 +103,8 @@ def test_state_constructor_checks():
         FenwickState(torch.zeros(2, 1, 1, 1, 1), torch.tensor([1]))
     with pytest.raises(ValueError, match=">= 0"):
         FenwickState(torch.zeros(1, 1, 1, 1, 1), torch.tensor([-1]))
+    with pytest.raises(TypeError, match="positions must be integers .* torch.float32"):
+        FenwickState(torch.zeros(1, 1, 1, 1, 1), torch.tensor([3.5]))
     with pytest.raises(ValueError, match=r"\[N, L, H, K, V\]"):
         FenwickState(torch.zeros(1, 1, 1, 1), torch.tensor([1]))
 
