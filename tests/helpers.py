@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import socket
+
 import torch
+import torch.multiprocessing as mp
 
 from loglinear.fenwick import levels_needed
 
@@ -37,3 +41,29 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-
     assert not torch.isnan(actual).any(), f"{what}: NaN in result"
     err = (actual - expected).norm() / expected.norm().clamp_min(1e-30)
     assert err <= rtol, f"{what}: relative error {err:.3e} > {rtol:.1e}"
+
+
+def _train_worker(rank: int, world: int, port: int, cfg) -> None:
+    from loglinear.train.loop import train
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    train(cfg)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_train(cfg, world: int) -> None:
+    """loglinear.train.loop.train(cfg) in `world` processes (gloo, on a free local port), as torchrun would.
+    A port taken between choosing and binding it (another test process) gets one retry on a new port."""
+    try:
+        mp.spawn(_train_worker, args=(world, _free_port(), cfg), nprocs=world)
+    except mp.ProcessRaisedException as e:
+        if "address already in use" not in str(e).lower():
+            raise
+        mp.spawn(_train_worker, args=(world, _free_port(), cfg), nprocs=world)

@@ -4,16 +4,14 @@ four) follows the single-process run: same losses and weights up to float32 redu
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from helpers import spawn_train
 from loglinear.data.text import prepare_corpus
 from loglinear.train.checkpoint import CHECKPOINT
 from loglinear.train.command import add_arguments, config_from_args
@@ -45,19 +43,6 @@ def _config(data: Path, out: Path, *extra: str):
     return config_from_args(args)
 
 
-def _worker(rank: int, world: int, port: int, cfg) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    train(cfg)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _losses(out: Path) -> list[float]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if "loss" in r] + [r["val_loss"] for r in rows if "val_loss" in r]
@@ -67,7 +52,7 @@ def test_context_parallel_training_matches_one_process(corpus, tmp_path):
     cfg = _config(corpus, tmp_path / "cp", "--context-parallel", "2")
     assert cfg.context_parallel == 2
     train(_config(corpus, tmp_path / "one"))
-    mp.spawn(_worker, args=(4, _free_port(), cfg), nprocs=4)
+    spawn_train(cfg, 4)
     one, cp = _losses(tmp_path / "one"), _losses(tmp_path / "cp")
     assert len(one) == len(cp) == 4
     assert cp == pytest.approx(one, rel=1e-4)

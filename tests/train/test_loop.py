@@ -1,13 +1,11 @@
 """The training loop: it learns, resumes exactly, and 2 FSDP2 processes (gloo) match one process."""
 
 import json
-import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from helpers import spawn_train
 from loglinear.train.checkpoint import CHECKPOINT
 from loglinear.train.loop import TrainConfig, cosine_schedule, train
 
@@ -68,23 +66,10 @@ def test_micro_batches_match_full_batch(tiny_data, tmp_path):
     assert micro["losses"] == pytest.approx(full["losses"], rel=1e-5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, cfg: TrainConfig) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    train(cfg)
-
-
 @pytest.mark.parametrize("arch", ["transformer", "ll_gated_deltanet"])
 def test_fsdp2_two_processes_match_one(tiny_data, tmp_path, arch):
     one = train(_cfg(tiny_data, tmp_path / "one", steps=4, arch=arch))
-    mp.spawn(_worker, args=(2, _free_port(), _cfg(tiny_data, tmp_path / "two", steps=4, arch=arch)), nprocs=2)
+    spawn_train(_cfg(tiny_data, tmp_path / "two", steps=4, arch=arch), 2)
     assert _logged_losses(tmp_path / "two") == pytest.approx(one["losses"], rel=1e-5)
     a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
     assert a.keys() == b.keys()

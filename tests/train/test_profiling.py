@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
-import torch.multiprocessing as mp
 from torch.autograd import DeviceType
 
+from helpers import spawn_train
 from loglinear.train.command import add_arguments, config_from_args
 from loglinear.train.loop import TrainConfig, train
 from loglinear.train.profiling import profile_report
@@ -29,19 +26,6 @@ def _config(data: Path, out: Path, *extra: str) -> TrainConfig:
         "--out-dir", str(out), "--log-every", "1", "--eval-batches", "1", "--no-progress", "--device", "cpu",
         "--model-config", json.dumps({"chunk_size": 8, "max_levels": 8}), "--profile-step", "2", *extra,
     ]))
-
-
-def _worker(rank: int, world: int, port: int, cfg: TrainConfig) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    train(cfg)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _scope_calls(report: str) -> dict[str, int]:
@@ -61,7 +45,7 @@ def test_profile_step_on_one_process(tiny_data, tmp_path):
 
 
 def test_profile_step_labels_the_context_parallel_scopes(tiny_data, tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), _config(tiny_data, tmp_path, "--context-parallel", "2")), nprocs=2)
+    spawn_train(_config(tiny_data, tmp_path, "--context-parallel", "2"), 2)
     calls = [_scope_calls((tmp_path / f"profile-rank{r}.txt").read_text()) for r in range(2)]
     per_layer = {"cp/scan_forward": 2, "cp/scan_backward": 2, "cp/halo_forward": 2, "cp/halo_backward": 2,
                  "cp/shard_op": 2}
