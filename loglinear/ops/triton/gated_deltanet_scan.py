@@ -37,7 +37,9 @@ steps vanish. The kernels:
                         (Wm^T = wt^T kt once per chunk, then 2 GEMMs per live level, 1 of them on the chain;
                         wider keys: 3, wt^T (kt dg_j)), stores every live dh (operand dtype).
   _scan_grads_kernel    chunk-parallel: dwt, dkt, du, dd of a chunk from its incoming states and the dh leaving
-                        it (4 GEMMs per live level).
+                        it, through Z = sum_j h_j dg_j^T ([K, K] fp32, K <= 128 at 16 bits, 64 at fp32): 1 GEMM
+                        per live level, then dkt = u dD^T - wt Z, dwt = -kt Z^T, dd = trace(Z), du = kt dD
+                        (4 per chunk); wider keys: 4 GEMMs per live level.
   _scan_readout_bwd_kernel  chunk-parallel: dqt, dlam of a chunk from its incoming states and do (2 GEMMs per
                         live level; needs no dh: one launch after the chain).
 The chunk-parallel kernels walk the chunk's live levels from the live-level list with the next level's
@@ -345,6 +347,29 @@ def _scan_readout_bwd_kernel(
 
 
 @triton.jit
+def _value_tile(rk, mk, iv, V, BV: tl.constexpr):
+    """Value block iv: its columns rv [BV], and the offsets hoff and mask hmask of a [BK, BV] state tile."""
+    rv = iv * BV + tl.arange(0, BV)
+    return rv, rk[:, None] * V + rv[None, :], mk[:, None] & (rv < V)[None, :]
+
+
+@triton.jit
+def _cascade_tile(gsrc, m, rk, hoff, hmask):
+    """A value block's tile of dh_m, the cascade target's gradient (slot 0; 0 without a cascade: no slot to read
+    after the last chunk)."""
+    return tl.load(gsrc + hoff, mask=hmask & ((rk * 0 + m) >= 0)[:, None], other=0.0)
+
+
+@triton.jit
+def _low_sum(hsrc, low_count, KV, hoff, hmask, BK: tl.constexpr, BV: tl.constexpr):
+    """A value block's tile of L = sum_{j <= m} h_j, the low_count live levels leading the chunk's list (fp32)."""
+    low = tl.zeros([BK, BV], dtype=tl.float32)
+    for s in range(low_count):
+        low += tl.load(hsrc + s * KV + hoff, mask=hmask, other=0.0).to(tl.float32)
+    return low
+
+
+@triton.jit
 def _scan_grads_kernel(
     wt, kt, u, merge, live, snap_at, lev, snap, dsnap,
     dwt, dkt, du, dd,
@@ -360,17 +385,26 @@ def _scan_grads_kernel(
         cascade:     dD = dh_m;  du_i = kt_i dD;  dkt_i += u_i dD^T
         transition:  dd_i = sum_j <dg_j, h_j>;  dkt_i -= sum_j (wt_i h_j) dg_j^T;  dwt_i -= sum_j (kt_i dg_j) h_j^T
 
-    where the levels j <= m (dg_j = dh_m) enter through their sum L: dd_i = <dh_m, L> + ..., dkt_i = (u_i - wt_i L)
-    dh_m^T - ..., dwt_i = -(kt_i dh_m) L^T - ... (4 products for all of them and the cascade).
+    where the levels j <= m (dg_j = dh_m) enter through their sum L = sum_{j <= m} h_j.
+
+    TZ (Z fits 64 KB of fp32 registers where Wm_i of the chains fits 32 KB: BK <= 128 for bf16/fp16 operands,
+    <= 64 for fp32): the transition's sums through one [BK, BK] fp32 matrix,
+
+        Z = L dh_m^T + sum_{j > m} h_j dg_j^T;   dkt_i = u_i dh_m^T - wt_i Z;   dwt_i = -kt_i Z^T;   dd_i = trace(Z)
+
+    (per value block one product per live level j > m and one for L, then wt_i Z, kt_i Z^T and the cascade's
+    two per value block; no [C, *] intermediates per level, and wt_i, kt_i are loaded after the walk: at bf16
+    K = 128 the kernel no longer spills).  Otherwise per level: dd_i = <dh_m, L> + sum_{j > m} <dg_j, h_j>,
+    dkt_i = (u_i - wt_i L) dh_m^T - sum_{j > m} (wt_i h_j) dg_j^T, dwt_i = -(kt_i dh_m) L^T - sum_{j > m}
+    (kt_i dg_j) h_j^T (4 products per live level j > m, 4 for L and the cascade).
 
     Outputs: dwt, dkt: [BH, Tp, K], du: [BH, Tp, V] (operand dtype); dd: [BH, N] fp32.  The live levels are
     walked from lev (V in NV blocks of BV per level), the next step's two tiles loaded a step ahead."""
+    TZ: tl.constexpr = BK * BK * wt.dtype.element_ty.primitive_bitwidth <= 128 * 128 * 16
     i = tl.program_id(0) + i0
     bh, rk, mk, rows = _chunk_rows(i, Tp, C, K, BK)
     KV = K * V
     ck = rows[:, None] * K + rk[None, :]
-    w_i = tl.load(wt + ck, mask=mk[None, :], other=0.0)
-    k_i = tl.load(kt + ck, mask=mk[None, :], other=0.0)
     m = tl.load(merge + i)
     after = tl.load(live + i + 1)
     start = tl.load(snap_at + i)
@@ -379,37 +413,61 @@ def _scan_grads_kernel(
     low_count = tl.where(m >= 0, _popcount(tl.load(live + i) & ((2 << tl.maximum(m, 0)) - 1)), 0)
     hsrc = snap + (bh * S + start) * KV
     gsrc = dsnap + (bh * SD + tl.load(snap_at + i + 1) - tl.load(snap_at + i0)) * KV
-    dw_acc = tl.zeros([C, BK], dtype=tl.float32)
-    dk_acc = tl.zeros([C, BK], dtype=tl.float32)
-    dd_acc = 0.0
-    for iv in range(NV):  # the cascade, with the levels j <= m summed: L = sum_{j <= m} h_j, dg_j = dh_m
-        rv = iv * BV + tl.arange(0, BV)
-        hmask = mk[:, None] & (rv < V)[None, :]
-        hoff = rk[:, None] * V + rv[None, :]
-        cascade = (rk * 0 + m) >= 0  # (no slot to read after the last chunk)
-        dh_m = tl.load(gsrc + hoff, mask=hmask & cascade[:, None], other=0.0)
-        cv = rows[:, None] * V + rv[None, :]
-        kd = tl.dot(k_i, dh_m, input_precision=PREC)
-        tl.store(du + cv, kd.to(du.dtype.element_ty), mask=(rv < V)[None, :])
-        x = tl.load(u + cv, mask=(rv < V)[None, :], other=0.0).to(tl.float32)
-        if low_count > 0:  # dd += <dh_m, L>;  dwt -= (kt dh_m) L^T;  dkt += (u - wt L) dh_m^T
-            low = tl.zeros([BK, BV], dtype=tl.float32)
-            for s in range(low_count):
-                low += tl.load(hsrc + s * KV + hoff, mask=hmask, other=0.0).to(tl.float32)
-            dd_acc += tl.sum(tl.sum(dh_m.to(tl.float32) * low, axis=1), axis=0)
-            dw_acc -= tl.dot(kd.to(w_i.dtype), tl.trans(low.to(w_i.dtype)), input_precision=PREC)
-            x -= tl.dot(w_i, low.to(w_i.dtype), input_precision=PREC)
-        dk_acc += tl.dot(x.to(w_i.dtype), tl.trans(dh_m), input_precision=PREC)
     t0 = low_count * NV
-    _, _, hd, dgd = _grad_tiles(hsrc, gsrc, lev, start, m, after, t0, steps, KV, rk, mk, V, BV, NV)
-    for t in range(t0, steps):  # the live levels j > m
-        _, _, hd_n, dgd_n = _grad_tiles(hsrc, gsrc, lev, start, m, after, t + 1, steps, KV, rk, mk, V, BV, NV)
-        dd_acc += tl.sum(tl.sum(dgd.to(tl.float32) * hd.to(tl.float32), axis=1), axis=0)
-        wh = tl.dot(w_i, hd, input_precision=PREC).to(w_i.dtype)
-        dk_acc -= tl.dot(wh, tl.trans(dgd), input_precision=PREC)
-        kdg = tl.dot(k_i, dgd, input_precision=PREC).to(w_i.dtype)
-        dw_acc -= tl.dot(kdg, tl.trans(hd), input_precision=PREC)
-        hd, dgd = hd_n, dgd_n
+    if TZ:
+        dt = wt.dtype.element_ty
+        z = tl.zeros([BK, BK], dtype=tl.float32)
+        if low_count > 0:
+            for iv in range(NV):  # L dh_m^T
+                rv, hoff, hmask = _value_tile(rk, mk, iv, V, BV)
+                low = _low_sum(hsrc, low_count, KV, hoff, hmask, BK, BV)
+                z += tl.dot(low.to(dt), tl.trans(_cascade_tile(gsrc, m, rk, hoff, hmask)), input_precision=PREC)
+        _, _, hd, dgd = _grad_tiles(hsrc, gsrc, lev, start, m, after, t0, steps, KV, rk, mk, V, BV, NV)
+        for t in range(t0, steps):  # the live levels j > m
+            _, _, hd_n, dgd_n = _grad_tiles(hsrc, gsrc, lev, start, m, after, t + 1, steps, KV, rk, mk, V, BV, NV)
+            z += tl.dot(hd, tl.trans(dgd), input_precision=PREC)
+            hd, dgd = hd_n, dgd_n
+        dd_acc = tl.sum(tl.sum(tl.where(rk[:, None] == rk[None, :], z, 0.0), axis=1), axis=0)
+        zd = z.to(dt)
+        w_i = tl.load(wt + ck, mask=mk[None, :], other=0.0)
+        dk_acc = -tl.dot(w_i, zd, input_precision=PREC)
+        k_i = tl.load(kt + ck, mask=mk[None, :], other=0.0)
+        dw_acc = -tl.dot(k_i, tl.trans(zd), input_precision=PREC)
+        for iv in range(NV):  # the cascade: du = kt dh_m;  dkt += u dh_m^T
+            rv, hoff, hmask = _value_tile(rk, mk, iv, V, BV)
+            dh_m = _cascade_tile(gsrc, m, rk, hoff, hmask)
+            cv = rows[:, None] * V + rv[None, :]
+            tl.store(du + cv, tl.dot(k_i, dh_m, input_precision=PREC).to(du.dtype.element_ty), mask=(rv < V)[None, :])
+            x = tl.load(u + cv, mask=(rv < V)[None, :], other=0.0)
+            dk_acc += tl.dot(x, tl.trans(dh_m), input_precision=PREC)
+    else:
+        w_i = tl.load(wt + ck, mask=mk[None, :], other=0.0)
+        k_i = tl.load(kt + ck, mask=mk[None, :], other=0.0)
+        dw_acc = tl.zeros([C, BK], dtype=tl.float32)
+        dk_acc = tl.zeros([C, BK], dtype=tl.float32)
+        dd_acc = 0.0
+        for iv in range(NV):  # the cascade, with the levels j <= m summed
+            rv, hoff, hmask = _value_tile(rk, mk, iv, V, BV)
+            dh_m = _cascade_tile(gsrc, m, rk, hoff, hmask)
+            cv = rows[:, None] * V + rv[None, :]
+            kd = tl.dot(k_i, dh_m, input_precision=PREC)
+            tl.store(du + cv, kd.to(du.dtype.element_ty), mask=(rv < V)[None, :])
+            x = tl.load(u + cv, mask=(rv < V)[None, :], other=0.0).to(tl.float32)
+            if low_count > 0:  # dd += <dh_m, L>;  dwt -= (kt dh_m) L^T;  dkt += (u - wt L) dh_m^T
+                low = _low_sum(hsrc, low_count, KV, hoff, hmask, BK, BV)
+                dd_acc += tl.sum(tl.sum(dh_m.to(tl.float32) * low, axis=1), axis=0)
+                dw_acc -= tl.dot(kd.to(w_i.dtype), tl.trans(low.to(w_i.dtype)), input_precision=PREC)
+                x -= tl.dot(w_i, low.to(w_i.dtype), input_precision=PREC)
+            dk_acc += tl.dot(x.to(w_i.dtype), tl.trans(dh_m), input_precision=PREC)
+        _, _, hd, dgd = _grad_tiles(hsrc, gsrc, lev, start, m, after, t0, steps, KV, rk, mk, V, BV, NV)
+        for t in range(t0, steps):  # the live levels j > m
+            _, _, hd_n, dgd_n = _grad_tiles(hsrc, gsrc, lev, start, m, after, t + 1, steps, KV, rk, mk, V, BV, NV)
+            dd_acc += tl.sum(tl.sum(dgd.to(tl.float32) * hd.to(tl.float32), axis=1), axis=0)
+            wh = tl.dot(w_i, hd, input_precision=PREC).to(w_i.dtype)
+            dk_acc -= tl.dot(wh, tl.trans(dgd), input_precision=PREC)
+            kdg = tl.dot(k_i, dgd, input_precision=PREC).to(w_i.dtype)
+            dw_acc -= tl.dot(kdg, tl.trans(hd), input_precision=PREC)
+            hd, dgd = hd_n, dgd_n
     tl.store(dwt + ck, dw_acc.to(dwt.dtype.element_ty), mask=mk[None, :])
     tl.store(dkt + ck, dk_acc.to(dkt.dtype.element_ty), mask=mk[None, :])
     tl.store(dd + bh * N + i, dd_acc)
