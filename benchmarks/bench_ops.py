@@ -290,9 +290,11 @@ def check(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]) ->
             f"rel err vs torch chunk path (fp32) o={rel(o1, o_ref):.2e} state={rel(s1, s_ref):.2e}  [triton {t1:.2f}s]")
 
 
-def check_gdn(log: Callable[[str], None], long_T: int) -> None:
-    """check() for --variant gdn: kernels vs the torch chunk path in fp32 (outputs, states, all gradients,
-    the initial state's too), at benchmark sizes, unaligned T, GQA + varlen + states; then a long forward."""
+def check_gdn(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]) -> None:
+    """check() for --variant gdn: kernels vs the torch chunk path at the benchmark's shape in each 16-bit dtype
+    of dtypes (the kernels' 16-bit products: v5 chains, Z gradients), then in fp32 (outputs, states, all
+    gradients, the initial state's too) at benchmark sizes, unaligned T, GQA + varlen + states; then a long
+    forward."""
     def both(x, state=None, **kw):
         res = {}
         for backend in ("triton", "torch"):
@@ -309,6 +311,10 @@ def check_gdn(log: Callable[[str], None], long_T: int) -> None:
         return res
 
     p = PAPER
+    for dtype in (d for d in dtypes if d != torch.float32):
+        x = gdn_inputs(8192, 2, 48, 1, p["K"], p["V"], dtype, seed=8192)
+        _compare_backends(log, f"{dtype} T=8192 B=2 H=48 G=1 K=128 V=64 l2norm", x, log_linear_gated_deltanet,
+                          use_qk_l2norm=True)
     cases = [((8192, 2, 48, 1), {}), ((3000, 2, 8, 1), {}), ((4000, 1, 8, 2), {"varlen_state": True})]
     for (T, B, H, G), opts in cases:
         x = gdn_inputs(T, B, H, G, p["K"], p["V"], torch.float32, seed=T)
@@ -411,7 +417,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             check_small_heads(log, args.variant, dtypes)
             if args.variant == "gdn":
-                check_gdn(log, args.long_T)
+                check_gdn(log, args.long_T, dtypes)
             else:
                 check(log, args.long_T, dtypes)
         except Exception as e:  # keep the log and go on to the timings

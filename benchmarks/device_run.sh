@@ -1,7 +1,7 @@
 #!/bin/bash
 # The open device work (issues 3, 5, 6, 8) in parts of under 10 minutes each.
 #
-#   bash benchmarks/device_run.sh checks         # ~4 min: kernel checks, both variants, small (MQAR) heads first
+#   bash benchmarks/device_run.sh checks         # ~5 min: kernel checks, GDN first (bf16 at the benchmark shape)
 #   bash benchmarks/device_run.sh bench-mamba2   # ~6 min: host time per call, then the same-run Mamba-2 table
 #   bash benchmarks/device_run.sh bench-gdn      # ~8 min: the same-run GDN table and its profile
 #   bash benchmarks/device_run.sh mqar           # ~9 min, all GPUs: one seed of the MQAR sweep (MQAR_SEEDS=0)
@@ -60,11 +60,11 @@ mps_start() {
 mps_stop() { echo quit | nvidia-cuda-mps-control 2> /dev/null; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; }
 
 case $PART in
-  checks)  # ~4 min: bf16 / fp32 triton vs the torch chunk path, small (MQAR) heads first, then the paper shapes
+  checks)  # ~5 min: GDN first (bf16 at the benchmark's shape: the session-13 kernel changes), then Mamba-2
+    step 200 check-gdn python benchmarks/bench_ops.py --variant gdn --check --no-bench --check-dtypes bfloat16 float32 \
+      --long-T 131072 --out "$R"
     step 100 check-mamba2 python benchmarks/bench_ops.py --check --no-bench --check-dtypes bfloat16 float32 \
       --long-T 262144 --out "$R"
-    step 150 check-gdn python benchmarks/bench_ops.py --variant gdn --check --no-bench --check-dtypes bfloat16 float32 \
-      --long-T 131072 --out "$R"
     ;;
   bench-mamba2)  # ~6 min: host time per call, then the same-run table (largest T first: 128K is always reached)
     step 40 diag-host python benchmarks/diag_host_overhead.py --T 8192
