@@ -103,7 +103,7 @@ def _scan_fwd_kernel(
     qt, wt, kt, u, decay, lam, merge, lev, snap_at, states, snap, o_intra, o,
     N, J, Tp, S, T, front, H, scale,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr, SNAP: tl.constexpr,
+    PREC: tl.constexpr, SNAP: tl.constexpr, TM: tl.constexpr,
 ):
     """qt, wt, kt: [BH, Tp, K]; u: [BH, Tp, V]; decay: [BH, N]; lam: [BH, Tp, J]; merge: [N], snap_at: [N + 1]
     int32 (cascade target, first snapshot slot); lev: the live levels of chunk i at lev[snap_at[i] : snap_at[i + 1]]
@@ -113,7 +113,7 @@ def _scan_fwd_kernel(
     outputs; o: [b, T, H, V] (Chunking's tokens) = scale (o_intra + the readouts), written here without
     SNAP; with SNAP the readouts leave the sequential chain (_scan_readout_kernel reads the snapshots).
 
-    TM (Wm_i fits 32 KB of registers: BK <= 128 for bf16/fp16 operands, <= 64 for fp32): the chunk's transition
+    TM (square_fits: Wm_i fits 32 KB of registers: BK <= 128 for bf16/fp16 operands, <= 64 for fp32): the chunk's transition
     through one matrix, formed (with ku_i) from the chunk's inputs only, off the states' chain,
 
         Wm_i = kt_i^T wt_i: [BK, BK] (operand dtype);   ku_i = kt_i^T u_i: [BK, BV] fp32
@@ -121,7 +121,6 @@ def _scan_fwd_kernel(
 
     (one product per transition on the chain).  Otherwise two: g_j = d_i h_j - kt_i^T (wt_i h_j),
     h_m = d_i L + kt_i^T (u_i - wt_i L)."""
-    TM: tl.constexpr = BK * BK * wt.dtype.element_ty.primitive_bitwidth <= 128 * 128 * 16
     iv, bh, rc, rk, rv, mk, mv, hoff, hmask = _state_block(C, K, V, BK, BV)
     KV = K * V
     # in place: level j is read, then written (j > m); the cascade target m is written after every read
@@ -214,7 +213,7 @@ def _scan_dh_kernel(
     qt, wt, kt, decay, lam, merge, lev, snap_at, do, dstates, dsnap, do_intra,
     N, J, Tp, S, T, front, H, scale, i0, i1,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, TM: tl.constexpr,
 ):
     """Backward, pass 1 (sequential, chunks i1-1 down to i0): the chain dh_j = d_i dg_j - Wm_i^T dg_j + qt_i^T Y_j
     for the live levels only, Wm_i^T = wt_i^T kt_i: [BK, BK] (operand dtype) formed once per chunk (TM, as in
@@ -225,7 +224,6 @@ def _scan_dh_kernel(
     after the last segment, dh of the initial states of the levels live at chunk 0); dsnap: [BH, S, K, V]
     (operand dtype): dh entering each chunk of the segment at slot snap_at[i] - snap_at[i0] (the host has filled
     chunk i1's); do_intra: [BH, Tp, V] fp32 (scale do, 0 on padding); merge, lev, snap_at as in _scan_fwd_kernel."""
-    TM: tl.constexpr = BK * BK * wt.dtype.element_ty.primitive_bitwidth <= 128 * 128 * 16
     iv, bh, rc, rk, rv, mk, mv, hoff, hmask = _state_block(C, K, V, BK, BV)
     KV = K * V
     # in place: dh_m is read first; a live j > m is read, then written; the levels below m were cleared
@@ -375,7 +373,7 @@ def _scan_grads_kernel(
     dwt, dkt, du, dd,
     N, Tp, S, SD, i0,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, TZ: tl.constexpr,
 ):
     """Backward, pass 2 (chunk i of head bh, all in parallel): the gradients of the chunk's transition inputs
     from the forward's states entering it (snap: [BH, S, K, V]) and the gradients dg_j leaving it (dh entering
@@ -387,7 +385,7 @@ def _scan_grads_kernel(
 
     where the levels j <= m (dg_j = dh_m) enter through their sum L = sum_{j <= m} h_j.
 
-    TZ (Z fits 64 KB of fp32 registers where Wm_i of the chains fits 32 KB: BK <= 128 for bf16/fp16 operands,
+    TZ (square_fits: Z fits 64 KB of fp32 registers where Wm_i of the chains fits 32 KB: BK <= 128 for bf16/fp16 operands,
     <= 64 for fp32): the transition's sums through one [BK, BK] fp32 matrix,
 
         Z = L dh_m^T + sum_{j > m} h_j dg_j^T;   dkt_i = u_i dh_m^T - wt_i Z;   dwt_i = -kt_i Z^T;   dd_i = trace(Z)
@@ -400,7 +398,6 @@ def _scan_grads_kernel(
 
     Outputs: dwt, dkt: [BH, Tp, K], du: [BH, Tp, V] (operand dtype); dd: [BH, N] fp32.  The live levels are
     walked from lev (V in NV blocks of BV per level), the next step's two tiles loaded a step ahead."""
-    TZ: tl.constexpr = BK * BK * wt.dtype.element_ty.primitive_bitwidth <= 128 * 128 * 16
     i = tl.program_id(0) + i0
     bh, rk, mk, rows = _chunk_rows(i, Tp, C, K, BK)
     KV = K * V
@@ -487,6 +484,12 @@ def _blocks(K: int, V: int, dtype: torch.dtype) -> tuple[int, int, int]:
     return BK, BV, triton.cdiv(V, BV)
 
 
+def square_fits(BK: int, dtype: torch.dtype) -> bool:
+    """TM / TZ of the chain and grads kernels: a [BK, BK] matrix of the operand dtype fits 32 KB of registers
+    (Wm of the chains; Z, fp32, twice that): BK <= 128 for bf16/fp16 operands, <= 64 for fp32."""
+    return BK * BK * dtype.itemsize <= 128 * 128 * 2
+
+
 def _launch(num_warps: int = 8) -> dict[str, int]:
     """Launch options: num_warps on the GPU (8: the sequential kernels' [K, BV] states and the grads kernel's
     accumulators; the readout backward takes 4, two programs per SM without spills on sm_90), 1 in the
@@ -566,7 +569,8 @@ class FenwickDeltaScan(torch.autograd.Function):
         _scan_fwd_kernel[(NV, BH)](
             qt, wt, kt, u, decay, lam, sched.merge, sched.lev, sched.snap_at, states, snap, o_intra, o,
             N, J, Tp, sched.slots, ch.T, ch.front, ch.H, scale,
-            K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), SNAP=keep, **_launch(),
+            K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), SNAP=keep, TM=square_fits(BK, qt.dtype),
+            **_launch(),
         )
         if keep:
             _scan_readout_kernel[(N, BH)](
@@ -600,11 +604,12 @@ class FenwickDeltaScan(torch.autograd.Function):
             _scan_dh_kernel[(NV, BH)](
                 qt, wt, kt, decay, lam, sched.merge, sched.lev, sched.snap_at, do, dstates, dsnap, do_intra,
                 N, J, Tp, dsnap.shape[1], ch.T, ch.front, ch.H, ctx.scale, i0, i1,
-                K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, **_launch(),
+                K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, TM=square_fits(BK, dt), **_launch(),
             )
             _scan_grads_kernel[(i1 - i0, BH)](
                 wt, kt, u, sched.merge, sched.live, sched.snap_at, sched.lev, snap, dsnap, dwt, dkt, du, dd,
-                N, Tp, sched.slots, dsnap.shape[1], i0, K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec, **_launch(),
+                N, Tp, sched.slots, dsnap.shape[1], i0, K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec,
+                TZ=square_fits(BK, dt), **_launch(),
             )
             del dsnap
         _scan_readout_bwd_kernel[(N, BH)](
