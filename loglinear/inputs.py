@@ -14,7 +14,10 @@ import torch
 from loglinear.fenwick import levels_needed
 from loglinear.state import FenwickState
 
-__all__ = ["OpInputs", "check_inputs", "check_decode_inputs", "Segment", "segments", "run_segments", "l2norm", "expand_groups"]
+__all__ = [
+    "OpInputs", "check_inputs", "check_decode_inputs", "check_positive_ints", "Segment", "segments", "run_segments",
+    "l2norm", "expand_groups",
+]
 
 
 @dataclass
@@ -49,6 +52,13 @@ def _check_tensor(name: str, x: object, rank: int, layout: str) -> torch.Tensor:
     if x.dim() != rank:
         raise ValueError(f"{name} must be {layout} ({rank} dims), got {_shape(x)}")
     return x
+
+
+def check_positive_ints(**sizes: object) -> None:
+    """Raise a ValueError naming the first size that is not a positive int (the layers' and configs' sizes)."""
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _check_cu_seqlens(cu_seqlens: object, batch: int, T: int, device: torch.device | None = None) -> list[int]:

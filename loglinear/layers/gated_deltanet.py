@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loglinear.layers.mixer import DEFAULT_MAX_LEVELS, FenwickMixer, MixerInputs, _check_sizes, dt_bias_init
+from loglinear.inputs import check_positive_ints
+from loglinear.layers.mixer import DEFAULT_MAX_LEVELS, FenwickMixer, MixerInputs, dt_bias_init
 from loglinear.layers.norm import GatedRMSNorm, wide
 
 __all__ = ["LogLinearGatedDeltaNet"]
@@ -33,7 +34,7 @@ class LogLinearGatedDeltaNet(FenwickMixer):
         norm_eps: float = 1e-5, dt_min: float = 1e-3, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
         layer_idx: int | None = None,
     ):
-        _check_sizes(head_dim=head_dim)
+        check_positive_ints(head_dim=head_dim)
         if int(head_dim * expand_v) < 1:
             raise ValueError(f"expand_v must give a value head dim int(head_dim * expand_v) >= 1, got "
                              f"expand_v = {expand_v!r} with head_dim = {head_dim}")

@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loglinear.layers.mixer import DEFAULT_MAX_LEVELS, FenwickMixer, MixerInputs, _check_sizes, dt_bias_init
+from loglinear.inputs import check_positive_ints
+from loglinear.layers.mixer import DEFAULT_MAX_LEVELS, FenwickMixer, MixerInputs, dt_bias_init
 from loglinear.layers.norm import GatedRMSNorm, wide
 
 __all__ = ["LogLinearMamba2"]
@@ -31,7 +32,7 @@ class LogLinearMamba2(FenwickMixer):
         chunk_size: int = 64, norm_eps: float = 1e-5, dt_min: float = 1e-3, dt_max: float = 0.1,
         dt_init_floor: float = 1e-4, layer_idx: int | None = None,
     ):
-        _check_sizes(num_heads=num_heads, head_dim=head_dim, state_size=state_size, n_groups=n_groups)
+        check_positive_ints(num_heads=num_heads, head_dim=head_dim, state_size=state_size, n_groups=n_groups)
         if num_heads % n_groups:
             raise ValueError(f"num_heads = {num_heads} must be a multiple of n_groups = {n_groups}")
         self.head_dim, self.state_size, self.n_groups = head_dim, state_size, n_groups

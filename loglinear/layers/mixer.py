@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from loglinear.inputs import check_positive_ints
 from loglinear.layers.attention import fenwick_attention
 from loglinear.layers.conv import ShortConvolution
 from loglinear.layers.levels import LevelScales
@@ -78,13 +79,6 @@ class MixerInputs:
     extra: dict[str, torch.Tensor]
 
 
-def _check_sizes(**sizes: object) -> None:
-    """Raise unless every value is a positive int."""
-    for name, value in sizes.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
 class FenwickMixer(nn.Module):
     """Base of the log-linear mixers (see module docstring).  Subclasses set variant, scale, l2norm_qk."""
 
@@ -96,7 +90,7 @@ class FenwickMixer(nn.Module):
         use_log_linear: bool = True, max_levels: int = DEFAULT_MAX_LEVELS, chunk_size: int = 64,
         layer_idx: int | None = None,
     ):
-        _check_sizes(hidden_size=hidden_size, num_heads=num_heads, conv_kernel=conv_kernel, chunk_size=chunk_size)
+        check_positive_ints(hidden_size=hidden_size, num_heads=num_heads, conv_kernel=conv_kernel, chunk_size=chunk_size)
         if chunk_size & (chunk_size - 1):
             raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
         super().__init__()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from loglinear.inputs import check_positive_ints
+
 __all__ = ["LogLinearMamba2Config", "LogLinearGatedDeltaNetConfig"]
 
 
@@ -27,10 +29,8 @@ class _FenwickConfig(PretrainedConfig):
         initializer_range: float = 0.02, tie_word_embeddings: bool = False, use_cache: bool = True,
         pad_token_id: int | None = None, bos_token_id: int | None = 1, eos_token_id: int | None = 2, **kwargs,
     ):
-        for name, value in {"vocab_size": vocab_size, "hidden_size": hidden_size, "num_hidden_layers": num_hidden_layers,
-                            "num_heads": num_heads, "conv_kernel": conv_kernel, "chunk_size": chunk_size}.items():
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_ints(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+                            num_heads=num_heads, conv_kernel=conv_kernel, chunk_size=chunk_size)
         if not isinstance(max_levels, int) or not 1 <= max_levels <= 62:
             raise ValueError(f"max_levels must be an int in [1, 62] (2^(max_levels-1) tokens), got {max_levels!r}")
         if chunk_size & (chunk_size - 1):
@@ -60,10 +60,6 @@ class _FenwickConfig(PretrainedConfig):
                 f"{self.time_step_min}, max = {self.time_step_max}, floor = {self.time_step_floor}"
             )
 
-    def _check_head_dim(self) -> None:
-        if not isinstance(self.head_dim, int) or self.head_dim < 1:
-            raise ValueError(f"head_dim must be a positive int, got {self.head_dim!r}")
-
     def _shared_mixer_kwargs(self) -> dict:
         return dict(
             hidden_size=self.hidden_size, num_heads=self.num_heads, head_dim=self.head_dim,
@@ -89,11 +85,9 @@ class LogLinearMamba2Config(_FenwickConfig):
             self.head_dim = expand * self.hidden_size // self.num_heads
         self.state_size, self.expand, self.n_groups = state_size, expand, n_groups
         self.time_step_min, self.time_step_max, self.time_step_floor = time_step_min, time_step_max, time_step_floor
-        self._check_head_dim()
+        check_positive_ints(head_dim=self.head_dim)
         self._check_time_steps()
-        for name, value in {"state_size": state_size, "expand": expand, "n_groups": n_groups}.items():
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_ints(state_size=state_size, expand=expand, n_groups=n_groups)
         if self.num_heads % n_groups:
             raise ValueError(f"num_heads = {self.num_heads} must be a multiple of n_groups = {n_groups}")
 
@@ -119,7 +113,7 @@ class LogLinearGatedDeltaNetConfig(_FenwickConfig):
             self.head_dim = self.hidden_size // self.num_heads
         self.expand_v = expand_v
         self.time_step_min, self.time_step_max, self.time_step_floor = time_step_min, time_step_max, time_step_floor
-        self._check_head_dim()
+        check_positive_ints(head_dim=self.head_dim)
         self._check_time_steps()
         if not isinstance(expand_v, (int, float)) or int(self.head_dim * expand_v) < 1:
             raise ValueError(f"expand_v must give a value head dim int(head_dim * expand_v) >= 1, got expand_v = "
