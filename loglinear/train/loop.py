@@ -37,6 +37,7 @@ __all__ = [
     "TrainConfig", "train", "lm_loss", "cosine_schedule", "bf16_autocast", "model_from_config", "peak_memory_gib",
 ]
 
+
 @dataclass
 class TrainConfig:
     # model
