@@ -20,7 +20,9 @@
 # installs the fla wheel first (the baselines; see the device README on carrying wheels). Every step has its own
 # time limit; the benchmarks list our impl first and the largest T first (fla compiles for >100 s on a fresh machine).
 set -u
-PART=${1:?usage: device_run.sh checks|bench-mamba2|bench-gdn|mqar|lm|cp-profile|multigpu}
+PART=${1:?usage: device_run.sh checks|bench-mamba2|bench-gdn|mqar|lm|cp-profile|multigpu [extra options]}
+shift
+EXTRA=("$@")  # appended to the part's main command (e.g. mqar --threads 2, multigpu --gpus 4)
 R=${RESULTS:-/tmp/device-results}
 PACK=${OUT:-$R}/results-$PART.tgz
 mkdir -p "$R"
@@ -53,7 +55,8 @@ mps_start() {
   command -v nvidia-cuda-mps-control > /dev/null || { say "no MPS"; return; }
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d && timeout 60 python -c "import torch; torch.ones(1, device='cuda').sum().item()" \
+  # the daemon sees every GPU, so a client's CUDA_VISIBLE_DEVICES (e.g. 2,3 beside benchmarks on 0,1) means the same
+  env -u CUDA_VISIBLE_DEVICES nvidia-cuda-mps-control -d && timeout 60 python -c "import torch; torch.ones(1, device='cuda').sum().item()" \
     && { say "MPS on"; return; }
   say "MPS failed, off"; mps_stop
 }
@@ -74,16 +77,16 @@ case $PART in
   bench-gdn)  # ~8 min (session 13: 230 s reached 32K only; fla_gdn compiles for ~2 min on a fresh machine)
     step 400 bench-gdn python benchmarks/bench_ops.py --variant gdn --impls loglinear fla_gdn sdpa_flash \
       --T $TS --sdpa-max-T 16384 --out "$R"
-    step 60 profile-gdn python benchmarks/profile_gdn.py --T 32768 131072 --out "$R"
+    step 90 profile-gdn python benchmarks/profile_gdn.py --T 32768 131072 --ab --out "$R"
     ;;
   mqar)  # ~9 min on two GPUs (issue 6): one seed of the Zoology-style sweep, docs/experiments.md "Next GPU run"
     mps_start
     step 560 mqar python -m loglinear.cli mqar --preset gpu --seeds ${MQAR_SEEDS:-0} --budget 420 --grace 60 \
-      --out "$R/mqar-h200"
+      --out "$R/mqar-h200" "${EXTRA[@]}"
     mps_stop
     ;;
   lm)  # ~9.5 min, all GPUs (issue 6): the five language models spread over the GPUs, then their evaluation
-    step 570 lm python benchmarks/run_experiments.py --no-mqar --budget 540 --out "$R/exp" --tag h200
+    step 570 lm python benchmarks/run_experiments.py --no-mqar --budget 540 --out "$R/exp" --tag h200 "${EXTRA[@]}"
     ;;
   cp-profile)  # ~4 min, 2 GPUs (issue 8): one profiled step per rank of CP at 128K and of its 64K baseline
     cp benchmarks/results/multigpu-*.json "$R"/ 2>/dev/null
@@ -93,7 +96,7 @@ case $PART in
   multigpu)  # ~8 min on two or more GPUs (issue 8): context parallel after e81b40f, then the long lengths
     cp benchmarks/results/multigpu-*.json "$R"/ 2>/dev/null  # the rows not redone (FSDP2) are kept
     step 560 multigpu python benchmarks/run_multigpu.py --parts cp_exact cp_long \
-      --long-seq-lens 131072 262144 524288 1048576 --budget 470 --out "$R"
+      --long-seq-lens 131072 262144 524288 1048576 --budget 470 --out "$R" "${EXTRA[@]}"
     ;;
   *)
     echo "unknown part $PART (checks|bench-mamba2|bench-gdn|mqar|lm|cp-profile|multigpu)" >&2

@@ -5,6 +5,9 @@
 Paper setting (B = 2, 48 value heads, one q/k group, K = 128, V = 64, bf16, q/k L2-normalised in the op).
 For each T: torch.profiler over two forward+backward steps (after a warm-up step), CUDA time summed per
 kernel name; writes profile-gdn-<gpu>.md (one table per T, ms per step).
+
+--ab: each T again with the scan kernels' square forms off (`square_fits` -> False: the chains without Wm,
+the scan grads without Z), so the session-13 forms and the ones before them are compared in one run.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_ops import PAPER, gdn_inputs  # noqa: E402
 from loglinear import log_linear_gated_deltanet  # noqa: E402
+from loglinear.ops.triton import gated_deltanet_scan  # noqa: E402
 
 
-def profile_step(T: int, top: int) -> list[str]:
+def profile_step(T: int, top: int, label: str = "") -> list[str]:
     p = PAPER
     x = gdn_inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], torch.bfloat16)
     leaves = [x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta", "level_scales")]
@@ -48,7 +52,7 @@ def profile_step(T: int, top: int) -> list[str]:
             rows.append((t / 1000 / steps, e.count // steps, e.key))
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
-    lines = [f"## T = {T}: {total:.2f} ms of kernel time per forward+backward", "",
+    lines = [f"## T = {T}{label}: {total:.2f} ms of kernel time per forward+backward", "",
              "| ms | % | calls | kernel |", "|---|---|---|---|"]
     for ms, n, key in rows[:top]:
         lines.append(f"| {ms:.3f} | {100 * ms / total:.1f} | {n} | `{key[:90]}` |")
@@ -59,18 +63,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, nargs="+", default=[32768])
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--ab", action="store_true", help="each T also with the square forms off")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
     lines = [f"# log-linear Gated DeltaNet, CUDA time per kernel ({gpu}, torch {torch.__version__})", "",
              "B=2, H=48, G=1, K=128, V=64, bf16, use_qk_l2norm; `python " + " ".join(sys.argv) + "`", ""]
-    for T in args.T:
+    fits = gated_deltanet_scan.square_fits
+    runs = [(T, fits, "") for T in args.T]
+    if args.ab:
+        runs = [r for T in args.T for r in ((T, fits, ""), (T, lambda BK, dtype: False, ", square forms off"))]
+    for T, rule, label in runs:
+        gated_deltanet_scan.square_fits = rule
         try:
-            lines += profile_step(T, args.top)
+            lines += profile_step(T, args.top, label)
         except Exception as e:  # keep what was measured
-            lines += [f"## T = {T}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", ""]
+            lines += [f"## T = {T}{label}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", ""]
         print("\n".join(lines[-25:]), flush=True)
         torch.cuda.empty_cache()
+    gated_deltanet_scan.square_fits = fits
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"profile-gdn-{gpu}.md").write_text("\n".join(lines) + "\n")
