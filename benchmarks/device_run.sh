@@ -1,19 +1,22 @@
 #!/bin/bash
-# The open device work (issues 3, 5, 6, 8) in parts of under 10 minutes each.
+# The device work of issues 3, 5, 6 and 8 in parts of under 10 minutes each (extra options go to the part's
+# main command, e.g. `mqar --threads 2 --merge`, `multigpu --parts fsdp cp_exact cp_long`).
 #
 #   bash benchmarks/device_run.sh checks         # ~5 min: kernel checks, GDN first (bf16 at the benchmark shape)
 #   bash benchmarks/device_run.sh bench-mamba2   # ~6 min: host time per call, then the same-run Mamba-2 table
-#   bash benchmarks/device_run.sh bench-gdn      # ~8 min: the same-run GDN table and its profile
-#   bash benchmarks/device_run.sh mqar           # ~9 min, all GPUs: one seed of the MQAR sweep (MQAR_SEEDS=0)
+#   bash benchmarks/device_run.sh bench-gdn      # ~7 min: the same-run GDN table, then its profile with the A/B
+#   bash benchmarks/device_run.sh mqar           # ~5 min on 2 GPUs per seed: the MQAR sweep (MQAR_SEEDS="0 1 2")
 #   bash benchmarks/device_run.sh lm             # ~9.5 min, all GPUs: five LMs (same tokens), per-position loss, NIAH
-#   bash benchmarks/device_run.sh cp-profile     # ~4 min, 2 GPUs: where a context-parallel step's time goes (issue 8)
+#   bash benchmarks/device_run.sh cp-profile     # ~4 min, 2+ GPUs: where a context-parallel step's time goes (issue 8)
 #   bash benchmarks/device_run.sh multigpu       # ~8 min, 2+ GPUs: context parallel, 128K-1M tokens (issue 8)
 #
-# On a two-GPU machine two parts run side by side, each on its own GPU with its own RESULTS; limit each one's CPU
-# threads (session 12: with CPU-heavy work beside it on the host our ops' small-T rows were host-bound):
+# Parts run side by side on one machine, each on its own GPUs with its own RESULTS and OUT (session 14 on
+# nvidia-h200-x4: checks on GPU 0, bench-gdn on GPU 1, mqar on GPUs 2-3); limit each one's CPU threads
+# (session 12: with CPU-heavy work beside it on the host our ops' small-T rows were host-bound):
 #   export OMP_NUM_THREADS=4
-#   CUDA_VISIBLE_DEVICES=0 RESULTS=/tmp/r0 bash benchmarks/device_run.sh bench-mamba2 &
-#   CUDA_VISIBLE_DEVICES=1 RESULTS=/tmp/r1 bash benchmarks/device_run.sh bench-gdn & wait
+#   (CUDA_VISIBLE_DEVICES=0 RESULTS=/tmp/r0 OUT=$OUT/g0 bash benchmarks/device_run.sh checks > $OUT/g0.log 2>&1) &
+#   (CUDA_VISIBLE_DEVICES=1 RESULTS=/tmp/r1 OUT=$OUT/g1 bash benchmarks/device_run.sh bench-gdn > $OUT/g1.log 2>&1) &
+#   wait
 #
 # Run from the repository root. Results go to $RESULTS (default /tmp/device-results) as they come, and are packed
 # into $OUT/results-<part>.tgz (or under $RESULTS) after every step, so a cut keeps what finished. FLA_WHEELS=<dir>
@@ -25,7 +28,7 @@ shift
 EXTRA=("$@")  # appended to the part's main command (e.g. mqar --threads 2, multigpu --gpus 4)
 R=${RESULTS:-/tmp/device-results}
 PACK=${OUT:-$R}/results-$PART.tgz
-mkdir -p "$R"
+mkdir -p "$R" "$(dirname "$PACK")"
 if [ -n "${FLA_WHEELS:-}" ]; then
   # installed once: on a two-GPU machine the parts run side by side (CUDA_VISIBLE_DEVICES=0 / 1)
   [ -d /tmp/site/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
