@@ -27,20 +27,21 @@ from loglinear import log_linear_gated_deltanet  # noqa: E402
 from loglinear.ops.triton import gated_deltanet_scan  # noqa: E402
 
 
-def profile_step(T: int, top: int, label: str = "") -> list[str]:
+def kernel_times(T: int, steps: int = 2) -> tuple[list[tuple[float, int, str]], list[torch.Tensor]]:
+    """One forward+backward at the paper setting (bf16, use_qk_l2norm), after a warm-up step: [(ms per step,
+    calls per step, kernel name)], largest first, and the gradients of q, k, v, g, beta, level_scales."""
     p = PAPER
     x = gdn_inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], torch.bfloat16)
     leaves = [x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta", "level_scales")]
     grad = torch.randn(p["B"], T, p["H"], p["V"], device="cuda", dtype=torch.bfloat16)
 
     def step():
-        log_linear_gated_deltanet(*leaves, use_qk_l2norm=True)[0].backward(grad)
         for t in leaves:
             t.grad = None
+        log_linear_gated_deltanet(*leaves, use_qk_l2norm=True)[0].backward(grad)
 
     step()
     torch.cuda.synchronize()
-    steps = 2
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
@@ -50,7 +51,11 @@ def profile_step(T: int, top: int, label: str = "") -> list[str]:
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if t > 0:
             rows.append((t / 1000 / steps, e.count // steps, e.key))
-    rows.sort(reverse=True)
+    return sorted(rows, reverse=True), [t.grad for t in leaves]
+
+
+def profile_step(T: int, top: int, label: str = "") -> list[str]:
+    rows, _ = kernel_times(T)
     total = sum(r[0] for r in rows)
     lines = [f"## T = {T}{label}: {total:.2f} ms of kernel time per forward+backward", "",
              "| ms | % | calls | kernel |", "|---|---|---|---|"]

@@ -424,14 +424,15 @@ def _meta(ch: Chunking, K: int, V: int, G: int, L: int, dt: torch.dtype, norm: b
 # Whole 128-column key blocks halve the Gram's and the [C, C] backward's key-loop products (fewer spills there
 # too; 16-bit operands only); the forward keeps 64 (at 128 it spills 256 B at 4 warps) and the key backward 32
 # (its four [C, C] x [C, BK] products per block spill 260-300 B at 64)
-CONFIG = {"_chunk_inverse_kernel": (4, 128), "_chunk_local_kernel": (4, 64), "_chunk_local_bwd_cc_kernel": (8, 128),
-          "_chunk_local_bwd_k_kernel": (4, 32)}
+# (benchmarks/tune_gdn_local.py times other choices on a GPU). Per kernel: (warps, key block, pipeline stages).
+CONFIG = {"_chunk_inverse_kernel": (4, 128, 2), "_chunk_local_kernel": (4, 64, 2),
+          "_chunk_local_bwd_cc_kernel": (8, 128, 2), "_chunk_local_bwd_k_kernel": (4, 32, 2)}
 
 
 def launch_options(kernel) -> dict:
-    """num_warps / num_stages of a chunk-local kernel (one warp in the interpreter)."""
-    warps = CONFIG[kernel.__name__][0]
-    return dict(num_warps=1 if interpreting() else warps, num_stages=1 if interpreting() else 2)
+    """num_warps / num_stages of a chunk-local kernel (one warp, one stage in the interpreter)."""
+    warps, _, stages = CONFIG[kernel.__name__]
+    return dict(num_warps=1, num_stages=1) if interpreting() else dict(num_warps=warps, num_stages=stages)
 
 
 def kernel_meta(kernel, meta: dict) -> dict:
