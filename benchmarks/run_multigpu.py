@@ -413,7 +413,7 @@ def plot(doc: dict, path: Path) -> None:
     ax[1].set(title="FSDP2: scaling efficiency", xlabel="GPUs", ylabel="tok/s / (n * tok/s on 1)", ylim=(0, 1.1),
               xticks=[r["gpus"] for r in scaled])
     for c in sorted({r["context_parallel"] for r in long}):
-        mine = [r for r in long if r["context_parallel"] == c]
+        mine = sorted((r for r in long if r["context_parallel"] == c), key=lambda r: r["seq_len"])  # rows: run order
         xs = [r["seq_len"] for r in mine]
         ax[2].plot(xs, [r["tok_per_s_per_gpu"] for r in mine], "o-", label=f"cp {c}")
         ax[3].plot(xs, [r.get("cp_overhead_share") for r in mine], "o-", label=f"cp {c}")
