@@ -11,6 +11,9 @@
   3. evaluation of them, concurrently: per-position loss on long windows, needle-in-a-haystack.
 
 Writes <out>/{mqar,lm,niah}-<tag>.{json,md,png}, the runs' metrics, and <out>/results.tar.gz of them all.
+--merge keeps the lm / niah rows of an earlier call's <out> for the models this call has no result for (the step
+count is set by a call's slowest model, so fast and slow models can train in separate calls; the table then
+says that the token counts differ).
 
     python benchmarks/run_experiments.py --out runs/exp --tag h200 --budget 320
     python benchmarks/run_experiments.py --smoke --out runs/exp-smoke --tag cpu   # tiny, on the CPU
@@ -66,6 +69,14 @@ def wait_all(procs: dict[str, subprocess.Popen], what: str, deadline: float | No
     return failed
 
 
+def merged(rows: list[dict], path: Path) -> list[dict]:
+    """rows plus those of an earlier call's json at path for the models rows has none of, in LM_ARCHS order
+    (stable: a model's rows keep their order)."""
+    have = {r["arch"] for r in rows}
+    old = [r for r in json.loads(path.read_text()) if r["arch"] not in have] if path.exists() else []
+    return sorted(old + rows, key=lambda r: LM_ARCHS.index(r["arch"]))
+
+
 def sec_per_step(run_dir: Path) -> float:
     """Seconds per step between the last two metric lines of a run (after compilation)."""
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -101,6 +112,7 @@ def main() -> None:
     p.add_argument("--archs", nargs="+", default=LM_ARCHS, choices=LM_ARCHS,
                    help="the language models (fewer per call: more tokens each)")
     p.add_argument("--no-mqar", action="store_true", help="language models only")
+    p.add_argument("--merge", action="store_true", help="keep an earlier call's lm / niah rows of other models")
     p.add_argument("--smoke", action="store_true", help="tiny sizes for a CPU check of the whole pipeline")
     a = p.parse_args()
     if a.smoke:
@@ -163,6 +175,8 @@ def main() -> None:
         if arch not in failed:
             records += json.loads((out / "eval" / arch / f"lm-{a.tag}.json").read_text())
             niah += json.loads((out / "eval" / arch / f"niah-{a.tag}.json").read_text())
+    if a.merge:
+        records, niah = merged(records, out / f"lm-{a.tag}.json"), merged(niah, out / f"niah-{a.tag}.json")
     if records:
         print(lm_report(records, out / f"lm-{a.tag}", f"Language modelling, stdlib source ({a.tag})"))
         print(niah_report(niah, out / f"niah-{a.tag}", f"Needle in a haystack ({a.tag})"))

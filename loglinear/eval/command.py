@@ -75,12 +75,13 @@ def evaluate_run(run_dir: str | Path, args: argparse.Namespace) -> tuple[dict, l
 
 def lm_report(records: list[dict], out: Path, title: str) -> str:
     ranges = list(records[0]["loss_by_range"])
-    rows = [[ARCH_LABELS[r["arch"]], f"{r['params'] / 1e6:.1f}M", r["val_loss"], r["ppl"]]
-            + [r["loss_by_range"][k] for k in ranges] for r in records]
+    rows = [[ARCH_LABELS[r["arch"]], f"{r['params'] / 1e6:.1f}M", f"{r['train_tokens'] / 1e6:.1f}M", r["val_loss"],
+             r["ppl"]] + [r["loss_by_range"][k] for k in ranges] for r in records]
+    tokens = "the same tokens each" if len({r["train_tokens"] for r in records}) == 1 else "NOT the same tokens each"
     md = (f"# {title}\n\nValidation loss on windows of {records[0]['eval_len']} tokens "
-          f"({records[0]['windows']} windows; trained at {records[0]['train_seq_len']}, "
-          f"{records[0]['train_tokens'] / 1e6:.1f}M tokens each). Mean loss per position range:\n\n"
-          + markdown_table(["model", "params", "val loss", "ppl"] + [f"pos {k}" for k in ranges], rows))
+          f"({records[0]['windows']} windows; trained at {records[0]['train_seq_len']}, {tokens}). "
+          "Mean loss per position range:\n\n"
+          + markdown_table(["model", "params", "train tokens", "val loss", "ppl"] + [f"pos {k}" for k in ranges], rows))
     write_json(out.with_suffix(".json"), records)
     out.with_suffix(".md").write_text(md)
     plt = pyplot()
