@@ -159,7 +159,8 @@ def kernel_times(configs: dict, contexts: list[int], batches: list[int], device)
     from loglinear.ops.triton.decode import fused_decode_step
 
     rows = []
-    shapes = {"mamba2": (1, configs["mamba2"]["num_heads"], configs["mamba2"]["state_size"], configs["mamba2"]["head_dim"], False),
+    shapes = {"mamba2": (1, configs["mamba2"]["num_heads"], configs["mamba2"]["state_size"],
+                         configs["mamba2"]["head_dim"], False),
               "gdn": (configs["gdn"]["num_heads"], configs["gdn"]["num_heads"], configs["gdn"]["head_dim"],
                       int(configs["gdn"]["head_dim"] * configs["gdn"]["expand_v"]), True)}
     for variant, (G, H, K, V, gdn) in shapes.items():
@@ -167,7 +168,8 @@ def kernel_times(configs: dict, contexts: list[int], batches: list[int], device)
             for context in contexts:
                 L = levels_needed(context + 1)
                 bf16 = dict(device=device, dtype=torch.bfloat16)  # the models' dtypes: q, k, v bf16; g, beta, lam fp32
-                q, k, v = torch.randn(batch, G, K, **bf16), torch.randn(batch, G, K, **bf16), torch.randn(batch, H, V, **bf16)
+                q, k, v = (torch.randn(batch, G, K, **bf16), torch.randn(batch, G, K, **bf16),
+                           torch.randn(batch, H, V, **bf16))
                 g, beta = -torch.rand(batch, H, device=device), torch.rand(batch, H, device=device)
                 lam = torch.rand(batch, H, L, device=device)
                 pos = torch.full((batch,), context, dtype=torch.int64, device=device)
@@ -291,12 +293,16 @@ def summary(results: dict) -> list[str]:
         for batch in sorted({r["batch"] for r in rows}):
             a, b = by.get((variant, batch, ref)), by.get((plain, batch, ref))
             if a and b and "ms_per_token" in a and "ms_per_token" in b:
-                lines.append(f"- {variant} / {plain} step at T={ref}, B={batch}: {a['ms_per_token'] / b['ms_per_token']:.2f}x "
+                lines.append(f"- {variant} / {plain} step at T={ref}, B={batch}: "
+                             f"{a['ms_per_token'] / b['ms_per_token']:.2f}x "
                              f"(target <= 1.5x)")
-            lat = [by[(variant, batch, t)]["ms_per_token"] for t in contexts if "ms_per_token" in by.get((variant, batch, t), {})]
+            lat = [by[(variant, batch, t)]["ms_per_token"] for t in contexts
+                   if "ms_per_token" in by.get((variant, batch, t), {})]
             if lat:
-                lines.append(f"- {variant} B={batch}: step latency {min(lat):.2f}..{max(lat):.2f} ms over T={contexts[0]}..{contexts[-1]} "
-                             f"(x{max(lat) / min(lat):.2f}; log factor {levels_needed(contexts[-1]) / levels_needed(contexts[0]):.2f})")
+                lines.append(f"- {variant} B={batch}: step latency {min(lat):.2f}..{max(lat):.2f} ms "
+                             f"over T={contexts[0]}..{contexts[-1]} "
+                             f"(x{max(lat) / min(lat):.2f}; "
+                             f"log factor {levels_needed(contexts[-1]) / levels_needed(contexts[0]):.2f})")
     top = contexts[-1]
     for variant in ("ll_mamba2", "ll_gdn"):
         for batch in sorted({r["batch"] for r in results["rows"]}):
@@ -304,28 +310,34 @@ def summary(results: dict) -> list[str]:
             if a and kv and "cache_bytes" in a:
                 kv_b = kv.get("cache_bytes", kv.get("cache_bytes_analytic"))
                 lines.append(f"- {variant} cache at T={top}, B={batch}: {a['cache_bytes'] / 2**20:.1f} MiB = "
-                             f"{100 * a['cache_bytes'] / kv_b:.2f}% of the KV cache ({kv_b / 2**30:.1f} GiB) (target <= 2%)")
+                             f"{100 * a['cache_bytes'] / kv_b:.2f}% of the KV cache ({kv_b / 2**30:.1f} GiB) "
+                             f"(target <= 2%)")
     kernel = results.get("kernel", [])
     for r in kernel:
         if r["context"] == ref:
-            lines.append(f"- fused kernel {r['variant']} B={r['batch']} T={ref}: log-linear {r['log_linear_us']:.1f} us "
-                         f"({r['levels']} levels) vs plain {r['plain_us']:.1f} us = {r['log_linear_us'] / r['plain_us']:.2f}x")
+            lines.append(f"- fused kernel {r['variant']} B={r['batch']} T={ref}: "
+                         f"log-linear {r['log_linear_us']:.1f} us "
+                         f"({r['levels']} levels) vs plain {r['plain_us']:.1f} us = "
+                         f"{r['log_linear_us'] / r['plain_us']:.2f}x")
     return lines
 
 
 def write_markdown(results: dict, path: str) -> None:
     contexts = sorted({r["context"] for r in results["rows"]})
-    lines = [f"# Decoding: per-token latency and cache memory vs context ({results['device']}, torch {results['torch']})", "",
+    lines = [f"# Decoding: per-token latency and cache memory vs context "
+             f"({results['device']}, torch {results['torch']})", "",
              "2-layer models at the paper's width, bf16 weights, fp32 Fenwick states, bf16 KV cache; "
              f"{results['steps']} greedy steps through the HF model per point (Python included). "
              "See benchmarks/bench_decode.py.", "", "## Targets", ""] + summary(results)
     for batch in sorted({r["batch"] for r in results["rows"]}):
-        lines += ["", f"## Batch {batch}: ms per token", "", "| model | " + " | ".join(f"{t:,}" for t in contexts) + " |",
+        lines += ["", f"## Batch {batch}: ms per token", "",
+                  "| model | " + " | ".join(f"{t:,}" for t in contexts) + " |",
                   "|---" * (len(contexts) + 1) + "|"]
         for name in dict.fromkeys(r["model"] for r in results["rows"]):
             cells = []
             for t in contexts:
-                r = next((r for r in results["rows"] if (r["model"], r["batch"], r["context"]) == (name, batch, t)), None)
+                r = next((r for r in results["rows"]
+                          if (r["model"], r["batch"], r["context"]) == (name, batch, t)), None)
                 cells.append("—" if r is None or "ms_per_token" not in r else f"{r['ms_per_token']:.2f}")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines += ["", f"## Batch {batch}: cache MiB (KV: analytic where it did not fit)", "",
@@ -333,15 +345,18 @@ def write_markdown(results: dict, path: str) -> None:
         for name in dict.fromkeys(r["model"] for r in results["rows"]):
             cells = []
             for t in contexts:
-                r = next((r for r in results["rows"] if (r["model"], r["batch"], r["context"]) == (name, batch, t)), None)
+                r = next((r for r in results["rows"]
+                          if (r["model"], r["batch"], r["context"]) == (name, batch, t)), None)
                 b = None if r is None else r.get("cache_bytes", r.get("cache_bytes_analytic"))
                 cells.append("—" if b is None else f"{b / 2**20:,.1f}" + ("*" if "cache_bytes" not in r else ""))
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if results.get("kernel"):
         lines += ["", "## Fused decode kernel alone (one layer, median us)", "",
-                  "| variant | batch | T | levels | log-linear us | plain us | ratio |", "|---|---|---|---|---|---|---|"]
+                  "| variant | batch | T | levels | log-linear us | plain us | ratio |",
+                  "|---|---|---|---|---|---|---|"]
         for r in results["kernel"]:
-            lines.append(f"| {r['variant']} | {r['batch']} | {r['context']:,} | {r['levels']} | {r['log_linear_us']:.1f} | "
+            lines.append(f"| {r['variant']} | {r['batch']} | {r['context']:,} | {r['levels']} | "
+                         f"{r['log_linear_us']:.1f} | "
                          f"{r['plain_us']:.1f} | {r['log_linear_us'] / r['plain_us']:.2f} |")
     if "kernel_check" in results:
         lines += ["", f"Kernel check on the device (fused vs PyTorch step, fp32): {results['kernel_check']}"]
@@ -377,7 +392,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    parser.add_argument("--contexts", nargs="+", type=int, default=[1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20])
+    parser.add_argument("--contexts", nargs="+", type=int,
+                        default=[1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)

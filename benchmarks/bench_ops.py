@@ -300,7 +300,8 @@ def check_gdn(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]
         for backend in ("triton", "torch"):
             os.environ["LOGLINEAR_BACKEND"] = backend
             leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
-            st = None if state is None else FenwickState(state.levels.detach().clone().requires_grad_(), state.positions)
+            st = None if state is None else FenwickState(state.levels.detach().clone().requires_grad_(),
+                                                         state.positions)
             t0 = time.time()
             o, fin = log_linear_gated_deltanet(**leaves, initial_state=st, output_final_state=True, **kw)
             ((o * do).sum() + (fin.levels * dst).sum()).backward()
@@ -344,7 +345,8 @@ def check_gdn(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]
         torch.cuda.synchronize()
         outs[backend + "_s"] = time.time() - t0
     (o1, st1), (o2, st2) = outs["triton"], outs["torch"]
-    log(f"long fp32 T={long_T} B=1 H=2 K=128 V=64: finite={bool(torch.isfinite(o1).all())} levels={st1.levels.shape[1]} "
+    log(f"long fp32 T={long_T} B=1 H=2 K=128 V=64: finite={bool(torch.isfinite(o1).all())} "
+        f"levels={st1.levels.shape[1]} "
         f"rel err vs torch chunk path o={rel(o1, o2):.2e} state={rel(st1.levels, st2.levels):.2e}  "
         f"[triton {outs['triton_s']:.2f}s, torch {outs['torch_s']:.2f}s]")
     os.environ["LOGLINEAR_BACKEND"] = "triton"

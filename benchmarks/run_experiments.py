@@ -121,7 +121,8 @@ def main() -> None:
         a.niah_depths = [0.5]
         a.mqar_workers, a.eval_seconds, a.corpus = 2, 20, "stdlib"
         a.mqar_args = ("--widths 16 --seeds 0 --lrs 3e-3 --seq-len 32 --kv-pairs 4 --vocab-size 64 "
-                       "--train-examples 128 --test-examples 32 --epochs 1 --batch-size 32 --archs transformer ll_mamba2")
+                       "--train-examples 128 --test-examples 32 --epochs 1 --batch-size 32 "
+                       "--archs transformer ll_mamba2")
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
@@ -129,9 +130,9 @@ def main() -> None:
     end = T0 + a.budget
     train_end = end - a.eval_seconds
 
-    mqar = None if a.no_mqar else cli("mqar", *a.mqar_args.split(), "--device", a.device, "--workers", str(a.mqar_workers), "--budget",
-               str(max(10, train_end - 100 - time.monotonic())), "--grace", "60", "--out", str(out / f"mqar-{a.tag}"),
-               log_to=logs / "mqar.log")
+    mqar = None if a.no_mqar else cli("mqar", *a.mqar_args.split(), "--device", a.device,
+               "--workers", str(a.mqar_workers), "--budget", str(max(10, train_end - 100 - time.monotonic())),
+               "--grace", "60", "--out", str(out / f"mqar-{a.tag}"), log_to=logs / "mqar.log")
     log("mqar sweep " + ("skipped" if mqar is None else "started"))
 
     a.data_dir = str(ROOT / (a.data_dir or f"runs/data/{Path(a.corpus).name}-bpe4096"))  # trainers run in ROOT
@@ -159,7 +160,8 @@ def main() -> None:
         f"({steps * a.global_batch * a.seq_len / 1e6:.1f}M tokens)")
     budget = str(max(1.0, train_end - time.monotonic() - 15))
     main_runs = {arch: cli("train", "--arch", arch, "--out-dir", str(d), "--steps", str(steps), "--resume",
-                           "--max-seconds", budget, "--device", device[arch], *common, log_to=logs / f"train-{arch}.log")
+                           "--max-seconds", budget, "--device", device[arch], *common,
+                           log_to=logs / f"train-{arch}.log")
                  for arch, d in alive.items()}
     failed += wait_all(main_runs, "LM training")
     alive = {k: v for k, v in runs.items() if k not in failed}
@@ -167,7 +169,8 @@ def main() -> None:
     evals = {arch: cli("eval", str(d), "--eval-len", str(a.eval_len), "--windows", str(a.eval_windows),
                        "--batch-size", "2", "--smooth", "64", "--niah-lengths", *map(str, a.niah_lengths),
                        "--niah-depths", *map(str, a.niah_depths),
-                       "--niah-samples", str(a.niah_samples), "--device", device[arch], "--out", str(out / "eval" / arch),
+                       "--niah-samples", str(a.niah_samples), "--device", device[arch],
+                       "--out", str(out / "eval" / arch),
                        "--tag", a.tag, log_to=logs / f"eval-{arch}.log") for arch, d in alive.items()}
     failed += wait_all(evals, "LM eval", deadline=end - 10)
     records, niah = [], []

@@ -61,7 +61,8 @@ def write(rows: list[dict], out: Path, gpu: str, T: int) -> None:
     (out / f"tune-gdn-local-{gpu}.json").write_text(json.dumps(meta, indent=1) + "\n")
     lines = [f"# Chunk-local launch choices, log-linear Gated DeltaNet ({gpu}, T = {T}, {meta['date']})", "",
              f"`{meta['command']}`; first row per kernel = the op's choice", "",
-             "| kernel | warps | BK | stages | kernel ms | total ms | grad rel diff | error |", "|---|---|---|---|---|---|---|---|"]
+             "| kernel | warps | BK | stages | kernel ms | total ms | grad rel diff | error |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| `{r['kernel']}` | {r['warps']} | {r['BK']} | {r['stages']} | {r.get('kernel_ms', '')} | "
                      f"{r.get('total_ms', '')} | {r.get('grad_rel_diff', '')} | {r.get('error', '')} |")

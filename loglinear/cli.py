@@ -11,13 +11,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("loglinear.eval.demo", "check both variants in all three forms and show how the decoding state grows"),
     "mqar": ("loglinear.train.mqar", "multi-query associative recall sweep: log-linear vs linear vs Transformer"),
     "train": ("loglinear.train.command", "train a language model on real text (one process or torchrun + FSDP2)"),
-    "eval": ("loglinear.eval.command", "validation perplexity, per-position loss and needle-in-a-haystack of trained runs"),
+    "eval": ("loglinear.eval.command",
+             "validation perplexity, per-position loss and needle-in-a-haystack of trained runs"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="loglinear", description="Log-linear attention: demos, experiments, training.")
+    parser = argparse.ArgumentParser(prog="loglinear",
+                                     description="Log-linear attention: demos, experiments, training.")
     sub = parser.add_subparsers(dest="command", required=True)
     parsers = {name: sub.add_parser(name, help=text, description=text) for name, (_, text) in COMMANDS.items()}
     # import only the chosen command's module: `loglinear demo` needs none of the training extras

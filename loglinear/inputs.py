@@ -192,7 +192,8 @@ def check_decode_inputs(
             )
     for name, x in named.items():
         if x.device != levels.device:
-            raise ValueError(f"{name} is on {x.device} but levels is on {levels.device}; all inputs must share a device")
+            raise ValueError(f"{name} is on {x.device} but levels is on {levels.device}; "
+                             "all inputs must share a device")
 
 
 def expand_groups(x: torch.Tensor, num_heads: int) -> torch.Tensor:

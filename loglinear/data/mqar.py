@@ -7,8 +7,9 @@ An example of length T over a vocabulary of size V:
 The context holds n key-value pairs: keys drawn without replacement from [1, V/2), values from [V/2, V).
 The query region (T - 2n tokens, seen as (T - 2n) / 2 slots of two tokens) re-queries every key exactly
 once, at slot i drawn without replacement with probability p(i) ~ a * i^(a-1) (a = power_a < 1
-favours early slots, i.e. queries soon after the context, as in Zoology). The target at a query key's position is its value (the next token to
-predict); every other target is -100. Filler tokens are random (or 0 with random_non_queries=False).
+favours early slots, i.e. queries soon after the context, as in Zoology). The target at a query key's position
+is its value (the next token to predict); every other target is -100. Filler tokens are random (or 0 with
+random_non_queries=False).
 """
 
 from __future__ import annotations

@@ -6,4 +6,5 @@ from loglinear.layers.mixer import FenwickMixer, MixerState
 from loglinear.layers.norm import GatedRMSNorm, RMSNorm
 from loglinear.layers.sequence import TokenLayout
 
-__all__ = ["LogLinearMamba2", "LogLinearGatedDeltaNet", "FenwickMixer", "MixerState", "TokenLayout", "RMSNorm", "GatedRMSNorm"]
+__all__ = ["LogLinearMamba2", "LogLinearGatedDeltaNet", "FenwickMixer", "MixerState", "TokenLayout", "RMSNorm",
+           "GatedRMSNorm"]

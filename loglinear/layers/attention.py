@@ -85,7 +85,8 @@ def fenwick_attention(
         lam = level_scales
         if lam is None:
             lam = torch.ones((), dtype=v.dtype, device=v.device).expand(*v.shape[:3], levels_needed(end))
-        o, new_state = _op(variant, q, k, v, g, beta, lam, state, cu_seqlens, scale, chunk_size, output_state, l2norm_qk)
+        o, new_state = _op(variant, q, k, v, g, beta, lam, state, cu_seqlens, scale, chunk_size, output_state,
+                           l2norm_qk)
         if output_state and level_scales is None:
             new_state = FenwickState(new_state.levels.sum(1, keepdim=True), new_state.positions)
     if not output_state:

@@ -49,7 +49,8 @@ class ShortConvolution(nn.Conv1d):
 
     @staticmethod
     def _rows(seq: torch.Tensor, rel: torch.Tensor, token: torch.Tensor, n_state: int, W: int) -> torch.Tensor:
-        """Row of ``source`` holding the input at relative time ``rel`` of sequence ``seq`` (token index if rel >= 0)."""
+        """Row of ``source`` holding the input at relative time ``rel`` of sequence ``seq``
+        (token index if rel >= 0)."""
         return torch.where(rel >= 0, n_state + token, seq * (W - 1) + (W - 1) + rel)
 
     def _last_inputs(self, source: torch.Tensor, layout: TokenLayout, W: int) -> torch.Tensor:

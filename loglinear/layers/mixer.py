@@ -90,7 +90,8 @@ class FenwickMixer(nn.Module):
         use_log_linear: bool = True, max_levels: int = DEFAULT_MAX_LEVELS, chunk_size: int = 64,
         layer_idx: int | None = None,
     ):
-        check_positive_ints(hidden_size=hidden_size, num_heads=num_heads, conv_kernel=conv_kernel, chunk_size=chunk_size)
+        check_positive_ints(hidden_size=hidden_size, num_heads=num_heads, conv_kernel=conv_kernel,
+                            chunk_size=chunk_size)
         if chunk_size & (chunk_size - 1):
             raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
         super().__init__()
@@ -156,7 +157,8 @@ class FenwickMixer(nn.Module):
             what = f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise TypeError(f"hidden_states must be a floating-point tensor [B, T, {self.hidden_size}], got {what}")
         if x.dim() != 3 or x.shape[2] != self.hidden_size:
-            raise ValueError(f"hidden_states must be [B, T, hidden_size = {self.hidden_size}], got shape {tuple(x.shape)}")
+            raise ValueError(f"hidden_states must be [B, T, hidden_size = {self.hidden_size}], "
+                             f"got shape {tuple(x.shape)}")
         if state is not None and not isinstance(state, MixerState):
             raise TypeError(f"state must be a MixerState (from output_state=True), got {type(state).__name__}")
         return x.shape

@@ -65,7 +65,8 @@ class TokenLayout:
                 )
             mask = attention_mask[:, -length:].to(device=device) != 0
             if not bool(mask.any()):
-                raise ValueError(f"attention_mask {tuple(attention_mask.shape)} marks no real token among the last T = {length}")
+                raise ValueError(f"attention_mask {tuple(attention_mask.shape)} marks no real token "
+                                 f"among the last T = {length}")
             if not bool(mask.all()):
                 return cls._from_mask(batch, length, mask)
         seq_id = torch.arange(batch, device=device).repeat_interleave(length)

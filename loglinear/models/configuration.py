@@ -81,7 +81,8 @@ class LogLinearMamba2Config(_FenwickConfig):
         super().__init__(**kwargs)
         if self.head_dim is None:
             if expand * self.hidden_size % self.num_heads:
-                raise ValueError(f"expand * hidden_size = {expand * self.hidden_size} must divide into num_heads = {self.num_heads}")
+                raise ValueError(f"expand * hidden_size = {expand * self.hidden_size} "
+                                 f"must divide into num_heads = {self.num_heads}")
             self.head_dim = expand * self.hidden_size // self.num_heads
         self.state_size, self.expand, self.n_groups = state_size, expand, n_groups
         self.time_step_min, self.time_step_max, self.time_step_floor = time_step_min, time_step_max, time_step_floor

@@ -148,14 +148,16 @@ class _FenwickModel(_FenwickPreTrainedModel):
                 raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         elif not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3 \
                 or inputs_embeds.shape[2] != self.config.hidden_size:
-            what = tuple(inputs_embeds.shape) if isinstance(inputs_embeds, torch.Tensor) else type(inputs_embeds).__name__
+            what = (tuple(inputs_embeds.shape) if isinstance(inputs_embeds, torch.Tensor)
+                    else type(inputs_embeds).__name__)
             raise ValueError(f"inputs_embeds must be [B, T, hidden_size = {self.config.hidden_size}], got {what}")
 
     def _cache(self, cache: Cache | None, use_cache: bool) -> FenwickCache | None:
         if cache is not None and not isinstance(cache, Cache):
             raise TypeError(f"cache must be a FenwickCache (or None), got {type(cache).__name__}")
         if isinstance(cache, FenwickCache) and len(cache) != self.config.num_hidden_layers:
-            raise ValueError(f"cache holds {len(cache)} layers, the model has num_hidden_layers = {self.config.num_hidden_layers}")
+            raise ValueError(f"cache holds {len(cache)} layers, "
+                             f"the model has num_hidden_layers = {self.config.num_hidden_layers}")
         if cache is not None and not isinstance(cache, FenwickCache):
             if cache.get_seq_length() != 0:
                 raise TypeError(f"log-linear models decode with a FenwickCache, got a non-empty {type(cache).__name__}")
@@ -204,18 +206,21 @@ class _FenwickForCausalLM(_FenwickPreTrainedModel, GenerationMixin):
         hidden = out.last_hidden_state if not logits_to_keep else out.last_hidden_state[:, -logits_to_keep:]
         logits = self.lm_head(hidden)
         loss = self.loss(logits, labels, cu_seqlens) if labels is not None else None
-        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states, **{CACHE_KEY: out.get(CACHE_KEY)})
+        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
+                                      **{CACHE_KEY: out.get(CACHE_KEY)})
 
     @staticmethod
     def loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """Mean cross-entropy of logits[:, t] against labels[:, t + 1].  logits: [B, T, V]; labels: [B, T]."""
         if labels.shape != logits.shape[:2]:
-            raise ValueError(f"labels must be [B, T] = {list(logits.shape[:2])} like the logits, got shape {tuple(labels.shape)}")
+            raise ValueError(f"labels must be [B, T] = {list(logits.shape[:2])} like the logits, "
+                             f"got shape {tuple(labels.shape)}")
         targets = labels[:, 1:].clone()
         if cu_seqlens is not None:
             starts = cu_seqlens[1:-1].to(targets.device)
             targets[:, starts - 1] = -100  # the first token of a packed sequence is not predicted from the last
-        return F.cross_entropy(wide(logits[:, :-1]).reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+        return F.cross_entropy(wide(logits[:, :-1]).reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               ignore_index=-100)
 
 
 class LogLinearMamba2PreTrainedModel(_FenwickPreTrainedModel):

@@ -91,7 +91,8 @@ def _setup_context(ctx, inputs, output) -> None:
     (variant, q, k, v, g, beta, level_scales, levels, positions, cu_seqlens, *flags) = inputs
     ctx.variant, ctx.flags = variant, flags
     ctx.present = [x is not None for x in (beta, level_scales, levels, positions, cu_seqlens)]
-    ctx.save_for_backward(q, k, v, g, *[x for x in (beta, level_scales, levels, positions, cu_seqlens) if x is not None])
+    ctx.save_for_backward(q, k, v, g,
+                          *[x for x in (beta, level_scales, levels, positions, cu_seqlens) if x is not None])
 
 
 def _backward(ctx, grad_o, grad_levels, grad_positions):

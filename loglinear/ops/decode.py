@@ -90,7 +90,9 @@ def decode_step(
         return fused_decode_step(
             q, k, v, g, beta, level_scales, levels, positions, scale, fenwick=fenwick, l2norm_qk=l2norm_qk
         )
-    return decode_step_torch(q, k, v, g, beta, level_scales, levels, positions, scale, fenwick=fenwick, l2norm_qk=l2norm_qk)
+    return decode_step_torch(
+        q, k, v, g, beta, level_scales, levels, positions, scale, fenwick=fenwick, l2norm_qk=l2norm_qk
+    )
 
 
 def fused_decode_applies(inp: OpInputs) -> bool:
@@ -105,7 +107,8 @@ def fused_decode_applies(inp: OpInputs) -> bool:
     return one_each and not grad
 
 
-def op_decode_step(inp: OpInputs, output_final_state: bool, use_qk_l2norm: bool) -> tuple[torch.Tensor, FenwickState | None]:
+def op_decode_step(inp: OpInputs, output_final_state: bool,
+                   use_qk_l2norm: bool) -> tuple[torch.Tensor, FenwickState | None]:
     """The public op's T == 1 path: validated inputs in the op's layout -> (o [B, T, H, V], state)."""
     squeeze = 0 if inp.bounds is not None else 1
     take = lambda x: x.squeeze(squeeze) if x is not None else None  # noqa: E731

@@ -129,7 +129,8 @@ def _autocast(par: Parallel, cfg: TrainConfig):
 
 
 @torch.no_grad()
-def evaluate_loss(model, val: PackedTokens, cfg: TrainConfig, par: Parallel, cp: ContextParallelPlan | None = None) -> float:
+def evaluate_loss(model, val: PackedTokens, cfg: TrainConfig, par: Parallel,
+                  cp: ContextParallelPlan | None = None) -> float:
     """Mean validation loss over `eval_batches` batches of evenly spaced windows (split over processes)."""
     cp = cp or ContextParallelPlan(1, 0, None, par.rank, par.world_size)
     n = min(val.num_windows, cfg.eval_batches * cfg.global_batch)
@@ -184,7 +185,8 @@ def _check(cfg: TrainConfig, par: Parallel, cp: ContextParallelPlan) -> None:
     share, rem = divmod(cfg.global_batch, cp.data_size)
     if rem or share == 0:
         raise ValueError(f"global_batch {cfg.global_batch} must be a positive multiple of the {cp.data_size} "
-                         f"data-parallel replicas ({par.world_size} processes / context_parallel {cfg.context_parallel})")
+                         f"data-parallel replicas ({par.world_size} processes / "
+                         f"context_parallel {cfg.context_parallel})")
     if cfg.micro_batch is not None and share % cfg.micro_batch:
         raise ValueError(f"micro_batch {cfg.micro_batch} must divide the per-process batch {share}")
 
@@ -229,7 +231,8 @@ def _train(cfg: TrainConfig, par: Parallel, resume: bool) -> dict:
         optimizer, lambda s: cosine_schedule(s, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
     start = load_checkpoint(out, model, optimizer, scheduler) if resume and (out / CHECKPOINT).exists() else 0
     if par.is_main:
-        (out / "config.json").write_text(json.dumps(dict(asdict(cfg), params=n_params, vocab=meta["vocab_size"]), indent=1))
+        (out / "config.json").write_text(json.dumps(dict(asdict(cfg), params=n_params, vocab=meta["vocab_size"]),
+                                                    indent=1))
 
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
     metrics = out / "metrics.jsonl"

@@ -405,7 +405,8 @@ def report(rows: list[dict], out: Path, title: str) -> str:
           f"{first['vocab_size']}, {first['n_layers']} layers, batch {first['batch_size']}, up to {first['epochs']} "
           f"epochs / {first['max_steps'] or 'no'} step cap, {len(rows)} runs "
           f"(steps {min(steps, default=0)}-{max(steps, default=0)}; stopped early at {first['early_stop']}: "
-          f"{stops['early_stop']}, at the budget (left out of the table): {stops['budget']}; chance: {2 / first['vocab_size']:.3f}).\n\n{table}")
+          f"{stops['early_stop']}, at the budget (left out of the table): {stops['budget']}; "
+          f"chance: {2 / first['vocab_size']:.3f}).\n\n{table}")
     failed = [r for r in rows if "error" in r]
     if failed:
         md += f"\n{len(failed)} runs failed:\n\n" + "".join(
@@ -465,7 +466,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--lrs", nargs="+", type=float, default=[1e-2])
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="of the test set (and of training)")
-    p.add_argument("--kv-pairs", nargs="+", type=int, default=list(d.kv_pairs), help="of the test set (and of training)")
+    p.add_argument("--kv-pairs", nargs="+", type=int, default=list(d.kv_pairs),
+                   help="of the test set (and of training)")
     p.add_argument("--train-mix", nargs="+", type=_segment, default=[], metavar="SEQ:KV:N",
                    help="training segments instead of seq-len x kv-pairs sharing --train-examples, e.g. Zoology's "
                         "64:4:100000 128:8:20000 256:16:20000 256:32:20000 256:64:20000")
@@ -478,20 +480,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--warmup", type=float, default=d.warmup, help="fraction of the steps of linear warmup")
-    p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between test evaluations (0: at the end)")
+    p.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="steps between test evaluations (0: at the end)")
     p.add_argument("--early-stop", type=float, default=d.early_stop, help="end a run once an evaluation reaches this")
     p.add_argument("--chunk-size", type=int, default=d.chunk_size, help="chunk of the recurrent models' ops")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda (the runs spread over all visible GPUs) or cuda:N")
     p.add_argument("--workers", type=int, default=None,
                    help="runs at once, each in its own process (default: 2 on the CPU, 8 per GPU)")
-    p.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads per worker (default: cores / workers)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch / OpenMP threads per worker (default: cores / workers)")
     p.add_argument("--budget", type=float, default=None,
-                   help="start no run after this many seconds; runs still training at budget + --grace stop and are evaluated")
+                   help="start no run after this many seconds; runs still training at budget + --grace stop "
+                        "and are evaluated")
     p.add_argument("--grace", type=float, default=60.0)
     p.add_argument("--out", default="runs/mqar/mqar-cpu", help="output path stem: writes .json, .md, .png")
     p.add_argument("--merge", action="store_true",
-                   help="keep the rows of an existing <out>.json that this call does not redo (a sweep over several calls)")
+                   help="keep the rows of an existing <out>.json that this call does not redo "
+                        "(a sweep over several calls)")
 
 
 def base_run(args: argparse.Namespace) -> MQARRun:

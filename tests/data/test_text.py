@@ -21,7 +21,8 @@ def _folder(tmp_path: Path, n: int = 12) -> Path:
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(n):
-        (corpus / f"doc{i}.txt").write_text(f"Document {i}: " + "the quick brown fox jumps over the lazy dog. " * (5 + i))
+        (corpus / f"doc{i}.txt").write_text(f"Document {i}: "
+                                            + "the quick brown fox jumps over the lazy dog. " * (5 + i))
     (corpus / "extra.jsonl").write_text("\n".join(json.dumps({"text": f"json line {i} é"}) for i in range(3)))
     (corpus / "ignored.bin").write_bytes(b"\x00\x01")
     return corpus

@@ -100,7 +100,8 @@ def test_cu_seqlens_equal_per_sequence_runs_and_continue(variant, ll):
 
 @pytest.mark.parametrize("variant", ["mamba2", "gated_deltanet"])
 def test_plain_layer_is_the_single_state_recurrence(monkeypatch, variant):
-    """use_log_linear=False: o_t = scale * q_t^T S_t with S_t = A_t S_{t-1} + beta_t k_t v_t^T (exactly Mamba-2 / GDN)."""
+    """use_log_linear=False: o_t = scale * q_t^T S_t with S_t = A_t S_{t-1} + beta_t k_t v_t^T
+    (exactly Mamba-2 / GDN)."""
     layer = make_layer(variant, False)
     seen = {}
     real = mixer_module.fenwick_attention
@@ -197,8 +198,10 @@ def test_bad_inputs_raise():
 
 @pytest.mark.parametrize("variant", ["mamba2", "gated_deltanet"])
 @pytest.mark.parametrize("x,error,match", [
-    (torch.randn(4, D, dtype=torch.float64), ValueError, rf"hidden_states must be \[B, T, hidden_size = {D}\], got shape \(4, {D}\)"),
-    (torch.randn(2, 4, D + 1, dtype=torch.float64), ValueError, rf"hidden_states must be .* got shape \(2, 4, {D + 1}\)"),
+    (torch.randn(4, D, dtype=torch.float64), ValueError,
+     rf"hidden_states must be \[B, T, hidden_size = {D}\], got shape \(4, {D}\)"),
+    (torch.randn(2, 4, D + 1, dtype=torch.float64), ValueError,
+     rf"hidden_states must be .* got shape \(2, 4, {D + 1}\)"),
     (torch.ones(2, 4, D, dtype=torch.int64), TypeError, "hidden_states must be a floating-point tensor .* torch.int64"),
     ([[0.0]], TypeError, "hidden_states must be a floating-point tensor .* got list"),
 ])

@@ -206,7 +206,8 @@ def test_cache_selection_and_limits():
     (LogLinearGatedDeltaNetConfig, {"norm_eps": -1.0}, "norm_eps must be a number >= 0, got -1.0"),
     (LogLinearGatedDeltaNetConfig, {"time_step_min": 1.0, "time_step_max": 0.1}, "time_step_min <= time_step_max"),
     (LogLinearMamba2Config, {"time_step_floor": 0.0}, "time_step_floor > 0"),
-    (LogLinearGatedDeltaNetConfig, {"vocab_size": 10, "pad_token_id": 10}, r"pad_token_id must be None or in \[0, vocab_size = 10\), got 10"),
+    (LogLinearGatedDeltaNetConfig, {"vocab_size": 10, "pad_token_id": 10},
+     r"pad_token_id must be None or in \[0, vocab_size = 10\), got 10"),
 ])
 def test_invalid_config_fields(config_cls, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -228,5 +229,6 @@ def test_bad_forward_inputs():
     with pytest.raises(TypeError, match="cache must be a FenwickCache .* got Tensor"):
         model(ids, cache=torch.zeros(3), use_cache=True)
     layers = model.config.num_hidden_layers
-    with pytest.raises(ValueError, match=f"cache holds {layers + 1} layers, the model has num_hidden_layers = {layers}"):
+    with pytest.raises(ValueError,
+                       match=f"cache holds {layers + 1} layers, the model has num_hidden_layers = {layers}"):
         model(ids, cache=FenwickCache(layers + 1), use_cache=True)

@@ -69,7 +69,8 @@ def test_model_trains_and_decodes_without_graph_breaks():
         out, out_c = model(ids[:, :6], use_cache=True), compiled(ids[:, :6], use_cache=True)
         for t in range(6, 8):
             kw, kw_c = {CACHE_KEY: out[CACHE_KEY]}, {CACHE_KEY: out_c[CACHE_KEY]}
-            out, out_c = model(ids[:, t : t + 1], use_cache=True, **kw), compiled(ids[:, t : t + 1], use_cache=True, **kw_c)
+            out, out_c = (model(ids[:, t : t + 1], use_cache=True, **kw),
+                          compiled(ids[:, t : t + 1], use_cache=True, **kw_c))
             assert_close(out_c.logits, out.logits, 1e-6, "decode logits")
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
 
@@ -87,7 +88,8 @@ def test_stateless_custom_ops_match_public_ops_and_pass_opcheck(gdn):
     assert_close(out, ref, 1e-14, "custom op")
     used = mamba2_args(leaves) if not gdn else leaves
     gy = torch.randn_like(ref)
-    for g, gc in zip(torch.autograd.grad(ref, list(used.values()), gy), torch.autograd.grad(out, list(used.values()), gy)):
+    for g, gc in zip(torch.autograd.grad(ref, list(used.values()), gy),
+                     torch.autograd.grad(out, list(used.values()), gy)):
         assert_close(gc, g, 1e-12, "custom op gradient")
     args = ("gated_deltanet" if gdn else "mamba2", x["q"], x["k"], x["v"], x["g"], x["beta"] if gdn else None,
             x["level_scales"], None, None, None, 0.5, 4, 21, False, gdn)

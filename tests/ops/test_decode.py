@@ -91,7 +91,8 @@ def test_plain_step_is_the_single_state_recurrence(impl, gdn):
     k, q = tok["k"].expand(-1, 2, -1), tok["q"].expand(-1, 2, -1)
     expected = S[:, 0] - (beta[..., None, None] * k[..., None] * torch.einsum("nhk,nhkv->nhv", k, S[:, 0])[:, :, None]
                           if gdn else 0)
-    expected = torch.exp(tok["g"])[..., None, None] * expected + beta[..., None, None] * k[..., None] * tok["v"][:, :, None]
+    expected = (torch.exp(tok["g"])[..., None, None] * expected
+                + beta[..., None, None] * k[..., None] * tok["v"][:, :, None])
     o, new = STEPS[impl](
         tok["q"], tok["k"], tok["v"], tok["g"], tok["beta"] if gdn else None, None, S, torch.tensor([5, 0, 8]),
         0.5, fenwick=False,
@@ -141,7 +142,8 @@ def test_public_op_keeps_autograd_when_grad_is_needed(monkeypatch):
     monkeypatch.setattr(D, "op_decode_step", lambda *a: pytest.fail("fused step used although a gradient is needed"))
     from loglinear.inputs import check_inputs
 
-    inp = check_inputs(tok["q"], tok["k"], tok["v"], tok["g"], None, tok["level_scales"], None, st, None, has_beta=False)
+    inp = check_inputs(tok["q"], tok["k"], tok["v"], tok["g"], None, tok["level_scales"], None, st, None,
+                       has_beta=False)
     assert not D.fused_decode_applies(inp)
 
 

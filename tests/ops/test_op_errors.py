@@ -184,7 +184,8 @@ def test_chunk_size_checked_on_the_decode_path():
 def step_args(**changes):
     """Valid decode_step arguments (N = 2, G = 1, H = 2, K = 4, V = 3, L = 3, positions 3 and 2), then ``changes``."""
     x = {n: t[:, 0] for n, t in make_inputs(2, 1, 1, 2, K=4, V=3, L=3).items()}
-    args = x | {"levels": torch.randn(2, 3, 2, 4, 3, dtype=torch.float64), "positions": torch.tensor([3, 2]), "scale": 0.5}
+    args = x | {"levels": torch.randn(2, 3, 2, 4, 3, dtype=torch.float64), "positions": torch.tensor([3, 2]),
+                "scale": 0.5}
     return args | changes
 
 
@@ -199,7 +200,8 @@ def test_decode_step_accepts_valid_arguments():
 
 @pytest.mark.parametrize("changes,error,match", [
     ({"q": f64(2, 1, 1, 4)}, ValueError, r"q must be \[N, G, K\] \(3 dims\), got shape \(2, 1, 1, 4\)"),
-    ({"q": torch.ones(2, 1, 4, dtype=torch.int64)}, TypeError, "q must be a floating-point tensor .* dtype torch.int64"),
+    ({"q": torch.ones(2, 1, 4, dtype=torch.int64)}, TypeError,
+     "q must be a floating-point tensor .* dtype torch.int64"),
     ({"k": f64(2, 1, 5)}, ValueError, r"k must be \[N, G, K\] = \[2, 1, 4\], got shape \(2, 1, 5\)"),
     ({"v": f64(3, 2, 3)}, ValueError, r"v must be \[N, H, V\] = \[2, 2, 3\], got shape \(3, 2, 3\)"),
     ({"v": f64(2, 2, 5)}, ValueError, r"levels must be \[N, L, H, K, V\] = \[2, 3, 2, 4, 5\]"),
@@ -211,7 +213,8 @@ def test_decode_step_accepts_valid_arguments():
     ({"levels": f64(2, 3, 2, 5, 3)}, ValueError, r"levels must be \[N, L, H, K, V\] = \[2, 3, 2, 4, 3\]"),
     ({"levels": torch.ones(2, 3, 2, 4, 3, dtype=torch.int64)}, TypeError, "levels must be a floating-point"),
     ({"positions": torch.tensor([3])}, ValueError, r"positions must be \[N\] = \[2\], got shape \(1,\)"),
-    ({"positions": torch.tensor([3.0, 2.0])}, TypeError, "positions must be an int32/int64 tensor .* dtype torch.float32"),
+    ({"positions": torch.tensor([3.0, 2.0])}, TypeError,
+     "positions must be an int32/int64 tensor .* dtype torch.float32"),
     ({"positions": torch.tensor([8, 2])}, ValueError, "levels has L = 3 levels .* position 8 needs L >= 5"),
     ({"v": f64(2, 2, 3).to("meta")}, ValueError, "v is on meta but levels is on cpu"),
 ])

@@ -320,7 +320,8 @@ def test_no_final_state_skips_its_path(varlen, monkeypatch):
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
 
     def run(final):
-        return triton_backend(check_inputs(*[leaves[n] for n in NAMES], None, state, cu, has_beta=True), final, 16, True)
+        return triton_backend(check_inputs(*[leaves[n] for n in NAMES], None, state, cu, has_beta=True),
+                              final, 16, True)
 
     o_full, _ = run(True)
     want = torch.autograd.grad(o_full.sum(), list(leaves.values()))

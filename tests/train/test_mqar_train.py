@@ -140,7 +140,8 @@ def test_gpu_preset_then_overrides():
     mqar.add_arguments(parser)
     args = parser.parse_args(["--preset", "gpu", "--seeds", "3", "--device", "cpu", "--train-mix", "64:4:100"])
     run = mqar.base_run(args)
-    assert (run.seq_len, run.kv_pairs, run.batch_size, run.vocab_size, run.early_stop) == (256, (4, 8, 16, 32, 64), 256, 8192, 0.99)
+    assert (run.seq_len, run.kv_pairs, run.batch_size, run.vocab_size, run.early_stop) == (
+        256, (4, 8, 16, 32, 64), 256, 8192, 0.99)
     assert run.eval_every > 0 and run.max_steps > 0 and run.device == "cpu" and run.train_mix == ((64, 4, 100),)
     assert args.seeds == [3] and args.widths == [16, 32, 64]
     zoology = mqar.base_run(parser.parse_args(["--preset", "gpu"])).train_mix  # Zoology's mixture unless overridden

@@ -39,7 +39,8 @@ def _chunked(x: torch.Tensor, C: int) -> torch.Tensor:
 
 
 def _carry_past(levels: torch.Tensor, position: int) -> torch.Tensor:
-    """The cascade's carry for a new token at ``position`` (> 0), widening the level axis if needed.  [b, L, H, K, V]."""
+    """The cascade's carry for a new token at ``position`` (> 0), widening the level axis if needed.
+    [b, L, H, K, V]."""
     target = int(carry_target(position))
     if levels.shape[1] <= target:
         levels = F.pad(levels, (0, 0, 0, 0, 0, 0, 0, target + 1 - levels.shape[1]))

@@ -493,8 +493,8 @@ class ChunkLocal(torch.autograd.Function):
         meta = _meta(ch, K, V, G, L, dt, ctx.norm)
         _launch(_chunk_local_bwd_cc_kernel, ch, meta, v, g, beta, lam, tg, qkg, wt, u, do, dqt, dwt, du, dv, dlam,
                 scratch, dGp, dbp, dbk)
-        _launch(_chunk_local_bwd_k_kernel, ch, meta, q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbp, dbk, dq, dk, dg,
-                dbeta)
+        _launch(_chunk_local_bwd_k_kernel, ch, meta, q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbp, dbk, dq, dk,
+                dg, dbeta)
         dq, dk = group_sum(dq, G, 2), group_sum(dk, G, 2)
         if ctx.norm:
             dq, dk = l2norm_backward(q, dq), l2norm_backward(k, dk)

@@ -113,8 +113,8 @@ def _scan_fwd_kernel(
     outputs; o: [b, T, H, V] (Chunking's tokens) = scale (o_intra + the readouts), written here without
     SNAP; with SNAP the readouts leave the sequential chain (_scan_readout_kernel reads the snapshots).
 
-    TM (square_fits: Wm_i fits 32 KB of registers: BK <= 128 for bf16/fp16 operands, <= 64 for fp32): the chunk's transition
-    through one matrix, formed (with ku_i) from the chunk's inputs only, off the states' chain,
+    TM (square_fits: Wm_i fits 32 KB of registers: BK <= 128 for bf16/fp16 operands, <= 64 for fp32): the chunk's
+    transition through one matrix, formed (with ku_i) from the chunk's inputs only, off the states' chain,
 
         Wm_i = kt_i^T wt_i: [BK, BK] (operand dtype);   ku_i = kt_i^T u_i: [BK, BV] fp32
         g_j = d_i h_j - Wm_i h_j  (j > m);              h_m = d_i L - Wm_i L + ku_i,  L = sum_{j <= m} h_j
@@ -385,8 +385,8 @@ def _scan_grads_kernel(
 
     where the levels j <= m (dg_j = dh_m) enter through their sum L = sum_{j <= m} h_j.
 
-    TZ (square_fits: Z fits 64 KB of fp32 registers where Wm_i of the chains fits 32 KB: BK <= 128 for bf16/fp16 operands,
-    <= 64 for fp32): the transition's sums through one [BK, BK] fp32 matrix,
+    TZ (square_fits: Z fits 64 KB of fp32 registers where Wm_i of the chains fits 32 KB: BK <= 128 for bf16/fp16
+    operands, <= 64 for fp32): the transition's sums through one [BK, BK] fp32 matrix,
 
         Z = L dh_m^T + sum_{j > m} h_j dg_j^T;   dkt_i = u_i dh_m^T - wt_i Z;   dwt_i = -kt_i Z^T;   dd_i = trace(Z)
 
