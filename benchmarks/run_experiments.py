@@ -181,7 +181,7 @@ def main() -> None:
     if a.merge:
         records, niah = merged(records, out / f"lm-{a.tag}.json"), merged(niah, out / f"niah-{a.tag}.json")
     if records:
-        print(lm_report(records, out / f"lm-{a.tag}", f"Language modelling, stdlib source ({a.tag})"))
+        print(lm_report(records, out / f"lm-{a.tag}", f"Language modelling, {a.corpus} corpus ({a.tag})"))
         print(niah_report(niah, out / f"niah-{a.tag}", f"Needle in a haystack ({a.tag})"))
     try:
         if mqar is not None:
