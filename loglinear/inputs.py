@@ -15,8 +15,8 @@ from loglinear.fenwick import levels_needed
 from loglinear.state import FenwickState
 
 __all__ = [
-    "OpInputs", "check_inputs", "check_decode_inputs", "check_positive_ints", "Segment", "segments", "run_segments",
-    "l2norm", "expand_groups",
+    "OpInputs", "check_inputs", "check_decode_inputs", "check_cu_seqlens", "check_positive_ints", "check_power_of_two",
+    "check_multiple", "check_value_head_dim", "Segment", "segments", "run_segments", "l2norm", "expand_groups",
 ]
 
 
@@ -61,7 +61,33 @@ def check_positive_ints(**sizes: object) -> None:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def _check_cu_seqlens(cu_seqlens: object, batch: int, T: int, device: torch.device | None = None) -> list[int]:
+def check_power_of_two(**sizes: int) -> None:
+    """Raise a ValueError naming the first positive int size that is not a power of two (chunk sizes)."""
+    for name, value in sizes.items():
+        if value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value}")
+
+
+def check_multiple(name: str, value: int, of_name: str, of: int) -> None:
+    """Raise a ValueError unless value (e.g. num_heads) is a multiple of ``of`` (e.g. n_groups)."""
+    if value % of:
+        raise ValueError(f"{name} = {value} must be a multiple of {of_name} = {of}")
+
+
+def check_value_head_dim(head_dim: int, expand_v: object) -> int:
+    """The Gated DeltaNet value head dim int(head_dim * expand_v), which must be >= 1 (ValueError otherwise)."""
+    if not isinstance(expand_v, (int, float)) or int(head_dim * expand_v) < 1:
+        raise ValueError(f"expand_v must give a value head dim int(head_dim * expand_v) >= 1, got expand_v = "
+                         f"{expand_v!r} with head_dim = {head_dim}")
+    return int(head_dim * expand_v)
+
+
+def _check_groups(H: int, G: int, v: torch.Tensor) -> None:
+    if H % G:
+        raise ValueError(f"the value heads H = {H} (v {tuple(v.shape)}) must be a multiple of the q/k groups G = {G}")
+
+
+def check_cu_seqlens(cu_seqlens: object, batch: int, T: int, device: torch.device | None = None) -> list[int]:
     """cu_seqlens [N+1] (int32/int64, 0 = c_0 < ... < c_N = T, batch 1; on ``device`` or the CPU) -> its values."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
         what = _shape(cu_seqlens) if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
@@ -118,8 +144,7 @@ def check_inputs(
         raise ValueError(f"k must match q's shape {tuple(q.shape)} [B, T, G, K], got {_shape(k)}")
     if v.shape[:2] != (B, T):
         raise ValueError(f"v must be [B, T, H, V] with B, T = {B}, {T} as in q, got {_shape(v)}")
-    if H % G:
-        raise ValueError(f"the value heads H = {H} (v {tuple(v.shape)}) must be a multiple of the q/k groups G = {G}")
+    _check_groups(H, G, v)
     named = {"g": g, "level_scales": level_scales} | ({"beta": beta} if has_beta else {})
     for name, x in named.items():
         if x.shape[:3] != (B, T, H):
@@ -132,7 +157,7 @@ def check_inputs(
         scale = K ** -0.5
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    bounds = _check_cu_seqlens(cu_seqlens, B, T, q.device) if cu_seqlens is not None else None
+    bounds = check_cu_seqlens(cu_seqlens, B, T, q.device) if cu_seqlens is not None else None
     n_seq = len(bounds) - 1 if bounds is not None else B
     state = None
     if initial_state is not None:
@@ -164,8 +189,7 @@ def check_decode_inputs(
     v = _check_tensor("v", v, 3, "[N, H, V]")
     levels = _check_tensor("levels", levels, 5, "[N, L, H, K, V]")
     (N, G, K), H, L = q.shape, v.shape[1], levels.shape[1]
-    if H % G:
-        raise ValueError(f"the value heads H = {H} (v {tuple(v.shape)}) must be a multiple of the q/k groups G = {G}")
+    _check_groups(H, G, v)
     _check_same("k", _check_tensor("k", k, 3, "[N, G, K]"), (N, G, K), "[N, G, K]")
     _check_same("v", v, (N, H, v.shape[2]), "[N, H, V]")
     _check_same("g", _check_tensor("g", g, 2, "[N, H]"), (N, H), "[N, H]")

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from loglinear.fenwick import bit_length
-from loglinear.inputs import _check_cu_seqlens
+from loglinear.inputs import check_cu_seqlens
 
 __all__ = ["ShardLayout", "shard_layout", "shared_shard_shapes"]
 
@@ -183,7 +183,7 @@ def shard_layout(
         pos0 = init_positions if init_positions is not None else torch.zeros(B, dtype=torch.int64)
         return _dense(lengths, rank, pos0)
     try:
-        seq_bounds = _check_cu_seqlens(cu_seqlens, B, total)
+        seq_bounds = check_cu_seqlens(cu_seqlens, B, total)
     except ValueError as err:
         raise ValueError(f"{err}; cu_seqlens is the global packing of all shards (lengths {lengths})") from None
     n_seq = len(seq_bounds) - 1

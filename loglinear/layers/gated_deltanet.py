@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loglinear.inputs import check_positive_ints
+from loglinear.inputs import check_positive_ints, check_value_head_dim
 from loglinear.layers.mixer import DEFAULT_MAX_LEVELS, FenwickMixer, MixerInputs, dt_bias_init
 from loglinear.layers.norm import GatedRMSNorm, wide
 
@@ -35,10 +35,7 @@ class LogLinearGatedDeltaNet(FenwickMixer):
         layer_idx: int | None = None,
     ):
         check_positive_ints(head_dim=head_dim)
-        if int(head_dim * expand_v) < 1:
-            raise ValueError(f"expand_v must give a value head dim int(head_dim * expand_v) >= 1, got "
-                             f"expand_v = {expand_v!r} with head_dim = {head_dim}")
-        self.head_k_dim, self.head_v_dim = head_dim, int(head_dim * expand_v)
+        self.head_k_dim, self.head_v_dim = head_dim, check_value_head_dim(head_dim, expand_v)
         self.key_dim, self.value_dim = num_heads * head_dim, num_heads * self.head_v_dim
         self.dt_range = (dt_min, dt_max, dt_init_floor)
         super().__init__(

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loglinear.inputs import check_positive_ints
+from loglinear.inputs import check_multiple, check_positive_ints
 from loglinear.layers.mixer import DEFAULT_MAX_LEVELS, FenwickMixer, MixerInputs, dt_bias_init
 from loglinear.layers.norm import GatedRMSNorm, wide
 
@@ -33,8 +33,7 @@ class LogLinearMamba2(FenwickMixer):
         dt_init_floor: float = 1e-4, layer_idx: int | None = None,
     ):
         check_positive_ints(num_heads=num_heads, head_dim=head_dim, state_size=state_size, n_groups=n_groups)
-        if num_heads % n_groups:
-            raise ValueError(f"num_heads = {num_heads} must be a multiple of n_groups = {n_groups}")
+        check_multiple("num_heads", num_heads, "n_groups", n_groups)
         self.head_dim, self.state_size, self.n_groups = head_dim, state_size, n_groups
         self.d_inner = num_heads * head_dim
         self.dt_range = (dt_min, dt_max, dt_init_floor)

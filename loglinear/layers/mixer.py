@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loglinear.inputs import check_positive_ints
+from loglinear.inputs import check_positive_ints, check_power_of_two
 from loglinear.layers.attention import fenwick_attention
 from loglinear.layers.conv import ShortConvolution
 from loglinear.layers.levels import LevelScales
@@ -92,8 +92,7 @@ class FenwickMixer(nn.Module):
     ):
         check_positive_ints(hidden_size=hidden_size, num_heads=num_heads, conv_kernel=conv_kernel,
                             chunk_size=chunk_size)
-        if chunk_size & (chunk_size - 1):
-            raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
+        check_power_of_two(chunk_size=chunk_size)
         super().__init__()
         self.hidden_size, self.num_heads = hidden_size, num_heads
         self.use_log_linear, self.max_levels, self.chunk_size = use_log_linear, max_levels, chunk_size

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loglinear.inputs import _check_cu_seqlens
+from loglinear.inputs import check_cu_seqlens
 
 __all__ = ["TokenLayout"]
 
@@ -88,7 +88,7 @@ class TokenLayout:
 
     @classmethod
     def _from_cu_seqlens(cls, batch: int, length: int, cu_seqlens: torch.Tensor, device) -> "TokenLayout":
-        bounds = _check_cu_seqlens(cu_seqlens, batch, length)
+        bounds = check_cu_seqlens(cu_seqlens, batch, length)
         lengths = [b - a for a, b in zip(bounds, bounds[1:])]
         cu = cu_seqlens.to(device=device, dtype=torch.int64)
         seq_id = torch.arange(len(lengths), device=device).repeat_interleave(torch.tensor(lengths, device=device))

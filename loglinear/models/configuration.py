@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from loglinear.inputs import check_positive_ints
+from loglinear.inputs import check_multiple, check_positive_ints, check_power_of_two, check_value_head_dim
 
 __all__ = ["LogLinearMamba2Config", "LogLinearGatedDeltaNetConfig"]
 
@@ -33,8 +33,7 @@ class _FenwickConfig(PretrainedConfig):
                             num_heads=num_heads, conv_kernel=conv_kernel, chunk_size=chunk_size)
         if not isinstance(max_levels, int) or not 1 <= max_levels <= 62:
             raise ValueError(f"max_levels must be an int in [1, 62] (2^(max_levels-1) tokens), got {max_levels!r}")
-        if chunk_size & (chunk_size - 1):
-            raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
+        check_power_of_two(chunk_size=chunk_size)
         if intermediate_size is not None and (not isinstance(intermediate_size, int) or intermediate_size < 0):
             raise ValueError(f"intermediate_size must be an int >= 0 (0: no MLP) or None, got {intermediate_size!r}")
         if not isinstance(norm_eps, (int, float)) or norm_eps < 0:
@@ -89,8 +88,7 @@ class LogLinearMamba2Config(_FenwickConfig):
         check_positive_ints(head_dim=self.head_dim)
         self._check_time_steps()
         check_positive_ints(state_size=state_size, expand=expand, n_groups=n_groups)
-        if self.num_heads % n_groups:
-            raise ValueError(f"num_heads = {self.num_heads} must be a multiple of n_groups = {n_groups}")
+        check_multiple("num_heads", self.num_heads, "n_groups", n_groups)
 
     def mixer_kwargs(self) -> dict:
         return self._shared_mixer_kwargs() | dict(
@@ -116,9 +114,7 @@ class LogLinearGatedDeltaNetConfig(_FenwickConfig):
         self.time_step_min, self.time_step_max, self.time_step_floor = time_step_min, time_step_max, time_step_floor
         check_positive_ints(head_dim=self.head_dim)
         self._check_time_steps()
-        if not isinstance(expand_v, (int, float)) or int(self.head_dim * expand_v) < 1:
-            raise ValueError(f"expand_v must give a value head dim int(head_dim * expand_v) >= 1, got expand_v = "
-                             f"{expand_v!r} with head_dim = {self.head_dim}")
+        check_value_head_dim(self.head_dim, expand_v)
 
     def mixer_kwargs(self) -> dict:
         return self._shared_mixer_kwargs() | dict(
