@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.multiprocessing as mp
@@ -26,6 +30,17 @@ def make_inputs(
         "beta": 0.05 + 0.9 * torch.rand(B, T, H, **kw),
         "level_scales": 0.2 + torch.rand(B, T, H, L, **kw),
     }
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """benchmarks/<name>.py imported as the module <name> (registered in sys.modules: dataclasses look their
+    module up)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def slice_time(inputs: dict[str, torch.Tensor], t0: int, t1: int) -> dict[str, torch.Tensor]:

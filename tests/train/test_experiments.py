@@ -3,25 +3,17 @@ report's token column."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from helpers import load_benchmark
 from loglinear.eval.command import lm_report
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "run_experiments.py"
 
 
 @pytest.fixture(scope="module")
 def exp():
-    spec = importlib.util.spec_from_file_location("run_experiments", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("run_experiments")
 
 
 def record(arch: str, tokens: int, loss: float) -> dict:

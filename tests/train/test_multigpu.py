@@ -3,27 +3,19 @@ arithmetic, the report; and the training loop's peak-memory metric."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import load_benchmark
 from loglinear.train.loop import peak_memory_gib
 from loglinear.train.parallel import Parallel
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "run_multigpu.py"
 
 
 @pytest.fixture(scope="module")
 def mg():
-    spec = importlib.util.spec_from_file_location("run_multigpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("run_multigpu")
 
 
 def test_peak_memory_is_cuda_only(monkeypatch):
