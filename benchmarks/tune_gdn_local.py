@@ -40,8 +40,19 @@ def rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
                for x, y in zip(a, b))
 
 
-def run(name: str, cfg: tuple[int, int, int], T: int, ref: list[torch.Tensor] | None) -> tuple[dict, list]:
-    """One profiled step with kernel name at cfg (the others at the op's choices)."""
+def choice(name: str, cfg: tuple[int, int, int], **fields) -> dict:
+    """A result row: the kernel, its (warps, BK, stages), and what was measured (or the error)."""
+    return {"kernel": name, "warps": cfg[0], "BK": cfg[1], "stages": cfg[2], **fields}
+
+
+def timings(rows: list[tuple[float, int, str]], name: str, diff: float) -> dict:
+    """kernel_ms of kernel name, total_ms of the step (kernel_times rows), grad_rel_diff."""
+    ms = {key: t for t, _, key in rows}
+    return {"kernel_ms": round(ms.get(name, 0.0), 4), "total_ms": round(sum(ms.values()), 3), "grad_rel_diff": diff}
+
+
+def run(name: str, cfg: tuple[int, int, int], T: int, ref: list[torch.Tensor]) -> dict:
+    """One profiled step with kernel name at cfg (the others at the op's choices): its row."""
     base = dict(local.CONFIG)
     local.CONFIG[name] = cfg
     try:
@@ -49,10 +60,7 @@ def run(name: str, cfg: tuple[int, int, int], T: int, ref: list[torch.Tensor] | 
     finally:
         local.CONFIG.clear()
         local.CONFIG.update(base)
-    ms = {key: t for t, _, key in rows}
-    row = {"kernel": name, "warps": cfg[0], "BK": cfg[1], "stages": cfg[2], "kernel_ms": round(ms.get(name, 0.0), 4),
-           "total_ms": round(sum(ms.values()), 3), "grad_rel_diff": 0.0 if ref is None else rel_diff(grads, ref)}
-    return row, grads
+    return choice(name, cfg, **timings(rows, name, rel_diff(grads, ref)))
 
 
 def write(rows: list[dict], out: Path, gpu: str, T: int) -> None:
@@ -79,21 +87,18 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
-    base_rows, ref = kernel_times(args.T)
-    base_ms = {key: t for t, _, key in base_rows}
-    rows = [{"kernel": n, "warps": c[0], "BK": c[1], "stages": c[2], "kernel_ms": round(base_ms.get(n, 0.0), 4),
-             "total_ms": round(sum(base_ms.values()), 3), "grad_rel_diff": 0.0} for n, c in local.CONFIG.items()]
+    base, ref = kernel_times(args.T)
+    rows = [choice(n, c, **timings(base, n, 0.0)) for n, c in local.CONFIG.items()]
     write(rows, out, gpu, args.T)
     for name, cfgs in CANDIDATES.items():
         for cfg in cfgs:
             if time.monotonic() - t0 > args.budget:
-                rows.append({"kernel": name, "warps": cfg[0], "BK": cfg[1], "stages": cfg[2], "error": "budget"})
+                rows.append(choice(name, cfg, error="budget"))
                 continue
             try:
-                row, _ = run(name, cfg, args.T, ref)
+                row = run(name, cfg, args.T, ref)
             except Exception as e:  # a launch that does not fit (shared memory) is a row, not the end
-                row = {"kernel": name, "warps": cfg[0], "BK": cfg[1], "stages": cfg[2],
-                       "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+                row = choice(name, cfg, error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
             rows.append(row)
             print(row, flush=True)
             write(rows, out, gpu, args.T)
