@@ -41,7 +41,10 @@ export PYTHONUNBUFFERED=1
 TS="131072 65536 32768 16384 8192 4096 2048"
 T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-pack() { tar czf "/tmp/results-$PART.tgz" -C "$R" --exclude "results-*.tgz" . && mv "/tmp/results-$PART.tgz" "$PACK"; }
+# checkpoints (the lm part's, ~180 MB per model) stay behind: the metrics, reports and logs are what comes back
+pack() {
+  tar czf "/tmp/results-$PART.tgz" -C "$R" --exclude "results-*.tgz" --exclude "*.pt" . && mv "/tmp/results-$PART.tgz" "$PACK"
+}
 step() {  # step <seconds> <log name> <command...>
   local limit=$1 name=$2
   shift 2
