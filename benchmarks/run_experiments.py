@@ -98,6 +98,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--global-batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0, help="the trainers' seed (initialisation and data order)")
     p.add_argument("--probe-steps", type=int, default=10)
     p.add_argument("--max-steps", type=int, default=3000)
     p.add_argument("--needle-rate", type=float, default=0.1)
@@ -139,7 +140,8 @@ def main() -> None:
     meta = prepare_corpus(a.corpus, a.data_dir, vocab_size=4096)  # once, before the trainers start
     log(f"corpus: {meta['train_tokens'] / 1e6:.1f}M train / {meta['val_tokens'] / 1e6:.2f}M val tokens")
     common = ["--d-model", str(a.d_model), "--layers", str(a.layers), "--seq-len", str(a.seq_len),
-              "--global-batch", str(a.global_batch), "--lr", str(a.lr), "--warmup", str(2 * a.probe_steps),
+              "--global-batch", str(a.global_batch), "--lr", str(a.lr), "--seed", str(a.seed),
+              "--warmup", str(2 * a.probe_steps),
               "--needle-rate", str(a.needle_rate), "--corpus", a.corpus, "--data-dir", a.data_dir,
               "--log-every", str(a.probe_steps // 2), "--eval-batches", "2", "--no-progress"]
     runs = {arch: out / "lm" / arch for arch in a.archs}
