@@ -34,10 +34,14 @@ def by_arch(paths: list[Path]) -> list[dict[str, dict]]:
     return seeds
 
 
+def common_archs(seeds: list[dict[str, dict]]) -> list[str]:
+    """The models every seed file has, in the first file's order."""
+    return [a for a in seeds[0] if all(a in s for s in seeds)]
+
+
 def model_table(seeds: list[dict[str, dict]]) -> str:
-    archs = [a for a in seeds[0] if all(a in s for s in seeds)]
     rows = [[ARCH_LABELS[a], float(np.mean([s[a]["val_loss"] for s in seeds]))] + [s[a]["val_loss"] for s in seeds]
-            for a in archs]
+            for a in common_archs(seeds)]
     return markdown_table(["model", "mean val loss"] + [f"seed file {i}" for i in range(len(seeds))], rows)
 
 
@@ -58,8 +62,7 @@ def pair_table(seeds: list[dict[str, dict]]) -> str:
 
 def spread(seeds: list[dict[str, dict]]) -> float:
     """The largest seed-to-seed range of one model's validation loss."""
-    archs = [a for a in seeds[0] if all(a in s for s in seeds)]
-    return max(np.ptp([s[a]["val_loss"] for s in seeds]) for a in archs)
+    return max(np.ptp([s[a]["val_loss"] for s in seeds]) for a in common_archs(seeds))
 
 
 def log_bins(x: np.ndarray, y: np.ndarray, per_decade: int = 6) -> tuple[np.ndarray, np.ndarray]:
