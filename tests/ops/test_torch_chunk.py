@@ -6,6 +6,7 @@ import torch
 from helpers import assert_close, make_inputs, mamba2_args
 from loglinear import log_linear_gated_deltanet, log_linear_mamba2
 from loglinear import reference as R
+from loglinear.ops.torch_chunk import suffix_sum
 
 SHAPES = [(1, 1, 1, 1), (2, 2, 1, 2), (2, 63, 1, 2), (1, 64, 2, 2), (2, 65, 1, 3), (1, 100, 2, 4), (1, 257, 1, 1)]
 
@@ -76,3 +77,11 @@ def test_unit_lambda_chunk_path_is_the_plain_model():
     assert_close(o, plain_mamba2(x["q"], x["k"], x["v"], x["g"], 0.5), 1e-12, "mamba2")
     o, _ = log_linear_gated_deltanet(**x, scale=0.5, chunk_size=8)
     assert_close(o, plain_gated_deltanet(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.5), 1e-12, "gdn")
+
+
+@pytest.mark.parametrize("shape,dim", [((7,), 0), ((5, 3), 0), ((2, 9, 3), 1), ((2, 3, 4), -1)])
+def test_suffix_sum_sums_from_each_position_to_the_end(shape, dim):
+    x = torch.randn(shape, dtype=torch.float64)
+    n = x.shape[dim]
+    want = torch.stack([x.narrow(dim, t, n - t).sum(dim) for t in range(n)], dim)
+    torch.testing.assert_close(suffix_sum(x, dim), want, rtol=1e-12, atol=1e-12)

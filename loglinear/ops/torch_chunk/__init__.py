@@ -1,6 +1,6 @@
 """Portable chunkwise backend (any device, autograd): the Fenwick chunk scan over per-variant forms."""
 
-from loglinear.ops.torch_chunk.forms import GatedDeltaNetForm, Mamba2Form
+from loglinear.ops.torch_chunk.forms import GatedDeltaNetForm, Mamba2Form, suffix_sum
 from loglinear.ops.torch_chunk.scan import chunk_scan
 
-__all__ = ["chunk_scan", "Mamba2Form", "GatedDeltaNetForm"]
+__all__ = ["chunk_scan", "Mamba2Form", "GatedDeltaNetForm", "suffix_sum"]

@@ -17,6 +17,15 @@ from __future__ import annotations
 import torch
 
 
+def suffix_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """sum_{u >= t} x[u] along dim, same shape as x.
+
+    Scanned with dim innermost: torch's CUDA scan over an outer dimension runs sequentially along it, parallel only
+    over the other dimensions (on an H200: 18 ms for the Mamba-2 gate gradient at 32K tokens, 41 ms of a 128K
+    context-parallel step)."""
+    return x.movedim(dim, -1).flip(-1).contiguous().cumsum(-1).flip(-1).movedim(-1, dim)
+
+
 def _decays(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """G: local cumsum [b,H,N,C]; Gamma: [b,H,N,C,C] (0 above the diagonal); to_end: exp(G_last - G_s) [b,H,N,C]."""
     G = torch.cumsum(g, dim=-1)
