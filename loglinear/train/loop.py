@@ -16,6 +16,7 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -241,7 +242,7 @@ def _train(cfg: TrainConfig, par: Parallel, resume: bool) -> dict:
     losses, t0, tokens = [], time.perf_counter(), 0
     for step in bar:
         rows = _step_windows(data, cfg, step, tok)
-        run_step = lambda: _optimizer_step(model, optimizer, scheduler, rows, cfg, par, cp)  # noqa: E731
+        run_step = partial(_optimizer_step, model, optimizer, scheduler, rows, cfg, par, cp)
         profiled = step + 1 == cfg.profile_step
         if profiled:
             title = (f"loglinear train: step {step + 1}, rank {par.rank} of {par.world_size}, {par.device}, "

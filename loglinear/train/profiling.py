@@ -52,9 +52,10 @@ def _ms(us: float) -> str:
 def _table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
     """Fixed-width text table: the first column left-aligned (names), the others right-aligned."""
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    fmt = lambda cells: "  ".join(  # noqa: E731
-        str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
-    )
+
+    def fmt(cells: list) -> str:
+        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
     return ["", f"## {title}", fmt(header), *map(fmt, rows)]
 
 
