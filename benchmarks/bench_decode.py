@@ -1,4 +1,4 @@
-"""Decoding cost vs context length: per-token latency and cache memory (issue 4, item 7).
+"""Decoding cost vs context length: per-token latency and cache memory.
 
 Models (2 layers at the paper's width, bf16 weights, vocab 4096 so the LM head does not hide the mixers):
     ll_mamba2 / mamba2          log-linear / plain Mamba-2   (hidden 1536, 48 heads x 64, state 128)
@@ -16,14 +16,16 @@ plain, and a correctness check of the kernel against the PyTorch step on the dev
     python benchmarks/bench_decode.py --out benchmarks/results            # device
     python benchmarks/bench_decode.py --tiny --out /tmp/bench             # CPU smoke run
 
-Writes decode-results.json, decode-results.md and decode-results.png.
+Writes decode-<gpu>.{json,md,png} (e.g. decode-H200; decode-cpu on the CPU) with the command, versions and date.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import sys
 import time
 
 import torch
@@ -283,7 +285,7 @@ def run(args, save) -> dict:
 
 
 def summary(results: dict) -> list[str]:
-    """The issue's targets, checked on the measured rows."""
+    """The targets, checked on the measured rows."""
     rows = [r for r in results["rows"] if "ms_per_token" in r]
     lines = []
     by = {(r["model"], r["batch"], r["context"]): r for r in results["rows"]}
@@ -326,6 +328,7 @@ def write_markdown(results: dict, path: str) -> None:
     contexts = sorted({r["context"] for r in results["rows"]})
     lines = [f"# Decoding: per-token latency and cache memory vs context "
              f"({results['device']}, torch {results['torch']})", "",
+             *([f"{results['date']}; `{results['command']}`", ""] if "command" in results else []),
              "2-layer models at the paper's width, bf16 weights, fp32 Fenwick states, bf16 KV cache; "
              f"{results['steps']} greedy steps through the HF model per point (Python included). "
              "See benchmarks/bench_decode.py.", "", "## Targets", ""] + summary(results)
@@ -401,14 +404,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     os.makedirs(args.out, exist_ok=True)
+    gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-") if args.device == "cuda" else "cpu"
+    stem = os.path.join(args.out, f"decode-{gpu}")
+    command = "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:]))
+    date = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
 
     def save(results: dict) -> None:
-        with open(os.path.join(args.out, "decode-results.json"), "w") as f:
+        results.update(command=command, date=date)
+        with open(stem + ".json", "w") as f:
             json.dump(results, f, indent=1)
-        write_markdown(results, os.path.join(args.out, "decode-results.md"))
+        write_markdown(results, stem + ".md")
 
     results = run(args, save)
-    plot(results, os.path.join(args.out, "decode-results.png"))
+    plot(results, stem + ".png")
     print("\n".join(summary(results)))
 
 

@@ -33,12 +33,13 @@ def make_inputs(
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """benchmarks/<name>.py imported as the module <name> (registered in sys.modules: dataclasses look their
-    module up)."""
+    """benchmarks/<name>.py imported as a module named after the file (registered in sys.modules: dataclasses
+    look their module up); name may be a subpath, e.g. "experiments/run_multigpu"."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
+    module_name = Path(name).name
+    spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
+    sys.modules[module_name] = module
     spec.loader.exec_module(module)
     return module
 

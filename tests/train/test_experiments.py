@@ -1,5 +1,5 @@
-"""benchmarks/run_experiments.py without launching anything: merging an earlier call's rows, and the LM
-report's token column; benchmarks/lm_seeds.py: log-linear minus base over seeds."""
+"""benchmarks/experiments/run_experiments.py without launching anything: merging an earlier call's rows, and the LM
+report's token column; benchmarks/experiments/lm_seeds.py: log-linear minus base over seeds."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from loglinear.eval.command import lm_report
 
 @pytest.fixture(scope="module")
 def exp():
-    return load_benchmark("run_experiments")
+    return load_benchmark("experiments/run_experiments")
 
 
 def record(arch: str, tokens: int, loss: float) -> dict:
@@ -43,7 +43,7 @@ def test_lm_report_says_when_token_counts_differ(tmp_path):
 
 @pytest.fixture(scope="module")
 def seeds_script():
-    return load_benchmark("lm_seeds")
+    return load_benchmark("experiments/lm_seeds")
 
 
 def write_seed(path, losses: dict[str, float], tokens: int = 10):

@@ -1,4 +1,4 @@
-"""benchmarks/run_multigpu.py without launching anything: the run plan, the throughput and comparison
+"""benchmarks/experiments/run_multigpu.py without launching anything: the run plan, the throughput and comparison
 arithmetic, the report; and the training loop's peak-memory metric."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from loglinear.train.parallel import Parallel
 
 @pytest.fixture(scope="module")
 def mg():
-    return load_benchmark("run_multigpu")
+    return load_benchmark("experiments/run_multigpu")
 
 
 def test_peak_memory_is_cuda_only(monkeypatch):

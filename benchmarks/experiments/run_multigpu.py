@@ -1,4 +1,4 @@
-"""Issue 8: the runs that need several GPUs, as one command. Every run is `loglinear train` under torchrun
+"""The runs that need several GPUs, as one command. Every run is `loglinear train` under torchrun
 (`python -m torch.distributed.run --standalone`), one process per GPU; this script plans the runs, launches
 them one after another, reads their metrics.jsonl and writes <out>/multigpu-<tag>.{json,md,png}.
 
@@ -12,8 +12,8 @@ them one after another, reads their metrics.jsonl and writes <out>/multigpu-<tag
             T/c-token window without context parallelism (the same tokens per GPU and step, the same FSDP
             collectives, no cross-rank scan or halo exchange: what context parallelism costs in total).
 
-    python benchmarks/run_multigpu.py --out benchmarks/results --budget 470       # on an H200 machine
-    python benchmarks/run_multigpu.py --device cpu --out runs/multigpu-cpu         # gloo smoke, tiny sizes
+    python benchmarks/experiments/run_multigpu.py --out benchmarks/results --budget 470   # on a multi-GPU machine
+    python benchmarks/experiments/run_multigpu.py --device cpu --out runs/multigpu-cpu     # gloo smoke, tiny sizes
 
 --profile-long: every cp_long run and its baseline trains one step more and runs that last step under
 torch.profiler (loglinear train --profile-step); each process's report is copied to
@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from loglinear.data.text import prepare_corpus  # noqa: E402
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> None:
     plans = {"fsdp": plan_fsdp, "cp_exact": plan_cp_exact, "cp_long": plan_cp_long}
     wanted = set(a.parts) | ({"cp_exact", "cp_long"} if "cp" in a.parts else set())
     runs = [run for part, plan in plans.items() if part in wanted for run in plan(a, data_dir)]
-    command = " ".join(["python benchmarks/run_multigpu.py", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["python benchmarks/experiments/run_multigpu.py", *(sys.argv[1:] if argv is None else argv)])
     execute(runs, a, meta, writer(a, command, {run.name for run in runs}))
     print(f"wrote {a.out / f'multigpu-{a.tag}'}.{{json,md,png}} ({time.monotonic() - T0:.0f} s)", flush=True)
 

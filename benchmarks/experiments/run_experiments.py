@@ -1,4 +1,4 @@
-"""All experiments of issue 6 on one machine, within a wall-clock budget (the device run):
+"""All experiments on one machine, within a wall-clock budget (the GPU run):
 
   1. the MQAR sweep (`loglinear mqar --preset gpu`: seq 256, 4-64 KV pairs, widths 16/32/64, seeds x
      learning rates), many small runs packed concurrently in worker processes, no run started after its
@@ -15,8 +15,8 @@ Writes <out>/{mqar,lm,niah}-<tag>.{json,md,png}, the runs' metrics, and <out>/re
 count is set by a call's slowest model, so fast and slow models can train in separate calls; the table then
 says that the token counts differ).
 
-    python benchmarks/run_experiments.py --out runs/exp --tag h200 --budget 320
-    python benchmarks/run_experiments.py --smoke --out runs/exp-smoke --tag cpu   # tiny, on the CPU
+    python benchmarks/experiments/run_experiments.py --out runs/exp --tag h200 --budget 320
+    python benchmarks/experiments/run_experiments.py --smoke --out runs/exp-smoke --tag cpu   # tiny, on the CPU
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import tarfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402

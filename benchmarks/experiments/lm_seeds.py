@@ -4,8 +4,8 @@ Reads one `lm-<tag>.json` per seed (`run_experiments.py --seed S --tag ...`, the
 writes <out>.md (per model: the mean validation loss over seeds and each seed's; per pair: log-linear minus base,
 per seed and per position range) and <out>.png (that difference along the position, one line per seed).
 
-    python benchmarks/lm_seeds.py benchmarks/results/lm-h200.json benchmarks/results/lm-h200-seed1.json \
-        --out benchmarks/results/lm-h200-seeds
+    python benchmarks/experiments/lm_seeds.py benchmarks/results/lm-h200-seed0.json \
+        benchmarks/results/lm-h200-seed1.json --out benchmarks/results/lm-h200
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from loglinear.eval.report import ARCH_LABELS, markdown_table, pyplot  # noqa: E402
 
