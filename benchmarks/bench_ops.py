@@ -139,8 +139,8 @@ def build_gdn(impl: str, x: dict, H: int, G: int) -> tuple[Callable[[], torch.Te
 
 
 def settle(fn: Callable[[], object], calls: int = 12) -> None:
-    """Run fn `calls` times before timing: the first ~8 calls at a fresh shape take several times longer
-    (results/fwd-timing-H200-s11.log), which a short do_bench warmup does not absorb."""
+    """Run fn `calls` times before timing: on an H200 the first ~8 calls at a fresh shape took several times
+    longer than the rest, which a short do_bench warmup does not absorb."""
     for _ in range(calls):
         fn()
     torch.cuda.synchronize()
@@ -257,7 +257,7 @@ def _compare_backends(log: Callable[[str], None], label: str, x: dict, op: Calla
         + f"  [triton {t1:.2f}s, torch {t2:.2f}s]")
 
 
-# (K, V) of the MQAR models at d_model 16 and 64 (one head): session 11's GPU MQAR runs with them did not learn
+# (K, V) of the MQAR models at d_model 16 and 64 (one head): narrow 16-bit heads once miscomputed on triton 3.6
 SMALL_HEADS = {"mamba2": ((64, 32), (64, 128)), "gdn": ((16, 32), (64, 128))}
 
 
@@ -292,7 +292,7 @@ def check(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]) ->
 
 def check_gdn(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]) -> None:
     """check() for --variant gdn: kernels vs the torch chunk path at the benchmark's shape in each 16-bit dtype
-    of dtypes (the kernels' 16-bit products: v5 chains, Z gradients), then in fp32 (outputs, states, all
+    of dtypes (the kernels' 16-bit products: the chains' transition matrices, the Z gradients), then in fp32 (outputs, states, all
     gradients, the initial state's too) at benchmark sizes, unaligned T, GQA + varlen + states; then a long
     forward."""
     def both(x, state=None, **kw):

@@ -1,0 +1,117 @@
+#!/bin/bash
+# Every GPU benchmark and experiment of the repository, in parts of under 10 minutes each. Run from the
+# repository root; extra options go to the part's main command (e.g. `mqar --threads 2 --merge`,
+# `multigpu --parts fsdp cp_exact cp_long`).
+#
+#   bash benchmarks/run_gpu.sh checks         # ~5 min: Triton kernels vs the torch path (bf16, fp32), both variants
+#   bash benchmarks/run_gpu.sh bench-mamba2   # ~6 min: ops-mamba2-<gpu>.* and the profile at 32K
+#   bash benchmarks/run_gpu.sh bench-gdn      # ~8 min: ops-gdn-<gpu>.*, then profile-gdn-<gpu>.md
+#   bash benchmarks/run_gpu.sh decode         # ~5 min: decode-<gpu>.* (per-token latency and cache memory)
+#   bash benchmarks/run_gpu.sh mqar           # ~5 min on 2 GPUs per seed: mqar-h200.* (MQAR_SEEDS="0 1 2")
+#   bash benchmarks/run_gpu.sh lm             # ~9.5 min, all GPUs: five LMs (same tokens), per-position loss, NIAH
+#   bash benchmarks/run_gpu.sh cp-profile     # ~4 min, 2+ GPUs: one profiled context-parallel step per rank
+#   bash benchmarks/run_gpu.sh multigpu       # ~8 min, 2+ GPUs: context parallel exactness, 128K-1M tokens
+#
+# Parts can run side by side on one machine, each on its own GPUs with its own RESULTS; limit each one's CPU
+# threads (with CPU-heavy work beside them on the host, the ops' small-T rows become host-bound):
+#   export OMP_NUM_THREADS=4
+#   (CUDA_VISIBLE_DEVICES=0 RESULTS=/tmp/r0 bash benchmarks/run_gpu.sh checks > /tmp/g0.log 2>&1) &
+#   (CUDA_VISIBLE_DEVICES=1 RESULTS=/tmp/r1 bash benchmarks/run_gpu.sh bench-gdn > /tmp/g1.log 2>&1) &
+#   wait
+#
+# Results go to $RESULTS (default /tmp/gpu-results) as they come, with one log per step, and are packed into
+# $PACK_DIR/results-<part>.tgz (default: under $RESULTS) after every step, so a cut keeps what finished; copy the
+# result files into benchmarks/results. FLA_WHEELS=<dir> installs the fla wheels from that folder first (fla-core
+# is the baselines' package; the `bench` extra installs it from the index instead). Every step has its own time
+# limit; the op benchmarks list our impl first and the largest T first (fla compiles for > 100 s on a fresh machine).
+set -u
+PART=${1:?usage: run_gpu.sh checks|bench-mamba2|bench-gdn|decode|mqar|lm|cp-profile|multigpu [extra options]}
+shift
+EXTRA=("$@")
+R=${RESULTS:-/tmp/gpu-results}
+PACK=${PACK_DIR:-$R}/results-$PART.tgz
+mkdir -p "$R" "$(dirname "$PACK")"
+if [ -n "${FLA_WHEELS:-}" ]; then
+  # installed once: parts running side by side share it
+  [ -d /tmp/site/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$FLA_WHEELS"/*.whl
+  export PYTHONPATH=$PWD:/tmp/site
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+TS="131072 65536 32768 16384 8192 4096 2048"
+T0=$(date +%s)
+say() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+# checkpoints (the lm part's, ~180 MB per model) stay behind: metrics, reports and logs are what is packed
+pack() {
+  tar czf "/tmp/results-$PART.tgz" -C "$R" --exclude "results-*.tgz" --exclude "*.pt" . && mv "/tmp/results-$PART.tgz" "$PACK"
+}
+step() {  # step <seconds> <log name> <command...>
+  local limit=$1 name=$2
+  shift 2
+  say "$name: $*"
+  timeout "$limit" "$@" > "$R/$name.log" 2>&1
+  say "$name: exit $?"
+  grep -v -i "warn" "$R/$name.log" | tail -12
+  pack
+}
+
+# CUDA MPS lets the MQAR sweep's many small processes per GPU run their kernels side by side instead of
+# time-slicing the GPU; off again if a CUDA client cannot start.
+mps_start() {
+  command -v nvidia-cuda-mps-control > /dev/null || { say "no MPS"; return; }
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  # the daemon sees every GPU, so a client's CUDA_VISIBLE_DEVICES means the same
+  env -u CUDA_VISIBLE_DEVICES nvidia-cuda-mps-control -d && timeout 60 python -c "import torch; torch.ones(1, device='cuda').sum().item()" \
+    && { say "MPS on"; return; }
+  say "MPS failed, off"; mps_stop
+}
+mps_stop() { echo quit | nvidia-cuda-mps-control 2> /dev/null; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; }
+
+case $PART in
+  checks)  # GDN first (bf16 at the benchmark's shape), then Mamba-2
+    step 200 check-gdn python benchmarks/bench_ops.py --variant gdn --check --no-bench --check-dtypes bfloat16 float32 \
+      --long-T 131072 --out "$R"
+    step 100 check-mamba2 python benchmarks/bench_ops.py --check --no-bench --check-dtypes bfloat16 float32 \
+      --long-T 262144 --out "$R"
+    ;;
+  bench-mamba2)  # largest T first: 128K is always reached
+    step 330 bench-mamba2 python benchmarks/bench_ops.py --impls loglinear fla_mamba2 fla_log_linear sdpa_flash \
+      --T $TS --sdpa-max-T 32768 --profile-T 32768 --out "$R" "${EXTRA[@]}"
+    ;;
+  bench-gdn)  # fla_gdn compiles for ~2 min on a fresh machine
+    step 400 bench-gdn python benchmarks/bench_ops.py --variant gdn --impls loglinear fla_gdn sdpa_flash \
+      --T $TS --sdpa-max-T 16384 --out "$R" "${EXTRA[@]}"
+    step 90 profile-gdn python benchmarks/profiling/profile_gdn.py --T 32768 131072 --ab --out "$R"
+    ;;
+  decode)
+    step 560 decode python benchmarks/bench_decode.py --steps 15 --out "$R" "${EXTRA[@]}"
+    ;;
+  mqar)  # one seed of the MQAR sweep at the paper's setting on two GPUs; more seeds: MQAR_SEEDS, --merge
+    mps_start
+    step 560 mqar python -m loglinear.cli mqar --preset gpu --seeds ${MQAR_SEEDS:-0} --budget 420 --grace 60 \
+      --out "$R/mqar-h200" "${EXTRA[@]}"
+    mps_stop
+    ;;
+  lm)  # the five language models spread over the GPUs, then their evaluation
+    step 570 lm python benchmarks/experiments/run_experiments.py --no-mqar --budget 540 --out "$R/exp" \
+      --tag h200-seed0 "${EXTRA[@]}"
+    ;;
+  cp-profile)  # one profiled step per rank of context parallelism at 128K and of its 64K baseline
+    cp benchmarks/results/multigpu-*.json "$R"/ 2>/dev/null
+    step 290 cp-profile python benchmarks/experiments/run_multigpu.py --parts cp_long --long-seq-lens 131072 \
+      --profile-long --budget 200 --out "$R"
+    ;;
+  multigpu)  # the rows not redone (e.g. FSDP2) are kept from the committed json
+    cp benchmarks/results/multigpu-*.json "$R"/ 2>/dev/null
+    step 560 multigpu python benchmarks/experiments/run_multigpu.py --parts cp_exact cp_long \
+      --long-seq-lens 131072 262144 524288 1048576 --budget 470 --out "$R" "${EXTRA[@]}"
+    ;;
+  *)
+    echo "unknown part $PART (checks|bench-mamba2|bench-gdn|decode|mqar|lm|cp-profile|multigpu)" >&2
+    exit 2
+    ;;
+esac
+say "done"
