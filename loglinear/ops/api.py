@@ -29,12 +29,14 @@ def register_backend(variant: str, name: str, fn: Backend) -> None:
     _BACKENDS[variant][name] = fn
 
 
-def select_backend(variant: str, device: torch.device) -> str:
-    """The backend a call on ``device`` uses: LOGLINEAR_BACKEND if set, else triton on CUDA when registered."""
-    forced = os.environ.get("LOGLINEAR_BACKEND")
+def select_backend(variant: str, device: torch.device, backend: str | None = None) -> str:
+    """The backend a call on ``device`` uses: ``backend`` if given, else LOGLINEAR_BACKEND if set, else triton
+    on CUDA when registered, else torch."""
+    forced, what = (backend, "backend") if backend is not None else (os.environ.get("LOGLINEAR_BACKEND"),
+                                                                      "LOGLINEAR_BACKEND")
     if forced:
         if forced not in ("torch", "triton"):
-            raise ValueError(f"LOGLINEAR_BACKEND must be 'torch' or 'triton', got {forced!r}")
+            raise ValueError(f"{what} must be 'torch' or 'triton', got {forced!r}")
         if forced not in _BACKENDS[variant]:
             raise ValueError(f"backend {forced!r} is not available for {variant} (have {sorted(_BACKENDS[variant])})")
         return forced
@@ -63,7 +65,7 @@ def _check_chunk_size(chunk_size: int) -> int:
 def log_linear_mamba2(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, level_scales: torch.Tensor, *,
     scale: float | None = None, initial_state: FenwickState | None = None, output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64, backend: str | None = None,
 ) -> tuple[torch.Tensor, FenwickState | None]:
     """Log-linear Mamba-2 attention.
 
@@ -72,13 +74,14 @@ def log_linear_mamba2(
     q, k: [B, T, G, K]; v: [B, T, H, V] (H % G == 0); g: [B, T, H] log-decay <= 0;
     level_scales: [B, T, H, L] = lambda, L >= levels needed for the positions covered;
     scale: default K ** -0.5; initial_state: FenwickState continuing the sequences (positions go on);
-    cu_seqlens: [N+1] packs N sequences into B = 1. Returns (o: [B, T, H, V] in v's dtype, state or None).
+    cu_seqlens: [N+1] packs N sequences into B = 1; backend: "torch" | "triton" | None (LOGLINEAR_BACKEND if set,
+    else triton on CUDA). Returns (o: [B, T, H, V] in v's dtype, state or None).
     """
     inp = check_inputs(q, k, v, g, None, level_scales, scale, initial_state, cu_seqlens, has_beta=False)
     chunk_size = _check_chunk_size(chunk_size)
     if fused_decode_applies(inp):
         return op_decode_step(inp, output_final_state, False)
-    backend = _BACKENDS["mamba2"][select_backend("mamba2", q.device)]
+    backend = _BACKENDS["mamba2"][select_backend("mamba2", q.device, backend)]
     return backend(inp, output_final_state, chunk_size, False)
 
 
@@ -86,7 +89,7 @@ def log_linear_gated_deltanet(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     level_scales: torch.Tensor, *, scale: float | None = None, initial_state: FenwickState | None = None,
     output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, use_qk_l2norm: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int = 64, backend: str | None = None,
 ) -> tuple[torch.Tensor, FenwickState | None]:
     """Log-linear Gated DeltaNet attention.
 
@@ -100,5 +103,5 @@ def log_linear_gated_deltanet(
     chunk_size = _check_chunk_size(chunk_size)
     if fused_decode_applies(inp):
         return op_decode_step(inp, output_final_state, use_qk_l2norm)
-    backend = _BACKENDS["gated_deltanet"][select_backend("gated_deltanet", q.device)]
+    backend = _BACKENDS["gated_deltanet"][select_backend("gated_deltanet", q.device, backend)]
     return backend(inp, output_final_state, chunk_size, use_qk_l2norm)
