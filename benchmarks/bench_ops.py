@@ -41,26 +41,9 @@ from loglinear.fenwick import levels_needed  # noqa: E402
 
 IMPLS = ("loglinear", "loglinear_torch", "fla_log_linear", "fla_mamba2", "sdpa_flash")
 IMPLS_GDN = ("loglinear", "loglinear_torch", "fla_gdn", "sdpa_flash")
-OUR_BACKENDS = {"loglinear": "triton", "loglinear_torch": "torch"}  # impl -> LOGLINEAR_BACKEND
+OUR_BACKENDS = {"loglinear": "triton", "loglinear_torch": "torch"}  # impl -> the ops' backend=
 PAPER = dict(B=2, H=48, G=1, K=128, V=64)
 SHAPE = dict(PAPER)  # what measure() runs: the paper setting unless --shape
-
-
-def on_backend(name: str, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """fn run with LOGLINEAR_BACKEND=name (restored afterwards)."""
-
-    def run() -> torch.Tensor:
-        old = os.environ.get("LOGLINEAR_BACKEND")
-        os.environ["LOGLINEAR_BACKEND"] = name
-        try:
-            return fn()
-        finally:
-            if old is None:
-                os.environ.pop("LOGLINEAR_BACKEND")
-            else:
-                os.environ["LOGLINEAR_BACKEND"] = old
-
-    return run
 
 
 def make_inputs(T: int, B: int, H: int, G: int, K: int, V: int, dtype: torch.dtype, seed: int = 0) -> dict:
@@ -88,7 +71,8 @@ def build(impl: str, x: dict, H: int, G: int) -> tuple[Callable[[], torch.Tensor
     """The forward closure of an impl and the leaf tensors that need gradients."""
     if impl in OUR_BACKENDS:
         args = [x["q"], x["k"], x["v"], x["g"], x["level_scales"]]
-        return on_backend(OUR_BACKENDS[impl], lambda: log_linear_mamba2(*args)[0]), args
+        backend = OUR_BACKENDS[impl]
+        return (lambda: log_linear_mamba2(*args, backend=backend)[0]), args
     if impl == "fla_log_linear":
         from fla.ops.log_linear_attn import chunk_log_linear_attn
 
@@ -125,7 +109,8 @@ def build_gdn(impl: str, x: dict, H: int, G: int) -> tuple[Callable[[], torch.Te
     """build() for --variant gdn: ours, fla's linear chunk_gated_delta_rule, or SDPA flash."""
     if impl in OUR_BACKENDS:
         args = [x["q"], x["k"], x["v"], x["g"], x["beta"], x["level_scales"]]
-        return on_backend(OUR_BACKENDS[impl], lambda: log_linear_gated_deltanet(*args, use_qk_l2norm=True)[0]), args
+        backend = OUR_BACKENDS[impl]
+        return (lambda: log_linear_gated_deltanet(*args, use_qk_l2norm=True, backend=backend)[0]), args
     if impl == "fla_gdn":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -232,17 +217,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _run_backend(backend: str, x: dict, cot: tuple | None, op: Callable = log_linear_mamba2, **kw) -> tuple:
     """(o, final levels, grads, seconds) of op on one backend; cot = (d_o, d_state) cotangents or None."""
-    os.environ["LOGLINEAR_BACKEND"] = backend
-    try:
-        leaves = {n: t.detach().clone().requires_grad_(cot is not None) for n, t in x.items()}
-        t0 = time.time()
-        o, st = op(**leaves, output_final_state=True, **kw)
-        if cot is not None:
-            ((o.float() * cot[0]).sum() + (st.levels * cot[1]).sum()).backward()
-        torch.cuda.synchronize()
-        return o, st.levels, {n: t.grad for n, t in leaves.items()}, time.time() - t0
-    finally:
-        os.environ.pop("LOGLINEAR_BACKEND")
+    leaves = {n: t.detach().clone().requires_grad_(cot is not None) for n, t in x.items()}
+    t0 = time.time()
+    o, st = op(**leaves, output_final_state=True, backend=backend, **kw)
+    if cot is not None:
+        ((o.float() * cot[0]).sum() + (st.levels * cot[1]).sum()).backward()
+    torch.cuda.synchronize()
+    return o, st.levels, {n: t.grad for n, t in leaves.items()}, time.time() - t0
 
 
 def _compare_backends(log: Callable[[str], None], label: str, x: dict, op: Callable = log_linear_mamba2,
@@ -292,23 +273,22 @@ def check(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]) ->
 
 def check_gdn(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]) -> None:
     """check() for --variant gdn: kernels vs the torch chunk path at the benchmark's shape in each 16-bit dtype
-    of dtypes (the kernels' 16-bit products: the chains' transition matrices, the Z gradients), then in fp32 (outputs, states, all
-    gradients, the initial state's too) at benchmark sizes, unaligned T, GQA + varlen + states; then a long
-    forward."""
+    of dtypes (the kernels' 16-bit products: the chains' transition matrices, the Z gradients), then in fp32
+    (outputs, states, all gradients, the initial state's too) at benchmark sizes, unaligned T, GQA + varlen +
+    states; then a long forward."""
     def both(x, state=None, **kw):
         res = {}
         for backend in ("triton", "torch"):
-            os.environ["LOGLINEAR_BACKEND"] = backend
             leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
             st = None if state is None else FenwickState(state.levels.detach().clone().requires_grad_(),
                                                          state.positions)
             t0 = time.time()
-            o, fin = log_linear_gated_deltanet(**leaves, initial_state=st, output_final_state=True, **kw)
+            o, fin = log_linear_gated_deltanet(**leaves, initial_state=st, output_final_state=True, backend=backend,
+                                               **kw)
             ((o * do).sum() + (fin.levels * dst).sum()).backward()
             torch.cuda.synchronize()
             grads = {f"d{n}": t.grad for n, t in leaves.items()} | ({"dstate": st.levels.grad} if st else {})
             res[backend] = (o, fin.levels, grads, time.time() - t0)
-        os.environ.pop("LOGLINEAR_BACKEND")
         return res
 
     p = PAPER
@@ -326,9 +306,7 @@ def check_gdn(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]
             pre = {n: t[:, :700] for n, t in pre.items()}
             _, state = log_linear_gated_deltanet(**pre, output_final_state=True, use_qk_l2norm=True)
             state = FenwickState(state.levels.detach(), state.positions)
-        os.environ["LOGLINEAR_BACKEND"] = "torch"
-        probe = log_linear_gated_deltanet(**x, initial_state=state, output_final_state=True, **kw)
-        os.environ.pop("LOGLINEAR_BACKEND")
+        probe = log_linear_gated_deltanet(**x, initial_state=state, output_final_state=True, backend="torch", **kw)
         do, dst = torch.randn_like(probe[0]), torch.randn_like(probe[1].levels)
         r = both(x, state, **kw)
         (o1, s1, g1, t1), (o2, s2, g2, t2) = r["triton"], r["torch"]
@@ -339,9 +317,8 @@ def check_gdn(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]
     x["g"] = -(0.001 + 0.2 * torch.rand_like(x["g"]))
     outs = {}
     for backend in ("triton", "torch"):
-        os.environ["LOGLINEAR_BACKEND"] = backend
         t0 = time.time()
-        outs[backend] = log_linear_gated_deltanet(**x, output_final_state=True, use_qk_l2norm=True)
+        outs[backend] = log_linear_gated_deltanet(**x, output_final_state=True, use_qk_l2norm=True, backend=backend)
         torch.cuda.synchronize()
         outs[backend + "_s"] = time.time() - t0
     (o1, st1), (o2, st2) = outs["triton"], outs["torch"]
@@ -349,10 +326,8 @@ def check_gdn(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]
         f"levels={st1.levels.shape[1]} "
         f"rel err vs torch chunk path o={rel(o1, o2):.2e} state={rel(st1.levels, st2.levels):.2e}  "
         f"[triton {outs['triton_s']:.2f}s, torch {outs['torch_s']:.2f}s]")
-    os.environ["LOGLINEAR_BACKEND"] = "triton"
     ob, _ = log_linear_gated_deltanet(**{n: t.to(torch.bfloat16) if n != "g" else t for n, t in x.items()},
-                                      use_qk_l2norm=True)
-    os.environ.pop("LOGLINEAR_BACKEND")
+                                      use_qk_l2norm=True, backend="triton")
     log(f"long bf16 T={long_T}: finite={bool(torch.isfinite(ob).all())} rel err vs fp32 torch path={rel(ob, o2):.2e}")
 
 
