@@ -211,7 +211,7 @@ def launch(run: Run, a: argparse.Namespace, timeout: float) -> str | None:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """End torchrun and the workers it started (their own session): SIGTERM, SIGKILL after 15 s."""
+    """End torchrun and the workers it started (their own process group): SIGTERM, SIGKILL after 15 s."""
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=15)
