@@ -7,12 +7,15 @@ expected, before any kernel runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from loglinear.fenwick import levels_needed
 from loglinear.state import FenwickState
+
+if TYPE_CHECKING:
+    from loglinear.variants import Variant
 
 __all__ = [
     "OpInputs", "check_inputs", "check_decode_inputs", "check_cu_seqlens", "check_positive_ints", "check_power_of_two",
@@ -22,13 +25,14 @@ __all__ = [
 
 @dataclass
 class OpInputs:
-    """Validated arguments.  q, k: [B, T, G, K]; v: [B, T, H, V]; g, beta: [B, T, H]; level_scales: [B, T, H, L]."""
+    """Validated arguments.  q, k: [B, T, G, K]; v: [B, T, H, V]; gates: the variant's per-token inputs
+    {name: [B, T, H]} (Mamba-2: g; Gated DeltaNet: g, beta); level_scales: [B, T, H, L]."""
 
+    variant: Variant
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    g: torch.Tensor
-    beta: torch.Tensor | None
+    gates: dict[str, torch.Tensor]
     level_scales: torch.Tensor
     scale: float
     initial_state: FenwickState | None
@@ -121,17 +125,16 @@ def _check_state(state: object, n_seq: int, H: int, K: int, V: int, device: torc
 
 
 def check_inputs(
-    q: object, k: object, v: object, g: object, beta: object, level_scales: object,
-    scale: float | None, initial_state: object, cu_seqlens: object, *, has_beta: bool,
+    variant: Variant, q: object, k: object, v: object, gates: dict[str, object], level_scales: object,
+    scale: float | None, initial_state: object, cu_seqlens: object,
 ) -> OpInputs:
-    """Validate the op's arguments; raise ValueError/TypeError naming the offending one."""
+    """Validate the op's arguments; raise ValueError/TypeError naming the offending one.  gates: the variant's
+    per-token inputs by name (every one of variant.gates, each [B, T, H])."""
     q = _check_tensor("q", q, 4, "[B, T, G, K]")
     k = _check_tensor("k", k, 4, "[B, T, G, K]")
     v = _check_tensor("v", v, 4, "[B, T, H, V]")
-    g = _check_tensor("g", g, 3, "[B, T, H]")
+    gates = {name: _check_tensor(name, gates[name], 3, "[B, T, H]") for name in variant.gate_names}
     level_scales = _check_tensor("level_scales", level_scales, 4, "[B, T, H, L]")
-    if has_beta:
-        beta = _check_tensor("beta", beta, 3, "[B, T, H]")
     B, T, G, K = q.shape
     H = v.shape[2]
     if T < 1:
@@ -145,7 +148,7 @@ def check_inputs(
     if v.shape[:2] != (B, T):
         raise ValueError(f"v must be [B, T, H, V] with B, T = {B}, {T} as in q, got {_shape(v)}")
     _check_groups(H, G, v)
-    named = {"g": g, "level_scales": level_scales} | ({"beta": beta} if has_beta else {})
+    named = gates | {"level_scales": level_scales}
     for name, x in named.items():
         if x.shape[:3] != (B, T, H):
             layout = "[B, T, H, L]" if name == "level_scales" else "[B, T, H]"
@@ -172,7 +175,7 @@ def check_inputs(
             f"level_scales has L = {level_scales.shape[3]} levels ({_shape(level_scales)}), but positions up to "
             f"{max(p + n for p, n in zip(starts, lengths))} need L >= {needed}"
         )
-    return OpInputs(q, k, v, g, beta if has_beta else None, level_scales, float(scale), state, cu_seqlens, bounds)
+    return OpInputs(variant, q, k, v, gates, level_scales, float(scale), state, cu_seqlens, bounds)
 
 
 def _check_same(name: str, x: torch.Tensor, shape: tuple[int, ...], layout: str) -> None:
@@ -181,8 +184,8 @@ def _check_same(name: str, x: torch.Tensor, shape: tuple[int, ...], layout: str)
 
 
 def check_decode_inputs(
-    q: object, k: object, v: object, g: object, beta: object, level_scales: object, levels: object,
-    positions: object, *, fenwick: bool,
+    variant: Variant, q: object, k: object, v: object, gates: dict[str, object], level_scales: object,
+    levels: object, positions: object, *, fenwick: bool,
 ) -> None:
     """Validate the one-token step's arguments (see loglinear.ops.decode.decode_step)."""
     q = _check_tensor("q", q, 3, "[N, G, K]")
@@ -192,11 +195,11 @@ def check_decode_inputs(
     _check_groups(H, G, v)
     _check_same("k", _check_tensor("k", k, 3, "[N, G, K]"), (N, G, K), "[N, G, K]")
     _check_same("v", v, (N, H, v.shape[2]), "[N, H, V]")
-    _check_same("g", _check_tensor("g", g, 2, "[N, H]"), (N, H), "[N, H]")
-    if beta is not None:
-        _check_same("beta", _check_tensor("beta", beta, 2, "[N, H]"), (N, H), "[N, H]")
+    named = {"q": q, "k": k, "v": v}
+    for name in variant.gate_names:
+        named[name] = _check_tensor(name, gates[name], 2, "[N, H]")
+        _check_same(name, named[name], (N, H), "[N, H]")
     _check_same("levels", levels, (N, L, H, K, v.shape[2]), "[N, L, H, K, V]")
-    named = {"q": q, "k": k, "v": v, "g": g} | ({"beta": beta} if beta is not None else {})
     if fenwick:
         lam = _check_tensor("level_scales", level_scales, 3, "[N, H, >= L]")
         if lam.shape[:2] != (N, H) or lam.shape[2] < L:
@@ -276,8 +279,8 @@ def run_segments(
 ) -> tuple[torch.Tensor, FenwickState | None]:
     """Run ``core`` on every segment, in the compute dtype, with q/k expanded to the value heads.
 
-    core(q, k, v, g, beta, level_scales, scale, levels, position) -> (o, levels_out), with
-    q, k: [b, t, H, K]; v: [b, t, H, V]; g, beta: [b, t, H]; level_scales: [b, t, H, L];
+    core(q, k, v, gates, level_scales, scale, levels, position) -> (o, levels_out), with
+    q, k: [b, t, H, K]; v: [b, t, H, V]; gates: {name: [b, t, H]}; level_scales: [b, t, H, L];
     levels: [b, Ls, H, K, V] or None; position: int shared by the rows.
     """
     H = inp.num_heads
@@ -286,8 +289,8 @@ def run_segments(
     if l2norm_qk:
         q, k = l2norm(q), l2norm(k)
     q, k = expand_groups(q, H), expand_groups(k, H)
-    v, g, lam = inp.v.to(dtype), inp.g.to(dtype), inp.level_scales.to(dtype)
-    beta = inp.beta.to(dtype) if inp.beta is not None else torch.ones_like(g)
+    v, lam = inp.v.to(dtype), inp.level_scales.to(dtype)
+    gates = {name: x.to(dtype) for name, x in inp.gates.items()}
     outs, finals, order, positions = [], [], [], []
     for seg in segments(inp):
         rows = torch.tensor(seg.rows, device=q.device)
@@ -296,7 +299,8 @@ def run_segments(
         if inp.initial_state is not None:
             idx = torch.tensor(seg.state_rows, device=q.device)
             levels = inp.initial_state.levels.index_select(0, idx).to(dtype)
-        o, lv = core(pick(q), pick(k), pick(v), pick(g), pick(beta), pick(lam), inp.scale, levels, seg.position)
+        picked = {name: pick(x) for name, x in gates.items()}
+        o, lv = core(pick(q), pick(k), pick(v), picked, pick(lam), inp.scale, levels, seg.position)
         outs.append(o)
         finals.append(lv)
         order.extend(seg.state_rows)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from loglinear.inputs import check_positive_ints, check_value_head_dim
 from loglinear.layers.mixer import DEFAULT_MAX_LEVELS, FenwickMixer, MixerInputs, dt_bias_init
 from loglinear.layers.norm import GatedRMSNorm, wide
+from loglinear.variants import GATED_DELTANET
 
 __all__ = ["LogLinearGatedDeltaNet"]
 
@@ -25,7 +26,7 @@ __all__ = ["LogLinearGatedDeltaNet"]
 class LogLinearGatedDeltaNet(FenwickMixer):
     """Log-linear Gated DeltaNet mixer: [B, T, hidden_size] -> [B, T, hidden_size] (see module docstring)."""
 
-    variant = "gated_deltanet"
+    variant = GATED_DELTANET
     l2norm_qk = True
 
     def __init__(
@@ -71,8 +72,9 @@ class LogLinearGatedDeltaNet(FenwickMixer):
         H = self.num_heads
         return MixerInputs(
             q=q.reshape(-1, H, self.head_k_dim), k=k.reshape(-1, H, self.head_k_dim),
-            v=v.reshape(-1, H, self.head_v_dim), g=-torch.exp(wide(self.A_log)) * F.softplus(a + wide(self.dt_bias)),
-            beta=torch.sigmoid(b), extra={"gate": rest["gate"]},
+            v=v.reshape(-1, H, self.head_v_dim),
+            gates={"g": -torch.exp(wide(self.A_log)) * F.softplus(a + wide(self.dt_bias)), "beta": torch.sigmoid(b)},
+            extra={"gate": rest["gate"]},
         )
 
     def output(self, o, inputs):

@@ -2,7 +2,8 @@
 
     lambda_t[h, l] = softplus(Ls[h, l] * (W_lambda x_t)[h, l]),   Ls initialised to 1 (lambda ~ 0.69)
 
-for l < max_levels: enough for 2^(max_levels - 1) tokens per sequence. Longer sequences raise.
+for l < max_levels: enough for 2^(max_levels - 1) tokens per sequence. Longer sequences raise
+(loglinear.ops.stateful.check_capacity).
 """
 
 from __future__ import annotations
@@ -13,21 +14,7 @@ import torch.nn.functional as F
 
 from loglinear.layers.norm import wide
 
-__all__ = ["LevelScales", "check_capacity", "max_tokens"]
-
-
-def max_tokens(max_levels: int) -> int:
-    """Tokens per sequence that ``max_levels`` levels cover: levels_needed(n) = ceil(log2 n) + 1 <= max_levels."""
-    return 1 << (max_levels - 1)
-
-
-def check_capacity(end: int, max_levels: int) -> None:
-    """Raise when a sequence reaches ``end`` tokens, beyond what ``max_levels`` levels cover."""
-    if end > max_tokens(max_levels):
-        raise ValueError(
-            f"a sequence reached {end} tokens, but max_levels = {max_levels} covers at most "
-            f"{max_tokens(max_levels)} (2^{max_levels - 1}) tokens; raise max_levels in the config"
-        )
+__all__ = ["LevelScales"]
 
 
 class LevelScales(nn.Module):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from loglinear.inputs import check_multiple, check_positive_ints
 from loglinear.layers.mixer import DEFAULT_MAX_LEVELS, FenwickMixer, MixerInputs, dt_bias_init
 from loglinear.layers.norm import GatedRMSNorm, wide
+from loglinear.variants import MAMBA2
 
 __all__ = ["LogLinearMamba2"]
 
@@ -24,7 +25,7 @@ __all__ = ["LogLinearMamba2"]
 class LogLinearMamba2(FenwickMixer):
     """Log-linear Mamba-2 mixer: [B, T, hidden_size] -> [B, T, hidden_size] (see module docstring)."""
 
-    variant = "mamba2"
+    variant = MAMBA2
 
     def __init__(
         self, hidden_size: int, num_heads: int, head_dim: int = 64, state_size: int = 128, n_groups: int = 1,
@@ -73,7 +74,7 @@ class LogLinearMamba2(FenwickMixer):
         xs = xs.reshape(-1, self.num_heads, self.head_dim)
         return MixerInputs(
             q=c.reshape(-1, self.n_groups, self.state_size), k=b.reshape(-1, self.n_groups, self.state_size),
-            v=(xs * dt[..., None]).to(xs.dtype), g=-torch.exp(wide(self.A_log)) * dt, beta=None,
+            v=(xs * dt[..., None]).to(xs.dtype), gates={"g": -torch.exp(wide(self.A_log)) * dt},
             extra={"x": xs, "z": rest["z"]},
         )
 

@@ -1,9 +1,9 @@
-"""What the log-linear Mamba-2 and Gated DeltaNet layers share: the token layout, the short convolution,
-the level weights lambda, the state, and the attention call. A variant supplies its projections
-(``conv_inputs``, ``op_inputs``) and its output (``output``).
+"""What every log-linear mixer layer shares: the token layout, the short convolution, the level weights
+lambda, the state, and the attention call. A variant's layer names its variant (loglinear.variants) and
+supplies its projections (``conv_inputs``, ``op_inputs``) and its output (``output``).
 
     x [B, T, D] --flatten real tokens--> [Ntok, D] --conv_inputs--> (conv channels, rest)
-       --ShortConvolution + SiLU--> op_inputs --> q, k, v, g, beta (+ what output needs)
+       --ShortConvolution + SiLU--> op_inputs --> q, k, v, the variant's gates (+ what output needs)
        --fenwick_attention (lambda from LevelScales, or 1 when use_log_linear=False)--> o [Ntok, H, V]
        --output--> [Ntok, D] --unflatten--> [B, T, D]
 """
@@ -18,11 +18,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from loglinear.inputs import check_positive_ints, check_power_of_two
-from loglinear.layers.attention import fenwick_attention
 from loglinear.layers.conv import ShortConvolution
 from loglinear.layers.levels import LevelScales
 from loglinear.layers.sequence import TokenLayout
+from loglinear.ops.stateful import fenwick_attention
 from loglinear.state import FenwickState, LevelsView
+from loglinear.variants import Variant
 
 __all__ = ["MixerState", "MixerInputs", "FenwickMixer", "dt_bias_init"]
 
@@ -69,20 +70,20 @@ class MixerState(LevelsView):
 
 @dataclass
 class MixerInputs:
-    """Per-token op inputs of a mixer.  q, k: [Ntok, G, K]; v: [Ntok, H, V]; g, beta: [Ntok, H]; extra: variant's."""
+    """Per-token op inputs of a mixer.  q, k: [Ntok, G, K]; v: [Ntok, H, V]; gates: the variant's {name: [Ntok, H]};
+    extra: what the layer's output needs."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    g: torch.Tensor
-    beta: torch.Tensor | None
+    gates: dict[str, torch.Tensor]
     extra: dict[str, torch.Tensor]
 
 
 class FenwickMixer(nn.Module):
     """Base of the log-linear mixers (see module docstring).  Subclasses set variant, scale, l2norm_qk."""
 
-    variant: str = ""
+    variant: Variant
     l2norm_qk: bool = False
 
     def __init__(
@@ -171,8 +172,8 @@ class FenwickMixer(nn.Module):
                 levels, positions = levels.index_select(0, layout.active.to(levels.device)), positions[layout.active]
         view = layout.op_view
         args = (
-            self.variant, view(inputs.q), view(inputs.k), view(inputs.v), view(inputs.g),
-            view(inputs.beta) if inputs.beta is not None else None, view(lam) if lam is not None else None,
+            self.variant.name, view(inputs.q), view(inputs.k), view(inputs.v),
+            [view(inputs.gates[name]) for name in self.variant.gate_names], view(lam) if lam is not None else None,
             levels, positions, layout.cu_seqlens, self.scale, self.chunk_size, self.max_levels, output_state,
             self.l2norm_qk,
         )

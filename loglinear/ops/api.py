@@ -1,57 +1,24 @@
-"""Public ops and backend dispatch.
+"""The public ops: one generic entry point over the variant registry, and one named function per variant.
 
-Backends: "torch" (the chunkwise PyTorch path, any device, autograd) and "triton" (fused kernels, CUDA;
-CPU tensors run them under TRITON_INTERPRET=1). Default: triton on CUDA where a variant registered it,
-torch otherwise. LOGLINEAR_BACKEND=torch|triton forces one.
+    attention(variant, q, k, v, gates, level_scales, ...)   any registered variant (loglinear.variants)
+    log_linear_mamba2(q, k, v, g, level_scales, ...)        = attention("mamba2", ..., {"g": g}, ...)
+    log_linear_gated_deltanet(q, k, v, g, beta, ...)        = attention("gated_deltanet", ..., {"g", "beta"}, ...)
+
+Every call is validated (loglinear.inputs), then runs on the backend loglinear.ops.backends chooses, or on the
+one-token decode step when it applies (one token per sequence after a state, no gradient needed).
 """
 
 from __future__ import annotations
 
-import os
-from functools import partial
-from typing import Callable
-
 import torch
 
-from loglinear.inputs import OpInputs, check_inputs, run_segments
+from loglinear.inputs import check_inputs
+from loglinear.ops.backends import backend_for, select_backend, torch_chunk_backend
 from loglinear.ops.decode import fused_decode_applies, op_decode_step
-from loglinear.ops.torch_chunk import GatedDeltaNetForm, Mamba2Form, chunk_scan
 from loglinear.state import FenwickState
+from loglinear.variants import GATED_DELTANET, MAMBA2, Variant, get
 
-__all__ = ["log_linear_mamba2", "log_linear_gated_deltanet", "register_backend", "select_backend"]
-
-Backend = Callable[[OpInputs, bool, int, bool], tuple[torch.Tensor, FenwickState | None]]
-_BACKENDS: dict[str, dict[str, Backend]] = {"mamba2": {}, "gated_deltanet": {}}
-
-
-def register_backend(variant: str, name: str, fn: Backend) -> None:
-    """Make ``fn(inputs, output_final_state, chunk_size, use_qk_l2norm)`` available as backend ``name``."""
-    _BACKENDS[variant][name] = fn
-
-
-def select_backend(variant: str, device: torch.device, backend: str | None = None) -> str:
-    """The backend a call on ``device`` uses: ``backend`` if given, else LOGLINEAR_BACKEND if set, else triton
-    on CUDA when registered, else torch."""
-    forced, what = (backend, "backend") if backend is not None else (os.environ.get("LOGLINEAR_BACKEND"),
-                                                                      "LOGLINEAR_BACKEND")
-    if forced:
-        if forced not in ("torch", "triton"):
-            raise ValueError(f"{what} must be 'torch' or 'triton', got {forced!r}")
-        if forced not in _BACKENDS[variant]:
-            raise ValueError(f"backend {forced!r} is not available for {variant} (have {sorted(_BACKENDS[variant])})")
-        return forced
-    return "triton" if device.type == "cuda" and "triton" in _BACKENDS[variant] else "torch"
-
-
-def _torch_backend(form, inp: OpInputs, output_final_state: bool, chunk_size: int, use_qk_l2norm: bool):
-    core = lambda q, k, v, g, beta, lam, scale, levels, position: chunk_scan(  # noqa: E731
-        form, q, k, v, g, beta, lam, scale, levels, position, chunk_size
-    )
-    return run_segments(inp, core, output_final_state, l2norm_qk=use_qk_l2norm)
-
-
-register_backend("mamba2", "torch", partial(_torch_backend, Mamba2Form))
-register_backend("gated_deltanet", "torch", partial(_torch_backend, GatedDeltaNetForm))
+__all__ = ["attention", "log_linear_mamba2", "log_linear_gated_deltanet"]
 
 
 def _check_chunk_size(chunk_size: int) -> int:
@@ -60,6 +27,43 @@ def _check_chunk_size(chunk_size: int) -> int:
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= 1, got {chunk_size!r}")
     return chunk_size
+
+
+def _check_gates(variant: Variant, gates: object) -> dict[str, torch.Tensor]:
+    if not isinstance(gates, dict) or set(gates) != set(variant.gate_names):
+        got = sorted(gates) if isinstance(gates, dict) else type(gates).__name__
+        raise ValueError(f"gates must be a dict with exactly the keys {list(variant.gate_names)} for "
+                         f"{variant.name}, got {got}")
+    return gates
+
+
+def attention(
+    variant: Variant | str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
+    level_scales: torch.Tensor, *, scale: float | None = None, initial_state: FenwickState | None = None,
+    output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, use_qk_l2norm: bool = False,
+    chunk_size: int = 64, backend: str | None = None,
+) -> tuple[torch.Tensor, FenwickState | None]:
+    """Log-linear attention of any registered variant.
+
+        o_t = scale * sum_{s<=t} lambda_t[level(t, s)] * (q_t^T P_{t,s} k~_s) * v_s    (P, k~: the variant's)
+
+    q, k: [B, T, G, K]; v: [B, T, H, V] (H % G == 0); gates: the variant's per-token inputs {name: [B, T, H]};
+    level_scales: [B, T, H, L] = lambda, L >= levels needed for the positions covered;
+    scale: default K ** -0.5; initial_state: FenwickState continuing the sequences (positions go on);
+    cu_seqlens: [N+1] packs N sequences into B = 1; use_qk_l2norm: normalise q and k over K inside the op;
+    chunk_size: any power of two; backend: "torch" | "triton" | None (LOGLINEAR_BACKEND if set, else triton on
+    CUDA). Returns (o: [B, T, H, V] in v's dtype, the final state or None).
+    """
+    variant = get(variant)
+    inp = check_inputs(variant, q, k, v, _check_gates(variant, gates), level_scales, scale, initial_state,
+                       cu_seqlens)
+    chunk_size = _check_chunk_size(chunk_size)
+    name = select_backend(variant, q.device, backend)
+    if fused_decode_applies(inp):
+        return op_decode_step(inp, output_final_state, use_qk_l2norm, name)
+    chosen = backend_for(variant, name)
+    run = chosen.run if chosen.supports(inp) else torch_chunk_backend
+    return run(inp, output_final_state, chunk_size, use_qk_l2norm)
 
 
 def log_linear_mamba2(
@@ -77,12 +81,9 @@ def log_linear_mamba2(
     cu_seqlens: [N+1] packs N sequences into B = 1; backend: "torch" | "triton" | None (LOGLINEAR_BACKEND if set,
     else triton on CUDA). Returns (o: [B, T, H, V] in v's dtype, state or None).
     """
-    inp = check_inputs(q, k, v, g, None, level_scales, scale, initial_state, cu_seqlens, has_beta=False)
-    chunk_size = _check_chunk_size(chunk_size)
-    if fused_decode_applies(inp):
-        return op_decode_step(inp, output_final_state, False)
-    backend = _BACKENDS["mamba2"][select_backend("mamba2", q.device, backend)]
-    return backend(inp, output_final_state, chunk_size, False)
+    return attention(MAMBA2, q, k, v, {"g": g}, level_scales, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                     backend=backend)
 
 
 def log_linear_gated_deltanet(
@@ -99,9 +100,6 @@ def log_linear_gated_deltanet(
     Shapes as in log_linear_mamba2, plus beta: [B, T, H] in (0, 1). use_qk_l2norm normalises q and k
     over K inside the op.
     """
-    inp = check_inputs(q, k, v, g, beta, level_scales, scale, initial_state, cu_seqlens, has_beta=True)
-    chunk_size = _check_chunk_size(chunk_size)
-    if fused_decode_applies(inp):
-        return op_decode_step(inp, output_final_state, use_qk_l2norm)
-    backend = _BACKENDS["gated_deltanet"][select_backend("gated_deltanet", q.device, backend)]
-    return backend(inp, output_final_state, chunk_size, use_qk_l2norm)
+    return attention(GATED_DELTANET, q, k, v, {"g": g, "beta": beta}, level_scales, scale=scale,
+                     initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                     use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, backend=backend)

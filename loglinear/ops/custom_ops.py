@@ -1,28 +1,27 @@
 """torch.library custom ops, so torch.compile treats log-linear attention as one opaque graph node.
 
-    loglinear::fenwick_attention       (o, levels', positions') = fenwick_attention(...)   (any backend)
+    loglinear::fenwick_attention       (o, levels', positions') = fenwick_attention(...)   (any variant, backend)
     loglinear::fenwick_attention_bwd   its gradients, recomputed: the forward is re-run under autograd
                                        and differentiated (the backends' own backward does the work)
 
-The forward is what the mixers call under torch.compile (see loglinear.layers.attention for the
-arguments); eager calls skip the custom op and use native autograd. Output shapes must not depend on
-data, so a log-linear output state always holds max_levels levels here (zero-padded; an eager cache
-holds ceil(log2 T) + 1): a compiled decoder keeps static shapes and never recompiles as T grows.
+The forward is what the mixers call under torch.compile (see loglinear.ops.stateful for the arguments);
+eager calls skip the custom op and use native autograd. Output shapes must not depend on data, so a
+log-linear output state always holds max_levels levels here (zero-padded; an eager cache holds
+ceil(log2 T) + 1): a compiled decoder keeps static shapes and never recompiles as T grows.
 
-    log_linear_mamba2 / log_linear_gated_deltanet   compile-friendly stateless versions of the public ops
-                                                    (o only), for users who compile their own modules.
+    attention(variant, q, k, v, gates, level_scales, ...)   a compile-friendly stateless version of the public
+                                                             op (o only), for users who compile their own modules.
 """
 
 from __future__ import annotations
 
 import torch
 
-from loglinear.layers.attention import fenwick_attention
+from loglinear.ops.stateful import fenwick_attention
 from loglinear.state import FenwickState
+from loglinear.variants import Variant, get
 
-__all__ = ["fenwick_attention_op", "log_linear_mamba2", "log_linear_gated_deltanet"]
-
-_DIFF = ("q", "k", "v", "g", "beta", "level_scales", "levels")
+__all__ = ["fenwick_attention_op", "attention"]
 
 
 def _state_dtype(q: torch.Tensor, v: torch.Tensor) -> torch.dtype:
@@ -31,14 +30,14 @@ def _state_dtype(q: torch.Tensor, v: torch.Tensor) -> torch.dtype:
 
 @torch.library.custom_op("loglinear::fenwick_attention", mutates_args=())
 def fenwick_attention_op(
-    variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor | None,
+    variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: list[torch.Tensor],
     level_scales: torch.Tensor | None, levels: torch.Tensor | None, positions: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None, scale: float, chunk_size: int, max_levels: int, output_state: bool,
     l2norm_qk: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See loglinear.layers.attention.fenwick_attention (same arguments and results)."""
+    """See loglinear.ops.stateful.fenwick_attention (same arguments and results)."""
     o, new_levels, new_positions = fenwick_attention(
-        variant, q, k, v, g, beta, level_scales, levels, positions, cu_seqlens, scale, chunk_size, max_levels,
+        variant, q, k, v, gates, level_scales, levels, positions, cu_seqlens, scale, chunk_size, max_levels,
         output_state, l2norm_qk,
     )
     if output_state and level_scales is not None:
@@ -47,7 +46,7 @@ def fenwick_attention_op(
 
 
 @fenwick_attention_op.register_fake
-def _(variant, q, k, v, g, beta, level_scales, levels, positions, cu_seqlens, scale, chunk_size, max_levels,
+def _(variant, q, k, v, gates, level_scales, levels, positions, cu_seqlens, scale, chunk_size, max_levels,
       output_state, l2norm_qk):
     o = v.new_empty(v.shape)
     if not output_state:
@@ -61,20 +60,23 @@ def _(variant, q, k, v, g, beta, level_scales, levels, positions, cu_seqlens, sc
 @torch.library.custom_op("loglinear::fenwick_attention_bwd", mutates_args=())
 def _fenwick_attention_bwd(
     variant: str, grad_o: torch.Tensor, grad_levels: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
-    v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor | None, level_scales: torch.Tensor | None,
-    levels: torch.Tensor | None, positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
-    chunk_size: int, max_levels: int, output_state: bool, l2norm_qk: bool,
+    v: torch.Tensor, gates: list[torch.Tensor], level_scales: torch.Tensor | None, levels: torch.Tensor | None,
+    positions: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float, chunk_size: int,
+    max_levels: int, output_state: bool, l2norm_qk: bool,
 ) -> list[torch.Tensor]:
-    """Gradients of (q, k, v, g, beta, level_scales, levels), the absent ones omitted."""
-    inputs = (q, k, v, g, beta, level_scales, levels)
+    """Gradients of (q, k, v, *gates, level_scales, levels), the absent ones omitted."""
+    inputs = (q, k, v, *gates, level_scales, levels)
     present = [i for i, x in enumerate(inputs) if x is not None]
+    n_gates = len(gates)
 
     def forward(*diff: torch.Tensor) -> tuple[torch.Tensor, ...]:
         args = list(inputs)
         for i, x in zip(present, diff):
             args[i] = x
+        q, k, v, *rest = args
         o, new_levels, _ = fenwick_attention(
-            variant, *args, positions, cu_seqlens, scale, chunk_size, max_levels, output_state, l2norm_qk,
+            variant, q, k, v, rest[:n_gates], *rest[n_gates:], positions, cu_seqlens, scale, chunk_size, max_levels,
+            output_state, l2norm_qk,
         )
         return (o, new_levels) if grad_levels is not None else (o,)
 
@@ -83,54 +85,46 @@ def _fenwick_attention_bwd(
 
 
 @_fenwick_attention_bwd.register_fake
-def _(variant, grad_o, grad_levels, q, k, v, g, beta, level_scales, levels, *args):
-    return [torch.empty_like(x) for x in (q, k, v, g, beta, level_scales, levels) if x is not None]
+def _(variant, grad_o, grad_levels, q, k, v, gates, level_scales, levels, *args):
+    return [torch.empty_like(x) for x in (q, k, v, *gates, level_scales, levels) if x is not None]
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    (variant, q, k, v, g, beta, level_scales, levels, positions, cu_seqlens, *flags) = inputs
-    ctx.variant, ctx.flags = variant, flags
-    ctx.present = [x is not None for x in (beta, level_scales, levels, positions, cu_seqlens)]
-    ctx.save_for_backward(q, k, v, g,
-                          *[x for x in (beta, level_scales, levels, positions, cu_seqlens) if x is not None])
+    (variant, q, k, v, gates, level_scales, levels, positions, cu_seqlens, *flags) = inputs
+    ctx.variant, ctx.flags, ctx.n_gates = variant, flags, len(gates)
+    ctx.present = [x is not None for x in (level_scales, levels, positions, cu_seqlens)]
+    ctx.save_for_backward(q, k, v, *gates, *[x for x in (level_scales, levels, positions, cu_seqlens) if x is not None])
 
 
 def _backward(ctx, grad_o, grad_levels, grad_positions):
     saved = list(ctx.saved_tensors)
-    q, k, v, g = saved[:4]
-    rest = iter(saved[4:])
-    beta, level_scales, levels, positions, cu_seqlens = (next(rest) if p else None for p in ctx.present)
+    q, k, v = saved[:3]
+    gates = saved[3 : 3 + ctx.n_gates]
+    rest = iter(saved[3 + ctx.n_gates :])
+    level_scales, levels, positions, cu_seqlens = (next(rest) if p else None for p in ctx.present)
     output_state = ctx.flags[3]
     grads = iter(_fenwick_attention_bwd(
-        ctx.variant, grad_o, grad_levels if output_state else None, q, k, v, g, beta, level_scales, levels,
+        ctx.variant, grad_o, grad_levels if output_state else None, q, k, v, gates, level_scales, levels,
         positions, cu_seqlens, *ctx.flags,
     ))
-    per_input = [next(grads) if x is not None else None for x in (q, k, v, g, beta, level_scales, levels)]
-    return (None, *per_input, None, None, None, None, None, None, None)
+    dq, dk, dv = next(grads), next(grads), next(grads)
+    dgates = [next(grads) for _ in gates]
+    dlam, dlevels = (next(grads) if x is not None else None for x in (level_scales, levels))
+    return None, dq, dk, dv, dgates, dlam, dlevels, None, None, None, None, None, None, None
 
 
 fenwick_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def log_linear_mamba2(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, level_scales: torch.Tensor, *,
-    scale: float | None = None, cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64,
-) -> torch.Tensor:
-    """loglinear.log_linear_mamba2 without states, as a custom op: o [B, T, H, V]."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return fenwick_attention_op(
-        "mamba2", q, k, v, g, None, level_scales, None, None, cu_seqlens, scale, chunk_size, 62, False, False
-    )[0]
-
-
-def log_linear_gated_deltanet(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+def attention(
+    variant: Variant | str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
     level_scales: torch.Tensor, *, scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm: bool = False, chunk_size: int = 64,
 ) -> torch.Tensor:
-    """loglinear.log_linear_gated_deltanet without states, as a custom op: o [B, T, H, V]."""
+    """loglinear.ops.attention without states, as a custom op: o [B, T, H, V]."""
+    variant = get(variant)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return fenwick_attention_op(
-        "gated_deltanet", q, k, v, g, beta, level_scales, None, None, cu_seqlens, scale, chunk_size, 62, False,
-        use_qk_l2norm,
+        variant.name, q, k, v, [gates[name] for name in variant.gate_names], level_scales, None, None, cu_seqlens,
+        scale, chunk_size, 62, False, use_qk_l2norm,
     )[0]

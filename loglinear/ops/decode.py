@@ -3,33 +3,33 @@
 For the token at absolute position p of each sequence, on level states S[0..L-1] (each K x V):
 
   1. carry       levels 0..ctz(p) merge into level ctz(p)+1 (p > 0)           (a binary counter)
-  2. transition  Mamba-2: S <- exp(g) S;   GDN: S <- exp(g) (S - beta k (k^T S))   on every level
-  3. deposit     S[0] += beta k v^T   (beta = 1 for Mamba-2)
+  2. transition  S <- A_t S on every level (variant.transition: Mamba-2 exp(g) S; GDN exp(g) (S - beta k (k^T S)))
+  3. deposit     S[0] += k~ v^T  (variant.deposit_key: k for Mamba-2, beta k for GDN)
   4. readout     o = scale * sum_l lambda[l] S[l]^T q
 
 The plain recurrence (use_log_linear=False models) is the same step on one level without the carry and
 with lambda = 1. The GDN update is rank-1: O(K V) per level, never a K x K matrix.
 
-``decode_step`` runs the fused Triton kernel (loglinear.ops.triton.decode) on CUDA, or anywhere with
-LOGLINEAR_BACKEND=triton (CPU tensors then need TRITON_INTERPRET=1), and this file's PyTorch step
-otherwise. ``fused_decode_applies`` / ``op_decode_step`` put the step behind the public ops.
+``decode_step`` runs the chosen backend's fused step (loglinear.ops.backends: the Triton kernel on CUDA, or
+with backend "triton" under TRITON_INTERPRET=1) and this file's PyTorch step otherwise.
+``fused_decode_applies`` / ``op_decode_step`` put the step behind the public ops.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
 from loglinear.fenwick import carry, levels_needed
 from loglinear.inputs import OpInputs, check_decode_inputs, expand_groups, l2norm
+from loglinear.ops.backends import backend_for, select_backend
 from loglinear.state import FenwickState
+from loglinear.variants import Variant, get
 
 __all__ = ["decode_step", "decode_step_torch", "fused_decode_applies", "op_decode_step"]
 
 
 def decode_step_torch(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor | None,
+    variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
     level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
     *, fenwick: bool = True, l2norm_qk: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,17 +38,10 @@ def decode_step_torch(
     q, k = expand_groups(q[:, None].to(dtype), H)[:, 0], expand_groups(k[:, None].to(dtype), H)[:, 0]
     if l2norm_qk:
         q, k = l2norm(q), l2norm(k)
+    gates = {name: x.to(dtype) for name, x in gates.items()}
     S = carry(levels, positions) if fenwick else levels
-    decay = torch.exp(g.to(dtype))[:, None, :, None, None]
-    kk = k[:, None, :, :, None]  # [N, 1, H, K, 1]
-    if beta is not None:
-        b = beta.to(dtype)
-        kS = (kk * S).sum(3, keepdim=True)  # [N, L, H, 1, V]
-        S = decay * (S - b[:, None, :, None, None] * kk * kS)
-        deposit = (b[..., None] * k)[..., None] * v.to(dtype)[:, :, None, :]
-    else:
-        S = decay * S
-        deposit = k[..., None] * v.to(dtype)[:, :, None, :]
+    S = variant.transition(S, k, gates)
+    deposit = variant.deposit_key(k, gates)[..., None] * v.to(dtype)[:, :, None, :]
     S = torch.cat([S[:, :1] + deposit[:, None], S[:, 1:]], dim=1)
     readout = (S * q[:, None, :, :, None]).sum(3)  # [N, L, H, V]
     if fenwick:
@@ -65,34 +58,24 @@ def _on_device(positions: torch.Tensor, device: torch.device) -> torch.Tensor:
     return positions.to(device)
 
 
-def _use_triton(device: torch.device) -> bool:
-    forced = os.environ.get("LOGLINEAR_BACKEND")
-    return forced == "triton" or (forced is None and device.type == "cuda")
-
-
 def decode_step(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor | None,
+    variant: Variant | str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
     level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
-    *, fenwick: bool = True, l2norm_qk: bool = False,
+    *, fenwick: bool = True, l2norm_qk: bool = False, backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per sequence.
 
-    q, k: [N, G, K]; v: [N, H, V]; g: [N, H] log-decay; beta: [N, H] (GDN) or None (Mamba-2);
+    q, k: [N, G, K]; v: [N, H, V]; gates: the variant's per-token inputs {name: [N, H]} (Mamba-2: g; GDN: g, beta);
     level_scales: [N, H, >= L] (unused when fenwick=False); levels: [N, L, H, K, V], L covering the
-    positions (fenwick: L >= levels_needed(p + 1)); positions: [N] int64, the token's absolute position.
-    Returns o: [N, H, V] in v's dtype and the new levels [N, L, H, K, V] in levels' dtype (a new tensor).
+    positions (fenwick: L >= levels_needed(p + 1)); positions: [N] int64, the token's absolute position;
+    backend: as in the public ops. Returns o: [N, H, V] in v's dtype and the new levels [N, L, H, K, V] in levels'
+    dtype (a new tensor).
     """
-    check_decode_inputs(q, k, v, g, beta, level_scales, levels, positions, fenwick=fenwick)
+    variant = get(variant)
+    check_decode_inputs(variant, q, k, v, gates, level_scales, levels, positions, fenwick=fenwick)
     positions = _on_device(positions, levels.device)
-    if _use_triton(levels.device):
-        from loglinear.ops.triton.decode import fused_decode_step
-
-        return fused_decode_step(
-            q, k, v, g, beta, level_scales, levels, positions, scale, fenwick=fenwick, l2norm_qk=l2norm_qk
-        )
-    return decode_step_torch(
-        q, k, v, g, beta, level_scales, levels, positions, scale, fenwick=fenwick, l2norm_qk=l2norm_qk
-    )
+    step = backend_for(variant, select_backend(variant, levels.device, backend)).decode or decode_step_torch
+    return step(variant, q, k, v, gates, level_scales, levels, positions, scale, fenwick=fenwick, l2norm_qk=l2norm_qk)
 
 
 def fused_decode_applies(inp: OpInputs) -> bool:
@@ -102,22 +85,23 @@ def fused_decode_applies(inp: OpInputs) -> bool:
     if inp.initial_state is None:
         return False
     one_each = inp.q.shape[1] == 1 if inp.bounds is None else inp.q.shape[1] == len(inp.bounds) - 1
-    tensors = [inp.q, inp.k, inp.v, inp.g, inp.level_scales, inp.initial_state.levels]
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors + [inp.beta] if t is not None)
+    tensors = [inp.q, inp.k, inp.v, *inp.gates.values(), inp.level_scales, inp.initial_state.levels]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     return one_each and not grad
 
 
-def op_decode_step(inp: OpInputs, output_final_state: bool,
-                   use_qk_l2norm: bool) -> tuple[torch.Tensor, FenwickState | None]:
+def op_decode_step(inp: OpInputs, output_final_state: bool, use_qk_l2norm: bool,
+                   backend: str | None = None) -> tuple[torch.Tensor, FenwickState | None]:
     """The public op's T == 1 path: validated inputs in the op's layout -> (o [B, T, H, V], state)."""
     squeeze = 0 if inp.bounds is not None else 1
-    take = lambda x: x.squeeze(squeeze) if x is not None else None  # noqa: E731
+    take = lambda x: x.squeeze(squeeze)  # noqa: E731
     state = inp.initial_state
     state = state.with_levels(levels_needed(state.max_position + 1))
     dtype = torch.float64 if torch.float64 in (inp.q.dtype, inp.v.dtype) else torch.float32
+    gates = {name: take(x) for name, x in inp.gates.items()}
     o, levels = decode_step(
-        take(inp.q), take(inp.k), take(inp.v), take(inp.g), take(inp.beta), take(inp.level_scales),
-        state.levels.to(dtype), state.positions, inp.scale, l2norm_qk=use_qk_l2norm,
+        inp.variant, take(inp.q), take(inp.k), take(inp.v), gates, take(inp.level_scales), state.levels.to(dtype),
+        state.positions, inp.scale, l2norm_qk=use_qk_l2norm, backend=backend,
     )
     o = o.unsqueeze(squeeze)
     return o, (FenwickState(levels, state.positions + 1) if output_final_state else None)

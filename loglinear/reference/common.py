@@ -1,19 +1,17 @@
-"""The two generic forms shared by the exact references.
+"""The two generic forms of the exact references.
 
 Both forms take inputs already expanded to value heads and cast to the compute dtype:
-q, k: [B, T, H, K]; v: [B, T, H, V]; g, beta: [B, T, H]; level_scales: [B, T, H, L].
-A variant supplies only its transfer matrix (materialized) or its per-token transition (recurrent).
+q, k: [B, T, H, K]; v: [B, T, H, V]; gates: {name: [B, T, H]}; level_scales: [B, T, H, L].
+A variant (loglinear.variants) supplies only its transfer matrix (materialized) or its per-token transition
+and deposited key (recurrent).
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from loglinear.fenwick import carry, level_matrix, levels_needed
-
-Transition = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+from loglinear.variants import Variant
 
 
 def level_mask(level_scales: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -35,15 +33,15 @@ def materialized(
 
 
 def recurrent(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    level_scales: torch.Tensor, scale: float, transition: Transition,
-    levels: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+    variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
+    level_scales: torch.Tensor, scale: float, levels: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The per-level recurrent cascade of spec section 4, one token at a time.
 
     levels: [B, Ls, H, K, V] incoming level states (None: empty); positions: [B] tokens already consumed.
     Per token at absolute position p: (1) carry: levels 0..ctz(p) merge into ctz(p)+1 (p > 0);
-    (2) the token's transition on every level; (3) level 0 += beta k v^T;
+    (2) the token's transition A_t on every level; (3) level 0 += k~ v^T (k~ = variant.deposit_key);
     (4) o = scale * sum_l lambda[l] S[l]^T q.
     Returns o: [B, T, H, V], the final levels [B, Lf, H, K, V] and positions [B].
     """
@@ -63,8 +61,9 @@ def recurrent(
     outs = []
     for t in range(T):
         S = carry(S, positions + t)
-        S = transition(S, g[:, t], k[:, t], beta[:, t])
-        deposit = torch.einsum("bh,bhk,bhv->bhkv", beta[:, t], k[:, t], v[:, t])
+        gates_t = {name: x[:, t] for name, x in gates.items()}
+        S = variant.transition(S, k[:, t], gates_t)
+        deposit = torch.einsum("bhk,bhv->bhkv", variant.deposit_key(k[:, t], gates_t), v[:, t])
         S = S + level0 * deposit[:, None]
         lam = level_scales[:, t, :, :n_levels]  # [B, H, L]
         outs.append(scale * torch.einsum("blhkv,bhk,bhl->bhv", S, q[:, t], lam))

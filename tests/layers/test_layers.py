@@ -113,7 +113,8 @@ def test_plain_layer_is_the_single_state_recurrence(monkeypatch, variant):
     monkeypatch.setattr(mixer_module, "fenwick_attention", spy)
     x = torch.randn(2, 11, D, dtype=torch.float64)
     layer(x)
-    _, q, k, v, g, beta, lam, _, _, _, scale, *_ , l2 = seen["args"]
+    _, q, k, v, gates, lam, _, _, _, scale, *_ , l2 = seen["args"]
+    g, beta = gates[0], gates[1] if len(gates) > 1 else None
     assert lam is None
     H = v.shape[2]
     q, k = q.repeat_interleave(H // q.shape[2], 2), k.repeat_interleave(H // k.shape[2], 2)

@@ -12,6 +12,7 @@ from loglinear.layers import LogLinearGatedDeltaNet, LogLinearMamba2
 from loglinear.models import LogLinearGatedDeltaNetConfig, LogLinearGatedDeltaNetForCausalLM
 from loglinear.models.modeling import CACHE_KEY
 from loglinear.ops import custom_ops
+from loglinear.variants import GATED_DELTANET, MAMBA2
 
 
 @pytest.fixture(autouse=True)
@@ -79,19 +80,21 @@ def test_model_trains_and_decodes_without_graph_breaks():
 def test_stateless_custom_ops_match_public_ops_and_pass_opcheck(gdn):
     x = make_inputs(2, 6, 1, 2)
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    variant = GATED_DELTANET if gdn else MAMBA2
+    gates = {n: leaves[n] for n in variant.gate_names}
     if gdn:
         ref, _ = log_linear_gated_deltanet(**leaves, use_qk_l2norm=True, chunk_size=4)
-        out = custom_ops.log_linear_gated_deltanet(**leaves, use_qk_l2norm=True, chunk_size=4)
     else:
         ref, _ = log_linear_mamba2(**mamba2_args(leaves), chunk_size=4)
-        out = custom_ops.log_linear_mamba2(**mamba2_args(leaves), chunk_size=4)
+    out = custom_ops.attention(variant, leaves["q"], leaves["k"], leaves["v"], gates, leaves["level_scales"],
+                               use_qk_l2norm=gdn, chunk_size=4)
     assert_close(out, ref, 1e-14, "custom op")
     used = mamba2_args(leaves) if not gdn else leaves
     gy = torch.randn_like(ref)
     for g, gc in zip(torch.autograd.grad(ref, list(used.values()), gy),
                      torch.autograd.grad(out, list(used.values()), gy)):
         assert_close(gc, g, 1e-12, "custom op gradient")
-    args = ("gated_deltanet" if gdn else "mamba2", x["q"], x["k"], x["v"], x["g"], x["beta"] if gdn else None,
+    args = (variant.name, x["q"], x["k"], x["v"], [x[n] for n in variant.gate_names],
             x["level_scales"], None, None, None, 0.5, 4, 21, False, gdn)
     torch.library.opcheck(custom_ops.fenwick_attention_op, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))

@@ -10,9 +10,18 @@ from loglinear import FenwickState, log_linear_gated_deltanet, log_linear_mamba2
 from loglinear import reference as R
 from loglinear.fenwick import levels_needed
 from loglinear.ops import decode as D
-from loglinear.ops.triton.decode import fused_decode_step
+from loglinear.ops.triton.decode import decode_backend, fused_decode_step
+from loglinear.variants import GATED_DELTANET, MAMBA2
 
-STEPS = {"torch": D.decode_step_torch, "triton": fused_decode_step}
+STEPS = {"torch": D.decode_step_torch, "triton": decode_backend}
+
+
+def _gates(tok, gdn: bool) -> dict:
+    return {"g": tok["g"], "beta": tok["beta"]} if gdn else {"g": tok["g"]}
+
+
+def _variant(gdn: bool):
+    return GATED_DELTANET if gdn else MAMBA2
 
 
 def _prefix_states(x, gdn: bool, lengths: list[int]):
@@ -58,7 +67,7 @@ def test_step_matches_reference(impl, gdn, G, H, K, V):
     levels, positions = _prefix_states(x, gdn, lengths)
     tok = _token(x, lengths)
     o, new = STEPS[impl](
-        tok["q"], tok["k"], tok["v"], tok["g"], tok["beta"] if gdn else None, tok["level_scales"], levels,
+        _variant(gdn), tok["q"], tok["k"], tok["v"], _gates(tok, gdn), tok["level_scales"], levels,
         positions, x["q"].shape[-1] ** -0.5, l2norm_qk=gdn,
     )
     assert_close(o, _reference_step(x, gdn, lengths), 1e-12, f"{impl} o")
@@ -94,7 +103,7 @@ def test_plain_step_is_the_single_state_recurrence(impl, gdn):
     expected = (torch.exp(tok["g"])[..., None, None] * expected
                 + beta[..., None, None] * k[..., None] * tok["v"][:, :, None])
     o, new = STEPS[impl](
-        tok["q"], tok["k"], tok["v"], tok["g"], tok["beta"] if gdn else None, None, S, torch.tensor([5, 0, 8]),
+        _variant(gdn), tok["q"], tok["k"], tok["v"], _gates(tok, gdn), None, S, torch.tensor([5, 0, 8]),
         0.5, fenwick=False,
     )
     assert_close(new[:, 0], expected, 1e-13, "plain state")
@@ -142,8 +151,7 @@ def test_public_op_keeps_autograd_when_grad_is_needed(monkeypatch):
     monkeypatch.setattr(D, "op_decode_step", lambda *a: pytest.fail("fused step used although a gradient is needed"))
     from loglinear.inputs import check_inputs
 
-    inp = check_inputs(tok["q"], tok["k"], tok["v"], tok["g"], None, tok["level_scales"], None, st, None,
-                       has_beta=False)
+    inp = check_inputs(MAMBA2, tok["q"], tok["k"], tok["v"], {"g": tok["g"]}, tok["level_scales"], None, st, None)
     assert not D.fused_decode_applies(inp)
 
 

@@ -6,6 +6,7 @@ import torch
 from helpers import make_inputs, mamba2_args
 from loglinear import FenwickState, log_linear_gated_deltanet, log_linear_mamba2
 from loglinear.ops.decode import decode_step
+from loglinear.variants import GATED_DELTANET
 
 
 def base():
@@ -182,11 +183,13 @@ def test_chunk_size_checked_on_the_decode_path():
 
 
 def step_args(**changes):
-    """Valid decode_step arguments (N = 2, G = 1, H = 2, K = 4, V = 3, L = 3, positions 3 and 2), then ``changes``."""
+    """Valid Gated DeltaNet decode_step arguments (N = 2, G = 1, H = 2, K = 4, V = 3, L = 3, positions 3 and 2),
+    then ``changes`` (g and beta go into the gates)."""
     x = {n: t[:, 0] for n, t in make_inputs(2, 1, 1, 2, K=4, V=3, L=3).items()}
     args = x | {"levels": torch.randn(2, 3, 2, 4, 3, dtype=torch.float64), "positions": torch.tensor([3, 2]),
-                "scale": 0.5}
-    return args | changes
+                "scale": 0.5} | changes
+    gates = {"g": args.pop("g"), "beta": args.pop("beta")}
+    return {"variant": GATED_DELTANET, "gates": gates} | args
 
 
 def f64(*shape):

@@ -6,7 +6,7 @@ import torch
 from helpers import assert_close, make_inputs, mamba2_args
 from loglinear import log_linear_gated_deltanet, log_linear_mamba2
 from loglinear import reference as R
-from loglinear.ops.torch_chunk import suffix_sum
+from loglinear.variants.mamba2 import suffix_sum
 
 SHAPES = [(1, 1, 1, 1), (2, 2, 1, 2), (2, 63, 1, 2), (1, 64, 2, 2), (2, 65, 1, 3), (1, 100, 2, 4), (1, 257, 1, 1)]
 

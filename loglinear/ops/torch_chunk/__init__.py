@@ -1,6 +1,6 @@
-"""Portable chunkwise backend (any device, autograd): the Fenwick chunk scan over per-variant forms."""
+"""Portable chunkwise backend (any device, autograd): the Fenwick chunk scan over a variant's chunk form
+(loglinear.variants: Mamba2Form, GatedDeltaNetForm)."""
 
-from loglinear.ops.torch_chunk.forms import GatedDeltaNetForm, Mamba2Form, suffix_sum
 from loglinear.ops.torch_chunk.scan import chunk_scan
 
-__all__ = ["chunk_scan", "Mamba2Form", "GatedDeltaNetForm", "suffix_sum"]
+__all__ = ["chunk_scan"]

@@ -15,6 +15,16 @@ at position p0 is front-padded with p0 mod C identity tokens. Then (spec section
           splits the last chunk into token-level buckets around the last position.
 
 Time O(T C (K + V) + T K V log(T / C)); memory O(T C + K V log T): no T x T tensor.
+
+What the scan needs from a variant is its chunk form (Variant.form), built on chunked tensors
+q, k: [b, H, N, C, K]; v: [b, H, N, C, V]; each gate [b, H, N, C] (N chunks of C tokens; padding tokens have
+k = v = gates = 0, so their transition is the identity). Within a chunk, G is the local inclusive cumsum of g and
+Gamma[t, s] = exp(G_t - G_s) for s <= t. A form provides
+    intra:  [b, H, N, C, C]  beta_s q_t^T P_{t,s} k_s inside the chunk (before the level mask)
+    qt:     [b, H, N, C, K]  readout queries:  q_t^T P_{t, chunk start - 1} h  ==  (qt_t) h
+    transition(i, h):        the chunk's whole transition applied to states h: [b, H, K, X]
+    bucket_states(i, masks): state at the chunk's end of the tokens selected by masks [M, C] -> [b, M, H, K, V]
+    deposit:                 [b, H, N, K, V]  the chunk's own state at its end (all tokens)
 """
 
 from __future__ import annotations
@@ -57,11 +67,12 @@ def _level_scales_at(lam: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_scan(
-    form_cls, q, k, v, g, beta, lam, scale: float, levels: torch.Tensor | None, position: int, chunk_size: int,
+    form_cls: type, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
+    lam: torch.Tensor, scale: float, levels: torch.Tensor | None, position: int, chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunkwise log-linear attention of rows sharing the start ``position``.
+    """Chunkwise log-linear attention of rows sharing the start ``position``; form_cls: the variant's chunk form.
 
-    q, k: [b, T, H, K]; v: [b, T, H, V]; g, beta: [b, T, H]; lam: [b, T, H, L];
+    q, k: [b, T, H, K]; v: [b, T, H, V]; gates: {name: [b, T, H]}; lam: [b, T, H, L];
     levels: [b, Ls, H, K, V] incoming state (or None). Returns o: [b, T, H, V] and the final levels
     [b, max(Ls, levels_needed(position + T)), H, K, V].
     """
@@ -74,8 +85,8 @@ def chunk_scan(
     N, c0 = Tp // C, position // C
     end = position + T  # tokens consumed after the call
     pad = lambda x: _chunked(_pad_time(x, front, back), C)  # noqa: E731
-    qc, kc, vc, gc, bc, lc = pad(q), pad(k), pad(v), pad(g), pad(beta), pad(lam)
-    form = form_cls(qc, kc, vc, gc, bc)
+    qc, kc, vc, lc = pad(q), pad(k), pad(v), pad(lam)
+    form = form_cls(qc, kc, vc, **{name: pad(x) for name, x in gates.items()})
     device = q.device
     n_final = max(levels_needed(end), levels.shape[1] if levels is not None else 0)
 

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loglinear.variants import Variant
+
 __all__ = ["fused_decode_step"]
 
 
@@ -133,3 +135,14 @@ def fused_decode_step(
         ACC=tl.float64 if levels.dtype == torch.float64 else tl.float32,
     )
     return o, out
+
+
+def decode_backend(
+    variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
+    level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
+    *, fenwick: bool = True, l2norm_qk: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The registered decode step (loglinear.ops.backends): Mamba-2 (gates g) or Gated DeltaNet (g, beta), the
+    kernel's compile-time switch HAS_BETA."""
+    return fused_decode_step(q, k, v, gates["g"], gates.get("beta"), level_scales, levels, positions, scale,
+                             fenwick=fenwick, l2norm_qk=l2norm_qk)

@@ -27,13 +27,13 @@ import torch
 
 from loglinear.fenwick import bit_length, carry_target, chunk_bits, levels_needed
 from loglinear.inputs import OpInputs, expand_groups, l2norm, run_segments
-from loglinear.ops.torch_chunk.forms import GatedDeltaNetForm
 from loglinear.ops.torch_chunk.scan import _carry_past, _chunked, _final_levels, _level_scales_at, _pad_time
 from loglinear.ops.triton.common import interpreting, min_head_dim, run_padded, table_cache
 from loglinear.ops.triton.gated_deltanet_common import Chunking, dot_dtype
 from loglinear.ops.triton.gated_deltanet_local import chunk_local
 from loglinear.ops.triton.gated_deltanet_scan import fenwick_delta_scan
 from loglinear.state import FenwickState
+from loglinear.variants.gated_deltanet import GatedDeltaNetForm
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_K = 256  # the scan keeps K whole in a tile
@@ -163,30 +163,28 @@ def _run_one_segment(
     q/k expansion: the kernels read the op's tensors (and normalise q/k themselves).  Returns (o, state) like
     run_segments."""
     q, k = inp.q, inp.k
-    beta = inp.beta if inp.beta is not None else torch.ones_like(inp.g)
     state = inp.initial_state
     position = state.positions.tolist()[0] if state is not None else 0
     levels = state.levels.float() if state is not None else None
-    o, final = core(q, k, inp.v, inp.g, beta, inp.level_scales, inp.scale, levels, position, qk_l2norm=l2norm_qk)
+    o, final = core(q, k, inp.v, inp.gates, inp.level_scales, inp.scale, levels, position, qk_l2norm=l2norm_qk)
     if not output_final_state:
         return o, None
     return o, FenwickState(final, torch.full((q.shape[0],), position + q.shape[1], dtype=torch.int64))
 
 
+def supports(inp: OpInputs) -> bool:
+    """The kernels take bf16/fp16/fp32 and K <= 256 on CUDA (or any device under TRITON_INTERPRET=1)."""
+    return inp.v.dtype in SUPPORTED_DTYPES and inp.q.dtype in SUPPORTED_DTYPES and inp.q.shape[-1] <= MAX_K and (
+        inp.q.device.type == "cuda" or interpreting()
+    )
+
+
 def triton_backend(
     inp: OpInputs, output_final_state: bool, chunk_size: int, use_qk_l2norm: bool,
 ) -> tuple[torch.Tensor, FenwickState | None]:
-    """The registered "triton" backend of log_linear_gated_deltanet (CUDA, or CPU under TRITON_INTERPRET=1).
-
-    float64 inputs, K > 256, and CPU tensors without the interpreter go to the torch chunk path; heads
+    """The registered "triton" backend of log_linear_gated_deltanet, for inputs it ``supports``; heads
     narrower than min_head_dim run zero-padded."""
     dtype = inp.v.dtype
-    if dtype not in SUPPORTED_DTYPES or inp.q.dtype not in SUPPORTED_DTYPES or inp.q.shape[-1] > MAX_K or (
-        inp.q.device.type != "cuda" and not interpreting()
-    ):
-        from loglinear.ops.api import _BACKENDS
-
-        return _BACKENDS["gated_deltanet"]["torch"](inp, output_final_state, chunk_size, use_qk_l2norm)
     minimum = min_head_dim(dot_dtype(dtype), inp.q.device)
     return run_padded(inp, minimum, lambda x: _run_kernels(x, output_final_state, chunk_size, use_qk_l2norm))
 
@@ -197,11 +195,11 @@ def _run_kernels(
     """triton_backend on the kernels, in v's dtype: (o [B, T, H, V], final state or None)."""
     dtype = inp.v.dtype
 
-    def core(q, k, v, g, beta, lam, scale, levels, position, qk_l2norm=False):
+    def core(q, k, v, gates, lam, scale, levels, position, qk_l2norm=False):
         """gated_deltanet_core; the final levels only for output_final_state (else None: run_segments carries
         nothing between segments, each starts from its own incoming state)."""
-        return gated_deltanet_core(q, k, v, g, beta, lam, scale, levels, position, chunk_size, dtype, qk_l2norm,
-                                   output_final_state)
+        return gated_deltanet_core(q, k, v, gates["g"], gates["beta"], lam, scale, levels, position, chunk_size,
+                                   dtype, qk_l2norm, output_final_state)
 
     one = inp.bounds is None and (inp.initial_state is None or len(set(inp.initial_state.positions.tolist())) == 1)
     if one:

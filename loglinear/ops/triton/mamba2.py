@@ -32,7 +32,7 @@ import triton
 
 from loglinear.fenwick import bit_length, chunk_bits, levels_needed
 from loglinear.inputs import OpInputs, expand_groups
-from loglinear.ops.torch_chunk import Mamba2Form, chunk_scan, suffix_sum
+from loglinear.ops.torch_chunk import chunk_scan
 from loglinear.ops.torch_chunk.scan import _carry_past
 from loglinear.ops.triton.common import (
     MAX_CHUNK_LEVELS, alloc, device_table, dot_precision, group_sum, interpreting, launch_options, min_head_dim,
@@ -45,6 +45,7 @@ from loglinear.ops.triton.mamba2_chunk import (
 )
 from loglinear.ops.triton.mamba2_fwd import mamba2_fwd_kernel
 from loglinear.state import FenwickState
+from loglinear.variants.mamba2 import Mamba2Form, suffix_sum
 
 __all__ = ["mamba2_triton", "kernel_chunk_size", "LevelScanPlan"]
 
@@ -368,9 +369,8 @@ class _Flat:
         """Tokens [a, b) as the torch path's [1, b-a, H, *] fp32 inputs (q/k expanded to the value heads)."""
         H = self.v.shape[1]
         pick = lambda x: x[None, a:b].float()  # noqa: E731
-        g = pick(self.g)
-        return dict(q=expand_groups(pick(self.q), H), k=expand_groups(pick(self.k), H), v=pick(self.v), g=g,
-                    beta=torch.ones_like(g), lam=pick(self.lam))
+        return dict(q=expand_groups(pick(self.q), H), k=expand_groups(pick(self.k), H), v=pick(self.v),
+                    g=pick(self.g), lam=pick(self.lam))
 
 
 def _kernel_dtype(inp: OpInputs) -> torch.dtype:
@@ -389,7 +389,7 @@ def _flatten(inp: OpInputs) -> _Flat:
     state = inp.initial_state
     return _Flat(
         inp.q.to(dtype).reshape(B * T, G, K).contiguous(), inp.k.to(dtype).reshape(B * T, G, K).contiguous(),
-        inp.v.to(dtype).reshape(B * T, H, V).contiguous(), inp.g.reshape(B * T, H).contiguous(),
+        inp.v.to(dtype).reshape(B * T, H, V).contiguous(), inp.gates["g"].reshape(B * T, H).contiguous(),
         inp.level_scales.reshape(B * T, H, -1).contiguous(), bounds,
         state.positions.tolist() if state is not None else [0] * (len(bounds) - 1),
     )
@@ -419,8 +419,8 @@ def _align(flat: _Flat, state: FenwickState | None, C: int, scale: float) -> _Al
         if levels is not None and (p % C or p == 0):
             pre = min(b - a, C - p % C)
             x = flat.rows(a, a + pre)
-            o_pre, levels = chunk_scan(Mamba2Form, x["q"], x["k"], x["v"], x["g"], x["beta"], x["lam"], scale,
-                                       levels, p, C)
+            o_pre, levels = chunk_scan(Mamba2Form, x["q"], x["k"], x["v"], {"g": x["g"]}, x["lam"], scale, levels,
+                                       p, C)
             out.prefix_out.append(o_pre[0])
             out.prefixes.append((a, a + pre))
         if a + pre == b:
@@ -463,15 +463,16 @@ def _final_state(flat: _Flat, aligned: _Aligned, final: torch.Tensor, C: int, n_
     return FenwickState(torch.stack([_pad_levels(x, n_max) for x in out]), torch.tensor(positions))
 
 
-def mamba2_triton(inp: OpInputs, output_final_state: bool, chunk_size: int, use_qk_l2norm: bool = False):
-    """Backend "triton" for log_linear_mamba2 (see loglinear.ops.api.Backend); float64 and CPU tensors
-    outside the interpreter go to the torch path; heads narrower than min_head_dim run zero-padded."""
-    if inp.q.dtype not in SUPPORTED_DTYPES or inp.v.dtype not in SUPPORTED_DTYPES or (
-        inp.q.device.type != "cuda" and not interpreting()
-    ):
-        from loglinear.ops.api import _BACKENDS
+def supports(inp: OpInputs) -> bool:
+    """The kernels take bf16/fp16/fp32 on CUDA (or any device under TRITON_INTERPRET=1)."""
+    return inp.q.dtype in SUPPORTED_DTYPES and inp.v.dtype in SUPPORTED_DTYPES and (
+        inp.q.device.type == "cuda" or interpreting()
+    )
 
-        return _BACKENDS["mamba2"]["torch"](inp, output_final_state, chunk_size, use_qk_l2norm)
+
+def mamba2_triton(inp: OpInputs, output_final_state: bool, chunk_size: int, use_qk_l2norm: bool = False):
+    """Backend "triton" for log_linear_mamba2 (see loglinear.ops.backends), for inputs it ``supports``; heads
+    narrower than min_head_dim run zero-padded."""
     minimum = min_head_dim(_kernel_dtype(inp), inp.q.device)
     return run_padded(inp, minimum, lambda x: _run_kernels(x, output_final_state, chunk_size))
 
