@@ -24,16 +24,18 @@ import time
 import torch
 import torch.distributed as dist
 
-import loglinear
-from loglinear.distributed import context_parallel_log_linear_gated_deltanet, context_parallel_log_linear_mamba2
+from loglinear.distributed import context_parallel_attention
 from loglinear.distributed import scan as scan_module
 from loglinear.distributed.mesh import shard_bounds
 from loglinear.fenwick import levels_needed
+from loglinear.ops import attention
+from loglinear.variants import REGISTRY
 
 
 def _args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variant", choices=["mamba2", "gated_deltanet"], default="mamba2")
+    p.add_argument("--variant", choices=sorted(REGISTRY), default="mamba2")
+    p.add_argument("--qk-l2norm", action="store_true", help="normalise q and k inside the op (use_qk_l2norm)")
     p.add_argument("--T", type=int, default=4096)
     p.add_argument("--B", type=int, default=1)
     p.add_argument("--H", type=int, default=4)
@@ -65,16 +67,21 @@ class _ScanTimer:
 
 
 def _inputs(a: argparse.Namespace) -> list[torch.Tensor]:
-    """The whole sequence's inputs, on the host (the same on every rank)."""
+    """The whole sequence's inputs q, k, v, the variant's gates, level_scales, on the host (the same on every
+    rank)."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     dtype = getattr(torch, a.dtype)
     L = levels_needed(a.T)
     make = lambda *shape, f=torch.randn: f(*shape, generator=gen).to(dtype)  # noqa: E731
-    x = [make(a.B, a.T, 1, a.K), make(a.B, a.T, 1, a.K) / a.K**0.5, make(a.B, a.T, a.H, a.V),
-         -0.05 - 0.4 * make(a.B, a.T, a.H, f=torch.rand)]
-    if a.variant == "gated_deltanet":
-        x.append(0.05 + 0.9 * make(a.B, a.T, a.H, f=torch.rand))
-    return x + [0.2 + make(a.B, a.T, a.H, L, f=torch.rand)]
+    x = [make(a.B, a.T, 1, a.K), make(a.B, a.T, 1, a.K) / a.K**0.5, make(a.B, a.T, a.H, a.V)]
+    gates = REGISTRY[a.variant].sample_gates(a.B, a.T, a.H, generator=gen)
+    return x + [t.to(dtype) for t in gates.values()] + [0.2 + make(a.B, a.T, a.H, L, f=torch.rand)]
+
+
+def _op(op, variant: str, kw: dict):
+    """op(variant, q, k, v, gates, level_scales, **kw) called with the positional list of _inputs."""
+    names = REGISTRY[variant].gate_names
+    return lambda q, k, v, *rest: op(variant, q, k, v, dict(zip(names, rest[:-1])), rest[-1], **kw)
 
 
 def _sync(device: torch.device) -> None:
@@ -102,9 +109,8 @@ def _max_ms(seconds: float, device: torch.device) -> float:
 def run(a: argparse.Namespace) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
-    single = loglinear.log_linear_mamba2 if a.variant == "mamba2" else loglinear.log_linear_gated_deltanet
-    cp = context_parallel_log_linear_mamba2 if a.variant == "mamba2" else context_parallel_log_linear_gated_deltanet
-    kw = {"chunk_size": a.chunk_size} | ({"use_qk_l2norm": True} if a.variant == "gated_deltanet" else {})
+    kw = {"chunk_size": a.chunk_size, "use_qk_l2norm": a.qk_l2norm}
+    single, cp = _op(attention, a.variant, kw), _op(context_parallel_attention, a.variant, kw)
     host = _inputs(a)
     start, end = shard_bounds(a.T, world, rank)
     shard = [t[:, start:end].to(device) for t in host]
@@ -116,24 +122,25 @@ def run(a: argparse.Namespace) -> dict | None:
     for _ in range(a.repeat + 1):  # the first round warms up
         ref = None
         if not a.no_single and rank == 0:
-            seconds, ref = _fwd_bwd(lambda *t: single(*t, **kw), x, device)
+            seconds, ref = _fwd_bwd(single, x, device)
             single_ms.append(seconds * 1e3)
         dist.barrier()
         if a.shard_op:
-            shard_ms.append(_max_ms(_fwd_bwd(lambda *t: single(*t, **kw), shard, device)[0], device))
+            shard_ms.append(_max_ms(_fwd_bwd(single, shard, device)[0], device))
         timer.seconds = 0.0
-        seconds, o = _fwd_bwd(lambda *t: cp(*t, **kw), shard, device)
+        seconds, o = _fwd_bwd(cp, shard, device)
         times = torch.tensor([seconds, timer.seconds], dtype=torch.float64, device=device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         cp_ms.append(float(times[0]) * 1e3)
         scan_ms.append(float(times[1]) * 1e3)
         if a.check:
-            ref = single(*x, **kw)[0] if ref is None else ref
+            ref = single(*x)[0] if ref is None else ref
             err = (o.double() - ref[:, start:end].double()).norm() / ref[:, start:end].double().norm()
             errors.append(float(err))
         dist.barrier()
     state_bytes = a.B * levels_needed(a.T) * a.H * a.K * a.V * 4
-    mat_bytes = a.B * a.H * (a.K * a.K if a.variant == "gated_deltanet" else 1) * 4
+    rows, cols = REGISTRY[a.variant].transition_shape(a.K)
+    mat_bytes = a.B * a.H * rows * cols * 4
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     peaks = [None] * world
     dist.all_gather_object(peaks, peak)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from loglinear.distributed.halo import previous_tokens
 from loglinear.distributed.layout import shared_shard_shapes
-from loglinear.distributed.ops import context_parallel_log_linear_gated_deltanet, context_parallel_log_linear_mamba2
+from loglinear.distributed.ops import context_parallel_attention
 
 __all__ = ["apply_context_parallel", "context_parallel_mixer_forward"]
 
@@ -59,16 +59,11 @@ def context_parallel_mixer_forward(
     inputs = mixer.op_inputs(F.silu(conv_out), rest)
     view = layout.op_view
     lam = _level_scales(mixer, x, (B, T))
-    common = dict(group=group, scale=mixer.scale, chunk_size=mixer.chunk_size)
-    if mixer.variant == "mamba2":
-        o, _ = context_parallel_log_linear_mamba2(
-            view(inputs.q), view(inputs.k), view(inputs.v), view(inputs.g), lam, **common
-        )
-    else:
-        o, _ = context_parallel_log_linear_gated_deltanet(
-            view(inputs.q), view(inputs.k), view(inputs.v), view(inputs.g), view(inputs.beta), lam,
-            use_qk_l2norm=mixer.l2norm_qk, **common,
-        )
+    gates = {name: view(x) for name, x in inputs.gates.items()}
+    o, _ = context_parallel_attention(
+        mixer.variant, view(inputs.q), view(inputs.k), view(inputs.v), gates, lam, group=group, scale=mixer.scale,
+        use_qk_l2norm=mixer.l2norm_qk, chunk_size=mixer.chunk_size,
+    )
     return layout.unflatten(mixer.output(layout.from_op_view(o), inputs)), None
 
 

@@ -4,9 +4,10 @@ Composition (every rank, on its own shard; the public op runs with any backend):
 
   1. layout     one all_gather of the shard lengths; every rank knows where every shard sits
   2. local      the state leaving the shard if nothing came in:  local  [R, L, H, K, V]; the op from a
-                zero state at the shard's start position, or (Mamba-2 without initial states) the closed
-                form of local.py, O(T K V)
-  3. transition the shard's transition product  mat  (exp(sum g), or the K x K delta-rule product)
+                zero state at the shard's start position, or (without initial states) the variant's closed
+                form if it has one (Variant.local_state; Mamba-2: O(T K V))
+  3. transition the shard's transition product  mat  (Variant.shard_transition: exp(sum g) for Mamba-2, the
+                K x K delta-rule product for Gated DeltaNet)
   4. scan       incoming = exclusive prefix scan of  x -> mat . route(x) + local  over ranks
                 (ceil(log2 P) rounds of point-to-point messages, each O(L H K V) -- O(log T) states)
   5. output     op(shard, initial_state = incoming)  ->  o, exactly the single-process output
@@ -38,15 +39,16 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from loglinear.distributed.layout import ShardLayout, shard_layout
-from loglinear.distributed.local import decay_local_state
 from loglinear.distributed.scan import incoming_states
-from loglinear.distributed.transitions import decay_transition, delta_rule_transition
 from loglinear.fenwick import levels_needed
-from loglinear.inputs import check_inputs, expand_groups
-from loglinear.ops.api import log_linear_gated_deltanet, log_linear_mamba2
+from loglinear.inputs import check_inputs, expand_groups, l2norm
+from loglinear.ops.api import attention
 from loglinear.state import FenwickState
+from loglinear.variants import GATED_DELTANET, MAMBA2, Variant, get
 
-__all__ = ["context_parallel_log_linear_mamba2", "context_parallel_log_linear_gated_deltanet"]
+__all__ = [
+    "context_parallel_attention", "context_parallel_log_linear_mamba2", "context_parallel_log_linear_gated_deltanet",
+]
 
 
 def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -137,19 +139,27 @@ def _boundary_map(
         return own, None if layout.reset else transition()
 
 
-def _context_parallel(
-    op: Callable[..., tuple[torch.Tensor, FenwickState | None]],
-    transition: Callable[[], torch.Tensor], scalar_transition: bool, inputs: tuple[torch.Tensor, ...],
-    *, group: dist.ProcessGroup | None, initial_state: FenwickState | None, output_final_state: bool,
-    cu_seqlens: torch.Tensor | None, op_kwargs: dict,
-    local_state: Callable[[ShardLayout, int], torch.Tensor] | None = None,
+def context_parallel_attention(
+    variant: Variant | str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
+    level_scales: torch.Tensor, *, group: dist.ProcessGroup | None = None, scale: float | None = None,
+    initial_state: FenwickState | None = None, output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None, use_qk_l2norm: bool = False, chunk_size: int = 64,
 ) -> tuple[torch.Tensor, FenwickState | None]:
-    """Steps 1-5 of the module docstring for either variant.  inputs: the op's positional tensors;
-    local_state(layout, L): a cheaper exact ``local`` when no initial state is given (else the op runs)."""
+    """loglinear.ops.attention over a sequence sharded along T across the ranks of ``group`` (steps 1-5 of the
+    module docstring).
+
+    Every rank passes its contiguous shard (rank order = sequence order, any lengths >= 1):
+    q, k: [B, T_r, G, K]; v: [B, T_r, H, V]; gates: the variant's {name: [B, T_r, H]}; level_scales:
+    [B, T_r, H, L] with L covering the *global* length. cu_seqlens: the global packing [N+1] (B = 1), the same
+    on every rank. initial_state: FenwickState of the N global sequences, the same on every rank (each rank reads
+    the rows of the sequences starting in its shard; their gradients land on that rank).
+    Returns this shard's o: [B, T_r, H, V] (equal to the single-process op's slice) and, if
+    output_final_state, the final states of the sequences that end in this shard (None if none).
+    All ranks must call together (and backpropagate together).
+    """
+    variant = get(variant)
     group = _group(group)
-    q, v, level_scales = inputs[0], inputs[2], inputs[-1]
-    beta = None if scalar_transition else inputs[4]
-    check_inputs(*inputs[:4], beta, level_scales, op_kwargs["scale"], None, None, has_beta=beta is not None)
+    check_inputs(variant, q, k, v, gates, level_scales, scale, None, None)
     initial_state = _check_initial_state(initial_state, cu_seqlens, q.shape[0])
     positions = initial_state.positions if initial_state is not None else None
     layout = shard_layout(group, q, v, level_scales, cu_seqlens, positions)
@@ -159,20 +169,30 @@ def _context_parallel(
     base = _base_levels(layout, initial_state, (n, H, K, V), dtype, q.device)
     fresh = initial_state is None and not layout.carries  # every row from position 0 with a zero state
     local_cu = layout.cu_seqlens.to(q.device) if layout.cu_seqlens is not None else None
-    run = lambda levels, final: op(  # noqa: E731
-        *inputs, initial_state=None if levels is None else FenwickState(levels, layout.positions),
-        output_final_state=final, cu_seqlens=local_cu, **op_kwargs,
+    run = lambda levels, final: attention(  # noqa: E731
+        variant, q, k, v, gates, level_scales, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
+        initial_state=None if levels is None else FenwickState(levels, layout.positions), output_final_state=final,
+        cu_seqlens=local_cu,
     )
     R = layout.carried_rows
-    mat_shape = (R, H, 1, 1) if scalar_transition else (R, H, K, K)
+    wide = {name: x.to(dtype) for name, x in gates.items()}
+
     def own_local() -> torch.Tensor:
-        if local_state is not None and initial_state is None:
-            return local_state(layout, L)
+        if variant.local_state is not None and initial_state is None:
+            start = int(layout.cu_seqlens[-2]) if layout.cu_seqlens is not None else 0  # the last sequence's tokens
+            last = {name: x[:, start:] for name, x in wide.items()}
+            kk, vv = expand_groups(k, H)[:, start:].to(dtype), v[:, start:].to(dtype)
+            return variant.local_state(kk, vv, last, int(layout.positions[-1]), L)
         return run(None if fresh else base, True)[1].with_levels(L).levels[layout.local_slice]
+
+    def transition() -> torch.Tensor:
+        kk = l2norm(k.to(dtype)) if use_qk_l2norm else k.to(dtype)
+        return variant.shard_transition(kk, wide, chunk_size)
 
     local, mat = _boundary_map(layout, (R, L, H, K, V), dtype, q.device, own_local, transition)
     with torch.autocast(q.device.type, enabled=False):  # boundary states stay in the state dtype under AMP
-        incoming = incoming_states(local, mat, mat_shape, layout, group, anchors=inputs)
+        incoming = incoming_states(local, mat, (R, H, *variant.transition_shape(K)), layout, group,
+                                   anchors=(q, k, v, *gates.values(), level_scales))
     with record_function("cp/shard_op"):
         if fresh:
             o, final = run(None, output_final_state)
@@ -188,28 +208,11 @@ def context_parallel_log_linear_mamba2(
     group: dist.ProcessGroup | None = None, scale: float | None = None, initial_state: FenwickState | None = None,
     output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64,
 ) -> tuple[torch.Tensor, FenwickState | None]:
-    """loglinear.log_linear_mamba2 over a sequence sharded along T across the ranks of ``group``.
-
-    Every rank passes its contiguous shard (rank order = sequence order, any lengths >= 1):
-    q, k: [B, T_r, G, K]; v: [B, T_r, H, V]; g: [B, T_r, H]; level_scales: [B, T_r, H, L] with L covering
-    the *global* length. cu_seqlens: the global packing [N+1] (B = 1), the same on every rank.
-    initial_state: FenwickState of the N global sequences, the same on every rank (each rank reads the rows
-    of the sequences starting in its shard; their gradients land on that rank).
-    Returns this shard's o: [B, T_r, H, V] (equal to the single-process op's slice) and, if
-    output_final_state, the final states of the sequences that end in this shard (None if none).
-    All ranks must call together (and backpropagate together).
-    """
-    dtype = _compute_dtype(q, v)
-
-    def local_state(layout: ShardLayout, num_levels: int) -> torch.Tensor:
-        start = int(layout.cu_seqlens[-2]) if layout.cu_seqlens is not None else 0  # the last sequence's tokens
-        kk, vv, gg = (x[:, start:].to(dtype) for x in (expand_groups(k, v.shape[2]), v, g))
-        return decay_local_state(kk, vv, gg, int(layout.positions[-1]), num_levels)
-
-    return _context_parallel(
-        log_linear_mamba2, lambda: decay_transition(g.to(dtype)), True, (q, k, v, g, level_scales), group=group,
-        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        op_kwargs={"scale": scale, "chunk_size": chunk_size}, local_state=local_state,
+    """loglinear.log_linear_mamba2 over a sequence sharded along T across the ranks of ``group``
+    (see context_parallel_attention; g: [B, T_r, H])."""
+    return context_parallel_attention(
+        MAMBA2, q, k, v, {"g": g}, level_scales, group=group, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
     )
 
 
@@ -219,17 +222,11 @@ def context_parallel_log_linear_gated_deltanet(
     initial_state: FenwickState | None = None, output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None, use_qk_l2norm: bool = False, chunk_size: int = 64,
 ) -> tuple[torch.Tensor, FenwickState | None]:
-    """loglinear.log_linear_gated_deltanet over a sequence sharded along T across the ranks of ``group``.
-
-    Shards, cu_seqlens, initial_state and the result as in context_parallel_log_linear_mamba2, plus
-    beta: [B, T_r, H]. The shard's K x K transition product travels with its state in the scan.
-    """
-    dtype = _compute_dtype(q, v)
-    transition = lambda: delta_rule_transition(  # noqa: E731
-        k.to(dtype), g.to(dtype), beta.to(dtype), use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size
-    )
-    return _context_parallel(
-        log_linear_gated_deltanet, transition, False, (q, k, v, g, beta, level_scales), group=group,
+    """loglinear.log_linear_gated_deltanet over a sequence sharded along T across the ranks of ``group``
+    (see context_parallel_attention; g, beta: [B, T_r, H]). The shard's K x K transition product travels with its
+    state in the scan."""
+    return context_parallel_attention(
+        GATED_DELTANET, q, k, v, {"g": g, "beta": beta}, level_scales, group=group, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        op_kwargs={"scale": scale, "chunk_size": chunk_size, "use_qk_l2norm": use_qk_l2norm},
+        use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
     )

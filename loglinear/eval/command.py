@@ -20,7 +20,7 @@ from loglinear.data.text import PackedTokens
 from loglinear.data.tokenizer import load_tokenizer
 from loglinear.eval.lm import evaluate_lm
 from loglinear.eval.niah import evaluate_niah
-from loglinear.eval.report import ARCH_LABELS, ARCH_STYLE, markdown_table, pyplot, smooth, write_json
+from loglinear.report import ARCH_LABELS, ARCH_STYLE, markdown_table, pyplot, smooth, write_json
 from loglinear.train.checkpoint import load_model_weights
 from loglinear.train.loop import TrainConfig, model_from_config
 

@@ -12,9 +12,10 @@ import time
 
 import torch
 
-from loglinear import log_linear_gated_deltanet, log_linear_mamba2
 from loglinear import reference as R
 from loglinear.fenwick import levels_needed
+from loglinear.ops import attention
+from loglinear.variants import MAMBA2, REGISTRY, Variant
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,34 +29,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--table-value-dim", type=int, default=64, help="V of the memory table (paper: 64)")
 
 
-def _inputs(T: int, H: int, K: int, V: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def _inputs(variant: Variant, T: int, H: int, K: int, V: int, gen: torch.Generator) -> dict:
+    """Random float64 arguments of ``attention(variant, ...)`` for one sequence: q, k, v, gates, level_scales."""
     kw = dict(dtype=torch.float64, generator=gen)
     return {
         "q": torch.randn(1, T, 1, K, **kw),
         "k": torch.randn(1, T, 1, K, **kw) / K**0.5,
         "v": torch.randn(1, T, H, V, **kw),
-        "g": -0.02 - 0.2 * torch.rand(1, T, H, **kw),
-        "beta": torch.rand(1, T, H, **kw),
+        "gates": variant.sample_gates(1, T, H, **kw),
         "level_scales": 0.2 + torch.rand(1, T, H, levels_needed(T), **kw),
     }
 
 
 def _agreement(args: argparse.Namespace) -> bool:
+    """Every registered variant (q/k l2-normalised in the op) in its three forms."""
     gen = torch.Generator().manual_seed(args.seed)
-    x = _inputs(args.seq_len, args.heads, args.key_dim, args.value_dim, gen)
-    m2 = {n: t for n, t in x.items() if n != "beta"}
-    forms = {
-        "mamba2": (
-            lambda: R.log_linear_mamba2_materialized(**m2),
-            lambda: R.log_linear_mamba2_recurrent(**m2)[0],
-            lambda: log_linear_mamba2(**m2, chunk_size=args.chunk_size)[0],
-        ),
-        "gated_deltanet": (
-            lambda: R.log_linear_gated_deltanet_materialized(**x, use_qk_l2norm=True),
-            lambda: R.log_linear_gated_deltanet_recurrent(**x, use_qk_l2norm=True)[0],
-            lambda: log_linear_gated_deltanet(**x, use_qk_l2norm=True, chunk_size=args.chunk_size)[0],
-        ),
-    }
+    forms = {}
+    for variant in REGISTRY.values():
+        x = _inputs(variant, args.seq_len, args.heads, args.key_dim, args.value_dim, gen)
+        forms[variant.name] = (
+            lambda v=variant, x=x: R.materialized(v, **x, use_qk_l2norm=True),
+            lambda v=variant, x=x: R.recurrent(v, **x, use_qk_l2norm=True)[0],
+            lambda v=variant, x=x: attention(v, **x, use_qk_l2norm=True, chunk_size=args.chunk_size)[0],
+        )
     print(f"Agreement on random input (float64, T={args.seq_len}, H={args.heads}, K={args.key_dim}, "
           f"V={args.value_dim}, chunk={args.chunk_size}):")
     print(f"  {'variant':<16}{'materialized':>14}{'recurrent':>12}{'chunkwise':>12}"
@@ -88,13 +84,13 @@ def _state_growth(K: int, V: int, gen_steps: int = 64) -> None:
     """Decode for real up to a few hundred tokens (state levels measured), then the formula to 1M."""
     print(f"\nDecoding memory per layer and head (fp32 states, K={K}, V={V}; KV cache in bf16, K+V per token):")
     gen = torch.Generator().manual_seed(1)
-    x = _inputs(gen_steps, 1, K, V, gen)
-    m2 = {n: t for n, t in x.items() if n != "beta"}
-    _, state = log_linear_mamba2(**{n: t[:, :1] for n, t in m2.items()}, output_final_state=True)
+    x = _inputs(MAMBA2, gen_steps, 1, K, V, gen)
+    step = lambda t: {n: u[:, t : t + 1] for n, u in x.items() if n != "gates"} | {  # noqa: E731
+        "gates": {n: u[:, t : t + 1] for n, u in x["gates"].items()}}
+    _, state = attention(MAMBA2, **step(0), output_final_state=True)
     measured = {1: state.num_levels}
     for t in range(1, gen_steps):
-        _, state = log_linear_mamba2(**{n: u[:, t : t + 1] for n, u in m2.items()}, initial_state=state,
-                                     output_final_state=True)
+        _, state = attention(MAMBA2, **step(t), initial_state=state, output_final_state=True)
         measured[t + 1] = state.num_levels
     print(f"  {'T':>9}{'levels':>8}{'log-linear':>13}{'linear':>11}{'KV cache':>12}{'LL / KV':>10}")
     for T in (1, 2, 8, 64, 1024, 16384, 2**20):

@@ -1,6 +1,8 @@
 """Hugging Face causal LMs on the log-linear mixers, registered with the Auto classes on import:
 
     AutoConfig / AutoModel / AutoModelForCausalLM  <->  "loglinear_mamba2", "loglinear_gated_deltanet"
+
+MODELS maps a variant's name (loglinear.variants) to its (config, model, causal LM) classes.
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
@@ -17,13 +19,15 @@ from loglinear.models.modeling import (
 __all__ = [
     "LogLinearMamba2Config", "LogLinearMamba2Model", "LogLinearMamba2ForCausalLM",
     "LogLinearGatedDeltaNetConfig", "LogLinearGatedDeltaNetModel", "LogLinearGatedDeltaNetForCausalLM",
-    "FenwickCache",
+    "FenwickCache", "MODELS",
 ]
 
-for _config, _model, _lm in (
-    (LogLinearMamba2Config, LogLinearMamba2Model, LogLinearMamba2ForCausalLM),
-    (LogLinearGatedDeltaNetConfig, LogLinearGatedDeltaNetModel, LogLinearGatedDeltaNetForCausalLM),
-):
+MODELS = {
+    "mamba2": (LogLinearMamba2Config, LogLinearMamba2Model, LogLinearMamba2ForCausalLM),
+    "gated_deltanet": (LogLinearGatedDeltaNetConfig, LogLinearGatedDeltaNetModel, LogLinearGatedDeltaNetForCausalLM),
+}
+
+for _config, _model, _lm in MODELS.values():
     AutoConfig.register(_config.model_type, _config, exist_ok=True)
     AutoModel.register(_config, _model, exist_ok=True)
     AutoModelForCausalLM.register(_config, _lm, exist_ok=True)

@@ -52,6 +52,11 @@ class _FenwickConfig(PretrainedConfig):
             eos_token_id=eos_token_id, **kwargs,
         )
 
+    @classmethod
+    def default_num_heads(cls, hidden_size: int) -> int:
+        """Heads of 64 channels (at least one)."""
+        return max(1, hidden_size // 64)
+
     def _check_time_steps(self) -> None:
         if not (0 < self.time_step_floor and 0 < self.time_step_min <= self.time_step_max):
             raise ValueError(
@@ -72,6 +77,11 @@ class LogLinearMamba2Config(_FenwickConfig):
     state_size (N) per group, n_groups q/k groups; dt initialised log-uniform in [time_step_min, time_step_max]."""
 
     model_type = "loglinear_mamba2"
+
+    @classmethod
+    def default_num_heads(cls, hidden_size: int) -> int:
+        """Heads of 64 channels at expand 2 (at least one)."""
+        return max(1, 2 * hidden_size // 64)
 
     def __init__(
         self, state_size: int = 64, expand: int = 2, n_groups: int = 1, time_step_min: float = 1e-3,

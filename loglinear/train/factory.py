@@ -1,23 +1,24 @@
 """Model factory: an architecture name and a width -> a Hugging Face causal LM.
 
     transformer        LlamaForCausalLM (softmax attention, SDPA, RoPE): the baseline
-    mamba2             loglinear.models Mamba-2 with use_log_linear=False
-    ll_mamba2          log-linear Mamba-2
-    gated_deltanet     Gated DeltaNet with use_log_linear=False
-    ll_gated_deltanet  log-linear Gated DeltaNet
+    <variant>          the loglinear.models model of a registered variant with use_log_linear=False
+                       (mamba2, gated_deltanet: plain Mamba-2 / Gated DeltaNet)
+    ll_<variant>       its log-linear model (ll_mamba2, ll_gated_deltanet)
 
-Heads by default (at least one): head_dim 64 for the Transformer and Gated DeltaNet (value dim 128),
-2 * d_model / 64 heads of 64 channels for Mamba-2 (expand 2). The Transformer's SwiGLU has the same width
-as the recurrent models' (8/3 d_model, rounded up to 32). `overrides` go straight into the config.
+Heads by default: the Transformer's of 64 channels, a variant's from its config (default_num_heads: Mamba-2
+2 * d_model / 64 heads of 64 channels at expand 2, Gated DeltaNet d_model / 64). The Transformer's SwiGLU has the
+same width as the recurrent models' (8/3 d_model, rounded up to 32). `overrides` go straight into the config.
 """
 
 from __future__ import annotations
 
 import torch
 
+from loglinear.variants import REGISTRY
+
 __all__ = ["ARCHS", "build_model", "count_parameters", "is_log_linear", "family"]
 
-ARCHS = ("transformer", "mamba2", "ll_mamba2", "gated_deltanet", "ll_gated_deltanet")
+ARCHS = ("transformer",) + tuple(arch for name in REGISTRY for arch in (name, "ll_" + name))
 
 
 def is_log_linear(arch: str) -> bool:
@@ -25,7 +26,7 @@ def is_log_linear(arch: str) -> bool:
 
 
 def family(arch: str) -> str:
-    """"transformer", "mamba2" or "gated_deltanet"."""
+    """"transformer" or the variant's name ("mamba2", "gated_deltanet", ...)."""
     return arch.removeprefix("ll_")
 
 
@@ -42,17 +43,17 @@ def _llama(vocab_size: int, d_model: int, n_layers: int, n_heads: int, max_seq_l
     return LlamaForCausalLM(LlamaConfig(**kw))
 
 
-def _loglinear(arch: str, vocab_size: int, d_model: int, n_layers: int, n_heads: int, overrides: dict):
-    import loglinear.models as models
+def _loglinear(arch: str, vocab_size: int, d_model: int, n_layers: int, n_heads: int | None, overrides: dict):
+    from loglinear.models import MODELS
 
+    config_cls, _, lm_cls = MODELS[family(arch)]
     kw = dict(
-        vocab_size=vocab_size, hidden_size=d_model, num_hidden_layers=n_layers, num_heads=n_heads,
-        use_log_linear=is_log_linear(arch), tie_word_embeddings=True,
+        vocab_size=vocab_size, hidden_size=d_model, num_hidden_layers=n_layers,
+        num_heads=n_heads or config_cls.default_num_heads(d_model), use_log_linear=is_log_linear(arch),
+        tie_word_embeddings=True,
     )
     kw.update(overrides)
-    if family(arch) == "mamba2":
-        return models.LogLinearMamba2ForCausalLM(models.LogLinearMamba2Config(**kw))
-    return models.LogLinearGatedDeltaNetForCausalLM(models.LogLinearGatedDeltaNetConfig(**kw))
+    return lm_cls(config_cls(**kw))
 
 
 def build_model(
@@ -62,11 +63,10 @@ def build_model(
     """A freshly initialised causal LM (`seed` fixes the initialisation) taking input_ids [B, T] -> logits [B, T, V]."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    n_heads = n_heads or max(1, (2 if family(arch) == "mamba2" else 1) * d_model // 64)
     if seed is not None:
         torch.manual_seed(seed)
     if arch == "transformer":
-        return _llama(vocab_size, d_model, n_layers, n_heads, max_seq_len, overrides)
+        return _llama(vocab_size, d_model, n_layers, n_heads or max(1, d_model // 64), max_seq_len, overrides)
     return _loglinear(arch, vocab_size, d_model, n_layers, n_heads, overrides)
 
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from loglinear.data.mqar import IGNORE_INDEX, mqar_batch, query_targets
-from loglinear.eval.report import ARCH_LABELS, ARCH_STYLE, markdown_table, pyplot, write_json
+from loglinear.report import ARCH_LABELS, ARCH_STYLE, markdown_table, pyplot, write_json
 from loglinear.train.factory import ARCHS, build_model, count_parameters, family, is_log_linear
 from loglinear.train.loop import bf16_autocast, cosine_schedule
 

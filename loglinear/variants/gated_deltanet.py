@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from loglinear.inputs import expand_groups
 from loglinear.variants.base import Gate, Gates, Variant, decays
 
 __all__ = ["GATED_DELTANET", "GatedDeltaNetForm"]
@@ -116,8 +117,9 @@ def _ordered_product(mats: torch.Tensor) -> torch.Tensor:
 def shard_transition(k: torch.Tensor, gates: Gates, chunk_size: int) -> torch.Tensor:
     """A_{T-1} ... A_0 of a shard, in the WY form of the chunk path: each chunk's product M_n in one batched GEMM,
     then M_{N-1} ... M_0 by pairwise products in ceil(log2 N) steps. O(T K^2 + (T/C) K^3), differentiable.
-    k: [B, T, H, K] (expanded to the value heads, normalised if the op normalises); g, beta: [B, T, H]
-    -> [B, H, K, K]. Padding tokens (k = g = beta = 0) are identities."""
+    k: [B, T, G, K] (normalised if the op normalises); g, beta: [B, T, H] -> [B, H, K, K]. Padding tokens
+    (k = g = beta = 0) are identities."""
+    k = expand_groups(k, gates["g"].shape[2])
     kc, gc, bc = _chunks(k, chunk_size), _chunks(gates["g"], chunk_size), _chunks(gates["beta"], chunk_size)
     return _ordered_product(GatedDeltaNetForm(kc, kc, kc[..., :1], gc, bc).chunk_products())
 

@@ -60,7 +60,7 @@ def deposit_key(k: torch.Tensor, gates: Gates) -> torch.Tensor:
 
 
 def shard_transition(k: torch.Tensor, gates: Gates, chunk_size: int) -> torch.Tensor:
-    """A_{T-1} ... A_0 = exp(sum_t g_t).   g: [B, T, H] -> [B, H, 1, 1]."""
+    """A_{T-1} ... A_0 = exp(sum_t g_t).   g: [B, T, H] -> [B, H, 1, 1] (k: [B, T, G, K] unused)."""
     return torch.exp(gates["g"].sum(1))[..., None, None]
 
 

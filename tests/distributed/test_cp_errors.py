@@ -39,13 +39,13 @@ def test_fresh_rank_calls_the_op_without_a_state(one_rank, monkeypatch):
     The only rank is also the last: it computes no local state (no op call for it)."""
     from loglinear.distributed import ops
 
-    seen, op = [], ops.log_linear_gated_deltanet
+    seen, op = [], ops.attention
 
     def spy(*args, **kwargs):
         seen.append(kwargs["initial_state"])
         return op(*args, **kwargs)
 
-    monkeypatch.setattr(ops, "log_linear_gated_deltanet", spy)
+    monkeypatch.setattr(ops, "attention", spy)
     x = make_inputs(B=2, T=11, G=1, H=2, generator=torch.Generator().manual_seed(4))
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
     context_parallel_log_linear_gated_deltanet(*leaves.values(), chunk_size=4)[0].square().sum().backward()

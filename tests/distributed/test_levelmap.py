@@ -13,7 +13,8 @@ import torch
 import loglinear
 from helpers import assert_close, make_inputs
 from loglinear.distributed.levelmap import LevelMap, compose, route, route_adjoint
-from loglinear.distributed.transitions import decay_transition, delta_rule_transition
+from loglinear.inputs import l2norm
+from loglinear.variants import GATED_DELTANET, MAMBA2
 from loglinear.fenwick import bit_length
 from loglinear.state import FenwickState
 
@@ -34,9 +35,9 @@ def _shard_map(variant: str, x: dict, p0: int, L: int) -> LevelMap:
     K = x["q"].shape[-1]
     local = _final(variant, x, torch.zeros(B, L, H, K, V, dtype=torch.float64), p0)
     if variant == "mamba2":
-        mat = decay_transition(x["g"])
+        mat = MAMBA2.shard_transition(x["k"], {"g": x["g"]}, CHUNK)
     else:
-        mat = delta_rule_transition(x["k"], x["g"], x["beta"], use_qk_l2norm=True, chunk_size=CHUNK)
+        mat = GATED_DELTANET.shard_transition(l2norm(x["k"]), {"g": x["g"], "beta": x["beta"]}, CHUNK)
     depth = bit_length(torch.full((B,), p0 + T - 1) ^ (p0 - 1))
     return LevelMap(local, mat, depth)
 
@@ -93,10 +94,9 @@ def test_route_adjoint_is_the_transpose():
 @pytest.mark.parametrize("start, T", [(0, 1), (5, 1), (0, 37), (13, 50), (64, 64), (7, 130)])
 def test_mamba2_local_state_closed_form(start, T):
     """The O(T K V) state of a shard entered with zeros equals the op's final state."""
-    from loglinear.distributed.local import decay_local_state
-
     x = make_inputs(B=2, T=T, G=1, H=2, K=4, V=3, start=start, generator=torch.Generator().manual_seed(T))
     L = x["level_scales"].shape[-1]
     expected = _final("mamba2", x, torch.zeros(2, L, 2, 4, 3, dtype=torch.float64), start)
     k = x["k"].expand(-1, -1, 2, -1)  # the one q/k group read by both value heads
-    assert_close(decay_local_state(k, x["v"], x["g"], start, L), expected, what="closed-form local state")
+    local = MAMBA2.local_state(k, x["v"], {"g": x["g"]}, start, L)
+    assert_close(local, expected, what="closed-form local state")

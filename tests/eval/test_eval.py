@@ -13,7 +13,7 @@ from loglinear.data.text import PackedTokens
 from loglinear.data.tokenizer import ByteTokenizer
 from loglinear.eval.lm import evaluate_lm
 from loglinear.eval.niah import evaluate_niah, niah_accuracy
-from loglinear.eval.report import smooth
+from loglinear.report import smooth
 from loglinear.train.loop import TrainConfig, lm_loss, train
 
 TOK = ByteTokenizer()

@@ -1,4 +1,5 @@
-"""Small shared helpers for result files: markdown tables, smoothing, json writing, matplotlib setup."""
+"""Small shared helpers for result files (training, evaluation and the benchmarks write them): markdown tables,
+smoothing, json writing, matplotlib setup, and each architecture's label and plot style."""
 
 from __future__ import annotations
 
@@ -7,17 +8,19 @@ from pathlib import Path
 
 import numpy as np
 
+from loglinear.variants import REGISTRY
+
 __all__ = ["markdown_table", "smooth", "write_json", "pyplot", "ARCH_LABELS", "ARCH_STYLE"]
 
-ARCH_LABELS = {
-    "transformer": "Transformer", "mamba2": "Mamba-2", "ll_mamba2": "LL Mamba-2",
-    "gated_deltanet": "Gated DeltaNet", "ll_gated_deltanet": "LL Gated DeltaNet",
+_COLORS = ("tab:blue", "tab:red", "tab:green", "tab:purple", "tab:orange", "tab:brown")
+# "transformer", then per registered variant its plain ("mamba2") and log-linear ("ll_mamba2") architecture;
+# color by variant (in registry order), solid line for log-linear, dashed for its linear base
+ARCH_LABELS = {"transformer": "Transformer"} | {
+    arch: prefix + v.title for v in REGISTRY.values() for arch, prefix in ((v.name, ""), ("ll_" + v.name, "LL "))
 }
-# color by family, solid line for log-linear, dashed for its linear base
-ARCH_STYLE = {
-    "transformer": dict(color="black", linestyle="-"), "mamba2": dict(color="tab:blue", linestyle="--"),
-    "ll_mamba2": dict(color="tab:blue", linestyle="-"), "gated_deltanet": dict(color="tab:red", linestyle="--"),
-    "ll_gated_deltanet": dict(color="tab:red", linestyle="-"),
+ARCH_STYLE = {"transformer": dict(color="black", linestyle="-")} | {
+    arch: dict(color=_COLORS[i % len(_COLORS)], linestyle=style)
+    for i, v in enumerate(REGISTRY.values()) for arch, style in ((v.name, "--"), ("ll_" + v.name, "-"))
 }
 
 
