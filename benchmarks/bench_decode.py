@@ -30,7 +30,6 @@ import time
 
 import torch
 
-from loglinear.eval.report import pyplot
 from loglinear.fenwick import levels_needed
 from loglinear.layers.mixer import MixerState
 from loglinear.models import (
@@ -41,6 +40,7 @@ from loglinear.models import (
     LogLinearMamba2ForCausalLM,
 )
 from loglinear.models.modeling import CACHE_KEY
+from loglinear.report import pyplot
 
 MODELS = ("ll_mamba2", "mamba2", "ll_gdn", "gdn", "llama_sdpa")
 

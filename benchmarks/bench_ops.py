@@ -36,8 +36,8 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loglinear import FenwickState, log_linear_gated_deltanet, log_linear_mamba2  # noqa: E402
-from loglinear.eval.report import pyplot  # noqa: E402
 from loglinear.fenwick import levels_needed  # noqa: E402
+from loglinear.report import pyplot  # noqa: E402
 
 IMPLS = ("loglinear", "loglinear_torch", "fla_log_linear", "fla_mamba2", "sdpa_flash")
 IMPLS_GDN = ("loglinear", "loglinear_torch", "fla_gdn", "sdpa_flash")

@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from loglinear.eval.report import ARCH_LABELS, markdown_table, pyplot  # noqa: E402
+from loglinear.report import ARCH_LABELS, markdown_table, pyplot  # noqa: E402
 
 PAIRS = [("ll_mamba2", "mamba2"), ("ll_gated_deltanet", "gated_deltanet")]
 

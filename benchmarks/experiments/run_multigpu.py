@@ -46,9 +46,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from loglinear.data.text import prepare_corpus  # noqa: E402
-from loglinear.eval.report import markdown_table, pyplot  # noqa: E402
+from loglinear.report import markdown_table, pyplot  # noqa: E402
 
-# NVLink multicast stays off in every process (KINDS.md: using it can take the host's shared GPUs down).
+# NVLink multicast stays off in every process (on hosts whose GPUs are shared, it can take them down).
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 PARTS = ("fsdp", "cp", "cp_exact", "cp_long")  # cp = cp_exact + cp_long
 # --device cpu: tiny sizes for the options not given
