@@ -22,11 +22,20 @@ __all__ = ["log_linear_mamba2", "log_linear_gated_deltanet", "register_backend",
 
 Backend = Callable[[OpInputs, bool, int, bool], tuple[torch.Tensor, FenwickState | None]]
 _BACKENDS: dict[str, dict[str, Backend]] = {"mamba2": {}, "gated_deltanet": {}}
+_SUPPORTS: dict[str, dict[str, Callable[[OpInputs], bool]]] = {"mamba2": {}, "gated_deltanet": {}}
 
 
-def register_backend(variant: str, name: str, fn: Backend) -> None:
-    """Make ``fn(inputs, output_final_state, chunk_size, use_qk_l2norm)`` available as backend ``name``."""
+def register_backend(variant: str, name: str, fn: Backend, supports: Callable[[OpInputs], bool] | None = None) -> None:
+    """Make ``fn(inputs, output_final_state, chunk_size, use_qk_l2norm)`` available as backend ``name``.
+    ``supports(inputs)`` says whether fn takes a call (default: every call); calls it refuses run on "torch"."""
     _BACKENDS[variant][name] = fn
+    _SUPPORTS[variant][name] = supports or (lambda inp: True)
+
+
+def _backend(variant: str, inp: OpInputs) -> Backend:
+    """The selected backend, or torch when the selected one does not support ``inp``."""
+    name = select_backend(variant, inp.q.device)
+    return _BACKENDS[variant][name if _SUPPORTS[variant][name](inp) else "torch"]
 
 
 def select_backend(variant: str, device: torch.device) -> str:
@@ -78,7 +87,7 @@ def log_linear_mamba2(
     chunk_size = _check_chunk_size(chunk_size)
     if fused_decode_applies(inp):
         return op_decode_step(inp, output_final_state, False)
-    backend = _BACKENDS["mamba2"][select_backend("mamba2", q.device)]
+    backend = _backend("mamba2", inp)
     return backend(inp, output_final_state, chunk_size, False)
 
 
@@ -100,5 +109,5 @@ def log_linear_gated_deltanet(
     chunk_size = _check_chunk_size(chunk_size)
     if fused_decode_applies(inp):
         return op_decode_step(inp, output_final_state, use_qk_l2norm)
-    backend = _BACKENDS["gated_deltanet"][select_backend("gated_deltanet", q.device)]
+    backend = _backend("gated_deltanet", inp)
     return backend(inp, output_final_state, chunk_size, use_qk_l2norm)
