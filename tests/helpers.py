@@ -8,11 +8,13 @@ import socket
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 import torch
 import torch.multiprocessing as mp
 
 from loglinear.fenwick import levels_needed
+from loglinear.state import FenwickState
 
 
 def make_inputs(
@@ -83,3 +85,41 @@ def spawn_train(cfg, world: int) -> None:
         if "address already in use" not in str(e).lower():
             raise
         mp.spawn(_train_worker, args=(world, _free_port(), cfg), nprocs=world)
+
+
+def compare_with_reference(
+    run: Callable, reference: Callable, x: dict[str, torch.Tensor], state: FenwickState | None = None, *,
+    tol: float, grad_tol: float | None = None, dtype: torch.dtype = torch.float32, grads: bool = True,
+    grad_close: Callable = assert_close,
+) -> None:
+    """An op's kernels against its float64 reference: ``run(inputs, state)`` on x in ``dtype`` (the state's
+    levels in fp32) and ``reference(inputs, state)`` on x (float64) -> (o, final FenwickState) each.
+
+    Checks o (dtype, shape, contiguous) and the final state (fp32, shape, positions) within tol (relative error),
+    then, with grads, the gradients of every input and of the initial state under random cotangents, within
+    grad_tol (default tol); grad_close(actual, expected, tol, what) checks the inputs' (assert_close, or a
+    test's own rule), assert_close the initial state's."""
+    ours = {n: t.detach().to(dtype).requires_grad_(grads) for n, t in x.items()}
+    ref = {n: t.detach().clone().requires_grad_(grads) for n, t in x.items()}
+    st_ours = st_ref = None
+    if state is not None:
+        st_ours = FenwickState(state.levels.detach().float().requires_grad_(grads), state.positions)
+        st_ref = FenwickState(state.levels.detach().clone().requires_grad_(grads), state.positions)
+    o, fs = run(ours, st_ours)
+    o_ref, fs_ref = reference(ref, st_ref)
+    assert o.dtype == dtype and o.shape == o_ref.shape and o.is_contiguous()
+    assert fs.levels.dtype == torch.float32 and fs.levels.shape == fs_ref.levels.shape
+    assert torch.equal(fs.positions, fs_ref.positions)
+    assert_close(o.double(), o_ref, tol, "o")
+    assert_close(fs.levels.double(), fs_ref.levels, tol, "final state")
+    if not grads:
+        return
+    d_o, d_s = torch.randn_like(o_ref), torch.randn_like(fs_ref.levels)
+    leaves_ref = [*ref.values()] + ([st_ref.levels] if state is not None else [])
+    leaves = [*ours.values()] + ([st_ours.levels] if state is not None else [])
+    grads_ref = torch.autograd.grad((o_ref * d_o).sum() + (fs_ref.levels * d_s).sum(), leaves_ref)
+    grads_ours = torch.autograd.grad((o.double() * d_o).sum() + (fs.levels.double() * d_s).sum(), leaves)
+    for name, a, e in zip([*x, "initial_state"], grads_ours, grads_ref):
+        assert a.shape == e.shape, f"d{name}: shape {tuple(a.shape)}, expected {tuple(e.shape)}"
+        close = grad_close if name in x else assert_close
+        close(a.double(), e, tol if grad_tol is None else grad_tol, f"d{name}")

@@ -8,18 +8,17 @@ initial state) with autograd through the float64 recurrent reference.
 import pytest
 import torch
 
-from helpers import assert_close, make_inputs, slice_time
+from helpers import assert_close, compare_with_reference, make_inputs, slice_time
 from loglinear import FenwickState, log_linear_gated_deltanet
 from loglinear import reference as R
 from loglinear.inputs import check_inputs, expand_groups, l2norm
-from loglinear.ops.torch_chunk.scan import _chunked, _pad_time
-from loglinear.ops.triton import gated_deltanet as gdn
-from loglinear.ops.triton import gated_deltanet_scan as scan_module
-from loglinear.ops.triton.common import set_poison
-from loglinear.ops.triton.gated_deltanet import triton_backend
-from loglinear.ops.triton.gated_deltanet_common import Chunking
-from loglinear.ops.triton.gated_deltanet_local import chunk_local, chunk_local_torch
-from loglinear.ops.triton.gated_deltanet_scan import fenwick_delta_scan
+from loglinear.ops.torch_chunk import chunked, pad_time
+from loglinear.ops.triton.gated_deltanet import backend as gdn
+from loglinear.ops.triton.gated_deltanet import scan as scan_module
+from loglinear.ops.triton.gated_deltanet.chunking import Chunking
+from loglinear.ops.triton.gated_deltanet.local import chunk_local, chunk_local_torch
+from loglinear.ops.triton.gated_deltanet.scan import fenwick_delta_scan
+from loglinear.ops.triton.shared.common import set_poison
 
 NAMES = ["q", "k", "v", "g", "beta", "level_scales"]
 RTOL = 2e-5  # fp32 kernels against float64
@@ -36,7 +35,7 @@ def poison_and_opt_in(monkeypatch):
 
 def _triton(x, state=None, cu_seqlens=None, chunk_size=16, l2norm=False):
     inp = check_inputs(*[x[n] for n in NAMES], None, state, cu_seqlens, has_beta=True)
-    return triton_backend(inp, True, chunk_size, l2norm)
+    return gdn.backend(inp, True, chunk_size, l2norm)
 
 
 def _reference(x, state=None, cu_seqlens=None, l2norm=False):
@@ -52,27 +51,9 @@ def _state(B, L, H, K, V, positions, dtype):
 
 def _compare(x64, state64=None, cu_seqlens=None, chunk_size=16, l2norm=False, grads=True):
     """Run both; compare o, the final state and (grads) every gradient under a random cotangent."""
-    leaves64 = {n: t.clone().requires_grad_(grads) for n, t in x64.items()}
-    leaves32 = {n: t.float().requires_grad_(grads) for n, t in x64.items()}
-    st64 = st32 = None
-    if state64 is not None:
-        st64 = FenwickState(state64.levels.clone().requires_grad_(grads), state64.positions)
-        st32 = FenwickState(state64.levels.float().requires_grad_(grads), state64.positions)
-    o, final = _triton(leaves32, st32, cu_seqlens, chunk_size, l2norm)
-    ro, rfinal = _reference(leaves64, st64, cu_seqlens, l2norm)
-    assert o.dtype == torch.float32 and final.levels.dtype == torch.float32
-    assert_close(o.double(), ro, RTOL, "o")
-    assert torch.equal(final.positions, rfinal.positions)
-    assert_close(final.levels.double(), rfinal.levels, RTOL, "final state")
-    if not grads:
-        return
-    do, dS = torch.randn_like(ro), torch.randn_like(rfinal.levels)
-    inputs64 = list(leaves64.values()) + ([st64.levels] if st64 is not None else [])
-    inputs32 = list(leaves32.values()) + ([st32.levels] if st32 is not None else [])
-    g64 = torch.autograd.grad((ro * do).sum() + (rfinal.levels * dS).sum(), inputs64)
-    g32 = torch.autograd.grad((o * do.float()).sum() + (final.levels * dS.float()).sum(), inputs32)
-    for name, a, e in zip(NAMES + ["initial_state"], g32, g64):
-        assert_close(a.double(), e, 10 * RTOL, f"d{name}")
+    compare_with_reference(lambda x, st: _triton(x, st, cu_seqlens, chunk_size, l2norm),
+                           lambda x, st: _reference(x, st, cu_seqlens, l2norm),
+                           x64, state64, tol=RTOL, grad_tol=10 * RTOL, grads=grads)
 
 
 @pytest.mark.parametrize(
@@ -182,7 +163,7 @@ def test_deterministic_gradients():
 
 def _chunk_view(x, ch, H):
     """The torch form's view of an op-layout tensor [b, T, G|H, *]: zero-padded chunks [b, H, N, C, *]."""
-    return _chunked(expand_groups(_pad_time(x, ch.front, ch.Tp - ch.front - ch.T), H), ch.C)
+    return chunked(expand_groups(pad_time(x, ch.front, ch.Tp - ch.front - ch.T), H), ch.C)
 
 
 @pytest.mark.parametrize("K, V, dtype, rtol, norm", [
@@ -219,7 +200,7 @@ def test_chunk_local_kernels_match_torch_form(K, V, dtype, rtol, norm):
 
 
 def _scan_torch(qt, wt, kt, u, decay, lam, h0, merge):
-    """Plain loop of the fused scan's recurrence (see gated_deltanet_scan)."""
+    """Plain loop of the fused scan's recurrence (see gated_deltanet/scan.py)."""
     N, J = decay.shape[1], h0.shape[1]
     C = qt.shape[1] // N
     h, outs = list(h0.unbind(1)), []
@@ -320,7 +301,7 @@ def test_no_final_state_skips_its_path(varlen, monkeypatch):
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
 
     def run(final):
-        return triton_backend(check_inputs(*[leaves[n] for n in NAMES], None, state, cu, has_beta=True),
+        return gdn.backend(check_inputs(*[leaves[n] for n in NAMES], None, state, cu, has_beta=True),
                               final, 16, True)
 
     o_full, _ = run(True)
@@ -329,7 +310,7 @@ def test_no_final_state_skips_its_path(varlen, monkeypatch):
     def refuse(*args):
         raise AssertionError("the final state was computed")
 
-    monkeypatch.setattr(gdn, "_final_levels", refuse)
+    monkeypatch.setattr(gdn, "final_levels", refuse)
     o, st = run(False)
     assert st is None
     assert torch.equal(o, o_full)

@@ -1,6 +1,6 @@
 """Heads narrower than min_head_dim run zero-padded on both Triton backends (bf16/fp16 on CUDA: 64).
 
-The padded path is forced on CPU (common.FORCE_MIN_HEAD_DIM; fp32 under TRITON_INTERPRET=1) and checked
+The padded path is forced on CPU (heads.FORCE_MIN_HEAD_DIM; fp32 under TRITON_INTERPRET=1) and checked
 against the float64 recurrent references: outputs, the final state and every gradient (q, k, v, g, beta,
 level_scales, initial state) under random cotangents, with every kernel output poisoned with NaN first.
 """
@@ -11,18 +11,18 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from helpers import assert_close, make_inputs
+from helpers import compare_with_reference, make_inputs
 from loglinear import FenwickState, log_linear_gated_deltanet, log_linear_mamba2
 from loglinear import reference as R
 from loglinear.ops import api
-from loglinear.ops.triton import common
+from loglinear.ops.triton.shared import common, heads
 
 pytestmark = pytest.mark.interpreter
 MIN_HEAD_DIM = 64  # forced on CPU: the GPU's width
 
 
 @dataclass(frozen=True)
-class Variant:
+class Case:
     op: Callable
     reference: Callable
     names: tuple[str, ...]  # the op's tensor arguments
@@ -31,9 +31,9 @@ class Variant:
 
 
 VARIANTS = {
-    "mamba2": Variant(log_linear_mamba2, R.log_linear_mamba2_recurrent, ("q", "k", "v", "g", "level_scales"),
+    "mamba2": Case(log_linear_mamba2, R.log_linear_mamba2_recurrent, ("q", "k", "v", "g", "level_scales"),
                       3e-5, 3e-5),
-    "gated_deltanet": Variant(log_linear_gated_deltanet, R.log_linear_gated_deltanet_recurrent,
+    "gated_deltanet": Case(log_linear_gated_deltanet, R.log_linear_gated_deltanet_recurrent,
                               ("q", "k", "v", "g", "beta", "level_scales"), 2e-5, 2e-4),
 }
 
@@ -43,16 +43,15 @@ def padded_kernels(monkeypatch):
     """The kernels (no torch fallback) with outputs poisoned, heads padded to MIN_HEAD_DIM; records the
     widths (K, V) the kernels got."""
     monkeypatch.setenv("LOGLINEAR_BACKEND", "triton")
-    monkeypatch.setattr(common, "FORCE_MIN_HEAD_DIM", MIN_HEAD_DIM)
+    monkeypatch.setattr(heads, "FORCE_MIN_HEAD_DIM", MIN_HEAD_DIM)
     widths = []
-    pad = common.pad_head_dims
-    monkeypatch.setattr(common, "pad_head_dims", lambda inp, K, V: widths.append((K, V)) or pad(inp, K, V))
+    pad = heads.pad_head_dims
+    monkeypatch.setattr(heads, "pad_head_dims", lambda inp, K, V: widths.append((K, V)) or pad(inp, K, V))
 
     def fail(*args, **kwargs):
         raise AssertionError("the triton backend fell back to the torch path")
 
-    for variant in VARIANTS:
-        monkeypatch.setitem(api._BACKENDS[variant], "torch", fail)
+    monkeypatch.setattr(api, "torch_chunk_backend", fail)
     common.set_poison(True)
     yield widths
     common.set_poison(False)
@@ -64,31 +63,15 @@ def _state(positions: list[int], H: int, K: int, V: int) -> FenwickState:
                         torch.tensor(positions))
 
 
-def _compare(variant: Variant, x: dict, state: FenwickState | None, cu_seqlens: torch.Tensor | None, **kw) -> None:
+def _compare(variant: Case, x: dict, state: FenwickState | None, cu_seqlens: torch.Tensor | None, **kw) -> None:
     """The fp32 kernels vs the float64 reference: o, final state, and the gradients of every input."""
-    x = {n: x[n] for n in variant.names}
-    ours = {n: t.float().requires_grad_() for n, t in x.items()}
-    ref = {n: t.clone().requires_grad_() for n, t in x.items()}
-    st_ours = st_ref = None
-    if state is not None:
-        st_ours = FenwickState(state.levels.float().requires_grad_(), state.positions)
-        st_ref = FenwickState(state.levels.clone().requires_grad_(), state.positions)
-    o, fs = variant.op(**ours, initial_state=st_ours, output_final_state=True, cu_seqlens=cu_seqlens,
-                       chunk_size=16, **kw)
-    o_ref, fs_ref = variant.reference(**ref, initial_state=st_ref, output_final_state=True, cu_seqlens=cu_seqlens,
-                                      **kw)
-    assert o.shape == o_ref.shape and o.is_contiguous() and fs.levels.shape == fs_ref.levels.shape
-    assert torch.equal(fs.positions, fs_ref.positions)
-    assert_close(o.double(), o_ref, variant.tol, "o")
-    assert_close(fs.levels.double(), fs_ref.levels, variant.tol, "final state")
-    d_o, d_s = torch.randn_like(o_ref), torch.randn_like(fs_ref.levels)
-    leaves_ref = [*ref.values()] + ([st_ref.levels] if state is not None else [])
-    leaves = [*ours.values()] + ([st_ours.levels] if state is not None else [])
-    grads_ref = torch.autograd.grad((o_ref * d_o).sum() + (fs_ref.levels * d_s).sum(), leaves_ref)
-    grads = torch.autograd.grad((o.double() * d_o).sum() + (fs.levels.double() * d_s).sum(), leaves)
-    for name, a, e in zip([*x, "initial_state"], grads, grads_ref):
-        assert a.shape == e.shape, f"d{name}: shape {tuple(a.shape)}, expected {tuple(e.shape)}"
-        assert_close(a.double(), e, variant.grad_tol, f"d{name}")
+    compare_with_reference(
+        lambda xs, st: variant.op(**xs, initial_state=st, output_final_state=True, cu_seqlens=cu_seqlens,
+                                  chunk_size=16, **kw),
+        lambda xs, st: variant.reference(**xs, initial_state=st, output_final_state=True, cu_seqlens=cu_seqlens,
+                                         **kw),
+        {n: x[n] for n in variant.names}, state, tol=variant.tol, grad_tol=variant.grad_tol,
+    )
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -137,7 +120,7 @@ def test_bad_inputs_still_name_the_argument(variant):
 
 def test_the_rule(monkeypatch):
     """64 for 16-bit operands on CUDA (triton 3.6 / Hopper miscomputes narrower bf16 tiles), else no padding."""
-    monkeypatch.setattr(common, "FORCE_MIN_HEAD_DIM", None)
+    monkeypatch.setattr(heads, "FORCE_MIN_HEAD_DIM", None)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert common.min_head_dim(torch.bfloat16, cuda) == common.min_head_dim(torch.float16, cuda) == 64
-    assert common.min_head_dim(torch.float32, cuda) == common.min_head_dim(torch.bfloat16, cpu) == 0
+    assert heads.min_head_dim(torch.bfloat16, cuda) == heads.min_head_dim(torch.float16, cuda) == 64
+    assert heads.min_head_dim(torch.float32, cuda) == heads.min_head_dim(torch.bfloat16, cpu) == 0

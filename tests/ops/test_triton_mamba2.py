@@ -9,11 +9,14 @@ import weakref
 import pytest
 import torch
 
-from helpers import assert_close, make_inputs, mamba2_args
+from helpers import assert_close, compare_with_reference, make_inputs, mamba2_args
 from loglinear import FenwickState, log_linear_mamba2
 from loglinear import reference as R
 from loglinear.ops import api
-from loglinear.ops.triton import common
+from loglinear.ops.backends import select_backend
+from loglinear.ops.triton.mamba2 import backend as M
+from loglinear.ops.triton.shared import common
+from loglinear.variants import MAMBA2
 
 pytestmark = pytest.mark.interpreter
 FP32_TOL = 3e-5
@@ -34,7 +37,7 @@ def _no_torch_fallback(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("the triton backend fell back to the torch path")
 
-    monkeypatch.setitem(api._BACKENDS["mamba2"], "torch", fail)
+    monkeypatch.setattr(api, "torch_chunk_backend", fail)
 
 
 def _random_state(n_seq, positions, H, K, V, extra_levels=1):
@@ -52,27 +55,13 @@ def _close_or_tiny(actual, expected, tol, what):
 
 def _compare(x, *, dtype=torch.float32, state=None, cu_seqlens=None, chunk_size=16, tol=FP32_TOL):
     """Run kernels (in ``dtype``) and the float64 recurrent reference; compare o, state and all grads."""
-    ours = {n: t.detach().to(dtype).requires_grad_() for n, t in x.items()}
-    ref = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
-    st_ours = st_ref = None
-    if state is not None:
-        st_ours = FenwickState(state.levels.float().requires_grad_(), state.positions)
-        st_ref = FenwickState(state.levels.clone().requires_grad_(), state.positions)
-    o, fs = log_linear_mamba2(**ours, initial_state=st_ours, output_final_state=True, cu_seqlens=cu_seqlens,
-                              chunk_size=chunk_size)
-    o_ref, fs_ref = R.log_linear_mamba2_recurrent(**ref, initial_state=st_ref, output_final_state=True,
-                                                  cu_seqlens=cu_seqlens)
-    assert o.dtype == dtype and o.shape == o_ref.shape
-    assert fs.levels.shape == fs_ref.levels.shape and torch.equal(fs.positions, fs_ref.positions)
-    assert_close(o.double(), o_ref, tol, "o")
-    assert_close(fs.levels.double(), fs_ref.levels, tol, "final state")
-    d_o, d_s = torch.randn_like(o_ref), torch.randn_like(fs_ref.levels)
-    ((o_ref * d_o).sum() + (fs_ref.levels * d_s).sum()).backward()
-    ((o.double() * d_o).sum() + (fs.levels.double() * d_s).sum()).backward()
-    for name in x:
-        _close_or_tiny(ours[name].grad.double(), ref[name].grad, tol, f"d{name}")
-    if state is not None:
-        assert_close(st_ours.levels.grad.double(), st_ref.levels.grad, tol, "d initial_state")
+    compare_with_reference(
+        lambda xs, st: log_linear_mamba2(**xs, initial_state=st, output_final_state=True, cu_seqlens=cu_seqlens,
+                                         chunk_size=chunk_size),
+        lambda xs, st: R.log_linear_mamba2_recurrent(**xs, initial_state=st, output_final_state=True,
+                                                     cu_seqlens=cu_seqlens),
+        x, state, tol=tol, dtype=dtype, grad_close=_close_or_tiny,
+    )
 
 
 @pytest.mark.parametrize(
@@ -92,9 +81,7 @@ def test_kernels_match_reference(monkeypatch, B, T, G, H, K, V):
 
 def test_whole_state_tiles(monkeypatch):
     """The tiling the GPU uses for bf16/fp16 (one program per head, no K/V split) on K, V > 16."""
-    from loglinear.ops.triton import mamba2
-
-    monkeypatch.setattr(mamba2, "_splits", lambda dtype: False)
+    monkeypatch.setattr(M, "_splits", lambda dtype: False)
     x = mamba2_args(make_inputs(1, 45, 1, 2, 40, 24, start=21))
     _compare(x, state=_random_state(1, [21], 2, 40, 24))
 
@@ -207,8 +194,6 @@ def test_backward_frees_the_buckets_and_runs_twice(with_state):
 def test_index_tables_are_cached_per_plan():
     """Calls with the same sequence layout reuse one set of device index tables (no per-call host work);
     another layout gets its own, and both still match the reference."""
-    from loglinear.ops.triton import mamba2 as M
-
     M._tables.cache_clear()
     for T in (50, 50, 37):
         x = mamba2_args(make_inputs(1, T, 1, 2, 16, 16, dtype=torch.float32))
@@ -227,5 +212,6 @@ def test_float64_uses_the_exact_torch_path():
 
 def test_kernels_are_the_default_on_cuda(monkeypatch):
     monkeypatch.delenv("LOGLINEAR_BACKEND")
-    assert api.select_backend("mamba2", torch.device("cuda")) == "triton"
-    assert api.select_backend("mamba2", torch.device("cpu")) == "torch"
+    assert select_backend(MAMBA2, torch.device("cuda")) == "triton"
+    assert select_backend(MAMBA2, torch.device("cpu")) == "torch"
+    assert select_backend(MAMBA2, torch.device("cuda"), "torch") == "torch"

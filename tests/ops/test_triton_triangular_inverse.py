@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from helpers import assert_close
-from loglinear.ops.triton.gated_deltanet_local import unit_lower_inverse
+from loglinear.ops.triton.gated_deltanet.local import unit_lower_inverse
 
 
 @triton.jit

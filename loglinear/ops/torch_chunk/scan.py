@@ -35,29 +35,29 @@ import torch.nn.functional as F
 from loglinear.fenwick import bit_length, carry, carry_target, chunk_bits, intra_chunk_levels, levels_needed
 
 
-def _pad_time(x: torch.Tensor, front: int, back: int) -> torch.Tensor:
-    """Zero-pad dim 1 (time) of [b, T, ...]."""
+def pad_time(x: torch.Tensor, front: int, back: int) -> torch.Tensor:
+    """Zero-pad dim 1 (time): x [b, T, ...] -> [b, front + T + back, ...]."""
     pad = [0, 0] * (x.dim() - 2) + [front, back]
     return F.pad(x, pad)
 
 
-def _chunked(x: torch.Tensor, C: int) -> torch.Tensor:
-    """[b, T, H, *] -> [b, H, N, C, *]."""
+def chunked(x: torch.Tensor, C: int) -> torch.Tensor:
+    """Cut time into chunks: x [b, T, H, *] (T = N C) -> [b, H, N, C, *] (a view where possible)."""
     b, T, H = x.shape[:3]
     x = x.reshape(b, T // C, C, H, *x.shape[3:])
     return x.movedim(3, 1)
 
 
-def _carry_past(levels: torch.Tensor, position: int) -> torch.Tensor:
-    """The cascade's carry for a new token at ``position`` (> 0), widening the level axis if needed.
-    [b, L, H, K, V]."""
+def carry_past(levels: torch.Tensor, position: int) -> torch.Tensor:
+    """The cascade's carry for a new token at ``position`` (> 0), widening the level axis if needed:
+    levels [b, L, H, K, V] -> [b, max(L, ctz(position) + 2), H, K, V]."""
     target = int(carry_target(position))
     if levels.shape[1] <= target:
         levels = F.pad(levels, (0, 0, 0, 0, 0, 0, 0, target + 1 - levels.shape[1]))
     return carry(levels, torch.full((levels.shape[0],), position, dtype=torch.int64))
 
 
-def _level_scales_at(lam: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def level_scales_at(lam: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """lam: [..., C, L]; idx: [C, M] level per (query, slot) -> [..., C, M] (levels >= L read as 0).
 
     Only padding rows ever ask for a level >= L: validation guarantees L covers every real query."""
@@ -84,7 +84,7 @@ def chunk_scan(
     back = Tp - front - T
     N, c0 = Tp // C, position // C
     end = position + T  # tokens consumed after the call
-    pad = lambda x: _chunked(_pad_time(x, front, back), C)  # noqa: E731
+    pad = lambda x: chunked(pad_time(x, front, back), C)  # noqa: E731
     qc, kc, vc, lc = pad(q), pad(k), pad(v), pad(lam)
     form = form_cls(qc, kc, vc, **{name: pad(x) for name, x in gates.items()})
     device = q.device
@@ -92,14 +92,14 @@ def chunk_scan(
 
     # intra-chunk levels 0..c
     lev = intra_chunk_levels(C, device=device)
-    lam_intra = _level_scales_at(lc, lev)
+    lam_intra = level_scales_at(lc, lev)
     o = (form.intra * lam_intra * torch.ones(C, C, dtype=q.dtype, device=device).tril()) @ vc
 
     # incoming state: carry past p0, split into in-chunk buckets (levels <= c) and chunk buckets
     n_chunk_levels = max((end - 1) // C, 1).bit_length()
     partial = None
     if levels is not None:
-        levels = _carry_past(levels, position) if position > 0 else levels
+        levels = carry_past(levels, position) if position > 0 else levels
         n_chunk_levels = max(n_chunk_levels, levels.shape[1] - c - 1)
         levels = F.pad(levels, (0, 0, 0, 0, 0, 0, 0, max(0, c + 1 + n_chunk_levels - levels.shape[1])))
         partial = levels[:, : c + 1].transpose(1, 2)  # [b, H, c+1, K, V]
@@ -116,12 +116,12 @@ def chunk_scan(
         if i == 0 and partial is not None:
             slots = torch.arange(c + 1, device=device)
             idx = torch.maximum(slots[None, :], bit_length(abs_pos ^ position)[:, None])  # [C, c+1]
-            w = _level_scales_at(lc[:, :, 0], idx)
+            w = level_scales_at(lc[:, :, 0], idx)
             oi = oi + torch.einsum("bhtm,bhtk,bhmkv->bhtv", w, qt, partial)
         if H_levels:
             stacked = torch.stack(H_levels, dim=2)  # [b, H, J, K, V]
             idx = (c + 1 + torch.arange(len(H_levels), device=device)).expand(C, -1)
-            w = _level_scales_at(lc[:, :, i], idx)  # [b, H, C, J]
+            w = level_scales_at(lc[:, :, i], idx)  # [b, H, C, J]
             oi = oi + torch.einsum("bhtj,bhtk,bhjkv->bhtv", w, qt, stacked)
         outs.append(oi)
         if H_levels:
@@ -137,13 +137,18 @@ def chunk_scan(
         H_levels = [torch.zeros_like(deposit)] * m + [merged + H_levels[m]] + H_levels[m + 1 :]
 
     o = torch.stack(outs, dim=2).movedim(1, 3).reshape(b, Tp, H, V)[:, front : front + T] * scale
-    final = _final_levels(form, H_levels, partial if N == 1 else None, position, end, c0, N, C, c)
+    final = final_levels(form, H_levels, partial if N == 1 else None, position, end, c0, N, C, c)
     final = F.pad(final, (0, 0, 0, 0, 0, 0, 0, max(0, n_final - final.shape[1])))[:, :n_final]
     return o, final
 
 
-def _final_levels(form, H_levels, partial, position, end, c0, N, C, c) -> torch.Tensor:
-    """Token-level state around the last position end-1: levels 0..c from the last chunk, then the H_j."""
+def final_levels(form, H_levels, partial, position, end, c0, N, C, c) -> torch.Tensor:
+    """Token-level state around the last position end-1: levels 0..c from the last chunk, then the H_j.
+
+    form: the chunked variant form (its chunk N-1 is the last); H_levels: J chunk-level states [b, H, K, V];
+    partial: the incoming in-chunk buckets [b, H, c+1, K, V] when the call is one chunk, else None; position,
+    end: the call's first and end absolute positions; c0: the absolute index of the form's chunk 0; N chunks
+    of C = 2^c tokens.  -> [b, c+1+J, H, K, V] in the form's dtype."""
     device = form.qt.device
     last = end - 1
     local = torch.arange(C, device=device)

@@ -1,4 +1,9 @@
-"""Fused Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1). Registers the "triton" backends."""
+"""Fused Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1). Registers the "triton" backends.
+
+Layout: shared/ (launch config, tiles, numeric rules, head padding, device tables, the Fenwick level
+cascade and in-chunk helpers), mamba2/ and gated_deltanet/ (one stage per file, composed in backend.py),
+decode.py (the fused one-token step of both variants).
+"""
 
 from loglinear.ops.backends import Backend, register_backend
 
@@ -8,9 +13,10 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
 if triton is not None:
-    from loglinear.ops.triton import gated_deltanet, mamba2
     from loglinear.ops.triton.decode import decode_backend
+    from loglinear.ops.triton.gated_deltanet import backend as gated_deltanet
+    from loglinear.ops.triton.mamba2 import backend as mamba2
 
-    register_backend("mamba2", "triton", Backend(mamba2.mamba2_triton, mamba2.supports, decode_backend))
+    register_backend("mamba2", "triton", Backend(mamba2.backend, mamba2.supports, decode_backend))
     register_backend("gated_deltanet", "triton",
-                     Backend(gated_deltanet.triton_backend, gated_deltanet.supports, decode_backend))
+                     Backend(gated_deltanet.backend, gated_deltanet.supports, decode_backend))

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loglinear.ops.triton.shared.launch import launch_options
 from loglinear.variants import Variant
 
 __all__ = ["fused_decode_step"]
@@ -132,7 +133,7 @@ def fused_decode_step(
         q, k, v, g, beta_arg, lam, levels, out, positions, o,
         float(scale), H, G, K, V, L, lam_sn, lam_sh,
         BK=triton.next_power_of_2(K), BV=BV, FENWICK=fenwick, HAS_BETA=beta is not None, L2NORM=l2norm_qk,
-        ACC=tl.float64 if levels.dtype == torch.float64 else tl.float32,
+        ACC=tl.float64 if levels.dtype == torch.float64 else tl.float32, **launch_options(_decode_step_kernel),
     )
     return o, out
 

@@ -1,13 +1,14 @@
 """Launch choices of the Gated DeltaNet chunk-local kernels, timed on the GPU: warps, key block, pipeline stages.
 
-    python benchmarks/tune_gdn_local.py --T 32768 --out benchmarks/results --budget 150
+    python benchmarks/profiling/tune_gdn_local.py --T 32768 --out benchmarks/results --budget 150
 
-Paper setting (bf16, B = 2, H = 48, K = 128, V = 64, use_qk_l2norm). The op's own choices
-(`gated_deltanet_local.CONFIG`) run first; then each candidate changes one kernel's (warps, BK, stages) and the
-forward+backward is profiled again (`profile_gdn.kernel_times`): that kernel's CUDA time per step, the total,
-and the largest relative difference of the six gradients from the first run (the same math: only the
-accumulation order may differ). Candidates come from the sm_90 compile report (`compile_gdn_sm90.py`): the
-ones with few or no spills. Writes tune-gdn-local-<gpu>.{json,md} after every candidate, so a cut keeps what ran.
+Paper setting (bf16, B = 2, H = 48, K = 128, V = 64, use_qk_l2norm). The op's own choices (warps and
+stages: LAUNCH in loglinear/ops/triton/shared/launch.py; key block: KEY_BLOCK in gated_deltanet/local.py)
+run first; then each candidate changes one kernel's (warps, BK, stages) and the forward+backward is profiled
+again (`profile_gdn.kernel_times`): that kernel's CUDA time per step, the total, and the largest relative
+difference of the six gradients from the first run (the same math: only the accumulation order may differ).
+Candidates come from the sm_90 compile report (`compile_sm90.py gdn`): the ones with few or no spills.
+Writes tune-gdn-local-<gpu>.{json,md} after every candidate, so a cut keeps what ran.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: loglinear
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_ops (for profile_gdn)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from profile_gdn import kernel_times  # noqa: E402
-from loglinear.ops.triton import gated_deltanet_local as local  # noqa: E402
+from loglinear.ops.triton.gated_deltanet import local  # noqa: E402
+from loglinear.ops.triton.shared import launch  # noqa: E402
 
 CANDIDATES = {
     "_chunk_local_bwd_cc_kernel": [(8, 64, 2), (8, 128, 1), (8, 128, 3)],
@@ -45,6 +48,12 @@ def choice(name: str, cfg: tuple[int, int, int], **fields) -> dict:
     return {"kernel": name, "warps": cfg[0], "BK": cfg[1], "stages": cfg[2], **fields}
 
 
+def op_choice(name: str) -> tuple[int, int, int]:
+    """The op's (warps, BK, stages) of chunk-local kernel name."""
+    config = launch.LAUNCH[name]
+    return config.num_warps, local.KEY_BLOCK[name], config.num_stages
+
+
 def timings(rows: list[tuple[float, int, str]], name: str, diff: float) -> dict:
     """kernel_ms of kernel name, total_ms of the step (kernel_times rows), grad_rel_diff."""
     ms = {key: t for t, _, key in rows}
@@ -53,13 +62,12 @@ def timings(rows: list[tuple[float, int, str]], name: str, diff: float) -> dict:
 
 def run(name: str, cfg: tuple[int, int, int], T: int, ref: list[torch.Tensor]) -> dict:
     """One profiled step with kernel name at cfg (the others at the op's choices): its row."""
-    base = dict(local.CONFIG)
-    local.CONFIG[name] = cfg
+    saved = launch.LAUNCH[name], local.KEY_BLOCK[name]
+    launch.LAUNCH[name], local.KEY_BLOCK[name] = launch.Launch(cfg[0], cfg[2]), cfg[1]
     try:
         rows, grads = kernel_times(T)
     finally:
-        local.CONFIG.clear()
-        local.CONFIG.update(base)
+        launch.LAUNCH[name], local.KEY_BLOCK[name] = saved
     return choice(name, cfg, **timings(rows, name, rel_diff(grads, ref)))
 
 
@@ -81,14 +89,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, default=32768)
     ap.add_argument("--budget", type=float, default=150, help="seconds: no candidate starts after this")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     args = ap.parse_args()
     t0 = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
     base, ref = kernel_times(args.T)
-    rows = [choice(n, c, **timings(base, n, 0.0)) for n, c in local.CONFIG.items()]
+    rows = [choice(n, op_choice(n), **timings(base, n, 0.0)) for n in local.KEY_BLOCK]
     write(rows, out, gpu, args.T)
     for name, cfgs in CANDIDATES.items():
         for cfg in cfgs:

@@ -4,11 +4,11 @@ Composition, per group of rows that start at the same absolute position p0 (spec
 
   1. chunks aligned to absolute positions: p0 mod C identity tokens in front (Chunking; the kernels read
      the op's [b, T, G|H, D] tensors with the padding as masks, q/k from group h // (H / G));
-  2. chunk_local   (gated_deltanet_local):  o_intra (levels 0..c), qt, W~, K~, u, decay per chunk;
+  2. chunk_local   (local.py):  o_intra (levels 0..c), qt, W~, K~, u, decay per chunk;
   3. incoming state: carried past p0; its levels <= c are buckets inside the first chunk (read by
      query t at level max(l, bit_length(t XOR p0)), and folded into the chunk-level state that the
      first chunk's cascade fills), its levels > c seed the chunk-level states;
-  4. fenwick_delta_scan (gated_deltanet_scan): every live chunk-level state in one pass, and
+  4. fenwick_delta_scan (scan.py): every live chunk-level state in one pass, and
      o = scale (o_intra + readouts) written in [b, T, H, V];
   5. the final state splits the last chunk into token-level buckets.
 
@@ -27,24 +27,19 @@ import torch
 
 from loglinear.fenwick import bit_length, carry_target, chunk_bits, levels_needed
 from loglinear.inputs import OpInputs, expand_groups, l2norm, run_segments
-from loglinear.ops.torch_chunk.scan import _carry_past, _chunked, _final_levels, _level_scales_at, _pad_time
-from loglinear.ops.triton.common import interpreting, min_head_dim, run_padded, table_cache
-from loglinear.ops.triton.gated_deltanet_common import Chunking, dot_dtype
-from loglinear.ops.triton.gated_deltanet_local import chunk_local
-from loglinear.ops.triton.gated_deltanet_scan import fenwick_delta_scan
+from loglinear.ops.torch_chunk import carry_past, chunked, final_levels, level_scales_at, pad_time
+from loglinear.ops.triton.gated_deltanet.chunking import Chunking
+from loglinear.ops.triton.gated_deltanet.local import chunk_local
+from loglinear.ops.triton.gated_deltanet.scan import fenwick_delta_scan
+from loglinear.ops.triton.shared.common import interpreting
+from loglinear.ops.triton.shared.heads import min_head_dim, run_padded
+from loglinear.ops.triton.shared.rules import dot_dtype, kernel_chunk_size
+from loglinear.ops.triton.shared.tables import table_cache
 from loglinear.state import FenwickState
 from loglinear.variants.gated_deltanet import GatedDeltaNetForm
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_K = 256  # the scan keeps K whole in a tile
-
-
-def kernel_chunk_size(chunk_size: int, dtype: torch.dtype, K: int) -> int:
-    """The kernels' chunk: >= 16 (tl.dot tiles); at most 64 for bf16/fp16 operands, 32 for fp32 (16 when
-    K > 128), so that the scan's [C, K] tiles fit the sm_90 shared memory (checked by compiling for sm_90
-    with triton 3.6). The result does not depend on it."""
-    cap = 64 if dot_dtype(dtype) != torch.float32 else (32 if K <= 128 else 16)
-    return min(max(chunk_size, 16), cap)
 
 
 @table_cache()
@@ -71,7 +66,7 @@ def _last_chunk(x: torch.Tensor, ch: Chunking, norm: bool = False) -> torch.Tens
     part = x[:, max(start, 0):].float()
     part = l2norm(part) if norm else part
     front = max(-start, 0)
-    return _chunked(expand_groups(_pad_time(part, front, ch.C - front - part.shape[1]), ch.H), ch.C)
+    return chunked(expand_groups(pad_time(part, front, ch.C - front - part.shape[1]), ch.H), ch.C)
 
 
 def _incoming_state(
@@ -89,13 +84,13 @@ def _incoming_state(
     h0 = levels[:, c + 1 :].transpose(1, 2)  # [b, H, J, K, V]
     pos = c0 * C + torch.arange(C, device=levels.device)
     idx = torch.maximum(torch.arange(c + 1, device=levels.device)[None, :], bit_length(pos ^ position)[:, None])
-    weights = _level_scales_at(lc[:, :, 0], idx)  # [b, H, C, c+1]
+    weights = level_scales_at(lc[:, :, 0], idx)  # [b, H, C, c+1]
     if N > 1:
         # The first chunk's cascade moves its transitioned buckets into chunk level m0. Seeding h_m0
         # with them instead is the same, except that chunk 0 would also read them at level c+1+m0:
         # take that read off the weights.
         m0 = int(carry_target(c0 + 1)) - 1
-        weights = weights - _level_scales_at(lc[:, :, 0], torch.full((C, 1), c + 1 + m0, device=levels.device))
+        weights = weights - level_scales_at(lc[:, :, 0], torch.full((C, 1), c + 1 + m0, device=levels.device))
         h0 = h0 + torch.nn.functional.one_hot(torch.tensor(m0), J).to(h0)[:, None, None] * partial.sum(2, True)
     qt0 = qt.view(b, H, N, C, K)[:, :, 0].float()
     o_intra.view(b, H, N, C, V)[:, :, 0] += torch.einsum("bhtm,bhtk,bhmkv->bhtv", weights.float(), qt0, partial)
@@ -113,7 +108,7 @@ def gated_deltanet_core(
     [b, max(Ls, levels_needed(end)), H, K, V] fp32 (final; else None, and nothing of them is computed)."""
     b, T, _, K = q.shape
     H = v.shape[2]
-    C = kernel_chunk_size(chunk_size, dtype, K)
+    C = kernel_chunk_size(chunk_size, "gated_deltanet", dtype, K)
     c = chunk_bits(C)
     ch = Chunking(b, T, H, position % C, C)
     N, c0, end = ch.N, position // C, position + T
@@ -122,9 +117,9 @@ def gated_deltanet_core(
     J = max((end - 1) // C, 1).bit_length()
     partial = h0 = None
     if levels is not None:
-        levels = _carry_past(levels, position) if position > 0 else levels
+        levels = carry_past(levels, position) if position > 0 else levels
         J = max(J, levels.shape[1] - c - 1)
-        lc = _chunked(_pad_time(lam, ch.front, ch.Tp - ch.front - T), C)  # [b, H, N, C, L]
+        lc = chunked(pad_time(lam, ch.front, ch.Tp - ch.front - T), C)  # [b, H, N, C, L]
         partial, h0 = _incoming_state(levels, position, ch, J, lc, qt, o_intra)
 
     o, hN = fenwick_delta_scan(
@@ -150,7 +145,7 @@ def _final_state(
     last = GatedDeltaNetForm(_last_chunk(q, ch, qk_l2norm), _last_chunk(k, ch, qk_l2norm),
                              *(_last_chunk(x, ch) for x in (v, g, beta)))
     H_levels = list(hN.view(b, H, J, K, V).unbind(2))
-    final = _final_levels(last, H_levels, partial, position, end, c0 + ch.N - 1, 1, C, c)
+    final = final_levels(last, H_levels, partial, position, end, c0 + ch.N - 1, 1, C, c)
     n_final = max(levels_needed(end), c + 1 + J if carried else 0)  # the incoming levels, widened
     return torch.nn.functional.pad(final, (0, 0, 0, 0, 0, 0, 0, max(0, n_final - final.shape[1])))[:, :n_final]
 
@@ -173,17 +168,18 @@ def _run_one_segment(
 
 
 def supports(inp: OpInputs) -> bool:
-    """The kernels take bf16/fp16/fp32 and K <= 256 on CUDA (or any device under TRITON_INTERPRET=1)."""
-    return inp.v.dtype in SUPPORTED_DTYPES and inp.q.dtype in SUPPORTED_DTYPES and inp.q.shape[-1] <= MAX_K and (
-        inp.q.device.type == "cuda" or interpreting()
-    )
+    """Do the kernels take this call? bf16/fp16/fp32 q and v, K <= MAX_K, on CUDA (CPU tensors under the
+    interpreter). The dispatcher (loglinear.ops.backends) sends the others (float64, K > 256, CPU without
+    TRITON_INTERPRET) to the torch chunk path."""
+    dtypes = inp.v.dtype in SUPPORTED_DTYPES and inp.q.dtype in SUPPORTED_DTYPES
+    return dtypes and inp.q.shape[-1] <= MAX_K and (inp.q.device.type == "cuda" or interpreting())
 
 
-def triton_backend(
+def backend(
     inp: OpInputs, output_final_state: bool, chunk_size: int, use_qk_l2norm: bool,
 ) -> tuple[torch.Tensor, FenwickState | None]:
-    """The registered "triton" backend of log_linear_gated_deltanet, for inputs it ``supports``; heads
-    narrower than min_head_dim run zero-padded."""
+    """The registered "triton" backend of Gated DeltaNet (CUDA, or CPU under TRITON_INTERPRET=1) on
+    inputs it supports; heads narrower than min_head_dim run zero-padded."""
     dtype = inp.v.dtype
     minimum = min_head_dim(dot_dtype(dtype), inp.q.device)
     return run_padded(inp, minimum, lambda x: _run_kernels(x, output_final_state, chunk_size, use_qk_l2norm))
@@ -192,7 +188,7 @@ def triton_backend(
 def _run_kernels(
     inp: OpInputs, output_final_state: bool, chunk_size: int, use_qk_l2norm: bool,
 ) -> tuple[torch.Tensor, FenwickState | None]:
-    """triton_backend on the kernels, in v's dtype: (o [B, T, H, V], final state or None)."""
+    """backend on the kernels, in v's dtype: (o [B, T, H, V], final state or None)."""
     dtype = inp.v.dtype
 
     def core(q, k, v, gates, lam, scale, levels, position, qk_l2norm=False):

@@ -2,16 +2,16 @@
 (sequence, value head, block of K rows of the level states).
 
 The scan walks the chunks in reverse carrying the level gradients dH. Per chunk i (Gl = the chunk's gate
-total), with m = ctz(i + 1) the level merged after it (levels.py):
+total), with m = ctz(i + 1) the level merged after it (shared/levels.py):
 
     split    dD_i = dH_m + dB_i,   dH_j <- dD_i for j <= m      (transposed merge)
     decay    dH_j <- exp(Gl) dH_j (lazy)
     reads    only reads of the initial state (HAS_INIT): dH_j += Q^T (scale * lambda_j * exp(G) * dO)
 
 dB_i, the gradient of the level merged after chunk i from all its readers, comes summed chunk-parallel
-(mamba2_chunk.mamba2_level_grad_kernel) in d_buckets; the scan overwrites it with dD_i, the gradient of
+(chunk.mamba2_level_grad_kernel) in d_buckets; the scan overwrites it with dD_i, the gradient of
 chunk i's deposit D_i = K^T (exp(Gl - G) * V). The deposit's terms in dK and dV are chunk-parallel again
-(mamba2_chunk.mamba2_chunk_bwd_dkv_kernel). Without initial states the chain per chunk is one level
+(chunk.mamba2_chunk_bwd_dkv_kernel). Without initial states the chain per chunk is one level
 load, the split's stores and dD's store (dB and the gate total are loaded a chunk ahead): no GEMM, so the
 state tile is cut into blocks of K rows (contiguous in the [K, V] states) over many programs. No atomics:
 every output element has one writer.
@@ -22,12 +22,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.common import SCAN_RUNTIME_ARGS, load_column
-from loglinear.ops.triton.intra import chunk_gates
-from loglinear.ops.triton.levels import (
+from loglinear.ops.triton.shared.common import SCAN_RUNTIME_ARGS
+from loglinear.ops.triton.shared.intra import chunk_gates
+from loglinear.ops.triton.shared.levels import (
     accumulate_level, chunk_inputs, flush_levels, level_source, level_tile, sequence_range, split_levels,
 )
-from loglinear.ops.triton.mamba2_rows import load_tile
+from loglinear.ops.triton.shared.tiles import load_column, load_tile
 
 
 @triton.jit

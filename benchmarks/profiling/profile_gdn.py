@@ -1,6 +1,6 @@
 """Where the time of log-linear Gated DeltaNet goes: per-kernel CUDA time of one forward+backward.
 
-    python benchmarks/profile_gdn.py --T 32768 131072 --out benchmarks/results
+    python benchmarks/profiling/profile_gdn.py --T 32768 131072 --out benchmarks/results
 
 Paper setting (B = 2, 48 value heads, one q/k group, K = 128, V = 64, bf16, q/k L2-normalised in the op).
 For each T: torch.profiler over two forward+backward steps (after a warm-up step), CUDA time summed per
@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: loglinear
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_ops
 
 from bench_ops import PAPER, gdn_inputs  # noqa: E402
 from loglinear import log_linear_gated_deltanet  # noqa: E402
-from loglinear.ops.triton import gated_deltanet_scan  # noqa: E402
+from loglinear.ops.triton.gated_deltanet import scan as gated_deltanet_scan  # noqa: E402
 
 
 def kernel_times(T: int, steps: int = 2) -> tuple[list[tuple[float, int, str]], list[torch.Tensor]]:
@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--T", type=int, nargs="+", default=[32768])
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--ab", action="store_true", help="each T also with the square forms off")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
     lines = [f"# log-linear Gated DeltaNet, CUDA time per kernel ({gpu}, torch {torch.__version__})", "",

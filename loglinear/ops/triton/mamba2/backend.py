@@ -8,11 +8,11 @@ Composition (all sequences of a call in one launch per kernel):
      always start chunk-aligned: after the carry past an aligned position, every incoming level is a
      chunk level (token level > c);
   3. forward: a chunk-parallel kernel computes every chunk's deposit, a sequential scan merges them
-     through the chunk levels (mamba2_fwd.py: recording each merged level and every chunk's level
+     through the chunk levels (fwd.py: recording each merged level and every chunk's level
      decays; no GEMM, the states cut into K-row blocks), then a chunk-parallel kernel computes the
-     in-chunk block and the readout of every chunk (mamba2_chunk.py). Backward: a chunk kernel gives dq,
+     in-chunk block and the readout of every chunk (chunk.py). Backward: a chunk kernel gives dq,
      dlambda (complete) and q.dq; a second one each merged level's gradient from its readers; the reverse
-     scan (mamba2_bwd.py) only the transposed cascade, giving every deposit's gradient; a last chunk
+     scan (bwd.py) only the transposed cascade, giving every deposit's gradient; a last chunk
      kernel dk and dv (in-chunk + deposit terms) and k.dk. dq / dk per value head in the operand dtype,
      summed over the group's heads in fp32 here. Memory: the backward drops the buckets after the dq
      kernel (their only reader there; a second backward recomputes them) and each per-head dq / dk and
@@ -32,29 +32,25 @@ import triton
 
 from loglinear.fenwick import bit_length, chunk_bits, levels_needed
 from loglinear.inputs import OpInputs, expand_groups
-from loglinear.ops.torch_chunk import chunk_scan
-from loglinear.ops.torch_chunk.scan import _carry_past
-from loglinear.ops.triton.common import (
-    MAX_CHUNK_LEVELS, alloc, device_table, dot_precision, group_sum, interpreting, launch_options, min_head_dim,
-    next_pow2, run_padded, table_cache,
+from loglinear.ops.torch_chunk import carry_past, chunk_scan
+from loglinear.ops.triton.mamba2.bwd import mamba2_bwd_scan_kernel
+from loglinear.ops.triton.mamba2.chunk import (
+    mamba2_chunk_bwd_dkv_kernel, mamba2_chunk_bwd_dq_kernel, mamba2_chunk_fwd_kernel, mamba2_deposit_kernel,
+    mamba2_level_grad_kernel,
 )
-from loglinear.ops.triton.mamba2_bwd import mamba2_bwd_scan_kernel
-from loglinear.ops.triton.mamba2_chunk import (
-    chunk_launch_options, mamba2_chunk_bwd_dkv_kernel, mamba2_chunk_bwd_dq_kernel, mamba2_chunk_fwd_kernel,
-    mamba2_deposit_kernel, mamba2_level_grad_kernel,
-)
-from loglinear.ops.triton.mamba2_fwd import mamba2_fwd_kernel
+from loglinear.ops.triton.mamba2.fwd import mamba2_fwd_kernel
+from loglinear.ops.triton.shared.common import MAX_CHUNK_LEVELS, alloc, group_sum, interpreting, next_pow2
+from loglinear.ops.triton.shared.heads import min_head_dim, run_padded
+from loglinear.ops.triton.shared.launch import launch_options
+from loglinear.ops.triton.shared.rules import dot_precision, kernel_chunk_size
+from loglinear.ops.triton.shared.tables import device_table, table_cache
 from loglinear.state import FenwickState
 from loglinear.variants.mamba2 import Mamba2Form, suffix_sum
 
-__all__ = ["mamba2_triton", "kernel_chunk_size", "LevelScanPlan"]
+__all__ = ["supports", "backend", "LevelScanPlan"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SCAN_ROWS = 16  # K rows per program of the reverse scan when its tile may be split
-
-def kernel_chunk_size(chunk_size: int) -> int:
-    """The kernels' chunk (16..64; the result does not depend on it, tl.dot needs >= 16)."""
-    return min(max(chunk_size, 16), 64)
 
 
 @dataclass
@@ -148,7 +144,7 @@ def _sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor) -> dict:
     """Runtime sizes and constexprs of the chunk kernels and the reverse scan (those reading levels also
     take J = plan.num_levels)."""
     return dict(H=v.shape[1], G=q.shape[1], K=q.shape[-1], V=v.shape[-1], C=plan.chunk_size,
-                PRECISION=dot_precision(q.dtype))
+                PRECISION=dot_precision(q.dtype, "mamba2"))
 
 
 def _gate_grad(d_gate: torch.Tensor, d_final: torch.Tensor, final: torch.Tensor,
@@ -191,12 +187,14 @@ def _merge_levels(k, v, g, levels, ranges, table: ChunkTable, plan: LevelScanPla
     decays = alloc((NC, H, plan.num_levels), torch.float32, k.device)
     if NC:
         mamba2_deposit_kernel[(NC, H)](
-            k, v, g, buckets, table.starts, table.ends, BK=BK, BV=BV, **_sizes(plan, k, v), **chunk_launch_options(4),
+            k, v, g, buckets, table.starts, table.ends, BK=BK, BV=BV, **_sizes(plan, k, v),
+            **launch_options(mamba2_deposit_kernel),
         )
     BKS = _scan_rows(k, False)
     mamba2_fwd_kernel[(N, H, triton.cdiv(k.shape[-1], BKS))](
         g, levels, buckets, decays, *ranges, table.base, H=H, K=k.shape[-1], V=v.shape[-1], J=plan.num_levels,
-        C=plan.chunk_size, BKS=BKS, BV=BV, BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, **launch_options(BKS, BV),
+        C=plan.chunk_size, BKS=BKS, BV=BV, BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init,
+        **launch_options(mamba2_fwd_kernel, BKS * BV),
     )
     return buckets, decays
 
@@ -230,7 +228,8 @@ def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Sa
         mamba2_chunk_fwd_kernel[(NC, v.shape[1])](
             q, k, v, g, lam, o, h0, buckets, decays, table.starts, table.ends, table.seqs, table.chunks, ranges[2],
             plan.scale, L=lam.shape[-1], J=plan.num_levels, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV,
-            BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, **_sizes(plan, q, v), **chunk_launch_options(4, 2),
+            BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, **_sizes(plan, q, v),
+            **launch_options(mamba2_chunk_fwd_kernel),
         )
     return _Saved(table, buckets, decays)
 
@@ -251,7 +250,8 @@ def _dq_grads(q, k, v, g, lam, h0, d_o, ranges, buckets, saved: _Saved, plan: Le
         mamba2_chunk_bwd_dq_kernel[(table.starts.numel(), H)](
             q, k, v, g, lam, d_o, h0, buckets, saved.decays, table.starts, table.ends, table.seqs, table.chunks,
             ranges[2], plan.scale, dq, dlam, qdq, BL=next_pow2(L, minimum=32), BJ=MAX_CHUNK_LEVELS,
-            J=plan.num_levels, HAS_INIT=plan.has_init, **_chunk_sizes(plan, q, v, lam), **chunk_launch_options(4, 2),
+            J=plan.num_levels, HAS_INIT=plan.has_init, **_chunk_sizes(plan, q, v, lam),
+            **launch_options(mamba2_chunk_bwd_dq_kernel),
         )
     _zero_prefixes(plan, dlam)
     return _group_grad(dq, q.shape[1], plan), dlam, qdq
@@ -267,13 +267,13 @@ def _deposit_grads(q, g, lam, d_o, d_levels, ranges, saved: _Saved, plan: LevelS
     if NC:
         mamba2_level_grad_kernel[(NC * H,)](
             q, g, lam, d_o, saved.decays, table.starts, table.ends, table.chunks, table.by_level, d_buckets,
-            plan.scale, J=J, BJ=MAX_CHUNK_LEVELS, **chunk, **chunk_launch_options(4, 3),
+            plan.scale, J=J, BJ=MAX_CHUNK_LEVELS, **chunk, **launch_options(mamba2_level_grad_kernel),
         )
     BKS = _scan_rows(q, plan.has_init)  # initial states: the scan multiplies for their reads
     mamba2_bwd_scan_kernel[(N, H, triton.cdiv(q.shape[-1], BKS))](
         q, g, lam, d_o, d_levels, d_buckets, *ranges, table.base, plan.scale, L=chunk["L"], J=J, LOG_C=chunk["LOG_C"],
         BKS=BKS, BV=chunk["BV"], BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, **_sizes(plan, q, d_o),
-        **launch_options(BKS, chunk["BV"]),
+        **launch_options(mamba2_bwd_scan_kernel, BKS * chunk["BV"]),
     )
     return d_buckets
 
@@ -287,7 +287,7 @@ def _dkv_grads(q, k, v, g, lam, d_o, d_deposits, table: ChunkTable, plan: LevelS
     if NC:
         mamba2_chunk_bwd_dkv_kernel[(NC, H)](
             q, k, v, g, lam, d_o, d_deposits, table.starts, table.ends, plan.scale, dk, dv, kdk,
-            **_chunk_sizes(plan, q, v, lam), **chunk_launch_options(4),
+            **_chunk_sizes(plan, q, v, lam), **launch_options(mamba2_chunk_bwd_dkv_kernel),
         )
     _zero_prefixes(plan, dv)
     return _group_grad(dk, k.shape[1], plan), dv, kdk
@@ -427,7 +427,7 @@ def _align(flat: _Flat, state: FenwickState | None, C: int, scale: float) -> _Al
             out.done[n] = levels[0]
             levels = None
         elif levels is not None and p + pre > 0:
-            levels = _carry_past(levels, p + pre)
+            levels = carry_past(levels, p + pre)
         out.levels.append(levels)
         out.bos.append(a + pre)
         out.chunk0.append((p + pre) // C)
@@ -464,22 +464,23 @@ def _final_state(flat: _Flat, aligned: _Aligned, final: torch.Tensor, C: int, n_
 
 
 def supports(inp: OpInputs) -> bool:
-    """The kernels take bf16/fp16/fp32 on CUDA (or any device under TRITON_INTERPRET=1)."""
-    return inp.q.dtype in SUPPORTED_DTYPES and inp.v.dtype in SUPPORTED_DTYPES and (
-        inp.q.device.type == "cuda" or interpreting()
-    )
+    """Do the kernels take this call? bf16/fp16/fp32 q and v, on CUDA (CPU tensors under the interpreter).
+    The dispatcher (loglinear.ops.backends) sends the others (float64, CPU without TRITON_INTERPRET) to torch."""
+    dtypes = inp.q.dtype in SUPPORTED_DTYPES and inp.v.dtype in SUPPORTED_DTYPES
+    return dtypes and (inp.q.device.type == "cuda" or interpreting())
 
 
-def mamba2_triton(inp: OpInputs, output_final_state: bool, chunk_size: int, use_qk_l2norm: bool = False):
-    """Backend "triton" for log_linear_mamba2 (see loglinear.ops.backends), for inputs it ``supports``; heads
-    narrower than min_head_dim run zero-padded."""
+def backend(inp: OpInputs, output_final_state: bool, chunk_size: int,
+            use_qk_l2norm: bool = False) -> tuple[torch.Tensor, FenwickState | None]:
+    """Backend "triton" of Mamba-2 (see loglinear.ops.backends) on inputs it supports;
+    heads narrower than min_head_dim run zero-padded."""
     minimum = min_head_dim(_kernel_dtype(inp), inp.q.device)
     return run_padded(inp, minimum, lambda x: _run_kernels(x, output_final_state, chunk_size))
 
 
 def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tuple[torch.Tensor, FenwickState | None]:
-    """mamba2_triton on the kernels: (o [B, T, H, V] in v's dtype, final state or None)."""
-    C = kernel_chunk_size(chunk_size)
+    """backend on the kernels: (o [B, T, H, V] in v's dtype, final state or None)."""
+    C = kernel_chunk_size(chunk_size, "mamba2")
     flat = _flatten(inp)
     aligned = _align(flat, inp.initial_state, C, inp.scale)
     J, h0, has_init = _chunk_levels(flat, aligned, C)

@@ -7,10 +7,10 @@ Per chunk i (Gl = the chunk's gate total), in order:
     carry    H_j <- exp(Gl) H_j  (lazy);   H_m <- D_i + sum_{j<=m} H_j
     record   buckets[i] = H_m (as stored: the value every later reader of level m scales by its decay)
 
-m = ctz(i + 1) (levels.py). The deposits D_i = K^T (exp(Gl - G) * V) come chunk-parallel beforehand in
-the same buffer (mamba2_chunk.mamba2_deposit_kernel): the scan reads slot i and overwrites it with the
+m = ctz(i + 1) (shared/levels.py). The deposits D_i = K^T (exp(Gl - G) * V) come chunk-parallel beforehand in
+the same buffer (chunk.mamba2_deposit_kernel): the scan reads slot i and overwrites it with the
 bucket. The readout (every chunk against its live levels) runs chunk-parallel afterwards
-(mamba2_chunk.py) from buckets, decays and the initial states. The sequential chain per chunk is the
+(chunk.py) from buckets, decays and the initial states. The sequential chain per chunk is the
 amortised O(1) level merge (sum over chunks of the levels merged = 2 NT) and two stores, no GEMM, so the
 state tile is cut into blocks of K rows (contiguous in the [K, V] states) over many programs; the next
 chunk's deposit and gates are loaded one chunk ahead. The level states never leave the scan's fp32
@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.levels import chunk_inputs, flush_levels, level_tile, merge_levels, sequence_range
+from loglinear.ops.triton.shared.levels import chunk_inputs, flush_levels, level_tile, merge_levels, sequence_range
 
 
 @triton.jit(do_not_specialize=["H", "J"])
@@ -33,7 +33,7 @@ def mamba2_fwd_kernel(
 ):
     """g: [tokens, H]; levels: [N, J, H, K, V] fp32, initial chunk-level states in, final ones out;
     buckets: [NC, H, K, V] (q's dtype), the deposits in, the merged levels out (every chunk but each
-    sequence's last); decays: [NC, H, J] fp32 out, per kernel chunk (mamba2.ChunkTable);
+    sequence's last); decays: [NC, H, J] fp32 out, per kernel chunk (backend.ChunkTable);
     bos/eos/chunk0/base: [N] (base = the sequence's first kernel chunk).
     Grid (N, H, cdiv(K, BKS)): row blocks are independent (block 0 writes decays)."""
     n, h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)

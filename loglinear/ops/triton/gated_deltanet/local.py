@@ -50,11 +50,12 @@ import triton.language as tl
 
 from loglinear.fenwick import chunk_bits, intra_chunk_levels
 from loglinear.inputs import L2NORM_EPS, l2norm_backward
-from loglinear.ops.triton.common import alloc, group_sum, interpreting, next_pow2
-from loglinear.ops.triton.gated_deltanet_common import (
-    Chunking, chunk_tokens, dot_dtype, dot_precision, load_tokens, store_tokens,
-)
-from loglinear.ops.triton.intra import decay_matrix, intra_levels, level_weights
+from loglinear.ops.triton.gated_deltanet.chunking import Chunking, chunk_tokens
+from loglinear.ops.triton.shared.common import alloc, group_sum, next_pow2
+from loglinear.ops.triton.shared.intra import decay_matrix, intra_levels, level_weights
+from loglinear.ops.triton.shared.launch import launch_options
+from loglinear.ops.triton.shared.rules import dot_dtype, dot_precision
+from loglinear.ops.triton.shared.tiles import load_tile, store_tile
 
 LocalOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -80,19 +81,6 @@ def chunk_local_torch(q, k, v, g, beta, lam) -> LocalOut:
     qt = e * q - qk @ wt
     kt = torch.exp(G[..., -1:] - G)[..., None] * k
     return o, qt, wt, kt, u, torch.exp(G[..., -1])
-
-
-@triton.jit
-def _tile(ptr, rows, D, col0, BD: tl.constexpr):
-    """x[rows, col0 : col0 + BD] of a row-major [*, D] tensor -> [C, BD] (0 past D)."""
-    cols = col0 + tl.arange(0, BD)
-    return tl.load(ptr + rows[:, None] * D + cols[None, :], mask=cols[None, :] < D, other=0.0)
-
-
-@triton.jit
-def _put(ptr, x, rows, D, col0, BD: tl.constexpr):
-    cols = col0 + tl.arange(0, BD)
-    tl.store(ptr + rows[:, None] * D + cols[None, :], x.to(ptr.dtype.element_ty), mask=cols[None, :] < D)
 
 
 @triton.jit
@@ -129,39 +117,44 @@ def unit_lower_inverse(A, C: tl.constexpr, PREC: tl.constexpr = "tf32x3"):
 
 @triton.jit
 def _chunk_program(T, front, Tp, H, NG, C: tl.constexpr):
-    """A chunk-local program's chunk n (axis 0) and head row bh (axis 1): its tokens (chunk_tokens), head h,
-    q/k group, chunk rows rc [C] and rows of the [BH, Tp, *] stage tensors."""
+    """A chunk-local program's chunk n (axis 0) and head row bh (axis 1): its first token t0 and valid [C]
+    (chunk_tokens), head h, q/k group, chunk rows rc [C] and the first row of the chunk in the [BH, Tp, *]
+    stage tensors (tiles of those: load_tile(x, row0, rc, rc < C, 0, 1, D, cols))."""
     n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    tok, valid, h = chunk_tokens(n, bh, T, front, H, C)
-    rc = tl.arange(0, C)
-    return n, bh, tok, valid, h, h // (H // NG), rc, bh * Tp + n * C + rc
+    t0, rc, valid, h = chunk_tokens(n, bh, T, front, H, C)
+    return n, bh, t0, valid, h, h // (H // NG), rc, bh * Tp + n * C
 
 
 @triton.jit
-def _row_norms(x, tok, valid, grp, NG, K, eps, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
+def _row_norms(x, t0, valid, grp, NG, K, eps, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
                NORM: tl.constexpr):
     """[C] fp32: r_t = rsqrt(sum_k x[t, k]^2 + eps) of the chunk's rows of q or k [tokens, NG, K] (group grp)
     when NORM (loglinear.inputs.l2norm; one pass over the NK column blocks of BK), else 1."""
     r = tl.full([C], 1.0, tl.float32)
+    rc = tl.arange(0, C)
     if NORM:
         ss = tl.zeros([C], dtype=tl.float32)
         for kb in range(NK):
-            x_b = load_tokens(x, tok, valid, grp, NG, K, kb * BK, BK, tl.float32)
+            kc = kb * BK + tl.arange(0, BK)
+            x_b = load_tile(x, t0, rc, valid, grp, NG, K, kc).to(tl.float32)
             ss += tl.sum(x_b * x_b, axis=1)
         r = tl.rsqrt(ss + eps)
     return r
 
 
 @triton.jit
-def _gram(x, rx, k, rk, tok, valid, grp, NG, K, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
+def _gram(x, rx, k, rk, t0, valid, grp, NG, K, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
           PREC: tl.constexpr, dt: tl.constexpr, NORM: tl.constexpr):
     """X K^T [C, C] fp32 of the chunk's rows of x, k [tokens, NG, K] (group grp), in NK column blocks of BK
     (operands in dt); when NORM of the rows scaled by rx, rk: the product's rows and columns scaled instead."""
     acc = tl.zeros([C, C], dtype=tl.float32)
+    rc = tl.arange(0, C)
     for kb in range(NK):
-        k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt)
-        acc += tl.dot(load_tokens(x, tok, valid, grp, NG, K, kb * BK, BK, dt), tl.trans(k_b), input_precision=PREC)
+        kc = kb * BK + tl.arange(0, BK)
+        k_b = load_tile(k, t0, rc, valid, grp, NG, K, kc).to(dt)
+        x_b = load_tile(x, t0, rc, valid, grp, NG, K, kc).to(dt)
+        acc += tl.dot(x_b, tl.trans(k_b), input_precision=PREC)
     if NORM:
         acc = acc * rx[:, None] * rk[None, :]
     return acc
@@ -194,12 +187,13 @@ def _chunk_inverse_kernel(
     chunk: T_g[t, :]).
     Read by the forward and the backward; alone in its kernel so its dependent products run at a few
     programs per SM (few registers) instead of inside the register-heavy chunk kernels."""
-    _, _, tok, valid, h, grp, rc, rows = _chunk_program(T, front, Tp, H, NG, C)
+    _, _, t0, valid, h, grp, rc, row0 = _chunk_program(T, front, Tp, H, NG, C)
+    tok = t0 + rc
     b_c, _, gamma, _ = _chunk_gates(g, beta, tok, valid, h, H, C)
-    r_k = _row_norms(k, tok, valid, grp, NG, K, eps, C, BK, NK, NORM)
-    kk = _gram(k, r_k, k, r_k, tok, valid, grp, NG, K, C, BK, NK, PREC, tg.dtype.element_ty, NORM)
+    r_k = _row_norms(k, t0, valid, grp, NG, K, eps, C, BK, NK, NORM)
+    kk = _gram(k, r_k, k, r_k, t0, valid, grp, NG, K, C, BK, NK, PREC, tg.dtype.element_ty, NORM)
     A = tl.where(rc[:, None] > rc[None, :], b_c[:, None] * gamma * kk, 0.0)
-    _put(tg, unit_lower_inverse(A, C, PREC), rows, C, 0, C)
+    store_tile(tg, unit_lower_inverse(A, C, PREC), row0, rc, rc < C, 0, 1, C, rc)
 
 
 @triton.jit
@@ -213,30 +207,35 @@ def _chunk_local_kernel(
     T_g (tg: [BH, Tp, C], _chunk_inverse_kernel); outputs o: [BH, Tp, V] fp32, qt, wt, kt: [BH, Tp, K] and
     u: [BH, Tp, V] in the operand dtype, decay: [BH, N] fp32, and for the backward QK (qkg: [BH, Tp, C], operand
     dtype). K and V are walked in blocks; q and k row-normalised when NORM."""
-    n, bh, tok, valid, h, grp, rc, rows = _chunk_program(T, front, Tp, H, NG, C)
+    n, bh, t0, valid, h, grp, rc, row0 = _chunk_program(T, front, Tp, H, NG, C)
+    tok = t0 + rc
     dt = qt.dtype.element_ty
     b_c, G, gamma, causal = _chunk_gates(g, beta, tok, valid, h, H, C)
-    r_q = _row_norms(q, tok, valid, grp, NG, K, eps, C, BK, NK, NORM)
-    r_k = _row_norms(k, tok, valid, grp, NG, K, eps, C, BK, NK, NORM)
-    qkd = (_gram(q, r_q, k, r_k, tok, valid, grp, NG, K, C, BK, NK, PREC, dt, NORM) * gamma).to(dt)
-    _put(qkg, qkd, rows, C, 0, C)
+    r_q = _row_norms(q, t0, valid, grp, NG, K, eps, C, BK, NK, NORM)
+    r_k = _row_norms(k, t0, valid, grp, NG, K, eps, C, BK, NK, NORM)
+    qkd = (_gram(q, r_q, k, r_k, t0, valid, grp, NG, K, C, BK, NK, PREC, dt, NORM) * gamma).to(dt)
+    store_tile(qkg, qkd, row0, rc, rc < C, 0, 1, C, rc)
     lam_c = _chunk_levels(lam, tok, valid, h, H, L, causal, C, LOG_C)
-    Tgd = _tile(tg, rows, C, 0, C)
+    Tgd = load_tile(tg, row0, rc, rc < C, 0, 1, C, rc)
     G_last = tl.sum(tl.where(rc == C - 1, G, 0.0), axis=0)
     e = tl.exp(G)
     f = tl.exp(G_last - G)
     P = (tl.dot(qkd, Tgd, input_precision=PREC) * b_c[None, :] * lam_c).to(dt)
     for kb in range(NK):  # q_n = r_q q, k_n = r_k k: the row factors join e, f, beta e
-        q_b = load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, dt).to(tl.float32)
-        k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt).to(tl.float32)
+        kc = kb * BK + tl.arange(0, BK)
+        q_b = load_tile(q, t0, rc, valid, grp, NG, K, kc).to(dt).to(tl.float32)
+        k_b = load_tile(k, t0, rc, valid, grp, NG, K, kc).to(dt).to(tl.float32)
         w_b = tl.dot(Tgd, ((b_c * e * r_k)[:, None] * k_b).to(dt), input_precision=PREC)
-        _put(wt, w_b, rows, K, kb * BK, BK)
-        _put(qt, (e * r_q)[:, None] * q_b - tl.dot(qkd, w_b.to(dt), input_precision=PREC), rows, K, kb * BK, BK)
-        _put(kt, (f * r_k)[:, None] * k_b, rows, K, kb * BK, BK)
+        store_tile(wt, w_b, row0, rc, rc < C, 0, 1, K, kc)
+        q_t = (e * r_q)[:, None] * q_b - tl.dot(qkd, w_b.to(dt), input_precision=PREC)
+        store_tile(qt, q_t, row0, rc, rc < C, 0, 1, K, kc)
+        store_tile(kt, (f * r_k)[:, None] * k_b, row0, rc, rc < C, 0, 1, K, kc)
     for vb in range(NV):
-        v_b = load_tokens(v, tok, valid, h, H, V, vb * BV, BV, dt)
-        _put(u, tl.dot(Tgd, (b_c[:, None] * v_b.to(tl.float32)).to(dt), input_precision=PREC), rows, V, vb * BV, BV)
-        _put(o, tl.dot(P, v_b, input_precision=PREC), rows, V, vb * BV, BV)
+        vc = vb * BV + tl.arange(0, BV)
+        v_b = load_tile(v, t0, rc, valid, h, H, V, vc).to(dt)
+        u_b = tl.dot(Tgd, (b_c[:, None] * v_b.to(tl.float32)).to(dt), input_precision=PREC)
+        store_tile(u, u_b, row0, rc, rc < C, 0, 1, V, vc)
+        store_tile(o, tl.dot(P, v_b, input_precision=PREC), row0, rc, rc < C, 0, 1, V, vc)
     tl.store(decay + bh * N + n, tl.exp(G_last))
 
 
@@ -287,12 +286,13 @@ def _chunk_local_bwd_cc_kernel(
         dbp = rowsum(dbv * V) + colsum(dP * M * Lambda);  dGp = rowsum(dGg) - colsum(dGg), dGg = dQK * QK
     (the terms of dA * beta_t * A with K K^T, and those of dbk and dqt, are part 2's).
     """
-    n, bh, tok, valid, h, _, rc, rows = _chunk_program(T, front, Tp, H, 1, C)
+    n, bh, t0, valid, h, _, rc, row0 = _chunk_program(T, front, Tp, H, 1, C)
+    tok = t0 + rc
     dt = dqt.dtype.element_ty  # the operand dtype: qt's gradient comes in qt's dtype
     causal = rc[:, None] >= rc[None, :]
     b_c = tl.load(beta + tok * H + h, mask=valid, other=0.0).to(tl.float32)
-    Tg = _tile(tg, rows, C, 0, C)
-    qk = _tile(qkg, rows, C, 0, C)
+    Tg = load_tile(tg, row0, rc, rc < C, 0, 1, C, rc)
+    qk = load_tile(qkg, row0, rc, rc < C, 0, 1, C, rc)
     M = tl.dot(qk, Tg, input_precision=PREC)
     P = (M * b_c[None, :] * _chunk_levels(lam, tok, valid, h, H, L, causal, C, LOG_C)).to(dt)
     # values: dP, dV and dbv u^T of dA, from u = T bv
@@ -300,14 +300,14 @@ def _chunk_local_bwd_cc_kernel(
     X = tl.zeros([C, C], dtype=tl.float32)  # -dA
     db = tl.zeros([C], dtype=tl.float32)
     for vb in range(NV):
-        v_b = load_tokens(v, tok, valid, h, H, V, vb * BV, BV, dt)
-        do_b = _tile(do, rows, V, vb * BV, BV).to(dt)
-        dbv = tl.dot(tl.trans(Tg), _tile(du, rows, V, vb * BV, BV), input_precision=PREC)
+        vc = vb * BV + tl.arange(0, BV)
+        v_b = load_tile(v, t0, rc, valid, h, H, V, vc).to(dt)
+        do_b = load_tile(do, row0, rc, rc < C, 0, 1, V, vc).to(dt)
+        dbv = tl.dot(tl.trans(Tg), load_tile(du, row0, rc, rc < C, 0, 1, V, vc), input_precision=PREC)
         dP += tl.dot(do_b, tl.trans(v_b), input_precision=PREC)
-        X += _dot(dbv, tl.trans(_tile(u, rows, V, vb * BV, BV)), dt, PREC)
+        X += _dot(dbv, tl.trans(load_tile(u, row0, rc, rc < C, 0, 1, V, vc)), dt, PREC)
         db += tl.sum(dbv * v_b.to(tl.float32), axis=1)
-        store_tokens(dv, tl.dot(tl.trans(P), do_b, input_precision=PREC) + b_c[:, None] * dbv,
-                     tok, valid, h, H, V, vb * BV, BV)
+        store_tile(dv, tl.dot(tl.trans(P), do_b, input_precision=PREC) + b_c[:, None] * dbv, t0, rc, valid, h, H, V, vc)
     dPM = tl.where(causal, dP, 0.0) * M
     _store_level_sums(dlam, dPM * b_c[None, :], tok, valid, h, H, L, tok - (tok - rc), rc, LOG_C)
     lam_c = _chunk_levels(lam, tok, valid, h, H, L, causal, C, LOG_C)  # again: not live in the value loop
@@ -316,19 +316,21 @@ def _chunk_local_bwd_cc_kernel(
     X += _dot(tl.trans(M), dQK, dt, PREC)
     # keys: qt = e q - QK W~,  W~ = T bk (the forward's wt)
     for kb in range(NK):
-        dqt_b = _tile(dqt, rows, K, kb * BK, BK)
-        w_b = _tile(wt, rows, K, kb * BK, BK)
-        dW_b = _tile(dwt, rows, K, kb * BK, BK).to(tl.float32) - tl.dot(tl.trans(qk), dqt_b, input_precision=PREC)
+        kc = kb * BK + tl.arange(0, BK)
+        dqt_b = load_tile(dqt, row0, rc, rc < C, 0, 1, K, kc)
+        w_b = load_tile(wt, row0, rc, rc < C, 0, 1, K, kc)
+        dW_b = load_tile(dwt, row0, rc, rc < C, 0, 1, K, kc).to(tl.float32)
+        dW_b -= tl.dot(tl.trans(qk), dqt_b, input_precision=PREC)
         dQK -= tl.dot(dqt_b, tl.trans(w_b), input_precision=PREC)
         dbk_b = _dot(tl.trans(Tg), dW_b, dt, PREC).to(dt)
-        _put(dbk, dbk_b, rows, K, kb * BK, BK)
+        store_tile(dbk, dbk_b, row0, rc, rc < C, 0, 1, K, kc)
         X += tl.dot(dbk_b, tl.trans(w_b), input_precision=PREC)
     # QK = QKraw * Gamma, A = strict(beta_t Gamma KK): Gamma's factors of dQK and dA (part 2 adds beta_t, KK)
     G = tl.cumsum(tl.load(g + tok * H + h, mask=valid, other=0.0).to(tl.float32), axis=0)
     gamma = decay_matrix(G, causal)
     dGg = tl.where(causal, dQK * qk.to(tl.float32), 0.0)
-    tl.store(dGp + rows, tl.sum(dGg, axis=1) - tl.sum(dGg, axis=0))
-    tl.store(dbp + rows, db)
+    tl.store(dGp + row0 + rc, tl.sum(dGg, axis=1) - tl.sum(dGg, axis=0))
+    tl.store(dbp + row0 + rc, db)
     out = scratch + (bh * N + n) * 2 * C * C
     tl.store(_cc_tile(out, 0, rc, C), (dQK * gamma).to(dt))
     tl.store(_cc_tile(out, 1, rc, C), tl.where(rc[:, None] > rc[None, :], -X * gamma, 0.0).to(dt))
@@ -352,7 +354,8 @@ def _chunk_local_bwd_k_kernel(
         de = rowsum(dqt * Q) + beta sbk,  sbk = rowsum(dbk * K);   dbeta = dbp + rho + e sbk
         dG = dGp + e de + beta rho - kappa - f rowsum(dkt * K) + [last] dG_last
     """
-    n, bh, tok, valid, h, grp, rc, rows = _chunk_program(T, front, Tp, H, NG, C)
+    n, bh, t0, valid, h, grp, rc, row0 = _chunk_program(T, front, Tp, H, NG, C)
+    tok = t0 + rc
     dt = dqt.dtype.element_ty
     src = scratch + (bh * N + n) * 2 * C * C
     dQKr = tl.load(_cc_tile(src, 0, rc, C))
@@ -364,8 +367,8 @@ def _chunk_local_bwd_k_kernel(
     b_c = tl.load(beta + tok * H + h, mask=valid, other=0.0).to(tl.float32)
     be = b_c * e
     # q_n = r_q q, k_n = r_k k: the row factors scale the [C, C] factors' columns / rows and the row sums
-    r_q = _row_norms(q, tok, valid, grp, NG, K, eps, C, BK, NK, NORM)
-    r_k = _row_norms(k, tok, valid, grp, NG, K, eps, C, BK, NK, NORM)
+    r_q = _row_norms(q, t0, valid, grp, NG, K, eps, C, BK, NK, NORM)
+    r_k = _row_norms(k, t0, valid, grp, NG, K, eps, C, BK, NK, NORM)
     dQKq = (dQKr.to(tl.float32) * r_q[:, None]).to(dt)
     dQKr = (dQKr.to(tl.float32) * r_k[None, :]).to(dt)
     dKKt = ((b_c * r_k)[:, None] * dAG).to(dt)  # dKK^T K_n = trans(dKKt) K
@@ -376,14 +379,15 @@ def _chunk_local_bwd_k_kernel(
     kappa = tl.zeros([C], dtype=tl.float32)
     de = tl.zeros([C], dtype=tl.float32)
     for kb in range(NK):
-        q_b = load_tokens(q, tok, valid, grp, NG, K, kb * BK, BK, dt)
-        k_b = load_tokens(k, tok, valid, grp, NG, K, kb * BK, BK, dt)
+        kc = kb * BK + tl.arange(0, BK)
+        q_b = load_tile(q, t0, rc, valid, grp, NG, K, kc).to(dt)
+        k_b = load_tile(k, t0, rc, valid, grp, NG, K, kc).to(dt)
         kf_b = k_b.to(tl.float32)
-        dqt_b = _tile(dqt, rows, K, kb * BK, BK)
-        dkt_b = _tile(dkt, rows, K, kb * BK, BK).to(tl.float32)
-        dbk_b = _tile(dbk, rows, K, kb * BK, BK).to(tl.float32)
+        dqt_b = load_tile(dqt, row0, rc, rc < C, 0, 1, K, kc)
+        dkt_b = load_tile(dkt, row0, rc, rc < C, 0, 1, K, kc).to(tl.float32)
+        dbk_b = load_tile(dbk, row0, rc, rc < C, 0, 1, K, kc).to(tl.float32)
         dq_b = e[:, None] * dqt_b.to(tl.float32) + tl.dot(dQKr, k_b, input_precision=PREC)
-        store_tokens(dq, dq_b, tok, valid, h, H, K, kb * BK, BK)
+        store_tile(dq, dq_b, t0, rc, valid, h, H, K, kc)
         de += tl.sum(dqt_b.to(tl.float32) * q_b.to(tl.float32), axis=1)
         ak_b = tl.dot(dAG, k_b, input_precision=PREC)
         akt_b = tl.dot(tl.trans(dKKt), k_b, input_precision=PREC)
@@ -391,7 +395,7 @@ def _chunk_local_bwd_k_kernel(
         kappa += tl.sum(akt_b * kf_b, axis=1)
         dk_b = tl.dot(tl.trans(dQKq), q_b, input_precision=PREC) + b_c[:, None] * ak_b + akt_b
         dk_b += be[:, None] * dbk_b + f[:, None] * dkt_b
-        store_tokens(dk, dk_b, tok, valid, h, H, K, kb * BK, BK)
+        store_tile(dk, dk_b, t0, rc, valid, h, H, K, kc)
         skt += tl.sum(dkt_b * kf_b, axis=1)
         sbk += tl.sum(dbk_b * kf_b, axis=1)
     rho *= r_k
@@ -399,10 +403,10 @@ def _chunk_local_bwd_k_kernel(
     skt *= f * r_k
     # (q_n: r_q of the row sum)
     de = de * r_q + b_c * sbk
-    tl.store(dbeta + tok * H + h, tl.load(dbp + rows) + rho + e * sbk, mask=valid)
+    tl.store(dbeta + tok * H + h, tl.load(dbp + row0 + rc) + rho + e * sbk, mask=valid)
     # K~ = f k, decay = exp(G_last); G = cumsum(g)
     dG_last = tl.sum(skt, axis=0) + tl.load(ddecay + bh * N + n).to(tl.float32) * tl.exp(G_last)
-    dG = tl.load(dGp + rows) + e * de + b_c * rho - kappa * r_k - skt + tl.where(rc == C - 1, dG_last, 0.0)
+    dG = tl.load(dGp + row0 + rc) + e * de + b_c * rho - kappa * r_k - skt + tl.where(rc == C - 1, dG_last, 0.0)
     tl.store(dg + tok * H + h, tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG, mask=valid)
 
 
@@ -413,31 +417,24 @@ def _meta(ch: Chunking, K: int, V: int, G: int, L: int, dt: torch.dtype, norm: b
     BV = min(64, next_pow2(V))
     return dict(
         T=ch.T, front=ch.front, Tp=ch.Tp, N=ch.N, H=ch.H, NG=G, L=L, eps=L2NORM_EPS,
-        K=K, V=V, C=ch.C, LOG_C=chunk_bits(ch.C), BV=BV, NV=triton.cdiv(V, BV), PREC=dot_precision(dt),
+        K=K, V=V, C=ch.C, LOG_C=chunk_bits(ch.C), BV=BV, NV=triton.cdiv(V, BV),
+        PREC=dot_precision(dt, "gated_deltanet"),
         NORM=norm, BK_MAX=64 if dt == torch.float32 else 128,
     )
 
 
-# per kernel: warps and the widest key block (sm_90, triton 3.6, benchmarks/compile_gdn_sm90.py). At 4 warps the
-# inverse (166 registers), the forward and the key backward (255 / 242) run 3, 2 and 2 programs per SM, which
-# hide each other's products; the [C, C] backward spills 380 B at 4 warps and keeps 8 (one program per SM).
-# Whole 128-column key blocks halve the Gram's and the [C, C] backward's key-loop products (fewer spills there
-# too; 16-bit operands only); the forward keeps 64 (at 128 it spills 256 B at 4 warps) and the key backward 32
-# (its four [C, C] x [C, BK] products per block spill 260-300 B at 64)
-# (benchmarks/tune_gdn_local.py times other choices on a GPU). Per kernel: (warps, key block, pipeline stages).
-CONFIG = {"_chunk_inverse_kernel": (4, 128, 2), "_chunk_local_kernel": (4, 64, 2),
-          "_chunk_local_bwd_cc_kernel": (8, 128, 2), "_chunk_local_bwd_k_kernel": (4, 32, 2)}
-
-
-def launch_options(kernel) -> dict:
-    """num_warps / num_stages of a chunk-local kernel (one warp, one stage in the interpreter)."""
-    warps, _, stages = CONFIG[kernel.__name__]
-    return dict(num_warps=1, num_stages=1) if interpreting() else dict(num_warps=warps, num_stages=stages)
+# per kernel: the widest key block (sm_90, triton 3.6, benchmarks/profiling/compile_sm90.py; warps and stages:
+# shared/launch.py). Whole 128-column key blocks halve the Gram's and the [C, C] backward's key-loop products
+# (fewer spills there too; 16-bit operands only); the forward keeps 64 (at 128 it spills 256 B at 4 warps) and
+# the key backward 32 (its four [C, C] x [C, BK] products per block spill 260-300 B at 64)
+# (benchmarks/profiling/tune_gdn_local.py times other choices on a GPU).
+KEY_BLOCK = {"_chunk_inverse_kernel": 128, "_chunk_local_kernel": 64, "_chunk_local_bwd_cc_kernel": 128,
+             "_chunk_local_bwd_k_kernel": 32}
 
 
 def kernel_meta(kernel, meta: dict) -> dict:
     """The entries of _meta that kernel takes, and its key block BK (NK blocks)."""
-    BK = min(CONFIG[kernel.__name__][1], meta["BK_MAX"], next_pow2(meta["K"]))
+    BK = min(KEY_BLOCK[kernel.__name__], meta["BK_MAX"], next_pow2(meta["K"]))
     return {n: x for n, x in dict(meta, BK=BK, NK=triton.cdiv(meta["K"], BK)).items() if n in kernel.arg_names}
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.common import pick
+from loglinear.ops.triton.shared.common import pick
 
 
 @triton.jit

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.common import load_column
+from loglinear.ops.triton.shared.tiles import load_column
 
 
 @triton.jit

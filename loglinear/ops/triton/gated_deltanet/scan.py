@@ -58,8 +58,12 @@ import torch
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.common import alloc, device_table, interpreting, next_pow2, table_cache
-from loglinear.ops.triton.gated_deltanet_common import Chunking, chunk_tokens, dot_precision, load_tokens, store_tokens
+from loglinear.ops.triton.gated_deltanet.chunking import Chunking, chunk_tokens
+from loglinear.ops.triton.shared.common import alloc, next_pow2
+from loglinear.ops.triton.shared.launch import launch_options
+from loglinear.ops.triton.shared.rules import dot_precision
+from loglinear.ops.triton.shared.tables import device_table, table_cache
+from loglinear.ops.triton.shared.tiles import load_tile, store_tile
 
 
 @triton.jit
@@ -77,11 +81,11 @@ def _state_block(C: tl.constexpr, K, V, BK: tl.constexpr, BV: tl.constexpr):
 
 @triton.jit
 def _chunk_rows(i, Tp, C: tl.constexpr, K, BK: tl.constexpr):
-    """A chunk-parallel program's head row bh (axis 1), its key columns rk [BK] and mask, and chunk i's rows
-    of the [BH, Tp, *] stage tensors [C]."""
+    """A chunk-parallel program's head row bh (axis 1), its key columns rk [BK] and mask, chunk i's first row
+    of the [BH, Tp, *] stage tensors and its rows rc = arange(C) from there."""
     bh = tl.program_id(1).to(tl.int64)
     rk = tl.arange(0, BK)
-    return bh, rk, rk < K, bh * Tp + i * C + tl.arange(0, C)
+    return bh, rk, rk < K, bh * Tp + i * C, tl.arange(0, C)
 
 
 @triton.jit
@@ -126,13 +130,13 @@ def _scan_fwd_kernel(
     # in place: level j is read, then written (j > m); the cascade target m is written after every read
     src = states + bh * J * KV
     for i in range(N):
-        rows = bh * Tp + i * C + rc
-        ck = rows[:, None] * K + rk[None, :]
+        row0 = bh * Tp + i * C
+        rows = row0 + rc
         if not SNAP:
-            q_i = tl.load(qt + ck, mask=mk[None, :], other=0.0)
-        w_i = tl.load(wt + ck, mask=mk[None, :], other=0.0)
-        k_i = tl.load(kt + ck, mask=mk[None, :], other=0.0)
-        u_i = tl.load(u + rows[:, None] * V + rv[None, :], mask=mv[None, :], other=0.0)
+            q_i = load_tile(qt, row0, rc, rc < C, 0, 1, K, rk)
+        w_i = load_tile(wt, row0, rc, rc < C, 0, 1, K, rk)
+        k_i = load_tile(kt, row0, rc, rc < C, 0, 1, K, rk)
+        u_i = load_tile(u, row0, rc, rc < C, 0, 1, V, rv)
         d = tl.load(decay + bh * N + i)
         m = tl.load(merge + i)
         start = tl.load(snap_at + i)
@@ -140,7 +144,7 @@ def _scan_fwd_kernel(
         low = tl.zeros([BK, BV], dtype=tl.float32)  # sum of the live states j <= m (they merge into m)
         keep = snap + (bh * S + start) * KV
         if not SNAP:
-            acc = tl.load(o_intra + rows[:, None] * V + rv[None, :], mask=mv[None, :], other=0.0)
+            acc = load_tile(o_intra, row0, rc, rc < C, 0, 1, V, rv)
         j = tl.load(lev + start)
         h = _ahead(src, j, KV, hoff, hmask, rk, 0, count)
         if TM:  # from the chunk's inputs only: w_i, k_i, u_i are dead after these two
@@ -173,8 +177,8 @@ def _scan_fwd_kernel(
                 x = (u_i - tl.dot(w_i, low.to(w_i.dtype), input_precision=PREC)).to(w_i.dtype)
                 tl.store(src + m * KV + hoff, d * low + tl.dot(tl.trans(k_i), x, input_precision=PREC), mask=hmask)
         if not SNAP:
-            tok, valid, head = chunk_tokens(i, bh, T, front, H, C)
-            store_tokens(o, scale * acc, tok, valid, head, H, V, iv * BV, BV)
+            tok0, _, valid, head = chunk_tokens(i, bh, T, front, H, C)
+            store_tile(o, scale * acc, tok0, rc, valid, head, H, V, rv)
         tl.debug_barrier()
 
 
@@ -189,15 +193,16 @@ def _scan_readout_kernel(
     sum_j lam[:, j] (qt_i h_j)) over the live levels, written for the real tokens of o: [b, T, H, V].
     Shapes as _scan_fwd_kernel; V in NV blocks of BV."""
     i = tl.program_id(0)
-    bh, rk, mk, rows = _chunk_rows(i, Tp, C, K, BK)
+    bh, rk, mk, row0, rc = _chunk_rows(i, Tp, C, K, BK)
+    rows = row0 + rc
     KV = K * V
-    q_i = tl.load(qt + rows[:, None] * K + rk[None, :], mask=mk[None, :], other=0.0)
+    q_i = load_tile(qt, row0, rc, rc < C, 0, 1, K, rk)
     alive = tl.load(live + i)
     hsrc = snap + (bh * S + tl.load(snap_at + i)) * KV
-    tok, valid, head = chunk_tokens(i, bh, T, front, H, C)
+    tok0, _, valid, head = chunk_tokens(i, bh, T, front, H, C)
     for iv in range(NV):
         rv = iv * BV + tl.arange(0, BV)
-        acc = tl.load(o_intra + rows[:, None] * V + rv[None, :], mask=(rv < V)[None, :], other=0.0)
+        acc = load_tile(o_intra, row0, rc, rc < C, 0, 1, V, rv)
         slot = 0
         for j in range(J):
             if (alive >> j) & 1:
@@ -205,7 +210,7 @@ def _scan_readout_kernel(
                              other=0.0)
                 acc += tl.load(lam + rows * J + j)[:, None] * tl.dot(q_i, hd, input_precision=PREC)
                 slot += 1
-        store_tokens(o, scale * acc, tok, valid, head, H, V, iv * BV, BV)
+        store_tile(o, scale * acc, tok0, rc, valid, head, H, V, rv)
 
 
 @triton.jit
@@ -232,14 +237,14 @@ def _scan_dh_kernel(
     base = tl.load(snap_at + i0)
     for r in range(i1 - i0):
         i = i1 - 1 - r
-        rows = bh * Tp + i * C + rc
-        ck = rows[:, None] * K + rk[None, :]
-        q_i = tl.load(qt + ck, mask=mk[None, :], other=0.0)
-        w_i = tl.load(wt + ck, mask=mk[None, :], other=0.0)
-        k_i = tl.load(kt + ck, mask=mk[None, :], other=0.0)
-        tok, valid, head = chunk_tokens(i, bh, T, front, H, C)
-        do_i = scale * load_tokens(do, tok, valid, head, H, V, iv * BV, BV, tl.float32)
-        tl.store(do_intra + rows[:, None] * V + rv[None, :], do_i, mask=mv[None, :])
+        row0 = bh * Tp + i * C
+        rows = row0 + rc
+        q_i = load_tile(qt, row0, rc, rc < C, 0, 1, K, rk)
+        w_i = load_tile(wt, row0, rc, rc < C, 0, 1, K, rk)
+        k_i = load_tile(kt, row0, rc, rc < C, 0, 1, K, rk)
+        tok0, _, valid, head = chunk_tokens(i, bh, T, front, H, C)
+        do_i = scale * load_tile(do, tok0, rc, valid, head, H, V, rv).to(tl.float32)
+        store_tile(do_intra, do_i, row0, rc, rc < C, 0, 1, V, rv)
         d = tl.load(decay + bh * N + i)
         m = tl.load(merge + i)
         start = tl.load(snap_at + i)
@@ -318,10 +323,10 @@ def _scan_readout_bwd_kernel(
     over the live levels (walked from lev, the next state tile loaded a step ahead).  Outputs dqt: [BH, Tp, K]
     (operand dtype), dlam: [BH, Tp, J] fp32 (the live levels' columns; the caller zeroes the others)."""
     i = tl.program_id(0)
-    bh, rk, mk, rows = _chunk_rows(i, Tp, C, K, BK)
+    bh, rk, mk, row0, rc = _chunk_rows(i, Tp, C, K, BK)
+    rows = row0 + rc
     KV = K * V
-    ck = rows[:, None] * K + rk[None, :]
-    q_i = tl.load(qt + ck, mask=mk[None, :], other=0.0)
+    q_i = load_tile(qt, row0, rc, rc < C, 0, 1, K, rk)
     start = tl.load(snap_at + i)
     steps = (tl.load(snap_at + i + 1) - start) * NV
     hsrc = snap + (bh * S + start) * KV
@@ -333,7 +338,7 @@ def _scan_readout_bwd_kernel(
         s_n, j_n, iv_n, hoff, hmask = _level_step(lev, start, t + 1, steps, rk, mk, V, BV, NV)
         hd_n = tl.load(hsrc + s_n * KV + hoff, mask=hmask, other=0.0)
         rv = iv * BV + tl.arange(0, BV)
-        do_b = tl.load(do_intra + rows[:, None] * V + rv[None, :], mask=(rv < V)[None, :], other=0.0)
+        do_b = load_tile(do_intra, row0, rc, rc < C, 0, 1, V, rv)
         y = tl.load(lam + rows * J + j)[:, None] * do_b
         dq_acc += tl.dot(y.to(q_i.dtype), tl.trans(hd), input_precision=PREC)
         dl += tl.sum(do_b * tl.dot(q_i, hd, input_precision=PREC), axis=1)
@@ -341,7 +346,7 @@ def _scan_readout_bwd_kernel(
         tl.store(dlam + rows * J + j, dl, mask=last)
         dl = tl.where(last, 0.0, dl)
         j, iv, hd = j_n, iv_n, hd_n
-    tl.store(dqt + ck, dq_acc.to(dqt.dtype.element_ty), mask=mk[None, :])
+    store_tile(dqt, dq_acc, row0, rc, rc < C, 0, 1, K, rk)
 
 
 @triton.jit
@@ -399,9 +404,8 @@ def _scan_grads_kernel(
     Outputs: dwt, dkt: [BH, Tp, K], du: [BH, Tp, V] (operand dtype); dd: [BH, N] fp32.  The live levels are
     walked from lev (V in NV blocks of BV per level), the next step's two tiles loaded a step ahead."""
     i = tl.program_id(0) + i0
-    bh, rk, mk, rows = _chunk_rows(i, Tp, C, K, BK)
+    bh, rk, mk, row0, rc = _chunk_rows(i, Tp, C, K, BK)
     KV = K * V
-    ck = rows[:, None] * K + rk[None, :]
     m = tl.load(merge + i)
     after = tl.load(live + i + 1)
     start = tl.load(snap_at + i)
@@ -426,30 +430,28 @@ def _scan_grads_kernel(
             hd, dgd = hd_n, dgd_n
         dd_acc = tl.sum(tl.sum(tl.where(rk[:, None] == rk[None, :], z, 0.0), axis=1), axis=0)
         zd = z.to(dt)
-        w_i = tl.load(wt + ck, mask=mk[None, :], other=0.0)
+        w_i = load_tile(wt, row0, rc, rc < C, 0, 1, K, rk)
         dk_acc = -tl.dot(w_i, zd, input_precision=PREC)
-        k_i = tl.load(kt + ck, mask=mk[None, :], other=0.0)
+        k_i = load_tile(kt, row0, rc, rc < C, 0, 1, K, rk)
         dw_acc = -tl.dot(k_i, tl.trans(zd), input_precision=PREC)
         for iv in range(NV):  # the cascade: du = kt dh_m;  dkt += u dh_m^T
             rv, hoff, hmask = _value_tile(rk, mk, iv, V, BV)
             dh_m = _cascade_tile(gsrc, m, rk, hoff, hmask)
-            cv = rows[:, None] * V + rv[None, :]
-            tl.store(du + cv, tl.dot(k_i, dh_m, input_precision=PREC).to(du.dtype.element_ty), mask=(rv < V)[None, :])
-            x = tl.load(u + cv, mask=(rv < V)[None, :], other=0.0)
+            store_tile(du, tl.dot(k_i, dh_m, input_precision=PREC), row0, rc, rc < C, 0, 1, V, rv)
+            x = load_tile(u, row0, rc, rc < C, 0, 1, V, rv)
             dk_acc += tl.dot(x, tl.trans(dh_m), input_precision=PREC)
     else:
-        w_i = tl.load(wt + ck, mask=mk[None, :], other=0.0)
-        k_i = tl.load(kt + ck, mask=mk[None, :], other=0.0)
+        w_i = load_tile(wt, row0, rc, rc < C, 0, 1, K, rk)
+        k_i = load_tile(kt, row0, rc, rc < C, 0, 1, K, rk)
         dw_acc = tl.zeros([C, BK], dtype=tl.float32)
         dk_acc = tl.zeros([C, BK], dtype=tl.float32)
         dd_acc = 0.0
         for iv in range(NV):  # the cascade, with the levels j <= m summed
             rv, hoff, hmask = _value_tile(rk, mk, iv, V, BV)
             dh_m = _cascade_tile(gsrc, m, rk, hoff, hmask)
-            cv = rows[:, None] * V + rv[None, :]
             kd = tl.dot(k_i, dh_m, input_precision=PREC)
-            tl.store(du + cv, kd.to(du.dtype.element_ty), mask=(rv < V)[None, :])
-            x = tl.load(u + cv, mask=(rv < V)[None, :], other=0.0).to(tl.float32)
+            store_tile(du, kd, row0, rc, rc < C, 0, 1, V, rv)
+            x = load_tile(u, row0, rc, rc < C, 0, 1, V, rv).to(tl.float32)
             if low_count > 0:  # dd += <dh_m, L>;  dwt -= (kt dh_m) L^T;  dkt += (u - wt L) dh_m^T
                 low = _low_sum(hsrc, low_count, KV, hoff, hmask, BK, BV)
                 dd_acc += tl.sum(tl.sum(dh_m.to(tl.float32) * low, axis=1), axis=0)
@@ -465,12 +467,11 @@ def _scan_grads_kernel(
             kdg = tl.dot(k_i, dgd, input_precision=PREC).to(w_i.dtype)
             dw_acc -= tl.dot(kdg, tl.trans(hd), input_precision=PREC)
             hd, dgd = hd_n, dgd_n
-    tl.store(dwt + ck, dw_acc.to(dwt.dtype.element_ty), mask=mk[None, :])
-    tl.store(dkt + ck, dk_acc.to(dkt.dtype.element_ty), mask=mk[None, :])
+    store_tile(dwt, dw_acc, row0, rc, rc < C, 0, 1, K, rk)
+    store_tile(dkt, dk_acc, row0, rc, rc < C, 0, 1, K, rk)
     tl.store(dd + bh * N + i, dd_acc)
 
 
-READOUT_BWD_WARPS = 4
 BWD_SEGMENT = 256  # chunks per backward segment: bounds the dh snapshots (~2 GB at B H = 96, K = 128, V = 64)
 
 
@@ -488,13 +489,6 @@ def square_fits(BK: int, dtype: torch.dtype) -> bool:
     """TM / TZ of the chain and grads kernels: a [BK, BK] matrix of the operand dtype fits 32 KB of registers
     (Wm of the chains; Z, fp32, twice that): BK <= 128 for bf16/fp16 operands, <= 64 for fp32."""
     return BK * BK * dtype.itemsize <= 128 * 128 * 2
-
-
-def _launch(num_warps: int = 8) -> dict[str, int]:
-    """Launch options: num_warps on the GPU (8: the sequential kernels' [K, BV] states and the grads kernel's
-    accumulators; the readout backward takes 4, two programs per SM without spills on sm_90), 1 in the
-    interpreter."""
-    return {"num_warps": 1, "num_stages": 1} if interpreting() else {"num_warps": num_warps, "num_stages": 2}
 
 
 @dataclass(frozen=True, eq=False)
@@ -569,13 +563,14 @@ class FenwickDeltaScan(torch.autograd.Function):
         _scan_fwd_kernel[(NV, BH)](
             qt, wt, kt, u, decay, lam, sched.merge, sched.lev, sched.snap_at, states, snap, o_intra, o,
             N, J, Tp, sched.slots, ch.T, ch.front, ch.H, scale,
-            K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype), SNAP=keep, TM=square_fits(BK, qt.dtype),
-            **_launch(),
+            K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype, "gated_deltanet"), SNAP=keep,
+            TM=square_fits(BK, qt.dtype), **launch_options(_scan_fwd_kernel),
         )
         if keep:
             _scan_readout_kernel[(N, BH)](
                 qt, lam, sched.live, sched.snap_at, snap, o_intra, o, J, Tp, sched.slots, ch.T, ch.front, ch.H, scale,
-                K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=dot_precision(qt.dtype), **_launch(),
+                K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=dot_precision(qt.dtype, "gated_deltanet"),
+                **launch_options(_scan_readout_kernel),
             )
         ctx.save_for_backward(qt, wt, kt, u, decay, lam, snap if keep else None)
         ctx.sched, ctx.ch, ctx.scale = sched, ch, scale
@@ -588,7 +583,7 @@ class FenwickDeltaScan(torch.autograd.Function):
         BH, Tp, K = qt.shape
         V, N, J = u.shape[-1], decay.shape[1], lam.shape[-1]
         BK, BV, NV = _blocks(K, V, qt.dtype)
-        dev, dt, prec = qt.device, qt.dtype, dot_precision(qt.dtype)
+        dev, dt, prec = qt.device, qt.dtype, dot_precision(qt.dtype, "gated_deltanet")
         nan = lambda *shape, dtype=torch.float32: alloc(shape, dtype, dev)  # noqa: E731
         dstates = torch.zeros(BH, J, K, V, dtype=torch.float32, device=dev) if dhN is None else dhN.clone()
         do_intra = nan(BH, Tp, V)
@@ -604,17 +599,17 @@ class FenwickDeltaScan(torch.autograd.Function):
             _scan_dh_kernel[(NV, BH)](
                 qt, wt, kt, decay, lam, sched.merge, sched.lev, sched.snap_at, do, dstates, dsnap, do_intra,
                 N, J, Tp, dsnap.shape[1], ch.T, ch.front, ch.H, ctx.scale, i0, i1,
-                K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, TM=square_fits(BK, dt), **_launch(),
+                K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, TM=square_fits(BK, dt), **launch_options(_scan_dh_kernel),
             )
             _scan_grads_kernel[(i1 - i0, BH)](
                 wt, kt, u, sched.merge, sched.live, sched.snap_at, sched.lev, snap, dsnap, dwt, dkt, du, dd,
                 N, Tp, sched.slots, dsnap.shape[1], i0, K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec,
-                TZ=square_fits(BK, dt), **_launch(),
+                TZ=square_fits(BK, dt), **launch_options(_scan_grads_kernel),
             )
             del dsnap
         _scan_readout_bwd_kernel[(N, BH)](
             qt, lam, sched.snap_at, sched.lev, snap, do_intra, dqt, dlam, J, Tp, sched.slots,
-            K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec, **_launch(READOUT_BWD_WARPS),
+            K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec, **launch_options(_scan_readout_bwd_kernel),
         )
         dh0 = torch.where(sched.mask[0, :, None, None], dstates, 0.0) if ctx.needs_input_grad[6] else None
         return dqt, dwt, dkt, du, dd, dlam, dh0, do_intra, None, None, None, None, None

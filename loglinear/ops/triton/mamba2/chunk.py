@@ -1,12 +1,12 @@
 """Chunk-parallel part of log-linear Mamba-2: one program per (kernel chunk, value head).
 
-The chunks of all sequences are listed in one table (mamba2.ChunkTable): chunk p covers tokens
+The chunks of all sequences are listed in one table (backend.ChunkTable): chunk p covers tokens
 [starts[p], starts[p] + C) clipped at its sequence's end ends[p], belongs to sequence seqs[p] and has the
 absolute chunk index chunks[p]; rows past the end read as 0 (g = 0) and are not written. With G the
 chunk-local inclusive cumsum of g and Gl its value at the chunk's end:
 
     deposit (mamba2_deposit_kernel, before the forward scan)   D = K^T (exp(Gl - G) * V)
-    in-chunk (levels 0..c, intra.py)   O = (Q K^T * Gamma * Lambda) V
+    in-chunk (levels 0..c, shared/intra.py)   O = (Q K^T * Gamma * Lambda) V
     readout (chunk levels j, live)     O += diag(exp(G)) sum_j diag(lambda_j * exp(decay_j)) Q B_j
     o = scale * O                      (mamba2_chunk_fwd_kernel, after the forward scan)
 
@@ -50,7 +50,7 @@ sequence), so
     dB_e = sum_{i = e+1 .. e+2^m} exp(decay_{i,m}) Q_i^T (scale * lambda_i[c+1+m] * exp(G_i) * dO_i)
 
 (mamba2_level_grad_kernel, one program per (chunk e, head) looping over its readers, pipelined; the
-chunks with the highest m, the longest loops, launch first); the reverse scan (mamba2_bwd.py) turns
+chunks with the highest m, the longest loops, launch first); the reverse scan (bwd.py) turns
 them into the deposits' gradients dD.
 """
 from __future__ import annotations
@@ -58,24 +58,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.common import interpreting, load_column
-from loglinear.ops.triton.intra import (
+from loglinear.ops.triton.shared.intra import (
     chunk_gates, intra_levels, intra_output, intra_score_grads, intra_scores, level_sums, level_weights,
 )
-from loglinear.ops.triton.levels import bucket_levels, level_source, merge_target, nth_level
-from loglinear.ops.triton.mamba2_rows import load_qk_tiles, load_tile, store_column, store_tile
+from loglinear.ops.triton.shared.levels import bucket_levels, level_source, merge_target, nth_level
+from loglinear.ops.triton.shared.tiles import load_column, load_tile, store_column, store_tile
 
 CHUNK_RUNTIME_ARGS = ["H", "G", "L", "J"]
-
-
-def chunk_launch_options(num_warps: int, num_stages: int = 1) -> dict[str, int]:
-    """Launch options of a chunk kernel on the GPU; one fixed config under the interpreter. On sm_90
-    (bf16, K = 128, V = 64) every chunk kernel fits 4 warps without spills (the backward ones at 253-255
-    registers: two programs per SM); kernels with a loop over levels or readers pipeline its loads
-    (num_stages > 1: the next bucket / reader chunk is in flight during the current one's GEMM)."""
-    if interpreting():
-        return {"num_warps": 1, "num_stages": 1}
-    return {"num_warps": num_warps, "num_stages": num_stages}
 
 
 @triton.jit
@@ -178,7 +167,7 @@ def mamba2_chunk_fwd_kernel(
     kk, vv, jj = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BJ)
     offs = kk[:, None] * V + vv[None, :]
     lmask = (kk[:, None] < K) & (vv[None, :] < V)
-    qc, kc = load_qk_tiles(q, k, t0, r, valid, h // (H // G), G, K, kk)
+    qc, kc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk), load_tile(k, t0, r, valid, h // (H // G), G, K, kk)
     vc = load_tile(v, t0, r, valid, h, H, V, vv)
     Gc, _ = chunk_gates(g, t, valid, h, H)
     read = tl.zeros([C, BV], dtype=tl.float32)
@@ -236,7 +225,7 @@ def mamba2_chunk_bwd_dq_kernel(
     offs = kk[:, None] * V + vv[None, :]
     lmask = (kk[:, None] < K) & (vv[None, :] < V)
     lev = intra_levels(r, LOG_C)
-    qc, kc = load_qk_tiles(q, k, t0, r, valid, h // (H // G), G, K, kk)
+    qc, kc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk), load_tile(k, t0, r, valid, h // (H // G), G, K, kk)
     doc = load_tile(do, t0, r, valid, h, H, V, vv)
     Gc, _ = chunk_gates(g, t, valid, h, H)
     p, d_a, _, d_s = intra_grad_blocks(qc, kc, load_tile(v, t0, r, valid, h, H, V, vv), doc, Gc, lam, t, valid, h,
@@ -278,7 +267,7 @@ def mamba2_chunk_bwd_dkv_kernel(
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
     kk, vv = tl.arange(0, BK), tl.arange(0, BV)
-    qc, kc = load_qk_tiles(q, k, t0, r, valid, h // (H // G), G, K, kk)
+    qc, kc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk), load_tile(k, t0, r, valid, h // (H // G), G, K, kk)
     vc = load_tile(v, t0, r, valid, h, H, V, vv)
     doc = load_tile(do, t0, r, valid, h, H, V, vv)
     Gc, Gl = chunk_gates(g, t, valid, h, H)
@@ -306,7 +295,7 @@ def mamba2_level_grad_kernel(
     PRECISION: tl.constexpr,
 ):
     """d_buckets: [NC, H, K, V] out (q's dtype, summed in fp32), dB of the level merged after each kernel chunk
-    (0 when nothing reads it); by_level: [NC] int32, the kernel chunks in launch order (mamba2.ChunkTable:
+    (0 when nothing reads it); by_level: [NC] int32, the kernel chunks in launch order (backend.ChunkTable:
     longest reader loops first); other arguments as mamba2_chunk_bwd_dq_kernel.
     Grid (NC * H,): program i * H + h does head h of chunk by_level[i] (heads vary fastest)."""
     h, p = tl.program_id(0) % H, tl.load(by_level + tl.program_id(0) // H)

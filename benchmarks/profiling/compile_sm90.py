@@ -1,0 +1,202 @@
+"""Compile the log-linear kernels for sm_90 on any machine (no GPU) and report what ptxas says: shared memory,
+registers, stack, spills, per kernel at the op's block and launch choices.
+
+    PYTHONPATH=/path/to/triton36 python benchmarks/profiling/compile_sm90.py mamba2       # bf16, whole tiles
+    python benchmarks/profiling/compile_sm90.py mamba2 --dtype fp32 --split                # the fp32 tiling
+    python benchmarks/profiling/compile_sm90.py gdn                # bf16, K = 128, V = 64, the op's block choices
+    python benchmarks/profiling/compile_sm90.py gdn --dtype fp32 --K 256
+    python benchmarks/profiling/compile_sm90.py gdn --l2norm       # the chunk-local kernels normalising q/k rows
+
+Paper setting by default (K = 128, V = 64, C = 64 for Mamba-2; the op's chunk for Gated DeltaNet). Mamba-2:
+the chunk-level scans mamba2/fwd.py, mamba2/bwd.py and the chunk-parallel mamba2/chunk.py; Gated DeltaNet:
+the scan kernels (gated_deltanet/scan.py) and the chunk-local ones (gated_deltanet/local.py).
+Uses the installed triton (compile with the GPU's version, e.g. a triton 3.6 wheel on PYTHONPATH) and its
+bundled ptxas. A kernel whose shared memory exceeds SHARED_LIMIT fails to launch on an H100/H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: loglinear
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from loglinear.ops.triton.gated_deltanet import local, scan  # noqa: E402
+from loglinear.ops.triton.gated_deltanet.chunking import Chunking  # noqa: E402
+from loglinear.ops.triton.mamba2 import backend as mamba2  # noqa: E402
+from loglinear.ops.triton.mamba2 import bwd as mamba2_bwd  # noqa: E402
+from loglinear.ops.triton.mamba2 import chunk as mamba2_chunk  # noqa: E402
+from loglinear.ops.triton.mamba2 import fwd as mamba2_fwd  # noqa: E402
+from loglinear.ops.triton.shared.common import MAX_CHUNK_LEVELS  # noqa: E402
+from loglinear.ops.triton.shared.launch import launch_options  # noqa: E402
+from loglinear.ops.triton.shared.rules import dot_precision, kernel_chunk_size  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SHARED_LIMIT = 232448
+
+
+def aligned(fn, signature: dict, ints: dict) -> dict:
+    """The JIT's specialisation on a launch: pointers (torch allocations) and specialised ints that are
+    multiples of 16 carry tt.divisibility = 16 (without it loads are not vectorised: a pointer per element)."""
+    keep = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
+    div16 = [n for n, ty in signature.items() if ty.startswith("*")
+             or (n in ints and n not in keep and ints[n] % 16 == 0)]
+    return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+
+
+def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, ints: dict | None = None) -> str:
+    """One line: shared memory, then ptxas's registers / stack / spills for the compiled kernel.
+    ints: the runtime integer arguments' values (for the JIT's divisibility specialisation)."""
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned(fn, signature, ints or {}))
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})
+    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    info = [line.split("info    :")[-1].strip() for line in (out.stdout + out.stderr).splitlines()
+            if "stack frame" in line or "Used" in line]
+    over = "  OVER THE SHARED LIMIT" if kernel.metadata.shared > SHARED_LIMIT else ""
+    return f"{fn.__name__:28s} warps={num_warps} shared={kernel.metadata.shared:6d}  " + "; ".join(info) + over
+
+
+def signature(names: str, ptr: str, **special: str) -> dict:
+    """Every name a pointer of type ptr unless given in special (runtime ints default to i32)."""
+    return {n: special.get(n, "i32" if n in ("H", "G", "K", "V", "L", "J", "tokens") else ptr) for n in names.split()}
+
+
+def mamba2_reports(args: argparse.Namespace) -> list[str]:
+    """The Mamba-2 kernels as the op launches them (fwd scan, chunk kernels, reverse scan)."""
+    P, f32, i32 = "*" + args.dtype, "*fp32", "*i32"
+    prec = dot_precision(DTYPES[args.dtype], "mamba2")
+    BK, BV, C = triton.next_power_of_2(args.K), triton.next_power_of_2(args.V), 64
+    rows = BK if args.has_init and not args.split else mamba2.SCAN_ROWS  # the reverse scan's (_scan_rows)
+    print(f"triton {triton.__version__}, mamba2, {args.dtype}, K={args.K}, V={args.V}, C={C}, split={args.split}, "
+          f"has_init={args.has_init}, {prec}")
+    base = dict(C=C, LOG_C=6, BK=BK, BV=BV, PRECISION=prec, HAS_INIT=args.has_init)
+    ints = dict(K=args.K, V=args.V)
+    ptrs = dict(g=f32, lam=P, scale="fp32", starts=i32, ends=i32, bos_ptr=i32, eos_ptr=i32, chunk0_ptr=i32)
+
+    scan_const = dict(base, BJ=MAX_CHUNK_LEVELS)
+    bufs = dict(levels=f32, buckets=P, decays=f32, h0=f32, dq=P, dk=P, dv=P, dlam=P, qdq=f32, kdk=f32,
+                d_levels=f32, d_buckets=P, d_deposits=P, chunks=i32, by_level=i32, seqs=i32, chunk0=i32, base_ptr=i32)
+    chunk = "q k v g lam {} h0 buckets decays starts ends seqs chunks chunk0 scale {}H G K V L J"
+    kernels = [  # (kernel, its arguments, constexprs, state tile of one program: launch_options)
+        (mamba2_chunk.mamba2_deposit_kernel, "k v g buckets starts ends H G K V", base, 0),
+        (mamba2_fwd.mamba2_fwd_kernel, "g levels buckets decays bos_ptr eos_ptr chunk0_ptr base_ptr H K V J",
+         dict(scan_const, BKS=mamba2.SCAN_ROWS), mamba2.SCAN_ROWS * BV),
+        (mamba2_chunk.mamba2_chunk_fwd_kernel, chunk.format("o", ""), dict(base, BJ=MAX_CHUNK_LEVELS), 0),
+        (mamba2_chunk.mamba2_chunk_bwd_dq_kernel, chunk.format("do", "dq dlam qdq "),
+         dict(base, BL=32, BJ=MAX_CHUNK_LEVELS), 0),
+        (mamba2_chunk.mamba2_level_grad_kernel,
+         "q g lam do decays starts ends chunks by_level d_buckets scale H G K V L J",
+         dict(base, BJ=MAX_CHUNK_LEVELS), 0),
+        (mamba2_bwd.mamba2_bwd_scan_kernel,
+         "q g lam do d_levels d_buckets bos_ptr eos_ptr chunk0_ptr base_ptr scale H G K V L J",
+         dict(scan_const, BKS=rows), rows * BV),
+        (mamba2_chunk.mamba2_chunk_bwd_dkv_kernel, "q k v g lam do d_deposits starts ends scale dk dv kdk H G K V L",
+         base, 0),
+    ]
+    out = []
+    for fn, names, const, tile in kernels:
+        const = {n: c for n, c in const.items() if n in fn.arg_names}
+        sig = signature(names, P, **{n: t for n, t in {**bufs, **ptrs}.items() if n in names.split()})
+        out.append(report(fn, {**sig, **dict.fromkeys(const, "constexpr")}, const, ints=ints,
+                          **launch_options(fn, tile)))
+    return out
+
+
+def gdn_scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: str) -> list[str]:
+    """The five Gated DeltaNet scan kernels (the forward with and without snapshots) at the op's block choices."""
+    f32 = "*fp32"
+    BK, BV, NV = scan._blocks(K, V, dtype)
+    const = dict(K=K, V=V, C=C, BK=BK, BV=BV, PREC=prec)
+    rows = dict(T="i32", front="i32", H="i32", scale="fp32")
+    out = []
+    sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", states=f32,
+               snap=P, o_intra=f32, o=P, N="i32", J="i32", Tp="i32", S="i32", **rows,
+               **{n: "constexpr" for n in [*const, "SNAP", "TM"]})
+    fits = scan.square_fits(BK, dtype)
+    for snap in (True, False):
+        out.append(report(scan._scan_fwd_kernel, sig, dict(const, SNAP=snap, TM=fits),
+                          **launch_options(scan._scan_fwd_kernel)) + f"  (SNAP={snap})")
+    sig = dict(qt=P, lam=f32, live="*i32", snap_at="*i32", snap=P, o_intra=f32, o=P, J="i32", Tp="i32", S="i32",
+               **rows, **{n: "constexpr" for n in [*const, "NV"]})
+    out.append(report(scan._scan_readout_kernel, sig, dict(const, NV=NV), **launch_options(scan._scan_readout_kernel)))
+    sig = dict(qt=P, wt=P, kt=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", do=P,
+               dstates=f32, dsnap=P, do_intra=f32, N="i32", J="i32", Tp="i32", S="i32", **rows, i0="i32", i1="i32",
+               **{n: "constexpr" for n in [*const, "TM"]})
+    out.append(report(scan._scan_dh_kernel, sig, dict(const, TM=fits), **launch_options(scan._scan_dh_kernel)))
+    sig = dict(wt=P, kt=P, u=P, merge="*i32", live="*i32", snap_at="*i32", lev="*i32", snap=P, dsnap=P, dwt=P,
+               dkt=P, du=P, dd=f32, N="i32", Tp="i32", S="i32", SD="i32", i0="i32",
+               **{n: "constexpr" for n in [*const, "NV", "TZ"]})
+    out.append(report(scan._scan_grads_kernel, sig, dict(const, NV=NV, TZ=fits),
+                      **launch_options(scan._scan_grads_kernel)))
+    sig = dict(qt=P, lam=f32, snap_at="*i32", lev="*i32", snap=P, do_intra=f32, dqt=P, dlam=f32, J="i32", Tp="i32",
+               S="i32", **{n: "constexpr" for n in [*const, "NV"]})
+    out.append(report(scan._scan_readout_bwd_kernel, sig, dict(const, NV=NV),
+                      **launch_options(scan._scan_readout_bwd_kernel)))
+    return out
+
+
+def gdn_local_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, norm: bool) -> list[str]:
+    """The four chunk-local kernels (q and k in the operand dtype; norm: their rows normalised in the kernels)."""
+    f32 = "*fp32"
+    meta = local._meta(Chunking(b=2, T=8192, H=48, front=0, C=C), K, V, 1, 18, dtype, norm)
+    runtime = dict(T="i32", front="i32", Tp="i32", N="i32", H="i32", NG="i32", L="i32", eps="fp32")
+    pointers = [
+        (local._chunk_inverse_kernel, dict(k=P, g=P, beta=P, tg=P)),
+        (local._chunk_local_kernel, dict(q=P, k=P, v=P, g=P, beta=P, lam=P, tg=P, o=f32, qt=P, wt=P, kt=P, u=P,
+                                         qkg=P, decay=f32)),
+        (local._chunk_local_bwd_cc_kernel, dict(v=P, g=P, beta=P, lam=P, tg=P, qkg=P, wt=P, u=P, do=f32, dqt=P,
+                                                dwt=P, du=P, dv=P, dlam=P, scratch=P, dGp=f32, dbp=f32, dbk=P)),
+        (local._chunk_local_bwd_k_kernel, dict(q=P, k=P, g=P, beta=P, dqt=P, dkt=P, ddecay=f32, scratch=P, dGp=f32,
+                                               dbp=f32, dbk=P, dq=P, dk=P, dg=P, dbeta=P)),
+    ]
+    out = []
+    for kernel, sig in pointers:
+        args = local.kernel_meta(kernel, meta)
+        sig = dict(sig, **{n: runtime.get(n, "constexpr") for n in args})
+        const = {n: x for n, x in args.items() if n not in runtime}
+        out.append(report(kernel, sig, const, **launch_options(kernel)))
+    return out
+
+
+def gdn_reports(args: argparse.Namespace) -> list[str]:
+    """The Gated DeltaNet scan and chunk-local kernels at the op's chunk and block choices."""
+    dtype, K, V = DTYPES[args.dtype], args.K, args.V
+    C = kernel_chunk_size(64, "gated_deltanet", dtype, K)
+    P, prec = "*" + args.dtype, dot_precision(dtype, "gated_deltanet")
+    print(f"triton {triton.__version__}, gated_deltanet, {args.dtype}, K={K}, V={V}, C={C}, precision {prec}"
+          + ", q/k l2norm in the kernels" * args.l2norm)
+    return gdn_scan_reports(K, V, C, dtype, P, prec) + gdn_local_reports(K, V, C, dtype, P, args.l2norm)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("variant", choices=["mamba2", "gdn"])
+    ap.add_argument("--dtype", choices=DTYPES, default="bf16")
+    ap.add_argument("--K", type=int, default=128)
+    ap.add_argument("--V", type=int, default=64)
+    ap.add_argument("--split", action="store_true",
+                    help="mamba2: split the reverse scan's tiles into K rows also with initial states (fp32's tiling)")
+    ap.add_argument("--has-init", action="store_true", help="mamba2: the variant for calls with initial states")
+    ap.add_argument("--l2norm", action="store_true", help="gdn: the chunk-local kernels with NORM (use_qk_l2norm)")
+    args = ap.parse_args()
+    for line in (mamba2_reports if args.variant == "mamba2" else gdn_reports)(args):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""Pieces shared by the fused Triton kernels of every variant.
+
+How a variant plugs in (mamba2/ is the worked example: fwd.py, chunk.py, bwd.py composed in backend.py):
+
+  * Sequences are ranges ``[bos[n], eos[n])`` of one flat token axis (a dense batch is flattened, varlen
+    is already flat); range n starts at the absolute, chunk-aligned chunk index ``chunk0[n]``. One program
+    handles one (sequence, value head) and walks its chunks; q/k are read from group ``h // (H // G)``
+    (no expanded copies).
+  * tiles.py: ``load_tile`` / ``store_tile`` move a chunk of C rows of a [rows, HEADS, D] tensor (rows past
+    ``eos`` read as 0, so padding tokens have g = 0: identity transitions); ``load_column`` reads one
+    level of lambda for the chunk.
+  * levels.py: the chunk-level Fenwick states of all levels live in one fp32 buffer [N, J, H, K, V]: the
+    forward cascade (read every live level, decay lazily, merge at ctz(chunk + 1)) and its transpose
+    (split, decay, accumulate reads) are jit helpers; a variant supplies only what a chunk reads from a
+    level (its readout GEMM), what it deposits, and its transition (a scalar decay for Mamba-2, folded
+    into the lazy per-level log-decays).
+  * intra.py: ``intra_levels`` / ``level_weights`` build the in-chunk level mask Lambda[t, s], and the
+    Mamba-2 in-chunk block and its gradients.
+  * launch.py: ``launch_options(kernel)``, num_warps / num_stages of every launch from one per-kernel table,
+    with one fixed config under TRITON_INTERPRET=1.
+  * rules.py: the per-variant numeric rules: ``dot_precision`` (tl.dot input_precision), ``dot_dtype``,
+    ``kernel_chunk_size``.
+  * heads.py: ``run_padded`` runs a backend's kernels on heads zero-padded to ``min_head_dim`` (bf16/fp16
+    on CUDA: 64).
+  * tables.py: ``device_table`` puts a small index table built from Python values on the device without a
+    synchronising copy; ``table_cache`` memoises the functions that build them (a bounded LRU keyed by their
+    arguments), so that steady-state calls copy nothing from the host.
+  * common.py: the interpreter switch, kernel-output allocation (``alloc``, NaN-poisoned by ``set_poison``
+    in tests), ``next_pow2``, ``group_sum``.
+
+A variant's backend.py exposes ``supports(inp)`` (the inputs its kernels take) and ``backend(inp,
+output_final_state, chunk_size, use_qk_l2norm)``; the package __init__ registers them.
+"""

@@ -1,0 +1,75 @@
+"""The one launch-config rule: num_warps / num_stages of every kernel launch, from one per-kernel table.
+
+Under TRITON_INTERPRET=1 every kernel gets one fixed config (no device queries, no autotune benchmarking on
+CPU tensors). On the GPU the table's values were tuned on an H200 (sm_90, triton 3.6; compile with
+benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_local.py):
+
+  * Mamba-2 chunk kernels (mamba2/chunk.py): at bf16, K = 128, V = 64 every one fits 4 warps without spills
+    (the backward ones at 253-255 registers: two programs per SM); those with a loop over levels or readers
+    pipeline its loads (num_stages > 1: the next bucket / reader chunk is in flight during the current
+    one's GEMM).
+  * Mamba-2 scans (mamba2/fwd.py, mamba2/bwd.py): one program per (sequence, head, block of state rows);
+    4 warps up to a [128, 32] fp32 state tile, 8 above (``wide_warps``).
+  * Gated DeltaNet chunk-local kernels (gated_deltanet/local.py): at 4 warps the inverse (166 registers),
+    the forward and the key backward (255 / 242) run 3, 2 and 2 programs per SM, which hide each other's
+    products; the [C, C] backward spills 380 B at 4 warps and keeps 8 (one program per SM).
+  * Gated DeltaNet scan kernels (gated_deltanet/scan.py): 8 warps for the sequential kernels' [K, BV]
+    states and the grads kernel's accumulators; the readout backward takes 4, two programs per SM without
+    spills on sm_90.
+  * The decode step (decode.py): Triton's defaults (4 warps, 3 stages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loglinear.ops.triton.shared.common import interpreting
+
+INTERPRETER = {"num_warps": 1, "num_stages": 1}
+WIDE_STATE_TILE = 128 * 32  # state-tile elements above which a kernel with wide_warps takes them
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A kernel's GPU launch config: num_warps, num_stages, and (scans over state tiles) the warps for a
+    state tile of more than WIDE_STATE_TILE elements (None: num_warps always)."""
+
+    num_warps: int
+    num_stages: int
+    wide_warps: int | None = None
+
+
+LAUNCH: dict[str, Launch] = {
+    # Mamba-2
+    "mamba2_deposit_kernel": Launch(4, 1),
+    "mamba2_fwd_kernel": Launch(4, 2, wide_warps=8),
+    "mamba2_chunk_fwd_kernel": Launch(4, 2),
+    "mamba2_chunk_bwd_dq_kernel": Launch(4, 2),
+    "mamba2_level_grad_kernel": Launch(4, 3),
+    "mamba2_bwd_scan_kernel": Launch(4, 2, wide_warps=8),
+    "mamba2_chunk_bwd_dkv_kernel": Launch(4, 1),
+    # Gated DeltaNet, chunk-local stage
+    "_chunk_inverse_kernel": Launch(4, 2),
+    "_chunk_local_kernel": Launch(4, 2),
+    "_chunk_local_bwd_cc_kernel": Launch(8, 2),
+    "_chunk_local_bwd_k_kernel": Launch(4, 2),
+    # Gated DeltaNet, Fenwick delta scan
+    "_scan_fwd_kernel": Launch(8, 2),
+    "_scan_readout_kernel": Launch(8, 2),
+    "_scan_dh_kernel": Launch(8, 2),
+    "_scan_grads_kernel": Launch(8, 2),
+    "_scan_readout_bwd_kernel": Launch(4, 2),
+    # the fused decode step
+    "_decode_step_kernel": Launch(4, 3),
+}
+
+
+def launch_options(kernel, state_tile: int = 0) -> dict[str, int]:
+    """num_warps / num_stages for launching ``kernel`` (a @triton.jit function, looked up in LAUNCH by name);
+    state_tile: the elements of the state tile one program holds (kernels with wide_warps). The fixed
+    INTERPRETER config under TRITON_INTERPRET=1."""
+    config = LAUNCH[kernel.__name__]
+    if interpreting():
+        return dict(INTERPRETER)
+    wide = config.wide_warps is not None and state_tile > WIDE_STATE_TILE
+    return {"num_warps": config.wide_warps if wide else config.num_warps, "num_stages": config.num_stages}

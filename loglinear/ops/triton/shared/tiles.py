@@ -1,0 +1,52 @@
+"""The one token-tile loader and its store, and the per-level column load / store of lambda.
+
+Every kernel moves a chunk of C consecutive rows of a row-major [rows, HEADS, D] tensor through
+``load_tile`` / ``store_tile``: the op's layouts ([tokens, H|G, D], a dense batch flattened) and the
+per-head stage tensors ([BH, Tp, D]: HEADS = 1, head = 0, t0 = bh Tp + n C). Rows are addressed from the
+chunk's first row t0 (int64 scalar, may be negative for masked front padding) plus int32 in-chunk offsets
+r * HEADS * D + col (r < C): the 2D offset tensors stay 32-bit (int64 offsets per element cost registers:
+on sm_90 / triton 3.6 this took the Mamba-2 in-chunk backward from 255 registers + 120 B of spills to 243
+registers and the in-chunk forward from 137 to 122, benchmarks/NOTES.md). Requires C * HEADS * D < 2^31.
+Rows without ``valid`` and columns >= D read as 0 and are not written.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile_offsets(ptr, t0, r, head, HEADS, D, cols):
+    """Pointers to x[t0 + r, head, cols] -> [C, len(cols)]."""
+    return ptr + (t0 * HEADS + head) * D + (r * (HEADS * D))[:, None] + cols[None, :]
+
+
+@triton.jit
+def load_tile(ptr, t0, r, valid, head, HEADS, D, cols):
+    """x[t0 + r, head, cols] -> [C, len(cols)] in x's dtype (0 for rows without valid and columns >= D)."""
+    return tl.load(tile_offsets(ptr, t0, r, head, HEADS, D, cols), mask=valid[:, None] & (cols[None, :] < D),
+                   other=0.0)
+
+
+@triton.jit
+def store_tile(ptr, x, t0, r, valid, head, HEADS, D, cols):
+    """x[t0 + r, head, cols] = x in ptr's dtype (rows with valid, columns < D)."""
+    tl.store(tile_offsets(ptr, t0, r, head, HEADS, D, cols), x.to(ptr.dtype.element_ty),
+             mask=valid[:, None] & (cols[None, :] < D))
+
+
+@triton.jit
+def load_column(ptr, t, valid, head, HEADS, L, level):
+    """lambda[t, head, level] of a [tokens, HEADS, L] tensor -> [C] fp32 (0 for level >= L or invalid rows).
+
+    Per-level loads measured faster than one [C, L] tile plus register column picks (NOTES.md, v1)."""
+    ok = valid & ((t * 0 + level) < L)
+    return tl.load(ptr + (t * HEADS + head) * L + level, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_column(ptr, x, t, valid, head, HEADS, L, level):
+    """x[t, head, level] = x [C] of a [tokens, HEADS, L] tensor (rows with valid, level < L)."""
+    ok = valid & ((t * 0 + level) < L)
+    tl.store(ptr + (t * HEADS + head) * L + level, x.to(ptr.dtype.element_ty), mask=ok)
