@@ -7,7 +7,7 @@ For each T: torch.profiler over two forward+backward steps (after a warm-up step
 kernel name; writes profile-gdn-<gpu>.md (one table per T, ms per step).
 
 --ab: each T again with the scan kernels' square forms off (`square_fits` -> False: the chains without Wm,
-the scan grads without Z), so the session-13 forms and the ones before them are compared in one run.
+the scan grads without Z), so the square forms and the plain ones are compared in one run.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from loglinear.ops.triton.gated_deltanet.chunking import Chunking
 from loglinear.ops.triton.gated_deltanet.local import chunk_local, chunk_local_torch
 from loglinear.ops.triton.gated_deltanet.scan import fenwick_delta_scan
 from loglinear.ops.triton.shared.common import set_poison
+from loglinear.variants import GATED_DELTANET
 
 NAMES = ["q", "k", "v", "g", "beta", "level_scales"]
 RTOL = 2e-5  # fp32 kernels against float64
@@ -33,8 +34,14 @@ def poison_and_opt_in(monkeypatch):
     set_poison(False)
 
 
+def _checked(x, state, cu_seqlens):
+    """The validated call (OpInputs) of the op's arguments x (NAMES)."""
+    gates = {"g": x["g"], "beta": x["beta"]}
+    return check_inputs(GATED_DELTANET, x["q"], x["k"], x["v"], gates, x["level_scales"], None, state, cu_seqlens)
+
+
 def _triton(x, state=None, cu_seqlens=None, chunk_size=16, l2norm=False):
-    inp = check_inputs(*[x[n] for n in NAMES], None, state, cu_seqlens, has_beta=True)
+    inp = _checked(x, state, cu_seqlens)
     return gdn.backend(inp, True, chunk_size, l2norm)
 
 
@@ -301,8 +308,7 @@ def test_no_final_state_skips_its_path(varlen, monkeypatch):
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
 
     def run(final):
-        return gdn.backend(check_inputs(*[leaves[n] for n in NAMES], None, state, cu, has_beta=True),
-                              final, 16, True)
+        return gdn.backend(_checked(leaves, state, cu), final, 16, True)
 
     o_full, _ = run(True)
     want = torch.autograd.grad(o_full.sum(), list(leaves.values()))

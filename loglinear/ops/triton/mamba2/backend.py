@@ -18,7 +18,7 @@ Composition (all sequences of a call in one launch per kernel):
      kernel (their only reader there; a second backward recomputes them) and each per-head dq / dk and
      the deposits' gradients once summed / read: at most one [NC, H, K, V] buffer and one per-head
      [tokens, H, K] gradient are alive at a time (the peak: dD, per-head dk and dv during the dk / dv
-     kernel; benchmarks/NOTES.md);
+     kernel; docs/kernels.md);
   4. the final state = the last chunk's in-chunk buckets (torch, differentiable) + the scan's chunk levels.
 """
 
@@ -101,7 +101,7 @@ def _tables(bos: tuple[int, ...], eos: tuple[int, ...], chunk0: tuple[int, ...],
 
     Built on the host and copied once per distinct plan: repeated calls at the same shapes (training, decoding
     prefills, benchmarks) reuse them, so a call does no host-to-device copy and no host tensor work (on the
-    H200, a contended host took ~2 ms per call for this table alone: results/diag-host-H200-s12.log)."""
+    H200, a contended host took ~2 ms per call for this table alone)."""
     counts = torch.tensor([triton.cdiv(b - a, C) for a, b in zip(bos, eos)], dtype=torch.long)
     seqs = torch.repeat_interleave(torch.arange(len(bos)), counts)
     base = torch.cumsum(counts, 0) - counts
@@ -123,7 +123,7 @@ def _splits(dtype: torch.dtype) -> bool:
 
     fp32 (and everything under the interpreter) splits; bf16/fp16 on the GPU keep whole tiles: with
     split [128, 32] tiles, bf16 forwards on triton 3.6 / H200 gave wrong outputs and an illegal memory
-    access (benchmarks/NOTES.md, v1), which the whole-tile kernels (v0) did not."""
+    access (docs/kernels.md), which the whole-tile kernels did not."""
     return dtype == torch.float32 or interpreting()
 
 

@@ -6,7 +6,7 @@ per-head stage tensors ([BH, Tp, D]: HEADS = 1, head = 0, t0 = bh Tp + n C). Row
 chunk's first row t0 (int64 scalar, may be negative for masked front padding) plus int32 in-chunk offsets
 r * HEADS * D + col (r < C): the 2D offset tensors stay 32-bit (int64 offsets per element cost registers:
 on sm_90 / triton 3.6 this took the Mamba-2 in-chunk backward from 255 registers + 120 B of spills to 243
-registers and the in-chunk forward from 137 to 122, benchmarks/NOTES.md). Requires C * HEADS * D < 2^31.
+registers and the in-chunk forward from 137 to 122, docs/kernels.md). Requires C * HEADS * D < 2^31.
 Rows without ``valid`` and columns >= D read as 0 and are not written.
 """
 
@@ -40,7 +40,7 @@ def store_tile(ptr, x, t0, r, valid, head, HEADS, D, cols):
 def load_column(ptr, t, valid, head, HEADS, L, level):
     """lambda[t, head, level] of a [tokens, HEADS, L] tensor -> [C] fp32 (0 for level >= L or invalid rows).
 
-    Per-level loads measured faster than one [C, L] tile plus register column picks (NOTES.md, v1)."""
+    Per-level loads measured faster than one [C, L] tile plus register column picks (docs/kernels.md)."""
     ok = valid & ((t * 0 + level) < L)
     return tl.load(ptr + (t * HEADS + head) * L + level, mask=ok, other=0.0).to(tl.float32)
 
