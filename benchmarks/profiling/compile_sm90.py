@@ -32,6 +32,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from loglinear.ops.triton.gated_deltanet import local, scan  # noqa: E402
+from loglinear.ops.triton.gated_deltanet import chunking  # noqa: E402
 from loglinear.ops.triton.gated_deltanet.chunking import Chunking  # noqa: E402
 from loglinear.ops.triton.mamba2 import backend as mamba2  # noqa: E402
 from loglinear.ops.triton.mamba2 import bwd as mamba2_bwd  # noqa: E402
@@ -79,7 +80,7 @@ def signature(names: str, ptr: str, **special: str) -> dict:
 def mamba2_reports(args: argparse.Namespace) -> list[str]:
     """The Mamba-2 kernels as the op launches them (fwd scan, chunk kernels, reverse scan)."""
     P, f32, i32 = "*" + args.dtype, "*fp32", "*i32"
-    prec = dot_precision(DTYPES[args.dtype], "mamba2")
+    prec = dot_precision(DTYPES[args.dtype], mamba2.FP32_DOT)
     BK, BV, C = triton.next_power_of_2(args.K), triton.next_power_of_2(args.V), 64
     rows = BK if args.has_init and not args.split else mamba2.SCAN_ROWS  # the reverse scan's (_scan_rows)
     print(f"triton {triton.__version__}, mamba2, {args.dtype}, K={args.K}, V={args.V}, C={C}, split={args.split}, "
@@ -176,8 +177,8 @@ def gdn_local_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, norm: 
 def gdn_reports(args: argparse.Namespace) -> list[str]:
     """The Gated DeltaNet scan and chunk-local kernels at the op's chunk and block choices."""
     dtype, K, V = DTYPES[args.dtype], args.K, args.V
-    C = kernel_chunk_size(64, "gated_deltanet", dtype, K)
-    P, prec = "*" + args.dtype, dot_precision(dtype, "gated_deltanet")
+    C = kernel_chunk_size(64, chunking.chunk_cap(dtype, K))
+    P, prec = "*" + args.dtype, dot_precision(dtype, chunking.FP32_DOT)
     print(f"triton {triton.__version__}, gated_deltanet, {args.dtype}, K={K}, V={V}, C={C}, precision {prec}"
           + ", q/k l2norm in the kernels" * args.l2norm)
     return gdn_scan_reports(K, V, C, dtype, P, prec) + gdn_local_reports(K, V, C, dtype, P, args.l2norm)

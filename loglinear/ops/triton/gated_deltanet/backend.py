@@ -28,7 +28,7 @@ import torch
 from loglinear.fenwick import bit_length, carry_target, chunk_bits, levels_needed
 from loglinear.inputs import OpInputs, expand_groups, l2norm, run_segments
 from loglinear.ops.torch_chunk import carry_past, chunked, final_levels, level_scales_at, pad_time
-from loglinear.ops.triton.gated_deltanet.chunking import Chunking
+from loglinear.ops.triton.gated_deltanet.chunking import Chunking, chunk_cap
 from loglinear.ops.triton.gated_deltanet.local import chunk_local
 from loglinear.ops.triton.gated_deltanet.scan import fenwick_delta_scan
 from loglinear.ops.triton.shared.common import interpreting
@@ -108,7 +108,7 @@ def gated_deltanet_core(
     [b, max(Ls, levels_needed(end)), H, K, V] fp32 (final; else None, and nothing of them is computed)."""
     b, T, _, K = q.shape
     H = v.shape[2]
-    C = kernel_chunk_size(chunk_size, "gated_deltanet", dtype, K)
+    C = kernel_chunk_size(chunk_size, chunk_cap(dtype, K))
     c = chunk_bits(C)
     ch = Chunking(b, T, H, position % C, C)
     N, c0, end = ch.N, position // C, position + T

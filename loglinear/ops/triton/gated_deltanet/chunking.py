@@ -1,11 +1,23 @@
-"""The token geometry of the Gated DeltaNet kernels: rows that share a start position, cut into aligned chunks."""
+"""The token geometry of the Gated DeltaNet kernels: rows that share a start position, cut into aligned chunks;
+and their numbers for the shared numeric rules (loglinear.ops.triton.shared.rules)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import triton
 import triton.language as tl
+
+from loglinear.ops.triton.shared.rules import dot_dtype
+
+FP32_DOT = "tf32x3"  # fp32 products: the chunk-local kernels chain dependent [C, C] products (the inverse)
+
+
+def chunk_cap(dtype: torch.dtype, K: int) -> int:
+    """The largest kernel chunk whose scan tiles [C, K] fit sm_90's shared memory: 64 for bf16/fp16 operands,
+    32 for fp32 (16 when K > 128)."""
+    return 64 if dot_dtype(dtype) != torch.float32 else (32 if K <= 128 else 16)
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ import triton.language as tl
 
 from loglinear.fenwick import chunk_bits, intra_chunk_levels
 from loglinear.inputs import L2NORM_EPS, l2norm_backward
-from loglinear.ops.triton.gated_deltanet.chunking import Chunking, chunk_tokens
+from loglinear.ops.triton.gated_deltanet.chunking import FP32_DOT, Chunking, chunk_tokens
 from loglinear.ops.triton.shared.common import alloc, group_sum, next_pow2
 from loglinear.ops.triton.shared.intra import decay_matrix, intra_levels, level_weights
 from loglinear.ops.triton.shared.launch import launch_options
@@ -418,7 +418,7 @@ def _meta(ch: Chunking, K: int, V: int, G: int, L: int, dt: torch.dtype, norm: b
     return dict(
         T=ch.T, front=ch.front, Tp=ch.Tp, N=ch.N, H=ch.H, NG=G, L=L, eps=L2NORM_EPS,
         K=K, V=V, C=ch.C, LOG_C=chunk_bits(ch.C), BV=BV, NV=triton.cdiv(V, BV),
-        PREC=dot_precision(dt, "gated_deltanet"),
+        PREC=dot_precision(dt, FP32_DOT),
         NORM=norm, BK_MAX=64 if dt == torch.float32 else 128,
     )
 

@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.gated_deltanet.chunking import Chunking, chunk_tokens
+from loglinear.ops.triton.gated_deltanet.chunking import FP32_DOT, Chunking, chunk_tokens
 from loglinear.ops.triton.shared.common import alloc, next_pow2
 from loglinear.ops.triton.shared.launch import launch_options
 from loglinear.ops.triton.shared.rules import dot_precision
@@ -563,13 +563,13 @@ class FenwickDeltaScan(torch.autograd.Function):
         _scan_fwd_kernel[(NV, BH)](
             qt, wt, kt, u, decay, lam, sched.merge, sched.lev, sched.snap_at, states, snap, o_intra, o,
             N, J, Tp, sched.slots, ch.T, ch.front, ch.H, scale,
-            K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype, "gated_deltanet"), SNAP=keep,
+            K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype, FP32_DOT), SNAP=keep,
             TM=square_fits(BK, qt.dtype), **launch_options(_scan_fwd_kernel),
         )
         if keep:
             _scan_readout_kernel[(N, BH)](
                 qt, lam, sched.live, sched.snap_at, snap, o_intra, o, J, Tp, sched.slots, ch.T, ch.front, ch.H, scale,
-                K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=dot_precision(qt.dtype, "gated_deltanet"),
+                K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=dot_precision(qt.dtype, FP32_DOT),
                 **launch_options(_scan_readout_kernel),
             )
         ctx.save_for_backward(qt, wt, kt, u, decay, lam, snap if keep else None)
@@ -583,7 +583,7 @@ class FenwickDeltaScan(torch.autograd.Function):
         BH, Tp, K = qt.shape
         V, N, J = u.shape[-1], decay.shape[1], lam.shape[-1]
         BK, BV, NV = _blocks(K, V, qt.dtype)
-        dev, dt, prec = qt.device, qt.dtype, dot_precision(qt.dtype, "gated_deltanet")
+        dev, dt, prec = qt.device, qt.dtype, dot_precision(qt.dtype, FP32_DOT)
         nan = lambda *shape, dtype=torch.float32: alloc(shape, dtype, dev)  # noqa: E731
         dstates = torch.zeros(BH, J, K, V, dtype=torch.float32, device=dev) if dhN is None else dhN.clone()
         do_intra = nan(BH, Tp, V)

@@ -50,6 +50,8 @@ from loglinear.variants.mamba2 import Mamba2Form, suffix_sum
 __all__ = ["supports", "backend", "LevelScanPlan"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP32_DOT = "ieee"  # fp32 products exact (shared.rules.dot_precision)
+MAX_CHUNK = 64  # the kernels' chunk cap (shared.rules.kernel_chunk_size): tiles fit sm_90's shared memory
 SCAN_ROWS = 16  # K rows per program of the reverse scan when its tile may be split
 
 
@@ -144,7 +146,7 @@ def _sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor) -> dict:
     """Runtime sizes and constexprs of the chunk kernels and the reverse scan (those reading levels also
     take J = plan.num_levels)."""
     return dict(H=v.shape[1], G=q.shape[1], K=q.shape[-1], V=v.shape[-1], C=plan.chunk_size,
-                PRECISION=dot_precision(q.dtype, "mamba2"))
+                PRECISION=dot_precision(q.dtype, FP32_DOT))
 
 
 def _gate_grad(d_gate: torch.Tensor, d_final: torch.Tensor, final: torch.Tensor,
@@ -480,7 +482,7 @@ def backend(inp: OpInputs, output_final_state: bool, chunk_size: int,
 
 def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tuple[torch.Tensor, FenwickState | None]:
     """backend on the kernels: (o [B, T, H, V] in v's dtype, final state or None)."""
-    C = kernel_chunk_size(chunk_size, "mamba2")
+    C = kernel_chunk_size(chunk_size, MAX_CHUNK)
     flat = _flatten(inp)
     aligned = _align(flat, inp.initial_state, C, inp.scale)
     J, h0, has_init = _chunk_levels(flat, aligned, C)
