@@ -62,6 +62,7 @@ def _spawn(lengths: list[int], cases: list[Case], models: list[tuple[str, bool, 
             pytest.fail(f"context-parallel workers ({world} ranks) did not finish in {TIMEOUT_S} s")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lengths, models", [([13, 6], []), ([5, 9, 1, 7], MODELS)], ids=["2-ranks", "4-ranks"])
 def test_context_parallel_matches_single_process(lengths, models, tmp_path):
     _spawn(lengths, _cases(lengths), models, tmp_path)

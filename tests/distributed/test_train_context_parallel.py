@@ -48,6 +48,7 @@ def _losses(out: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r] + [r["val_loss"] for r in rows if "val_loss" in r]
 
 
+@pytest.mark.slow
 def test_context_parallel_training_matches_one_process(corpus, tmp_path):
     cfg = _config(corpus, tmp_path / "cp", "--context-parallel", "2")
     assert cfg.context_parallel == 2

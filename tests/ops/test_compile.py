@@ -53,6 +53,7 @@ def test_layer_compiles_fullgraph_for_training_and_decoding(cls, ll):
     assert_close(state_c.levels[:, : state.num_levels], state.levels, 1e-6, "compiled state")
 
 
+@pytest.mark.slow
 def test_model_trains_and_decodes_without_graph_breaks():
     torch.manual_seed(0)
     config = LogLinearGatedDeltaNetConfig(vocab_size=30, hidden_size=16, num_hidden_layers=2, num_heads=2,

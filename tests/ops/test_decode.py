@@ -13,7 +13,10 @@ from loglinear.ops import decode as D
 from loglinear.ops.triton.decode import decode_backend, fused_decode_step
 from loglinear.variants import GATED_DELTANET, MAMBA2
 
-STEPS = {"torch": D.decode_step_torch, "triton": decode_backend}
+STEPS = {
+    "torch": D.decode_step_torch,
+    "triton": lambda variant, *args, **kw: decode_backend(variant is GATED_DELTANET)(variant, *args, **kw),
+}
 
 
 def _gates(tok, gdn: bool) -> dict:

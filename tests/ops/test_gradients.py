@@ -29,6 +29,7 @@ def _call(variant, x, state, chunk_size, **kw):
                                      use_qk_l2norm=True, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["mamba2", "gated_deltanet"])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_gradcheck_every_input(variant, with_state):

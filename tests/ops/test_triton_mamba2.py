@@ -108,6 +108,7 @@ def test_varlen_with_states():
     _compare(x, cu_seqlens=cu, state=_random_state(3, [17, 0, 48], 2, 8, 5))
 
 
+@pytest.mark.slow
 def test_many_chunk_levels_varlen_with_states():
     """Deeper cascades (up to 2^5 chunks of 16): merged levels read by many later chunks, an initial state
     at an unaligned position read at several levels, and a sequence starting at 0, in one varlen call."""

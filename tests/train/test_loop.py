@@ -66,6 +66,7 @@ def test_micro_batches_match_full_batch(tiny_data, tmp_path):
     assert micro["losses"] == pytest.approx(full["losses"], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["transformer", "ll_gated_deltanet"])
 def test_fsdp2_two_processes_match_one(tiny_data, tmp_path, arch):
     one = train(_cfg(tiny_data, tmp_path / "one", steps=4, arch=arch))

@@ -128,6 +128,7 @@ def test_slots_spread_over_the_gpus():
     assert mqar.slot_device("cuda", 3, 0) == "cuda"
 
 
+@pytest.mark.slow
 def test_sweep_in_worker_slots_with_a_budget():
     runs = [replace(TINY, seed=s, epochs=1) for s in (0, 1, 2)]
     rows = mqar.sweep(runs, workers=2, threads=1, budget=120)

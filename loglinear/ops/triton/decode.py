@@ -18,6 +18,8 @@ The state is read and written once: the step is bound by L * K * V * 4 bytes per
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -25,7 +27,7 @@ import triton.language as tl
 from loglinear.ops.triton.shared.launch import launch_options
 from loglinear.variants import Variant
 
-__all__ = ["fused_decode_step"]
+__all__ = ["fused_decode_step", "decode_backend"]
 
 
 @triton.jit
@@ -138,12 +140,18 @@ def fused_decode_step(
     return o, out
 
 
-def decode_backend(
-    variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
-    level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
-    *, fenwick: bool = True, l2norm_qk: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The registered decode step (loglinear.ops.backends): Mamba-2 (gates g) or Gated DeltaNet (g, beta), the
-    kernel's compile-time switch HAS_BETA."""
-    return fused_decode_step(q, k, v, gates["g"], gates.get("beta"), level_scales, levels, positions, scale,
-                             fenwick=fenwick, l2norm_qk=l2norm_qk)
+def decode_backend(delta_rule: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The decode step a variant registers (loglinear.ops.backends.Backend.decode): the kernel's compile-time
+    switch HAS_BETA is the variant's transition, a scalar decay (delta_rule=False, gates g: Mamba-2) or a gated
+    delta rule (delta_rule=True, gates g and beta: Gated DeltaNet)."""
+
+    def step(
+        variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
+        level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
+        *, fenwick: bool = True, l2norm_qk: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        beta = gates["beta"] if delta_rule else None
+        return fused_decode_step(q, k, v, gates["g"], beta, level_scales, levels, positions, scale,
+                                 fenwick=fenwick, l2norm_qk=l2norm_qk)
+
+    return step
