@@ -46,6 +46,14 @@ def test_lookup():
         get("rwkv")
 
 
+def test_gates_must_be_the_variants():
+    x = _args(5)
+    with pytest.raises(ValueError, match=r"deltanet's per-token inputs beta \[B, T, H\] \(in \(0, 1\)\), got \['g'\]"):
+        attention(DELTANET, **(x | {"gates": {"g": x["gates"]["beta"]}}))
+    with pytest.raises(ValueError, match="got list"):
+        attention("gated_deltanet", **(x | {"gates": [x["gates"]["beta"]]}))
+
+
 def test_op_matches_both_references_with_gradients():
     x = _args(21)
     leaves = {n: t.clone().requires_grad_() for n, t in x.items() if n != "gates"}

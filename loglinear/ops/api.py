@@ -32,8 +32,8 @@ def _check_chunk_size(chunk_size: int) -> int:
 def _check_gates(variant: Variant, gates: object) -> dict[str, torch.Tensor]:
     if not isinstance(gates, dict) or set(gates) != set(variant.gate_names):
         got = sorted(gates) if isinstance(gates, dict) else type(gates).__name__
-        raise ValueError(f"gates must be a dict with exactly the keys {list(variant.gate_names)} for "
-                         f"{variant.name}, got {got}")
+        wanted = ", ".join(f"{gate.name} [B, T, H] ({gate.doc})" for gate in variant.gates)
+        raise ValueError(f"gates must be a dict holding exactly {variant.name}'s per-token inputs {wanted}, got {got}")
     return gates
 
 
