@@ -187,20 +187,21 @@ def kernel_times(configs: dict, contexts: list[int], batches: list[int], device)
 
 
 def check_kernel(device) -> dict:
-    """Fused kernel vs the PyTorch step on the device (fp32, GQA, rows at different positions)."""
-    from loglinear.ops.decode import decode_step_torch
-    from loglinear.ops.triton.decode import fused_decode_step
+    """Fused kernel vs the PyTorch step on the device, every registered variant (fp32, GQA, rows at different
+    positions)."""
+    from loglinear.ops.decode import decode_step
+    from loglinear.variants import REGISTRY
 
     errors = {}
-    for gdn in (False, True):
+    for variant in REGISTRY.values():
         N, G, H, K, V, L = 5, 2, 4, 64, 96, 12
-        args = (torch.randn(N, G, K, device=device), torch.randn(N, G, K, device=device) / 8,
-                torch.randn(N, H, V, device=device), -torch.rand(N, H, device=device),
-                torch.rand(N, H, device=device) if gdn else None, torch.rand(N, H, L, device=device),
+        gates = {n: x[:, 0].to(device) for n, x in variant.sample_gates(N, 1, H).items()}
+        args = (variant, torch.randn(N, G, K, device=device), torch.randn(N, G, K, device=device) / 8,
+                torch.randn(N, H, V, device=device), gates, torch.rand(N, H, L, device=device),
                 torch.randn(N, L, H, K, V, device=device), torch.tensor([0, 1, 8, 1023, 2047], device=device), 0.125)
-        o1, s1 = fused_decode_step(*args, l2norm_qk=gdn)
-        o2, s2 = decode_step_torch(*args, l2norm_qk=gdn)
-        errors["gdn" if gdn else "mamba2"] = {
+        o1, s1 = decode_step(*args, l2norm_qk=True, backend="triton")
+        o2, s2 = decode_step(*args, l2norm_qk=True, backend="torch")
+        errors[variant.name] = {
             "o_rel_err": float((o1 - o2).norm() / o2.norm()), "state_rel_err": float((s1 - s2).norm() / s2.norm()),
         }
     return errors
