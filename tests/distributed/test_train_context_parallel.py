@@ -13,7 +13,7 @@ import torch
 
 from helpers import spawn_train
 from loglinear.data.text import prepare_corpus
-from loglinear.train.checkpoint import CHECKPOINT
+from loglinear.train.checkpoint import CHECKPOINT, read_checkpoint
 from loglinear.train.command import add_arguments, config_from_args
 from loglinear.train.loop import train
 
@@ -57,8 +57,8 @@ def test_context_parallel_training_matches_one_process(corpus, tmp_path):
     one, cp = _losses(tmp_path / "one"), _losses(tmp_path / "cp")
     assert len(one) == len(cp) == 4
     assert cp == pytest.approx(one, rel=1e-4)
-    a = torch.load(tmp_path / "one" / CHECKPOINT, weights_only=False)["model"]
-    b = torch.load(tmp_path / "cp" / CHECKPOINT, weights_only=False)["model"]
+    a = read_checkpoint(tmp_path / "one" / CHECKPOINT)["model"]
+    b = read_checkpoint(tmp_path / "cp" / CHECKPOINT)["model"]
     assert a.keys() == b.keys()
     for k in a:  # float32 reduction order moves a few Adam steps (lr 3e-3) by ~1e-5; a wrong shard moves them all
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-4, msg=k)

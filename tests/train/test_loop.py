@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import spawn_train
-from loglinear.train.checkpoint import CHECKPOINT
+from loglinear.train.checkpoint import CHECKPOINT, read_checkpoint
 from loglinear.train.loop import TrainConfig, cosine_schedule, train
 
 
@@ -19,7 +19,7 @@ def _cfg(data, out, **kw) -> TrainConfig:
 
 
 def _weights(out) -> dict[str, torch.Tensor]:
-    return torch.load(out / CHECKPOINT, weights_only=False)["model"]
+    return read_checkpoint(out / CHECKPOINT)["model"]
 
 
 def _logged_losses(out) -> list[float]:
@@ -57,7 +57,7 @@ def test_max_seconds_ends_the_run_with_a_checkpoint_and_validation(tiny_data, tm
     assert res["timed_out"] and res["step"] == 1 and res["val_loss"] is not None
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 1 and rows[-1]["stopped"] == "max_seconds=0.0"
-    assert torch.load(tmp_path / CHECKPOINT, weights_only=False)["step"] == 1
+    assert read_checkpoint(tmp_path / CHECKPOINT)["step"] == 1
 
 
 def test_micro_batches_match_full_batch(tiny_data, tmp_path):
