@@ -1,10 +1,19 @@
-"""The ``loglinear`` command: one subcommand per module, each exposing ``add_arguments`` and ``run``."""
+"""The ``loglinear`` command (also ``python -m loglinear``): one subcommand per module, each exposing
+``add_arguments`` and ``run``.
+
+Every option's default is shown in ``--help``. A user error (a ValueError or TypeError naming the bad value,
+a missing file) ends the command with one line on stderr and exit status 2; LOGLINEAR_DEBUG=1 shows the
+traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+from loglinear import __version__
 
 # name -> (module, one-line help). A module defines add_arguments(parser) and run(args) -> int | None.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -16,19 +25,44 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default, also for options without a help text (a None default is explained by the
+    option's help, not printed)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        if action.help is None and action.default is not argparse.SUPPRESS and action.option_strings:
+            return "(default: %(default)s)"
+        return super()._get_help_string(action)
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and action.default not in (None, argparse.SUPPRESS) and action.option_strings:
+            action.help = self._get_help_string(action)
+        return super()._format_action(action)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="loglinear",
+    parser = argparse.ArgumentParser(prog="loglinear", formatter_class=_HelpFormatter,
                                      description="Log-linear attention: demos, experiments, training.")
+    parser.add_argument("--version", action="version", version=f"loglinear {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    parsers = {name: sub.add_parser(name, help=text, description=text) for name, (_, text) in COMMANDS.items()}
+    parsers = {name: sub.add_parser(name, help=text, description=text, formatter_class=_HelpFormatter)
+               for name, (_, text) in COMMANDS.items()}
     # import only the chosen command's module: `loglinear demo` needs none of the training extras
     chosen = next((arg for arg in argv if arg in COMMANDS), None)
     module = importlib.import_module(COMMANDS[chosen][0]) if chosen else None
     if module is not None:
         module.add_arguments(parsers[chosen])
     args = parser.parse_args(argv)
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        if os.environ.get("LOGLINEAR_DEBUG"):
+            raise
+        print(f"loglinear {chosen}: error: {e}".splitlines()[0], file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,28 @@
+"""The command line: --version, python -m loglinear, defaults in --help, user errors as one line and status 2."""
+
+import subprocess
+import sys
+
+from loglinear import __version__
+from loglinear.cli import main
+
+
+def test_version_and_module_entry_point():
+    done = subprocess.run([sys.executable, "-m", "loglinear", "--version"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == f"loglinear {__version__}"
+
+
+def test_help_shows_every_default(capsys):
+    try:
+        main(["train", "--help"])
+    except SystemExit:
+        pass
+    out = capsys.readouterr().out
+    assert "--d-model D_MODEL     (default: 256)" in out and "--steps STEPS         (default: 300)" in out
+    assert "(default: None)" not in out
+
+
+def test_user_error_is_one_line_with_status_2(tmp_path, capsys):
+    assert main(["eval", str(tmp_path / "no-run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("loglinear eval: error:") and "config.json" in err and len(err.splitlines()) == 1
