@@ -42,13 +42,20 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._format_action(action)
 
 
+def _given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The dests of the options given on the command line (not left at their defaults)."""
+    actions = parser._option_string_actions
+    return {actions[arg.split("=")[0]].dest for arg in argv if arg.split("=")[0] in actions}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="loglinear", formatter_class=_HelpFormatter,
                                      description="Log-linear attention: demos, experiments, training.")
     parser.add_argument("--version", action="version", version=f"loglinear {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    parsers = {name: sub.add_parser(name, help=text, description=text, formatter_class=_HelpFormatter)
+    parsers = {name: sub.add_parser(name, help=text, description=text, formatter_class=_HelpFormatter,
+                                    allow_abbrev=False)
                for name, (_, text) in COMMANDS.items()}
     # import only the chosen command's module: `loglinear demo` needs none of the training extras
     chosen = next((arg for arg in argv if arg in COMMANDS), None)
@@ -56,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if module is not None:
         module.add_arguments(parsers[chosen])
     args = parser.parse_args(argv)
+    args.given = _given_options(parsers[chosen], argv) if chosen else set()
     try:
         return int(module.run(args) or 0)
     except (ValueError, TypeError, FileNotFoundError) as e:

@@ -8,7 +8,7 @@ import json
 import os
 
 from loglinear.train.factory import ARCHS
-from loglinear.train.loop import TrainConfig, train
+from loglinear.train.loop import TrainConfig, saved_config, train
 
 __all__ = ["add_arguments", "run"]
 
@@ -49,7 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--device", default=None)
-    p.add_argument("--resume", action="store_true", help="continue from <out-dir>/checkpoint.pt")
+    p.add_argument("--resume", action="store_true", help="continue from <out-dir>/checkpoint.pt with the run's saved "
+                   "settings (options given again must agree with them, except how long it runs and how it reports)")
+    p.add_argument("--overwrite", action="store_true", help="replace a run already in <out-dir>")
     p.add_argument("--stop-after", type=int, default=None, help="end this run after this many steps "
                    "(checkpointed; --resume continues it exactly)")
     p.add_argument("--max-seconds", type=float, default=None, help="end this run (checkpoint, validation) "
@@ -77,10 +79,33 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
     )
 
 
+# TrainConfig fields set by options of other names (the rest: the option's dest is the field's name)
+FIELD_OPTIONS = {"n_layers": ("layers",), "n_heads": ("heads",), "model_overrides": ("model_config",),
+                 "data_dir": ("data_dir", "corpus", "tokenizer", "vocab_size"), "progress": ("no_progress",)}
+
+
+def resumed_config(cfg: TrainConfig, given: set[str]) -> TrainConfig:
+    """cfg's out_dir run's saved config, with the fields of the options given on the command line taken from cfg
+    (train() then refuses those that a resumed run cannot change)."""
+    saved = saved_config(cfg.out_dir)
+    if saved is None:
+        return cfg
+    fields = {name: getattr(cfg if set(FIELD_OPTIONS.get(name, (name,))) & given or name == "out_dir" else saved, name)
+              for name in TrainConfig.__dataclass_fields__}
+    return TrainConfig(**fields)
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    res = train(cfg, resume=args.resume)
-    if res["val_loss"] is not None and os.environ.get("RANK", "0") == "0":
+    if args.resume:
+        cfg = resumed_config(cfg, getattr(args, "given", set()))
+    res = train(cfg, resume=args.resume, overwrite=args.overwrite)
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    if res["val_loss"] is not None:
         print(f"{cfg.arch}: {res['params'] / 1e6:.2f}M params, step {res['step']}, "
               f"val loss {res['val_loss']:.4f}, {res['train_seconds']:.0f} s -> {cfg.out_dir}")
+    if res["step"] < cfg.steps:
+        print(f"stopped at step {res['step']} of {cfg.steps} (checkpointed); continue with: loglinear train "
+              f"--out-dir {cfg.out_dir} --resume")
     return 0

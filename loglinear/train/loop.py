@@ -35,7 +35,8 @@ from loglinear.train.parallel import Parallel, all_reduce_mean, parallelize, set
 from loglinear.train.profiling import profiled_call
 
 __all__ = [
-    "TrainConfig", "train", "lm_loss", "cosine_schedule", "bf16_autocast", "model_from_config", "peak_memory_gib",
+    "TrainConfig", "train", "saved_config", "RESUMABLE", "lm_loss", "cosine_schedule", "bf16_autocast",
+    "model_from_config", "peak_memory_gib",
 ]
 
 
@@ -70,7 +71,7 @@ class TrainConfig:
     seed: int = 0
     # bookkeeping
     out_dir: str = "runs/lm"
-    save_every: int = 0  # 0: only at the end
+    save_every: int = 100  # also a checkpoint every this many steps (0: only at the end)
     eval_every: int = 0  # 0: only at the end
     eval_batches: int = 8
     log_every: int = 10
@@ -197,10 +198,49 @@ def _log(path: Path, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def train(cfg: TrainConfig, resume: bool = False) -> dict:
+# fields a resumed run may change: how long it runs and how it reports, never its trajectory (more steps also
+# stretch the cosine schedule from the resumed step on)
+RESUMABLE = ("steps", "stop_after", "max_seconds", "progress", "profile_step", "device", "log_every", "eval_every",
+             "save_every", "eval_batches", "out_dir")
+
+
+def saved_config(out_dir: str | Path) -> TrainConfig | None:
+    """The TrainConfig a run in out_dir was started with (its config.json), or None if there is none."""
+    path = Path(out_dir) / "config.json"
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    fields = {k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__}
+    return TrainConfig(**fields | {"betas": tuple(fields.get("betas", TrainConfig.betas))})
+
+
+def _check_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> None:
+    """resume: a checkpoint must exist and cfg may differ from the saved config only in RESUMABLE fields;
+    otherwise an existing run is replaced only with overwrite."""
+    out = Path(cfg.out_dir)
+    if resume:
+        if not (out / CHECKPOINT).is_file():
+            raise ValueError(f"resume: no checkpoint at {out / CHECKPOINT}; train without resume to start this run")
+        saved = saved_config(out)
+        if saved is not None:
+            changed = [f"{name}: {getattr(saved, name)!r} -> {getattr(cfg, name)!r}"
+                       for name in TrainConfig.__dataclass_fields__
+                       if name not in RESUMABLE and getattr(saved, name) != getattr(cfg, name)]
+            if changed:
+                raise ValueError(f"resume: the run in {out} was started with other settings, which a resumed run "
+                                 f"cannot change: {'; '.join(changed)}")
+    elif not overwrite and any((out / name).exists() for name in (CHECKPOINT, "metrics.jsonl")):
+        raise ValueError(f"{out} already holds a run; resume it (resume=True, --resume) or replace it "
+                         "(overwrite=True, --overwrite)")
+
+
+def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> dict:
     """Train (or, with resume, continue from out_dir/checkpoint.pt). Returns {"step", "losses", "val_loss", ...}.
 
-    Writes out_dir/{config.json, metrics.jsonl, checkpoint.pt}."""
+    Writes out_dir/{config.json, metrics.jsonl, checkpoint.pt}. ValueError for a resume without a checkpoint or
+    with a changed trajectory (fields outside RESUMABLE), and for a new run over an existing one without
+    overwrite."""
+    _check_run_dir(cfg, resume, overwrite)
     par = setup_parallel(cfg.device)
     try:
         return _train(cfg, par, resume)
@@ -215,6 +255,8 @@ def _train(cfg: TrainConfig, par: Parallel, resume: bool) -> dict:
     if par.is_main:
         meta = prepare_corpus(cfg.corpus, cfg.data_dir, tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size)
         out.mkdir(parents=True, exist_ok=True)
+        if not resume:  # a replaced run's metrics do not continue into this one's
+            (out / "metrics.jsonl").unlink(missing_ok=True)
     if par.distributed:
         torch.distributed.barrier()
     meta = json.loads((Path(cfg.data_dir) / "meta.json").read_text())
@@ -230,7 +272,7 @@ def _train(cfg: TrainConfig, par: Parallel, resume: bool) -> dict:
     optimizer = _optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: cosine_schedule(s, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
-    start = load_checkpoint(out, model, optimizer, scheduler) if resume and (out / CHECKPOINT).exists() else 0
+    start = load_checkpoint(out, model, optimizer, scheduler) if resume else 0
     if par.is_main:
         (out / "config.json").write_text(json.dumps(dict(asdict(cfg), params=n_params, vocab=meta["vocab_size"]),
                                                     indent=1))
