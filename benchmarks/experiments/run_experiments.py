@@ -147,8 +147,9 @@ def main() -> None:
     runs = {arch: out / "lm" / arch for arch in a.archs}
     gpus = torch.cuda.device_count() if a.device == "cuda" else 0
     device = {arch: slot_device(a.device, i, gpus) for i, arch in enumerate(a.archs)}  # spread over the GPUs
-    probe = {arch: cli("train", "--arch", arch, "--out-dir", str(d), "--steps", str(a.max_steps), "--stop-after",
-                       str(a.probe_steps), "--device", device[arch], *common, log_to=logs / f"train-{arch}.log")
+    probe = {arch: cli("train", "--arch", arch, "--out-dir", str(d), "--overwrite", "--steps", str(a.max_steps),
+                       "--stop-after", str(a.probe_steps), "--device", device[arch], *common,
+                       log_to=logs / f"train-{arch}.log")
              for arch, d in runs.items()}
     failed = wait_all(probe, "LM probe")
     alive = {k: v for k, v in runs.items() if k not in failed}
