@@ -7,6 +7,8 @@ use_log_linear=False gives the plain Mamba-2 / Gated DeltaNet model with everyth
 
 from __future__ import annotations
 
+import math
+
 from transformers import PretrainedConfig
 
 from loglinear.inputs import check_multiple, check_positive_ints, check_power_of_two, check_value_head_dim
@@ -36,8 +38,8 @@ class _FenwickConfig(PretrainedConfig):
         check_power_of_two(chunk_size=chunk_size)
         if intermediate_size is not None and (not isinstance(intermediate_size, int) or intermediate_size < 0):
             raise ValueError(f"intermediate_size must be an int >= 0 (0: no MLP) or None, got {intermediate_size!r}")
-        if not isinstance(norm_eps, (int, float)) or norm_eps < 0:
-            raise ValueError(f"norm_eps must be a number >= 0, got {norm_eps!r}")
+        if not isinstance(norm_eps, (int, float)) or not math.isfinite(norm_eps) or norm_eps < 0:
+            raise ValueError(f"norm_eps must be a finite number >= 0, got {norm_eps!r}")
         if pad_token_id is not None and not 0 <= pad_token_id < vocab_size:
             raise ValueError(f"pad_token_id must be None or in [0, vocab_size = {vocab_size}), got {pad_token_id!r}")
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
@@ -58,10 +60,12 @@ class _FenwickConfig(PretrainedConfig):
         return max(1, hidden_size // 64)
 
     def _check_time_steps(self) -> None:
-        if not (0 < self.time_step_floor and 0 < self.time_step_min <= self.time_step_max):
+        values = (self.time_step_min, self.time_step_max, self.time_step_floor)
+        finite = all(isinstance(x, (int, float)) and math.isfinite(x) for x in values)
+        if not (finite and 0 < self.time_step_floor and 0 < self.time_step_min <= self.time_step_max):
             raise ValueError(
-                f"time steps must satisfy 0 < time_step_min <= time_step_max and time_step_floor > 0, got min = "
-                f"{self.time_step_min}, max = {self.time_step_max}, floor = {self.time_step_floor}"
+                f"time steps must be finite with 0 < time_step_min <= time_step_max and time_step_floor > 0, got "
+                f"min = {self.time_step_min}, max = {self.time_step_max}, floor = {self.time_step_floor}"
             )
 
     def _shared_mixer_kwargs(self) -> dict:
@@ -119,6 +123,9 @@ class LogLinearGatedDeltaNetConfig(_FenwickConfig):
     ):
         super().__init__(**kwargs)
         if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(f"hidden_size = {self.hidden_size} must be a multiple of num_heads = "
+                                 f"{self.num_heads} (the default head_dim), or give head_dim")
             self.head_dim = self.hidden_size // self.num_heads
         self.expand_v = expand_v
         self.time_step_min, self.time_step_max, self.time_step_floor = time_step_min, time_step_max, time_step_floor

@@ -1,0 +1,24 @@
+"""Config values that cannot work are refused with a ValueError naming them (they used to give NaN logits or a
+silently truncated head dim)."""
+
+import pytest
+
+from loglinear.models import LogLinearGatedDeltaNetConfig, LogLinearMamba2Config
+
+
+@pytest.mark.parametrize("cls", [LogLinearMamba2Config, LogLinearGatedDeltaNetConfig])
+@pytest.mark.parametrize("field,value,match", [
+    ("norm_eps", float("nan"), "norm_eps must be a finite number"),
+    ("norm_eps", float("inf"), "norm_eps must be a finite number"),
+    ("time_step_max", float("inf"), "time steps must be finite"),
+    ("time_step_min", float("nan"), "time steps must be finite"),
+])
+def test_non_finite_values(cls, field, value, match):
+    with pytest.raises(ValueError, match=match):
+        cls(hidden_size=64, num_heads=4, **{field: value})
+
+
+def test_gated_deltanet_heads_must_divide_the_width():
+    with pytest.raises(ValueError, match="hidden_size = 100 must be a multiple of num_heads = 3"):
+        LogLinearGatedDeltaNetConfig(hidden_size=100, num_heads=3)
+    assert LogLinearGatedDeltaNetConfig(hidden_size=100, num_heads=3, head_dim=32).head_dim == 32
