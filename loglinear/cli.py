@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 
@@ -23,6 +24,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("loglinear.eval.command",
              "validation perplexity, per-position loss and needle-in-a-haystack of trained runs"),
 }
+# the packages of the `train` extra a command needs, checked before it starts (not after a sweep)
+NEEDS = {"mqar": ("transformers", "matplotlib"), "train": ("transformers", "tokenizers", "safetensors"),
+         "eval": ("transformers", "tokenizers", "matplotlib")}
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -59,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
                for name, (_, text) in COMMANDS.items()}
     # import only the chosen command's module: `loglinear demo` needs none of the training extras
     chosen = next((arg for arg in argv if arg in COMMANDS), None)
+    missing = [name for name in NEEDS.get(chosen, ()) if importlib.util.find_spec(name) is None]
+    if missing and not {"-h", "--help"} & set(argv):
+        print(f"loglinear {chosen}: error: needs {', '.join(missing)}: pip install \"loglinear[train]\"",
+              file=sys.stderr)
+        return 2
     module = importlib.import_module(COMMANDS[chosen][0]) if chosen else None
     if module is not None:
         module.add_arguments(parsers[chosen])

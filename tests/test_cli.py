@@ -26,3 +26,12 @@ def test_user_error_is_one_line_with_status_2(tmp_path, capsys):
     assert main(["eval", str(tmp_path / "no-run")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("loglinear eval: error:") and "config.json" in err and len(err.splitlines()) == 1
+
+
+def test_a_missing_extra_is_named_before_anything_runs(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert main(["mqar", "--widths", "8"]) == 2
+    assert capsys.readouterr().err.strip() == 'loglinear mqar: error: needs matplotlib: pip install "loglinear[train]"'
