@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -242,13 +244,36 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     overwrite."""
     _check_run_dir(cfg, resume, overwrite)
     par = setup_parallel(cfg.device)
+    interrupt = _Interrupt()
     try:
-        return _train(cfg, par, resume)
+        return _train(cfg, par, resume, interrupt)
     finally:
+        interrupt.restore()
         teardown(par)
 
 
-def _train(cfg: TrainConfig, par: Parallel, resume: bool) -> dict:
+class _Interrupt:
+    """SIGINT / SIGTERM while training: the current step finishes, a checkpoint is written and the run stops
+    (resume continues it exactly). A second signal stops at once (KeyboardInterrupt). Handlers are installed in
+    the main thread only and restored after the run."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _train(cfg: TrainConfig, par: Parallel, resume: bool, interrupt: _Interrupt) -> dict:
     cp = plan_context_parallel(cfg.context_parallel, par.rank, par.world_size, par.device, cfg.seq_len)
     _check(cfg, par, cp)
     out = Path(cfg.out_dir)
@@ -311,18 +336,21 @@ def _train(cfg: TrainConfig, par: Parallel, resume: bool) -> dict:
                 _log(metrics, {"step": step + 1, "val_loss": v})
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < end:
             save_checkpoint(out, step + 1, model, optimizer, scheduler, par)
-        if step + 1 < end and _out_of_time(cfg, t0, par):
-            end, timed_out = step + 1, True
+        timed_out, interrupted = _stop_now(cfg, t0, par, interrupt) if step + 1 < end else (False, False)
+        if timed_out or interrupted:
+            end = step + 1
             break
     else:
-        timed_out = False
+        timed_out = interrupted = False
     save_checkpoint(out, end, model, optimizer, scheduler, par)
     val_loss = evaluate_loss(model, val, cfg, par, cp) if end == cfg.steps or timed_out else None
     if par.is_main and val_loss is not None:
         _log(metrics, {"step": end, "val_loss": val_loss, "val_ppl": math.exp(val_loss)}
              | ({"stopped": f"max_seconds={cfg.max_seconds}"} if timed_out else {}))
+    if par.is_main and interrupted:
+        _log(metrics, {"step": end, "stopped": interrupt.received or "a signal on another process"})
     return {"step": end, "losses": losses, "val_loss": val_loss, "params": n_params,
-            "train_seconds": time.perf_counter() - t0, "timed_out": timed_out}
+            "train_seconds": time.perf_counter() - t0, "timed_out": timed_out, "interrupted": interrupted}
 
 
 def peak_memory_gib(par: Parallel) -> float | None:
@@ -338,9 +366,12 @@ def peak_memory_gib(par: Parallel) -> float | None:
     return round(peak, 3)
 
 
-def _out_of_time(cfg: TrainConfig, t0: float, par: Parallel) -> bool:
-    """max_seconds passed (every process stops at the same step: the flag is reduced over processes)."""
-    if cfg.max_seconds is None:
-        return False
-    over = float(time.perf_counter() - t0 > cfg.max_seconds)
-    return all_reduce_mean(torch.tensor(over, device=par.device), par) > 0
+def _stop_now(cfg: TrainConfig, t0: float, par: Parallel, interrupt: _Interrupt) -> tuple[bool, bool]:
+    """(max_seconds passed, a stop signal arrived); every process stops at the same step: with several, the
+    flags are reduced over processes."""
+    flags = torch.tensor([cfg.max_seconds is not None and time.perf_counter() - t0 > cfg.max_seconds,
+                          interrupt.received is not None], dtype=torch.float32)
+    if par.distributed:
+        flags = flags.to(par.device)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    return bool(flags[0]), bool(flags[1])

@@ -48,3 +48,29 @@ def test_command_line_resume_restores_the_saved_settings(tiny_data, tmp_path, ca
     assert json.loads((tmp_path / "config.json").read_text())["d_model"] == 16
     assert main(["train", "--out-dir", str(tmp_path / "new"), "--resume"]) == 2
     assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_a_stop_signal_checkpoints_and_resume_continues_exactly(tiny_data, tmp_path, monkeypatch):
+    import os
+    import signal
+    import threading
+
+    from loglinear.train import loop
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers live in the main thread")
+
+    straight = train(_cfg(tiny_data, tmp_path / "a", steps=5))
+    real = loop._step_windows
+
+    def interrupted_at_step_2(data, cfg, step, tok):
+        if step == 2 and "b" in cfg.out_dir:
+            os.kill(os.getpid(), signal.SIGINT)  # arrives during the step: it finishes, then the run stops
+        return real(data, cfg, step, tok)
+
+    monkeypatch.setattr(loop, "_step_windows", interrupted_at_step_2)
+    first = train(_cfg(tiny_data, tmp_path / "b", steps=5))
+    assert first["interrupted"] and first["step"] == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    second = train(_cfg(tiny_data, tmp_path / "b", steps=5), resume=True)
+    assert first["losses"] + second["losses"] == straight["losses"]
