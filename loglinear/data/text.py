@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Iterator
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from loglinear.data.tokenizer import ByteTokenizer, Tokenizer, train_bpe
 
@@ -88,12 +90,30 @@ def read_documents(files: list[Path]) -> Iterator[str]:
             yield text
 
 
-def _tokenize_to_file(tok: Tokenizer, files: list[Path], out: Path, batch: int = 256) -> int:
+def split_documents(files: list[Path], val_fraction: float = 0.05) -> tuple[list[str], list[str]]:
+    """Train and validation documents. Several files: split by file (split_files). One file: its documents (a
+    .jsonl) or its text (cut at a line boundary) split by position, the last val_fraction to validation."""
+    if len(files) >= 2:
+        train, val = split_files(files, val_fraction)
+        return list(read_documents(train)), list(read_documents(val))
+    docs = list(read_documents(files))
+    if len(docs) >= 2:
+        n_val = min(len(docs) - 1, max(1, round(val_fraction * len(docs))))
+        return docs[:-n_val], docs[-n_val:]
+    text = docs[0] if docs else ""
+    if len(text) < 2:
+        raise ValueError(f"corpus {files[0] if files else ''} holds too little text to split into train and "
+                         "validation")
+    cut = text.rfind("\n", 1, int(len(text) * (1 - val_fraction))) + 1 or int(len(text) * (1 - val_fraction))
+    cut = min(max(cut, 1), len(text) - 1)
+    return [text[:cut]], [text[cut:]]
+
+
+def _tokenize_to_file(tok: Tokenizer, docs: list[str], out: Path, desc: str, batch: int = 256) -> int:
     dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
     total = 0
     with out.open("wb") as f:
-        docs = list(read_documents(files))
-        for i in range(0, len(docs), batch):
+        for i in tqdm(range(0, len(docs), batch), desc=desc, unit="batch", leave=False):
             for ids in tok.encode_batch(docs[i : i + batch]):
                 arr = np.asarray(ids + [tok.eos_id], dtype=dtype)
                 f.write(arr.tobytes())
@@ -121,11 +141,14 @@ def prepare_corpus(
         if all(meta.get(k) == v for k, v in wanted.items()):
             return meta
     out.mkdir(parents=True, exist_ok=True)
-    train, val = split_files(corpus_files(source), val_fraction)
+    files = corpus_files(source)
+    print(f"preparing the corpus {wanted['source']} ({len(files)} files, {tokenizer} tokens) in {out}",
+          file=sys.stderr, flush=True)
+    train, val = split_documents(files, val_fraction)
     if tokenizer == "bytes":
         tok: Tokenizer = ByteTokenizer()
     else:
-        tok = train_bpe(_sample(read_documents(train), tokenizer_sample_bytes), vocab_size)
+        tok = train_bpe(_sample(iter(train), tokenizer_sample_bytes), vocab_size)
     # Built in a private folder and moved in file by file, meta.json last: processes preparing the same
     # out_dir at once (several trainers started together) never read a half-written file.
     with tempfile.TemporaryDirectory(dir=out, prefix=".prepare-") as tmp:
@@ -133,9 +156,9 @@ def prepare_corpus(
         tok.save(tmp_dir / "tokenizer.json")
         meta = dict(wanted, vocab_size=tok.vocab_size, eos_id=tok.eos_id,
                     dtype="uint16" if tok.vocab_size <= 65536 else "uint32",
-                    train_files=len(train), val_files=len(val),
-                    train_tokens=_tokenize_to_file(tok, train, tmp_dir / "train.bin"),
-                    val_tokens=_tokenize_to_file(tok, val, tmp_dir / "val.bin"))
+                    train_documents=len(train), val_documents=len(val),
+                    train_tokens=_tokenize_to_file(tok, train, tmp_dir / "train.bin", "tokenizing train"),
+                    val_tokens=_tokenize_to_file(tok, val, tmp_dir / "val.bin", "tokenizing validation"))
         (tmp_dir / "meta.json").write_text(json.dumps(meta, indent=1))
         for name in ("tokenizer.json", "train.bin", "val.bin", "meta.json"):
             os.replace(tmp_dir / name, out / name)

@@ -106,3 +106,16 @@ def test_window_order_is_a_pure_function_covering_each_epoch():
 def test_byte_tokenizer():
     tok = ByteTokenizer()
     assert tok.encode("aé") == [97, 195, 169] and tok.decode([97, 195, 169, 256]) == "aé"
+
+
+@pytest.mark.parametrize("suffix", [".py", ".jsonl"])
+def test_a_single_file_corpus_splits_by_position(tmp_path, suffix):
+    path = tmp_path / f"corpus{suffix}"
+    if suffix == ".jsonl":
+        path.write_text("\n".join(json.dumps({"text": f"document {i} " * 20}) for i in range(40)))
+    else:
+        path.write_text("".join(f"line {i} of one file\n" for i in range(400)))
+    meta = prepare_corpus(path, tmp_path / "data", tokenizer="bytes", val_fraction=0.1)
+    assert meta["train_tokens"] > 5 * meta["val_tokens"] > 0
+    val = bytes(PackedTokens(tmp_path / "data" / "val.bin", 8).tokens[:-1].astype("uint8"))
+    assert val.startswith(b"line 36" if suffix == ".py" else b"document 36")  # the last tenth, from a line start
