@@ -35,3 +35,12 @@ def test_a_missing_extra_is_named_before_anything_runs(monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     assert main(["mqar", "--widths", "8"]) == 2
     assert capsys.readouterr().err.strip() == 'loglinear mqar: error: needs matplotlib: pip install "loglinear[train]"'
+
+
+def test_training_values_that_cannot_work_are_refused(tmp_path, capsys):
+    for option, value, message in [("--seq-len", "0", "seq_len must be a positive int, got 0"),
+                                   ("--steps", "-5", "steps must be a positive int, got -5"),
+                                   ("--lr", "nan", "lr must be a finite number in (0, inf], got nan")]:
+        assert main(["train", "--out-dir", str(tmp_path), option, value]) == 2
+        assert capsys.readouterr().err.strip() == f"loglinear train: error: {message}"
+    assert not any(tmp_path.iterdir()), "nothing is written for a refused run"

@@ -37,7 +37,7 @@ from loglinear.train.parallel import Parallel, all_reduce_mean, parallelize, set
 from loglinear.train.profiling import profiled_call
 
 __all__ = [
-    "TrainConfig", "train", "saved_config", "RESUMABLE", "lm_loss", "cosine_schedule", "bf16_autocast",
+    "TrainConfig", "train", "check_config", "saved_config", "RESUMABLE", "lm_loss", "cosine_schedule", "bf16_autocast",
     "model_from_config", "peak_memory_gib",
 ]
 
@@ -216,6 +216,28 @@ def saved_config(out_dir: str | Path) -> TrainConfig | None:
     return TrainConfig(**fields | {"betas": tuple(fields.get("betas", TrainConfig.betas))})
 
 
+def check_config(cfg: TrainConfig) -> None:
+    """ValueError naming the first TrainConfig value that cannot work."""
+    positive = ("d_model", "n_layers", "vocab_size", "seq_len", "steps", "global_batch", "context_parallel",
+                "eval_batches", "log_every", "needle_keys")
+    for name in positive + ("n_heads", "micro_batch", "stop_after"):
+        value = getattr(cfg, name)
+        if (value is not None or name in positive) and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    for name in ("warmup", "save_every", "eval_every"):
+        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {getattr(cfg, name)!r}")
+    ranges = {"lr": (0, math.inf, False), "grad_clip": (0, math.inf, False), "weight_decay": (0, math.inf, True),
+              "min_lr_ratio": (0, 1, True), "needle_rate": (0, 1, True)}
+    for name, (low, high, closed) in ranges.items():
+        value = getattr(cfg, name)
+        ok = isinstance(value, (int, float)) and math.isfinite(value) and value <= high
+        if not ok or value < low or (value == low and not closed):
+            raise ValueError(f"{name} must be a finite number in {'[' if closed else '('}{low}, {high}], got {value!r}")
+    if cfg.max_seconds is not None and not cfg.max_seconds >= 0:
+        raise ValueError(f"max_seconds must be >= 0, got {cfg.max_seconds!r}")
+
+
 def _check_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> None:
     """resume: a checkpoint must exist and cfg may differ from the saved config only in RESUMABLE fields;
     otherwise an existing run is replaced only with overwrite."""
@@ -242,6 +264,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> di
     Writes out_dir/{config.json, metrics.jsonl, checkpoint.pt}. ValueError for a resume without a checkpoint or
     with a changed trajectory (fields outside RESUMABLE), and for a new run over an existing one without
     overwrite."""
+    check_config(cfg)
     _check_run_dir(cfg, resume, overwrite)
     par = setup_parallel(cfg.device)
     interrupt = _Interrupt()

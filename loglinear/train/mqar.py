@@ -21,6 +21,8 @@ import json
 import math
 import os
 import queue
+import shlex
+import sys
 import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -218,7 +220,7 @@ def train_mqar(run: MQARRun, on_step: Callable[[int, torch.Tensor], None] | None
             stopped = "budget"
             break
     acc = acc or evaluate(model, tests, 4 * run.batch_size, run.bf16)
-    row = asdict(run)
+    row = asdict(run) | {"bf16": run.bf16 and run.device.startswith("cuda")}  # what ran: autocast is CUDA-only
     row.update(model=family(run.arch), log_linear=is_log_linear(run.arch), accuracy=acc.pop(0),
                accuracy_by_kv={str(kv): a for kv, a in acc.items()}, steps=step, stopped=stopped, evals=evals,
                final_loss=float(loss), params=count_parameters(model), seconds=round(time.perf_counter() - t0, 1))
@@ -389,8 +391,8 @@ def summarize(rows: list[dict]) -> dict[tuple[str, int], float]:
     return {k: sum(v) / len(v) for k, v in out.items()}
 
 
-def report(rows: list[dict], out: Path, title: str) -> str:
-    """Write out.{json,md,png}; returns the markdown."""
+def report(rows: list[dict], out: Path, title: str, provenance: str = "") -> str:
+    """Write out.{json,md,png}; returns the markdown. provenance: a line on when, where and how it ran."""
     summary = summarize(rows)
     archs = [a for a in ARCHS if any(k[0] == a for k in summary)]
     widths = sorted({k[1] for k in summary})
@@ -400,7 +402,8 @@ def report(rows: list[dict], out: Path, title: str) -> str:
     mix = ", ".join(f"{t}/{kv} x {n}" for t, kv, n in train_segments(MQARRun(**_run_fields(first))))
     steps = [r["steps"] for r in rows if "steps" in r]
     stops = {k: sum(r.get("stopped") == k for r in rows) for k in ("early_stop", "budget")}
-    md = (f"# {title}\n\nMQAR accuracy (mean over seeds of the best learning rate), test: seq_len {first['seq_len']}, "
+    head = f"# {title}\n\n" + (f"{provenance}\n\n" if provenance else "")
+    md = (f"{head}MQAR accuracy (mean over seeds of the best learning rate), test: seq_len {first['seq_len']}, "
           f"KV pairs {list(first['kv_pairs'])}; train (seq_len/KV pairs x examples): {mix}; vocab "
           f"{first['vocab_size']}, {first['n_layers']} layers, batch {first['batch_size']}, up to {first['epochs']} "
           f"epochs / {first['max_steps'] or 'no'} step cap, {len(rows)} runs "
@@ -527,14 +530,16 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     title = f"MQAR ({args.device})"
+    provenance = (f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, torch {torch.__version__}, "
+                  f"{os.cpu_count()} CPUs; `{shlex.join(['loglinear', *sys.argv[1:]])}`")
     workers = args.workers or default_workers(args.device)
     earlier = kept_rows(out.with_suffix(".json"), runs) if args.merge else []
     rows = sweep(runs, workers=workers, threads=args.threads, budget=args.budget, grace=args.grace,
-                 on_row=lambda rows: report(_ordered(earlier + rows), out, title))  # survives an interruption
+                 on_row=lambda rows: report(_ordered(earlier + rows), out, title, provenance))  # survives a cut
     rows = _ordered(earlier + rows)
     if not rows:
         raise SystemExit("mqar: no run finished")
-    md = report(rows, out, title)
+    md = report(rows, out, title, provenance)
     print(md)
     print(f"{len(runs)} runs in {time.perf_counter() - t0:.0f} s; wrote {out}.json/.md/.png")
     return 0

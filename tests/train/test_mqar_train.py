@@ -25,6 +25,10 @@ def test_transformer_learns_mqar():
     assert row["accuracy"] > 0.3  # chance: 1 / 16 values
 
 
+def test_the_row_records_the_precision_that_ran():
+    assert train_mqar(replace(TINY, max_steps=1, bf16=True))["bf16"] is False  # a CPU run is fp32
+
+
 def test_on_step_sees_every_optimizer_step_and_its_loss():
     run = MQARRun("transformer", 16, seed=0, lr=3e-3, seq_len=16, kv_pairs=(2,), vocab_size=32, n_layers=1,
                   train_examples=64, test_examples=32, epochs=2, batch_size=32)
