@@ -197,7 +197,7 @@ def main() -> None:
         print(mqar_md.read_text())
     with tarfile.open(out / "results.tar.gz", "w:gz") as tar:
         for f in sorted(out.glob(f"*-{a.tag}.*")) + sorted(out.glob("lm/*/metrics.jsonl")) + \
-                sorted(out.glob("lm/*/config.json")) + sorted(logs.glob("*.log")):
+                sorted(out.glob("lm/*/train_config.json")) + sorted(logs.glob("*.log")):
             tar.add(f, arcname=str(f.relative_to(out)))
     log(f"done; failed: {failed or 'none'}")
 

@@ -22,14 +22,14 @@ from loglinear.eval.lm import evaluate_lm
 from loglinear.eval.niah import evaluate_niah
 from loglinear.report import ARCH_LABELS, ARCH_STYLE, markdown_table, pyplot, smooth, write_json
 from loglinear.train.checkpoint import load_model_weights
-from loglinear.train.loop import TrainConfig, model_from_config
+from loglinear.train.loop import TRAIN_CONFIG, TrainConfig, model_from_config
 
 __all__ = ["load_run", "evaluate_run", "lm_report", "niah_report", "add_arguments", "run"]
 
 
 def load_run(run_dir: str | Path, device) -> tuple[torch.nn.Module, dict]:
-    """(model with the checkpoint's weights on `device`, the run's config.json)."""
-    meta = json.loads((Path(run_dir) / "config.json").read_text())
+    """(model with the checkpoint's weights on `device`, the run's train_config.json)."""
+    meta = json.loads((Path(run_dir) / TRAIN_CONFIG).read_text())
     fields = {k: v for k, v in meta.items() if k in TrainConfig.__dataclass_fields__}
     model = model_from_config(TrainConfig(**fields), meta["vocab"])
     meta["trained_steps"] = load_model_weights(run_dir, model)

@@ -82,8 +82,9 @@ def read_checkpoint(path: str | Path) -> dict:
                          f"could run code): {str(e).splitlines()[0]}") from None
 
 
-def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, scheduler, par: Parallel) -> None:
-    """Write out_dir/checkpoint.pt atomically (every rank must call: gathering the shards is collective)."""
+def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, scheduler, par: Parallel) -> dict | None:
+    """Write out_dir/checkpoint.pt atomically (every rank must call: gathering the shards is collective).
+    Returns the full model state dict on the main process (None elsewhere)."""
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
     if par.is_main:
@@ -99,6 +100,7 @@ def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, scheduler,
             tmp.replace(target)
     if par.distributed:
         dist.barrier()
+    return model_sd if par.is_main else None
 
 
 def load_checkpoint(out_dir: str | Path, model, optimizer, scheduler) -> int:

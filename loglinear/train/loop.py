@@ -32,6 +32,7 @@ from loglinear.data.tokenizer import load_tokenizer
 from loglinear.distributed import apply_context_parallel
 from loglinear.distributed.training import ContextParallelPlan, plan_context_parallel
 from loglinear.train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
+from loglinear.train.export import export_pretrained
 from loglinear.train.factory import build_model, count_parameters
 from loglinear.train.parallel import Parallel, all_reduce_mean, parallelize, setup_parallel, teardown
 from loglinear.train.profiling import profiled_call
@@ -200,6 +201,8 @@ def _log(path: Path, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+TRAIN_CONFIG = "train_config.json"  # the run's TrainConfig (config.json is the Hugging Face model's)
+
 # fields a resumed run may change: how long it runs and how it reports, never its trajectory (more steps also
 # stretch the cosine schedule from the resumed step on)
 RESUMABLE = ("steps", "stop_after", "max_seconds", "progress", "profile_step", "device", "log_every", "eval_every",
@@ -207,8 +210,8 @@ RESUMABLE = ("steps", "stop_after", "max_seconds", "progress", "profile_step", "
 
 
 def saved_config(out_dir: str | Path) -> TrainConfig | None:
-    """The TrainConfig a run in out_dir was started with (its config.json), or None if there is none."""
-    path = Path(out_dir) / "config.json"
+    """The TrainConfig a run in out_dir was started with (its train_config.json), or None if there is none."""
+    path = Path(out_dir) / TRAIN_CONFIG
     if not path.is_file():
         return None
     saved = json.loads(path.read_text())
@@ -261,7 +264,8 @@ def _check_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> None:
 def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> dict:
     """Train (or, with resume, continue from out_dir/checkpoint.pt). Returns {"step", "losses", "val_loss", ...}.
 
-    Writes out_dir/{config.json, metrics.jsonl, checkpoint.pt}. ValueError for a resume without a checkpoint or
+    Writes out_dir/{train_config.json, metrics.jsonl, checkpoint.pt} and, when the run ends (or stops), the
+    Hugging Face model and tokenizer (loglinear.train.export). ValueError for a resume without a checkpoint or
     with a changed trajectory (fields outside RESUMABLE), and for a new run over an existing one without
     overwrite."""
     check_config(cfg)
@@ -322,8 +326,8 @@ def _train(cfg: TrainConfig, par: Parallel, resume: bool, interrupt: _Interrupt)
         optimizer, lambda s: cosine_schedule(s, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
     start = load_checkpoint(out, model, optimizer, scheduler) if resume else 0
     if par.is_main:
-        (out / "config.json").write_text(json.dumps(dict(asdict(cfg), params=n_params, vocab=meta["vocab_size"]),
-                                                    indent=1))
+        (out / TRAIN_CONFIG).write_text(json.dumps(dict(asdict(cfg), params=n_params, vocab=meta["vocab_size"]),
+                                                   indent=1))
 
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
     metrics = out / "metrics.jsonl"
@@ -365,13 +369,16 @@ def _train(cfg: TrainConfig, par: Parallel, resume: bool, interrupt: _Interrupt)
             break
     else:
         timed_out = interrupted = False
-    save_checkpoint(out, end, model, optimizer, scheduler, par)
+    weights = save_checkpoint(out, end, model, optimizer, scheduler, par)
     val_loss = evaluate_loss(model, val, cfg, par, cp) if end == cfg.steps or timed_out else None
     if par.is_main and val_loss is not None:
         _log(metrics, {"step": end, "val_loss": val_loss, "val_ppl": math.exp(val_loss)}
              | ({"stopped": f"max_seconds={cfg.max_seconds}"} if timed_out else {}))
     if par.is_main and interrupted:
         _log(metrics, {"step": end, "stopped": interrupt.received or "a signal on another process"})
+    if par.is_main:
+        fresh = model_from_config(cfg, meta["vocab_size"])  # the plain class (no FSDP / context-parallel wrapping)
+        export_pretrained(out, fresh, weights, Path(cfg.data_dir) / "tokenizer.json")
     return {"step": end, "losses": losses, "val_loss": val_loss, "params": n_params,
             "train_seconds": time.perf_counter() - t0, "timed_out": timed_out, "interrupted": interrupted}
 

@@ -39,7 +39,7 @@ def test_loss_decreases_and_logs(tiny_data, tmp_path):
     assert res["losses"][-1] < res["losses"][0] - 0.3
     assert res["val_loss"] is not None and res["val_loss"] < 5.0
     assert len(_logged_losses(tmp_path)) == 25
-    assert json.loads((tmp_path / "config.json").read_text())["arch"] == "transformer"
+    assert json.loads((tmp_path / "train_config.json").read_text())["arch"] == "transformer"
 
 
 def test_resume_is_exact(tiny_data, tmp_path):

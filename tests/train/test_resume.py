@@ -45,7 +45,7 @@ def test_command_line_resume_restores_the_saved_settings(tiny_data, tmp_path, ca
     assert main(["train", "--out-dir", str(tmp_path), "--lr", "0.05", "--resume"]) == 2
     assert "lr: 0.003 -> 0.05" in capsys.readouterr().err
     assert main(["train", "--out-dir", str(tmp_path), "--resume"]) == 0  # nothing repeated
-    assert json.loads((tmp_path / "config.json").read_text())["d_model"] == 16
+    assert json.loads((tmp_path / "train_config.json").read_text())["d_model"] == 16
     assert main(["train", "--out-dir", str(tmp_path / "new"), "--resume"]) == 2
     assert "no checkpoint" in capsys.readouterr().err
 
