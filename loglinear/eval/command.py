@@ -138,17 +138,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--windows", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--smooth", type=int, default=32, help="moving-average window of the per-position curve")
-    p.add_argument("--niah-lengths", nargs="*", type=int, default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--niah-lengths", nargs="*", type=int, default=None,
+                   help="haystack lengths (default: 1/4, 1/2, 1, 2 and 4 times the longest training length, at "
+                   "least 128; none: no NIAH)")
     p.add_argument("--niah-depths", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.0])
     p.add_argument("--niah-keys", nargs="+", type=int, default=[1, 4], help="1 = single pass-key, >1 = multi-key")
     p.add_argument("--niah-samples", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", default="runs/eval")
+    p.add_argument("--out", default=None, help="results folder (default: <run>/eval for one run, "
+                   "runs/eval/<run names> for several)")
     p.add_argument("--tag", default=None, help="file suffix (default: cpu or cuda)")
 
 
+def _defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """The run-derived defaults: the results folder and the NIAH lengths (around the longest training length)."""
+    runs = [Path(r) for r in args.runs]
+    if args.out is None:
+        args.out = str(runs[0] / "eval") if len(runs) == 1 else str(Path("runs/eval") / "-".join(r.name for r in runs))
+    if args.niah_lengths is None:
+        trained = max(json.loads((r / TRAIN_CONFIG).read_text())["seq_len"] for r in runs)
+        args.niah_lengths = sorted({max(128, trained * m // 4) for m in (1, 2, 4, 8, 16)})
+    return args
+
+
 def run(args: argparse.Namespace) -> int:
+    args = _defaults(args)
     tag = args.tag or torch.device(args.device).type
     out = Path(args.out)
     records, niah = [], []
@@ -159,7 +174,9 @@ def run(args: argparse.Namespace) -> int:
         niah += rows
         print(f"{run_dir}: val loss {rec['val_loss']:.4f} (ppl {rec['ppl']:.2f}) [{time.perf_counter() - t0:.0f} s]")
     print(lm_report(records, out / f"lm-{tag}", f"Language modelling ({tag})"))
+    written = [f"{out}/lm-{tag}.*"]
     if niah:
         print(niah_report(niah, out / f"niah-{tag}", f"Needle in a haystack ({tag})"))
-    print(f"wrote {out}/lm-{tag}.* and {out}/niah-{tag}.*")
+        written.append(f"{out}/niah-{tag}.*")
+    print(f"wrote {' and '.join(written)}")
     return 0

@@ -86,3 +86,16 @@ def test_eval_command_end_to_end(tiny_data, tmp_path):
     assert len(niah) == 4 and {r["keys"] for r in niah} == {1, 2}
     for name in ("lm-test", "niah-test"):
         assert (out / f"{name}.png").stat().st_size > 1000 and (out / f"{name}.md").read_text().startswith("#")
+
+
+def test_eval_defaults_come_from_the_run(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    train(TrainConfig(arch="mamba2", d_model=16, n_layers=1, data_dir=str(tiny_data), tokenizer="bytes", seq_len=256,
+                      steps=2, global_batch=2, warmup=1, out_dir=str(run), progress=False, device="cpu"))
+    assert cli_main(["eval", str(run), "--windows", "1", "--niah-depths", "0", "--niah-keys", "1", "--niah-samples",
+                     "1", "--device", "cpu", "--tag", "t"]) == 0
+    niah = json.loads((run / "eval" / "niah-t.json").read_text())  # results beside the run, not in a shared folder
+    assert sorted({r["length"] for r in niah}) == [128, 256, 512, 1024]  # 1/4 .. 4 x the training length (>= 128)
+    assert json.loads((run / "eval" / "lm-t.json").read_text())[0]["eval_len"] == 256
+    assert cli_main(["eval", str(run), "--windows", "1", "--niah-lengths", "--device", "cpu", "--tag", "u"]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"wrote {run / 'eval'}/lm-u.*")  # no NIAH, none claimed
