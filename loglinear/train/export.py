@@ -8,6 +8,7 @@ their own names (checkpoint.pt, train_config.json).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -41,8 +42,6 @@ def _byte_tokenizer():
 def hf_tokenizer(tokenizer_file: str | Path):
     """The run's tokenizer (what loglinear.data.tokenizer saved) as a transformers PreTrainedTokenizerFast with
     the end-of-text token as eos, bos and pad."""
-    import json
-
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 

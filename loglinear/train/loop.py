@@ -31,6 +31,7 @@ from loglinear.data.text import PackedTokens, prepare_corpus, window_order
 from loglinear.data.tokenizer import load_tokenizer
 from loglinear.distributed import apply_context_parallel
 from loglinear.distributed.training import ContextParallelPlan, plan_context_parallel
+from loglinear.inputs import check_positive_ints
 from loglinear.train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
 from loglinear.train.export import export_pretrained
 from loglinear.train.factory import build_model, count_parameters
@@ -223,10 +224,9 @@ def check_config(cfg: TrainConfig) -> None:
     """ValueError naming the first TrainConfig value that cannot work."""
     positive = ("d_model", "n_layers", "vocab_size", "seq_len", "steps", "global_batch", "context_parallel",
                 "eval_batches", "log_every", "needle_keys")
-    for name in positive + ("n_heads", "micro_batch", "stop_after"):
-        value = getattr(cfg, name)
-        if (value is not None or name in positive) and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    optional = ("n_heads", "micro_batch", "stop_after")  # None: the default rule
+    check_positive_ints(**{name: getattr(cfg, name) for name in positive
+                           + tuple(n for n in optional if getattr(cfg, n) is not None)})
     for name in ("warmup", "save_every", "eval_every"):
         if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be an int >= 0, got {getattr(cfg, name)!r}")
