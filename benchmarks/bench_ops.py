@@ -6,11 +6,11 @@
 
 Paper setting: B = 2, 48 value heads, one q/k group, K = 128, V = 64, bf16. Forward and forward+backward
 medians (triton.testing.do_bench) and the peak memory of one forward+backward, all impls in one process
-on one GPU. Writes benchmarks/results/ops-mamba2-<gpu>.{json,md,png}; --check writes correctness-<gpu>.log.
+on one GPU. Writes benchmarks/results/ops-mamba2-<gpu>.{json,md,png}; --check writes the variant's section of
+correctness-<gpu>.log (the other variant's section is kept).
 
 --variant gdn: log-linear Gated DeltaNet (ours, use_qk_l2norm) against fla `chunk_gated_delta_rule` (linear GDN,
-"fla_gdn", q/k L2-normalised in its kernel) and SDPA flash; beta in [0.05, 0.95]. Writes ops-gdn-<gpu>.* and
---check writes correctness-gdn-<gpu>.log.
+"fla_gdn", q/k L2-normalised in its kernel) and SDPA flash; beta in [0.05, 0.95]. Writes ops-gdn-<gpu>.*.
 
 fla 0.6.0 refuses its gated backward on Hopper with triton < 3.7.1 (a correctness guard in
 fla/ops/common/chunk_o.py); --lift-fla-guard (on by default) lifts it for timing only and the results say so.
@@ -160,6 +160,17 @@ def measure(impl: str, T: int, dtype: torch.dtype, warmup: int, rep: int, varian
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2**30
     return {"impl": impl, "T": T, "fwd_ms": round(fwd, 4), "fwdbwd_ms": round(fwdbwd, 4), "peak_gib": round(peak, 3)}
+
+
+def write_section(path: Path, variant: str, lines: list[str]) -> None:
+    """Replace the ``## <variant>`` section of path (a log with one section per variant) by lines."""
+    sections = {}
+    if path.exists():
+        for block in path.read_text().split("\n## ")[1:]:
+            name, _, body = block.partition("\n")
+            sections[name] = body
+    sections[variant] = "\n".join(lines) + "\n"
+    path.write_text("".join(f"\n## {name}\n{body}" for name, body in sorted(sections.items())))
 
 
 def write_results(rows: list[dict], meta: dict, out: Path, variant: str = "mamba2") -> None:
@@ -377,7 +388,6 @@ def main(argv: list[str] | None = None) -> None:
         SHAPE.update(zip("BHGKV", args.shape))
     # loglinear_torch (our torch path: minutes per row at long T) runs only when named
     args.impls = args.impls or [i for i in (IMPLS_GDN if args.variant == "gdn" else IMPLS) if i != "loglinear_torch"]
-    tag = "gdn-" if args.variant == "gdn" else ""
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
     out_dir = Path(args.out)
     command = "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:]))
@@ -400,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as e:  # keep the log and go on to the timings
             log(f"check failed: {type(e).__name__}: {e}")
         finally:
-            (out_dir / f"correctness-{tag}{gpu}.log").write_text("\n".join(lines) + "\n")
+            write_section(out_dir / f"correctness-{gpu}.log", args.variant, lines)
     if args.profile_T:
         log_lines = []
         profile(args.profile_T, lambda line: (print(line, flush=True), log_lines.append(line)))
