@@ -124,6 +124,13 @@ def _check_state(state: object, n_seq: int, H: int, K: int, V: int, device: torc
     return state
 
 
+def _check_gate_names(variant: Variant, gates: object) -> None:
+    if not isinstance(gates, dict) or set(gates) != set(variant.gate_names):
+        got = sorted(gates) if isinstance(gates, dict) else type(gates).__name__
+        wanted = ", ".join(f"{gate.name} [B, T, H] ({gate.doc})" for gate in variant.gates)
+        raise ValueError(f"gates must be a dict holding exactly {variant.name}'s per-token inputs {wanted}, got {got}")
+
+
 def check_inputs(
     variant: Variant, q: object, k: object, v: object, gates: dict[str, object], level_scales: object,
     scale: float | None, initial_state: object, cu_seqlens: object,
@@ -133,6 +140,7 @@ def check_inputs(
     q = _check_tensor("q", q, 4, "[B, T, G, K]")
     k = _check_tensor("k", k, 4, "[B, T, G, K]")
     v = _check_tensor("v", v, 4, "[B, T, H, V]")
+    _check_gate_names(variant, gates)
     gates = {name: _check_tensor(name, gates[name], 3, "[B, T, H]") for name in variant.gate_names}
     level_scales = _check_tensor("level_scales", level_scales, 4, "[B, T, H, L]")
     B, T, G, K = q.shape

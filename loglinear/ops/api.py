@@ -29,14 +29,6 @@ def _check_chunk_size(chunk_size: int) -> int:
     return chunk_size
 
 
-def _check_gates(variant: Variant, gates: object) -> dict[str, torch.Tensor]:
-    if not isinstance(gates, dict) or set(gates) != set(variant.gate_names):
-        got = sorted(gates) if isinstance(gates, dict) else type(gates).__name__
-        wanted = ", ".join(f"{gate.name} [B, T, H] ({gate.doc})" for gate in variant.gates)
-        raise ValueError(f"gates must be a dict holding exactly {variant.name}'s per-token inputs {wanted}, got {got}")
-    return gates
-
-
 def attention(
     variant: Variant | str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
     level_scales: torch.Tensor, *, scale: float | None = None, initial_state: FenwickState | None = None,
@@ -55,8 +47,7 @@ def attention(
     CUDA). Returns (o: [B, T, H, V] in v's dtype, the final state or None).
     """
     variant = get(variant)
-    inp = check_inputs(variant, q, k, v, _check_gates(variant, gates), level_scales, scale, initial_state,
-                       cu_seqlens)
+    inp = check_inputs(variant, q, k, v, gates, level_scales, scale, initial_state, cu_seqlens)
     chunk_size = _check_chunk_size(chunk_size)
     name = select_backend(variant, q.device, backend)
     if fused_decode_applies(inp):
