@@ -5,16 +5,18 @@
     log_linear_gated_deltanet(q, k, v, g, beta, ...)        = attention("gated_deltanet", ..., {"g", "beta"}, ...)
 
 Every call is validated (loglinear.inputs), then runs on the backend loglinear.ops.backends chooses, or on the
-one-token decode step when it applies (one token per sequence after a state, no gradient needed).
+one-token decode step when it applies (one token per sequence after a state, no gradient needed). A NaN or an
+infinity in the inputs spoils only the outputs at and after it (loglinear.ops.finite).
 """
 
 from __future__ import annotations
 
 import torch
 
-from loglinear.inputs import check_inputs
+from loglinear.inputs import OpInputs, check_inputs
 from loglinear.ops.backends import backend_for, select_backend, torch_chunk_backend
 from loglinear.ops.decode import fused_decode_applies, op_decode_step
+from loglinear.ops.finite import contained, floor_log_decays, output_is_finite
 from loglinear.state import FenwickState
 from loglinear.variants import GATED_DELTANET, MAMBA2, Variant, get
 
@@ -45,16 +47,28 @@ def attention(
     cu_seqlens: [N+1] packs N sequences into B = 1; use_qk_l2norm: normalise q and k over K inside the op;
     chunk_size: any power of two; backend: "torch" | "triton" | None (LOGLINEAR_BACKEND if set, else triton on
     CUDA). Returns (o: [B, T, H, V] in v's dtype, the final state or None).
+
+    A NaN or an infinity in k, v or a gate at token t makes the outputs of that head from t on, and its final
+    state, NaN; one in q or level_scales only the output at t; all other outputs (and their gradients) are exactly
+    those without it. A log-decay gate g = -inf is a hard reset (loglinear.ops.finite).
     """
     variant = get(variant)
     inp = check_inputs(variant, q, k, v, gates, level_scales, scale, initial_state, cu_seqlens)
     chunk_size = _check_chunk_size(chunk_size)
     name = select_backend(variant, q.device, backend)
+    inp = floor_log_decays(inp)
     if fused_decode_applies(inp):
         return op_decode_step(inp, output_final_state, use_qk_l2norm, name)
     chosen = backend_for(variant, name)
-    run = chosen.run if chosen.supports(inp) else torch_chunk_backend
-    return run(inp, output_final_state, chunk_size, use_qk_l2norm)
+    backend_run = chosen.run if chosen.supports(inp) else torch_chunk_backend
+
+    def run(call: OpInputs) -> tuple[torch.Tensor, FenwickState | None]:
+        return backend_run(call, output_final_state, chunk_size, use_qk_l2norm)
+
+    o, state = run(inp)
+    if output_is_finite(o):
+        return o, state
+    return contained(inp, run, output_final_state) or (o, state)
 
 
 def log_linear_mamba2(

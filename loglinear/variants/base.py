@@ -32,10 +32,14 @@ Gates = dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class Gate:
-    """A per-token input of a variant after v: [B, T, H] in the public op ([N, H] in a decode step)."""
+    """A per-token input of a variant after v: [B, T, H] in the public op ([N, H] in a decode step).
+
+    log_decay: the gate is a log-decay g <= 0 (A_t = exp(g_t) ...): -inf is allowed (a hard reset) and the op floors
+    it where exp underflows to 0 (loglinear.ops.finite); any other gate must be finite."""
 
     name: str
     doc: str
+    log_decay: bool = False
 
 
 @dataclass(frozen=True, eq=False)

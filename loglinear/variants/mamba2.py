@@ -95,7 +95,7 @@ def sample_gates(B: int, T: int, H: int, *, dtype: torch.dtype = torch.float32,
 
 
 MAMBA2 = Variant(
-    name="mamba2", title="Mamba-2", gates=(Gate("g", "log-decay <= 0"),), form=Mamba2Form,
+    name="mamba2", title="Mamba-2", gates=(Gate("g", "log-decay <= 0", log_decay=True),), form=Mamba2Form,
     transfer_matrix=transfer_matrix, transition=transition, deposit_key=deposit_key,
     shard_transition=shard_transition, matrix_transition=False, sample_gates=sample_gates, local_state=local_state,
 )

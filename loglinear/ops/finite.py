@@ -1,0 +1,119 @@
+"""Non-finite inputs stay where they are: never in earlier positions, other sequences or their gradients.
+
+A chunked op mixes the tokens of a chunk in masked matrix products, and a masked-out weight times a NaN or an
+infinity is NaN: left alone, one bad value at token t spoils every output of its chunk, also those before t. And a
+log-decay of -inf (a hard reset) or -1e30 turns the in-chunk differences of prefix sums G_t - G_s into NaN or
+garbage. The public op (loglinear.ops.api.attention) therefore
+
+  1. floors every log-decay gate (Gate.log_decay) at LOG_DECAY_FLOOR of its compute dtype, where exp underflows
+     to exactly 0: g = -inf is a hard reset and very negative gates give the exact result;
+  2. checks that the output is finite (one read of o and one host sync per call; skipped while a CUDA graph is
+     captured or torch.compile traces the op -- the mixers' custom op runs it eagerly, so they are covered);
+  3. only if it is not, runs the call again with every non-finite token zeroed, and puts its effect back as NaN:
+        a token whose k, v or gate (per variant: the inputs that change the state) has a NaN or an infinity
+          -> every output of that head from the token on (to the end of its sequence) and the head's final
+             state are NaN;
+        a token whose q or level_scales row has one -> that token's output of that head is NaN.
+
+Outputs before a bad token, and of other sequences, are then exactly those of the same call without it, and so are
+their gradients (zeroed inputs and NaN outputs pass no gradient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from loglinear.inputs import OpInputs, expand_groups
+from loglinear.state import FenwickState
+
+__all__ = ["LOG_DECAY_FLOOR", "floor_log_decays", "output_is_finite", "contained"]
+
+# exp(floor) is exactly 0 in the dtype the op computes in (float64 for float64 inputs, else float32)
+LOG_DECAY_FLOOR = {torch.float64: -750.0, torch.float32: -110.0}
+
+Run = Callable[[OpInputs], tuple[torch.Tensor, FenwickState | None]]
+
+
+def floor_log_decays(inp: OpInputs) -> OpInputs:
+    """inp with every log-decay gate g: [B, T, H] replaced by max(g, floor) (NaN stays NaN)."""
+    gates = dict(inp.gates)
+    for gate in inp.variant.gates:
+        if gate.log_decay:
+            g = gates[gate.name]
+            floor = LOG_DECAY_FLOOR[torch.float64 if g.dtype == torch.float64 else torch.float32]
+            gates[gate.name] = torch.where(g < floor, floor, g)
+    return replace(inp, gates=gates)
+
+
+def output_is_finite(o: torch.Tensor) -> bool:
+    """Whether o holds no NaN or infinity (True without looking while a CUDA graph is captured or torch.compile
+    traces). A sum over o is finite exactly when its terms are, unless it overflows: then the caller only checks
+    the inputs in vain."""
+    if torch.compiler.is_compiling() or (o.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return True
+    total = o.sum(dtype=torch.float64 if o.dtype == torch.float64 else torch.float32)
+    return bool(torch.isfinite(total))
+
+
+def _bad_rows(x: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, X, D] -> [B, T, X] bool: the row holds a NaN or an infinity."""
+    return ~torch.isfinite(x).all(-1)
+
+
+def _bad_gate(g: torch.Tensor, log_decay: bool) -> torch.Tensor:
+    """g: [B, T, H] -> bool [B, T, H]: NaN or an infinity (-inf is a valid log-decay)."""
+    return torch.isnan(g) | (g == torch.inf) if log_decay else ~torch.isfinite(g)
+
+
+def _from_token_on(bad: torch.Tensor, bounds: list[int] | None) -> torch.Tensor:
+    """bad: [B, T, H] -> [B, T, H]: some token at or before t of the same sequence is bad (cu_seqlens bounds: the
+    packed sequences of row 0)."""
+    seen = bad.to(torch.int32).cumsum(1)
+    if bounds is not None:
+        starts = torch.tensor(bounds[:-1], device=bad.device)
+        lengths = torch.tensor([b - a for a, b in zip(bounds, bounds[1:])], device=bad.device)
+        before = torch.cat([seen.new_zeros(1, 1, seen.shape[2]), seen[:, :-1]], dim=1)  # seen at t - 1
+        seen = seen - before[:, starts].repeat_interleave(lengths, dim=1)
+    return seen > 0
+
+
+def _bad_sequences(bad: torch.Tensor, bounds: list[int] | None) -> torch.Tensor:
+    """bad: [B, T, H] -> [N, H]: the sequence holds a bad token (N = B, or the packed sequences)."""
+    if bounds is None:
+        return bad.any(1)
+    return torch.stack([bad[0, a:b].any(0) for a, b in zip(bounds, bounds[1:])])
+
+
+def _zero_rows(x: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, X, D] with the rows flagged by bad: [B, T, X] set to 0."""
+    return torch.where(bad[..., None], 0, x)
+
+
+def contained(inp: OpInputs, run: Run, output_final_state: bool) -> tuple[torch.Tensor, FenwickState | None] | None:
+    """The call run with its non-finite tokens zeroed and their outputs (and state) set to NaN as the module
+    docstring says, or None when no input is non-finite (a non-finite output is then the computation's own)."""
+    H = inp.num_heads
+    q_bad, k_bad, v_bad = _bad_rows(inp.q), _bad_rows(inp.k), _bad_rows(inp.v)
+    gate_bad = {gate.name: _bad_gate(inp.gates[gate.name], gate.log_decay) for gate in inp.variant.gates}
+    lam_bad = _bad_rows(inp.level_scales)
+    carried = expand_groups(k_bad[..., None], H)[..., 0] | v_bad
+    for bad in gate_bad.values():
+        carried = carried | bad
+    read = expand_groups(q_bad[..., None], H)[..., 0] | lam_bad
+    if not bool((carried | read).any()):
+        return None
+    clean = replace(
+        inp, q=_zero_rows(inp.q, q_bad), k=_zero_rows(inp.k, k_bad), v=_zero_rows(inp.v, v_bad),
+        gates={name: torch.where(gate_bad[name], 0, x) for name, x in inp.gates.items()},
+        level_scales=_zero_rows(inp.level_scales, lam_bad),
+    )
+    o, state = run(clean)
+    poisoned = _from_token_on(carried, inp.bounds) | read
+    o = torch.where(poisoned[..., None], torch.nan, o)
+    if state is not None:
+        lost = _bad_sequences(carried, inp.bounds)[:, None, :, None, None]  # [N, 1, H, 1, 1]
+        state = FenwickState(torch.where(lost, torch.nan, state.levels), state.positions)
+    return o, state

@@ -1,0 +1,126 @@
+"""Non-finite inputs stay where they are (loglinear.ops.finite), on both backends (Triton under TRITON_INTERPRET=1):
+a NaN or an infinity at token t leaves every output before t, the other sequences and their gradients exactly as
+without it; g = -inf is a hard reset and very negative gates are exact, against the float64 reference."""
+
+import pytest
+import torch
+
+from helpers import compare_with_reference, make_inputs
+from loglinear import reference as R
+from loglinear.ops import attention
+from loglinear.variants import GATED_DELTANET, MAMBA2
+
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.interpreter)]
+VARIANTS = [MAMBA2, GATED_DELTANET]
+T_BAD = 13  # inside the second chunk of 8, not at its start
+READ = ("q", "level_scales")  # read by their own token only
+
+
+def _inputs(variant, B=2, T=29, dtype=torch.float32, **kw) -> dict[str, torch.Tensor]:
+    x = make_inputs(B, T, 1, 2, K=8, V=4, **kw)  # one q/k group for two value heads
+    return {n: t.to(dtype) for n, t in x.items() if n in ("q", "k", "v", "level_scales", *variant.gate_names)}
+
+
+def _call(variant, x, backend, **kw):
+    gates = {name: x[name] for name in variant.gate_names}
+    return attention(variant, x["q"], x["k"], x["v"], gates, x["level_scales"], output_final_state=True,
+                     chunk_size=8, backend=backend, **kw)
+
+
+def _spoil(x, name, value, row, t):
+    """A copy of x with input ``name`` of batch row ``row`` at token t, head/group 0, set to value."""
+    bad = {n: t_.clone() for n, t_ in x.items()}
+    bad[name][row, t, 0] = value
+    return bad
+
+
+def _cases(variant):
+    names = ["q", "k", "v", "level_scales", *variant.gate_names]
+    return [(variant, name, value) for name in names for value in (float("nan"), float("inf"), -float("inf"))
+            if not (name == "g" and value == -float("inf"))]  # -inf is a valid log-decay (a hard reset)
+
+
+def _spoil_params():
+    """Every input and bad value on the torch backend; NaN in every input on the kernels (the interpreter is slow)."""
+    for variant in VARIANTS:
+        for _, name, value in _cases(variant):
+            yield pytest.param(variant, name, value, "torch", id=f"{variant.name}-{name}-{value}-torch")
+            if value != value:
+                yield pytest.param(variant, name, value, "triton", id=f"{variant.name}-{name}-{value}-triton",
+                                   marks=pytest.mark.interpreter)
+
+
+@pytest.mark.parametrize("variant, name, value, backend", list(_spoil_params()))
+def test_a_bad_value_spoils_only_what_comes_after_it(variant, name, value, backend):
+    x = _inputs(variant)
+    o_ref, s_ref = _call(variant, x, backend)
+    o, s = _call(variant, _spoil(x, name, value, row=1, t=T_BAD), backend)
+    heads = [0, 1] if name in ("q", "k") else [0]  # q/k group 0 feeds both value heads
+    others = [h for h in (0, 1) if h not in heads]
+    assert torch.equal(o[0], o_ref[0]), "another sequence changed"
+    assert torch.equal(o[1, :T_BAD], o_ref[1, :T_BAD]), "an output before the bad token changed"
+    assert torch.equal(o[1, :, others], o_ref[1, :, others]), "another head changed"
+    assert torch.equal(s.levels[0], s_ref.levels[0]) and torch.equal(s.levels[1][:, others], s_ref.levels[1][:, others])
+    if name in READ:
+        assert o[1, T_BAD, heads].isnan().all()
+        assert torch.equal(o[1, T_BAD + 1 :], o_ref[1, T_BAD + 1 :]), "a read-only input spoiled later outputs"
+        assert torch.equal(s.levels, s_ref.levels)
+    else:
+        assert o[1, T_BAD:, heads].isnan().all(), "an output after the bad token is not NaN"
+        assert s.levels[1][:, heads].isnan().all(), "the final state of a spoiled sequence is not NaN"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant, name", [(MAMBA2, "k"), (MAMBA2, "g"), (GATED_DELTANET, "v"),
+                                           (GATED_DELTANET, "beta"), (GATED_DELTANET, "q")],
+                         ids=lambda x: getattr(x, "name", x))
+def test_gradients_of_earlier_outputs_are_unchanged(variant, name, backend):
+    """The gradients of a loss on the outputs before the bad token (and on another sequence) equal those of the
+    same loss without it, for every input (the bad entry itself gets 0)."""
+    x = _inputs(variant)
+    w = torch.randn(2, 29, 2, 4)
+    w[1, T_BAD:] = 0
+
+    def grads(inputs):
+        leaves = {n: t.clone().requires_grad_() for n, t in inputs.items()}
+        o, _ = _call(variant, leaves, backend)
+        loss = (torch.where(w != 0, o, 0) * w).sum()
+        return torch.autograd.grad(loss, list(leaves.values()))
+
+    for n, got, expected in zip(x, grads(_spoil(x, name, float("nan"), row=1, t=T_BAD)), grads(x)):
+        assert torch.isfinite(got).all(), f"d{n}: not finite"
+        if n == name:
+            assert (got[1, T_BAD, 0] == 0).all()
+            got, expected = got.clone(), expected.clone()
+            got[1, T_BAD, 0] = expected[1, T_BAD, 0] = 0
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6, msg=f"d{n} changed")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_varlen_other_sequences_are_untouched(variant, backend):
+    bounds = [0, 10, 23, 29]
+    cu = torch.tensor(bounds)
+    x = _inputs(variant, B=1)
+    o_ref, s_ref = _call(variant, x, backend, cu_seqlens=cu)
+    o, s = _call(variant, _spoil(x, "k", float("nan"), row=0, t=15), backend, cu_seqlens=cu)
+    assert torch.equal(o[0, :15], o_ref[0, :15]) and torch.equal(o[0, 23:], o_ref[0, 23:])
+    assert o[0, 15:23].isnan().all()
+    assert torch.equal(s.levels[[0, 2]], s_ref.levels[[0, 2]]) and s.levels[1].isnan().all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("gate", [-float("inf"), -1e30])
+def test_hard_reset_and_very_negative_gates_match_the_reference(variant, gate, backend):
+    """g at two tokens (one of them in the middle of a chunk) set to -inf / -1e30 / -200: the outputs, the state
+    and all gradients match the float64 recurrent reference (before: NaN, or wrong by O(1))."""
+    x = make_inputs(2, 29, 1, 2, K=8, V=4)
+    x = {n: t for n, t in x.items() if n in ("q", "k", "v", "level_scales", *variant.gate_names)}
+    x["g"][0, 11, 0] = x["g"][1, 16, 1] = gate
+    compare_with_reference(
+        lambda xs, st: _call(variant, xs, backend),
+        lambda xs, st: R.recurrent(variant, xs["q"], xs["k"], xs["v"], {n: xs[n] for n in variant.gate_names},
+                                   xs["level_scales"], output_final_state=True),
+        x, tol=3e-5,
+    )
