@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "mqar": ("loglinear.train.mqar", "multi-query associative recall sweep: log-linear vs linear vs Transformer"),
     "train": ("loglinear.train.command", "train a language model on real text (one process or torchrun + FSDP2)"),
     "eval": ("loglinear.eval.command",
-             "validation perplexity, per-position loss and needle-in-a-haystack of trained runs"),
+             "validation perplexity, per-position loss, needle-in-a-haystack and lm-eval tasks of trained runs"),
 }
 # the packages of the `train` extra a command needs, checked before it starts (not after a sweep)
 NEEDS = {"mqar": ("transformers", "matplotlib"), "train": ("transformers", "tokenizers", "safetensors"),

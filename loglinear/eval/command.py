@@ -4,6 +4,11 @@ For each run: validation loss and perplexity, the per-position loss curve on win
 (may exceed the training length), and needle-in-a-haystack accuracy (single pass-key and multi-key,
 needles at several depths, lengths up to 16K) on the validation text. Writes <out>/lm-<tag>.{json,md,png}
 and <out>/niah-<tag>.{json,md,png}.
+
+With --lm-eval TASK [TASK ...] it also runs these lm-evaluation-harness tasks on each run (its Hugging Face model;
+loglinear.eval.harness), with the task YAMLs of --include-path beside lm-eval's own, and writes
+<out>/lm-eval-<tag>.{json,md}. The task names are checked before any run is evaluated; the perplexity and NIAH
+parts run as without it (--niah-lengths with no value turns NIAH off).
 """
 
 from __future__ import annotations
@@ -12,17 +17,22 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from loglinear.data.text import PackedTokens
 from loglinear.data.tokenizer import load_tokenizer
+from loglinear.eval.harness import lm_eval_record, lm_eval_report, require_lm_eval, run_lm_eval, task_manager
 from loglinear.eval.lm import evaluate_lm
 from loglinear.eval.niah import evaluate_niah
 from loglinear.report import ARCH_LABELS, ARCH_STYLE, markdown_table, pyplot, smooth, write_json
 from loglinear.train.checkpoint import load_model_weights
 from loglinear.train.loop import TRAIN_CONFIG, TrainConfig, model_from_config
+
+if TYPE_CHECKING:
+    from lm_eval.tasks import TaskManager
 
 __all__ = ["load_run", "evaluate_run", "lm_report", "niah_report", "add_arguments", "run"]
 
@@ -135,20 +145,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("runs", nargs="+", help="run folders written by `loglinear train`")
     p.add_argument("--data-dir", default=None, help="tokenized corpus (default: the one each run trained on)")
     p.add_argument("--eval-len", type=int, default=None, help="window length (default: the training length)")
-    p.add_argument("--windows", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--windows", type=int, default=32, help="validation windows (evenly spaced) for the loss")
+    p.add_argument("--batch-size", type=int, default=4,
+                   help="sequences per forward pass (loss windows, NIAH cases, lm-eval requests)")
     p.add_argument("--smooth", type=int, default=32, help="moving-average window of the per-position curve")
     p.add_argument("--niah-lengths", nargs="*", type=int, default=None,
                    help="haystack lengths (default: 1/4, 1/2, 1, 2 and 4 times the longest training length, at "
                    "least 128; none: no NIAH)")
-    p.add_argument("--niah-depths", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    p.add_argument("--niah-depths", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                   help="needle depths as fractions of the haystack (0: its start, 1: its end, before the query)")
     p.add_argument("--niah-keys", nargs="+", type=int, default=[1, 4], help="1 = single pass-key, >1 = multi-key")
-    p.add_argument("--niah-samples", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--niah-samples", type=int, default=8, help="NIAH cases per (length, depth, keys)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the NIAH cases and of lm-eval (few-shot examples)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device (bf16 autocast on CUDA)")
     p.add_argument("--out", default=None, help="results folder (default: <run>/eval for one run, "
                    "runs/eval/<run names> for several)")
     p.add_argument("--tag", default=None, help="file suffix (default: cpu or cuda)")
+    p.add_argument("--lm-eval", nargs="+", default=None, metavar="TASK",
+                   help="also run these lm-evaluation-harness tasks (or groups), e.g. hellaswag arc_easy, on each "
+                   'run; results in <out>/lm-eval-<tag>.{json,md} (needs pip install "loglinear[eval]")')
+    p.add_argument("--include-path", default=None, metavar="DIR",
+                   help="a folder of extra lm-eval task YAMLs (they override built-in tasks of the same name)")
+    p.add_argument("--lm-eval-limit", type=int, default=None, metavar="N",
+                   help="lm-eval documents per task (default: all)")
+    p.add_argument("--num-fewshot", type=int, default=None, metavar="N",
+                   help="lm-eval few-shot examples per document (default: each task's own)")
 
 
 def _defaults(args: argparse.Namespace) -> argparse.Namespace:
@@ -162,21 +184,46 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def _lm_eval_manager(args: argparse.Namespace) -> TaskManager | None:
+    """The lm-eval TaskManager for --lm-eval (None without it), built before any run is evaluated: a missing
+    lm-eval or an unknown task name fails at once."""
+    if not args.lm_eval:
+        stray = [opt for opt in ("include_path", "lm_eval_limit", "num_fewshot") if getattr(args, opt) is not None]
+        if stray:
+            raise ValueError(f"--{stray[0].replace('_', '-')} needs --lm-eval")
+        return None
+    for opt, value, least in (("--lm-eval-limit", args.lm_eval_limit, 1), ("--num-fewshot", args.num_fewshot, 0)):
+        if value is not None and value < least:
+            raise ValueError(f"{opt} must be >= {least}, got {value}")
+    require_lm_eval()
+    return task_manager(args.lm_eval, args.include_path)
+
+
 def run(args: argparse.Namespace) -> int:
     args = _defaults(args)
+    manager = _lm_eval_manager(args)
     tag = args.tag or torch.device(args.device).type
     out = Path(args.out)
-    records, niah = [], []
+    records, niah, harness = [], [], []
     t0 = time.perf_counter()
     for run_dir in args.runs:
         rec, rows = evaluate_run(run_dir, args)
         records.append(rec)
         niah += rows
         print(f"{run_dir}: val loss {rec['val_loss']:.4f} (ppl {rec['ppl']:.2f}) [{time.perf_counter() - t0:.0f} s]")
+        if manager is not None:
+            results = run_lm_eval(run_dir, args.lm_eval, device=args.device, batch_size=args.batch_size,
+                                  limit=args.lm_eval_limit, num_fewshot=args.num_fewshot, seed=args.seed,
+                                  manager=manager)
+            harness.append(lm_eval_record(run_dir, args.lm_eval, results))
+            print(f"{run_dir}: lm-eval {', '.join(args.lm_eval)} done [{time.perf_counter() - t0:.0f} s]")
     print(lm_report(records, out / f"lm-{tag}", f"Language modelling ({tag})"))
     written = [f"{out}/lm-{tag}.*"]
     if niah:
         print(niah_report(niah, out / f"niah-{tag}", f"Needle in a haystack ({tag})"))
         written.append(f"{out}/niah-{tag}.*")
+    if harness:
+        print(lm_eval_report(harness, out / f"lm-eval-{tag}", f"lm-evaluation-harness ({tag})"))
+        written.append(f"{out}/lm-eval-{tag}.*")
     print(f"wrote {' and '.join(written)}")
     return 0
