@@ -1,10 +1,16 @@
-"""The command line: --version, python -m loglinear, defaults in --help, user errors as one line and status 2."""
+"""The command line: --version, python -m loglinear, every option described and its default shown in --help,
+user errors as one line and status 2."""
 
+import argparse
+import importlib
+import re
 import subprocess
 import sys
 
+import pytest
+
 from loglinear import __version__
-from loglinear.cli import main
+from loglinear.cli import COMMANDS, main
 
 
 def test_version_and_module_entry_point():
@@ -18,8 +24,19 @@ def test_help_shows_every_default(capsys):
     except SystemExit:
         pass
     out = capsys.readouterr().out
-    assert "--d-model D_MODEL     (default: 256)" in out and "--steps STEPS         (default: 300)" in out
+    assert re.search(r"--d-model D_MODEL\s+model width \(hidden size\) \(default: 256\)", out), out
+    assert re.search(r"--steps STEPS\s+optimizer steps of the whole run \(default: 300\)", out), out
     assert "(default: None)" not in out
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_option_has_a_help_text(command):
+    parser = argparse.ArgumentParser(prog=f"loglinear {command}")
+    importlib.import_module(COMMANDS[command][0]).add_arguments(parser)
+    options = [action for action in parser._actions if action.option_strings and action.dest != "help"]
+    assert options
+    bare = [action.option_strings[-1] for action in options if not (action.help or "").strip()]
+    assert not bare, f"loglinear {command}: options without a help text: {', '.join(bare)}"
 
 
 def test_user_error_is_one_line_with_status_2(tmp_path, capsys):

@@ -20,11 +20,12 @@ from loglinear.variants import MAMBA2, REGISTRY, Variant
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=200, help="tokens in the agreement check")
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--key-dim", type=int, default=16)
-    parser.add_argument("--value-dim", type=int, default=16)
-    parser.add_argument("--chunk-size", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--heads", type=int, default=4,
+                        help="heads of the values, gates and level weights (q, k: one head, shared)")
+    parser.add_argument("--key-dim", type=int, default=16, help="K, the dimension of the queries and keys")
+    parser.add_argument("--value-dim", type=int, default=16, help="V, the dimension of the values")
+    parser.add_argument("--chunk-size", type=int, default=16, help="chunk length of the chunkwise form")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     parser.add_argument("--table-key-dim", type=int, default=128, help="K of the memory table (paper: 128)")
     parser.add_argument("--table-value-dim", type=int, default=64, help="V of the memory table (paper: 64)")
 

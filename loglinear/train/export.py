@@ -1,9 +1,9 @@
 """A training run's folder is a Hugging Face model: config.json (with model_type), model.safetensors and a fast
 tokenizer (tokenizer.json, tokenizer_config.json, special_tokens_map.json) with its end-of-text token as eos, bos
-and pad. After ``import loglinear.models`` (which registers the loglinear model types with the Auto classes),
-``AutoModelForCausalLM.from_pretrained(run_dir)``, ``AutoTokenizer.from_pretrained(run_dir)`` and
-``pipeline("text-generation", model=run_dir)`` load it. The training state and configuration live beside it under
-their own names (checkpoint.pt, train_config.json).
+and pad. In a process that imported loglinear (a plain ``import loglinear`` registers the loglinear model types
+with transformers' Auto classes, see loglinear._auto), ``AutoModelForCausalLM.from_pretrained(run_dir)``,
+``AutoTokenizer.from_pretrained(run_dir)`` and ``pipeline("text-generation", model=run_dir)`` load it. The
+training state and configuration live beside it under their own names (checkpoint.pt, train_config.json).
 """
 
 from __future__ import annotations

@@ -464,24 +464,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), action=_Preset,
                    help="a set of the options below (gpu: the paper's setting, Zoology-style); put it first, "
                         "options after it override it")
-    p.add_argument("--archs", nargs="+", default=list(ARCHS), choices=ARCHS)
-    p.add_argument("--widths", nargs="+", type=int, default=[16, 32])
-    p.add_argument("--seeds", nargs="+", type=int, default=[0])
-    p.add_argument("--lrs", nargs="+", type=float, default=[1e-2])
+    p.add_argument("--archs", nargs="+", default=list(ARCHS), choices=ARCHS,
+                   help="models to train: transformer (Llama), a variant (plain) or ll_<variant> (log-linear)")
+    p.add_argument("--widths", nargs="+", type=int, default=[16, 32], help="model widths (d_model) to train")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0],
+                   help="seeds of the model's initialisation and of the data, one set of runs each")
+    p.add_argument("--lrs", nargs="+", type=float, default=[1e-2],
+                   help="peak learning rates to try; the table keeps each model's best")
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="of the test set (and of training)")
     p.add_argument("--kv-pairs", nargs="+", type=int, default=list(d.kv_pairs),
                    help="of the test set (and of training)")
     p.add_argument("--train-mix", nargs="+", type=_segment, default=[], metavar="SEQ:KV:N",
                    help="training segments instead of seq-len x kv-pairs sharing --train-examples, e.g. Zoology's "
                         "64:4:100000 128:8:20000 256:16:20000 256:32:20000 256:64:20000")
-    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
-    p.add_argument("--layers", type=int, default=d.n_layers)
-    p.add_argument("--train-examples", type=int, default=d.train_examples)
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size,
+                   help="tokens: keys from the lower half, values from the upper half")
+    p.add_argument("--layers", type=int, default=d.n_layers, help="blocks per model")
+    p.add_argument("--train-examples", type=int, default=d.train_examples,
+                   help="training examples, split over --kv-pairs (not with --train-mix)")
     p.add_argument("--test-examples", type=int, default=d.test_examples, help="split over --kv-pairs")
-    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training examples")
     p.add_argument("--max-steps", type=int, default=d.max_steps, help="at most this many steps (0: epochs decide)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="training examples per step")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
     p.add_argument("--warmup", type=float, default=d.warmup, help="fraction of the steps of linear warmup")
     p.add_argument("--eval-every", type=int, default=d.eval_every,
                    help="steps between test evaluations (0: at the end)")
@@ -496,7 +501,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=float, default=None,
                    help="start no run after this many seconds; runs still training at budget + --grace stop "
                         "and are evaluated")
-    p.add_argument("--grace", type=float, default=60.0)
+    p.add_argument("--grace", type=float, default=60.0,
+                   help="seconds past --budget that runs still training get before they stop")
     p.add_argument("--out", default="runs/mqar/mqar-cpu", help="output path stem: writes .json, .md, .png")
     p.add_argument("--merge", action="store_true",
                    help="keep the rows of an existing <out>.json that this call does not redo "

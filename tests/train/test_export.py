@@ -13,7 +13,7 @@ from loglinear.train.loop import TrainConfig, model_from_config, train
 
 CHECK = """
 import sys, torch
-import loglinear.models  # registers the loglinear model types
+import loglinear  # registers the loglinear model types with the Auto classes
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 run = sys.argv[1]
 model, tok = AutoModelForCausalLM.from_pretrained(run), AutoTokenizer.from_pretrained(run)
