@@ -10,6 +10,7 @@ from loglinear import reference as R
 from loglinear.ops import attention
 from loglinear.variants import GATED_DELTANET, MAMBA2
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the kernels run interpreted
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.interpreter)]
 VARIANTS = [MAMBA2, GATED_DELTANET]
 T_BAD = 13  # inside the second chunk of 8, not at its start
@@ -18,7 +19,7 @@ READ = ("q", "level_scales")  # read by their own token only
 
 def _inputs(variant, B=2, T=29, dtype=torch.float32, **kw) -> dict[str, torch.Tensor]:
     x = make_inputs(B, T, 1, 2, K=8, V=4, **kw)  # one q/k group for two value heads
-    return {n: t.to(dtype) for n, t in x.items() if n in ("q", "k", "v", "level_scales", *variant.gate_names)}
+    return {n: t.to(DEVICE, dtype) for n, t in x.items() if n in ("q", "k", "v", "level_scales", *variant.gate_names)}
 
 
 def _call(variant, x, backend, **kw):
@@ -78,7 +79,7 @@ def test_gradients_of_earlier_outputs_are_unchanged(variant, name, backend):
     """The gradients of a loss on the outputs before the bad token (and on another sequence) equal those of the
     same loss without it, for every input (the bad entry itself gets 0)."""
     x = _inputs(variant)
-    w = torch.randn(2, 29, 2, 4)
+    w = torch.randn(2, 29, 2, 4, device=DEVICE)
     w[1, T_BAD:] = 0
 
     def grads(inputs):
@@ -116,7 +117,7 @@ def test_hard_reset_and_very_negative_gates_match_the_reference(variant, gate, b
     """g at two tokens (one of them in the middle of a chunk) set to -inf / -1e30 / -200: the outputs, the state
     and all gradients match the float64 recurrent reference (before: NaN, or wrong by O(1))."""
     x = make_inputs(2, 29, 1, 2, K=8, V=4)
-    x = {n: t for n, t in x.items() if n in ("q", "k", "v", "level_scales", *variant.gate_names)}
+    x = {n: t.to(DEVICE) for n, t in x.items() if n in ("q", "k", "v", "level_scales", *variant.gate_names)}
     x["g"][0, 11, 0] = x["g"][1, 16, 1] = gate
     compare_with_reference(
         lambda xs, st: _call(variant, xs, backend),
