@@ -72,6 +72,7 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     precision: str = "bf16"  # autocast dtype on CUDA ("bf16" or "fp32"); the CPU always runs fp32
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward (less memory)
     seed: int = 0
     # bookkeeping
     out_dir: str = "runs/lm"
@@ -105,6 +106,13 @@ def lm_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
 def model_from_config(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
     return build_model(cfg.arch, vocab_size=vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
                        n_heads=cfg.n_heads, seed=cfg.seed, **cfg.model_overrides)
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute every block's activations in the backward (transformers' activation checkpointing: the same
+    gradients, the blocks' activations are not kept)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
 
 
 def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -207,7 +215,7 @@ TRAIN_CONFIG = "train_config.json"  # the run's TrainConfig (config.json is the 
 # fields a resumed run may change: how long it runs and how it reports, never its trajectory (more steps also
 # stretch the cosine schedule from the resumed step on)
 RESUMABLE = ("steps", "stop_after", "max_seconds", "progress", "profile_step", "device", "log_every", "eval_every",
-             "save_every", "eval_batches", "out_dir")
+             "save_every", "eval_batches", "out_dir", "activation_checkpointing")
 
 
 def saved_config(out_dir: str | Path) -> TrainConfig | None:
@@ -318,6 +326,8 @@ def _train(cfg: TrainConfig, par: Parallel, resume: bool, interrupt: _Interrupt)
 
     model = model_from_config(cfg, meta["vocab_size"])
     n_params = count_parameters(model)
+    if cfg.activation_checkpointing:
+        enable_activation_checkpointing(model)
     if cp.size > 1:
         model = apply_context_parallel(model, cp.group)
     model = parallelize(model, par)

@@ -66,6 +66,19 @@ def test_micro_batches_match_full_batch(tiny_data, tmp_path):
     assert micro["losses"] == pytest.approx(full["losses"], rel=1e-5)
 
 
+def test_activation_checkpointing_recomputes_with_the_same_result(tiny_data, tmp_path, monkeypatch):
+    calls = []
+    recompute = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **kw: calls.append(1) or recompute(*a, **kw))
+    plain = train(_cfg(tiny_data, tmp_path / "plain", arch="ll_mamba2", steps=2))
+    assert not calls
+    again = train(_cfg(tiny_data, tmp_path / "ckpt", arch="ll_mamba2", steps=2, activation_checkpointing=True))
+    assert len(calls) == 2 * 2  # every block of every step
+    assert again["losses"] == plain["losses"]
+    a, b = _weights(tmp_path / "plain"), _weights(tmp_path / "ckpt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["transformer", "ll_gated_deltanet"])
 def test_fsdp2_two_processes_match_one(tiny_data, tmp_path, arch):
