@@ -3,6 +3,7 @@
     attention(variant, q, k, v, gates, level_scales, ...)   any registered variant (loglinear.variants)
     log_linear_mamba2(q, k, v, g, level_scales, ...)        = attention("mamba2", ..., {"g": g}, ...)
     log_linear_gated_deltanet(q, k, v, g, beta, ...)        = attention("gated_deltanet", ..., {"g", "beta"}, ...)
+    log_linear_gla(q, k, v, g, level_scales, ...)           = attention("gla", ..., {"g": g}, ...)  (g per channel)
 
 Every call is validated (loglinear.inputs), then runs on the backend loglinear.ops.backends chooses, or on the
 one-token decode step when it applies (one token per sequence after a state, no gradient needed). A NaN or an
@@ -16,11 +17,11 @@ import torch
 from loglinear.inputs import OpInputs, check_inputs
 from loglinear.ops.backends import backend_for, select_backend, torch_chunk_backend
 from loglinear.ops.decode import fused_decode_applies, op_decode_step
-from loglinear.ops.finite import contained, floor_log_decays, output_is_finite
+from loglinear.ops.finite import contained, finite_check, floor_log_decays
 from loglinear.state import FenwickState
-from loglinear.variants import GATED_DELTANET, MAMBA2, Variant, get
+from loglinear.variants import GATED_DELTANET, GLA, MAMBA2, Variant, get
 
-__all__ = ["attention", "log_linear_mamba2", "log_linear_gated_deltanet"]
+__all__ = ["attention", "log_linear_mamba2", "log_linear_gated_deltanet", "log_linear_gla"]
 
 
 def _check_chunk_size(chunk_size: int) -> int:
@@ -41,9 +42,9 @@ def attention(
 
         o_t = scale * sum_{s<=t} lambda_t[level(t, s)] * (q_t^T P_{t,s} k~_s) * v_s    (P, k~: the variant's)
 
-    q, k: [B, T, G, K]; v: [B, T, H, V] (H % G == 0); gates: the variant's per-token inputs {name: [B, T, H]};
-    level_scales: [B, T, H, L] = lambda, L >= levels needed for the positions covered;
-    scale: default K ** -0.5; initial_state: FenwickState continuing the sequences (positions go on);
+    q, k: [B, T, G, K]; v: [B, T, H, V] (H % G == 0); gates: the variant's per-token inputs {name: [B, T, H]}
+    (a per-channel gate, GLA's g: [B, T, H, K]); level_scales: [B, T, H, L] = lambda, L >= levels needed for the
+    positions covered; scale: default K ** -0.5; initial_state: FenwickState continuing the sequences (positions go on);
     cu_seqlens: [N+1] packs N sequences into B = 1; use_qk_l2norm: normalise q and k over K inside the op;
     chunk_size: any power of two; backend: "torch" | "triton" | None (LOGLINEAR_BACKEND if set, else triton on
     CUDA). Returns (o: [B, T, H, V] in v's dtype, the final state or None).
@@ -65,8 +66,9 @@ def attention(
     def run(call: OpInputs) -> tuple[torch.Tensor, FenwickState | None]:
         return backend_run(call, output_final_state, chunk_size, use_qk_l2norm)
 
+    finite = finite_check(inp)
     o, state = run(inp)
-    if output_is_finite(o):
+    if finite():
         return o, state
     return contained(inp, run, output_final_state) or (o, state)
 
@@ -108,3 +110,24 @@ def log_linear_gated_deltanet(
     return attention(GATED_DELTANET, q, k, v, {"g": g, "beta": beta}, level_scales, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, backend=backend)
+
+
+def log_linear_gla(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, level_scales: torch.Tensor, *,
+    scale: float | None = None, initial_state: FenwickState | None = None, output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64, backend: str | None = None,
+) -> tuple[torch.Tensor, FenwickState | None]:
+    """Log-linear Gated Linear Attention (GLA): a log-decay per key channel.
+
+        o_t = scale * sum_{s<=t} lambda_t[level(t, s)] * sum_k q_t[k] exp(G_t[k] - G_s[k]) k_s[k] * v_s,
+        G = cumsum_t g (per channel);  the state decays as S <- diag(exp(g_t)) S
+
+    q, k: [B, T, G, K]; v: [B, T, H, V] (H % G == 0); g: [B, T, H, K] log-decay <= 0 per value head and key
+    channel (-inf: a hard reset of that channel); level_scales: [B, T, H, L] = lambda, L >= levels needed for the
+    positions covered; other arguments as in log_linear_mamba2 (the torch backend serves every call: GLA has no
+    Triton kernels). g equal over K is log_linear_mamba2; level_scales = 1 is plain GLA.
+    Returns (o: [B, T, H, V] in v's dtype, state or None).
+    """
+    return attention(GLA, q, k, v, {"g": g}, level_scales, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                     backend=backend)

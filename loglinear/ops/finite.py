@@ -7,9 +7,11 @@ garbage. The public op (loglinear.ops.api.attention) therefore
 
   1. floors every log-decay gate (Gate.log_decay) at LOG_DECAY_FLOOR of its compute dtype, where exp underflows
      to exactly 0: g = -inf is a hard reset and very negative gates give the exact result;
-  2. checks that the output is finite (one read of o and one host sync per call; skipped while a CUDA graph is
-     captured or torch.compile traces the op -- the mixers' custom op runs it eagerly, so they are covered);
-  3. only if it is not, runs the call again with every non-finite token zeroed, and puts its effect back as NaN:
+  2. checks that the inputs are finite: one read of them, queued before the op's kernels; on CUDA its answer comes
+     back through an event recorded behind that read, so the host waits for the work queued before the op, not for
+     the op. Skipped while a CUDA graph is captured or torch.compile traces the op (the mixers' custom op runs it
+     eagerly, so they are covered);
+  3. only if they are not, runs the call again with every non-finite token zeroed, and puts its effect back as NaN:
         a token whose k, v or gate (per variant: the inputs that change the state) has a NaN or an infinity
           -> every output of that head from the token on (to the end of its sequence) and the head's final
              state are NaN;
@@ -29,7 +31,7 @@ import torch
 from loglinear.inputs import OpInputs, expand_groups
 from loglinear.state import FenwickState
 
-__all__ = ["LOG_DECAY_FLOOR", "floor_log_decays", "output_is_finite", "contained"]
+__all__ = ["LOG_DECAY_FLOOR", "floor_log_decays", "finite_check", "contained"]
 
 # exp(floor) is exactly 0 in the dtype the op computes in (float64 for float64 inputs, else float32)
 LOG_DECAY_FLOOR = {torch.float64: -750.0, torch.float32: -110.0}
@@ -38,7 +40,8 @@ Run = Callable[[OpInputs], tuple[torch.Tensor, FenwickState | None]]
 
 
 def floor_log_decays(inp: OpInputs) -> OpInputs:
-    """inp with every log-decay gate g: [B, T, H] replaced by max(g, floor) (NaN stays NaN)."""
+    """inp with every log-decay gate g: [B, T, H] (per channel: [B, T, H, K]) replaced by max(g, floor) (NaN stays
+    NaN)."""
     gates = dict(inp.gates)
     for gate in inp.variant.gates:
         if gate.log_decay:
@@ -48,14 +51,28 @@ def floor_log_decays(inp: OpInputs) -> OpInputs:
     return replace(inp, gates=gates)
 
 
-def output_is_finite(o: torch.Tensor) -> bool:
-    """Whether o holds no NaN or infinity (True without looking while a CUDA graph is captured or torch.compile
-    traces). A sum over o is finite exactly when its terms are, unless it overflows: then the caller only checks
-    the inputs in vain."""
-    if torch.compiler.is_compiling() or (o.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return True
-    total = o.sum(dtype=torch.float64 if o.dtype == torch.float64 else torch.float32)
-    return bool(torch.isfinite(total))
+def finite_check(inp: OpInputs) -> Callable[[], bool]:
+    """Start checking that every input is finite (q, k, v, level_scales and the gates, log-decays after flooring);
+    the returned function answers. On CUDA the answer reaches the host behind an event recorded before the op's
+    kernels are queued: waiting for it waits for the work queued before the op, not for the op. Always True while a
+    CUDA graph is captured or torch.compile traces (no host sync there)."""
+    if torch.compiler.is_compiling() or (inp.q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return lambda: True
+    tensors = [inp.q, inp.k, inp.v, inp.level_scales, *inp.gates.values()]
+    norms = torch._foreach_norm(tensors, float("inf"), dtype=torch.float32)  # max |x|: NaN or inf if any entry is
+    finite = torch.isfinite(torch.stack(norms)).all()
+    if not finite.is_cuda:
+        return lambda: bool(finite)
+    answer = torch.empty((), dtype=torch.bool, pin_memory=True)
+    answer.copy_(finite, non_blocking=True)
+    arrived = torch.cuda.Event()
+    arrived.record()
+
+    def wait() -> bool:
+        arrived.synchronize()
+        return bool(answer)
+
+    return wait
 
 
 def _bad_rows(x: torch.Tensor) -> torch.Tensor:
@@ -64,7 +81,8 @@ def _bad_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _bad_gate(g: torch.Tensor, log_decay: bool) -> torch.Tensor:
-    """g: [B, T, H] -> bool [B, T, H]: NaN or an infinity (-inf is a valid log-decay)."""
+    """g: [B, T, H] (or per channel [B, T, H, K]) -> bool of g's shape: NaN or an infinity (-inf is a valid
+    log-decay)."""
     return torch.isnan(g) | (g == torch.inf) if log_decay else ~torch.isfinite(g)
 
 
@@ -94,14 +112,15 @@ def _zero_rows(x: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
 
 def contained(inp: OpInputs, run: Run, output_final_state: bool) -> tuple[torch.Tensor, FenwickState | None] | None:
     """The call run with its non-finite tokens zeroed and their outputs (and state) set to NaN as the module
-    docstring says, or None when no input is non-finite (a non-finite output is then the computation's own)."""
+    docstring says, or None when no input is non-finite."""
     H = inp.num_heads
     q_bad, k_bad, v_bad = _bad_rows(inp.q), _bad_rows(inp.k), _bad_rows(inp.v)
     gate_bad = {gate.name: _bad_gate(inp.gates[gate.name], gate.log_decay) for gate in inp.variant.gates}
     lam_bad = _bad_rows(inp.level_scales)
     carried = expand_groups(k_bad[..., None], H)[..., 0] | v_bad
-    for bad in gate_bad.values():
-        carried = carried | bad
+    for gate in inp.variant.gates:
+        bad = gate_bad[gate.name]
+        carried = carried | (bad.any(-1) if gate.per_channel else bad)  # a token is bad if any channel is
     read = expand_groups(q_bad[..., None], H)[..., 0] | lam_bad
     if not bool((carried | read).any()):
         return None
