@@ -59,7 +59,8 @@ def finite_check(inp: OpInputs) -> Callable[[], bool]:
     if torch.compiler.is_compiling() or (inp.q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return lambda: True
     tensors = [inp.q, inp.k, inp.v, inp.level_scales, *inp.gates.values()]
-    norms = torch._foreach_norm(tensors, float("inf"), dtype=torch.float32)  # max |x|: NaN or inf if any entry is
+    wide = torch.float64 if any(x.dtype == torch.float64 for x in tensors) else torch.float32
+    norms = torch._foreach_norm(tensors, float("inf"), dtype=wide)  # max |x|: NaN or inf if any entry is
     finite = torch.isfinite(torch.stack(norms)).all()
     if not finite.is_cuda:
         return lambda: bool(finite)
