@@ -1,6 +1,6 @@
 """Registers the loglinear model types with transformers' Auto classes in any process that imported loglinear.
 
-``import loglinear.models`` registers "loglinear_mamba2" / "loglinear_gated_deltanet" with AutoConfig, AutoModel
+``import loglinear.models`` registers its model types ("loglinear_mamba2", ...) with AutoConfig, AutoModel
 and AutoModelForCausalLM, but it imports transformers' modeling code (seconds), so ``import loglinear`` only calls
 `install()`, which imports nothing of transformers:
 

@@ -19,14 +19,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OpInputs", "check_inputs", "check_decode_inputs", "check_cu_seqlens", "check_positive_ints", "check_power_of_two",
-    "check_multiple", "check_value_head_dim", "Segment", "segments", "run_segments", "l2norm", "expand_groups",
+    "check_multiple", "check_value_head_dim", "check_expanded_head_dim", "Segment", "segments", "run_segments",
+    "l2norm", "expand_groups",
 ]
 
 
 @dataclass
 class OpInputs:
     """Validated arguments.  q, k: [B, T, G, K]; v: [B, T, H, V]; gates: the variant's per-token inputs
-    {name: [B, T, H]} (Mamba-2: g; Gated DeltaNet: g, beta); level_scales: [B, T, H, L]."""
+    {name: [B, T, H]}, a per-channel gate [B, T, H, K] (Mamba-2: g; Gated DeltaNet: g, beta; GLA: g [B, T, H, K]);
+    level_scales: [B, T, H, L]."""
 
     variant: Variant
     q: torch.Tensor
@@ -86,6 +88,16 @@ def check_value_head_dim(head_dim: int, expand_v: object) -> int:
     return int(head_dim * expand_v)
 
 
+def check_expanded_head_dim(name: str, expand: object, hidden_size: int, num_heads: int) -> int:
+    """The GLA head dim int(hidden_size * expand) / num_heads of a width ``expand`` x hidden_size split over the
+    heads: int(hidden_size * expand) must be a positive multiple of num_heads (ValueError naming ``name``)."""
+    width = int(hidden_size * expand) if isinstance(expand, (int, float)) and not isinstance(expand, bool) else 0
+    if width < 1 or width % num_heads:
+        raise ValueError(f"{name} must give a width int(hidden_size * {name}) that is a positive multiple of "
+                         f"num_heads = {num_heads}, got {name} = {expand!r} with hidden_size = {hidden_size}")
+    return width // num_heads
+
+
 def _check_groups(H: int, G: int, v: torch.Tensor) -> None:
     if H % G:
         raise ValueError(f"the value heads H = {H} (v {tuple(v.shape)}) must be a multiple of the q/k groups G = {G}")
@@ -127,7 +139,7 @@ def _check_state(state: object, n_seq: int, H: int, K: int, V: int, device: torc
 def _check_gate_names(variant: Variant, gates: object) -> None:
     if not isinstance(gates, dict) or set(gates) != set(variant.gate_names):
         got = sorted(gates) if isinstance(gates, dict) else type(gates).__name__
-        wanted = ", ".join(f"{gate.name} [B, T, H] ({gate.doc})" for gate in variant.gates)
+        wanted = ", ".join(f"{gate.name} {gate.layout()} ({gate.doc})" for gate in variant.gates)
         raise ValueError(f"gates must be a dict holding exactly {variant.name}'s per-token inputs {wanted}, got {got}")
 
 
@@ -136,12 +148,13 @@ def check_inputs(
     scale: float | None, initial_state: object, cu_seqlens: object,
 ) -> OpInputs:
     """Validate the op's arguments; raise ValueError/TypeError naming the offending one.  gates: the variant's
-    per-token inputs by name (every one of variant.gates, each [B, T, H])."""
+    per-token inputs by name (every one of variant.gates, each [B, T, H], or [B, T, H, K] if per_channel)."""
     q = _check_tensor("q", q, 4, "[B, T, G, K]")
     k = _check_tensor("k", k, 4, "[B, T, G, K]")
     v = _check_tensor("v", v, 4, "[B, T, H, V]")
     _check_gate_names(variant, gates)
-    gates = {name: _check_tensor(name, gates[name], 3, "[B, T, H]") for name in variant.gate_names}
+    gates = {gate.name: _check_tensor(gate.name, gates[gate.name], 3 + gate.per_channel, gate.layout())
+             for gate in variant.gates}
     level_scales = _check_tensor("level_scales", level_scales, 4, "[B, T, H, L]")
     B, T, G, K = q.shape
     H = v.shape[2]
@@ -156,11 +169,16 @@ def check_inputs(
     if v.shape[:2] != (B, T):
         raise ValueError(f"v must be [B, T, H, V] with B, T = {B}, {T} as in q, got {_shape(v)}")
     _check_groups(H, G, v)
-    named = gates | {"level_scales": level_scales}
-    for name, x in named.items():
+    for gate in variant.gates:
+        x = gates[gate.name]
+        if gate.per_channel and x.shape != (B, T, H, K):
+            raise ValueError(f"{gate.name} must be [B, T, H, K] with B, T, H, K = {B}, {T}, {H}, {K}, "
+                             f"got {_shape(x)}")
         if x.shape[:3] != (B, T, H):
-            layout = "[B, T, H, L]" if name == "level_scales" else "[B, T, H]"
-            raise ValueError(f"{name} must be {layout} with B, T, H = {B}, {T}, {H}, got {_shape(x)}")
+            raise ValueError(f"{gate.name} must be [B, T, H] with B, T, H = {B}, {T}, {H}, got {_shape(x)}")
+    if level_scales.shape[:3] != (B, T, H):
+        raise ValueError(f"level_scales must be [B, T, H, L] with B, T, H = {B}, {T}, {H}, got {_shape(level_scales)}")
+    named = gates | {"level_scales": level_scales}
     for name, x in ({"k": k, "v": v} | named).items():
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}; all inputs must share a device")
@@ -204,9 +222,10 @@ def check_decode_inputs(
     _check_same("k", _check_tensor("k", k, 3, "[N, G, K]"), (N, G, K), "[N, G, K]")
     _check_same("v", v, (N, H, v.shape[2]), "[N, H, V]")
     named = {"q": q, "k": k, "v": v}
-    for name in variant.gate_names:
-        named[name] = _check_tensor(name, gates[name], 2, "[N, H]")
-        _check_same(name, named[name], (N, H), "[N, H]")
+    for gate in variant.gates:
+        layout = gate.layout(decode=True)
+        named[gate.name] = _check_tensor(gate.name, gates[gate.name], 2 + gate.per_channel, layout)
+        _check_same(gate.name, named[gate.name], (N, H, K) if gate.per_channel else (N, H), layout)
     _check_same("levels", levels, (N, L, H, K, v.shape[2]), "[N, L, H, K, V]")
     if fenwick:
         lam = _check_tensor("level_scales", level_scales, 3, "[N, H, >= L]")
@@ -288,7 +307,7 @@ def run_segments(
     """Run ``core`` on every segment, in the compute dtype, with q/k expanded to the value heads.
 
     core(q, k, v, gates, level_scales, scale, levels, position) -> (o, levels_out), with
-    q, k: [b, t, H, K]; v: [b, t, H, V]; gates: {name: [b, t, H]}; level_scales: [b, t, H, L];
+    q, k: [b, t, H, K]; v: [b, t, H, V]; gates: {name: [b, t, H] or [b, t, H, K]}; level_scales: [b, t, H, L];
     levels: [b, Ls, H, K, V] or None; position: int shared by the rows.
     """
     H = inp.num_heads

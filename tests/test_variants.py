@@ -26,7 +26,7 @@ DELTANET = Variant(
     deposit_key=gdn.deposit_key,
     shard_transition=lambda k, gates, chunk_size: gdn.shard_transition(k, _gated(gates), chunk_size),
     matrix_transition=True,
-    sample_gates=lambda B, T, H, **kw: {"beta": GATED_DELTANET.sample_gates(B, T, H, **kw)["beta"]},
+    sample_gates=lambda B, T, H, K, **kw: {"beta": GATED_DELTANET.sample_gates(B, T, H, K, **kw)["beta"]},
 )
 
 

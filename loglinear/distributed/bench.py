@@ -74,7 +74,7 @@ def _inputs(a: argparse.Namespace) -> list[torch.Tensor]:
     L = levels_needed(a.T)
     make = lambda *shape, f=torch.randn: f(*shape, generator=gen).to(dtype)  # noqa: E731
     x = [make(a.B, a.T, 1, a.K), make(a.B, a.T, 1, a.K) / a.K**0.5, make(a.B, a.T, a.H, a.V)]
-    gates = REGISTRY[a.variant].sample_gates(a.B, a.T, a.H, generator=gen)
+    gates = REGISTRY[a.variant].sample_gates(a.B, a.T, a.H, a.K, generator=gen)
     return x + [t.to(dtype) for t in gates.values()] + [0.2 + make(a.B, a.T, a.H, L, f=torch.rand)]
 
 

@@ -7,7 +7,7 @@ Composition (every rank, on its own shard; the public op runs with any backend):
                 zero state at the shard's start position, or (without initial states) the variant's closed
                 form if it has one (Variant.local_state; Mamba-2: O(T K V))
   3. transition the shard's transition product  mat  (Variant.shard_transition: exp(sum g) for Mamba-2, the
-                K x K delta-rule product for Gated DeltaNet)
+                K x K delta-rule product for Gated DeltaNet, diag(exp(sum g)) for GLA)
   4. scan       incoming = exclusive prefix scan of  x -> mat . route(x) + local  over ranks
                 (ceil(log2 P) rounds of point-to-point messages, each O(L H K V) -- O(log T) states)
   5. output     op(shard, initial_state = incoming)  ->  o, exactly the single-process output
@@ -149,10 +149,10 @@ def context_parallel_attention(
     module docstring).
 
     Every rank passes its contiguous shard (rank order = sequence order, any lengths >= 1):
-    q, k: [B, T_r, G, K]; v: [B, T_r, H, V]; gates: the variant's {name: [B, T_r, H]}; level_scales:
-    [B, T_r, H, L] with L covering the *global* length. cu_seqlens: the global packing [N+1] (B = 1), the same
-    on every rank. initial_state: FenwickState of the N global sequences, the same on every rank (each rank reads
-    the rows of the sequences starting in its shard; their gradients land on that rank).
+    q, k: [B, T_r, G, K]; v: [B, T_r, H, V]; gates: the variant's {name: [B, T_r, H] (per channel: [B, T_r, H, K])};
+    level_scales: [B, T_r, H, L] with L covering the *global* length. cu_seqlens: the global packing [N+1] (B = 1),
+    the same on every rank. initial_state: FenwickState of the N global sequences, the same on every rank (each rank
+    reads the rows of the sequences starting in its shard; their gradients land on that rank).
     Returns this shard's o: [B, T_r, H, V] (equal to the single-process op's slice) and, if
     output_final_state, the final states of the sequences that end in this shard (None if none).
     All ranks must call together (and backpropagate together).

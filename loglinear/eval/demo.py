@@ -1,4 +1,4 @@
-"""``loglinear demo``: both variants in all three forms agree, and the decoding state grows as log T.
+"""``loglinear demo``: every registered variant in all three forms agrees, and the decoding state grows as log T.
 
 Runs on random inputs in float64 (materialized = quadratic, recurrent = token-by-token decoding,
 chunkwise = the training path), prints the largest differences, then the memory a decoder keeps per
@@ -37,7 +37,7 @@ def _inputs(variant: Variant, T: int, H: int, K: int, V: int, gen: torch.Generat
         "q": torch.randn(1, T, 1, K, **kw),
         "k": torch.randn(1, T, 1, K, **kw) / K**0.5,
         "v": torch.randn(1, T, H, V, **kw),
-        "gates": variant.sample_gates(1, T, H, **kw),
+        "gates": variant.sample_gates(1, T, H, K, **kw),
         "level_scales": 0.2 + torch.rand(1, T, H, levels_needed(T), **kw),
     }
 

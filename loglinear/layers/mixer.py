@@ -70,8 +70,8 @@ class MixerState(LevelsView):
 
 @dataclass
 class MixerInputs:
-    """Per-token op inputs of a mixer.  q, k: [Ntok, G, K]; v: [Ntok, H, V]; gates: the variant's {name: [Ntok, H]};
-    extra: what the layer's output needs."""
+    """Per-token op inputs of a mixer.  q, k: [Ntok, G, K]; v: [Ntok, H, V]; gates: the variant's {name: [Ntok, H]}
+    (per channel: [Ntok, H, K]); extra: what the layer's output needs."""
 
     q: torch.Tensor
     k: torch.Tensor

@@ -1,8 +1,9 @@
-"""Configurations of the log-linear causal LMs (model_type "loglinear_mamba2" / "loglinear_gated_deltanet").
+"""Configurations of the log-linear causal LMs (model_type "loglinear_mamba2" / "loglinear_gated_deltanet" /
+"loglinear_gla").
 
-Both stack pre-norm blocks  x + mixer(RMSNorm(x)),  x + SwiGLU(RMSNorm(x))  (the MLP is dropped with
+All stack pre-norm blocks  x + mixer(RMSNorm(x)),  x + SwiGLU(RMSNorm(x))  (the MLP is dropped with
 intermediate_size=0), between a token embedding and an LM head (optionally tied).
-use_log_linear=False gives the plain Mamba-2 / Gated DeltaNet model with everything else identical.
+use_log_linear=False gives the plain Mamba-2 / Gated DeltaNet / GLA model with everything else identical.
 """
 
 from __future__ import annotations
@@ -11,9 +12,15 @@ import math
 
 from transformers import PretrainedConfig
 
-from loglinear.inputs import check_multiple, check_positive_ints, check_power_of_two, check_value_head_dim
+from loglinear.inputs import (
+    check_expanded_head_dim,
+    check_multiple,
+    check_positive_ints,
+    check_power_of_two,
+    check_value_head_dim,
+)
 
-__all__ = ["LogLinearMamba2Config", "LogLinearGatedDeltaNetConfig"]
+__all__ = ["LogLinearMamba2Config", "LogLinearGatedDeltaNetConfig", "LogLinearGLAConfig"]
 
 
 def _default_intermediate(hidden_size: int) -> int:
@@ -22,7 +29,7 @@ def _default_intermediate(hidden_size: int) -> int:
 
 
 class _FenwickConfig(PretrainedConfig):
-    """Fields shared by both variants (see the variant classes)."""
+    """Fields shared by every variant (see the variant classes)."""
 
     def __init__(
         self, vocab_size: int = 32000, hidden_size: int = 256, num_hidden_layers: int = 4, num_heads: int = 4,
@@ -137,4 +144,38 @@ class LogLinearGatedDeltaNetConfig(_FenwickConfig):
         return self._shared_mixer_kwargs() | dict(
             expand_v=self.expand_v, dt_min=self.time_step_min, dt_max=self.time_step_max,
             dt_init_floor=self.time_step_floor,
+        )
+
+
+class LogLinearGLAConfig(_FenwickConfig):
+    """Log-linear GLA LM.  Mixer: num_heads heads of key dim head_dim = expand_k * hidden / heads and value dim
+    expand_v * hidden / heads; the per-channel gate logsigmoid(W_g2 W_g1 x + b) / gate_logit_normalizer with W_g of
+    rank gate_low_rank_dim. head_dim follows from expand_k (give expand_k to change it)."""
+
+    model_type = "loglinear_gla"
+
+    def __init__(
+        self, expand_k: float = 0.5, expand_v: float = 1.0, gate_low_rank_dim: int = 16,
+        gate_logit_normalizer: float = 16.0, **kwargs,
+    ):
+        super().__init__(**kwargs)
+        head_k_dim = check_expanded_head_dim("expand_k", expand_k, self.hidden_size, self.num_heads)
+        check_expanded_head_dim("expand_v", expand_v, self.hidden_size, self.num_heads)
+        if self.head_dim is None:
+            self.head_dim = head_k_dim
+        elif self.head_dim != head_k_dim:
+            raise ValueError(f"head_dim of GLA is int(hidden_size * expand_k) / num_heads = {head_k_dim} (give "
+                             f"expand_k to change it), got head_dim = {self.head_dim!r}")
+        check_positive_ints(gate_low_rank_dim=gate_low_rank_dim)
+        finite = isinstance(gate_logit_normalizer, (int, float)) and math.isfinite(gate_logit_normalizer)
+        if not (finite and gate_logit_normalizer > 0):
+            raise ValueError(f"gate_logit_normalizer must be a finite number > 0, got {gate_logit_normalizer!r}")
+        self.expand_k, self.expand_v = expand_k, expand_v
+        self.gate_low_rank_dim, self.gate_logit_normalizer = gate_low_rank_dim, gate_logit_normalizer
+
+    def mixer_kwargs(self) -> dict:
+        kwargs = {name: value for name, value in self._shared_mixer_kwargs().items() if name != "head_dim"}
+        return kwargs | dict(
+            expand_k=self.expand_k, expand_v=self.expand_v, gate_low_rank_dim=self.gate_low_rank_dim,
+            gate_logit_normalizer=self.gate_logit_normalizer,
         )

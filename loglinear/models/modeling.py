@@ -19,15 +19,15 @@ from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from loglinear.layers import LogLinearGatedDeltaNet, LogLinearMamba2, MixerState, RMSNorm, TokenLayout
+from loglinear.layers import LogLinearGatedDeltaNet, LogLinearGLA, LogLinearMamba2, MixerState, RMSNorm, TokenLayout
 from loglinear.layers.mixer import FenwickMixer
 from loglinear.layers.norm import GatedRMSNorm, wide
 from loglinear.models.cache import FenwickCache
-from loglinear.models.configuration import LogLinearGatedDeltaNetConfig, LogLinearMamba2Config
+from loglinear.models.configuration import LogLinearGatedDeltaNetConfig, LogLinearGLAConfig, LogLinearMamba2Config
 
 __all__ = [
     "LogLinearMamba2Model", "LogLinearMamba2ForCausalLM", "LogLinearGatedDeltaNetModel",
-    "LogLinearGatedDeltaNetForCausalLM", "CACHE_KEY",
+    "LogLinearGatedDeltaNetForCausalLM", "LogLinearGLAModel", "LogLinearGLAForCausalLM", "CACHE_KEY",
 ]
 
 
@@ -251,3 +251,18 @@ class LogLinearGatedDeltaNetForCausalLM(LogLinearGatedDeltaNetPreTrainedModel, _
     """Log-linear Gated DeltaNet causal LM (use_log_linear=False: plain Gated DeltaNet)."""
 
     model_cls = LogLinearGatedDeltaNetModel
+
+
+class LogLinearGLAPreTrainedModel(_FenwickPreTrainedModel):
+    config_class = LogLinearGLAConfig
+    mixer_cls = LogLinearGLA
+
+
+class LogLinearGLAModel(LogLinearGLAPreTrainedModel, _FenwickModel):
+    """Log-linear GLA backbone: input_ids [B, T] -> last_hidden_state [B, T, D]."""
+
+
+class LogLinearGLAForCausalLM(LogLinearGLAPreTrainedModel, _FenwickForCausalLM):
+    """Log-linear GLA causal LM (use_log_linear=False: plain GLA)."""
+
+    model_cls = LogLinearGLAModel

@@ -3,7 +3,8 @@
 For the token at absolute position p of each sequence, on level states S[0..L-1] (each K x V):
 
   1. carry       levels 0..ctz(p) merge into level ctz(p)+1 (p > 0)           (a binary counter)
-  2. transition  S <- A_t S on every level (variant.transition: Mamba-2 exp(g) S; GDN exp(g) (S - beta k (k^T S)))
+  2. transition  S <- A_t S on every level (variant.transition: Mamba-2 exp(g) S; GDN exp(g) (S - beta k (k^T S));
+                 GLA diag(exp(g)) S)
   3. deposit     S[0] += k~ v^T  (variant.deposit_key: k for Mamba-2, beta k for GDN)
   4. readout     o = scale * sum_l lambda[l] S[l]^T q
 
@@ -65,7 +66,8 @@ def decode_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per sequence.
 
-    q, k: [N, G, K]; v: [N, H, V]; gates: the variant's per-token inputs {name: [N, H]} (Mamba-2: g; GDN: g, beta);
+    q, k: [N, G, K]; v: [N, H, V]; gates: the variant's per-token inputs {name: [N, H]}, a per-channel one [N, H, K]
+    (Mamba-2: g; GDN: g, beta; GLA: g [N, H, K]);
     level_scales: [N, H, >= L] (unused when fenwick=False); levels: [N, L, H, K, V], L covering the
     positions (fenwick: L >= levels_needed(p + 1)); positions: [N] int64, the token's absolute position;
     backend: as in the public ops. Returns o: [N, H, V] in v's dtype and the new levels [N, L, H, K, V] in levels'

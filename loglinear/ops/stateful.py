@@ -66,10 +66,11 @@ def fenwick_attention(
     """Attention of N sequences continuing from a state.
 
     variant: a registered variant's name; q, k: [B, T, G, K]; v: [B, T, H, V]; gates: the variant's per-token
-    inputs [B, T, H] in the order of variant.gates; level_scales: [B, T, H, max_levels] (log-linear) or None
-    (plain); levels: [N, L, H, K, V] or None (a fresh start); positions: [N] int64 CPU (tokens already seen) or
-    None; cu_seqlens: [N + 1] or None (then B = 1). Returns o: [B, T, H, V] and, if output_state, the new levels
-    [N, L', H, K, V] (L' = 1 for plain) and positions [N] (empty tensors otherwise).
+    inputs [B, T, H] (per channel: [B, T, H, K]) in the order of variant.gates; level_scales:
+    [B, T, H, max_levels] (log-linear) or None (plain); levels: [N, L, H, K, V] or None (a fresh start); positions:
+    [N] int64 CPU (tokens already seen) or None; cu_seqlens: [N + 1] or None (then B = 1). Returns o: [B, T, H, V]
+    and, if output_state, the new levels [N, L', H, K, V] (L' = 1 for plain) and positions [N] (empty tensors
+    otherwise).
     """
     spec = get(variant)
     gate_dict = dict(zip(spec.gate_names, gates, strict=True))

@@ -1,7 +1,8 @@
 """The two generic forms of the exact references.
 
 Both forms take inputs already expanded to value heads and cast to the compute dtype:
-q, k: [B, T, H, K]; v: [B, T, H, V]; gates: {name: [B, T, H]}; level_scales: [B, T, H, L].
+q, k: [B, T, H, K]; v: [B, T, H, V]; gates: {name: [B, T, H] or per channel [B, T, H, K]};
+level_scales: [B, T, H, L].
 A variant (loglinear.variants) supplies only its transfer matrix (materialized) or its per-token transition
 and deposited key (recurrent).
 """

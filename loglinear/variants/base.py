@@ -5,7 +5,8 @@ lambda_t[level(t, s)] * (q_t^T P_{t,s} k~_s) v_s^T, where P_{t,s} = A_t ... A_{s
 transitions and k~_s the key it deposits (spec sections 1-5). A ``Variant`` bundles everything that differs
 between variants:
 
-    gates            its per-token inputs after v (names, layouts), validated by the public op
+    gates            its per-token inputs after v (names, layouts: per head, or per head and key channel), validated by
+                     the public op
     form             the torch chunk form: the per-chunk algebra the Fenwick chunk scan runs on
     transfer_matrix  the materialized reference: beta_s q_t^T P_{t,s} k_s for all t >= s
     transition       one token's A_t applied to level states (the recurrent reference and the decode step)
@@ -32,7 +33,8 @@ Gates = dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class Gate:
-    """A per-token input of a variant after v: [B, T, H] in the public op ([N, H] in a decode step).
+    """A per-token input of a variant after v: [B, T, H] in the public op ([N, H] in a decode step), or with
+    per_channel one value per key channel: [B, T, H, K] ([N, H, K] in a decode step).
 
     log_decay: the gate is a log-decay g <= 0 (A_t = exp(g_t) ...): -inf is allowed (a hard reset) and the op floors
     it where exp underflows to 0 (loglinear.ops.finite); any other gate must be finite."""
@@ -40,6 +42,11 @@ class Gate:
     name: str
     doc: str
     log_decay: bool = False
+    per_channel: bool = False
+
+    def layout(self, decode: bool = False) -> str:
+        """Its layout in words: "[B, T, H]" / "[B, T, H, K]" (decode: "[N, H]" / "[N, H, K]")."""
+        return ("[N, H" if decode else "[B, T, H") + (", K]" if self.per_channel else "]")
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,7 +62,7 @@ class Variant:
     deposit_key: Callable[[torch.Tensor, Gates], torch.Tensor]
     shard_transition: Callable[..., torch.Tensor]
     matrix_transition: bool  # shard_transition is K x K per head (else a scalar per head: [.., 1, 1])
-    sample_gates: Callable[..., Gates]
+    sample_gates: Callable[..., Gates]  # (B, T, H, K, *, dtype, generator) -> valid random gates
     local_state: Callable[..., torch.Tensor] | None = None
 
     @property

@@ -124,9 +124,9 @@ def shard_transition(k: torch.Tensor, gates: Gates, chunk_size: int) -> torch.Te
     return _ordered_product(GatedDeltaNetForm(kc, kc, kc[..., :1], gc, bc).chunk_products())
 
 
-def sample_gates(B: int, T: int, H: int, *, dtype: torch.dtype = torch.float32,
+def sample_gates(B: int, T: int, H: int, K: int, *, dtype: torch.dtype = torch.float32,
                  generator: torch.Generator | None = None) -> Gates:
-    """Random valid gates: g in [-0.45, -0.05], beta in [0.05, 0.95].  -> {"g", "beta": [B, T, H]}."""
+    """Random valid gates: g in [-0.45, -0.05], beta in [0.05, 0.95] (K unused).  -> {"g", "beta": [B, T, H]}."""
     return {"g": -0.05 - 0.4 * torch.rand(B, T, H, dtype=dtype, generator=generator),
             "beta": 0.05 + 0.9 * torch.rand(B, T, H, dtype=dtype, generator=generator)}
 

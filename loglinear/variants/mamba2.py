@@ -11,7 +11,7 @@ import torch
 from loglinear.fenwick import bit_length
 from loglinear.variants.base import Gate, Gates, Variant, decay_matrix, decays
 
-__all__ = ["MAMBA2", "Mamba2Form", "suffix_sum"]
+__all__ = ["MAMBA2", "Mamba2Form", "suffix_sum", "level_sums"]
 
 
 def suffix_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -64,20 +64,11 @@ def shard_transition(k: torch.Tensor, gates: Gates, chunk_size: int) -> torch.Te
     return torch.exp(gates["g"].sum(1))[..., None, None]
 
 
-def local_state(k: torch.Tensor, v: torch.Tensor, gates: Gates, position: int, num_levels: int) -> torch.Tensor:
-    """The state a shard leaves when entered with zeros, in closed form: only the final state is needed, and for a
-    scalar decay it is a sum over the shard's keys grouped by their level for the last query e = end - 1
-    (contiguous, aligned ranges of keys):
-
-        local[l] = sum_{s : level(e, s) = l} exp(g_{s+1} + ... + g_e) k_s v_s^T
-
-    O(T K V) in L GEMMs. The decay exponent is a reverse cumulative sum, exact near the end of the shard where
-    the weights matter (no difference of two long prefix sums).
-    k: [R, T, H, K] (expanded to the value heads); v: [R, T, H, V]; g: [R, T, H] -> [R, num_levels, H, K, V].
-    """
-    g = gates["g"]
-    R, T, H, K = k.shape
-    kw = k * torch.exp(suffix_sum(g, 1) - g)[..., None]  # sum_{u > s} g_u
+def level_sums(kw: torch.Tensor, v: torch.Tensor, position: int, num_levels: int) -> torch.Tensor:
+    """sum_{s : level(e, s) = l} kw_s v_s^T per level l, for the last query e = position + T - 1 of a shard whose
+    first token is at ``position``: its keys grouped by level are contiguous, aligned ranges, so L GEMMs.
+    kw: [R, T, H, K] (keys already decayed to the shard's end); v: [R, T, H, V] -> [R, num_levels, H, K, V]."""
+    R, T, H, K = kw.shape
     last = position + T - 1
     lev = bit_length(last ^ (position + torch.arange(T)))  # non-increasing along the shard
     values, counts = torch.unique_consecutive(lev, return_counts=True)
@@ -88,9 +79,25 @@ def local_state(k: torch.Tensor, v: torch.Tensor, gates: Gates, position: int, n
     return torch.stack(levels, dim=1)
 
 
-def sample_gates(B: int, T: int, H: int, *, dtype: torch.dtype = torch.float32,
+def local_state(k: torch.Tensor, v: torch.Tensor, gates: Gates, position: int, num_levels: int) -> torch.Tensor:
+    """The state a shard leaves when entered with zeros, in closed form: only the final state is needed, and for a
+    scalar decay it is a sum over the shard's keys grouped by their level for the last query e = end - 1
+    (contiguous, aligned ranges of keys):
+
+        local[l] = sum_{s : level(e, s) = l} exp(g_{s+1} + ... + g_e) k_s v_s^T
+
+    O(T K V) in L GEMMs (level_sums). The decay exponent is a reverse cumulative sum, exact near the end of the
+    shard where the weights matter (no difference of two long prefix sums).
+    k: [R, T, H, K] (expanded to the value heads); v: [R, T, H, V]; g: [R, T, H] -> [R, num_levels, H, K, V].
+    """
+    g = gates["g"]
+    kw = k * torch.exp(suffix_sum(g, 1) - g)[..., None]  # sum_{u > s} g_u
+    return level_sums(kw, v, position, num_levels)
+
+
+def sample_gates(B: int, T: int, H: int, K: int, *, dtype: torch.dtype = torch.float32,
                  generator: torch.Generator | None = None) -> Gates:
-    """Random valid gates: g in [-0.45, -0.05].  -> {"g": [B, T, H]}."""
+    """Random valid gates: g in [-0.45, -0.05] (K unused).  -> {"g": [B, T, H]}."""
     return {"g": -0.05 - 0.4 * torch.rand(B, T, H, dtype=dtype, generator=generator)}
 
 

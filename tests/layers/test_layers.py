@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import assert_close
-from loglinear.layers import LogLinearGatedDeltaNet, LogLinearMamba2, TokenLayout
+from loglinear.layers import LogLinearGatedDeltaNet, LogLinearGLA, LogLinearMamba2, TokenLayout
 from loglinear.layers import mixer as mixer_module
 from loglinear.layers.conv import ShortConvolution
 
@@ -19,6 +19,9 @@ def make_layer(variant: str, use_log_linear: bool, max_levels: int = 21) -> torc
     if variant == "mamba2":
         layer = LogLinearMamba2(D, 4, head_dim=3, state_size=5, n_groups=2, use_log_linear=use_log_linear,
                                 chunk_size=4, max_levels=max_levels)
+    elif variant == "gla":
+        layer = LogLinearGLA(D, 2, gate_low_rank_dim=4, use_log_linear=use_log_linear, chunk_size=4,
+                             max_levels=max_levels)
     else:
         layer = LogLinearGatedDeltaNet(D, 2, head_dim=4, expand_v=1.5, use_log_linear=use_log_linear, chunk_size=4,
                                        max_levels=max_levels)
@@ -28,7 +31,8 @@ def make_layer(variant: str, use_log_linear: bool, max_levels: int = 21) -> torc
     return layer.double()
 
 
-VARIANTS = [(v, ll) for v in ("mamba2", "gated_deltanet") for ll in (True, False)]
+NAMES = ("mamba2", "gated_deltanet", "gla")
+VARIANTS = [(v, ll) for v in NAMES for ll in (True, False)]
 
 
 @pytest.mark.parametrize("variant,ll", VARIANTS)
@@ -98,10 +102,10 @@ def test_cu_seqlens_equal_per_sequence_runs_and_continue(variant, ll):
         assert_close(y2[:, n], ref2[:, 0], 1e-12, f"continued seq {n}")
 
 
-@pytest.mark.parametrize("variant", ["mamba2", "gated_deltanet"])
+@pytest.mark.parametrize("variant", NAMES)
 def test_plain_layer_is_the_single_state_recurrence(monkeypatch, variant):
     """use_log_linear=False: o_t = scale * q_t^T S_t with S_t = A_t S_{t-1} + beta_t k_t v_t^T
-    (exactly Mamba-2 / GDN)."""
+    (exactly Mamba-2 / GDN / GLA, whose decay is per key channel)."""
     layer = make_layer(variant, False)
     seen = {}
     real = mixer_module.fenwick_attention
@@ -120,21 +124,22 @@ def test_plain_layer_is_the_single_state_recurrence(monkeypatch, variant):
     q, k = q.repeat_interleave(H // q.shape[2], 2), k.repeat_interleave(H // k.shape[2], 2)
     if l2:
         q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
-    beta = beta if beta is not None else torch.ones_like(g)
+    beta = beta if beta is not None else torch.ones_like(v[..., 0])
     S = torch.zeros(2, H, q.shape[-1], v.shape[-1], dtype=torch.float64)
     outs = []
     for t in range(11):
         kt = k[:, t]
         if variant == "gated_deltanet":
             S = S - beta[:, t, :, None, None] * kt[..., None] * torch.einsum("bhk,bhkv->bhv", kt, S)[:, :, None]
-        S = torch.exp(g[:, t])[..., None, None] * S + beta[:, t, :, None, None] * kt[..., None] * v[:, t, :, None]
+        decay = torch.exp(g[:, t])[..., None] if variant == "gla" else torch.exp(g[:, t])[..., None, None]
+        S = decay * S + beta[:, t, :, None, None] * kt[..., None] * v[:, t, :, None]
         outs.append(scale * torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
     o_ref = torch.stack(outs, 1)
     o, _, _ = real(*seen["args"])
     assert_close(o, o_ref, 1e-12, "plain")
 
 
-@pytest.mark.parametrize("variant", ["mamba2", "gated_deltanet"])
+@pytest.mark.parametrize("variant", NAMES)
 def test_level_cap_raises(variant):
     layer = make_layer(variant, True, max_levels=3)  # 4 tokens per sequence
     x = torch.randn(1, 5, D, dtype=torch.float64)
@@ -167,7 +172,7 @@ def test_short_convolution_matches_conv1d_and_carries_state():
     assert_close(sp, state, 0, "packed conv state")
 
 
-@pytest.mark.parametrize("variant", ["mamba2", "gated_deltanet"])
+@pytest.mark.parametrize("variant", NAMES)
 def test_gradients_through_layer_and_state(variant):
     layer = make_layer(variant, True)
     x = torch.randn(2, 5, D, dtype=torch.float64, requires_grad=True)
@@ -250,3 +255,15 @@ def test_bad_gated_deltanet_sizes(kwargs, match):
 def test_bad_mamba2_sizes(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LogLinearMamba2(**({"hidden_size": D, "num_heads": 2, "head_dim": 4, "state_size": 4} | kwargs))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"expand_k": 0.3}, r"expand_k must give a width int\(hidden_size \* expand_k\) that is a positive multiple of "
+                        r"num_heads = 2, got expand_k = 0.3 with hidden_size = 12"),
+    ({"expand_v": 0.05}, "expand_v must give a width"),
+    ({"gate_low_rank_dim": 0}, "gate_low_rank_dim must be a positive int, got 0"),
+    ({"gate_logit_normalizer": 0}, "gate_logit_normalizer must be a number > 0, got 0"),
+])
+def test_bad_gla_sizes(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LogLinearGLA(**({"hidden_size": D, "num_heads": 2} | kwargs))

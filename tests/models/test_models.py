@@ -11,6 +11,8 @@ from loglinear.models import (
     FenwickCache,
     LogLinearGatedDeltaNetConfig,
     LogLinearGatedDeltaNetForCausalLM,
+    LogLinearGLAConfig,
+    LogLinearGLAForCausalLM,
     LogLinearMamba2Config,
     LogLinearMamba2ForCausalLM,
 )
@@ -25,12 +27,15 @@ def make_model(variant: str, use_log_linear: bool, **overrides):
                   chunk_size=4, eos_token_id=None, pad_token_id=0, initializer_range=0.2) | overrides
     if variant == "mamba2":
         model = LogLinearMamba2ForCausalLM(LogLinearMamba2Config(state_size=6, **common))
+    elif variant == "gla":
+        model = LogLinearGLAForCausalLM(LogLinearGLAConfig(gate_low_rank_dim=4, **common))
     else:
         model = LogLinearGatedDeltaNetForCausalLM(LogLinearGatedDeltaNetConfig(**common))
     return model.double().eval()
 
 
-VARIANTS = [(v, ll) for v in ("mamba2", "gated_deltanet") for ll in (True, False)]
+NAMES = ("mamba2", "gated_deltanet", "gla")
+VARIANTS = [(v, ll) for v in NAMES for ll in (True, False)]
 
 
 def left_padded(lengths: list[int], T: int):
@@ -131,7 +136,7 @@ def test_cache_size_after_n_tokens(variant, ll):
     assert cache.num_levels() == (6 if ll else 1)  # 17 tokens: ceil(log2 17) + 1
 
 
-@pytest.mark.parametrize("variant", ["mamba2", "gated_deltanet"])
+@pytest.mark.parametrize("variant", NAMES)
 @pytest.mark.parametrize("tie", [False, True])
 def test_save_and_load_round_trip(tmp_path, variant, tie):
     model = make_model(variant, True, tie_word_embeddings=tie)
@@ -208,6 +213,10 @@ def test_cache_selection_and_limits():
     (LogLinearMamba2Config, {"time_step_floor": 0.0}, "time_step_floor > 0"),
     (LogLinearGatedDeltaNetConfig, {"vocab_size": 10, "pad_token_id": 10},
      r"pad_token_id must be None or in \[0, vocab_size = 10\), got 10"),
+    (LogLinearGLAConfig, {"hidden_size": 24, "num_heads": 8}, r"expand_k must give a width .* num_heads = 8"),
+    (LogLinearGLAConfig, {"head_dim": 64}, r"head_dim of GLA is int\(hidden_size \* expand_k\) / num_heads = 32"),
+    (LogLinearGLAConfig, {"gate_low_rank_dim": 0}, "gate_low_rank_dim must be a positive int, got 0"),
+    (LogLinearGLAConfig, {"gate_logit_normalizer": float("inf")}, "gate_logit_normalizer must be a finite number > 0"),
 ])
 def test_invalid_config_fields(config_cls, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -17,9 +17,9 @@ at position p0 is front-padded with p0 mod C identity tokens. Then (spec section
 Time O(T C (K + V) + T K V log(T / C)); memory O(T C + K V log T): no T x T tensor.
 
 What the scan needs from a variant is its chunk form (Variant.form), built on chunked tensors
-q, k: [b, H, N, C, K]; v: [b, H, N, C, V]; each gate [b, H, N, C] (N chunks of C tokens; padding tokens have
-k = v = gates = 0, so their transition is the identity). Within a chunk, G is the local inclusive cumsum of g and
-Gamma[t, s] = exp(G_t - G_s) for s <= t. A form provides
+q, k: [b, H, N, C, K]; v: [b, H, N, C, V]; each gate [b, H, N, C], a per-channel one [b, H, N, C, K] (N chunks of
+C tokens; padding tokens have k = v = gates = 0, so their transition is the identity). Within a chunk, G is the
+local inclusive cumsum of g and Gamma[t, s] = exp(G_t - G_s) for s <= t. A form provides
     intra:  [b, H, N, C, C]  beta_s q_t^T P_{t,s} k_s inside the chunk (before the level mask)
     qt:     [b, H, N, C, K]  readout queries:  q_t^T P_{t, chunk start - 1} h  ==  (qt_t) h
     transition(i, h):        the chunk's whole transition applied to states h: [b, H, K, X]
@@ -72,7 +72,7 @@ def chunk_scan(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunkwise log-linear attention of rows sharing the start ``position``; form_cls: the variant's chunk form.
 
-    q, k: [b, T, H, K]; v: [b, T, H, V]; gates: {name: [b, T, H]}; lam: [b, T, H, L];
+    q, k: [b, T, H, K]; v: [b, T, H, V]; gates: {name: [b, T, H] or per channel [b, T, H, K]}; lam: [b, T, H, L];
     levels: [b, Ls, H, K, V] incoming state (or None). Returns o: [b, T, H, V] and the final levels
     [b, max(Ls, levels_needed(position + T)), H, K, V].
     """
