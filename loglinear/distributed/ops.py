@@ -42,6 +42,7 @@ from loglinear.distributed.layout import ShardLayout, shard_layout
 from loglinear.distributed.scan import incoming_states
 from loglinear.fenwick import levels_needed
 from loglinear.inputs import check_inputs, expand_groups, l2norm
+from loglinear.ops.finite import floor_log_decays
 from loglinear.ops.api import attention
 from loglinear.state import FenwickState
 from loglinear.variants import GATED_DELTANET, MAMBA2, Variant, get
@@ -159,7 +160,7 @@ def context_parallel_attention(
     """
     variant = get(variant)
     group = _group(group)
-    check_inputs(variant, q, k, v, gates, level_scales, scale, None, None)
+    floored = floor_log_decays(check_inputs(variant, q, k, v, gates, level_scales, scale, None, None)).gates
     initial_state = _check_initial_state(initial_state, cu_seqlens, q.shape[0])
     positions = initial_state.positions if initial_state is not None else None
     layout = shard_layout(group, q, v, level_scales, cu_seqlens, positions)
@@ -175,7 +176,7 @@ def context_parallel_attention(
         cu_seqlens=local_cu,
     )
     R = layout.carried_rows
-    wide = {name: x.to(dtype) for name, x in gates.items()}
+    wide = {name: x.to(dtype) for name, x in floored.items()}  # g = -inf: a reset, as in the op
 
     def own_local() -> torch.Tensor:
         if variant.local_state is not None and initial_state is None:

@@ -2,7 +2,7 @@
 
 Every rank builds the same global float64 inputs, runs the single-process op on all of them and the
 context-parallel op on its shard, and compares its slice of the output and of every gradient (q, k, v,
-g, beta, level_scales; initial_state.levels summed over ranks; the final state and its gradient path).
+the variant's gates, level_scales; initial_state.levels summed over ranks; the final state and its gradient path).
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-import loglinear
-from loglinear.distributed import context_parallel_log_linear_gated_deltanet, context_parallel_log_linear_mamba2
+from loglinear.distributed import context_parallel_attention, context_parallel_log_linear_mamba2
+from loglinear.ops import attention
 from loglinear.state import FenwickState
+from loglinear.variants import get
 
 from helpers import make_inputs
 
@@ -27,7 +28,7 @@ from helpers import make_inputs
 @dataclass
 class Case:
     name: str
-    variant: str  # "mamba2" | "gated_deltanet"
+    variant: str  # a registered variant's name
     lengths: list[int]  # shard length per rank
     B: int = 2
     G: int = 1
@@ -40,6 +41,7 @@ class Case:
     op_kwargs: dict = field(default_factory=dict)
     dtype: torch.dtype = torch.float64
     backend: str | None = None  # LOGLINEAR_BACKEND for the op calls (None: the default)
+    hard_reset: bool = False  # g = -inf (every channel) at token 2 of every row: a reset inside shard 0
 
     @property
     def rtol(self) -> float:
@@ -47,12 +49,14 @@ class Case:
 
 
 def _inputs(case: Case, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """q, k, v, level_scales and the variant's gates (its own sample_gates), in the op's argument order."""
     T = sum(case.lengths)
     start = max(case.init_positions or [0])
     x = make_inputs(case.B, T, case.G, case.H, K=case.K, V=case.V, dtype=case.dtype, generator=gen, start=start)
-    if case.variant == "mamba2":
-        del x["beta"]
-    return x
+    gates = get(case.variant).sample_gates(case.B, T, case.H, case.K, dtype=case.dtype, generator=gen)
+    if case.hard_reset:
+        gates["g"][:, 2] = -torch.inf
+    return {"q": x["q"], "k": x["k"], "v": x["v"], **gates, "level_scales": x["level_scales"]}
 
 
 def _initial_state(case: Case, n_seq: int, L: int, gen: torch.Generator) -> FenwickState | None:
@@ -65,13 +69,11 @@ def _initial_state(case: Case, n_seq: int, L: int, gen: torch.Generator) -> Fenw
 def _call(case: Case, cp: bool, x: dict, state, cu, group=None):
     kwargs = dict(chunk_size=case.chunk_size, initial_state=state, output_final_state=True, cu_seqlens=cu)
     kwargs |= case.op_kwargs
-    mamba2 = case.variant == "mamba2"
+    gates = {name: x[name] for name in get(case.variant).gate_names}
+    args = (case.variant, x["q"], x["k"], x["v"], gates, x["level_scales"])
     if cp:
-        kwargs["group"] = group
-        op = context_parallel_log_linear_mamba2 if mamba2 else context_parallel_log_linear_gated_deltanet
-    else:
-        op = loglinear.log_linear_mamba2 if mamba2 else loglinear.log_linear_gated_deltanet
-    return op(*x.values(), **kwargs)
+        return context_parallel_attention(*args, group=group, **kwargs)
+    return attention(*args, **kwargs)
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor, what: str, rtol: float = 1e-10) -> None:

@@ -1,5 +1,5 @@
 """Context parallelism on CPU with gloo: 2 and 4 processes, float64, outputs and all gradients equal the
-single-process op (both variants, uneven shards, T_r = 1 shards, G < H, varlen across and inside shards,
+single-process op (every variant, uneven shards, T_r = 1 shards, G < H, varlen across and inside shards,
 initial states, final states); on 4 processes also whole models under apply_context_parallel (logits and
 parameter gradients equal the single-process model's); on 2 processes the Triton backend (float32, with and
 without initial states)."""
@@ -42,7 +42,11 @@ def _cases(lengths: list[int]) -> list[Case]:
                  init_positions=[3, 0, 9, 1][: len(bounds) - 1]),
             Case(f"{variant}-varlen-fresh", variant, lengths, B=1, H=3, seq_bounds=bounds, chunk_size=2),
         ]
-    return cases
+    return cases + [  # per-channel gates; g = -inf in shard 0 (the local states and transitions see it)
+        Case("gla-dense", "gla", lengths, G=1, H=2, hard_reset=True),
+        Case("gla-state", "gla", lengths, B=2, G=2, H=2, init_positions=[5, 12], chunk_size=8),
+        Case("mamba2-hard-reset", "mamba2", lengths, G=1, H=2, hard_reset=True),
+    ]
 
 
 # (variant, log-linear, activation checkpointing)
