@@ -23,10 +23,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("loglinear.train.command", "train a language model on real text (one process or torchrun + FSDP2)"),
     "eval": ("loglinear.eval.command",
              "validation perplexity, per-position loss, needle-in-a-haystack and lm-eval tasks of trained runs"),
+    "convert": ("loglinear.models.convert",
+                "convert a transformers Mamba2ForCausalLM checkpoint into a plain (linear) loglinear Mamba-2 model"),
 }
 # the packages of the `train` extra a command needs, checked before it starts (not after a sweep)
 NEEDS = {"mqar": ("transformers", "matplotlib"), "train": ("transformers", "tokenizers", "safetensors"),
-         "eval": ("transformers", "tokenizers", "matplotlib")}
+         "eval": ("transformers", "tokenizers", "matplotlib"), "convert": ("transformers", "safetensors")}
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -1,0 +1,213 @@
+"""Convert a transformers ``Mamba2ForCausalLM`` checkpoint (a folder: config.json, safetensors weights, tokenizer
+files) into the plain (use_log_linear=False) ``LogLinearMamba2ForCausalLM`` with the same logits; also the
+``loglinear convert SRC DST`` command.
+
+Weights (i: layer; transformers -> loglinear):
+
+    backbone.embeddings.weight (or .embedding.)    -> model.embeddings.weight
+    backbone.layers.i.norm.weight                  -> model.layers.i.mixer_norm.weight
+    backbone.layers.i.mixer.in_proj.weight         -> model.layers.i.mixer.in_proj.weight   (z | xBC | dt, same order)
+    backbone.layers.i.mixer.conv1d.weight / .bias  -> model.layers.i.mixer.conv.weight / .bias (zeros without bias)
+    backbone.layers.i.mixer.{dt_bias, A_log, D}    -> model.layers.i.mixer.{dt_bias, A_log, D}
+    backbone.layers.i.mixer.norm.weight            -> model.layers.i.mixer.norm.weight      (gated RMSNorm)
+    backbone.layers.i.mixer.out_proj.weight        -> model.layers.i.mixer.out_proj.weight
+    backbone.norm_f.weight                         -> model.norm.weight
+    lm_head.weight                                 -> lm_head.weight (the embeddings when tie_word_embeddings)
+
+Config: vocab_size, hidden_size, num_hidden_layers, num_heads, head_dim, state_size, expand, n_groups,
+conv_kernel, tie_word_embeddings, initializer_range, time_step_min/max/floor, use_cache, pad/bos/eos_token_id
+carry over; layer_norm_epsilon -> norm_eps; intermediate_size=0 (the blocks are mixer-only, like transformers');
+use_log_linear=False. chunk_size carries over when a power of two, else the largest power of two below it (the
+chunking does not change the function). use_conv_bias=False gives a zero conv bias. time_step_rank and
+rescale_prenorm_residual only matter to transformers' initialisation. residual_in_fp32: our residual stream keeps the
+model's dtype (the same in float32; bfloat16/float16 round differently).
+
+Refused (ValueError naming the field): hidden_act other than silu; use_bias=True (our in_proj/out_proj have no
+bias); n_groups > 1 (transformers normalises the gated RMSNorm per group of d_inner / n_groups channels, ours over
+all d_inner); a time_step_limit that clamps dt (ours does not clamp); pickle weights (.bin/.pt, never loaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+__all__ = ["convert_mamba2", "mamba2_config", "mamba2_state_dict", "TOKENIZER_FILES", "add_arguments", "run"]
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_DTYPES = {"source": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# per-layer parameters with the same name on both sides
+_SAME = ("in_proj.weight", "out_proj.weight", "dt_bias", "A_log", "D", "norm.weight")
+
+
+def _read_source_config(src: Path):
+    """The transformers Mamba2Config of ``src`` (its defaults fill the fields config.json leaves out)."""
+    from transformers import Mamba2Config
+
+    path = src / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in {src} (expected a transformers Mamba2ForCausalLM folder)")
+    model_type = json.loads(path.read_text()).get("model_type")
+    if model_type != "mamba2":
+        raise ValueError(f"{path} has model_type {model_type!r}: only transformers' \"mamba2\" can be converted")
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: no strict config validation
+        StrictDataclassError = ValueError
+    try:
+        return Mamba2Config.from_pretrained(src)
+    except StrictDataclassError as e:
+        raise ValueError(f"invalid {path}: {' '.join(str(e).split())}") from e
+
+
+def mamba2_config(hf):
+    """transformers Mamba2Config -> the LogLinearMamba2Config (use_log_linear=False) of the same function;
+    ValueError naming any field our model cannot express."""
+    from loglinear.models.configuration import LogLinearMamba2Config
+
+    d_inner = hf.num_heads * hf.head_dim
+    if hf.hidden_act != "silu":
+        raise ValueError(f"cannot convert hidden_act = {hf.hidden_act!r}: our Mamba-2 uses silu")
+    if hf.use_bias:
+        raise ValueError("cannot convert use_bias = True: our in_proj and out_proj have no bias")
+    if hf.n_groups != 1:
+        raise ValueError(
+            f"cannot convert n_groups = {hf.n_groups}: transformers normalises the gated RMSNorm per group of "
+            f"d_inner / n_groups = {d_inner // hf.n_groups} channels, ours over all d_inner = {d_inner} channels"
+        )
+    low, high = (float(x) for x in hf.time_step_limit)
+    if low > 0 or high != math.inf:
+        raise ValueError(f"cannot convert time_step_limit = {tuple(hf.time_step_limit)}: our Mamba-2 does not clamp "
+                         "dt (only (0.0, inf) converts)")
+    if int(hf.expand * hf.hidden_size) != d_inner:
+        raise ValueError(f"inconsistent config: expand * hidden_size = {hf.expand * hf.hidden_size} "
+                         f"!= num_heads * head_dim = {d_inner}")
+    chunk = hf.chunk_size if hf.chunk_size & (hf.chunk_size - 1) == 0 else 1 << (hf.chunk_size.bit_length() - 1)
+    return LogLinearMamba2Config(
+        vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_hidden_layers=hf.num_hidden_layers,
+        num_heads=hf.num_heads, head_dim=hf.head_dim, state_size=hf.state_size, expand=hf.expand,
+        n_groups=hf.n_groups, use_log_linear=False, conv_kernel=hf.conv_kernel, chunk_size=chunk,
+        intermediate_size=0, norm_eps=hf.layer_norm_epsilon, initializer_range=hf.initializer_range,
+        tie_word_embeddings=bool(hf.tie_word_embeddings), use_cache=hf.use_cache,
+        time_step_min=hf.time_step_min, time_step_max=hf.time_step_max, time_step_floor=hf.time_step_floor,
+        pad_token_id=hf.pad_token_id, bos_token_id=hf.bos_token_id, eos_token_id=hf.eos_token_id,
+    )
+
+
+def _weight_files(src: Path) -> list[Path]:
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        return [src / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    files = sorted(src.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in src.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickles:
+        raise ValueError(f"{src} holds pickle weights ({', '.join(pickles)}), which are not loaded (unsafe): save "
+                         "the model with safetensors first (save_pretrained(..., safe_serialization=True))")
+    raise FileNotFoundError(f"no *.safetensors weights in {src}")
+
+
+def _read_weights(src: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weights = {}
+    for path in _weight_files(src):
+        if not path.is_file():
+            raise FileNotFoundError(f"weight file {path} (listed in the index) is missing")
+        weights.update(load_file(path))
+    return weights
+
+
+def mamba2_state_dict(weights: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """transformers Mamba2ForCausalLM tensors -> LogLinearMamba2ForCausalLM state dict (see the module docstring)."""
+    out: dict[str, torch.Tensor] = {}
+    unknown = []
+    for name, tensor in weights.items():
+        name = name.replace("backbone.embedding.", "backbone.embeddings.")
+        layer = re.fullmatch(r"backbone\.layers\.(\d+)\.(.+)", name)
+        if name == "backbone.embeddings.weight":
+            out["model.embeddings.weight"] = tensor
+        elif name == "backbone.norm_f.weight":
+            out["model.norm.weight"] = tensor
+        elif name == "lm_head.weight":
+            out["lm_head.weight"] = tensor
+        elif layer and layer[2] == "norm.weight":
+            out[f"model.layers.{layer[1]}.mixer_norm.weight"] = tensor
+        elif layer and layer[2] in ("mixer.conv1d.weight", "mixer.conv1d.bias"):
+            out[f"model.layers.{layer[1]}.mixer.conv.{layer[2].rsplit('.', 1)[1]}"] = tensor
+        elif layer and layer[2].startswith("mixer.") and layer[2][len("mixer."):] in _SAME:
+            out[f"model.layers.{layer[1]}.{layer[2]}"] = tensor
+        else:
+            unknown.append(name)
+    if unknown:
+        raise ValueError(f"unexpected tensors in the checkpoint: {', '.join(sorted(unknown)[:5])}")
+    for i in range(config.num_hidden_layers):  # use_conv_bias=False: a zero bias
+        weight = out.get(f"model.layers.{i}.mixer.conv.weight")
+        if weight is not None:
+            out.setdefault(f"model.layers.{i}.mixer.conv.bias", weight.new_zeros(weight.shape[0]))
+    if config.tie_word_embeddings and "model.embeddings.weight" in out:
+        out["lm_head.weight"] = out["model.embeddings.weight"]
+    return out
+
+
+def _load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    wrong = [f"{k} {tuple(state[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items()
+             if k in state and state[k].shape != v.shape]
+    if missing or extra or wrong:
+        parts = [f"{what}: {', '.join(names[:5])}" for what, names in
+                 (("missing", missing), ("unexpected", extra), ("wrong shape", wrong)) if names]
+        raise ValueError(f"the checkpoint's weights do not match its config ({'; '.join(parts)})")
+    model.load_state_dict(state, strict=True)
+
+
+def convert_mamba2(src_dir: str | Path, dst_dir: str | Path, dtype: str = "source") -> None:
+    """Convert the transformers Mamba2ForCausalLM folder ``src_dir`` into a LogLinearMamba2ForCausalLM folder
+    ``dst_dir`` (new or empty) with the same logits; tokenizer files are copied along. dtype: "source" (the dtype of
+    the checkpoint's tensors when they share one, else float32), "float32", "bfloat16" or "float16"."""
+    from loglinear.models.modeling import LogLinearMamba2ForCausalLM
+
+    src, dst = Path(src_dir), Path(dst_dir)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    if not src.is_dir():
+        raise FileNotFoundError(f"source folder {src} does not exist")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ValueError(f"destination {dst} exists and is not an empty folder")
+    config = mamba2_config(_read_source_config(src))
+    weights = _read_weights(src)
+    state = mamba2_state_dict(weights, config)
+    source_dtypes = {t.dtype for t in weights.values() if t.is_floating_point()}
+    target = _DTYPES[dtype] or (source_dtypes.pop() if len(source_dtypes) == 1 else torch.float32)
+    model = LogLinearMamba2ForCausalLM(config)
+    _load_strict(model, state)
+    model.to(target).save_pretrained(dst)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="transformers Mamba2ForCausalLM folder (config.json, *.safetensors, tokenizer files)")
+    p.add_argument("dst", help="output folder (new or empty): a plain (use_log_linear=False) loglinear Mamba-2 model")
+    p.add_argument("--dtype", choices=list(_DTYPES), default="source",
+                   help="dtype of the saved weights (source: that of the checkpoint's tensors)")
+
+
+def run(args: argparse.Namespace) -> int:
+    convert_mamba2(args.src, args.dst, dtype=args.dtype)
+    print(f"converted {args.src} -> {args.dst} (LogLinearMamba2ForCausalLM, use_log_linear=False)")
+    return 0
