@@ -33,7 +33,7 @@ class LogLinearGatedDeltaNet(FenwickMixer):
         self, hidden_size: int, num_heads: int, head_dim: int = 64, expand_v: float = 2.0, conv_kernel: int = 4,
         use_log_linear: bool = True, max_levels: int = DEFAULT_MAX_LEVELS, chunk_size: int = 64,
         norm_eps: float = 1e-5, dt_min: float = 1e-3, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
-        layer_idx: int | None = None,
+        level_activation: str = "softplus", layer_idx: int | None = None,
     ):
         check_positive_ints(head_dim=head_dim)
         self.head_k_dim, self.head_v_dim = head_dim, check_value_head_dim(head_dim, expand_v)
@@ -41,7 +41,8 @@ class LogLinearGatedDeltaNet(FenwickMixer):
         self.dt_range = (dt_min, dt_max, dt_init_floor)
         super().__init__(
             hidden_size, num_heads, 2 * self.key_dim + self.value_dim, conv_kernel=conv_kernel, conv_bias=False,
-            use_log_linear=use_log_linear, max_levels=max_levels, chunk_size=chunk_size, layer_idx=layer_idx,
+            use_log_linear=use_log_linear, max_levels=max_levels, chunk_size=chunk_size,
+            level_activation=level_activation, layer_idx=layer_idx,
         )
         self.qkv_proj = nn.Linear(hidden_size, 2 * self.key_dim + self.value_dim, bias=False)
         self.ab_proj = nn.Linear(hidden_size, 2 * num_heads, bias=False)

@@ -32,7 +32,7 @@ class LogLinearGLA(FenwickMixer):
         self, hidden_size: int, num_heads: int, expand_k: float = 0.5, expand_v: float = 1.0,
         gate_low_rank_dim: int = 16, gate_logit_normalizer: float = 16.0, conv_kernel: int = 4,
         use_log_linear: bool = True, max_levels: int = DEFAULT_MAX_LEVELS, chunk_size: int = 64,
-        norm_eps: float = 1e-5, layer_idx: int | None = None,
+        norm_eps: float = 1e-5, level_activation: str = "softplus", layer_idx: int | None = None,
     ):
         check_positive_ints(hidden_size=hidden_size, num_heads=num_heads, gate_low_rank_dim=gate_low_rank_dim)
         self.head_k_dim = check_expanded_head_dim("expand_k", expand_k, hidden_size, num_heads)
@@ -43,7 +43,8 @@ class LogLinearGLA(FenwickMixer):
         self.gate_logit_normalizer = float(gate_logit_normalizer)
         super().__init__(
             hidden_size, num_heads, 2 * self.key_dim + self.value_dim, conv_kernel=conv_kernel, conv_bias=False,
-            use_log_linear=use_log_linear, max_levels=max_levels, chunk_size=chunk_size, layer_idx=layer_idx,
+            use_log_linear=use_log_linear, max_levels=max_levels, chunk_size=chunk_size,
+            level_activation=level_activation, layer_idx=layer_idx,
         )
         self.qkv_proj = nn.Linear(hidden_size, 2 * self.key_dim + self.value_dim, bias=False)
         self.gk_proj = nn.Sequential(nn.Linear(hidden_size, gate_low_rank_dim, bias=False),

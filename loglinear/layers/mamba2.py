@@ -4,8 +4,8 @@
     dt = softplus(dt + dt_bias);  g = -exp(A_log) dt;  q = C, k = B: [G, N];  v = x dt: [H, P]
     y = log_linear_mamba2(q, k, v, g, lambda, scale=1) + D x;   out = out_proj(RMSNorm(y * SiLU(z)))
 
-lambda_t[h, l] = softplus(Ls[h, l] (W_lambda x_t)[h, l]) (LevelScales). use_log_linear=False drops W_lambda
-and uses lambda = 1: plain Mamba-2 (SSD), everything else identical.
+lambda_t[h, l] = softplus(Ls[h, l] (W_lambda x_t)[h, l]) (LevelScales; or 2 sigmoid, level_activation).
+use_log_linear=False drops W_lambda and uses lambda = 1: plain Mamba-2 (SSD), everything else identical.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class LogLinearMamba2(FenwickMixer):
         self, hidden_size: int, num_heads: int, head_dim: int = 64, state_size: int = 128, n_groups: int = 1,
         conv_kernel: int = 4, use_log_linear: bool = True, max_levels: int = DEFAULT_MAX_LEVELS,
         chunk_size: int = 64, norm_eps: float = 1e-5, dt_min: float = 1e-3, dt_max: float = 0.1,
-        dt_init_floor: float = 1e-4, layer_idx: int | None = None,
+        dt_init_floor: float = 1e-4, level_activation: str = "softplus", layer_idx: int | None = None,
     ):
         check_positive_ints(num_heads=num_heads, head_dim=head_dim, state_size=state_size, n_groups=n_groups)
         check_multiple("num_heads", num_heads, "n_groups", n_groups)
@@ -41,7 +41,7 @@ class LogLinearMamba2(FenwickMixer):
         super().__init__(
             hidden_size, num_heads, self.d_inner + 2 * n_groups * state_size, conv_kernel=conv_kernel,
             conv_bias=True, use_log_linear=use_log_linear, max_levels=max_levels, chunk_size=chunk_size,
-            layer_idx=layer_idx,
+            level_activation=level_activation, layer_idx=layer_idx,
         )
         self.in_proj = nn.Linear(hidden_size, 2 * self.d_inner + 2 * n_groups * state_size + num_heads, bias=False)
         self.A_log = nn.Parameter(torch.empty(num_heads))

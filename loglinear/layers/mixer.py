@@ -89,7 +89,7 @@ class FenwickMixer(nn.Module):
     def __init__(
         self, hidden_size: int, num_heads: int, conv_channels: int, *, conv_kernel: int = 4, conv_bias: bool = False,
         use_log_linear: bool = True, max_levels: int = DEFAULT_MAX_LEVELS, chunk_size: int = 64,
-        layer_idx: int | None = None,
+        level_activation: str = "softplus", layer_idx: int | None = None,
     ):
         check_positive_ints(hidden_size=hidden_size, num_heads=num_heads, conv_kernel=conv_kernel,
                             chunk_size=chunk_size)
@@ -99,7 +99,8 @@ class FenwickMixer(nn.Module):
         self.use_log_linear, self.max_levels, self.chunk_size = use_log_linear, max_levels, chunk_size
         self.layer_idx = layer_idx
         self.conv = ShortConvolution(conv_channels, conv_kernel, bias=conv_bias)
-        self.level_scales = LevelScales(hidden_size, num_heads, max_levels) if use_log_linear else None
+        self.level_scales = (LevelScales(hidden_size, num_heads, max_levels, level_activation) if use_log_linear
+                             else None)
 
     # --- what a variant provides -------------------------------------------------------------
     def conv_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

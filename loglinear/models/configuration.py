@@ -4,6 +4,8 @@
 All stack pre-norm blocks  x + mixer(RMSNorm(x)),  x + SwiGLU(RMSNorm(x))  (the MLP is dropped with
 intermediate_size=0), between a token embedding and an LM head (optionally tied).
 use_log_linear=False gives the plain Mamba-2 / Gated DeltaNet / GLA model with everything else identical.
+level_activation: how the level weights lambda are formed ("softplus", the paper's; "sigmoid": 2 sigmoid, exactly 1
+with a zero lambda projection, loglinear.layers.levels).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from loglinear.inputs import (
     check_power_of_two,
     check_value_head_dim,
 )
+from loglinear.layers.levels import LEVEL_ACTIVATIONS
 
 __all__ = ["LogLinearMamba2Config", "LogLinearGatedDeltaNetConfig", "LogLinearGLAConfig"]
 
@@ -33,7 +36,8 @@ class _FenwickConfig(PretrainedConfig):
 
     def __init__(
         self, vocab_size: int = 32000, hidden_size: int = 256, num_hidden_layers: int = 4, num_heads: int = 4,
-        head_dim: int | None = None, use_log_linear: bool = True, max_levels: int = 21, conv_kernel: int = 4,
+        head_dim: int | None = None, use_log_linear: bool = True, max_levels: int = 21,
+        level_activation: str = "softplus", conv_kernel: int = 4,
         chunk_size: int = 64, intermediate_size: int | None = None, norm_eps: float = 1e-5,
         initializer_range: float = 0.02, tie_word_embeddings: bool = False, use_cache: bool = True,
         pad_token_id: int | None = None, bos_token_id: int | None = 1, eos_token_id: int | None = 2, **kwargs,
@@ -43,6 +47,8 @@ class _FenwickConfig(PretrainedConfig):
         if not isinstance(max_levels, int) or not 1 <= max_levels <= 62:
             raise ValueError(f"max_levels must be an int in [1, 62] (2^(max_levels-1) tokens), got {max_levels!r}")
         check_power_of_two(chunk_size=chunk_size)
+        if level_activation not in LEVEL_ACTIVATIONS:
+            raise ValueError(f"level_activation must be one of {sorted(LEVEL_ACTIVATIONS)}, got {level_activation!r}")
         if intermediate_size is not None and (not isinstance(intermediate_size, int) or intermediate_size < 0):
             raise ValueError(f"intermediate_size must be an int >= 0 (0: no MLP) or None, got {intermediate_size!r}")
         if not isinstance(norm_eps, (int, float)) or not math.isfinite(norm_eps) or norm_eps < 0:
@@ -52,7 +58,7 @@ class _FenwickConfig(PretrainedConfig):
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.num_hidden_layers, self.num_heads = num_hidden_layers, num_heads
         self.head_dim = head_dim
-        self.use_log_linear, self.max_levels = bool(use_log_linear), max_levels
+        self.use_log_linear, self.max_levels, self.level_activation = bool(use_log_linear), max_levels, level_activation
         self.conv_kernel, self.chunk_size = conv_kernel, chunk_size
         self.intermediate_size = _default_intermediate(hidden_size) if intermediate_size is None else intermediate_size
         self.norm_eps, self.initializer_range, self.use_cache = norm_eps, initializer_range, use_cache
@@ -79,7 +85,7 @@ class _FenwickConfig(PretrainedConfig):
         return dict(
             hidden_size=self.hidden_size, num_heads=self.num_heads, head_dim=self.head_dim,
             conv_kernel=self.conv_kernel, use_log_linear=self.use_log_linear, max_levels=self.max_levels,
-            chunk_size=self.chunk_size, norm_eps=self.norm_eps,
+            level_activation=self.level_activation, chunk_size=self.chunk_size, norm_eps=self.norm_eps,
         )
 
 

@@ -1,6 +1,7 @@
 """Convert a transformers ``Mamba2ForCausalLM`` checkpoint (a folder: config.json, safetensors weights, tokenizer
-files) into the plain (use_log_linear=False) ``LogLinearMamba2ForCausalLM`` with the same logits; also the
-``loglinear convert SRC DST`` command.
+files) into the plain (use_log_linear=False) ``LogLinearMamba2ForCausalLM`` with the same logits, or with
+log_linear into a log-linear one whose level weights start at exactly 1 (the same logits until trained); also the
+``loglinear convert SRC DST [--log-linear]`` command.
 
 Weights (i: layer; transformers -> loglinear):
 
@@ -70,9 +71,10 @@ def _read_source_config(src: Path):
         raise ValueError(f"invalid {path}: {' '.join(str(e).split())}") from e
 
 
-def mamba2_config(hf):
-    """transformers Mamba2Config -> the LogLinearMamba2Config (use_log_linear=False) of the same function;
-    ValueError naming any field our model cannot express."""
+def mamba2_config(hf, log_linear: bool = False):
+    """transformers Mamba2Config -> the LogLinearMamba2Config of the same function: plain (use_log_linear=False),
+    or with log_linear a log-linear one whose level weights are 2 sigmoid(Ls W x) (level_activation "sigmoid",
+    exactly 1 while W = 0). ValueError naming any field our model cannot express."""
     from loglinear.models.configuration import LogLinearMamba2Config
 
     d_inner = hf.num_heads * hf.head_dim
@@ -96,7 +98,8 @@ def mamba2_config(hf):
     return LogLinearMamba2Config(
         vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_hidden_layers=hf.num_hidden_layers,
         num_heads=hf.num_heads, head_dim=hf.head_dim, state_size=hf.state_size, expand=hf.expand,
-        n_groups=hf.n_groups, use_log_linear=False, conv_kernel=hf.conv_kernel, chunk_size=chunk,
+        n_groups=hf.n_groups, use_log_linear=log_linear, level_activation="sigmoid" if log_linear else "softplus",
+        conv_kernel=hf.conv_kernel, chunk_size=chunk,
         intermediate_size=0, norm_eps=hf.layer_norm_epsilon, initializer_range=hf.initializer_range,
         tie_word_embeddings=bool(hf.tie_word_embeddings), use_cache=hf.use_cache,
         time_step_min=hf.time_step_min, time_step_max=hf.time_step_max, time_step_floor=hf.time_step_floor,
@@ -174,10 +177,20 @@ def _load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None
     model.load_state_dict(state, strict=True)
 
 
-def convert_mamba2(src_dir: str | Path, dst_dir: str | Path, dtype: str = "source") -> None:
+def _level_weights_at_one(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """state with every layer's level weights set to lambda = 1 exactly: a zero lambda projection W and Ls = 1
+    (2 sigmoid(0) = 1), so the log-linear model computes the plain one until training moves W."""
+    levels = {name: torch.zeros_like(t) if name.endswith("proj.weight") else torch.ones_like(t)
+              for name, t in model.state_dict().items() if ".level_scales." in name}
+    return state | levels
+
+
+def convert_mamba2(src_dir: str | Path, dst_dir: str | Path, dtype: str = "source", log_linear: bool = False) -> None:
     """Convert the transformers Mamba2ForCausalLM folder ``src_dir`` into a LogLinearMamba2ForCausalLM folder
     ``dst_dir`` (new or empty) with the same logits; tokenizer files are copied along. dtype: "source" (the dtype of
-    the checkpoint's tensors when they share one, else float32), "float32", "bfloat16" or "float16"."""
+    the checkpoint's tensors when they share one, else float32), "float32", "bfloat16" or "float16". log_linear: a
+    log-linear model (use_log_linear=True) whose level weights start at exactly lambda = 1 (see mamba2_config), so
+    it too has the source's logits until it is trained."""
     from loglinear.models.modeling import LogLinearMamba2ForCausalLM
 
     src, dst = Path(src_dir), Path(dst_dir)
@@ -187,12 +200,14 @@ def convert_mamba2(src_dir: str | Path, dst_dir: str | Path, dtype: str = "sourc
         raise FileNotFoundError(f"source folder {src} does not exist")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"destination {dst} exists and is not an empty folder")
-    config = mamba2_config(_read_source_config(src))
+    config = mamba2_config(_read_source_config(src), log_linear)
     weights = _read_weights(src)
     state = mamba2_state_dict(weights, config)
     source_dtypes = {t.dtype for t in weights.values() if t.is_floating_point()}
     target = _DTYPES[dtype] or (source_dtypes.pop() if len(source_dtypes) == 1 else torch.float32)
     model = LogLinearMamba2ForCausalLM(config)
+    if log_linear:
+        state = _level_weights_at_one(model, state)
     _load_strict(model, state)
     model.to(target).save_pretrained(dst)
     for name in TOKENIZER_FILES:
@@ -203,11 +218,14 @@ def convert_mamba2(src_dir: str | Path, dst_dir: str | Path, dtype: str = "sourc
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="transformers Mamba2ForCausalLM folder (config.json, *.safetensors, tokenizer files)")
     p.add_argument("dst", help="output folder (new or empty): a plain (use_log_linear=False) loglinear Mamba-2 model")
+    p.add_argument("--log-linear", action="store_true",
+                   help="make it log-linear, with level weights lambda = 2 sigmoid(Ls W x) starting at exactly 1 "
+                   "(W = 0): the same logits until trained")
     p.add_argument("--dtype", choices=list(_DTYPES), default="source",
                    help="dtype of the saved weights (source: that of the checkpoint's tensors)")
 
 
 def run(args: argparse.Namespace) -> int:
-    convert_mamba2(args.src, args.dst, dtype=args.dtype)
-    print(f"converted {args.src} -> {args.dst} (LogLinearMamba2ForCausalLM, use_log_linear=False)")
+    convert_mamba2(args.src, args.dst, dtype=args.dtype, log_linear=args.log_linear)
+    print(f"converted {args.src} -> {args.dst} (LogLinearMamba2ForCausalLM, use_log_linear={args.log_linear})")
     return 0

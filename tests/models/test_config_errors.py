@@ -22,3 +22,8 @@ def test_gated_deltanet_heads_must_divide_the_width():
     with pytest.raises(ValueError, match="hidden_size = 100 must be a multiple of num_heads = 3"):
         LogLinearGatedDeltaNetConfig(hidden_size=100, num_heads=3)
     assert LogLinearGatedDeltaNetConfig(hidden_size=100, num_heads=3, head_dim=32).head_dim == 32
+
+
+def test_level_activation_must_be_known():
+    with pytest.raises(ValueError, match=r"level_activation must be one of \['sigmoid', 'softplus'\], got 'relu'"):
+        LogLinearMamba2Config(hidden_size=64, num_heads=4, level_activation="relu")

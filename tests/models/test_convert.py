@@ -1,6 +1,6 @@
 """transformers Mamba2ForCausalLM checkpoints convert into the plain (use_log_linear=False) loglinear Mamba-2 with
-the same logits; structures our model cannot express, pickle weights and bad folders are refused with one clear
-message."""
+the same logits, or into a log-linear one whose level weights start at exactly 1 (the same logits, then trainable);
+structures our model cannot express, pickle weights and bad folders are refused with one clear message."""
 
 import json
 
@@ -49,6 +49,22 @@ def test_converted_model_gives_the_same_logits(tmp_path, overrides):
     ids = torch.randint(0, 97, (2, 21))  # 21: not a multiple of the chunk size
     with torch.no_grad():
         assert relative_error(hf(ids).logits, ours(ids).logits) <= 1e-5
+
+
+def test_log_linear_conversion_starts_at_lambda_one_with_the_same_logits_and_then_learns_levels(tmp_path):
+    hf = hf_mamba2(tmp_path / "src", seed=2)
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--log-linear"]) == 0
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "dst").eval()
+    assert ours.config.use_log_linear is True and ours.config.level_activation == "sigmoid"
+    ids = torch.randint(0, 97, (2, 21))
+    for layer in ours.model.layers:
+        lam = layer.mixer.level_scales(torch.randn(5, 32))
+        assert torch.equal(lam, torch.ones_like(lam))  # exactly 1, not ~1
+    with torch.no_grad():
+        assert relative_error(hf(ids).logits, ours(ids).logits) <= 1e-5
+    ours.train()
+    ours(ids, labels=ids).loss.backward()
+    assert all(layer.mixer.level_scales.proj.weight.grad.abs().sum() > 0 for layer in ours.model.layers)
 
 
 def test_the_command_converts_and_keeps_the_source_dtype(tmp_path, capsys):
