@@ -1,7 +1,8 @@
 """Convert a transformers ``Mamba2ForCausalLM`` checkpoint (a folder: config.json, safetensors weights, tokenizer
 files) into the plain (use_log_linear=False) ``LogLinearMamba2ForCausalLM`` with the same logits, or with
 log_linear into a log-linear one whose level weights start at exactly 1 (the same logits until trained); also the
-``loglinear convert SRC DST [--log-linear]`` command.
+``loglinear convert SRC DST [--log-linear]`` command, which also makes a plain loglinear model (of any variant)
+log-linear the same way (log_linearize).
 
 Weights (i: layer; transformers -> loglinear):
 
@@ -39,7 +40,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["convert_mamba2", "mamba2_config", "mamba2_state_dict", "TOKENIZER_FILES", "add_arguments", "run"]
+__all__ = ["convert", "convert_mamba2", "log_linearize", "mamba2_config", "mamba2_state_dict", "TOKENIZER_FILES",
+           "add_arguments", "run"]
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
@@ -215,8 +217,52 @@ def convert_mamba2(src_dir: str | Path, dst_dir: str | Path, dtype: str = "sourc
             shutil.copy2(src / name, dst / name)
 
 
+def log_linearize(src_dir: str | Path, dst_dir: str | Path) -> None:
+    """A plain (use_log_linear=False) loglinear model folder (any variant, e.g. a finished ``loglinear train --arch
+    mamba2`` run) -> its log-linear model in dst_dir (new or empty) with the same logits: the same weights,
+    level_activation "sigmoid" and level weights at exactly 1 (W = 0); tokenizer files are copied along."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import loglinear.models  # noqa: F401  (registers the loglinear model types with the Auto classes)
+
+    src, dst = Path(src_dir), Path(dst_dir)
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ValueError(f"destination {dst} exists and is not an empty folder")
+    config = AutoConfig.from_pretrained(src)
+    if config.use_log_linear:
+        raise ValueError(f"{src} is log-linear already (use_log_linear = True)")
+    config.use_log_linear, config.level_activation = True, "sigmoid"
+    model = AutoModelForCausalLM.from_config(config)
+    weights = load_file(src / "model.safetensors")
+    if config.tie_word_embeddings:
+        weights.setdefault("lm_head.weight", weights["model.embeddings.weight"])
+    _load_strict(model, _level_weights_at_one(model, weights))
+    model.to(next(iter(weights.values())).dtype).save_pretrained(dst)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
+def convert(src_dir: str | Path, dst_dir: str | Path, dtype: str = "source", log_linear: bool = False) -> None:
+    """What ``loglinear convert`` does: a transformers Mamba2ForCausalLM folder -> convert_mamba2; a plain loglinear
+    model folder with log_linear -> log_linearize."""
+    if not Path(src_dir).is_dir():
+        raise FileNotFoundError(f"source folder {src_dir} does not exist")
+    path = Path(src_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in {src_dir} (expected a transformers Mamba2ForCausalLM or a "
+                                "loglinear model folder)")
+    if str(json.loads(path.read_text()).get("model_type", "")).startswith("loglinear_"):
+        if not log_linear:
+            raise ValueError(f"{src_dir} is a loglinear model already; --log-linear makes a plain one log-linear")
+        return log_linearize(src_dir, dst_dir)
+    return convert_mamba2(src_dir, dst_dir, dtype=dtype, log_linear=log_linear)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", help="transformers Mamba2ForCausalLM folder (config.json, *.safetensors, tokenizer files)")
+    p.add_argument("src", help="transformers Mamba2ForCausalLM folder (config.json, *.safetensors, tokenizer files), "
+                   "or with --log-linear a plain loglinear model folder (e.g. a `loglinear train --arch mamba2` run)")
     p.add_argument("dst", help="output folder (new or empty): a plain (use_log_linear=False) loglinear Mamba-2 model")
     p.add_argument("--log-linear", action="store_true",
                    help="make it log-linear, with level weights lambda = 2 sigmoid(Ls W x) starting at exactly 1 "
@@ -226,6 +272,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    convert_mamba2(args.src, args.dst, dtype=args.dtype, log_linear=args.log_linear)
+    convert(args.src, args.dst, dtype=args.dtype, log_linear=args.log_linear)
     print(f"converted {args.src} -> {args.dst} (LogLinearMamba2ForCausalLM, use_log_linear={args.log_linear})")
     return 0

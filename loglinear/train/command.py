@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="largest gradient norm (clipped above it)")
     p.add_argument("--precision", default=d.precision, choices=["bf16", "fp32"],
                    help="bf16: bf16 autocast on CUDA; fp32: none (the CPU always runs fp32)")
+    p.add_argument("--init", default=None, metavar="DIR",
+                   help="start from the weights of this model folder (a finished run, or `loglinear convert` "
+                   "output); the model options must match it")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block's activations in the backward: the same gradients in less memory, "
                    "about one more forward per step")
@@ -92,7 +95,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         needle_keys=a.needle_keys, steps=a.steps, global_batch=a.global_batch, micro_batch=a.micro_batch,
         context_parallel=a.context_parallel,
         lr=a.lr, min_lr_ratio=a.min_lr_ratio, warmup=a.warmup, weight_decay=a.weight_decay,
-        grad_clip=a.grad_clip, precision=a.precision, activation_checkpointing=a.activation_checkpointing,
+        grad_clip=a.grad_clip, precision=a.precision, activation_checkpointing=a.activation_checkpointing, init=a.init,
         seed=a.seed, out_dir=a.out_dir or f"runs/lm/{a.arch}",
         save_every=a.save_every, eval_every=a.eval_every, eval_batches=a.eval_batches, log_every=a.log_every,
         device=a.device, stop_after=a.stop_after, max_seconds=a.max_seconds, progress=not a.no_progress,

@@ -73,6 +73,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     precision: str = "bf16"  # autocast dtype on CUDA ("bf16" or "fp32"); the CPU always runs fp32
     activation_checkpointing: bool = False  # recompute each block's activations in the backward (less memory)
+    init: str | None = None  # a model folder (a finished run, `loglinear convert` output) whose weights start the run
     seed: int = 0
     # bookkeeping
     out_dir: str = "runs/lm"
@@ -106,6 +107,28 @@ def lm_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
 def model_from_config(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
     return build_model(cfg.arch, vocab_size=vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
                        n_heads=cfg.n_heads, seed=cfg.seed, **cfg.model_overrides)
+
+
+def load_initial_weights(model: torch.nn.Module, folder: str | Path) -> None:
+    """Start from the weights of the Hugging Face model folder's model.safetensors (never a pickle). They must fit
+    the model built from the run's options exactly; a ValueError lists what differs."""
+    from safetensors.torch import load_file
+
+    path = Path(folder) / "model.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"init: no model.safetensors in {folder} (a finished run or a converted model)")
+    weights, expected = load_file(path), model.state_dict()
+    stored = {expected[n].data_ptr() for n in weights if n in expected}
+    tied = {n for n, t in expected.items() if n not in weights and t.data_ptr() in stored}  # saved once
+    missing, extra = sorted(set(expected) - set(weights) - tied), sorted(set(weights) - set(expected))
+    wrong = [f"{n} {tuple(weights[n].shape)} (the options give {tuple(t.shape)})" for n, t in expected.items()
+             if n in weights and weights[n].shape != t.shape]
+    if missing or extra or wrong:
+        parts = [f"{what}: {', '.join(names[:4])}" for what, names in
+                 (("missing", missing), ("unexpected", extra), ("wrong shape", wrong)) if names]
+        raise ValueError(f"init: {folder}'s weights do not fit the model of these options ({'; '.join(parts)}); "
+                         "give the --arch, --d-model, --layers, --heads and --model-config it was made with")
+    model.load_state_dict(weights, strict=False)  # only tied copies are absent, and they share storage
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
@@ -326,6 +349,8 @@ def _train(cfg: TrainConfig, par: Parallel, resume: bool, interrupt: _Interrupt)
 
     model = model_from_config(cfg, meta["vocab_size"])
     n_params = count_parameters(model)
+    if cfg.init is not None and not resume:
+        load_initial_weights(model, cfg.init)
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
     if cp.size > 1:

@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM, Mamba2Config, Mamba2ForCausalLM
 
 import loglinear  # noqa: F401  (registers our model types with the Auto classes)
 from loglinear.cli import main
-from loglinear.models.convert import convert_mamba2
+from loglinear.models import MODELS
+from loglinear.models.convert import convert, convert_mamba2
 
 
 def hf_mamba2(path, seed=0, **overrides):
@@ -113,3 +114,20 @@ def test_pickle_weights_and_bad_folders_are_refused(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "missing"), str(tmp_path / "dst")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("loglinear convert: error: source folder") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("variant", ["mamba2", "gla"])
+def test_a_plain_loglinear_model_becomes_log_linear_with_the_same_logits(tmp_path, variant):
+    config_cls, _, lm_cls = MODELS[variant]
+    torch.manual_seed(3)
+    plain = lm_cls(config_cls(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_heads=2, chunk_size=8,
+                              use_log_linear=False)).eval()
+    plain.save_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match="is a loglinear model already; --log-linear makes a plain one log-linear"):
+        convert(tmp_path / "plain", tmp_path / "same")
+    convert(tmp_path / "plain", tmp_path / "ll", log_linear=True)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ll").eval()
+    assert ours.config.use_log_linear and ours.config.level_activation == "sigmoid"
+    ids = torch.randint(0, 97, (2, 21))
+    with torch.no_grad():
+        assert relative_error(plain(ids).logits, ours(ids).logits) <= 1e-5

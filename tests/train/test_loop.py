@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers import spawn_train
+from loglinear.models.convert import convert
 from loglinear.train.checkpoint import CHECKPOINT, read_checkpoint
 from loglinear.train.loop import TrainConfig, cosine_schedule, train
 
@@ -64,6 +65,21 @@ def test_micro_batches_match_full_batch(tiny_data, tmp_path):
     full = train(_cfg(tiny_data, tmp_path / "full", steps=3))
     micro = train(_cfg(tiny_data, tmp_path / "micro", steps=3, micro_batch=1))
     assert micro["losses"] == pytest.approx(full["losses"], rel=1e-5)
+
+
+def test_a_plain_run_continues_as_log_linear_from_where_it_stopped(tiny_data, tmp_path):
+    """A plain Mamba-2 run, made log-linear by `loglinear convert --log-linear` (lambda starts at exactly 1), starts a
+    new run with --init: its first loss is the plain model's on the same batch, far below a fresh start."""
+    first = train(_cfg(tiny_data, tmp_path / "plain", arch="mamba2", steps=20, lr=1e-2))
+    convert(tmp_path / "plain", tmp_path / "ll", log_linear=True)
+    sigmoid = {"level_activation": "sigmoid"}
+    as_plain = train(_cfg(tiny_data, tmp_path / "a", arch="mamba2", steps=1, init=str(tmp_path / "plain")))
+    as_ll = train(_cfg(tiny_data, tmp_path / "b", arch="ll_mamba2", steps=1, init=str(tmp_path / "ll"),
+                       model_overrides=sigmoid))
+    assert as_ll["losses"][0] == pytest.approx(as_plain["losses"][0], abs=1e-5)
+    assert as_ll["losses"][0] < first["losses"][0] - 0.5
+    with pytest.raises(ValueError, match="init: .* do not fit the model of these options .*level_scales"):
+        train(_cfg(tiny_data, tmp_path / "c", arch="mamba2", steps=1, init=str(tmp_path / "ll")))
 
 
 def test_activation_checkpointing_keeps_fewer_activations_and_the_same_result(tiny_data, tmp_path):
