@@ -21,7 +21,6 @@ import types
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from loglinear.distributed.halo import previous_tokens
 from loglinear.distributed.layout import shared_shard_shapes
@@ -54,9 +53,9 @@ def context_parallel_mixer_forward(
     layout = TokenLayout.build(B, T, device=hidden_states.device)
     x = layout.flatten(hidden_states)
     conv_in, rest = mixer.conv_inputs(x)
-    halo = previous_tokens(conv_in.reshape(B, T, -1), mixer.conv.kernel_size[0] - 1, group)
-    conv_out, _ = mixer.conv.step(conv_in, layout, halo)
-    inputs = mixer.op_inputs(F.silu(conv_out), rest)
+    halo = previous_tokens(conv_in.reshape(B, T, -1), mixer.conv.kernel_size[0] - 1, group) if mixer.conv else None
+    features, _ = mixer.short_conv(conv_in, layout, halo)
+    inputs = mixer.op_inputs(features, rest)
     view = layout.op_view
     lam = _level_scales(mixer, x, (B, T))
     gates = {name: view(x) for name, x in inputs.gates.items()}

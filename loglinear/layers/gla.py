@@ -1,13 +1,14 @@
 """Log-linear Gated Linear Attention layer (spec section 6b): GLA's block with the Fenwick level weights.
 
-    q, k = SiLU(conv(W_q x)), SiLU(conv(W_k x)): [H, K];  v = SiLU(conv(W_v x)): [H, V]
+    q, k = W_q x, W_k x: [H, K];  v = W_v x: [H, V]
         (K = expand_k * hidden / H, V = expand_v * hidden / H: key expansion 0.5, value expansion 1)
     gk = logsigmoid(W_g2 W_g1 x + b) / 16: [H, K]   (low-rank W_g of rank 16: a log-decay per key channel)
     o = log_linear_gla(q, k, v, gk, lambda, scale=K^-1/2)
     out = o_proj(RMSNorm_V(o) * swish(W_r x))   (RMSNorm per head, then the output gate)
 
-The short convolution (+ SiLU) on q, k, v is the one every mixer of the library has (FenwickMixer); GLA's own
-block has none. use_log_linear=False drops W_lambda and uses lambda = 1: plain GLA, everything else identical.
+GLA's block has no short convolution (conv_kernel = 0, the default); conv_kernel = W > 0 adds the library's causal
+conv + SiLU on q, k, v (FenwickMixer), as the Mamba-2 and Gated DeltaNet layers have. use_log_linear=False drops
+W_lambda and uses lambda = 1: plain GLA, everything else identical.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class LogLinearGLA(FenwickMixer):
 
     def __init__(
         self, hidden_size: int, num_heads: int, expand_k: float = 0.5, expand_v: float = 1.0,
-        gate_low_rank_dim: int = 16, gate_logit_normalizer: float = 16.0, conv_kernel: int = 4,
+        gate_low_rank_dim: int = 16, gate_logit_normalizer: float = 16.0, conv_kernel: int = 0,
         use_log_linear: bool = True, max_levels: int = DEFAULT_MAX_LEVELS, chunk_size: int = 64,
         norm_eps: float = 1e-5, level_activation: str = "softplus", layer_idx: int | None = None,
     ):

@@ -91,14 +91,15 @@ class FenwickMixer(nn.Module):
         use_log_linear: bool = True, max_levels: int = DEFAULT_MAX_LEVELS, chunk_size: int = 64,
         level_activation: str = "softplus", layer_idx: int | None = None,
     ):
-        check_positive_ints(hidden_size=hidden_size, num_heads=num_heads, conv_kernel=conv_kernel,
-                            chunk_size=chunk_size)
+        check_positive_ints(hidden_size=hidden_size, num_heads=num_heads, chunk_size=chunk_size)
+        if not isinstance(conv_kernel, int) or isinstance(conv_kernel, bool) or conv_kernel < 0:
+            raise ValueError(f"conv_kernel must be an int >= 0 (0: no short convolution), got {conv_kernel!r}")
         check_power_of_two(chunk_size=chunk_size)
         super().__init__()
         self.hidden_size, self.num_heads = hidden_size, num_heads
         self.use_log_linear, self.max_levels, self.chunk_size = use_log_linear, max_levels, chunk_size
         self.layer_idx = layer_idx
-        self.conv = ShortConvolution(conv_channels, conv_kernel, bias=conv_bias)
+        self.conv = ShortConvolution(conv_channels, conv_kernel, bias=conv_bias) if conv_kernel else None
         self.level_scales = (LevelScales(hidden_size, num_heads, max_levels, level_activation) if use_log_linear
                              else None)
 
@@ -108,7 +109,7 @@ class FenwickMixer(nn.Module):
         raise NotImplementedError
 
     def op_inputs(self, conv_out: torch.Tensor, rest: dict[str, torch.Tensor]) -> MixerInputs:
-        """SiLU(conv) output [Ntok, C] and the other projections -> the op's per-token inputs."""
+        """short_conv's output [Ntok, C] and the other projections -> the op's per-token inputs."""
         raise NotImplementedError
 
     def output(self, o: torch.Tensor, inputs: MixerInputs) -> torch.Tensor:
@@ -132,6 +133,16 @@ class FenwickMixer(nn.Module):
             copy(self.get_parameter(name), value.to(self.get_parameter(name).device))
 
     # --- shared -------------------------------------------------------------------------------
+    def short_conv(
+        self, x: torch.Tensor, layout: TokenLayout, state: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [Ntok, C]; state: [N, W-1, C] or None -> (SiLU(causal conv of x), the new state [N, W-1, C]); without
+        a convolution (conv_kernel = 0) x itself and an empty state [N, 0, C]."""
+        if self.conv is None:
+            return x, x.new_zeros(layout.num_sequences, 0, x.shape[1])
+        y, new_state = self.conv.step(x, layout, state)
+        return F.silu(y), new_state
+
     def forward(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None, state: MixerState | None = None, output_state: bool = False,
@@ -144,8 +155,8 @@ class FenwickMixer(nn.Module):
             layout = TokenLayout.build(B, T, attention_mask, cu_seqlens, hidden_states.device)
         x = layout.flatten(hidden_states)
         conv_in, rest = self.conv_inputs(x)
-        conv_out, conv_state = self.conv.step(conv_in, layout, state.conv if state is not None else None)
-        inputs = self.op_inputs(F.silu(conv_out), rest)
+        features, conv_state = self.short_conv(conv_in, layout, state.conv if state is not None else None)
+        inputs = self.op_inputs(features, rest)
         lam = self.level_scales(x) if self.level_scales is not None else None
         o, levels, positions = self._attend(inputs, lam, layout, state, output_state)
         y = layout.unflatten(self.output(o, inputs))

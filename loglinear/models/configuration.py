@@ -43,7 +43,9 @@ class _FenwickConfig(PretrainedConfig):
         pad_token_id: int | None = None, bos_token_id: int | None = 1, eos_token_id: int | None = 2, **kwargs,
     ):
         check_positive_ints(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
-                            num_heads=num_heads, conv_kernel=conv_kernel, chunk_size=chunk_size)
+                            num_heads=num_heads, chunk_size=chunk_size)
+        if not isinstance(conv_kernel, int) or isinstance(conv_kernel, bool) or conv_kernel < 0:
+            raise ValueError(f"conv_kernel must be an int >= 0 (0: no short convolution), got {conv_kernel!r}")
         if not isinstance(max_levels, int) or not 1 <= max_levels <= 62:
             raise ValueError(f"max_levels must be an int in [1, 62] (2^(max_levels-1) tokens), got {max_levels!r}")
         check_power_of_two(chunk_size=chunk_size)
@@ -162,9 +164,9 @@ class LogLinearGLAConfig(_FenwickConfig):
 
     def __init__(
         self, expand_k: float = 0.5, expand_v: float = 1.0, gate_low_rank_dim: int = 16,
-        gate_logit_normalizer: float = 16.0, **kwargs,
+        gate_logit_normalizer: float = 16.0, conv_kernel: int = 0, **kwargs,
     ):
-        super().__init__(**kwargs)
+        super().__init__(conv_kernel=conv_kernel, **kwargs)
         head_k_dim = check_expanded_head_dim("expand_k", expand_k, self.hidden_size, self.num_heads)
         check_expanded_head_dim("expand_v", expand_v, self.hidden_size, self.num_heads)
         if self.head_dim is None:

@@ -92,7 +92,8 @@ class _FenwickPreTrainedModel(PreTrainedModel):
             init.ones_(module.weight)
         elif isinstance(module, FenwickMixer):
             module.init_special_parameters(init.copy_)
-            module.conv.reset_parameters()
+            if module.conv is not None:
+                module.conv.reset_parameters()
 
 
 class _FenwickModel(_FenwickPreTrainedModel):

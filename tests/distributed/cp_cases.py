@@ -148,12 +148,10 @@ def _tiny_model(variant: str, use_log_linear: bool) -> torch.nn.Module:
 
     common = dict(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_heads=2, chunk_size=4, max_levels=8,
                   use_log_linear=use_log_linear)
+    own = {"mamba2": dict(state_size=8), "gated_deltanet": dict(head_dim=8), "gla": dict(gate_low_rank_dim=4)}
+    config_cls, _, lm_cls = models.MODELS[variant]
     torch.manual_seed(0)
-    if variant == "mamba2":
-        model = models.LogLinearMamba2ForCausalLM(models.LogLinearMamba2Config(state_size=8, **common))
-    else:
-        model = models.LogLinearGatedDeltaNetForCausalLM(models.LogLinearGatedDeltaNetConfig(head_dim=8, **common))
-    return model.double()
+    return lm_cls(config_cls(**common, **own[variant])).double()
 
 
 def run_model_case(variant: str, use_log_linear: bool, checkpointing: bool, rank: int, group) -> None:

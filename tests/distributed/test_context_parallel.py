@@ -50,7 +50,8 @@ def _cases(lengths: list[int]) -> list[Case]:
 
 
 # (variant, log-linear, activation checkpointing)
-MODELS = [("mamba2", True, False), ("gated_deltanet", True, True), ("gated_deltanet", False, False)]
+MODELS = [("mamba2", True, False), ("gated_deltanet", True, True), ("gated_deltanet", False, False),
+          ("gla", True, False)]  # GLA: no short convolution
 
 
 def _spawn(lengths: list[int], cases: list[Case], models: list[tuple[str, bool, bool]], tmp_path) -> None:

@@ -14,14 +14,14 @@ from loglinear.layers.conv import ShortConvolution
 D = 12
 
 
-def make_layer(variant: str, use_log_linear: bool, max_levels: int = 21) -> torch.nn.Module:
+def make_layer(variant: str, use_log_linear: bool, max_levels: int = 21, **kwargs) -> torch.nn.Module:
     torch.manual_seed(len(variant) + 100 * use_log_linear)
     if variant == "mamba2":
         layer = LogLinearMamba2(D, 4, head_dim=3, state_size=5, n_groups=2, use_log_linear=use_log_linear,
                                 chunk_size=4, max_levels=max_levels)
     elif variant == "gla":
         layer = LogLinearGLA(D, 2, gate_low_rank_dim=4, use_log_linear=use_log_linear, chunk_size=4,
-                             max_levels=max_levels)
+                             max_levels=max_levels, **kwargs)
     else:
         layer = LogLinearGatedDeltaNet(D, 2, head_dim=4, expand_v=1.5, use_log_linear=use_log_linear, chunk_size=4,
                                        max_levels=max_levels)
@@ -47,6 +47,20 @@ def test_prefill_then_steps_match_full_forward(variant, ll):
     assert_close(torch.cat(outs, 1), full, 1e-12, "steps")
     assert state.positions.tolist() == [19] * 3
     assert state.num_levels == (6 if ll else 1)  # ceil(log2 19) + 1
+
+
+def test_short_convolution_is_optional():
+    """GLA's block has none (conv_kernel = 0: q, k, v are the projections themselves, no conv state); with
+    conv_kernel = 3 it has the library's conv, and either way steps equal the full forward."""
+    x = torch.randn(2, 11, D, dtype=torch.float64)
+    for kernel in (0, 3):
+        layer = make_layer("gla", True, conv_kernel=kernel)
+        assert (layer.conv is None) == (kernel == 0)
+        full, _ = layer(x)
+        y1, state = layer(x[:, :5], output_state=True)
+        y2, state = layer(x[:, 5:], state=state, output_state=True)
+        assert_close(torch.cat([y1, y2], 1), full, 1e-12, f"conv_kernel {kernel}")
+        assert state.conv.shape == (2, max(kernel - 1, 0), layer.qkv_proj.out_features)
 
 
 @pytest.mark.parametrize("variant,ll", VARIANTS)
@@ -235,7 +249,7 @@ def test_bad_state_mask_and_cu_seqlens():
 @pytest.mark.parametrize("kwargs,match", [
     ({"hidden_size": -1}, "hidden_size must be a positive int, got -1"),
     ({"num_heads": 0}, "num_heads must be a positive int, got 0"),
-    ({"conv_kernel": 0}, "conv_kernel must be a positive int, got 0"),
+    ({"conv_kernel": -1}, r"conv_kernel must be an int >= 0 \(0: no short convolution\), got -1"),
     ({"chunk_size": 48}, "chunk_size must be a power of two, got 48"),
     ({"chunk_size": 16.0}, "chunk_size must be a positive int, got 16.0"),
     ({"head_dim": 0}, "head_dim must be a positive int, got 0"),

@@ -130,7 +130,7 @@ def test_cache_size_after_n_tokens(variant, ll):
         assert cache.get_seq_length() == n
         assert cache.num_levels() == (levels_needed(n) if ll else 1)
     H, K, V = cache[0].levels.shape[2:]
-    conv = mixer.conv.in_channels * (mixer.conv.kernel_size[0] - 1)
+    conv = 0 if mixer.conv is None else mixer.conv.in_channels * (mixer.conv.kernel_size[0] - 1)
     per_layer = 2 * (cache.num_levels() * H * K * V + conv) * 8  # float64 model, batch 2
     assert cache.nbytes() == 2 * per_layer
     assert cache.num_levels() == (6 if ll else 1)  # 17 tokens: ceil(log2 17) + 1
