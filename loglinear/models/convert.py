@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["convert", "convert_mamba2", "log_linearize", "mamba2_config", "mamba2_state_dict", "TOKENIZER_FILES",
-           "add_arguments", "run"]
+__all__ = ["convert", "convert_mamba2", "log_linearize", "load_exactly", "mamba2_config", "mamba2_state_dict",
+           "TOKENIZER_FILES", "add_arguments", "run"]
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
@@ -166,17 +166,20 @@ def mamba2_state_dict(weights: dict[str, torch.Tensor], config) -> dict[str, tor
     return out
 
 
-def _load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+def load_exactly(model: torch.nn.Module, state: dict[str, torch.Tensor], mismatch: str) -> None:
+    """Load state into model when it holds exactly the model's tensors (tied copies, saved once, may be absent);
+    else a ValueError "<mismatch> (missing: ...; unexpected: ...; wrong shape: ...)"."""
     expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    extra = sorted(set(state) - set(expected))
+    stored = {expected[n].data_ptr() for n in state if n in expected}
+    tied = {n for n, t in expected.items() if n not in state and t.data_ptr() in stored}
+    missing, extra = sorted(set(expected) - set(state) - tied), sorted(set(state) - set(expected))
     wrong = [f"{k} {tuple(state[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items()
              if k in state and state[k].shape != v.shape]
     if missing or extra or wrong:
         parts = [f"{what}: {', '.join(names[:5])}" for what, names in
                  (("missing", missing), ("unexpected", extra), ("wrong shape", wrong)) if names]
-        raise ValueError(f"the checkpoint's weights do not match its config ({'; '.join(parts)})")
-    model.load_state_dict(state, strict=True)
+        raise ValueError(f"{mismatch} ({'; '.join(parts)})")
+    model.load_state_dict(state, strict=False)  # only tied copies are absent, and they share storage
 
 
 def _level_weights_at_one(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -210,7 +213,7 @@ def convert_mamba2(src_dir: str | Path, dst_dir: str | Path, dtype: str = "sourc
     model = LogLinearMamba2ForCausalLM(config)
     if log_linear:
         state = _level_weights_at_one(model, state)
-    _load_strict(model, state)
+    load_exactly(model, state, "the checkpoint's weights do not match its config")
     model.to(target).save_pretrained(dst)
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
@@ -235,9 +238,7 @@ def log_linearize(src_dir: str | Path, dst_dir: str | Path) -> None:
     config.use_log_linear, config.level_activation = True, "sigmoid"
     model = AutoModelForCausalLM.from_config(config)
     weights = load_file(src / "model.safetensors")
-    if config.tie_word_embeddings:
-        weights.setdefault("lm_head.weight", weights["model.embeddings.weight"])
-    _load_strict(model, _level_weights_at_one(model, weights))
+    load_exactly(model, _level_weights_at_one(model, weights), f"{src}'s weights do not match its config")
     model.to(next(iter(weights.values())).dtype).save_pretrained(dst)
     for name in TOKENIZER_FILES:
         if (src / name).is_file():

@@ -114,21 +114,13 @@ def load_initial_weights(model: torch.nn.Module, folder: str | Path) -> None:
     the model built from the run's options exactly; a ValueError lists what differs."""
     from safetensors.torch import load_file
 
+    from loglinear.models.convert import load_exactly
+
     path = Path(folder) / "model.safetensors"
     if not path.is_file():
         raise FileNotFoundError(f"init: no model.safetensors in {folder} (a finished run or a converted model)")
-    weights, expected = load_file(path), model.state_dict()
-    stored = {expected[n].data_ptr() for n in weights if n in expected}
-    tied = {n for n, t in expected.items() if n not in weights and t.data_ptr() in stored}  # saved once
-    missing, extra = sorted(set(expected) - set(weights) - tied), sorted(set(weights) - set(expected))
-    wrong = [f"{n} {tuple(weights[n].shape)} (the options give {tuple(t.shape)})" for n, t in expected.items()
-             if n in weights and weights[n].shape != t.shape]
-    if missing or extra or wrong:
-        parts = [f"{what}: {', '.join(names[:4])}" for what, names in
-                 (("missing", missing), ("unexpected", extra), ("wrong shape", wrong)) if names]
-        raise ValueError(f"init: {folder}'s weights do not fit the model of these options ({'; '.join(parts)}); "
-                         "give the --arch, --d-model, --layers, --heads and --model-config it was made with")
-    model.load_state_dict(weights, strict=False)  # only tied copies are absent, and they share storage
+    load_exactly(model, load_file(path), f"init: {folder}'s weights do not fit the model of these options (give "
+                 "the --arch, --d-model, --layers, --heads and --model-config it was made with)")
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
