@@ -1,5 +1,8 @@
 """Op benchmark: log-linear Mamba-2 (ours) against fla's log-linear op, fla's linear Mamba-2 and SDPA flash.
 
+Rows: loglinear (our kernels), loglinear_plain (our plain op, level_scales=None: the one-level path),
+loglinear_torch (our torch chunk path, only when named), fla_log_linear, fla_mamba2 / fla_gdn, sdpa_flash.
+
     python benchmarks/bench_ops.py                       # paper setting, all impls, T = 2K..128K
     python benchmarks/bench_ops.py --T 4096 8192 --impls loglinear fla_mamba2
     python benchmarks/bench_ops.py --check               # also: kernels vs the torch chunk path (fp32), 2^20 tokens
@@ -39,9 +42,9 @@ from loglinear import FenwickState, log_linear_gated_deltanet, log_linear_mamba2
 from loglinear.fenwick import levels_needed  # noqa: E402
 from loglinear.report import pyplot  # noqa: E402
 
-IMPLS = ("loglinear", "loglinear_torch", "fla_log_linear", "fla_mamba2", "sdpa_flash")
-IMPLS_GDN = ("loglinear", "loglinear_torch", "fla_gdn", "sdpa_flash")
-OUR_BACKENDS = {"loglinear": "triton", "loglinear_torch": "torch"}  # impl -> the ops' backend=
+IMPLS = ("loglinear", "loglinear_plain", "loglinear_torch", "fla_log_linear", "fla_mamba2", "sdpa_flash")
+IMPLS_GDN = ("loglinear", "loglinear_plain", "loglinear_torch", "fla_gdn", "sdpa_flash")
+OUR_BACKENDS = {"loglinear": "triton", "loglinear_plain": "triton", "loglinear_torch": "torch"}  # -> backend=
 PAPER = dict(B=2, H=48, G=1, K=128, V=64)
 SHAPE = dict(PAPER)  # what measure() runs: the paper setting unless --shape
 
@@ -70,9 +73,10 @@ def lift_fla_guard() -> None:
 def build(impl: str, x: dict, H: int, G: int) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor]]:
     """The forward closure of an impl and the leaf tensors that need gradients."""
     if impl in OUR_BACKENDS:
-        args = [x["q"], x["k"], x["v"], x["g"], x["level_scales"]]
+        args = [x["q"], x["k"], x["v"], x["g"]]
+        lam = x["level_scales"] if impl != "loglinear_plain" else None
         backend = OUR_BACKENDS[impl]
-        return (lambda: log_linear_mamba2(*args, backend=backend)[0]), args
+        return (lambda: log_linear_mamba2(*args, lam, backend=backend)[0]), args + ([lam] if lam is not None else [])
     if impl == "fla_log_linear":
         from fla.ops.log_linear_attn import chunk_log_linear_attn
 
@@ -108,9 +112,11 @@ def gdn_inputs(T: int, B: int, H: int, G: int, K: int, V: int, dtype: torch.dtyp
 def build_gdn(impl: str, x: dict, H: int, G: int) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor]]:
     """build() for --variant gdn: ours, fla's linear chunk_gated_delta_rule, or SDPA flash."""
     if impl in OUR_BACKENDS:
-        args = [x["q"], x["k"], x["v"], x["g"], x["beta"], x["level_scales"]]
+        args = [x["q"], x["k"], x["v"], x["g"], x["beta"]]
+        lam = x["level_scales"] if impl != "loglinear_plain" else None
         backend = OUR_BACKENDS[impl]
-        return (lambda: log_linear_gated_deltanet(*args, use_qk_l2norm=True, backend=backend)[0]), args
+        return ((lambda: log_linear_gated_deltanet(*args, lam, use_qk_l2norm=True, backend=backend)[0]),
+                args + ([lam] if lam is not None else []))
     if impl == "fla_gdn":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -180,7 +186,9 @@ def write_results(rows: list[dict], meta: dict, out: Path, variant: str = "mamba
     impls = [i for i in (IMPLS_GDN if variant == "gdn" else IMPLS) if any(r["impl"] == i for r in rows)]
     cell = {(r["impl"], r["T"]): r for r in rows}
     name = "log-linear Gated DeltaNet" if variant == "gdn" else "log-linear Mamba-2"
-    others = ("fla_gdn", "sdpa_flash") if variant == "gdn" else ("fla_mamba2", "fla_log_linear", "sdpa_flash")
+    linear = "fla_gdn" if variant == "gdn" else "fla_mamba2"
+    ratios = [("loglinear", linear), ("loglinear_plain", linear), ("loglinear", "loglinear_plain")]
+    ratios += [("loglinear", o) for o in ("fla_log_linear", "sdpa_flash") if variant != "gdn" or o == "sdpa_flash"]
     lines = [f"# Op benchmark, {name} ({meta['gpu']})", "",
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; `{meta['command']}`", "",
              meta["setting"], "", meta["notes"], ""]
@@ -192,16 +200,16 @@ def write_results(rows: list[dict], meta: dict, out: Path, variant: str = "mamba
             vals = [cell.get((i, t), {}).get(key) for t in Ts]
             lines.append(f"| {i} | " + " | ".join("—" if v is None else f"{v:g}" for v in vals) + " |")
         lines.append("")
-    if "loglinear" in impls:
-        lines += ["## ratios (forward+backward)", "", "| T | " + " | ".join(f"ours / {o}" for o in others) + " |",
-                  "|---" * (len(others) + 1) + "|"]
+    ratios = [(a, b) for a, b in ratios if a in impls and b in impls]
+    if ratios:
+        lines += ["## ratios (forward+backward)", "", "| T | " + " | ".join(f"{a} / {b}" for a, b in ratios) + " |",
+                  "|---" * (len(ratios) + 1) + "|"]
         for t in Ts:
-            ours = cell.get(("loglinear", t), {}).get("fwdbwd_ms")
-            ratio = lambda other: (  # noqa: E731
-                f"{ours / cell[(other, t)]['fwdbwd_ms']:.2f}"
-                if ours and cell.get((other, t), {}).get("fwdbwd_ms") else "—"
+            ratio = lambda a, b: (  # noqa: E731
+                f"{cell[(a, t)]['fwdbwd_ms'] / cell[(b, t)]['fwdbwd_ms']:.2f}"
+                if cell.get((a, t), {}).get("fwdbwd_ms") and cell.get((b, t), {}).get("fwdbwd_ms") else "—"
             )
-            lines.append(f"| {t // 1024}K | " + " | ".join(ratio(o) for o in others) + " |")
+            lines.append(f"| {t // 1024}K | " + " | ".join(ratio(a, b) for a, b in ratios) + " |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -238,15 +246,21 @@ def _run_backend(backend: str, x: dict, cot: tuple | None, op: Callable = log_li
 
 
 def _compare_backends(log: Callable[[str], None], label: str, x: dict, op: Callable = log_linear_mamba2,
-                      **kw) -> None:
-    """Log op's triton-vs-torch relative errors on inputs x: o, final state, every gradient (same cotangents)."""
+                      exact: bool = False, **kw) -> None:
+    """Log op's triton-vs-torch relative errors on inputs x: o, final state, every gradient (same cotangents);
+    exact: the torch path in float64 on the same (rounded) inputs, else in its fp32 compute."""
     o, st = op(**x, output_final_state=True, **kw)
     cot = (torch.randn_like(o, dtype=torch.float32), torch.randn_like(st.levels))
     o1, s1, g1, t1 = _run_backend("triton", x, cot, op, **kw)
+    if exact:
+        x = {n: t.double() for n, t in x.items()}
+        cot = tuple(c.double() for c in cot)
+        if kw.get("initial_state") is not None:
+            kw = {**kw, "initial_state": kw["initial_state"].to(torch.float64)}
     o2, s2, g2, t2 = _run_backend("torch", x, cot, op, **kw)
     errs = {"o": rel(o1, o2), "state": rel(s1, s2), **{f"d{n}": rel(g1[n], g2[n]) for n in g1}}
-    log(f"{label}: rel err vs torch chunk path " + " ".join(f"{k}={v:.2e}" for k, v in errs.items())
-        + f"  [triton {t1:.2f}s, torch {t2:.2f}s]")
+    log(f"{label}: rel err vs torch chunk path{' (float64)' if exact else ''} "
+        + " ".join(f"{k}={v:.2e}" for k, v in errs.items()) + f"  [triton {t1:.2f}s, torch {t2:.2f}s]")
 
 
 # (K, V) of the MQAR models at d_model 16 and 64 (one head): narrow 16-bit heads once miscomputed on triton 3.6
@@ -272,6 +286,15 @@ def check(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]) ->
         for T, B, H in ((8192, 2, 48), (3000, 1, 8)):
             x = make_inputs(T, B, H, p["G"], p["K"], p["V"], dtype, seed=T)
             _compare_backends(log, f"{dtype} T={T} B={B} H={H} G=1 K=128 V=64 chunk=64", x)
+            plain = {n: t for n, t in x.items() if n != "level_scales"}
+            _compare_backends(log, f"plain {dtype} T={T} B={B} H={H} G=1 K=128 V=64 chunk=64", plain, exact=True,
+                              level_scales=None)
+    for dtype in dtypes:  # plain: GQA, varlen, one-level states at unaligned positions
+        x = make_inputs(4000, 1, 8, 2, p["K"], p["V"], dtype, seed=5)
+        state = FenwickState(torch.randn(3, 1, 8, p["K"], p["V"], device="cuda"), torch.tensor([100, 0, 7]))
+        _compare_backends(log, f"plain varlen+state {dtype} T=4000 H=8 G=2 K=128 V=64",
+                          {n: t for n, t in x.items() if n != "level_scales"}, exact=True, level_scales=None,
+                          initial_state=state, cu_seqlens=torch.tensor([0, 1000, 2500, 4000], device="cuda"))
     x = make_inputs(long_T, 1, 2, 1, 64, 64, torch.float32, seed=1)
     x["g"] = -(0.001 + 0.2 * torch.rand_like(x["g"]))
     o_ref, s_ref, _, _ = _run_backend("torch", x, None, chunk_size=512)

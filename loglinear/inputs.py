@@ -6,7 +6,7 @@ expected, before any kernel runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -28,14 +28,14 @@ __all__ = [
 class OpInputs:
     """Validated arguments.  q, k: [B, T, G, K]; v: [B, T, H, V]; gates: the variant's per-token inputs
     {name: [B, T, H]}, a per-channel gate [B, T, H, K] (Mamba-2: g; Gated DeltaNet: g, beta; GLA: g [B, T, H, K]);
-    level_scales: [B, T, H, L]."""
+    level_scales: [B, T, H, L], or None: a plain call (lambda = 1, the state one level)."""
 
     variant: Variant
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     gates: dict[str, torch.Tensor]
-    level_scales: torch.Tensor
+    level_scales: torch.Tensor | None
     scale: float
     initial_state: FenwickState | None
     cu_seqlens: torch.Tensor | None
@@ -44,6 +44,21 @@ class OpInputs:
     @property
     def num_heads(self) -> int:
         return self.v.shape[2]
+
+    @property
+    def plain(self) -> bool:
+        """Plain linear attention of the variant (level_scales None: lambda = 1, a one-level state)."""
+        return self.level_scales is None
+
+    def over_levels(self) -> "OpInputs":
+        """A plain call as its log-linear equal: level_scales = 1 over the levels its positions need, the
+        one-level initial state as level 0 (with lambda = 1 every live level is read and merged alike).
+        Its final state, ``summed()``, is the plain call's."""
+        bounds = self.bounds if self.bounds is not None else [0, self.q.shape[1]]
+        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        start = self.initial_state.max_position if self.initial_state is not None else 0
+        ones = torch.ones((), dtype=self.v.dtype, device=self.v.device)
+        return replace(self, level_scales=ones.expand(*self.v.shape[:3], levels_needed(start + max(lengths))))
 
 
 def _shape(x: torch.Tensor) -> str:
@@ -148,14 +163,16 @@ def check_inputs(
     scale: float | None, initial_state: object, cu_seqlens: object,
 ) -> OpInputs:
     """Validate the op's arguments; raise ValueError/TypeError naming the offending one.  gates: the variant's
-    per-token inputs by name (every one of variant.gates, each [B, T, H], or [B, T, H, K] if per_channel)."""
+    per-token inputs by name (every one of variant.gates, each [B, T, H], or [B, T, H, K] if per_channel);
+    level_scales None: a plain call, whose initial state must have one level."""
     q = _check_tensor("q", q, 4, "[B, T, G, K]")
     k = _check_tensor("k", k, 4, "[B, T, G, K]")
     v = _check_tensor("v", v, 4, "[B, T, H, V]")
     _check_gate_names(variant, gates)
     gates = {gate.name: _check_tensor(gate.name, gates[gate.name], 3 + gate.per_channel, gate.layout())
              for gate in variant.gates}
-    level_scales = _check_tensor("level_scales", level_scales, 4, "[B, T, H, L]")
+    if level_scales is not None:
+        level_scales = _check_tensor("level_scales", level_scales, 4, "[B, T, H, L]")
     B, T, G, K = q.shape
     H = v.shape[2]
     if T < 1:
@@ -176,9 +193,9 @@ def check_inputs(
                              f"got {_shape(x)}")
         if x.shape[:3] != (B, T, H):
             raise ValueError(f"{gate.name} must be [B, T, H] with B, T, H = {B}, {T}, {H}, got {_shape(x)}")
-    if level_scales.shape[:3] != (B, T, H):
+    if level_scales is not None and level_scales.shape[:3] != (B, T, H):
         raise ValueError(f"level_scales must be [B, T, H, L] with B, T, H = {B}, {T}, {H}, got {_shape(level_scales)}")
-    named = gates | {"level_scales": level_scales}
+    named = gates | ({"level_scales": level_scales} if level_scales is not None else {})
     for name, x in ({"k": k, "v": v} | named).items():
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}; all inputs must share a device")
@@ -191,6 +208,11 @@ def check_inputs(
     state = None
     if initial_state is not None:
         state = _check_state(initial_state, n_seq, H, K, v.shape[3], q.device)
+    if level_scales is None:
+        if state is not None and state.num_levels != 1:
+            raise ValueError(f"a plain call (level_scales=None) continues a one-level state, got initial_state "
+                             f"with L = {state.num_levels} levels (a log-linear state: pass its level_scales)")
+        return OpInputs(variant, q, k, v, gates, None, float(scale), state, cu_seqlens, bounds)
     lengths = [b - a for a, b in zip(bounds, bounds[1:])] if bounds is not None else [T] * B
     starts = state.positions.tolist() if state is not None else [0] * n_seq
     needed = max(levels_needed(p + n) for p, n in zip(starts, lengths))

@@ -86,6 +86,11 @@ class FenwickState(LevelsView):
         pad = self.levels.new_zeros(self.levels.shape[0], extra, *self.levels.shape[2:])
         return FenwickState(torch.cat([self.levels, pad], dim=1), self.positions)
 
+    def summed(self) -> "FenwickState":
+        """The one-level state of plain attention: the level states summed (with lambda = 1 only their sum is
+        ever read).  levels [N, 1, H, K, V]."""
+        return FenwickState(self.levels.sum(1, keepdim=True), self.positions)
+
     def select(self, index: torch.Tensor | list[int]) -> "FenwickState":
         """Sequences ``index`` of this state (beam search reordering, batch slicing)."""
         idx = torch.as_tensor(index, dtype=torch.int64)

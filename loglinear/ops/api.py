@@ -8,6 +8,10 @@
 Every call is validated (loglinear.inputs), then runs on the backend loglinear.ops.backends chooses, or on the
 one-token decode step when it applies (one token per sequence after a state, no gradient needed). A NaN or an
 infinity in the inputs spoils only the outputs at and after it (loglinear.ops.finite).
+
+level_scales=None is the variant's plain linear attention (lambda = 1: plain Mamba-2 / SSD, Gated DeltaNet, GLA)
+with a one-level state. A backend with a plain path runs it (Mamba-2's kernels); elsewhere it runs as lambda = 1
+over the Fenwick levels, whose final levels are summed (with lambda = 1 only their sum is ever read).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ def _check_chunk_size(chunk_size: int) -> int:
 
 def attention(
     variant: Variant | str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
-    level_scales: torch.Tensor, *, scale: float | None = None, initial_state: FenwickState | None = None,
+    level_scales: torch.Tensor | None, *, scale: float | None = None, initial_state: FenwickState | None = None,
     output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, use_qk_l2norm: bool = False,
     chunk_size: int = 64, backend: str | None = None,
 ) -> tuple[torch.Tensor, FenwickState | None]:
@@ -44,7 +48,8 @@ def attention(
 
     q, k: [B, T, G, K]; v: [B, T, H, V] (H % G == 0); gates: the variant's per-token inputs {name: [B, T, H]}
     (a per-channel gate, GLA's g: [B, T, H, K]); level_scales: [B, T, H, L] = lambda, L >= levels needed for the
-    positions covered; scale: default K ** -0.5; initial_state: FenwickState continuing the sequences (positions go on);
+    positions covered, or None: plain (lambda = 1, the state one level [N, 1, H, K, V]); scale: default K ** -0.5;
+    initial_state: FenwickState continuing the sequences (positions go on);
     cu_seqlens: [N+1] packs N sequences into B = 1; use_qk_l2norm: normalise q and k over K inside the op;
     chunk_size: any power of two; backend: "torch" | "triton" | None (LOGLINEAR_BACKEND if set, else triton on
     CUDA). Returns (o: [B, T, H, V] in v's dtype, the final state or None).
@@ -61,7 +66,10 @@ def attention(
     if fused_decode_applies(inp):
         return op_decode_step(inp, output_final_state, use_qk_l2norm, name)
     chosen = backend_for(variant, name)
-    backend_run = chosen.run if chosen.supports(inp) else torch_chunk_backend
+    supported = chosen.supports(inp)
+    backend_run = chosen.run if supported else torch_chunk_backend
+    if inp.plain and not (supported and chosen.plain):
+        backend_run = _plain_over_levels(backend_run)
 
     def run(call: OpInputs) -> tuple[torch.Tensor, FenwickState | None]:
         return backend_run(call, output_final_state, chunk_size, use_qk_l2norm)
@@ -73,8 +81,19 @@ def attention(
     return contained(inp, run, output_final_state) or (o, state)
 
 
+def _plain_over_levels(run):
+    """A backend's run taking a plain call as its log-linear equal (OpInputs.over_levels), the final levels
+    summed to the plain state."""
+
+    def plain_run(inp: OpInputs, output_final_state: bool, *args) -> tuple[torch.Tensor, FenwickState | None]:
+        o, state = run(inp.over_levels(), output_final_state, *args)
+        return o, (state.summed() if state is not None else None)
+
+    return plain_run
+
+
 def log_linear_mamba2(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, level_scales: torch.Tensor, *,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, level_scales: torch.Tensor | None, *,
     scale: float | None = None, initial_state: FenwickState | None = None, output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64, backend: str | None = None,
 ) -> tuple[torch.Tensor, FenwickState | None]:
@@ -83,8 +102,9 @@ def log_linear_mamba2(
         o_t = scale * sum_{s<=t} lambda_t[level(t, s)] * exp(G_t - G_s) * (q_t . k_s) * v_s
 
     q, k: [B, T, G, K]; v: [B, T, H, V] (H % G == 0); g: [B, T, H] log-decay <= 0;
-    level_scales: [B, T, H, L] = lambda, L >= levels needed for the positions covered;
-    scale: default K ** -0.5; initial_state: FenwickState continuing the sequences (positions go on);
+    level_scales: [B, T, H, L] = lambda, L >= levels needed for the positions covered, or None: plain Mamba-2
+    (SSD, lambda = 1, a one-level state); scale: default K ** -0.5; initial_state: FenwickState continuing the
+    sequences (positions go on);
     cu_seqlens: [N+1] packs N sequences into B = 1; backend: "torch" | "triton" | None (LOGLINEAR_BACKEND if set,
     else triton on CUDA). Returns (o: [B, T, H, V] in v's dtype, state or None).
     """
@@ -95,7 +115,7 @@ def log_linear_mamba2(
 
 def log_linear_gated_deltanet(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    level_scales: torch.Tensor, *, scale: float | None = None, initial_state: FenwickState | None = None,
+    level_scales: torch.Tensor | None, *, scale: float | None = None, initial_state: FenwickState | None = None,
     output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, use_qk_l2norm: bool = False,
     chunk_size: int = 64, backend: str | None = None,
 ) -> tuple[torch.Tensor, FenwickState | None]:
@@ -113,7 +133,7 @@ def log_linear_gated_deltanet(
 
 
 def log_linear_gla(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, level_scales: torch.Tensor, *,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, level_scales: torch.Tensor | None, *,
     scale: float | None = None, initial_state: FenwickState | None = None, output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64, backend: str | None = None,
 ) -> tuple[torch.Tensor, FenwickState | None]:
@@ -124,8 +144,8 @@ def log_linear_gla(
 
     q, k: [B, T, G, K]; v: [B, T, H, V] (H % G == 0); g: [B, T, H, K] log-decay <= 0 per value head and key
     channel (-inf: a hard reset of that channel); level_scales: [B, T, H, L] = lambda, L >= levels needed for the
-    positions covered; other arguments as in log_linear_mamba2 (the torch backend serves every call: GLA has no
-    Triton kernels). g equal over K is log_linear_mamba2; level_scales = 1 is plain GLA.
+    positions covered (None: plain GLA); other arguments as in log_linear_mamba2 (the torch backend serves every
+    call: GLA has no Triton kernels). g equal over K is log_linear_mamba2.
     Returns (o: [B, T, H, V] in v's dtype, state or None).
     """
     return attention(GLA, q, k, v, {"g": g}, level_scales, scale=scale, initial_state=initial_state,

@@ -4,6 +4,8 @@ A backend runs a validated call (loglinear.inputs.OpInputs) of one variant:
 
     run(inputs, output_final_state, chunk_size, use_qk_l2norm) -> (o [B, T, H, V], FenwickState or None)
     supports(inputs) -> bool        False: this call runs on the torch backend instead (dtype, head size, device)
+    plain: bool                     run takes plain calls (inputs.level_scales None) itself; otherwise the op
+                                    runs them as lambda = 1 over the Fenwick levels (loglinear.ops.api)
     decode(variant, q, k, v, gates, level_scales, levels, positions, scale, *, fenwick, l2norm_qk)
                                     its one-token step (loglinear.ops.decode), or None: the torch step
 
@@ -39,6 +41,7 @@ class Backend:
     run: Run
     supports: Callable[[OpInputs], bool] = lambda inputs: True
     decode: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    plain: bool = False
 
 
 def torch_chunk_backend(

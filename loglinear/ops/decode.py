@@ -87,7 +87,8 @@ def fused_decode_applies(inp: OpInputs) -> bool:
     if inp.initial_state is None:
         return False
     one_each = inp.q.shape[1] == 1 if inp.bounds is None else inp.q.shape[1] == len(inp.bounds) - 1
-    tensors = [inp.q, inp.k, inp.v, *inp.gates.values(), inp.level_scales, inp.initial_state.levels]
+    tensors = [x for x in (inp.q, inp.k, inp.v, *inp.gates.values(), inp.level_scales, inp.initial_state.levels)
+               if x is not None]
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     return one_each and not grad
 
@@ -98,12 +99,14 @@ def op_decode_step(inp: OpInputs, output_final_state: bool, use_qk_l2norm: bool,
     squeeze = 0 if inp.bounds is not None else 1
     take = lambda x: x.squeeze(squeeze)  # noqa: E731
     state = inp.initial_state
-    state = state.with_levels(levels_needed(state.max_position + 1))
+    if not inp.plain:
+        state = state.with_levels(levels_needed(state.max_position + 1))
     dtype = torch.float64 if torch.float64 in (inp.q.dtype, inp.v.dtype) else torch.float32
     gates = {name: take(x) for name, x in inp.gates.items()}
     o, levels = decode_step(
-        inp.variant, take(inp.q), take(inp.k), take(inp.v), gates, take(inp.level_scales), state.levels.to(dtype),
-        state.positions, inp.scale, l2norm_qk=use_qk_l2norm, backend=backend,
+        inp.variant, take(inp.q), take(inp.k), take(inp.v), gates,
+        take(inp.level_scales) if not inp.plain else None, state.levels.to(dtype), state.positions, inp.scale,
+        fenwick=not inp.plain, l2norm_qk=use_qk_l2norm, backend=backend,
     )
     o = o.unsqueeze(squeeze)
     return o, (FenwickState(levels, state.positions + 1) if output_final_state else None)

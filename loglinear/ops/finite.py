@@ -58,7 +58,7 @@ def finite_check(inp: OpInputs) -> Callable[[], bool]:
     CUDA graph is captured or torch.compile traces (no host sync there)."""
     if torch.compiler.is_compiling() or (inp.q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return lambda: True
-    tensors = [inp.q, inp.k, inp.v, inp.level_scales, *inp.gates.values()]
+    tensors = [x for x in (inp.q, inp.k, inp.v, inp.level_scales, *inp.gates.values()) if x is not None]
     wide = torch.float64 if any(x.dtype == torch.float64 for x in tensors) else torch.float32
     norms = torch._foreach_norm(tensors, float("inf"), dtype=wide)  # max |x|: NaN or inf if any entry is
     finite = torch.isfinite(torch.stack(norms)).all()
@@ -117,7 +117,7 @@ def contained(inp: OpInputs, run: Run, output_final_state: bool) -> tuple[torch.
     H = inp.num_heads
     q_bad, k_bad, v_bad = _bad_rows(inp.q), _bad_rows(inp.k), _bad_rows(inp.v)
     gate_bad = {gate.name: _bad_gate(inp.gates[gate.name], gate.log_decay) for gate in inp.variant.gates}
-    lam_bad = _bad_rows(inp.level_scales)
+    lam_bad = _bad_rows(inp.level_scales) if inp.level_scales is not None else False
     carried = expand_groups(k_bad[..., None], H)[..., 0] | v_bad
     for gate in inp.variant.gates:
         bad = gate_bad[gate.name]
@@ -128,7 +128,7 @@ def contained(inp: OpInputs, run: Run, output_final_state: bool) -> tuple[torch.
     clean = replace(
         inp, q=_zero_rows(inp.q, q_bad), k=_zero_rows(inp.k, k_bad), v=_zero_rows(inp.v, v_bad),
         gates={name: torch.where(gate_bad[name], 0, x) for name, x in inp.gates.items()},
-        level_scales=_zero_rows(inp.level_scales, lam_bad),
+        level_scales=_zero_rows(inp.level_scales, lam_bad) if inp.level_scales is not None else None,
     )
     o, state = run(clean)
     poisoned = _from_token_on(carried, inp.bounds) | read

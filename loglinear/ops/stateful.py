@@ -3,9 +3,8 @@
     log-linear (level_scales given): the op with lambda = level_scales; the state keeps
         ceil(log2 T) + 1 level states per sequence.
     plain (level_scales None): lambda = 1, which is exactly the variant's linear attention (Mamba-2, Gated
-        DeltaNet, ...). The state is kept as ONE level (the sum of the level states: with lambda = 1 only their
-        sum is ever read), so a plain model pays no log T memory. Prefill / multi-token calls run the op and sum
-        the final levels; single-token steps run the plain recurrence (loglinear.ops.decode).
+        DeltaNet, ...): the op's plain call (loglinear.ops.api), with the state kept as ONE level, so a plain
+        model pays no log T memory; single-token steps run the plain recurrence (loglinear.ops.decode).
 
 Eager calls run ``fenwick_attention`` directly (native autograd); under torch.compile the mixers call the
 ``loglinear::fenwick_attention`` custom op (loglinear.ops.custom_ops), so the attention is one graph node.
@@ -17,9 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from loglinear.fenwick import levels_needed
 from loglinear.ops.api import attention
-from loglinear.ops.decode import decode_step
 from loglinear.state import FenwickState
 from loglinear.variants import get
 
@@ -47,16 +44,6 @@ def _lengths(batch: int, length: int, cu_seqlens: torch.Tensor | None) -> list[i
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
-def _plain_step(variant, q, k, v, gates, levels, positions, scale, cu_seqlens, l2norm_qk):
-    """One token per sequence on a single-level state: [B, 1, ...] (or [1, N, ...] packed) in and out."""
-    axis = 0 if cu_seqlens is not None else 1
-    o, levels = decode_step(
-        variant, q.squeeze(axis), k.squeeze(axis), v.squeeze(axis), {n: x.squeeze(axis) for n, x in gates.items()},
-        None, levels, positions, scale, fenwick=False, l2norm_qk=l2norm_qk,
-    )
-    return o.unsqueeze(axis), levels
-
-
 def fenwick_attention(
     variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: list[torch.Tensor],
     level_scales: torch.Tensor | None, levels: torch.Tensor | None, positions: torch.Tensor | None,
@@ -74,26 +61,15 @@ def fenwick_attention(
     """
     spec = get(variant)
     gate_dict = dict(zip(spec.gate_names, gates, strict=True))
-    lengths = _lengths(q.shape[0], q.shape[1], cu_seqlens)
-    starts = positions.tolist() if positions is not None else [0] * len(lengths)
-    end = max(p + n for p, n in zip(starts, lengths))
     if level_scales is not None:  # a plain state has no levels to run out of
-        check_capacity(end, max_levels)
+        lengths = _lengths(q.shape[0], q.shape[1], cu_seqlens)
+        starts = positions.tolist() if positions is not None else [0] * len(lengths)
+        check_capacity(max(p + n for p, n in zip(starts, lengths)), max_levels)
     state = FenwickState(levels, positions) if levels is not None else None
-    if level_scales is None and state is not None and max(lengths) == 1:
-        o, new_levels = _plain_step(spec, q, k, v, gate_dict, state.levels, state.positions, scale, cu_seqlens,
-                                    l2norm_qk)
-        new_state = FenwickState(new_levels, state.positions + 1)
-    else:
-        lam = level_scales
-        if lam is None:
-            lam = torch.ones((), dtype=v.dtype, device=v.device).expand(*v.shape[:3], levels_needed(end))
-        o, new_state = attention(
-            spec, q, k, v, gate_dict, lam, scale=scale, initial_state=state, output_final_state=output_state,
-            cu_seqlens=cu_seqlens, use_qk_l2norm=l2norm_qk, chunk_size=chunk_size,
-        )
-        if output_state and level_scales is None:
-            new_state = FenwickState(new_state.levels.sum(1, keepdim=True), new_state.positions)
+    o, new_state = attention(
+        spec, q, k, v, gate_dict, level_scales, scale=scale, initial_state=state, output_final_state=output_state,
+        cu_seqlens=cu_seqlens, use_qk_l2norm=l2norm_qk, chunk_size=chunk_size,
+    )
     if not output_state:
         return o, v.new_empty(0), torch.empty(0, dtype=torch.int64)
     return o, new_state.levels, new_state.positions

@@ -3,7 +3,8 @@
     materialized(variant, q, k, v, gates, level_scales, ...)   quadratic: O = scale (transfer * M^H) V
     recurrent(variant, q, k, v, gates, level_scales, ...)      token by token, with states (decoding semantics)
 
-and the named forms of each variant (log_linear_mamba2_materialized, ...).
+and the named forms of each variant (log_linear_mamba2_materialized, ...). level_scales=None is the plain
+variant (lambda = 1; its state one level, the level states summed), as in the public ops.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def materialized(
     """Quadratic reference of any variant: o [B, T, H, V] (arguments as in loglinear.ops.attention; no state)."""
     variant = get(variant)
     inp = check_inputs(variant, q, k, v, gates, level_scales, scale, None, cu_seqlens)
+    inp = inp.over_levels() if inp.plain else inp
 
     def core(q, k, v, gates, lam, scale, levels, position):
         transfer = variant.transfer_matrix(q, k, gates)
@@ -49,7 +51,10 @@ def recurrent(
         o, S, _ = common.recurrent(variant, q, k, v, gates, lam, scale, levels, positions)
         return o, S
 
-    return run_segments(inp, core, output_final_state, l2norm_qk=use_qk_l2norm)
+    if not inp.plain:
+        return run_segments(inp, core, output_final_state, l2norm_qk=use_qk_l2norm)
+    o, state = run_segments(inp.over_levels(), core, output_final_state, l2norm_qk=use_qk_l2norm)
+    return o, (state.summed() if state is not None else None)
 
 
 def log_linear_mamba2_materialized(q, k, v, g, level_scales, *, scale=None, cu_seqlens=None) -> torch.Tensor:

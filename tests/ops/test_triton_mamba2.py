@@ -79,6 +79,47 @@ def test_kernels_match_reference(monkeypatch, B, T, G, H, K, V):
     _compare(mamba2_args(make_inputs(B, T, G, H, K, V)))
 
 
+def _plain(x):
+    """Inputs of a plain call: no level_scales."""
+    return {n: t for n, t in x.items() if n != "level_scales"}
+
+
+def _compare_plain(x, *, state=None, cu_seqlens=None, dtype=torch.float32, tol=FP32_TOL):
+    """The plain kernels (level_scales None) against the float64 plain reference, o / state / every gradient."""
+    compare_with_reference(
+        lambda xs, st: log_linear_mamba2(**xs, level_scales=None, initial_state=st, output_final_state=True,
+                                         cu_seqlens=cu_seqlens, chunk_size=16),
+        lambda xs, st: R.log_linear_mamba2_recurrent(**xs, level_scales=None, initial_state=st,
+                                                     output_final_state=True, cu_seqlens=cu_seqlens),
+        _plain(x), state, tol=tol, dtype=dtype, grad_close=_close_or_tiny,
+    )
+
+
+@pytest.mark.parametrize(
+    "B, T, G, H, K, V, start",
+    [
+        (1, 1, 1, 2, 8, 5, 0),  # one token
+        (2, 37, 2, 4, 16, 16, 0),  # T not a multiple of the chunk, B > 1, G < H
+        (2, 50, 1, 2, 40, 24, 13),  # a state at an unaligned position; K, V split over programs
+    ],
+)
+def test_plain_kernels_match_reference(monkeypatch, B, T, G, H, K, V, start):
+    """Plain Mamba-2 (level_scales None) on the one-level kernels: never the levels, never the torch path."""
+    _no_torch_fallback(monkeypatch)
+    plain = torch.randn(B, 1, H, K, V, dtype=torch.float64)
+    state = FenwickState(plain, torch.full((B,), start)) if start else None
+    _compare_plain(mamba2_args(make_inputs(B, T, G, H, K, V)), state=state)
+
+
+def test_plain_varlen_with_states_and_half_precision(monkeypatch):
+    _no_torch_fallback(monkeypatch)
+    cu = torch.tensor([0, 3, 40, 70])
+    state = FenwickState(torch.randn(3, 1, 2, 16, 16, dtype=torch.float64), torch.tensor([17, 0, 48]))
+    x = mamba2_args(make_inputs(1, 70, 1, 2, 16, 16))
+    _compare_plain(x, cu_seqlens=cu, state=state)
+    _compare_plain(x, cu_seqlens=cu, dtype=torch.bfloat16, tol=3e-2)
+
+
 def test_whole_state_tiles(monkeypatch):
     """The tiling the GPU uses for bf16/fp16 (one program per head, no K/V split) on K, V > 16."""
     monkeypatch.setattr(M, "_splits", lambda dtype: False)

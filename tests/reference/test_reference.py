@@ -70,3 +70,27 @@ def test_level_buckets_weight_the_right_keys():
         for t in range(T):
             bucket = [s for s in range(t + 1) if (t ^ s).bit_length() == lvl]
             assert o[0, t, 0, 0].item() == pytest.approx(sum(s + 1 for s in bucket))
+
+
+@pytest.mark.parametrize("T, cut", [(1, 0), (33, 13)])
+def test_plain_call_is_the_plain_model_with_a_one_level_state(T, cut):
+    """level_scales=None: the plain recurrence, its state S_T as one level, continued from any position."""
+    x = mamba2_args(make_inputs(2, T, 2, 2))
+    del x["level_scales"]
+    scale = 0.7
+    expected = plain_mamba2(x["q"], x["k"], x["v"], x["g"], scale)
+    o, state = R.log_linear_mamba2_recurrent(**x, level_scales=None, scale=scale, output_final_state=True)
+    assert_close(o, expected, 1e-12, "o")
+    assert state.levels.shape[1] == 1 and state.positions.tolist() == [T, T]
+    first = {n: t[:, :cut] for n, t in x.items()}
+    rest = {n: t[:, cut:] for n, t in x.items()}
+    outs = []
+    if cut:
+        o1, mid = R.log_linear_mamba2_recurrent(**first, level_scales=None, scale=scale, output_final_state=True)
+        outs.append(o1)
+    else:
+        mid = None
+    o2, end = R.log_linear_mamba2_recurrent(**rest, level_scales=None, scale=scale, initial_state=mid,
+                                            output_final_state=True)
+    assert_close(torch.cat(outs + [o2], 1), expected, 1e-12, "continued o")
+    assert_close(end.levels, state.levels, 1e-12, "continued state")

@@ -20,6 +20,10 @@ Composition (all sequences of a call in one launch per kernel):
      [tokens, H, K] gradient are alive at a time (the peak: dD, per-head dk and dv during the dk / dv
      kernel; docs/kernels.md);
   4. the final state = the last chunk's in-chunk buckets (torch, differentiable) + the scan's chunk levels.
+
+A plain call (level_scales None: plain Mamba-2 / SSD, lambda = 1, a one-level state) runs the same kernels with
+PLAIN set: no alignment (a plain state continues at any position), one chunk level (the running state),
+every chunk's deposit merged into it, the final state the scan's (shared/levels.py).
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ class LevelScanPlan:
     num_levels: int  # J chunk levels
     has_init: bool
     scale: float
+    plain: bool = False
 
     def device_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """bos, eos, chunk0 as int32 [N] tensors on ``device`` (cached, see _tables)."""
@@ -146,7 +151,7 @@ def _sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor) -> dict:
     """Runtime sizes and constexprs of the chunk kernels and the reverse scan (those reading levels also
     take J = plan.num_levels)."""
     return dict(H=v.shape[1], G=q.shape[1], K=q.shape[-1], V=v.shape[-1], C=plan.chunk_size,
-                PRECISION=dot_precision(q.dtype, FP32_DOT))
+                PRECISION=dot_precision(q.dtype, FP32_DOT), PLAIN=plan.plain)
 
 
 def _gate_grad(d_gate: torch.Tensor, d_final: torch.Tensor, final: torch.Tensor,
@@ -195,7 +200,7 @@ def _merge_levels(k, v, g, levels, ranges, table: ChunkTable, plan: LevelScanPla
     BKS = _scan_rows(k, False)
     mamba2_fwd_kernel[(N, H, triton.cdiv(k.shape[-1], BKS))](
         g, levels, buckets, decays, *ranges, table.base, H=H, K=k.shape[-1], V=v.shape[-1], J=plan.num_levels,
-        C=plan.chunk_size, BKS=BKS, BV=BV, BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init,
+        C=plan.chunk_size, BKS=BKS, BV=BV, BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, PLAIN=plan.plain,
         **launch_options(mamba2_fwd_kernel, BKS * BV),
     )
     return buckets, decays
@@ -244,10 +249,12 @@ def _chunk_sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, lam: tor
 
 def _dq_grads(q, k, v, g, lam, h0, d_o, ranges, buckets, saved: _Saved, plan: LevelScanPlan) -> tuple:
     """mamba2_chunk_bwd_dq_kernel, the only backward reader of the buckets.
-    -> dq [tokens, G, K] (q's dtype), dlam [tokens, H, L] (lam's dtype), q.dq [tokens, H] fp32 (per value head)."""
+    -> dq [tokens, G, K] (q's dtype), dlam [tokens, H, L] (lam's dtype; None when plain), q.dq [tokens, H] fp32
+    (per value head)."""
     (tokens, H), K, L, table = v.shape[:2], q.shape[-1], lam.shape[-1], saved.table
     dq = alloc((tokens, H, K), q.dtype, q.device)
-    dlam, qdq = alloc(tuple(lam.shape), lam.dtype, q.device), alloc((tokens, H), torch.float32, q.device)
+    dlam = alloc(tuple(lam.shape), lam.dtype, q.device) if not plan.plain else g  # g: never written when plain
+    qdq = alloc((tokens, H), torch.float32, q.device)
     if table.starts.numel():
         mamba2_chunk_bwd_dq_kernel[(table.starts.numel(), H)](
             q, k, v, g, lam, d_o, h0, buckets, saved.decays, table.starts, table.ends, table.seqs, table.chunks,
@@ -255,6 +262,8 @@ def _dq_grads(q, k, v, g, lam, h0, d_o, ranges, buckets, saved: _Saved, plan: Le
             J=plan.num_levels, HAS_INIT=plan.has_init, **_chunk_sizes(plan, q, v, lam),
             **launch_options(mamba2_chunk_bwd_dq_kernel),
         )
+    if plan.plain:
+        return _group_grad(dq, q.shape[1], plan), None, qdq
     _zero_prefixes(plan, dlam)
     return _group_grad(dq, q.shape[1], plan), dlam, qdq
 
@@ -298,9 +307,9 @@ def _dkv_grads(q, k, v, g, lam, d_o, d_deposits, table: ChunkTable, plan: LevelS
 class LevelScanMamba2(torch.autograd.Function):
     """(q, k, v, g, lam, h0) -> (o, chunk-level final states) on the kernels.
 
-    q, k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H]; lam: [tokens, H, L];
-    h0: [N, J, H, K, V] fp32 chunk-level initial states. Returns o: [tokens, H, V] (rows outside the
-    plan's ranges unwritten) and the final chunk levels [N, J, H, K, V] fp32."""
+    q, k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H]; lam: [tokens, H, L] (plain: not read, no gradient);
+    h0: [N, J, H, K, V] fp32 chunk-level initial states (plain: J = 1, the state). Returns o: [tokens, H, V]
+    (rows outside the plan's ranges unwritten) and the final chunk levels [N, J, H, K, V] fp32."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, lam, h0, plan: LevelScanPlan):
@@ -357,7 +366,8 @@ def _pad_levels(x: torch.Tensor, n: int) -> torch.Tensor:
 class _Flat:
     """The call on one flat token axis: sequence n covers tokens [bounds[n], bounds[n+1]) from positions[n].
 
-    q, k: [tokens, G, K]; v: [tokens, H, V] (kernel dtype); g: [tokens, H]; lam: [tokens, H, L]."""
+    q, k: [tokens, G, K]; v: [tokens, H, V] (kernel dtype); g: [tokens, H]; lam: [tokens, H, L] (a plain call:
+    g as [tokens, H, 1], never read)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -392,7 +402,8 @@ def _flatten(inp: OpInputs) -> _Flat:
     return _Flat(
         inp.q.to(dtype).reshape(B * T, G, K).contiguous(), inp.k.to(dtype).reshape(B * T, G, K).contiguous(),
         inp.v.to(dtype).reshape(B * T, H, V).contiguous(), inp.gates["g"].reshape(B * T, H).contiguous(),
-        inp.level_scales.reshape(B * T, H, -1).contiguous(), bounds,
+        inp.level_scales.reshape(B * T, H, -1).contiguous() if inp.level_scales is not None
+        else inp.gates["g"].reshape(B * T, H, 1), bounds,
         state.positions.tolist() if state is not None else [0] * (len(bounds) - 1),
     )
 
@@ -484,6 +495,8 @@ def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tu
     """backend on the kernels: (o [B, T, H, V] in v's dtype, final state or None)."""
     C = kernel_chunk_size(chunk_size, MAX_CHUNK)
     flat = _flatten(inp)
+    if inp.level_scales is None:
+        return _run_plain(inp, flat, output_final_state, C)
     aligned = _align(flat, inp.initial_state, C, inp.scale)
     J, h0, has_init = _chunk_levels(flat, aligned, C)
     plan = LevelScanPlan(aligned.bos, flat.bounds[1:], aligned.chunk0, aligned.prefixes, C, J, has_init, inp.scale)
@@ -496,3 +509,22 @@ def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tu
         return o, None
     n_in = inp.initial_state.num_levels if inp.initial_state is not None else 0
     return o, _final_state(flat, aligned, final, C, n_in)
+
+
+def _run_plain(inp: OpInputs, flat: _Flat, output_final_state: bool, C: int
+               ) -> tuple[torch.Tensor, FenwickState | None]:
+    """A plain call on the PLAIN kernels: every sequence from its first token, its one-level state (if any) as the
+    single chunk level. -> (o [B, T, H, V] in v's dtype, the final one-level state or None)."""
+    state, N = inp.initial_state, len(flat.bounds) - 1
+    H, K, V = flat.v.shape[1], flat.q.shape[2], flat.v.shape[2]
+    if state is not None:
+        h0 = state.levels.float().contiguous()
+    else:
+        h0 = flat.v.new_zeros((1, 1, H, K, V), dtype=torch.float32).expand(N, 1, H, K, V)
+    plan = LevelScanPlan(flat.bounds[:-1], flat.bounds[1:], [0] * N, [], C, 1, state is not None, inp.scale, plain=True)
+    o, final = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, flat.lam, h0, plan)
+    o = o.reshape(inp.v.shape).to(inp.v.dtype)
+    if not output_final_state:
+        return o, None
+    ends = [p + b - a for a, b, p in zip(flat.bounds, flat.bounds[1:], flat.positions)]
+    return o, FenwickState(final, torch.tensor(ends))

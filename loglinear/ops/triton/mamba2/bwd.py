@@ -15,6 +15,10 @@ chunk i's deposit D_i = K^T (exp(Gl - G) * V). The deposit's terms in dK and dV 
 load, the split's stores and dD's store (dB and the gate total are loaded a chunk ahead): no GEMM, so the
 state tile is cut into blocks of K rows (contiguous in the [K, V] states) over many programs. No atomics:
 every output element has one writer.
+
+PLAIN (one chunk level, lambda = 1; see fwd.py): the split is dD_i = dS + dB_i, dS <- dD_i for every chunk,
+the last one too (its dB is 0, its deposit is merged into the final state), and only the sequence's first
+chunk reads the initial state.
 """
 
 from __future__ import annotations
@@ -27,12 +31,12 @@ from loglinear.ops.triton.shared.intra import chunk_gates
 from loglinear.ops.triton.shared.levels import (
     accumulate_level, chunk_inputs, flush_levels, level_source, level_tile, sequence_range, split_levels,
 )
-from loglinear.ops.triton.shared.tiles import load_column, load_tile
+from loglinear.ops.triton.shared.tiles import level_column, load_tile
 
 
 @triton.jit
 def initial_read_grads(q, g, do, lam, ptrs, stride, lmask, decay, jj, t0, r, eos, grp, h, G, H, K, V, L, J,
-                       chunk, c0, scale, kk, vv, LOG_C: tl.constexpr, PRECISION: tl.constexpr):
+                       chunk, c0, scale, kk, vv, LOG_C: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr):
     """dH_j += Q^T (scale * lambda_j * exp(G) * dO) for every level j that the chunk at t0 reads from the
     initial state (kind 2); Q's rows kk, dO's columns vv.  Returns decay."""
     t = t0 + r
@@ -42,9 +46,9 @@ def initial_read_grads(q, g, do, lam, ptrs, stride, lmask, decay, jj, t0, r, eos
     dobl = load_tile(do, t0, r, valid, h, H, V, vv)
     do_scaled = dobl.to(tl.float32) * (scale * tl.exp(Gc))[:, None]
     for j in range(J):
-        kind, _ = level_source(chunk, c0, j, True)
+        kind, _ = level_source(chunk, c0, j, True, PLAIN)
         if kind == 2:
-            lam_j = load_column(lam, t, valid, h, H, L, LOG_C + 1 + j)
+            lam_j = level_column(lam, t, valid, h, H, L, LOG_C + 1 + j, PLAIN)
             update = tl.dot(tl.trans(qc), (do_scaled * lam_j[:, None]).to(dobl.dtype), input_precision=PRECISION)
             decay = accumulate_level(ptrs, stride, j, lmask, decay, jj, update)
     return decay
@@ -55,7 +59,7 @@ def mamba2_bwd_scan_kernel(
     q, g, lam, do, d_levels, d_buckets, bos_ptr, eos_ptr, chunk0_ptr, base_ptr, scale,
     H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
-    BJ: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
+    BJ: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
 ):
     """Grid (N, H, cdiv(K, BKS)). d_levels: [N, J, H, K, V] fp32, the final chunk-level states' gradient in,
     the initial ones' out (HAS_INIT); d_buckets: [NC, H, K, V] (q's dtype), dB per kernel chunk in, dD out (every
@@ -68,18 +72,19 @@ def mamba2_bwd_scan_kernel(
     decay = tl.zeros([BJ], dtype=tl.float32)
     n_chunks = tl.cdiv(eos - bos, C)
     slot = ((base + n_chunks - 1) * H + h) * K * V
-    reads, Gl = chunk_inputs(d_buckets, g, slot, bos + (n_chunks - 1) * C, r, bos, eos, h, H, offs, lmask)
+    reads, Gl = chunk_inputs(d_buckets, g, slot, bos + (n_chunks - 1) * C, r, bos, eos, h, H, offs, lmask, PLAIN)
     for back in range(n_chunks):
         i = n_chunks - 1 - back
         t0 = bos + i * C
-        next_reads, next_Gl = chunk_inputs(d_buckets, g, slot - H * K * V, t0 - C, r, bos, eos, h, H, offs, lmask)
-        if i < n_chunks - 1:
-            d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, c0 + i, reads, BJ)
+        next_reads, next_Gl = chunk_inputs(d_buckets, g, slot - H * K * V, t0 - C, r, bos, eos, h, H, offs, lmask,
+                                           PLAIN)
+        if PLAIN or i < n_chunks - 1:
+            d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, c0 + i, reads, BJ, PLAIN)
             tl.store(d_buckets + slot + offs, d_deposit.to(d_buckets.dtype.element_ty), mask=lmask)
         decay += Gl
         if HAS_INIT:
             decay = initial_read_grads(q, g, do, lam, ptrs, stride, lmask, decay, jj, t0, r, eos, h // (H // G), h, G,
-                                       H, K, V, L, J, c0 + i, c0, scale, kk, vv, LOG_C, PRECISION)
+                                       H, K, V, L, J, c0 + i, c0, scale, kk, vv, LOG_C, PRECISION, PLAIN)
         reads, Gl, slot = next_reads, next_Gl, slot - H * K * V
     if HAS_INIT:
-        flush_levels(ptrs, stride, lmask, decay, jj, J, c0, c0, False, HAS_INIT)
+        flush_levels(ptrs, stride, lmask, decay, jj, J, c0, c0, False, HAS_INIT, PLAIN)

@@ -52,6 +52,10 @@ sequence), so
 (mamba2_level_grad_kernel, one program per (chunk e, head) looping over its readers, pipelined; the
 chunks with the highest m, the longest loops, launch first); the reverse scan (bwd.py) turns
 them into the deposits' gradients dD.
+
+PLAIN (plain Mamba-2 / SSD: lambda = 1, one chunk level, shared/levels.py): the same kernels with lambda's
+loads and dlambda compiled out; chunk i reads the state after chunk i - 1 (or the initial state), the last
+chunk deposits too (into the final state), and each state has one reader.
 """
 from __future__ import annotations
 
@@ -62,7 +66,7 @@ from loglinear.ops.triton.shared.intra import (
     chunk_gates, intra_levels, intra_output, intra_score_grads, intra_scores, level_sums, level_weights,
 )
 from loglinear.ops.triton.shared.levels import bucket_levels, level_source, merge_target, nth_level
-from loglinear.ops.triton.shared.tiles import load_column, load_tile, store_column, store_tile
+from loglinear.ops.triton.shared.tiles import level_column, load_tile, store_column, store_tile
 
 CHUNK_RUNTIME_ARGS = ["H", "G", "L", "J"]
 
@@ -87,11 +91,11 @@ def chunk_position(seqs, chunks, chunk0):
 
 
 @triton.jit
-def read_bucket(buckets, decays, h, H, J, K, V, chunk, c0, j, offs, mask):
+def read_bucket(buckets, decays, h, H, J, K, V, chunk, c0, j, offs, mask, PLAIN: tl.constexpr):
     """Level j as this chunk reads it from its bucket in buckets [NC, H, K, V] (the merge levels.level_source
     points to), before its decay: [BK, BV] in buckets' dtype; and exp(decay_j) (scalar)."""
     p = tl.program_id(0).to(tl.int64)
-    _, back = level_source(chunk, c0, j, False)
+    _, back = level_source(chunk, c0, j, False, PLAIN)
     state = tl.load(buckets + ((p - back) * H + h) * K * V + offs, mask=mask, other=0.0)
     return state, tl.exp(tl.load(decays + (p * H + h) * J + j))
 
@@ -106,22 +110,23 @@ def read_initial(h0, decays, n, h, H, J, K, V, j, offs, mask):
 
 
 @triton.jit
-def readout(qc, state, to_now, lam, t, valid, h, H, L, level, PRECISION: tl.constexpr):
+def readout(qc, state, to_now, lam, t, valid, h, H, L, level, PRECISION: tl.constexpr, PLAIN: tl.constexpr):
     """One level's readout lambda_level * exp(decay) * (Q B), unscaled by exp(G) -> [C, BV] fp32."""
-    lam_j = load_column(lam, t, valid, h, H, L, level) * to_now
+    lam_j = level_column(lam, t, valid, h, H, L, level, PLAIN) * to_now
     return lam_j[:, None] * tl.dot(qc, state.to(qc.dtype), input_precision=PRECISION)
 
 
 @triton.jit
 def readout_grad(doc, qc, state, to_now, row_scale, lam, dlam, t, valid, h, H, L, level,
-                 PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr, PLAIN: tl.constexpr):
     """One level's share of dQ, lambda_level * d_read with d_read = diag(row_scale * exp(decay)) dO B^T
-    ([C, BK] fp32); stores dlambda's column ``level`` = rowsum(Q * d_read) and returns it too ([C])."""
+    ([C, BK] fp32); stores dlambda's column ``level`` = rowsum(Q * d_read) (not when PLAIN)."""
     d_read = tl.dot(doc, tl.trans(state.to(doc.dtype)), input_precision=PRECISION)
     d_read *= (row_scale * to_now)[:, None]
-    col = tl.sum(d_read * qc.to(tl.float32), 1)
-    store_column(dlam, col, t, valid, h, H, L, level)
-    return load_column(lam, t, valid, h, H, L, level)[:, None] * d_read
+    if PLAIN:
+        return d_read
+    store_column(dlam, tl.sum(d_read * qc.to(tl.float32), 1), t, valid, h, H, L, level)
+    return level_column(lam, t, valid, h, H, L, level, PLAIN)[:, None] * d_read
 
 
 @triton.jit
@@ -135,14 +140,14 @@ def chunk_deposit(kc, vc, Gc, Gl, PRECISION: tl.constexpr):
 def mamba2_deposit_kernel(
     k, v, g, buckets, starts, ends,
     H, G, K, V,
-    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
 ):
     """buckets[p] = D_p = K^T (exp(Gl - G) * V) for every kernel chunk p but its sequence's last (which
-    deposits nothing; the forward scan merges D_p and overwrites the slot with the merged level).
+    deposits nothing unless PLAIN; the forward scan merges D_p and overwrites the slot with the merged level).
     k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H]; buckets: [NC, H, K, V].  Grid (NC, H)."""
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
-    if t0 + C < tl.load(ends + tl.program_id(0)):
+    if PLAIN or t0 + C < tl.load(ends + tl.program_id(0)):
         kk, vv = tl.arange(0, BK), tl.arange(0, BV)
         Gc, Gl = chunk_gates(g, t, valid, h, H)
         deposit = chunk_deposit(load_tile(k, t0, r, valid, h // (H // G), G, K, kk),
@@ -156,9 +161,9 @@ def mamba2_chunk_fwd_kernel(
     q, k, v, g, lam, o, h0, buckets, decays, starts, ends, seqs, chunks, chunk0, scale,
     H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
-    HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
 ):
-    """q, k: [tokens, G, K]; v, o: [tokens, H, V]; g: [tokens, H]; lam: [tokens, H, L];
+    """q, k: [tokens, G, K]; v, o: [tokens, H, V]; g: [tokens, H]; lam: [tokens, H, L] (not read when PLAIN);
     h0: [N, J, H, K, V] fp32; buckets: [NC, H, K, V], decays: [NC, H, J] fp32 (the forward scan's);
     starts, ends, seqs, chunks: [NC] int32 (the chunk table), chunk0: [N].  Grid (NC, H)."""
     h = tl.program_id(1)
@@ -171,18 +176,18 @@ def mamba2_chunk_fwd_kernel(
     vc = load_tile(v, t0, r, valid, h, H, V, vv)
     Gc, _ = chunk_gates(g, t, valid, h, H)
     read = tl.zeros([C, BV], dtype=tl.float32)
-    live, rank, count = bucket_levels(chunk, c0, jj, J)
+    live, rank, count = bucket_levels(chunk, c0, jj, J, PLAIN)
     for i in range(count):
         j = nth_level(live, rank, jj, i)
-        state, to_now = read_bucket(buckets, decays, h, H, J, K, V, chunk, c0, j, offs, lmask)
-        read += readout(qc, state, to_now, lam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION)
+        state, to_now = read_bucket(buckets, decays, h, H, J, K, V, chunk, c0, j, offs, lmask, PLAIN)
+        read += readout(qc, state, to_now, lam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION, PLAIN)
     if HAS_INIT:
         for j in range(J):
-            if level_source(chunk, c0, j, True)[0] == 2:
+            if level_source(chunk, c0, j, True, PLAIN)[0] == 2:
                 state, to_now = read_initial(h0, decays, n, h, H, J, K, V, j, offs, lmask)
-                read += readout(qc, state, to_now, lam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION)
+                read += readout(qc, state, to_now, lam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION, PLAIN)
     acc = intra_output(qc, kc, vc, Gc, lam, t, valid, h, H, L, intra_levels(r, LOG_C), r[:, None] >= r[None, :],
-                       LOG_C, PRECISION)
+                       LOG_C, PRECISION, PLAIN)
     store_tile(o, (acc + read * tl.exp(Gc)[:, None]) * scale, t0, r, valid, h, H, V, vv)
 
 
@@ -190,17 +195,17 @@ def mamba2_chunk_fwd_kernel(
 def read_columns(ll, chunk, c0, J, LOG_C: tl.constexpr, HAS_INIT: tl.constexpr):
     """Which of the lambda columns ll (token levels) are chunk levels that chunk ``chunk`` reads."""
     j = tl.maximum(ll - (LOG_C + 1), 0)
-    return (ll > LOG_C) & (j < J) & (level_source(chunk, c0, j, HAS_INIT)[0] != 0)
+    return (ll > LOG_C) & (j < J) & (level_source(chunk, c0, j, HAS_INIT, False)[0] != 0)
 
 
 @triton.jit
 def intra_grad_blocks(qc, kc, vc, doc, Gc, lam, t, valid, h, H, L, lev, causal, scale,
-                      LOG_C: tl.constexpr, PRECISION: tl.constexpr):
+                      LOG_C: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr):
     """The in-chunk block's pieces both backward kernels need, [C, C] fp32 each: P = Q K^T * Gamma,
     dA = scale * dO V^T (causal), Lambda, and dS = dA * Gamma * Lambda in q's dtype."""
     p, gamma = intra_scores(qc, kc, Gc, causal, PRECISION)
     d_a = intra_score_grads(doc, vc, causal, scale, PRECISION)
-    weights = level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C)
+    weights = level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C, PLAIN)
     return p, d_a, weights, (d_a * gamma * weights).to(qc.dtype)
 
 
@@ -210,9 +215,9 @@ def mamba2_chunk_bwd_dq_kernel(
     dq, dlam, qdq,
     H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
-    BJ: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
+    BJ: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
 ):
-    """dQ (in-chunk + readout) and dlambda (every level), complete:
+    """dQ (in-chunk + readout) and dlambda (every level; not when PLAIN), complete:
 
         dQ = dS K + diag(scale * exp(G)) sum_j lambda_j exp(decay_j) dO B_j^T,   q.dQ per row.
 
@@ -229,23 +234,24 @@ def mamba2_chunk_bwd_dq_kernel(
     doc = load_tile(do, t0, r, valid, h, H, V, vv)
     Gc, _ = chunk_gates(g, t, valid, h, H)
     p, d_a, _, d_s = intra_grad_blocks(qc, kc, load_tile(v, t0, r, valid, h, H, V, vv), doc, Gc, lam, t, valid, h,
-                                       H, L, lev, r[:, None] >= r[None, :], scale, LOG_C, PRECISION)
-    # in-chunk columns and zeros; the columns of the live chunk levels are the loop's (one writer each)
-    skip = read_columns(ll, chunk, c0, J, LOG_C, HAS_INIT)
-    store_tile(dlam, level_sums(d_a * p, lev, ll, LOG_C), t0, r, valid, h, H, L, tl.where(skip, L, ll))
+                                       H, L, lev, r[:, None] >= r[None, :], scale, LOG_C, PRECISION, PLAIN)
+    if not PLAIN:  # in-chunk columns and zeros; the columns of the live chunk levels are the loop's (one writer each)
+        skip = read_columns(ll, chunk, c0, J, LOG_C, HAS_INIT)
+        store_tile(dlam, level_sums(d_a * p, lev, ll, LOG_C), t0, r, valid, h, H, L, tl.where(skip, L, ll))
     d_q = tl.dot(d_s, kc, input_precision=PRECISION)
     row_scale = scale * tl.exp(Gc)
-    live, rank, count = bucket_levels(chunk, c0, jj, J)
+    live, rank, count = bucket_levels(chunk, c0, jj, J, PLAIN)
     for i in range(count):
         j = nth_level(live, rank, jj, i)
-        state, to_now = read_bucket(buckets, decays, h, H, J, K, V, chunk, c0, j, offs, lmask)
-        d_q += readout_grad(doc, qc, state, to_now, row_scale, lam, dlam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION)
+        state, to_now = read_bucket(buckets, decays, h, H, J, K, V, chunk, c0, j, offs, lmask, PLAIN)
+        d_q += readout_grad(doc, qc, state, to_now, row_scale, lam, dlam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION,
+                            PLAIN)
     if HAS_INIT:
         for j in range(J):
-            if level_source(chunk, c0, j, True)[0] == 2:
+            if level_source(chunk, c0, j, True, PLAIN)[0] == 2:
                 state, to_now = read_initial(h0, decays, n, h, H, J, K, V, j, offs, lmask)
                 d_q += readout_grad(doc, qc, state, to_now, row_scale, lam, dlam, t, valid, h, H, L, LOG_C + 1 + j,
-                                    PRECISION)
+                                    PRECISION, PLAIN)
     store_tile(dq, d_q, t0, r, valid, h, H, K, kk)
     tl.store(qdq + t * H + h, tl.sum(d_q * qc.to(tl.float32), 1), mask=valid)
 
@@ -256,6 +262,7 @@ def mamba2_chunk_bwd_dkv_kernel(
     dk, dv, kdk,
     H, G, K, V, L,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+    PLAIN: tl.constexpr,
 ):
     """dK and dV (in-chunk + deposit), complete:
 
@@ -272,10 +279,10 @@ def mamba2_chunk_bwd_dkv_kernel(
     doc = load_tile(do, t0, r, valid, h, H, V, vv)
     Gc, Gl = chunk_gates(g, t, valid, h, H)
     p, _, weights, d_s = intra_grad_blocks(qc, kc, vc, doc, Gc, lam, t, valid, h, H, L, intra_levels(r, LOG_C),
-                                           r[:, None] >= r[None, :], scale, LOG_C, PRECISION)
+                                           r[:, None] >= r[None, :], scale, LOG_C, PRECISION, PLAIN)
     d_v = tl.dot(tl.trans((p * weights).to(doc.dtype)), doc, input_precision=PRECISION) * scale
     d_k = tl.dot(tl.trans(d_s), qc, input_precision=PRECISION)
-    if t0 + C < tl.load(ends + tl.program_id(0)):
+    if PLAIN or t0 + C < tl.load(ends + tl.program_id(0)):
         offs = kk[:, None] * V + vv[None, :]
         d_d = tl.load(d_deposits + (tl.program_id(0).to(tl.int64) * H + h) * K * V + offs,
                       mask=(kk[:, None] < K) & (vv[None, :] < V), other=0.0).to(vc.dtype)
@@ -292,7 +299,7 @@ def mamba2_level_grad_kernel(
     q, g, lam, do, decays, starts, ends, chunks, by_level, d_buckets, scale,
     H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PLAIN: tl.constexpr,
 ):
     """d_buckets: [NC, H, K, V] out (q's dtype, summed in fp32), dB of the level merged after each kernel chunk
     (0 when nothing reads it); by_level: [NC] int32, the kernel chunks in launch order (backend.ChunkTable:
@@ -302,7 +309,7 @@ def mamba2_level_grad_kernel(
     r, kk, vv = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV)
     first = tl.load(starts + p).to(tl.int64)
     end = tl.load(ends + p).to(tl.int64)
-    m = merge_target(tl.load(chunks + p).to(tl.int64), tl.arange(0, BJ), BJ)
+    m = merge_target(tl.load(chunks + p).to(tl.int64), tl.arange(0, BJ), BJ, PLAIN)
     readers = tl.minimum(1 << m, tl.cdiv(end - first, C) - 1)
     acc = tl.zeros([BK, BV], dtype=tl.float32)
     for d in range(1, readers + 1):
@@ -312,7 +319,7 @@ def mamba2_level_grad_kernel(
         doc = load_tile(do, t0, r, valid, h, H, V, vv)
         Gc, _ = chunk_gates(g, t0 + r, valid, h, H)
         to_now = tl.exp(tl.load(decays + ((p + d).to(tl.int64) * H + h) * J + m))
-        w = load_column(lam, t0 + r, valid, h, H, L, LOG_C + 1 + m) * tl.exp(Gc) * (scale * to_now)
+        w = level_column(lam, t0 + r, valid, h, H, L, LOG_C + 1 + m, PLAIN) * tl.exp(Gc) * (scale * to_now)
         acc += tl.dot(tl.trans(qc), (doc.to(tl.float32) * w[:, None]).to(doc.dtype), input_precision=PRECISION)
     offs = kk[:, None] * V + vv[None, :]
     tl.store(d_buckets + (p.to(tl.int64) * H + h) * K * V + offs, acc.to(d_buckets.dtype.element_ty),

@@ -15,6 +15,9 @@ amortised O(1) level merge (sum over chunks of the levels merged = 2 NT) and two
 state tile is cut into blocks of K rows (contiguous in the [K, V] states) over many programs; the next
 chunk's deposit and gates are loaded one chunk ahead. The level states never leave the scan's fp32
 buffer except as the final states.
+
+PLAIN (plain Mamba-2 / SSD, lambda = 1): one chunk level, the running state S; every chunk, the last one
+too, merges S <- exp(Gl) S + D_i, and buckets[i] = S is what chunk i + 1 reads.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def mamba2_fwd_kernel(
     g, levels, buckets, decays, bos_ptr, eos_ptr, chunk0_ptr, base_ptr,
     H, K, V, J,
     C: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr, HAS_INIT: tl.constexpr,
+    PLAIN: tl.constexpr,
 ):
     """g: [tokens, H]; levels: [N, J, H, K, V] fp32, initial chunk-level states in, final ones out;
     buckets: [NC, H, K, V] (q's dtype), the deposits in, the merged levels out (every chunk but each
@@ -43,17 +47,17 @@ def mamba2_fwd_kernel(
     ptrs, stride, offs, lmask = level_tile(levels, n, h, H, J, K, V, kk, vv)
     decay = tl.zeros([BJ], dtype=tl.float32)
     n_chunks = tl.cdiv(eos - bos, C)
-    deposit, Gl = chunk_inputs(buckets, g, (base * H + h) * K * V, bos, r, bos, eos, h, H, offs, lmask)
+    deposit, Gl = chunk_inputs(buckets, g, (base * H + h) * K * V, bos, r, bos, eos, h, H, offs, lmask, PLAIN)
     chunk = c0
     for i in range(n_chunks):
         chunk = c0 + i
         slot = ((base + i) * H + h) * K * V
         next_deposit, next_Gl = chunk_inputs(buckets, g, slot + H * K * V, bos + (i + 1) * C, r, bos, eos, h, H,
-                                             offs, lmask)
+                                             offs, lmask, PLAIN)
         tl.store(decays + ((base + i) * H + h) * J + jj, decay, mask=(jj < J) & ((jj * 0 + kb) == 0))
         decay += Gl
-        if i < n_chunks - 1:
-            total, decay = merge_levels(ptrs, stride, lmask, deposit, decay, jj, chunk, c0, HAS_INIT, BJ)
+        if PLAIN or i < n_chunks - 1:
+            total, decay = merge_levels(ptrs, stride, lmask, deposit, decay, jj, chunk, c0, HAS_INIT, BJ, PLAIN)
             tl.store(buckets + slot + offs, total.to(buckets.dtype.element_ty), mask=lmask)
         deposit, Gl = next_deposit, next_Gl
-    flush_levels(ptrs, stride, lmask, decay, jj, J, chunk, c0, True, HAS_INIT)
+    flush_levels(ptrs, stride, lmask, decay, jj, J, chunk, c0, True, HAS_INIT, PLAIN)

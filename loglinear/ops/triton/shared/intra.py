@@ -30,8 +30,10 @@ def intra_levels(r, LOG_C: tl.constexpr):
 
 
 @triton.jit
-def level_weights(lam, t, valid, head, HEADS, L, lev, causal, LOG_C: tl.constexpr):
-    """Lambda [C, C] fp32 from lambda [tokens, HEADS, L] (levels 0..c)."""
+def level_weights(lam, t, valid, head, HEADS, L, lev, causal, LOG_C: tl.constexpr, PLAIN: tl.constexpr):
+    """Lambda [C, C] fp32 from lambda [tokens, HEADS, L] (levels 0..c); the causal mask when PLAIN (lambda = 1)."""
+    if PLAIN:
+        return causal.to(tl.float32)
     weights = tl.zeros(lev.shape, dtype=tl.float32)
     for level in tl.static_range(LOG_C + 1):
         col = load_column(lam, t, valid, head, HEADS, L, level)
@@ -62,10 +64,12 @@ def intra_scores(qc, kc, Gc, causal, PRECISION: tl.constexpr):
 
 @triton.jit
 def intra_output(qc, kc, vc, Gc, lam, t, valid, head, HEADS, L, lev, causal,
-                 LOG_C: tl.constexpr, PRECISION: tl.constexpr):
-    """O = (Q K^T * Gamma * Lambda) V, unscaled -> [C, BV] fp32 (q, k [C, BK]; v [C, BV])."""
+                 LOG_C: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr):
+    """O = (Q K^T * Gamma * Lambda) V, unscaled -> [C, BV] fp32 (q, k [C, BK]; v [C, BV]; Lambda = 1: PLAIN)."""
     p, _ = intra_scores(qc, kc, Gc, causal, PRECISION)
-    a = p * level_weights(lam, t, valid, head, HEADS, L, lev, causal, LOG_C)
+    if not PLAIN:
+        p *= level_weights(lam, t, valid, head, HEADS, L, lev, causal, LOG_C, PLAIN)
+    a = p
     return tl.dot(a.to(vc.dtype), vc, input_precision=PRECISION)
 
 

@@ -17,6 +17,12 @@ so a chunk touches only the levels it reads or merges (amortised O(1) merges per
 
 The backward walks the chunks in reverse with the transposed cascade on the level gradients dH:
 split (dH_j <- dH_m for j < m; the deposit's gradient is dH_m), decay, then add the reads' gradients.
+
+PLAIN (a constexpr of every helper that depends on the cascade) is the one-level case, plain linear
+attention (lambda = 1 throughout): a single chunk level, every chunk's deposit (the last one's too)
+merged into it (m = 0), and chunk i reads the value stored after chunk i - 1, or the initial state at
+the sequence's first chunk. The same scans and chunk kernels run it with the Fenwick bookkeeping
+compiled out.
 """
 
 from __future__ import annotations
@@ -44,29 +50,36 @@ def level_tile(levels, n, h, H, J, K, V, kk, vv):
 
 
 @triton.jit
-def chunk_inputs(tiles, g, slot, t0, r, bos, eos, h, H, offs, mask):
+def chunk_inputs(tiles, g, slot, t0, r, bos, eos, h, H, offs, mask, PLAIN: tl.constexpr):
     """What a scan step needs from memory for the chunk at t0 of the sequence [bos, eos): its tile in
     ``slot`` of a per-chunk buffer (the deposit / its gradient: [BKS, BV] fp32; 0 for the sequence's last
-    chunk, which deposits nothing, and outside the sequence) and its gate total (0 outside). Loaded one
-    chunk ahead by the scans, off their dependent chain."""
+    chunk, which deposits nothing unless PLAIN, and outside the sequence) and its gate total (0 outside).
+    Loaded one chunk ahead by the scans, off their dependent chain."""
     first = offs * 0 + t0  # the chunk's first token as a tile: the interpreter masks with tensors only
-    tile = tl.load(tiles + slot + offs, mask=mask & (first >= bos) & (first + r.shape[0] < eos), other=0.0)
+    inside = (first >= bos) & (first < eos) if PLAIN else (first >= bos) & (first + r.shape[0] < eos)
+    tile = tl.load(tiles + slot + offs, mask=mask & inside, other=0.0)
     rows = (bos <= t0 + r) & (t0 + r < eos)
     return tile.to(tl.float32), tl.sum(tl.load(g + (t0 + r) * H + h, mask=rows, other=0.0).to(tl.float32), 0)
 
 
 @triton.jit
-def level_live(chunk, c0, j, HAS_INIT: tl.constexpr):
+def level_live(chunk, c0, j, HAS_INIT: tl.constexpr, PLAIN: tl.constexpr):
     """Is chunk-level j non-empty (or carrying an initial state) when chunk ``chunk`` reads?"""
-    live = ((chunk >> j) & 1) == 1
-    if HAS_INIT:
-        live = live | ((chunk >> (j + 1)) == (c0 >> (j + 1)))
+    if PLAIN:
+        live = (chunk > c0) | HAS_INIT
+    else:
+        live = ((chunk >> j) & 1) == 1
+        if HAS_INIT:
+            live = live | ((chunk >> (j + 1)) == (c0 >> (j + 1)))
     return live
 
 
 @triton.jit
-def merge_target(chunk, jj, BJ: tl.constexpr):
-    """m = ctz(chunk + 1): after chunk ``chunk``, levels 0..m merge into level m (jj = arange(BJ))."""
+def merge_target(chunk, jj, BJ: tl.constexpr, PLAIN: tl.constexpr):
+    """m = ctz(chunk + 1) (0 when PLAIN): after chunk ``chunk``, levels 0..m merge into level m
+    (jj = arange(BJ))."""
+    if PLAIN:
+        return tl.min(jj * 0, 0)
     return tl.min(tl.where((((chunk + 1) >> jj) & 1) == 1, jj, BJ), 0)
 
 
@@ -77,26 +90,31 @@ def load_level(ptrs, stride, j, mask, decay, jj):
 
 
 @triton.jit
-def level_source(chunk, c0, j, HAS_INIT: tl.constexpr):
+def level_source(chunk, c0, j, HAS_INIT: tl.constexpr, PLAIN: tl.constexpr):
     """Where the value of level j that chunk ``chunk`` reads was stored: (kind, back) with kind 1 = by the
     merge after chunk ``chunk - back`` (>= c0), 2 = the initial state (level j not assigned since c0),
     0 = level j is dead.
 
     Merges into j happen after the chunks e with e + 1 = 2^j mod 2^(j+1) and clears at multiples of
     2^(j+1); so a live level j holds the merge after e = (chunk >> j << j) - 1 (chunk with bit j cleared
-    and bits 0..j-1 set) when bit j of chunk is set, else (or when e < c0) the initial state."""
-    e = ((chunk >> j) << j) - 1
-    assigned = (((chunk >> j) & 1) == 1) & (e >= c0)
-    kind = tl.where(assigned, 1, tl.where(level_live(chunk, c0, j, HAS_INIT), 2, 0))
+    and bits 0..j-1 set) when bit j of chunk is set, else (or when e < c0) the initial state. PLAIN: the
+    merge after chunk - 1, or the initial state at c0."""
+    if PLAIN:
+        e = chunk - 1 + j * 0
+        assigned = e >= c0
+    else:
+        e = ((chunk >> j) << j) - 1
+        assigned = (((chunk >> j) & 1) == 1) & (e >= c0)
+    kind = tl.where(assigned, 1, tl.where(level_live(chunk, c0, j, HAS_INIT, PLAIN), 2, 0))
     return kind, chunk - e
 
 
 @triton.jit
-def bucket_levels(chunk, c0, jj, J):
+def bucket_levels(chunk, c0, jj, J, PLAIN: tl.constexpr):
     """The levels that chunk ``chunk`` reads from a bucket (level_source kind 1), as a list to loop over
     without branches (so the loop's loads can be pipelined): (live [BJ] bool, rank [BJ] int32 of each
     live level among them, how many), jj = arange(BJ). The list's i-th level: nth_level."""
-    kind, _ = level_source(chunk, c0, jj, False)
+    kind, _ = level_source(chunk, c0, jj, False, PLAIN)
     live = (kind == 1) & (jj < J)
     return live, tl.cumsum(live.to(tl.int32), 0) - 1, tl.sum(live.to(tl.int32), 0)
 
@@ -108,34 +126,39 @@ def nth_level(live, rank, jj, i):
 
 
 @triton.jit
-def merge_levels(ptrs, stride, mask, deposit, decay, jj, chunk, c0, HAS_INIT: tl.constexpr, BJ: tl.constexpr):
+def merge_levels(ptrs, stride, mask, deposit, decay, jj, chunk, c0, HAS_INIT: tl.constexpr, BJ: tl.constexpr,
+                 PLAIN: tl.constexpr):
     """Forward merge after chunk ``chunk`` (already decayed): H_m = deposit + sum_{j<=m, live} H_j.
     Returns (H_m, decay)."""
-    m = merge_target(chunk, jj, BJ)
+    m = merge_target(chunk, jj, BJ, PLAIN)
     total = deposit
-    for j in range(m + 1):
-        if level_live(chunk, c0, j, HAS_INIT):
-            total += load_level(ptrs, stride, j, mask, decay, jj)
+    if PLAIN:  # level 0 holds zeros until assigned
+        total += load_level(ptrs, stride, 0, mask, decay, jj)
+    else:
+        for j in range(m + 1):
+            if level_live(chunk, c0, j, HAS_INIT, PLAIN):
+                total += load_level(ptrs, stride, j, mask, decay, jj)
     tl.store(ptrs + m * stride, total, mask=mask)
     return total, tl.where(jj <= m, 0.0, decay)
 
 
 @triton.jit
-def flush_levels(ptrs, stride, mask, decay, jj, J, chunk, c0, LIVE_ONLY: tl.constexpr, HAS_INIT: tl.constexpr):
+def flush_levels(ptrs, stride, mask, decay, jj, J, chunk, c0, LIVE_ONLY: tl.constexpr, HAS_INIT: tl.constexpr,
+                 PLAIN: tl.constexpr):
     """Write every level's current value back (dead levels as 0 when LIVE_ONLY): the scan's final states."""
     for j in range(J):
         value = load_level(ptrs, stride, j, mask, decay, jj)
-        if LIVE_ONLY:
-            value = tl.where(level_live(chunk, c0, j, HAS_INIT), value, 0.0)
+        if LIVE_ONLY and not PLAIN:
+            value = tl.where(level_live(chunk, c0, j, HAS_INIT, PLAIN), value, 0.0)
         tl.store(ptrs + j * stride, value, mask=mask)
 
 
 @triton.jit
-def split_levels(ptrs, stride, mask, decay, jj, chunk, reads, BJ: tl.constexpr):
+def split_levels(ptrs, stride, mask, decay, jj, chunk, reads, BJ: tl.constexpr, PLAIN: tl.constexpr):
     """Transposed merge after chunk ``chunk``: dH_m += reads (the gradient of the merged value from its
     readers, when the scan does not accumulate them itself; else 0), then dH_j <- dH_m for j <= m.
     Returns (d deposit = dH_m, decay)."""
-    m = merge_target(chunk, jj, BJ)
+    m = merge_target(chunk, jj, BJ, PLAIN)
     d_deposit = load_level(ptrs, stride, m, mask, decay, jj) + reads
     for j in range(m + 1):
         tl.store(ptrs + j * stride, d_deposit, mask=mask)

@@ -1,4 +1,5 @@
-"""The one token-tile loader and its store, and the per-level column load / store of lambda.
+"""The one token-tile loader and its store, and the per-level column load / store of lambda (1 on the
+plain path).
 
 Every kernel moves a chunk of C consecutive rows of a row-major [rows, HEADS, D] tensor through
 ``load_tile`` / ``store_tile``: the op's layouts ([tokens, H|G, D], a dense batch flattened) and the
@@ -43,6 +44,14 @@ def load_column(ptr, t, valid, head, HEADS, L, level):
     Per-level loads measured faster than one [C, L] tile plus register column picks (docs/kernels.md)."""
     ok = valid & ((t * 0 + level) < L)
     return tl.load(ptr + (t * HEADS + head) * L + level, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def level_column(lam, t, valid, head, HEADS, L, level, PLAIN: tl.constexpr):
+    """lambda_t[level] as load_column, or 1 for every row when PLAIN (lam is not read) -> [C] fp32."""
+    if PLAIN:
+        return tl.full(t.shape, 1.0, tl.float32)
+    return load_column(lam, t, valid, head, HEADS, L, level)
 
 
 @triton.jit
