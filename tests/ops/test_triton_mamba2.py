@@ -111,6 +111,13 @@ def test_plain_kernels_match_reference(monkeypatch, B, T, G, H, K, V, start):
     _compare_plain(mamba2_args(make_inputs(B, T, G, H, K, V)), state=state)
 
 
+def test_plain_whole_state_tiles(monkeypatch):
+    """The plain scans as the GPU runs them at 16 bits: whole [K, V] state tiles (its forward multiplies)."""
+    monkeypatch.setattr(M, "_splits", lambda dtype: False)
+    plain = torch.randn(1, 1, 2, 40, 24, dtype=torch.float64)
+    _compare_plain(mamba2_args(make_inputs(1, 45, 1, 2, 40, 24)), state=FenwickState(plain, torch.tensor([21])))
+
+
 def test_plain_varlen_with_states_and_half_precision(monkeypatch):
     _no_torch_fallback(monkeypatch)
     cu = torch.tensor([0, 3, 40, 70])

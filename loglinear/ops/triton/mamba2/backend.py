@@ -191,17 +191,17 @@ def _merge_levels(k, v, g, levels, ranges, table: ChunkTable, plan: LevelScanPla
     BK, BV = _blocks(k, v)
     (N, H), NC = (len(plan.bos), v.shape[1]), table.starts.numel()
     buckets = alloc((NC, H, k.shape[-1], v.shape[-1]), k.dtype, k.device)  # deposits, then merged levels
-    decays = alloc((NC, H, plan.num_levels), torch.float32, k.device)
-    if NC:
+    decays = alloc((NC, H, plan.num_levels if not plan.plain else 0), torch.float32, k.device)  # plain: none
+    if NC and not plan.plain:  # the plain scan forms its deposits itself
         mamba2_deposit_kernel[(NC, H)](
             k, v, g, buckets, table.starts, table.ends, BK=BK, BV=BV, **_sizes(plan, k, v),
             **launch_options(mamba2_deposit_kernel),
         )
-    BKS = _scan_rows(k, False)
+    BKS = _scan_rows(k, plan.plain)  # the plain scan multiplies (its deposits)
     mamba2_fwd_kernel[(N, H, triton.cdiv(k.shape[-1], BKS))](
-        g, levels, buckets, decays, *ranges, table.base, H=H, K=k.shape[-1], V=v.shape[-1], J=plan.num_levels,
-        C=plan.chunk_size, BKS=BKS, BV=BV, BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, PLAIN=plan.plain,
-        **launch_options(mamba2_fwd_kernel, BKS * BV),
+        k, v, g, levels, buckets, decays, *ranges, table.base, H=H, G=k.shape[1], K=k.shape[-1], V=v.shape[-1],
+        J=plan.num_levels, C=plan.chunk_size, BKS=BKS, BV=BV, BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init,
+        PLAIN=plan.plain, PRECISION=dot_precision(k.dtype, FP32_DOT), **launch_options(mamba2_fwd_kernel, BKS * BV),
     )
     return buckets, decays
 

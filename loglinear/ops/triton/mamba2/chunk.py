@@ -93,20 +93,29 @@ def chunk_position(seqs, chunks, chunk0):
 @triton.jit
 def read_bucket(buckets, decays, h, H, J, K, V, chunk, c0, j, offs, mask, PLAIN: tl.constexpr):
     """Level j as this chunk reads it from its bucket in buckets [NC, H, K, V] (the merge levels.level_source
-    points to), before its decay: [BK, BV] in buckets' dtype; and exp(decay_j) (scalar)."""
+    points to), before its decay: [BK, BV] in buckets' dtype; and exp(decay_j) (scalar; 1 when PLAIN: the
+    state after the previous chunk, stored there)."""
     p = tl.program_id(0).to(tl.int64)
     _, back = level_source(chunk, c0, j, False, PLAIN)
     state = tl.load(buckets + ((p - back) * H + h) * K * V + offs, mask=mask, other=0.0)
-    return state, tl.exp(tl.load(decays + (p * H + h) * J + j))
+    return state, level_decay(decays, p, h, H, J, j, PLAIN)
 
 
 @triton.jit
-def read_initial(h0, decays, n, h, H, J, K, V, j, offs, mask):
+def read_initial(h0, decays, n, h, H, J, K, V, j, offs, mask, PLAIN: tl.constexpr):
     """Level j as this chunk reads it from the initial states h0 [N, J, H, K, V] fp32 (level_source kind 2),
     before its decay: [BK, BV] fp32; and exp(decay_j) (scalar)."""
     p = tl.program_id(0).to(tl.int64)
     state = tl.load(h0 + ((n * J + j) * H + h) * K * V + offs, mask=mask, other=0.0)
-    return state, tl.exp(tl.load(decays + (p * H + h) * J + j))
+    return state, level_decay(decays, p, h, H, J, j, PLAIN)
+
+
+@triton.jit
+def level_decay(decays, p, h, H, J, j, PLAIN: tl.constexpr):
+    """exp(decays[p, h, j]): the decay of level j since stored, as chunk p reads it (1 when PLAIN, no decays)."""
+    if PLAIN:
+        return 1.0
+    return tl.exp(tl.load(decays + (p * H + h) * J + j))
 
 
 @triton.jit
@@ -184,7 +193,7 @@ def mamba2_chunk_fwd_kernel(
     if HAS_INIT:
         for j in range(J):
             if level_source(chunk, c0, j, True, PLAIN)[0] == 2:
-                state, to_now = read_initial(h0, decays, n, h, H, J, K, V, j, offs, lmask)
+                state, to_now = read_initial(h0, decays, n, h, H, J, K, V, j, offs, lmask, PLAIN)
                 read += readout(qc, state, to_now, lam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION, PLAIN)
     acc = intra_output(qc, kc, vc, Gc, lam, t, valid, h, H, L, intra_levels(r, LOG_C), r[:, None] >= r[None, :],
                        LOG_C, PRECISION, PLAIN)
@@ -249,7 +258,7 @@ def mamba2_chunk_bwd_dq_kernel(
     if HAS_INIT:
         for j in range(J):
             if level_source(chunk, c0, j, True, PLAIN)[0] == 2:
-                state, to_now = read_initial(h0, decays, n, h, H, J, K, V, j, offs, lmask)
+                state, to_now = read_initial(h0, decays, n, h, H, J, K, V, j, offs, lmask, PLAIN)
                 d_q += readout_grad(doc, qc, state, to_now, row_scale, lam, dlam, t, valid, h, H, L, LOG_C + 1 + j,
                                     PRECISION, PLAIN)
     store_tile(dq, d_q, t0, r, valid, h, H, K, kk)
@@ -318,7 +327,7 @@ def mamba2_level_grad_kernel(
         qc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk)
         doc = load_tile(do, t0, r, valid, h, H, V, vv)
         Gc, _ = chunk_gates(g, t0 + r, valid, h, H)
-        to_now = tl.exp(tl.load(decays + ((p + d).to(tl.int64) * H + h) * J + m))
+        to_now = level_decay(decays, (p + d).to(tl.int64), h, H, J, m, PLAIN)
         w = level_column(lam, t0 + r, valid, h, H, L, LOG_C + 1 + m, PLAIN) * tl.exp(Gc) * (scale * to_now)
         acc += tl.dot(tl.trans(qc), (doc.to(tl.float32) * w[:, None]).to(doc.dtype), input_precision=PRECISION)
     offs = kk[:, None] * V + vv[None, :]

@@ -16,8 +16,10 @@ state tile is cut into blocks of K rows (contiguous in the [K, V] states) over m
 chunk's deposit and gates are loaded one chunk ahead. The level states never leave the scan's fp32
 buffer except as the final states.
 
-PLAIN (plain Mamba-2 / SSD, lambda = 1): one chunk level, the running state S; every chunk, the last one
-too, merges S <- exp(Gl) S + D_i, and buckets[i] = S is what chunk i + 1 reads.
+PLAIN (plain Mamba-2 / SSD, lambda = 1): one chunk level, the running state S, kept in registers; every chunk,
+the last one too, merges S <- exp(Gl) S + D_i, and buckets[i] = S is what chunk i + 1 reads (no decays: a
+bucket is read right after it is stored). The deposits are formed in the scan (one [BKS, C] x [C, BV] product
+per chunk, a chunk ahead: off the chain), so a plain call has no deposit kernel and no deposit buffer traffic.
 """
 
 from __future__ import annotations
@@ -25,39 +27,82 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from loglinear.ops.triton.mamba2.chunk import chunk_deposit
+from loglinear.ops.triton.shared.intra import chunk_gates
 from loglinear.ops.triton.shared.levels import chunk_inputs, flush_levels, level_tile, merge_levels, sequence_range
+from loglinear.ops.triton.shared.tiles import load_tile
 
 
-@triton.jit(do_not_specialize=["H", "J"])
-def mamba2_fwd_kernel(
-    g, levels, buckets, decays, bos_ptr, eos_ptr, chunk0_ptr, base_ptr,
-    H, K, V, J,
-    C: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr, HAS_INIT: tl.constexpr,
-    PLAIN: tl.constexpr,
-):
-    """g: [tokens, H]; levels: [N, J, H, K, V] fp32, initial chunk-level states in, final ones out;
-    buckets: [NC, H, K, V] (q's dtype), the deposits in, the merged levels out (every chunk but each
-    sequence's last); decays: [NC, H, J] fp32 out, per kernel chunk (backend.ChunkTable);
-    bos/eos/chunk0/base: [N] (base = the sequence's first kernel chunk).
-    Grid (N, H, cdiv(K, BKS)): row blocks are independent (block 0 writes decays)."""
-    n, h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, eos, c0, base = sequence_range(n, bos_ptr, eos_ptr, chunk0_ptr, base_ptr)
-    r = tl.arange(0, C)
-    kk, vv, jj = kb * BKS + tl.arange(0, BKS), tl.arange(0, BV), tl.arange(0, BJ)
-    ptrs, stride, offs, lmask = level_tile(levels, n, h, H, J, K, V, kk, vv)
+@triton.jit
+def deposit_rows(k, v, g, t0, r, eos, grp, h, G, H, K, V, kk, vv, PRECISION: tl.constexpr):
+    """Rows kk of the chunk at t0's deposit D = K^T (exp(Gl - G) * V) -> [BKS, BV] fp32, and its gate total Gl
+    (rows past eos read as 0)."""
+    valid = t0 + r < eos
+    Gc, Gl = chunk_gates(g, t0 + r, valid, h, H)
+    kc, vc = load_tile(k, t0, r, valid, grp, G, K, kk), load_tile(v, t0, r, valid, h, H, V, vv)
+    return chunk_deposit(kc, vc, Gc, Gl, PRECISION), Gl
+
+
+@triton.jit
+def plain_chain(k, v, g, ptrs, lmask, buckets, bos, eos, base, grp, h, G, H, K, V, offs, r, kk, vv,
+                C: tl.constexpr, PRECISION: tl.constexpr):
+    """PLAIN: S <- exp(Gl) S + D_i for every chunk i, in registers from the initial state at ptrs (zeros without
+    one), the deposits formed here (the next chunk's during the current one's update); buckets[i] = S (what chunk
+    i + 1 reads); the final S back to ptrs."""
+    state = tl.load(ptrs, mask=lmask, other=0.0)
+    deposit, Gl = deposit_rows(k, v, g, bos, r, eos, grp, h, G, H, K, V, kk, vv, PRECISION)
+    for i in range(tl.cdiv(eos - bos, C)):
+        next_deposit, next_Gl = deposit_rows(k, v, g, bos + (i + 1) * C, r, eos, grp, h, G, H, K, V, kk, vv,
+                                             PRECISION)
+        state = tl.exp(Gl) * state + deposit
+        tl.store(buckets + ((base + i) * H + h) * K * V + offs, state.to(buckets.dtype.element_ty), mask=lmask)
+        deposit, Gl = next_deposit, next_Gl
+    tl.store(ptrs, state, mask=lmask)
+
+
+@triton.jit
+def fenwick_chain(g, ptrs, stride, lmask, buckets, decays, bos, eos, c0, base, h, H, K, V, J, kb, offs, r, jj,
+                  C: tl.constexpr, BJ: tl.constexpr, HAS_INIT: tl.constexpr):
+    """The chunk-level cascade (module docstring) on the level states at ptrs (stride between levels)."""
     decay = tl.zeros([BJ], dtype=tl.float32)
     n_chunks = tl.cdiv(eos - bos, C)
-    deposit, Gl = chunk_inputs(buckets, g, (base * H + h) * K * V, bos, r, bos, eos, h, H, offs, lmask, PLAIN)
+    deposit, Gl = chunk_inputs(buckets, g, (base * H + h) * K * V, bos, r, bos, eos, h, H, offs, lmask, False)
     chunk = c0
     for i in range(n_chunks):
         chunk = c0 + i
         slot = ((base + i) * H + h) * K * V
         next_deposit, next_Gl = chunk_inputs(buckets, g, slot + H * K * V, bos + (i + 1) * C, r, bos, eos, h, H,
-                                             offs, lmask, PLAIN)
+                                             offs, lmask, False)
         tl.store(decays + ((base + i) * H + h) * J + jj, decay, mask=(jj < J) & ((jj * 0 + kb) == 0))
         decay += Gl
-        if PLAIN or i < n_chunks - 1:
-            total, decay = merge_levels(ptrs, stride, lmask, deposit, decay, jj, chunk, c0, HAS_INIT, BJ, PLAIN)
+        if i < n_chunks - 1:
+            total, decay = merge_levels(ptrs, stride, lmask, deposit, decay, jj, chunk, c0, HAS_INIT, BJ)
             tl.store(buckets + slot + offs, total.to(buckets.dtype.element_ty), mask=lmask)
         deposit, Gl = next_deposit, next_Gl
-    flush_levels(ptrs, stride, lmask, decay, jj, J, chunk, c0, True, HAS_INIT, PLAIN)
+    flush_levels(ptrs, stride, lmask, decay, jj, J, chunk, c0, True, HAS_INIT)
+
+
+@triton.jit(do_not_specialize=["H", "G", "J"])
+def mamba2_fwd_kernel(
+    k, v, g, levels, buckets, decays, bos_ptr, eos_ptr, chunk0_ptr, base_ptr,
+    H, G, K, V, J,
+    C: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr, HAS_INIT: tl.constexpr,
+    PLAIN: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """g: [tokens, H]; levels: [N, J, H, K, V] fp32, initial chunk-level states in, final ones out;
+    buckets: [NC, H, K, V] (q's dtype), the deposits in (PLAIN: formed here from k: [tokens, G, K] and
+    v: [tokens, H, V]), the merged levels out (every chunk but each sequence's last); decays: [NC, H, J] fp32
+    out, per kernel chunk (backend.ChunkTable; not when PLAIN); bos/eos/chunk0/base: [N] (base = the
+    sequence's first kernel chunk).  Grid (N, H, cdiv(K, BKS)): row blocks are independent (block 0 writes
+    decays)."""
+    n, h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, eos, c0, base = sequence_range(n, bos_ptr, eos_ptr, chunk0_ptr, base_ptr)
+    r = tl.arange(0, C)
+    kk, vv, jj = kb * BKS + tl.arange(0, BKS), tl.arange(0, BV), tl.arange(0, BJ)
+    ptrs, stride, offs, lmask = level_tile(levels, n, h, H, J, K, V, kk, vv)
+    if PLAIN:
+        plain_chain(k, v, g, ptrs, lmask, buckets, bos, eos, base, h // (H // G), h, G, H, K, V, offs, r, kk, vv,
+                    C, PRECISION)
+    else:
+        fenwick_chain(g, ptrs, stride, lmask, buckets, decays, bos, eos, c0, base, h, H, K, V, J, kb, offs, r, jj,
+                      C, BJ, HAS_INIT)

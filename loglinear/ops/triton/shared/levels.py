@@ -18,11 +18,10 @@ so a chunk touches only the levels it reads or merges (amortised O(1) merges per
 The backward walks the chunks in reverse with the transposed cascade on the level gradients dH:
 split (dH_j <- dH_m for j < m; the deposit's gradient is dH_m), decay, then add the reads' gradients.
 
-PLAIN (a constexpr of every helper that depends on the cascade) is the one-level case, plain linear
-attention (lambda = 1 throughout): a single chunk level, every chunk's deposit (the last one's too)
-merged into it (m = 0), and chunk i reads the value stored after chunk i - 1, or the initial state at
-the sequence's first chunk. The same scans and chunk kernels run it with the Fenwick bookkeeping
-compiled out.
+PLAIN (a constexpr of the helpers the chunk kernels share with the plain path) is the one-level case, plain
+linear attention (lambda = 1 throughout): a single chunk level, the running state, into which every chunk's
+deposit (the last one's too) merges (m = 0); chunk i reads the value stored after chunk i - 1, or the initial
+state at the sequence's first chunk. The scans run it as their own loop with the state in registers.
 """
 
 from __future__ import annotations
@@ -126,39 +125,34 @@ def nth_level(live, rank, jj, i):
 
 
 @triton.jit
-def merge_levels(ptrs, stride, mask, deposit, decay, jj, chunk, c0, HAS_INIT: tl.constexpr, BJ: tl.constexpr,
-                 PLAIN: tl.constexpr):
+def merge_levels(ptrs, stride, mask, deposit, decay, jj, chunk, c0, HAS_INIT: tl.constexpr, BJ: tl.constexpr):
     """Forward merge after chunk ``chunk`` (already decayed): H_m = deposit + sum_{j<=m, live} H_j.
     Returns (H_m, decay)."""
-    m = merge_target(chunk, jj, BJ, PLAIN)
+    m = merge_target(chunk, jj, BJ, False)
     total = deposit
-    if PLAIN:  # level 0 holds zeros until assigned
-        total += load_level(ptrs, stride, 0, mask, decay, jj)
-    else:
-        for j in range(m + 1):
-            if level_live(chunk, c0, j, HAS_INIT, PLAIN):
-                total += load_level(ptrs, stride, j, mask, decay, jj)
+    for j in range(m + 1):
+        if level_live(chunk, c0, j, HAS_INIT, False):
+            total += load_level(ptrs, stride, j, mask, decay, jj)
     tl.store(ptrs + m * stride, total, mask=mask)
     return total, tl.where(jj <= m, 0.0, decay)
 
 
 @triton.jit
-def flush_levels(ptrs, stride, mask, decay, jj, J, chunk, c0, LIVE_ONLY: tl.constexpr, HAS_INIT: tl.constexpr,
-                 PLAIN: tl.constexpr):
+def flush_levels(ptrs, stride, mask, decay, jj, J, chunk, c0, LIVE_ONLY: tl.constexpr, HAS_INIT: tl.constexpr):
     """Write every level's current value back (dead levels as 0 when LIVE_ONLY): the scan's final states."""
     for j in range(J):
         value = load_level(ptrs, stride, j, mask, decay, jj)
-        if LIVE_ONLY and not PLAIN:
-            value = tl.where(level_live(chunk, c0, j, HAS_INIT, PLAIN), value, 0.0)
+        if LIVE_ONLY:
+            value = tl.where(level_live(chunk, c0, j, HAS_INIT, False), value, 0.0)
         tl.store(ptrs + j * stride, value, mask=mask)
 
 
 @triton.jit
-def split_levels(ptrs, stride, mask, decay, jj, chunk, reads, BJ: tl.constexpr, PLAIN: tl.constexpr):
+def split_levels(ptrs, stride, mask, decay, jj, chunk, reads, BJ: tl.constexpr):
     """Transposed merge after chunk ``chunk``: dH_m += reads (the gradient of the merged value from its
     readers, when the scan does not accumulate them itself; else 0), then dH_j <- dH_m for j <= m.
     Returns (d deposit = dH_m, decay)."""
-    m = merge_target(chunk, jj, BJ, PLAIN)
+    m = merge_target(chunk, jj, BJ, False)
     d_deposit = load_level(ptrs, stride, m, mask, decay, jj) + reads
     for j in range(m + 1):
         tl.store(ptrs + j * stride, d_deposit, mask=mask)
