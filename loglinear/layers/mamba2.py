@@ -4,6 +4,9 @@
     dt = softplus(dt + dt_bias);  g = -exp(A_log) dt;  q = C, k = B: [G, N];  v = x dt: [H, P]
     y = log_linear_mamba2(q, k, v, g, lambda, scale=1) + D x;   out = out_proj(RMSNorm(y * SiLU(z)))
 
+The gated RMSNorm spans all H P channels, or each of norm_groups equal parts of them (mamba_ssm and transformers
+normalise per q/k group: norm_groups = n_groups).
+
 lambda_t[h, l] = softplus(Ls[h, l] (W_lambda x_t)[h, l]) (LevelScales; or 2 sigmoid, level_activation).
 use_log_linear=False drops W_lambda and uses lambda = 1: plain Mamba-2 (SSD), everything else identical.
 """
@@ -31,7 +34,8 @@ class LogLinearMamba2(FenwickMixer):
         self, hidden_size: int, num_heads: int, head_dim: int = 64, state_size: int = 128, n_groups: int = 1,
         conv_kernel: int = 4, use_log_linear: bool = True, max_levels: int = DEFAULT_MAX_LEVELS,
         chunk_size: int = 64, norm_eps: float = 1e-5, dt_min: float = 1e-3, dt_max: float = 0.1,
-        dt_init_floor: float = 1e-4, level_activation: str = "softplus", layer_idx: int | None = None,
+        dt_init_floor: float = 1e-4, level_activation: str = "softplus", norm_groups: int = 1,
+        layer_idx: int | None = None,
     ):
         check_positive_ints(num_heads=num_heads, head_dim=head_dim, state_size=state_size, n_groups=n_groups)
         check_multiple("num_heads", num_heads, "n_groups", n_groups)
@@ -47,7 +51,7 @@ class LogLinearMamba2(FenwickMixer):
         self.A_log = nn.Parameter(torch.empty(num_heads))
         self.dt_bias = nn.Parameter(torch.empty(num_heads))
         self.D = nn.Parameter(torch.empty(num_heads))
-        self.norm = GatedRMSNorm(self.d_inner, eps=norm_eps, norm_before_gate=False)
+        self.norm = GatedRMSNorm(self.d_inner, eps=norm_eps, norm_before_gate=False, groups=norm_groups)
         self.out_proj = nn.Linear(self.d_inner, hidden_size, bias=False)
         self.init_special_parameters()
 

@@ -29,22 +29,28 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(RMSNorm):
-    """Gated RMSNorm over groups of ``dim`` channels.  x, gate: [*, n * dim].
+    """Gated RMSNorm over groups of ``dim`` channels.  x, gate: [*, n * dim]; weight: [dim].
 
     norm_before_gate=False (Mamba-2):  y = RMSNorm(x * silu(gate))
     norm_before_gate=True  (GDN):      y = RMSNorm(x) * silu(gate)
+
+    groups > 1: each of ``groups`` equal parts of the ``dim`` channels has its own mean square (Mamba-2 with q/k
+    groups in mamba_ssm and transformers: one part per group), the weight still spans all ``dim``.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-5, norm_before_gate: bool = False):
+    def __init__(self, dim: int, eps: float = 1e-5, norm_before_gate: bool = False, groups: int = 1):
+        if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 or dim % groups:
+            raise ValueError(f"groups must be a positive int dividing dim = {dim}, got {groups!r}")
         super().__init__(dim, eps)
-        self.norm_before_gate = norm_before_gate
+        self.norm_before_gate, self.groups = norm_before_gate, groups
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        shape, dim = x.shape, self.weight.shape[0]
-        x32, gate32 = wide(x).reshape(*shape[:-1], -1, dim), F.silu(wide(gate)).reshape(*shape[:-1], -1, dim)
+        shape, dim, part = x.shape, self.weight.shape[0], self.weight.shape[0] // self.groups
+        x32, gate32 = wide(x).reshape(*shape[:-1], -1, part), F.silu(wide(gate)).reshape(*shape[:-1], -1, part)
         if not self.norm_before_gate:
             x32 = x32 * gate32
-        y = super().forward(x32)
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.norm_before_gate:
             y = y * gate32
+        y = y.reshape(*shape[:-1], -1, dim) * wide(self.weight)
         return y.reshape(shape).to(x.dtype)

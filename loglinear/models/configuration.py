@@ -93,7 +93,8 @@ class _FenwickConfig(PretrainedConfig):
 
 class LogLinearMamba2Config(_FenwickConfig):
     """Log-linear Mamba-2 LM.  Mixer: num_heads x head_dim channels (head_dim default expand * hidden / heads),
-    state_size (N) per group, n_groups q/k groups; dt initialised log-uniform in [time_step_min, time_step_max]."""
+    state_size (N) per group, n_groups q/k groups; dt initialised log-uniform in [time_step_min, time_step_max];
+    the gated RMSNorm over all channels or per each of norm_groups equal parts (mamba_ssm / transformers: n_groups)."""
 
     model_type = "loglinear_mamba2"
 
@@ -104,7 +105,7 @@ class LogLinearMamba2Config(_FenwickConfig):
 
     def __init__(
         self, state_size: int = 64, expand: int = 2, n_groups: int = 1, time_step_min: float = 1e-3,
-        time_step_max: float = 0.1, time_step_floor: float = 1e-4, **kwargs,
+        time_step_max: float = 0.1, time_step_floor: float = 1e-4, norm_groups: int = 1, **kwargs,
     ):
         super().__init__(**kwargs)
         if self.head_dim is None:
@@ -112,17 +113,19 @@ class LogLinearMamba2Config(_FenwickConfig):
                 raise ValueError(f"expand * hidden_size = {expand * self.hidden_size} "
                                  f"must divide into num_heads = {self.num_heads}")
             self.head_dim = expand * self.hidden_size // self.num_heads
-        self.state_size, self.expand, self.n_groups = state_size, expand, n_groups
+        self.state_size, self.expand, self.n_groups, self.norm_groups = state_size, expand, n_groups, norm_groups
         self.time_step_min, self.time_step_max, self.time_step_floor = time_step_min, time_step_max, time_step_floor
         check_positive_ints(head_dim=self.head_dim)
         self._check_time_steps()
         check_positive_ints(state_size=state_size, expand=expand, n_groups=n_groups)
         check_multiple("num_heads", self.num_heads, "n_groups", n_groups)
+        check_positive_ints(norm_groups=norm_groups)
+        check_multiple("num_heads * head_dim", self.num_heads * self.head_dim, "norm_groups", norm_groups)
 
     def mixer_kwargs(self) -> dict:
         return self._shared_mixer_kwargs() | dict(
             state_size=self.state_size, n_groups=self.n_groups, dt_min=self.time_step_min,
-            dt_max=self.time_step_max, dt_init_floor=self.time_step_floor,
+            dt_max=self.time_step_max, dt_init_floor=self.time_step_floor, norm_groups=self.norm_groups,
         )
 
 

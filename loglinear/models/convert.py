@@ -16,8 +16,9 @@ Weights (i: layer; transformers -> loglinear):
     backbone.norm_f.weight                         -> model.norm.weight
     lm_head.weight                                 -> lm_head.weight (the embeddings when tie_word_embeddings)
 
-Config: vocab_size, hidden_size, num_hidden_layers, num_heads, head_dim, state_size, expand, n_groups,
-conv_kernel, tie_word_embeddings, initializer_range, time_step_min/max/floor, use_cache, pad/bos/eos_token_id
+Config: vocab_size, hidden_size, num_hidden_layers, num_heads, head_dim, state_size, expand, n_groups (also as
+norm_groups: transformers normalises the gated RMSNorm per q/k group), conv_kernel, tie_word_embeddings,
+initializer_range, time_step_min/max/floor, use_cache, pad/bos/eos_token_id
 carry over; layer_norm_epsilon -> norm_eps; intermediate_size=0 (the blocks are mixer-only, like transformers');
 use_log_linear=False. chunk_size carries over when a power of two, else the largest power of two below it (the
 chunking does not change the function). use_conv_bias=False gives a zero conv bias. time_step_rank and
@@ -25,8 +26,7 @@ rescale_prenorm_residual only matter to transformers' initialisation. residual_i
 model's dtype (the same in float32; bfloat16/float16 round differently).
 
 Refused (ValueError naming the field): hidden_act other than silu; use_bias=True (our in_proj/out_proj have no
-bias); n_groups > 1 (transformers normalises the gated RMSNorm per group of d_inner / n_groups channels, ours over
-all d_inner); a time_step_limit that clamps dt (ours does not clamp); pickle weights (.bin/.pt, never loaded).
+bias); a time_step_limit that clamps dt (ours does not clamp); pickle weights (.bin/.pt, never loaded).
 """
 
 from __future__ import annotations
@@ -84,11 +84,6 @@ def mamba2_config(hf, log_linear: bool = False):
         raise ValueError(f"cannot convert hidden_act = {hf.hidden_act!r}: our Mamba-2 uses silu")
     if hf.use_bias:
         raise ValueError("cannot convert use_bias = True: our in_proj and out_proj have no bias")
-    if hf.n_groups != 1:
-        raise ValueError(
-            f"cannot convert n_groups = {hf.n_groups}: transformers normalises the gated RMSNorm per group of "
-            f"d_inner / n_groups = {d_inner // hf.n_groups} channels, ours over all d_inner = {d_inner} channels"
-        )
     low, high = (float(x) for x in hf.time_step_limit)
     if low > 0 or high != math.inf:
         raise ValueError(f"cannot convert time_step_limit = {tuple(hf.time_step_limit)}: our Mamba-2 does not clamp "
@@ -100,7 +95,8 @@ def mamba2_config(hf, log_linear: bool = False):
     return LogLinearMamba2Config(
         vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_hidden_layers=hf.num_hidden_layers,
         num_heads=hf.num_heads, head_dim=hf.head_dim, state_size=hf.state_size, expand=hf.expand,
-        n_groups=hf.n_groups, use_log_linear=log_linear, level_activation="sigmoid" if log_linear else "softplus",
+        n_groups=hf.n_groups, norm_groups=hf.n_groups, use_log_linear=log_linear,
+        level_activation="sigmoid" if log_linear else "softplus",
         conv_kernel=hf.conv_kernel, chunk_size=chunk,
         intermediate_size=0, norm_eps=hf.layer_norm_epsilon, initializer_range=hf.initializer_range,
         tie_word_embeddings=bool(hf.tie_word_embeddings), use_cache=hf.use_cache,

@@ -265,6 +265,7 @@ def test_bad_gated_deltanet_sizes(kwargs, match):
     ({"n_groups": 0}, "n_groups must be a positive int, got 0"),
     ({"head_dim": 0}, "head_dim must be a positive int, got 0"),
     ({"n_groups": 3}, "num_heads = 2 must be a multiple of n_groups = 3"),
+    ({"norm_groups": 3}, "groups must be a positive int dividing dim = 8, got 3"),
 ])
 def test_bad_mamba2_sizes(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -281,3 +282,16 @@ def test_bad_mamba2_sizes(kwargs, match):
 def test_bad_gla_sizes(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LogLinearGLA(**({"hidden_size": D, "num_heads": 2} | kwargs))
+
+
+def test_gated_norm_groups_normalise_each_part():
+    """groups = 2: each half of the channels has its own mean square; the weight spans all channels."""
+    from loglinear.layers.norm import GatedRMSNorm
+
+    norm = GatedRMSNorm(8, eps=1e-6, groups=2).double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(8, dtype=torch.float64) + 0.5)
+    x, z = torch.randn(3, 5, 8, dtype=torch.float64), torch.randn(3, 5, 8, dtype=torch.float64)
+    y = x * F.silu(z)
+    halves = [h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) for h in y.split(4, -1)]
+    assert_close(norm(x, z), torch.cat(halves, -1) * norm.weight, 1e-12, "grouped gated norm")

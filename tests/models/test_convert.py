@@ -36,7 +36,9 @@ def relative_error(a, b):
     dict(tie_word_embeddings=True, use_conv_bias=False),
     dict(hidden_size=64, num_heads=8, head_dim=16, state_size=8, conv_kernel=3, chunk_size=12,
          layer_norm_epsilon=1e-6),
-], ids=["untied", "tied-no-conv-bias", "wide-chunk12"])
+    dict(n_groups=2),
+    dict(n_groups=4, tie_word_embeddings=True),
+], ids=["untied", "tied-no-conv-bias", "wide-chunk12", "groups2", "groups4-tied"])
 def test_converted_model_gives_the_same_logits(tmp_path, overrides):
     hf = hf_mamba2(tmp_path / "src", **overrides)
     (tmp_path / "src" / "tokenizer.json").write_text('{"stand-in": true}')
@@ -44,6 +46,7 @@ def test_converted_model_gives_the_same_logits(tmp_path, overrides):
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "dst").eval()
     assert type(ours).__name__ == "LogLinearMamba2ForCausalLM"
     assert ours.config.use_log_linear is False and ours.config.intermediate_size == 0
+    assert ours.config.n_groups == ours.config.norm_groups == overrides.get("n_groups", 1)
     assert (tmp_path / "dst" / "tokenizer.json").read_text() == '{"stand-in": true}'
     tied = ours.lm_head.weight.data_ptr() == ours.model.embeddings.weight.data_ptr()
     assert tied == bool(overrides.get("tie_word_embeddings"))
@@ -79,7 +82,6 @@ def test_the_command_converts_and_keeps_the_source_dtype(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(n_groups=2), "cannot convert n_groups = 2: transformers normalises the gated RMSNorm per group"),
     (dict(use_bias=True), "cannot convert use_bias = True"),
     (dict(time_step_limit=(0.0, 0.5)), "cannot convert time_step_limit = (0.0, 0.5)"),
     (dict(hidden_act="gelu"), "cannot convert hidden_act = 'gelu'"),
