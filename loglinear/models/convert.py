@@ -1,8 +1,9 @@
 """Convert a transformers ``Mamba2ForCausalLM`` checkpoint (a folder: config.json, safetensors weights, tokenizer
 files) into the plain (use_log_linear=False) ``LogLinearMamba2ForCausalLM`` with the same logits, or with
 log_linear into a log-linear one whose level weights start at exactly 1 (the same logits until trained); also the
-``loglinear convert SRC DST [--log-linear]`` command, which also makes a plain loglinear model (of any variant)
-log-linear the same way (log_linearize).
+``loglinear convert SRC DST [--log-linear]`` command, which also converts fla Gated DeltaNet checkpoints
+(convert_fla_gated_deltanet, mapping in loglinear.models.convert_fla) and makes a plain loglinear model (of any
+variant) log-linear the same way (log_linearize).
 
 Weights (i: layer; transformers -> loglinear):
 
@@ -40,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["convert", "convert_mamba2", "log_linearize", "load_exactly", "mamba2_config", "mamba2_state_dict",
-           "TOKENIZER_FILES", "add_arguments", "run"]
+__all__ = ["convert", "convert_mamba2", "convert_fla_gated_deltanet", "log_linearize", "load_exactly",
+           "mamba2_config", "mamba2_state_dict", "TOKENIZER_FILES", "add_arguments", "run"]
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
@@ -186,6 +187,30 @@ def _level_weights_at_one(model: torch.nn.Module, state: dict[str, torch.Tensor]
     return state | levels
 
 
+def _check_folders(src: Path, dst: Path, dtype: str) -> None:
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    if not src.is_dir():
+        raise FileNotFoundError(f"source folder {src} does not exist")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ValueError(f"destination {dst} exists and is not an empty folder")
+
+
+def _write(model: torch.nn.Module, state: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], src: Path,
+           dst: Path, dtype: str, log_linear: bool) -> None:
+    """Load the converted state into model (level weights at exactly 1 when log_linear), save it to dst in dtype
+    ("source": the checkpoint's tensors' dtype when they share one, else float32) and copy the tokenizer files."""
+    source_dtypes = {t.dtype for t in weights.values() if t.is_floating_point()}
+    target = _DTYPES[dtype] or (source_dtypes.pop() if len(source_dtypes) == 1 else torch.float32)
+    if log_linear:
+        state = _level_weights_at_one(model, state)
+    load_exactly(model, state, "the checkpoint's weights do not match its config")
+    model.to(target).save_pretrained(dst)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
 def convert_mamba2(src_dir: str | Path, dst_dir: str | Path, dtype: str = "source", log_linear: bool = False) -> None:
     """Convert the transformers Mamba2ForCausalLM folder ``src_dir`` into a LogLinearMamba2ForCausalLM folder
     ``dst_dir`` (new or empty) with the same logits; tokenizer files are copied along. dtype: "source" (the dtype of
@@ -195,25 +220,26 @@ def convert_mamba2(src_dir: str | Path, dst_dir: str | Path, dtype: str = "sourc
     from loglinear.models.modeling import LogLinearMamba2ForCausalLM
 
     src, dst = Path(src_dir), Path(dst_dir)
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
-    if not src.is_dir():
-        raise FileNotFoundError(f"source folder {src} does not exist")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise ValueError(f"destination {dst} exists and is not an empty folder")
+    _check_folders(src, dst, dtype)
     config = mamba2_config(_read_source_config(src), log_linear)
     weights = _read_weights(src)
-    state = mamba2_state_dict(weights, config)
-    source_dtypes = {t.dtype for t in weights.values() if t.is_floating_point()}
-    target = _DTYPES[dtype] or (source_dtypes.pop() if len(source_dtypes) == 1 else torch.float32)
-    model = LogLinearMamba2ForCausalLM(config)
-    if log_linear:
-        state = _level_weights_at_one(model, state)
-    load_exactly(model, state, "the checkpoint's weights do not match its config")
-    model.to(target).save_pretrained(dst)
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
+    _write(LogLinearMamba2ForCausalLM(config), mamba2_state_dict(weights, config), weights, src, dst, dtype,
+           log_linear)
+
+
+def convert_fla_gated_deltanet(src_dir: str | Path, dst_dir: str | Path, dtype: str = "source",
+                               log_linear: bool = False) -> None:
+    """Convert the fla GatedDeltaNetForCausalLM folder ``src_dir`` into a LogLinearGatedDeltaNetForCausalLM folder
+    ``dst_dir`` with the same logits (loglinear.models.convert_fla); dtype and log_linear as in convert_mamba2."""
+    from loglinear.models.convert_fla import gated_deltanet_config, gated_deltanet_state_dict
+    from loglinear.models.modeling import LogLinearGatedDeltaNetForCausalLM
+
+    src, dst = Path(src_dir), Path(dst_dir)
+    _check_folders(src, dst, dtype)
+    config = gated_deltanet_config(json.loads((src / "config.json").read_text()), log_linear)
+    weights = _read_weights(src)
+    _write(LogLinearGatedDeltaNetForCausalLM(config), gated_deltanet_state_dict(weights, config), weights, src, dst,
+           dtype, log_linear)
 
 
 def log_linearize(src_dir: str | Path, dst_dir: str | Path) -> None:
@@ -241,26 +267,34 @@ def log_linearize(src_dir: str | Path, dst_dir: str | Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
-def convert(src_dir: str | Path, dst_dir: str | Path, dtype: str = "source", log_linear: bool = False) -> None:
-    """What ``loglinear convert`` does: a transformers Mamba2ForCausalLM folder -> convert_mamba2; a plain loglinear
-    model folder with log_linear -> log_linearize."""
+def convert(src_dir: str | Path, dst_dir: str | Path, dtype: str = "source", log_linear: bool = False) -> str:
+    """What ``loglinear convert`` does, by the source's model_type: a transformers Mamba2ForCausalLM ("mamba2") ->
+    convert_mamba2; an fla GatedDeltaNetForCausalLM ("gated_deltanet") -> convert_fla_gated_deltanet; a plain
+    loglinear model folder with log_linear -> log_linearize. Returns the written model's class name."""
     if not Path(src_dir).is_dir():
         raise FileNotFoundError(f"source folder {src_dir} does not exist")
     path = Path(src_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"no config.json in {src_dir} (expected a transformers Mamba2ForCausalLM or a "
-                                "loglinear model folder)")
-    if str(json.loads(path.read_text()).get("model_type", "")).startswith("loglinear_"):
+        raise FileNotFoundError(f"no config.json in {src_dir} (expected a transformers Mamba2ForCausalLM, an fla "
+                                "GatedDeltaNetForCausalLM or a loglinear model folder)")
+    model_type = str(json.loads(path.read_text()).get("model_type", ""))
+    if model_type.startswith("loglinear_"):
         if not log_linear:
             raise ValueError(f"{src_dir} is a loglinear model already; --log-linear makes a plain one log-linear")
-        return log_linearize(src_dir, dst_dir)
-    return convert_mamba2(src_dir, dst_dir, dtype=dtype, log_linear=log_linear)
+        log_linearize(src_dir, dst_dir)
+        return json.loads((Path(dst_dir) / "config.json").read_text())["architectures"][0]
+    if model_type == "gated_deltanet":
+        convert_fla_gated_deltanet(src_dir, dst_dir, dtype=dtype, log_linear=log_linear)
+        return "LogLinearGatedDeltaNetForCausalLM"
+    convert_mamba2(src_dir, dst_dir, dtype=dtype, log_linear=log_linear)
+    return "LogLinearMamba2ForCausalLM"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", help="transformers Mamba2ForCausalLM folder (config.json, *.safetensors, tokenizer files), "
-                   "or with --log-linear a plain loglinear model folder (e.g. a `loglinear train --arch mamba2` run)")
-    p.add_argument("dst", help="output folder (new or empty): a plain (use_log_linear=False) loglinear Mamba-2 model")
+    p.add_argument("src", help="transformers Mamba2ForCausalLM or fla GatedDeltaNetForCausalLM folder (config.json, "
+                   "*.safetensors, tokenizer files), or with --log-linear a plain loglinear model folder (e.g. a "
+                   "`loglinear train --arch mamba2` run)")
+    p.add_argument("dst", help="output folder (new or empty): the plain (use_log_linear=False) loglinear model")
     p.add_argument("--log-linear", action="store_true",
                    help="make it log-linear, with level weights lambda = 2 sigmoid(Ls W x) starting at exactly 1 "
                    "(W = 0): the same logits until trained")
@@ -269,6 +303,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    convert(args.src, args.dst, dtype=args.dtype, log_linear=args.log_linear)
-    print(f"converted {args.src} -> {args.dst} (LogLinearMamba2ForCausalLM, use_log_linear={args.log_linear})")
+    name = convert(args.src, args.dst, dtype=args.dtype, log_linear=args.log_linear)
+    print(f"converted {args.src} -> {args.dst} ({name}, use_log_linear={args.log_linear})")
     return 0

@@ -1,0 +1,95 @@
+"""fla GatedDeltaNetForCausalLM checkpoints convert into our plain Gated DeltaNet with the same logits as fla's own
+model (run here: fla's kernels under TRITON_INTERPRET=1 on the CPU, its one-token-at-a-time path for T <= 64), or
+into a log-linear one at lambda = 1 exactly; blocks ours cannot express are refused, naming the field."""
+
+import json
+
+import pytest
+import torch
+import triton.runtime.autotuner as autotuner
+from transformers import AutoModelForCausalLM
+
+import loglinear  # noqa: F401  (registers our model types with the Auto classes)
+from loglinear.cli import main
+from loglinear.models.convert import convert_fla_gated_deltanet
+
+fla_models = pytest.importorskip("fla.models", reason="flash-linear-attention is in the test extra")
+
+
+@pytest.fixture(autouse=True)
+def one_config(monkeypatch):
+    """fla's autotuned kernels under the interpreter: the first config (autotuning would time kernels on a GPU)."""
+    if torch.cuda.is_available():
+        return
+    run = autotuner.Autotuner.run
+
+    def first_config(self, *args, **kwargs):
+        self.configs = self.configs[:1]
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(autotuner.Autotuner, "run", first_config)
+
+
+def fla_gated_deltanet(path, seed=0, **overrides):
+    """A tiny random fla GatedDeltaNetForCausalLM (weights perturbed off their init) saved to path."""
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, expand_v=2.0,
+                  fuse_cross_entropy=False)
+    model = fla_models.GatedDeltaNetForCausalLM(fla_models.GatedDeltaNetConfig(**fields | overrides)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+def relative_error(a, b):
+    return ((a - b).norm() / a.norm()).item()
+
+
+def test_converted_models_give_fla_logits(tmp_path):
+    """Plain and log-linear conversions of one fla model (tied embeddings, a 3-tap conv, 4 heads, expand_v 1, its
+    own MLP width) against fla's logits (fla runs once: slow under the interpreter)."""
+    fla = fla_gated_deltanet(tmp_path / "src", tie_word_embeddings=True, conv_size=3, num_heads=4, head_dim=16,
+                             expand_v=1.0, intermediate_size=96)
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "plain")]) == 0
+    convert_fla_gated_deltanet(tmp_path / "src", tmp_path / "ll", log_linear=True)
+    ids = torch.randint(0, 97, (2, 13))
+    with torch.no_grad():
+        expected = fla(ids).logits.float()
+    for name, log_linear in (("plain", False), ("ll", True)):
+        ours = AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
+        assert type(ours).__name__ == "LogLinearGatedDeltaNetForCausalLM"
+        assert ours.config.use_log_linear is log_linear and ours.config.tie_word_embeddings
+        with torch.no_grad():
+            assert relative_error(expected, ours(ids).logits.float()) <= 1e-5, name
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(num_v_heads=4), "cannot convert num_v_heads = 4"),
+    (dict(use_gate=False), "cannot convert use_gate = False"),
+    (dict(use_short_conv=False), "cannot convert use_short_conv = False"),
+    (dict(allow_neg_eigval=True), "cannot convert allow_neg_eigval = True"),
+    (dict(attn={"layers": [1], "num_heads": 2}), "cannot convert attn = "),
+    (dict(output_gate_activation="sigmoid"), "cannot convert output_gate_activation = 'sigmoid'"),
+])
+def test_blocks_ours_cannot_express_are_refused(tmp_path, overrides, message):
+    (tmp_path / "src").mkdir()
+    config = dict(model_type="gated_deltanet", vocab_size=97, hidden_size=64, num_hidden_layers=1, num_heads=2,
+                  head_dim=32)
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config | overrides))
+    with pytest.raises(ValueError) as error:
+        convert_fla_gated_deltanet(tmp_path / "src", tmp_path / "dst")
+    assert str(error.value).startswith(message)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_conv_biases_have_no_place_in_ours(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    fla_gated_deltanet(tmp_path / "src", num_hidden_layers=1)
+    weights = load_file(tmp_path / "src" / "model.safetensors")
+    weights["model.layers.0.attn.q_conv1d.bias"] = torch.zeros(64)
+    save_file(weights, tmp_path / "src" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="unexpected: model.layers.0.attn.q_conv1d.bias"):
+        convert_fla_gated_deltanet(tmp_path / "src", tmp_path / "dst")
