@@ -118,13 +118,11 @@ def test_plain_whole_state_tiles(monkeypatch):
     _compare_plain(mamba2_args(make_inputs(1, 45, 1, 2, 40, 24)), state=FenwickState(plain, torch.tensor([21])))
 
 
-def test_plain_varlen_with_states_and_half_precision(monkeypatch):
+def test_plain_varlen_with_states(monkeypatch):
     _no_torch_fallback(monkeypatch)
     cu = torch.tensor([0, 3, 40, 70])
     state = FenwickState(torch.randn(3, 1, 2, 16, 16, dtype=torch.float64), torch.tensor([17, 0, 48]))
-    x = mamba2_args(make_inputs(1, 70, 1, 2, 16, 16))
-    _compare_plain(x, cu_seqlens=cu, state=state)
-    _compare_plain(x, cu_seqlens=cu, dtype=torch.bfloat16, tol=3e-2)
+    _compare_plain(mamba2_args(make_inputs(1, 70, 1, 2, 16, 16)), cu_seqlens=cu, state=state)
 
 
 def test_whole_state_tiles(monkeypatch):
