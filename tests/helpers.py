@@ -123,3 +123,18 @@ def compare_with_reference(
         assert a.shape == e.shape, f"d{name}: shape {tuple(a.shape)}, expected {tuple(e.shape)}"
         close = grad_close if name in x else assert_close
         close(a.double(), e, tol if grad_tol is None else grad_tol, f"d{name}")
+
+
+def save_perturbed(model: torch.nn.Module, path) -> torch.nn.Module:
+    """A converter's source model with every weight moved off its init (0.1 x noise), saved to path (eval mode)."""
+    model.eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||a||."""
+    return ((a - b).norm() / a.norm()).item()

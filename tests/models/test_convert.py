@@ -8,6 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Mamba2Config, Mamba2ForCausalLM
 
+from helpers import relative_error, save_perturbed
+
 import loglinear  # noqa: F401  (registers our model types with the Auto classes)
 from loglinear.cli import main
 from loglinear.models import MODELS
@@ -19,16 +21,7 @@ def hf_mamba2(path, seed=0, **overrides):
     torch.manual_seed(seed)
     fields = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_heads=8, head_dim=8, state_size=16,
                   n_groups=1, expand=2, conv_kernel=4, chunk_size=8, pad_token_id=0)
-    model = Mamba2ForCausalLM(Mamba2Config(**fields | overrides)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return model
-
-
-def relative_error(a, b):
-    return ((a - b).norm() / a.norm()).item()
+    return save_perturbed(Mamba2ForCausalLM(Mamba2Config(**fields | overrides)), path)
 
 
 @pytest.mark.parametrize("overrides", [

@@ -9,6 +9,8 @@ import torch
 import triton.runtime.autotuner as autotuner
 from transformers import AutoModelForCausalLM
 
+from helpers import relative_error, save_perturbed
+
 import loglinear  # noqa: F401  (registers our model types with the Auto classes)
 from loglinear.cli import main
 from loglinear.models.convert import convert_fla_gated_deltanet
@@ -35,16 +37,8 @@ def fla_gated_deltanet(path, seed=0, **overrides):
     torch.manual_seed(seed)
     fields = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, expand_v=2.0,
                   fuse_cross_entropy=False)
-    model = fla_models.GatedDeltaNetForCausalLM(fla_models.GatedDeltaNetConfig(**fields | overrides)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return model
-
-
-def relative_error(a, b):
-    return ((a - b).norm() / a.norm()).item()
+    return save_perturbed(fla_models.GatedDeltaNetForCausalLM(fla_models.GatedDeltaNetConfig(**fields | overrides)),
+                          path)
 
 
 def test_converted_models_give_fla_logits(tmp_path):
