@@ -26,8 +26,13 @@ chunking does not change the function). use_conv_bias=False gives a zero conv bi
 rescale_prenorm_residual only matter to transformers' initialisation. residual_in_fp32: our residual stream keeps the
 model's dtype (the same in float32; bfloat16/float16 round differently).
 
+An fla Mamba2ForCausalLM folder has the same weight names and model_type; its config's norm_eps, dt_limit, dt_min,
+dt_max and dt_init_floor are read as layer_norm_epsilon and time_step_* (transformers' Mamba2Config would ignore
+them and use its defaults).
+
 Refused (ValueError naming the field): hidden_act other than silu; use_bias=True (our in_proj/out_proj have no
-bias); a time_step_limit that clamps dt (ours does not clamp); pickle weights (.bin/.pt, never loaded).
+bias); a time_step_limit that clamps dt (ours does not clamp); fla's D_has_hdim=True, rmsnorm=False,
+norm_before_gate=True; pickle weights (.bin/.pt, never loaded).
 """
 
 from __future__ import annotations
@@ -69,9 +74,33 @@ def _read_source_config(src: Path):
     except ImportError:  # an older huggingface_hub: no strict config validation
         StrictDataclassError = ValueError
     try:
-        return Mamba2Config.from_pretrained(src)
+        hf = Mamba2Config.from_pretrained(src)
     except StrictDataclassError as e:
         raise ValueError(f"invalid {path}: {' '.join(str(e).split())}") from e
+    return _with_fla_names(hf) if hasattr(hf, "norm_eps") else hf
+
+
+# fla's Mamba2Config names -> transformers' (an fla "mamba2" folder has transformers' weight names and model_type)
+_FLA_MAMBA2_NAMES = {"norm_eps": "layer_norm_epsilon", "dt_limit": "time_step_limit", "dt_min": "time_step_min",
+                     "dt_max": "time_step_max", "dt_init_floor": "time_step_floor"}
+
+
+def _with_fla_names(hf):
+    """An fla Mamba2ForCausalLM config (transformers' Mamba2Config holding fla's fields as extra attributes) with
+    fla's values under transformers' names; fla's block options ours cannot express are refused."""
+    refused = {
+        "D_has_hdim": (getattr(hf, "D_has_hdim", False), "ours has one D per head"),
+        "rmsnorm": (not getattr(hf, "rmsnorm", True), "ours always has the gated RMSNorm"),
+        "norm_before_gate": (getattr(hf, "norm_before_gate", False), "ours gates before the norm (y * silu(z))"),
+    }
+    for field, (bad, why) in refused.items():
+        if bad:
+            raise ValueError(f"cannot convert {field} = {getattr(hf, field)!r}: {why}")
+    for fla_name, name in _FLA_MAMBA2_NAMES.items():
+        if hasattr(hf, fla_name):
+            value = getattr(hf, fla_name)
+            setattr(hf, name, tuple(value) if isinstance(value, list) else value)
+    return hf
 
 
 def mamba2_config(hf, log_linear: bool = False):

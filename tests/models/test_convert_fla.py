@@ -1,6 +1,7 @@
-"""fla GatedDeltaNetForCausalLM checkpoints convert into our plain Gated DeltaNet with the same logits as fla's own
+"""fla checkpoints: GatedDeltaNetForCausalLM converts into our plain Gated DeltaNet with the same logits as fla's own
 model (run here: fla's kernels under TRITON_INTERPRET=1 on the CPU, its one-token-at-a-time path for T <= 64), or
-into a log-linear one at lambda = 1 exactly; blocks ours cannot express are refused, naming the field."""
+into a log-linear one at lambda = 1 exactly; fla's Mamba2ForCausalLM (transformers' weight names, its own config
+names) into our Mamba-2; blocks ours cannot express are refused, naming the field."""
 
 import json
 
@@ -87,3 +88,35 @@ def test_conv_biases_have_no_place_in_ours(tmp_path):
     save_file(weights, tmp_path / "src" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="unexpected: model.layers.0.attn.q_conv1d.bias"):
         convert_fla_gated_deltanet(tmp_path / "src", tmp_path / "dst")
+
+
+def test_fla_mamba2_converts_with_its_own_config_names(tmp_path):
+    """fla's norm_eps (here not transformers' default) and dt_* fields are read, not left at transformers' defaults.
+    One q/k group: fla's CPU path tiles groups over heads (h % G) where its GPU kernels and ours use h // (H / G)."""
+    torch.manual_seed(3)
+    config = fla_models.Mamba2Config(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_heads=8, head_dim=8,
+                                     state_size=16, n_groups=1, chunk_size=8, norm_eps=1e-6, fuse_cross_entropy=False)
+    fla = save_perturbed(fla_models.Mamba2ForCausalLM(config), tmp_path / "src")
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "dst").eval()
+    assert ours.config.norm_eps == 1e-6
+    ids = torch.randint(0, 97, (2, 21))
+    with torch.no_grad():
+        assert relative_error(fla(ids).logits.float(), ours(ids).logits.float()) <= 1e-5
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("D_has_hdim", True, "cannot convert D_has_hdim = True"),
+    ("rmsnorm", False, "cannot convert rmsnorm = False"),
+    ("norm_before_gate", True, "cannot convert norm_before_gate = True"),
+])
+def test_fla_mamba2_blocks_ours_cannot_express_are_refused(tmp_path, field, value, message):
+    from loglinear.models.convert import convert_mamba2
+
+    (tmp_path / "src").mkdir()
+    config = dict(model_type="mamba2", vocab_size=97, hidden_size=32, num_hidden_layers=1, num_heads=8, head_dim=8,
+                  n_groups=1, norm_eps=1e-5, **{field: value})
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as error:
+        convert_mamba2(tmp_path / "src", tmp_path / "dst")
+    assert str(error.value).startswith(message)
