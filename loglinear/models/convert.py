@@ -46,7 +46,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["convert", "convert_mamba2", "convert_fla_gated_deltanet", "log_linearize", "load_exactly",
+__all__ = ["convert", "convert_mamba2", "convert_fla_gated_deltanet", "convert_fla_log_linear_mamba2", "log_linearize",
+           "load_exactly",
            "mamba2_config", "mamba2_state_dict", "TOKENIZER_FILES", "add_arguments", "run"]
 
 TOKENIZER_FILES = (
@@ -296,10 +297,29 @@ def log_linearize(src_dir: str | Path, dst_dir: str | Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
+def convert_fla_log_linear_mamba2(src_dir: str | Path, dst_dir: str | Path, dtype: str = "source") -> None:
+    """Convert the fla LogLinearMamba2ForCausalLM folder ``src_dir`` into our log-linear LogLinearMamba2ForCausalLM
+    in ``dst_dir`` with the same logits (loglinear.models.convert_fla); dtype as in convert_mamba2."""
+    from loglinear.models.convert_fla import log_linear_mamba2_config, log_linear_mamba2_state_dict
+    from loglinear.models.modeling import LogLinearMamba2ForCausalLM
+
+    src, dst = Path(src_dir), Path(dst_dir)
+    _check_folders(src, dst, dtype)
+    raw = json.loads((src / "config.json").read_text())
+    weights = _read_weights(src)
+    levels = weights.get("backbone.layers.0.mixer.L")
+    if levels is None or levels.dim() != 2:
+        raise ValueError(f"{src} has no level weights backbone.layers.0.mixer.L [heads, levels]")
+    config = log_linear_mamba2_config(raw, levels.shape[1])
+    _write(LogLinearMamba2ForCausalLM(config), log_linear_mamba2_state_dict(weights, config), weights, src, dst, dtype,
+           False)
+
+
 def convert(src_dir: str | Path, dst_dir: str | Path, dtype: str = "source", log_linear: bool = False) -> str:
-    """What ``loglinear convert`` does, by the source's model_type: a transformers Mamba2ForCausalLM ("mamba2") ->
-    convert_mamba2; an fla GatedDeltaNetForCausalLM ("gated_deltanet") -> convert_fla_gated_deltanet; a plain
-    loglinear model folder with log_linear -> log_linearize. Returns the written model's class name."""
+    """What ``loglinear convert`` does, by the source's model_type: a transformers or fla Mamba2ForCausalLM
+    ("mamba2") -> convert_mamba2; an fla GatedDeltaNetForCausalLM ("gated_deltanet") -> convert_fla_gated_deltanet;
+    an fla LogLinearMamba2ForCausalLM ("log_linear_mamba2") -> convert_fla_log_linear_mamba2; a plain loglinear
+    model folder with log_linear -> log_linearize. Returns the written model's class name."""
     if not Path(src_dir).is_dir():
         raise FileNotFoundError(f"source folder {src_dir} does not exist")
     path = Path(src_dir) / "config.json"
@@ -315,6 +335,9 @@ def convert(src_dir: str | Path, dst_dir: str | Path, dtype: str = "source", log
     if model_type == "gated_deltanet":
         convert_fla_gated_deltanet(src_dir, dst_dir, dtype=dtype, log_linear=log_linear)
         return "LogLinearGatedDeltaNetForCausalLM"
+    if model_type == "log_linear_mamba2":  # log-linear already: --log-linear changes nothing
+        convert_fla_log_linear_mamba2(src_dir, dst_dir, dtype=dtype)
+        return "LogLinearMamba2ForCausalLM"
     convert_mamba2(src_dir, dst_dir, dtype=dtype, log_linear=log_linear)
     return "LogLinearMamba2ForCausalLM"
 

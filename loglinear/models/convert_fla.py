@@ -1,7 +1,12 @@
-"""Convert an fla (flash-linear-attention) ``GatedDeltaNetForCausalLM`` checkpoint (a folder: config.json with
-model_type "gated_deltanet", safetensors weights, tokenizer files) into the plain (use_log_linear=False)
-``LogLinearGatedDeltaNetForCausalLM`` with the same logits, or with log_linear into a log-linear one whose level
-weights start at exactly 1. fla is not imported: the folder is read as files.
+"""Convert fla (flash-linear-attention) checkpoints (a folder: config.json, safetensors weights, tokenizer files)
+into ours with the same logits; fla is not imported, the folder is read as files.
+
+  * ``GatedDeltaNetForCausalLM`` (model_type "gated_deltanet") -> the plain ``LogLinearGatedDeltaNetForCausalLM``,
+    or with log_linear a log-linear one whose level weights start at exactly 1 (below);
+  * ``LogLinearMamba2ForCausalLM`` (model_type "log_linear_mamba2") -> our log-linear Mamba-2
+    (log_linear_mamba2_state_dict: the same level weights softplus(L * (W x)), over fla's 15 levels, i.e. up to
+    2^14 tokens per sequence; the gated RMSNorm per q/k group; fla's SwiGLU of width 256 ceil(8 hidden / 3 / 256));
+  * fla's ``Mamba2ForCausalLM`` has transformers' layout: loglinear.models.convert reads it.
 
 Weights (i: layer; fla -> loglinear; [a; b]: rows stacked in that order):
 
@@ -32,14 +37,13 @@ has neither), allow_neg_eigval=True, an output gate other than swish/silu, hidde
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import math
 
 import torch
 
-__all__ = ["is_fla_gated_deltanet", "gated_deltanet_config", "gated_deltanet_state_dict"]
+__all__ = ["gated_deltanet_config", "gated_deltanet_state_dict", "log_linear_mamba2_config",
+           "log_linear_mamba2_state_dict"]
 
-FLA_MODEL_TYPE = "gated_deltanet"
 # fla's GatedDeltaNetConfig defaults for fields a config.json may leave out
 _FLA_DEFAULTS = dict(
     hidden_size=2048, expand_v=2.0, use_gate=True, use_short_conv=True, allow_neg_eigval=False, conv_size=4,
@@ -50,9 +54,11 @@ _FLA_DEFAULTS = dict(
 )
 
 
-def is_fla_gated_deltanet(src: Path) -> bool:
-    """Does src/config.json name fla's Gated DeltaNet model type?"""
-    return json.loads((Path(src) / "config.json").read_text()).get("model_type") == FLA_MODEL_TYPE
+def _refuse(refused: dict[str, tuple[bool, str]], cfg: dict) -> None:
+    """ValueError "cannot convert <field> = <value>: <why>" for the first field whose condition holds."""
+    for field, (bad, why) in refused.items():
+        if bad:
+            raise ValueError(f"cannot convert {field} = {cfg[field]!r}: {why}")
 
 
 def _mlp_width(cfg: dict) -> int:
@@ -80,9 +86,7 @@ def gated_deltanet_config(raw: dict, log_linear: bool = False):
         "output_gate_activation": (cfg["output_gate_activation"] not in ("swish", "silu"), "ours gates with silu"),
         "hidden_act": (cfg["hidden_act"] != "swish", "our MLP is SwiGLU"),
     }
-    for field, (bad, why) in refused.items():
-        if bad:
-            raise ValueError(f"cannot convert {field} = {cfg[field]!r}: {why}")
+    _refuse(refused, cfg)
     return LogLinearGatedDeltaNetConfig(
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], num_hidden_layers=cfg["num_hidden_layers"],
         num_heads=cfg["num_heads"], head_dim=cfg["head_dim"], expand_v=float(cfg["expand_v"]),
@@ -136,3 +140,93 @@ def gated_deltanet_state_dict(weights: dict[str, torch.Tensor], config) -> dict[
     if config.tie_word_embeddings:
         out["lm_head.weight"] = out["model.embeddings.weight"]
     return out
+
+
+# --- log-linear Mamba-2 ---------------------------------------------------------------------------------------
+# fla's LogLinearMamba2Config (a Mamba2Config) defaults for fields a config.json may leave out
+_FLA_LL_MAMBA2_DEFAULTS = dict(
+    head_dim=64, vocab_size=32000, hidden_size=2048, state_size=128, num_hidden_layers=48, norm_eps=1e-5,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2, expand=2, conv_kernel=4, n_groups=1, use_bias=False,
+    use_conv_bias=True, D_has_hdim=False, hidden_act="silu", initializer_range=0.02, dt_min=0.001, dt_max=0.1,
+    dt_init_floor=1e-4, dt_limit=(0.0, math.inf), use_cache=True, rmsnorm=True, norm_before_gate=False,
+    chunk_size=64, tie_word_embeddings=False, attnres_block_size=None,
+)
+
+
+def _float(x) -> float:
+    """A config.json number; transformers writes infinity as {"__float__": "Infinity"}."""
+    return float(x["__float__"]) if isinstance(x, dict) else float(x)
+
+
+def log_linear_mamba2_config(raw: dict, levels: int):
+    """fla LogLinearMamba2Config fields (config.json as a dict) and its level count (the L parameter's width) -> the
+    LogLinearMamba2Config of the same function: level weights softplus(Ls * (W x)) over ``levels`` levels (fla's
+    form), the gated RMSNorm per q/k group, fla's fixed SwiGLU width. ValueError naming what ours cannot express."""
+    from loglinear.models.configuration import LogLinearMamba2Config
+
+    cfg = _FLA_LL_MAMBA2_DEFAULTS | raw
+    low, high = (_float(x) for x in cfg["dt_limit"])
+    _refuse({
+        "attnres_block_size": (cfg["attnres_block_size"] is not None, "ours has no attention residuals"),
+        "D_has_hdim": (bool(cfg["D_has_hdim"]), "ours has one D per head"),
+        "rmsnorm": (not cfg["rmsnorm"], "ours always has the gated RMSNorm"),
+        "norm_before_gate": (bool(cfg["norm_before_gate"]), "ours gates before the norm (y * silu(z))"),
+        "use_bias": (bool(cfg["use_bias"]), "our in_proj and out_proj have no bias"),
+        "hidden_act": (cfg["hidden_act"] not in ("silu", "swish"), "our Mamba-2 uses silu"),
+        "dt_limit": (low > 0 or high != math.inf, "our Mamba-2 does not clamp dt"),
+    }, cfg)
+    hidden = cfg["hidden_size"]
+    return LogLinearMamba2Config(
+        vocab_size=cfg["vocab_size"], hidden_size=hidden, num_hidden_layers=cfg["num_hidden_layers"],
+        num_heads=cfg["num_heads"], head_dim=cfg["head_dim"], state_size=cfg["state_size"], expand=cfg["expand"],
+        n_groups=cfg["n_groups"], norm_groups=cfg["n_groups"], conv_kernel=cfg["conv_kernel"],
+        chunk_size=cfg["chunk_size"], use_log_linear=True, max_levels=levels, level_activation="softplus",
+        intermediate_size=_mlp_width({"intermediate_size": None, "hidden_size": hidden, "hidden_ratio": 4}),
+        norm_eps=cfg["norm_eps"], time_step_min=cfg["dt_min"], time_step_max=cfg["dt_max"],
+        time_step_floor=cfg["dt_init_floor"], tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
+        initializer_range=cfg["initializer_range"], use_cache=cfg["use_cache"], pad_token_id=cfg["pad_token_id"],
+        bos_token_id=cfg["bos_token_id"], eos_token_id=cfg["eos_token_id"],
+    )
+
+
+_LL_LAYER = {
+    "mixer_norm.weight": "mixer_norm.weight", "mlp_norm.weight": "mlp_norm.weight",
+    "mixer.conv.weight": "mixer.conv1d.weight", "mixer.conv.bias": "mixer.conv1d.bias",
+    "mixer.A_log": "mixer.A_log", "mixer.D": "mixer.D", "mixer.dt_bias": "mixer.dt_bias",
+    "mixer.norm.weight": "mixer.norm.weight", "mixer.out_proj.weight": "mixer.out_proj.weight",
+    "mixer.level_scales.level_scale": "mixer.L", "mlp.down.weight": "mlp.down_proj.weight",
+}
+
+
+def log_linear_mamba2_state_dict(weights: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """fla LogLinearMamba2ForCausalLM tensors -> our LogLinearMamba2ForCausalLM state dict: fla's in_proj
+    (z | xBC | dt | lambda logits, the last H * levels rows) splits into our in_proj and level_scales.proj; its L
+    is our level_scale; gate_proj and up_proj stack into gate_up; a missing conv bias (use_conv_bias=False) is 0."""
+    d_inner = config.num_heads * config.head_dim
+    split = 2 * d_inner + 2 * config.n_groups * config.state_size + config.num_heads
+    out = {"model.embeddings.weight": weights.get("backbone.embeddings.weight"),
+           "model.norm.weight": weights.get("backbone.norm_f.weight"), "lm_head.weight": weights.get("lm_head.weight")}
+    for i in range(config.num_hidden_layers):
+        fla, ours = f"backbone.layers.{i}.", f"model.layers.{i}."
+        conv = weights.get(fla + "mixer.conv1d.weight")
+        if conv is not None and fla + "mixer.conv1d.bias" not in weights:
+            weights = weights | {fla + "mixer.conv1d.bias": conv.new_zeros(conv.shape[0])}
+        out |= {ours + mine: weights.get(fla + theirs) for mine, theirs in _LL_LAYER.items()}
+        in_proj = weights.get(fla + "mixer.in_proj.weight")
+        if in_proj is not None and in_proj.shape[0] > split:
+            out[ours + "mixer.in_proj.weight"], out[ours + "mixer.level_scales.proj.weight"] = in_proj.split(
+                [split, in_proj.shape[0] - split])
+        elif in_proj is not None:  # too few rows: load_exactly names the wrong shape
+            out[ours + "mixer.in_proj.weight"] = in_proj
+        gate, up = weights.get(fla + "mlp.gate_proj.weight"), weights.get(fla + "mlp.up_proj.weight")
+        out[ours + "mlp.gate_up.weight"] = torch.cat([gate, up]) if gate is not None and up is not None else None
+    used = {f"backbone.layers.{i}.{name}" for i in range(config.num_hidden_layers)
+            for name in [*_LL_LAYER.values(), "mixer.in_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight"]}
+    used |= {"backbone.embeddings.weight", "backbone.norm_f.weight", "lm_head.weight"}
+    unexpected = sorted(set(weights) - used)
+    if unexpected:
+        raise ValueError(f"the fla log-linear Mamba-2 checkpoint does not match its config (unexpected: "
+                         f"{', '.join(unexpected[:5])})")
+    if config.tie_word_embeddings:
+        out["lm_head.weight"] = out["model.embeddings.weight"]
+    return {name: t for name, t in out.items() if t is not None}  # what is missing, load_exactly names

@@ -120,3 +120,54 @@ def test_fla_mamba2_blocks_ours_cannot_express_are_refused(tmp_path, field, valu
     with pytest.raises(ValueError) as error:
         convert_mamba2(tmp_path / "src", tmp_path / "dst")
     assert str(error.value).startswith(message)
+
+
+@pytest.fixture
+def fla_log_linear_on_cpu(monkeypatch):
+    """fla's log-linear Mamba-2 layer runs only on CUDA: on the CPU its eval path, with fla's own quadratic
+    reference of the log-linear op (float64) in place of its Triton op."""
+    import fla.layers.log_linear_mamba2 as layer
+    from fla.ops.log_linear_attn.naive import naive_log_linear_attn
+
+    def naive(q, k, v, g, level_scales, scale=1.0, **_):
+        args = (t.double() for t in (q, k, v, g, level_scales))
+        return naive_log_linear_attn(*args, scale).to(v.dtype), None
+
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False, **_):
+        return self.cuda_kernels_forward(hidden_states, None, False, attention_mask)[0], None, past_key_values
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(layer, "chunk_log_linear_attn", naive)
+        monkeypatch.setattr(layer.LogLinearMamba2, "forward", forward)
+
+
+def test_fla_log_linear_mamba2_converts_to_ours(tmp_path, fla_log_linear_on_cpu):
+    """fla's level weights softplus(L * (W x)) over its 15 levels, W in the last rows of its in_proj, two q/k groups
+    (its log-linear path maps heads to groups as ours does), tied embeddings."""
+    torch.manual_seed(4)
+    config = fla_models.LogLinearMamba2Config(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_heads=8,
+                                              head_dim=8, state_size=16, n_groups=2, tie_word_embeddings=True,
+                                              fuse_cross_entropy=False)
+    fla = save_perturbed(fla_models.LogLinearMamba2ForCausalLM(config), tmp_path / "src")
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "dst").eval()
+    assert ours.config.use_log_linear and ours.config.max_levels == 15 and ours.config.norm_groups == 2
+    ids = torch.randint(0, 97, (2, 21))
+    with torch.no_grad():
+        assert relative_error(fla(ids).logits.float(), ours(ids).logits.float()) <= 1e-5
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("dt_limit", [0.0, 0.5], "cannot convert dt_limit = [0.0, 0.5]"),
+    ("D_has_hdim", True, "cannot convert D_has_hdim = True"),
+    ("use_bias", True, "cannot convert use_bias = True"),
+    ("attnres_block_size", 2, "cannot convert attnres_block_size = 2"),
+])
+def test_fla_log_linear_mamba2_blocks_ours_cannot_express_are_refused(field, value, message):
+    from loglinear.models.convert_fla import log_linear_mamba2_config
+
+    raw = dict(model_type="log_linear_mamba2", vocab_size=97, hidden_size=32, num_hidden_layers=1, num_heads=8,
+               head_dim=8, state_size=16, **{field: value})
+    with pytest.raises(ValueError) as error:
+        log_linear_mamba2_config(raw, 15)
+    assert str(error.value).startswith(message)
