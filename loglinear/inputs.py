@@ -329,8 +329,8 @@ def run_segments(
     """Run ``core`` on every segment, in the compute dtype, with q/k expanded to the value heads.
 
     core(q, k, v, gates, level_scales, scale, levels, position) -> (o, levels_out), with
-    q, k: [b, t, H, K]; v: [b, t, H, V]; gates: {name: [b, t, H] or [b, t, H, K]}; level_scales: [b, t, H, L];
-    levels: [b, Ls, H, K, V] or None; position: int shared by the rows.
+    q, k: [b, t, H, K]; v: [b, t, H, V]; gates: {name: [b, t, H] or [b, t, H, K]}; level_scales: [b, t, H, L]
+    (None: a plain call); levels: [b, Ls, H, K, V] or None; position: int shared by the rows.
     """
     H = inp.num_heads
     dtype = torch.float64 if inp.v.dtype == torch.float64 or inp.q.dtype == torch.float64 else torch.float32
@@ -338,7 +338,7 @@ def run_segments(
     if l2norm_qk:
         q, k = l2norm(q), l2norm(k)
     q, k = expand_groups(q, H), expand_groups(k, H)
-    v, lam = inp.v.to(dtype), inp.level_scales.to(dtype)
+    v, lam = inp.v.to(dtype), (inp.level_scales.to(dtype) if inp.level_scales is not None else None)
     gates = {name: x.to(dtype) for name, x in inp.gates.items()}
     outs, finals, order, positions = [], [], [], []
     for seg in segments(inp):
@@ -349,7 +349,8 @@ def run_segments(
             idx = torch.tensor(seg.state_rows, device=q.device)
             levels = inp.initial_state.levels.index_select(0, idx).to(dtype)
         picked = {name: pick(x) for name, x in gates.items()}
-        o, lv = core(pick(q), pick(k), pick(v), picked, pick(lam), inp.scale, levels, seg.position)
+        o, lv = core(pick(q), pick(k), pick(v), picked, pick(lam) if lam is not None else None, inp.scale, levels,
+                     seg.position)
         outs.append(o)
         finals.append(lv)
         order.extend(seg.state_rows)

@@ -12,6 +12,7 @@ from helpers import assert_close, compare_with_reference, make_inputs, slice_tim
 from loglinear import FenwickState, log_linear_gated_deltanet
 from loglinear import reference as R
 from loglinear.inputs import check_inputs, expand_groups, l2norm
+from loglinear.ops import api
 from loglinear.ops.torch_chunk import chunked, pad_time
 from loglinear.ops.triton.gated_deltanet import backend as gdn
 from loglinear.ops.triton.gated_deltanet import scan as scan_module
@@ -61,6 +62,43 @@ def _compare(x64, state64=None, cu_seqlens=None, chunk_size=16, l2norm=False, gr
     compare_with_reference(lambda x, st: _triton(x, st, cu_seqlens, chunk_size, l2norm),
                            lambda x, st: _reference(x, st, cu_seqlens, l2norm),
                            x64, state64, tol=RTOL, grad_tol=10 * RTOL, grads=grads)
+
+
+def _plain(x):
+    return {n: t for n, t in x.items() if n != "level_scales"}
+
+
+def _compare_plain(x64, state64=None, cu_seqlens=None):
+    """A plain call (level_scales None) on the kernels' one-level schedule against the float64 plain reference:
+    o, the one-level final state and every gradient; the torch path is never taken."""
+    compare_with_reference(
+        lambda x, st: log_linear_gated_deltanet(**x, level_scales=None, initial_state=st, output_final_state=True,
+                                                cu_seqlens=cu_seqlens, chunk_size=16, use_qk_l2norm=True),
+        lambda x, st: R.log_linear_gated_deltanet_recurrent(**x, level_scales=None, initial_state=st,
+                                                            output_final_state=True, cu_seqlens=cu_seqlens,
+                                                            use_qk_l2norm=True),
+        _plain(x64), state64, tol=RTOL, grad_tol=10 * RTOL)
+
+
+@pytest.mark.parametrize("B, T, G, H, K, V, start", [
+    (1, 1, 1, 2, 8, 4, 0),  # one token
+    (2, 37, 1, 2, 16, 16, 0),  # T not a multiple of the chunk, B > 1, G < H
+    (2, 50, 1, 2, 20, 24, 13),  # a state at an unaligned position; K, V not powers of two
+])
+def test_plain_calls_run_the_one_level_schedule(monkeypatch, B, T, G, H, K, V, start):
+    monkeypatch.setattr(api, "torch_chunk_backend", _no_fallback)
+    state = _state(B, 1, H, K, V, [start] * B, torch.float64) if start else None
+    _compare_plain(make_inputs(B, T, G, H, K, V), state)
+
+
+def test_plain_varlen_with_states_at_different_positions(monkeypatch):
+    monkeypatch.setattr(api, "torch_chunk_backend", _no_fallback)
+    _compare_plain(make_inputs(1, 70, 1, 2, 16, 16), _state(3, 1, 2, 16, 16, [17, 0, 48], torch.float64),
+                   torch.tensor([0, 3, 40, 70]))
+
+
+def _no_fallback(*args, **kwargs):
+    raise AssertionError("the triton backend fell back to the torch path")
 
 
 @pytest.mark.parametrize(

@@ -20,4 +20,5 @@ if triton is not None:
     register_backend("mamba2", "triton", Backend(mamba2.backend, mamba2.supports, decode_backend(delta_rule=False),
                                                 plain=True))
     register_backend("gated_deltanet", "triton",
-                     Backend(gated_deltanet.backend, gated_deltanet.supports, decode_backend(delta_rule=True)))
+                     Backend(gated_deltanet.backend, gated_deltanet.supports, decode_backend(delta_rule=True),
+                             plain=True))

@@ -17,6 +17,12 @@ q, k, v, g, beta, level_scales and the initial state all get them. A call whose 
 position (no varlen) runs on the op's tensors as they are (_run_one_segment: no fp32 copies, no q/k
 expansion; with use_qk_l2norm the chunk-local kernels normalise q/k rows themselves); varlen and rows at
 different positions go through run_segments (one launch set per segment; q/k l2norm'd there in torch).
+
+A plain call (level_scales None: plain Gated DeltaNet, lambda = 1, a one-level state) runs the same kernels on a
+one-level schedule (_plain_core): chunks from each row's first token (a plain state continues at any position),
+lambda = 1 in the chunks, one chunk level that every chunk, the last one too, cascades into, seeded with the
+incoming state; the scan's final state is the plain state. The kernels are the log-linear ones: the schedule is
+data.
 """
 
 from __future__ import annotations
@@ -40,6 +46,12 @@ from loglinear.variants.gated_deltanet import GatedDeltaNetForm
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_K = 256  # the scan keeps K whole in a tile
+
+
+@table_cache()
+def _plain_targets(N: int) -> tuple[int, ...]:
+    """Every chunk, the last one too, cascades into the one chunk level.  [N]; cached like _merge_targets."""
+    return (0,) * N
 
 
 @table_cache()
@@ -106,6 +118,8 @@ def gated_deltanet_core(
     kernels' operand dtype and o's); qk_l2norm: q and k are l2norm'd in the chunk-local kernels (and in the
     last chunk's torch form), not here.  Returns o: [b, T, H, V] in dtype and the final levels
     [b, max(Ls, levels_needed(end)), H, K, V] fp32 (final; else None, and nothing of them is computed)."""
+    if lam is None:
+        return _plain_core(q, k, v, g, beta, scale, levels, chunk_size, dtype, qk_l2norm, final)
     b, T, _, K = q.shape
     H = v.shape[2]
     C = kernel_chunk_size(chunk_size, chunk_cap(dtype, K))
@@ -130,6 +144,25 @@ def gated_deltanet_core(
         return o, None
     return o, _final_state(q, k, v, g, beta, hN, partial if N == 1 else None, ch, position, J, qk_l2norm,
                            levels is not None)
+
+
+def _plain_core(
+    q, k, v, g, beta, scale: float, levels: torch.Tensor | None, chunk_size: int, dtype: torch.dtype,
+    qk_l2norm: bool, final: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """gated_deltanet_core of a plain call (module docstring): levels [b, 1, H, K, V] fp32 or None -> o [b, T, H, V]
+    in dtype and the final state [b, 1, H, K, V] fp32 (final; else None)."""
+    b, T, _, K = q.shape
+    H, V = v.shape[2], v.shape[3]
+    C = kernel_chunk_size(chunk_size, chunk_cap(dtype, K))
+    ch = Chunking(b, T, H, 0, C)
+    one = torch.ones((), dtype=torch.float32, device=q.device)
+    o_intra, qt, wt, kt, u, decay = chunk_local(q, k, v, g, beta, one.expand(b, T, H, chunk_bits(C) + 1), ch, dtype,
+                                                qk_l2norm)
+    h0 = None if levels is None else levels.transpose(1, 2).reshape(b * H, 1, K, V)
+    o, hN = fenwick_delta_scan(qt, wt, kt, u, decay, one.expand(b * H, ch.Tp, 1), h0, o_intra, _plain_targets(ch.N),
+                               ch, scale, dtype, final)
+    return o, (hN.view(b, H, 1, K, V).transpose(1, 2) if final else None)
 
 
 def _final_state(
@@ -159,12 +192,13 @@ def _run_one_segment(
     run_segments."""
     q, k = inp.q, inp.k
     state = inp.initial_state
-    position = state.positions.tolist()[0] if state is not None else 0
+    positions = state.positions if state is not None else torch.zeros(q.shape[0], dtype=torch.int64)
     levels = state.levels.float() if state is not None else None
-    o, final = core(q, k, inp.v, inp.gates, inp.level_scales, inp.scale, levels, position, qk_l2norm=l2norm_qk)
+    o, final = core(q, k, inp.v, inp.gates, inp.level_scales, inp.scale, levels, int(positions[0]),
+                    qk_l2norm=l2norm_qk)
     if not output_final_state:
         return o, None
-    return o, FenwickState(final, torch.full((q.shape[0],), position + q.shape[1], dtype=torch.int64))
+    return o, FenwickState(final, positions + q.shape[1])
 
 
 def supports(inp: OpInputs) -> bool:
@@ -197,7 +231,8 @@ def _run_kernels(
         return gated_deltanet_core(q, k, v, gates["g"], gates["beta"], lam, scale, levels, position, chunk_size,
                                    dtype, qk_l2norm, output_final_state)
 
-    one = inp.bounds is None and (inp.initial_state is None or len(set(inp.initial_state.positions.tolist())) == 1)
+    one = inp.bounds is None and (inp.plain or inp.initial_state is None
+                                  or len(set(inp.initial_state.positions.tolist())) == 1)
     if one:
         return _run_one_segment(inp, core, output_final_state, use_qk_l2norm)
     return run_segments(inp, core, output_final_state, l2norm_qk=use_qk_l2norm)

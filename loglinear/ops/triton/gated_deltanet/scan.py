@@ -574,7 +574,7 @@ class FenwickDeltaScan(torch.autograd.Function):
             )
         ctx.save_for_backward(qt, wt, kt, u, decay, lam, snap if keep else None)
         ctx.sched, ctx.ch, ctx.scale = sched, ch, scale
-        return o, torch.where(sched.mask[N - 1, :, None, None], states, 0.0) if final else None
+        return o, torch.where(sched.mask[N, :, None, None], states, 0.0) if final else None
 
     @staticmethod
     def backward(ctx, do, dhN):
