@@ -79,7 +79,7 @@ def _compare(variant: Case, x: dict, state: FenwickState | None, cu_seqlens: tor
     "B, T, G, H, K, V, positions, cu, padded",
     [
         (2, 37, 1, 2, 8, 5, None, None, (64, 64)),  # T not a multiple of the chunk, both axes padded
-        (2, 41, 2, 4, 8, 12, [5, 32], None, (64, 64)),  # G < H, states at an unaligned and an aligned position
+        (2, 41, 1, 2, 8, 12, [5, 32], None, (64, 64)),  # G < H, states at an unaligned and an aligned position
         (1, 70, 1, 2, 8, 5, [17, 0, 48], [0, 3, 40, 70], (64, 64)),  # cu_seqlens with states
         (1, 45, 1, 2, 72, 12, [21], None, (72, 64)),  # only V padded
         (1, 30, 1, 1, 8, 66, None, None, (64, 66)),  # only K padded
