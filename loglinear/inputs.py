@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 __all__ = [
     "OpInputs", "check_inputs", "check_decode_inputs", "check_cu_seqlens", "check_positive_ints", "check_power_of_two",
     "check_multiple", "check_value_head_dim", "check_expanded_head_dim", "Segment", "segments", "run_segments",
-    "l2norm", "expand_groups",
+    "l2norm", "expand_groups", "plain_over_levels",
 ]
 
 
@@ -59,6 +59,17 @@ class OpInputs:
         start = self.initial_state.max_position if self.initial_state is not None else 0
         ones = torch.ones((), dtype=self.v.dtype, device=self.v.device)
         return replace(self, level_scales=ones.expand(*self.v.shape[:3], levels_needed(start + max(lengths))))
+
+
+def plain_over_levels(run: Callable[..., tuple[torch.Tensor, FenwickState | None]]):
+    """run(inputs, output_final_state, ...) -> (o, state) of log-linear calls, as a run of plain calls: each runs
+    as its log-linear equal (OpInputs.over_levels) and its final levels are summed to the plain state."""
+
+    def plain_run(inp: OpInputs, output_final_state: bool, *args, **kwargs):
+        o, state = run(inp.over_levels(), output_final_state, *args, **kwargs)
+        return o, (state.summed() if state is not None else None)
+
+    return plain_run
 
 
 def _shape(x: torch.Tensor) -> str:

@@ -10,15 +10,16 @@ one-token decode step when it applies (one token per sequence after a state, no 
 infinity in the inputs spoils only the outputs at and after it (loglinear.ops.finite).
 
 level_scales=None is the variant's plain linear attention (lambda = 1: plain Mamba-2 / SSD, Gated DeltaNet, GLA)
-with a one-level state. A backend with a plain path runs it (Mamba-2's kernels); elsewhere it runs as lambda = 1
-over the Fenwick levels, whose final levels are summed (with lambda = 1 only their sum is ever read).
+with a one-level state. A backend with a plain path runs it (the Mamba-2 and Gated DeltaNet kernels); elsewhere it
+runs as lambda = 1 over the Fenwick levels, whose final levels are summed (with lambda = 1 only their sum is ever
+read; loglinear.inputs.plain_over_levels).
 """
 
 from __future__ import annotations
 
 import torch
 
-from loglinear.inputs import OpInputs, check_inputs
+from loglinear.inputs import OpInputs, check_inputs, plain_over_levels
 from loglinear.ops.backends import backend_for, select_backend, torch_chunk_backend
 from loglinear.ops.decode import fused_decode_applies, op_decode_step
 from loglinear.ops.finite import contained, finite_check, floor_log_decays
@@ -69,7 +70,7 @@ def attention(
     supported = chosen.supports(inp)
     backend_run = chosen.run if supported else torch_chunk_backend
     if inp.plain and not (supported and chosen.plain):
-        backend_run = _plain_over_levels(backend_run)
+        backend_run = plain_over_levels(backend_run)
 
     def run(call: OpInputs) -> tuple[torch.Tensor, FenwickState | None]:
         return backend_run(call, output_final_state, chunk_size, use_qk_l2norm)
@@ -79,17 +80,6 @@ def attention(
     if finite():
         return o, state
     return contained(inp, run, output_final_state) or (o, state)
-
-
-def _plain_over_levels(run):
-    """A backend's run taking a plain call as its log-linear equal (OpInputs.over_levels), the final levels
-    summed to the plain state."""
-
-    def plain_run(inp: OpInputs, output_final_state: bool, *args) -> tuple[torch.Tensor, FenwickState | None]:
-        o, state = run(inp.over_levels(), output_final_state, *args)
-        return o, (state.summed() if state is not None else None)
-
-    return plain_run
 
 
 def log_linear_mamba2(

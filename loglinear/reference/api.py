@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from loglinear.inputs import check_inputs, run_segments
+from loglinear.inputs import check_inputs, plain_over_levels, run_segments
 from loglinear.reference import common
 from loglinear.state import FenwickState
 from loglinear.variants import GATED_DELTANET, MAMBA2, Variant, get
@@ -51,10 +51,8 @@ def recurrent(
         o, S, _ = common.recurrent(variant, q, k, v, gates, lam, scale, levels, positions)
         return o, S
 
-    if not inp.plain:
-        return run_segments(inp, core, output_final_state, l2norm_qk=use_qk_l2norm)
-    o, state = run_segments(inp.over_levels(), core, output_final_state, l2norm_qk=use_qk_l2norm)
-    return o, (state.summed() if state is not None else None)
+    run = lambda call, final: run_segments(call, core, final, l2norm_qk=use_qk_l2norm)  # noqa: E731
+    return (plain_over_levels(run) if inp.plain else run)(inp, output_final_state)
 
 
 def log_linear_mamba2_materialized(q, k, v, g, level_scales, *, scale=None, cu_seqlens=None) -> torch.Tensor:
