@@ -89,14 +89,15 @@ _FLA_MAMBA2_NAMES = {"norm_eps": "layer_norm_epsilon", "dt_limit": "time_step_li
 def _with_fla_names(hf):
     """An fla Mamba2ForCausalLM config (transformers' Mamba2Config holding fla's fields as extra attributes) with
     fla's values under transformers' names; fla's block options ours cannot express are refused."""
-    refused = {
-        "D_has_hdim": (getattr(hf, "D_has_hdim", False), "ours has one D per head"),
-        "rmsnorm": (not getattr(hf, "rmsnorm", True), "ours always has the gated RMSNorm"),
-        "norm_before_gate": (getattr(hf, "norm_before_gate", False), "ours gates before the norm (y * silu(z))"),
-    }
-    for field, (bad, why) in refused.items():
-        if bad:
-            raise ValueError(f"cannot convert {field} = {getattr(hf, field)!r}: {why}")
+    from loglinear.models.convert_fla import refuse
+
+    fields = {"D_has_hdim": False, "rmsnorm": True, "norm_before_gate": False}
+    cfg = {name: getattr(hf, name, default) for name, default in fields.items()}
+    refuse({
+        "D_has_hdim": (cfg["D_has_hdim"], "ours has one D per head"),
+        "rmsnorm": (not cfg["rmsnorm"], "ours always has the gated RMSNorm"),
+        "norm_before_gate": (cfg["norm_before_gate"], "ours gates before the norm (y * silu(z))"),
+    }, cfg)
     for fla_name, name in _FLA_MAMBA2_NAMES.items():
         if hasattr(hf, fla_name):
             value = getattr(hf, fla_name)

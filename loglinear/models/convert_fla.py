@@ -41,7 +41,7 @@ import math
 
 import torch
 
-__all__ = ["gated_deltanet_config", "gated_deltanet_state_dict", "log_linear_mamba2_config",
+__all__ = ["refuse", "gated_deltanet_config", "gated_deltanet_state_dict", "log_linear_mamba2_config",
            "log_linear_mamba2_state_dict"]
 
 # fla's GatedDeltaNetConfig defaults for fields a config.json may leave out
@@ -54,7 +54,7 @@ _FLA_DEFAULTS = dict(
 )
 
 
-def _refuse(refused: dict[str, tuple[bool, str]], cfg: dict) -> None:
+def refuse(refused: dict[str, tuple[bool, str]], cfg: dict) -> None:
     """ValueError "cannot convert <field> = <value>: <why>" for the first field whose condition holds."""
     for field, (bad, why) in refused.items():
         if bad:
@@ -86,7 +86,7 @@ def gated_deltanet_config(raw: dict, log_linear: bool = False):
         "output_gate_activation": (cfg["output_gate_activation"] not in ("swish", "silu"), "ours gates with silu"),
         "hidden_act": (cfg["hidden_act"] != "swish", "our MLP is SwiGLU"),
     }
-    _refuse(refused, cfg)
+    refuse(refused, cfg)
     return LogLinearGatedDeltaNetConfig(
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], num_hidden_layers=cfg["num_hidden_layers"],
         num_heads=cfg["num_heads"], head_dim=cfg["head_dim"], expand_v=float(cfg["expand_v"]),
@@ -166,7 +166,7 @@ def log_linear_mamba2_config(raw: dict, levels: int):
 
     cfg = _FLA_LL_MAMBA2_DEFAULTS | raw
     low, high = (_float(x) for x in cfg["dt_limit"])
-    _refuse({
+    refuse({
         "attnres_block_size": (cfg["attnres_block_size"] is not None, "ours has no attention residuals"),
         "D_has_hdim": (bool(cfg["D_has_hdim"]), "ours has one D per head"),
         "rmsnorm": (not cfg["rmsnorm"], "ours always has the gated RMSNorm"),
