@@ -151,7 +151,7 @@ def _sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor) -> dict:
     """Runtime sizes and constexprs of the chunk kernels and the reverse scan (those reading levels also
     take J = plan.num_levels)."""
     return dict(H=v.shape[1], G=q.shape[1], K=q.shape[-1], V=v.shape[-1], C=plan.chunk_size,
-                PRECISION=dot_precision(q.dtype, FP32_DOT), PLAIN=plan.plain)
+                PRECISION=dot_precision(q.dtype, FP32_DOT))
 
 
 def _gate_grad(d_gate: torch.Tensor, d_final: torch.Tensor, final: torch.Tensor,
@@ -235,7 +235,7 @@ def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Sa
         mamba2_chunk_fwd_kernel[(NC, v.shape[1])](
             q, k, v, g, lam, o, h0, buckets, decays, table.starts, table.ends, table.seqs, table.chunks, ranges[2],
             plan.scale, L=lam.shape[-1], J=plan.num_levels, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV,
-            BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, **_sizes(plan, q, v),
+            BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, PLAIN=plan.plain, **_sizes(plan, q, v),
             **launch_options(mamba2_chunk_fwd_kernel),
         )
     return _Saved(table, buckets, decays)
@@ -244,7 +244,8 @@ def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Sa
 def _chunk_sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, lam: torch.Tensor) -> dict:
     """_sizes plus L, LOG_C and the whole blocks BK, BV: what every backward chunk kernel takes."""
     BK, BV = _blocks(q, v)
-    return dict(L=lam.shape[-1], LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, **_sizes(plan, q, v))
+    return dict(L=lam.shape[-1], LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, PLAIN=plan.plain,
+                **_sizes(plan, q, v))
 
 
 def _dq_grads(q, k, v, g, lam, h0, d_o, ranges, buckets, saved: _Saved, plan: LevelScanPlan) -> tuple:
@@ -283,7 +284,8 @@ def _deposit_grads(q, g, lam, d_o, d_levels, ranges, saved: _Saved, plan: LevelS
     BKS = _scan_rows(q, plan.has_init)  # initial states: the scan multiplies for their reads
     mamba2_bwd_scan_kernel[(N, H, triton.cdiv(q.shape[-1], BKS))](
         q, g, lam, d_o, d_levels, d_buckets, *ranges, table.base, plan.scale, L=chunk["L"], J=J, LOG_C=chunk["LOG_C"],
-        BKS=BKS, BV=chunk["BV"], BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, **_sizes(plan, q, d_o),
+        BKS=BKS, BV=chunk["BV"], BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, PLAIN=plan.plain,
+        **_sizes(plan, q, d_o),
         **launch_options(mamba2_bwd_scan_kernel, BKS * chunk["BV"]),
     )
     return d_buckets

@@ -149,14 +149,15 @@ def chunk_deposit(kc, vc, Gc, Gl, PRECISION: tl.constexpr):
 def mamba2_deposit_kernel(
     k, v, g, buckets, starts, ends,
     H, G, K, V,
-    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """buckets[p] = D_p = K^T (exp(Gl - G) * V) for every kernel chunk p but its sequence's last (which
-    deposits nothing unless PLAIN; the forward scan merges D_p and overwrites the slot with the merged level).
+    deposits nothing; the forward scan merges D_p and overwrites the slot with the merged level). Not used by
+    plain calls: their forward scan forms the deposits itself.
     k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H]; buckets: [NC, H, K, V].  Grid (NC, H)."""
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
-    if PLAIN or t0 + C < tl.load(ends + tl.program_id(0)):
+    if t0 + C < tl.load(ends + tl.program_id(0)):
         kk, vv = tl.arange(0, BK), tl.arange(0, BV)
         Gc, Gl = chunk_gates(g, t, valid, h, H)
         deposit = chunk_deposit(load_tile(k, t0, r, valid, h // (H // G), G, K, kk),
