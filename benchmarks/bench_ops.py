@@ -278,6 +278,29 @@ def check_small_heads(log: Callable[[str], None], variant: str, dtypes: list[tor
             _compare_backends(log, f"small heads {variant} {dtype} T=256 B=64 H=1 K={K} V={V}", x, op, **kw)
 
 
+def check_plain(log: Callable[[str], None], variant: str, dtypes: list[torch.dtype]) -> None:
+    """The plain path (level_scales=None) vs the torch chunk path in float64 on the same rounded inputs: outputs,
+    final states and all gradients at the benchmark's shape, then GQA + varlen + one-level states at unaligned
+    positions."""
+    p = PAPER
+    gdn = variant == "gdn"
+    op, inputs, kw = ((log_linear_gated_deltanet, gdn_inputs, {"use_qk_l2norm": True}) if gdn
+                      else (log_linear_mamba2, make_inputs, {}))
+    for dtype in dtypes:
+        for T, B, H in ((8192, 2, 48), (3000, 1, 8)):
+            x = inputs(T, B, H, p["G"], p["K"], p["V"], dtype, seed=T)
+            x.pop("level_scales")
+            _compare_backends(log, f"plain {variant} {dtype} T={T} B={B} H={H} G=1 K=128 V=64", x, op, exact=True,
+                              level_scales=None, **kw)
+    for dtype in dtypes:
+        x = inputs(4000, 1, 8, 2, p["K"], p["V"], dtype, seed=5)
+        x.pop("level_scales")
+        state = FenwickState(torch.randn(3, 1, 8, p["K"], p["V"], device="cuda"), torch.tensor([100, 0, 7]))
+        _compare_backends(log, f"plain {variant} varlen+state {dtype} T=4000 H=8 G=2 K=128 V=64", x, op,
+                          exact=True, level_scales=None, initial_state=state,
+                          cu_seqlens=torch.tensor([0, 1000, 2500, 4000], device="cuda"), **kw)
+
+
 def check(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]) -> None:
     """Kernels vs the torch chunk path (fp32 compute) at benchmark sizes on the same inputs (outputs,
     states and all gradients), then a long forward (stability: finite, and vs the torch path)."""
@@ -286,15 +309,6 @@ def check(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]) ->
         for T, B, H in ((8192, 2, 48), (3000, 1, 8)):
             x = make_inputs(T, B, H, p["G"], p["K"], p["V"], dtype, seed=T)
             _compare_backends(log, f"{dtype} T={T} B={B} H={H} G=1 K=128 V=64 chunk=64", x)
-            plain = {n: t for n, t in x.items() if n != "level_scales"}
-            _compare_backends(log, f"plain {dtype} T={T} B={B} H={H} G=1 K=128 V=64 chunk=64", plain, exact=True,
-                              level_scales=None)
-    for dtype in dtypes:  # plain: GQA, varlen, one-level states at unaligned positions
-        x = make_inputs(4000, 1, 8, 2, p["K"], p["V"], dtype, seed=5)
-        state = FenwickState(torch.randn(3, 1, 8, p["K"], p["V"], device="cuda"), torch.tensor([100, 0, 7]))
-        _compare_backends(log, f"plain varlen+state {dtype} T=4000 H=8 G=2 K=128 V=64",
-                          {n: t for n, t in x.items() if n != "level_scales"}, exact=True, level_scales=None,
-                          initial_state=state, cu_seqlens=torch.tensor([0, 1000, 2500, 4000], device="cuda"))
     x = make_inputs(long_T, 1, 2, 1, 64, 64, torch.float32, seed=1)
     x["g"] = -(0.001 + 0.2 * torch.rand_like(x["g"]))
     o_ref, s_ref, _, _ = _run_backend("torch", x, None, chunk_size=512)
@@ -425,6 +439,7 @@ def main(argv: list[str] | None = None) -> None:
 
         dtypes = [getattr(torch, d) for d in args.check_dtypes]
         try:
+            check_plain(log, args.variant, dtypes)
             check_small_heads(log, args.variant, dtypes)
             if args.variant == "gdn":
                 check_gdn(log, args.long_T, dtypes)

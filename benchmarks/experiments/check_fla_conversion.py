@@ -7,6 +7,10 @@ Builds a random fla GatedDeltaNetForCausalLM, Mamba2ForCausalLM (one q/k group) 
 fla's model and ours (both on the GPU, float32: fla's chunked kernels past 64 tokens, ours on our kernels) at each
 --T. Writes <out>/convert-fla-<gpu>.{json,md} with the command, versions and date. On the CPU the same conversions
 are tested by tests/models/test_convert_fla.py (fla's kernels under the Triton interpreter).
+
+fla's Triton kernels leave the precision of their float32 dot products to Triton's default, TF32 on NVIDIA GPUs
+(about 1e-3 relative), so this script sets TRITON_F32_DEFAULT=ieee unless it is set: both models then compute in
+full float32 and the comparison measures the conversion, not TF32 rounding.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # before any kernel compiles
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -87,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     command = "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:]))
     meta = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
             "transformers": transformers.__version__, "fla": getattr(fla, "__version__", "?"),
-            "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", "command": command}
+            "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", "command": command,
+            "TRITON_F32_DEFAULT": os.environ["TRITON_F32_DEFAULT"]}
     out = Path(args.out) / f"convert-fla-{gpu}"
     write_json(out.with_suffix(".json"), {**meta, "rows": rows})
     table = markdown_table(list(rows[0]), [[r[k] if k != "relative logit error" else f"{r[k]:.2e}" for k in r]
@@ -95,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".md").write_text(
         f"# fla checkpoints converted, against fla's models ({gpu})\n\n"
         f"torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}, fla {meta['fla']}, "
-        f"{meta['date']}; `{command}`\n\n"
+        f"{meta['date']}; `{command}` (TRITON_F32_DEFAULT={meta['TRITON_F32_DEFAULT']})\n\n"
         f"{SHAPE['num_hidden_layers']} layers, hidden {SHAPE['hidden_size']}, random weights moved off their init, "
         "float32, batch 2.\n\n" + table)
     return 0
