@@ -1,11 +1,14 @@
 """Op benchmark: log-linear Mamba-2 (ours) against fla's log-linear op, fla's linear Mamba-2 and SDPA flash.
 
 Rows: loglinear (our kernels), loglinear_plain (our plain op, level_scales=None: the one-level path),
-loglinear_torch (our torch chunk path, only when named), fla_log_linear, fla_mamba2 / fla_gdn, sdpa_flash.
+loglinear_state (our kernels continuing an incoming state at position T, as a context-parallel rank does: the
+state from T tokens of the same kind, its gradient taken too), loglinear_torch (our torch chunk path, only when
+named), fla_log_linear, fla_mamba2 / fla_gdn, sdpa_flash.
 
     python benchmarks/bench_ops.py                       # paper setting, all impls, T = 2K..128K
     python benchmarks/bench_ops.py --T 4096 8192 --impls loglinear fla_mamba2
     python benchmarks/bench_ops.py --check               # also: kernels vs the torch chunk path (fp32), 2^20 tokens
+    python benchmarks/bench_ops.py --impls loglinear loglinear_state --name ops-mamba2-state   # incoming-state cost
 
 Paper setting: B = 2, 48 value heads, one q/k group, K = 128, V = 64, bf16. Forward and forward+backward
 medians (triton.testing.do_bench) and the peak memory of one forward+backward, all impls in one process
@@ -42,9 +45,11 @@ from loglinear import FenwickState, log_linear_gated_deltanet, log_linear_mamba2
 from loglinear.fenwick import levels_needed  # noqa: E402
 from loglinear.report import pyplot  # noqa: E402
 
-IMPLS = ("loglinear", "loglinear_plain", "loglinear_torch", "fla_log_linear", "fla_mamba2", "sdpa_flash")
-IMPLS_GDN = ("loglinear", "loglinear_plain", "loglinear_torch", "fla_gdn", "sdpa_flash")
-OUR_BACKENDS = {"loglinear": "triton", "loglinear_plain": "triton", "loglinear_torch": "torch"}  # -> backend=
+IMPLS = ("loglinear", "loglinear_plain", "loglinear_state", "loglinear_torch", "fla_log_linear", "fla_mamba2",
+         "sdpa_flash")
+IMPLS_GDN = ("loglinear", "loglinear_plain", "loglinear_state", "loglinear_torch", "fla_gdn", "sdpa_flash")
+OUR_BACKENDS = {"loglinear": "triton", "loglinear_plain": "triton", "loglinear_state": "triton",
+                "loglinear_torch": "torch"}  # -> backend=
 PAPER = dict(B=2, H=48, G=1, K=128, V=64)
 SHAPE = dict(PAPER)  # what measure() runs: the paper setting unless --shape
 
@@ -63,6 +68,17 @@ def make_inputs(T: int, B: int, H: int, G: int, K: int, V: int, dtype: torch.dty
     }
 
 
+def continued(x: dict, op: Callable, **kw) -> tuple[dict, FenwickState]:
+    """x as the continuation of T tokens of its own kind: the state the op leaves after x (positions T, a leaf that
+    takes a gradient) and lambda widened to the levels of positions T..2T (its top level repeated)."""
+    with torch.no_grad():
+        _, state = op(**x, output_final_state=True, **kw)
+    lam = x["level_scales"]
+    extra = levels_needed(2 * lam.shape[1]) - lam.shape[-1]
+    x = {**x, "level_scales": torch.cat([lam] + [lam[..., -1:]] * extra, -1)}
+    return x, FenwickState(state.levels.detach(), state.positions)
+
+
 def lift_fla_guard() -> None:
     """Timing only: let fla run its gated backward on Hopper with triton < 3.7.1."""
     import fla.ops.common.chunk_o as chunk_o
@@ -73,10 +89,12 @@ def lift_fla_guard() -> None:
 def build(impl: str, x: dict, H: int, G: int) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor]]:
     """The forward closure of an impl and the leaf tensors that need gradients."""
     if impl in OUR_BACKENDS:
+        x, state = continued(x, log_linear_mamba2) if impl == "loglinear_state" else (x, None)
         args = [x["q"], x["k"], x["v"], x["g"]]
         lam = x["level_scales"] if impl != "loglinear_plain" else None
         backend = OUR_BACKENDS[impl]
-        return (lambda: log_linear_mamba2(*args, lam, backend=backend)[0]), args + ([lam] if lam is not None else [])
+        return ((lambda: log_linear_mamba2(*args, lam, initial_state=state, backend=backend)[0]),
+                args + ([lam] if lam is not None else []) + ([state.levels] if state is not None else []))
     if impl == "fla_log_linear":
         from fla.ops.log_linear_attn import chunk_log_linear_attn
 
@@ -112,11 +130,14 @@ def gdn_inputs(T: int, B: int, H: int, G: int, K: int, V: int, dtype: torch.dtyp
 def build_gdn(impl: str, x: dict, H: int, G: int) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor]]:
     """build() for --variant gdn: ours, fla's linear chunk_gated_delta_rule, or SDPA flash."""
     if impl in OUR_BACKENDS:
+        x, state = continued(x, log_linear_gated_deltanet, use_qk_l2norm=True) if impl == "loglinear_state" \
+            else (x, None)
         args = [x["q"], x["k"], x["v"], x["g"], x["beta"]]
         lam = x["level_scales"] if impl != "loglinear_plain" else None
         backend = OUR_BACKENDS[impl]
-        return ((lambda: log_linear_gated_deltanet(*args, lam, use_qk_l2norm=True, backend=backend)[0]),
-                args + ([lam] if lam is not None else []))
+        return ((lambda: log_linear_gated_deltanet(*args, lam, use_qk_l2norm=True, initial_state=state,
+                                                   backend=backend)[0]),
+                args + ([lam] if lam is not None else []) + ([state.levels] if state is not None else []))
     if impl == "fla_gdn":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -187,7 +208,8 @@ def write_results(rows: list[dict], meta: dict, out: Path, variant: str = "mamba
     cell = {(r["impl"], r["T"]): r for r in rows}
     name = "log-linear Gated DeltaNet" if variant == "gdn" else "log-linear Mamba-2"
     linear = "fla_gdn" if variant == "gdn" else "fla_mamba2"
-    ratios = [("loglinear", linear), ("loglinear_plain", linear), ("loglinear", "loglinear_plain")]
+    ratios = [("loglinear", linear), ("loglinear_plain", linear), ("loglinear", "loglinear_plain"),
+              ("loglinear_state", "loglinear")]
     ratios += [("loglinear", o) for o in ("fla_log_linear", "sdpa_flash") if variant != "gdn" or o == "sdpa_flash"]
     lines = [f"# Op benchmark, {name} ({meta['gpu']})", "",
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; `{meta['command']}`", "",
@@ -235,10 +257,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _run_backend(backend: str, x: dict, cot: tuple | None, op: Callable = log_linear_mamba2, **kw) -> tuple:
-    """(o, final levels, grads, seconds) of op on one backend; cot = (d_o, d_state) cotangents or None."""
+    """(o, final levels, grads, seconds) of op on one backend; cot = (d_o, d_state) cotangents or None. An
+    initial_state in kw is a leaf too (its gradient: grads["state"])."""
     leaves = {n: t.detach().clone().requires_grad_(cot is not None) for n, t in x.items()}
+    if kw.get("initial_state") is not None:
+        state = kw["initial_state"]
+        leaves["state"] = state.levels.detach().clone().requires_grad_(cot is not None)
+        kw = {**kw, "initial_state": FenwickState(leaves["state"], state.positions)}
     t0 = time.time()
-    o, st = op(**leaves, output_final_state=True, backend=backend, **kw)
+    o, st = op(**{n: t for n, t in leaves.items() if n != "state"}, output_final_state=True, backend=backend, **kw)
     if cot is not None:
         ((o.float() * cot[0]).sum() + (st.levels * cot[1]).sum()).backward()
     torch.cuda.synchronize()
@@ -309,6 +336,9 @@ def check(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]) ->
         for T, B, H in ((8192, 2, 48), (3000, 1, 8)):
             x = make_inputs(T, B, H, p["G"], p["K"], p["V"], dtype, seed=T)
             _compare_backends(log, f"{dtype} T={T} B={B} H={H} G=1 K=128 V=64 chunk=64", x)
+            x, state = continued(x, log_linear_mamba2)
+            _compare_backends(log, f"{dtype} T={T} B={B} H={H} G=1 K=128 V=64 chunk=64 from a state at T", x,
+                              initial_state=state)
     x = make_inputs(long_T, 1, 2, 1, 64, 64, torch.float32, seed=1)
     x["g"] = -(0.001 + 0.2 * torch.rand_like(x["g"]))
     o_ref, s_ref, _, _ = _run_backend("torch", x, None, chunk_size=512)
@@ -417,6 +447,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--check-dtypes", nargs="+", default=["float32", "bfloat16"],
                     help="dtypes of the mamba2 check and of both variants' small-heads check")
     ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--name", default=None, help="result file stem (default ops-<variant>; e.g. ops-mamba2-state "
+                    "for --impls loglinear loglinear_state)")
     ap.add_argument("--profile-T", type=int, default=0, help="profile our kernels at this T (0: no)")
     ap.add_argument("--shape", type=int, nargs=5, metavar=("B", "H", "G", "K", "V"), default=None,
                     help="override the paper setting (B=2, H=48, G=1, K=128, V=64); sdpa_flash uses H x V")
@@ -468,7 +500,11 @@ def main(argv: list[str] | None = None) -> None:
         "setting": f"B={SHAPE['B']}, {SHAPE['H']} value heads, q/k groups {SHAPE['G']}, K={SHAPE['K']}, "
                    f"V={SHAPE['V']}, bf16; g = -(0.01..0.11), lambda in [0.2, 1.2]; "
                    + ("beta in [0.05, 0.95], q/k L2-normalised inside the ops; " if args.variant == "gdn" else "")
-                   + f"sdpa_flash: {SHAPE['H']} heads x {SHAPE['V']}, causal. Median of triton.testing.do_bench.",
+                   + f"sdpa_flash: {SHAPE['H']} heads x {SHAPE['V']}, causal. "
+                   + ("loglinear_state: the same call continuing the state left by T tokens of the same kind (at "
+                      "position T, as context-parallel rank 1 of 2), the state's gradient taken too. "
+                      if "loglinear_state" in args.impls else "")
+                   + "Median of triton.testing.do_bench.",
         "notes": notes,
     }
     rows = []
@@ -485,7 +521,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
             # after every row: a crash or a time limit later keeps what was measured
-            write_results(rows, meta, out_dir / f"ops-{args.variant}-{gpu}", args.variant)
+            write_results(rows, meta, out_dir / f"{args.name or 'ops-' + args.variant}-{gpu}", args.variant)
 
 
 if __name__ == "__main__":

@@ -133,11 +133,19 @@ def test_whole_state_tiles(monkeypatch):
 
 
 def test_split_state_rows_with_state(monkeypatch):
-    """The reverse scan's state cut into blocks of K rows (three, the last partly masked) with the
-    initial-state read GEMMs in every block; forward scans split along V."""
+    """The reverse scans' states cut into blocks of K rows (three, the last partly masked) with a state."""
     _no_torch_fallback(monkeypatch)
     x = mamba2_args(make_inputs(1, 45, 1, 2, 40, 24, start=21))
     _compare(x, state=_random_state(1, [21], 2, 40, 24))
+
+
+def test_initial_level_readers_in_segments(monkeypatch):
+    """The initial levels' gradients from their readers summed over several programs per level (runs of 2
+    chunks: 4 per level at most here), states at two aligned positions whose levels have 1 to 7 readers."""
+    _no_torch_fallback(monkeypatch)
+    monkeypatch.setattr(M, "INITIAL_READERS", 2)
+    x = mamba2_args(make_inputs(2, 100, 1, 2, 8, 5, start=64))
+    _compare(x, state=_random_state(2, [64, 48], 2, 8, 5))
 
 
 @pytest.mark.parametrize("positions", [[32, 48], [5, 64], [0, 3], [16, 1]])

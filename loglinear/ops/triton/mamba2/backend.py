@@ -40,7 +40,7 @@ from loglinear.ops.torch_chunk import carry_past, chunk_scan
 from loglinear.ops.triton.mamba2.bwd import mamba2_bwd_scan_kernel
 from loglinear.ops.triton.mamba2.chunk import (
     mamba2_chunk_bwd_dkv_kernel, mamba2_chunk_bwd_dq_kernel, mamba2_chunk_fwd_kernel, mamba2_deposit_kernel,
-    mamba2_level_grad_kernel,
+    mamba2_initial_grad_kernel, mamba2_level_grad_kernel,
 )
 from loglinear.ops.triton.mamba2.fwd import mamba2_fwd_kernel
 from loglinear.ops.triton.shared.common import MAX_CHUNK_LEVELS, alloc, group_sum, interpreting, next_pow2
@@ -56,7 +56,8 @@ __all__ = ["supports", "backend", "LevelScanPlan"]
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP32_DOT = "ieee"  # fp32 products exact (shared.rules.dot_precision)
 MAX_CHUNK = 64  # the kernels' chunk cap (shared.rules.kernel_chunk_size): tiles fit sm_90's shared memory
-SCAN_ROWS = 16  # K rows per program of the reverse scan when its tile may be split
+SCAN_ROWS = 16  # K rows per program of a scan whose state tile may be split
+INITIAL_READERS = 256  # reader chunks per program of the initial levels' gradient (fewer: more segments)
 
 
 @dataclass
@@ -141,8 +142,8 @@ def _blocks(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
 
 def _scan_rows(q: torch.Tensor, multiplies: bool) -> int:
     """A scan's block of K rows: SCAN_ROWS (a chain that multiplies no tiles: many small programs over
-    contiguous rows of the [K, V] states), or all of K for one that multiplies tiles (the reverse scan's
-    reads of initial states) where they must stay whole (_splits)."""
+    contiguous rows of the [K, V] states), or all of K for one that multiplies tiles (the plain forward scan's
+    deposits) where they must stay whole (_splits)."""
     BK = next_pow2(q.shape[-1])
     return BK if multiplies and not _splits(q.dtype) else min(SCAN_ROWS, BK)
 
@@ -269,10 +270,24 @@ def _dq_grads(q, k, v, g, lam, h0, d_o, ranges, buckets, saved: _Saved, plan: Le
     return _group_grad(dq, q.shape[1], plan), dlam, qdq
 
 
+def _initial_read_grads(q, g, lam, d_o, ranges, saved: _Saved, plan: LevelScanPlan) -> torch.Tensor:
+    """The initial levels' gradients from their readers (mamba2_initial_grad_kernel): each level's readers cut
+    into S runs of about INITIAL_READERS chunks, summed here. -> [N, J, H, K, V] fp32."""
+    (N, H), J, table = (len(plan.bos), d_o.shape[1]), plan.num_levels, saved.table
+    chunks = max(triton.cdiv(b - a, plan.chunk_size) for a, b in zip(plan.bos, plan.eos))
+    S = max(1, triton.cdiv(chunks, INITIAL_READERS))
+    d_init = alloc((S, N, J, H, q.shape[-1], d_o.shape[-1]), torch.float32, q.device)
+    mamba2_initial_grad_kernel[(S * N * J, H)](
+        q, g, lam, d_o, saved.decays, *ranges, table.base, d_init, plan.scale, N=N, S=S, J=J,
+        **_chunk_sizes(plan, q, d_o, lam), **launch_options(mamba2_initial_grad_kernel),
+    )
+    return d_init.sum(0) if S > 1 else d_init[0]
+
+
 def _deposit_grads(q, g, lam, d_o, d_levels, ranges, saved: _Saved, plan: LevelScanPlan) -> torch.Tensor:
     """The merged levels' gradients dB from their readers (mamba2_level_grad_kernel), then the reverse scan
     turning them into the deposits' gradients dD, in place (d_levels: the final levels' gradient in, the
-    initial ones' out). -> dD [NC, H, K, V] (q's dtype)."""
+    initial ones' out, with their readers' terms added). -> dD [NC, H, K, V] (q's dtype)."""
     (N, H), table, J = (len(plan.bos), d_o.shape[1]), saved.table, plan.num_levels
     NC, chunk = table.starts.numel(), _chunk_sizes(plan, q, d_o, lam)
     d_buckets = alloc((NC, H, q.shape[-1], d_o.shape[-1]), q.dtype, q.device)
@@ -281,13 +296,14 @@ def _deposit_grads(q, g, lam, d_o, d_levels, ranges, saved: _Saved, plan: LevelS
             q, g, lam, d_o, saved.decays, table.starts, table.ends, table.chunks, table.by_level, d_buckets,
             plan.scale, J=J, BJ=MAX_CHUNK_LEVELS, **chunk, **launch_options(mamba2_level_grad_kernel),
         )
-    BKS = _scan_rows(q, plan.has_init)  # initial states: the scan multiplies for their reads
+    BKS = _scan_rows(q, False)
     mamba2_bwd_scan_kernel[(N, H, triton.cdiv(q.shape[-1], BKS))](
-        q, g, lam, d_o, d_levels, d_buckets, *ranges, table.base, plan.scale, L=chunk["L"], J=J, LOG_C=chunk["LOG_C"],
+        g, d_levels, d_buckets, *ranges, table.base, H=H, K=q.shape[-1], V=d_o.shape[-1], J=J, C=plan.chunk_size,
         BKS=BKS, BV=chunk["BV"], BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, PLAIN=plan.plain,
-        **_sizes(plan, q, d_o),
         **launch_options(mamba2_bwd_scan_kernel, BKS * chunk["BV"]),
     )
+    if plan.has_init and NC:
+        d_levels += _initial_read_grads(q, g, lam, d_o, ranges, saved, plan)
     return d_buckets
 
 

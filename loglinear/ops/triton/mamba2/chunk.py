@@ -51,7 +51,10 @@ sequence), so
 
 (mamba2_level_grad_kernel, one program per (chunk e, head) looping over its readers, pipelined; the
 chunks with the highest m, the longest loops, launch first); the reverse scan (bwd.py) turns
-them into the deposits' gradients dD.
+them into the deposits' gradients dD. The initial levels' gradients from their readers are the same sums:
+level j of a sequence starting at chunk c0 is read, as initial state, by the chunks c0 .. ((c0 >> j) + 1) 2^j - 1
+(levels.level_source kind 2), with exp(decay_j) its decay since c0 (mamba2_initial_grad_kernel, the readers cut
+into segments whose sums the backend adds).
 
 PLAIN (plain Mamba-2 / SSD: lambda = 1, one chunk level, shared/levels.py): the same kernels with lambda's
 loads and dlambda compiled out; chunk i reads the state after chunk i - 1 (or the initial state), the last
@@ -65,7 +68,7 @@ import triton.language as tl
 from loglinear.ops.triton.shared.intra import (
     chunk_gates, intra_levels, intra_output, intra_score_grads, intra_scores, level_sums, level_weights,
 )
-from loglinear.ops.triton.shared.levels import bucket_levels, level_source, merge_target, nth_level
+from loglinear.ops.triton.shared.levels import bucket_levels, level_source, merge_target, nth_level, sequence_range
 from loglinear.ops.triton.shared.tiles import level_column, load_tile, store_column, store_tile
 
 CHUNK_RUNTIME_ARGS = ["H", "G", "L", "J"]
@@ -304,6 +307,26 @@ def mamba2_chunk_bwd_dkv_kernel(
     tl.store(kdk + t * H + h, tl.sum(d_k * kc.to(tl.float32), 1), mask=valid)
 
 
+@triton.jit
+def reader_grads(q, g, lam, do, decays, row0, first, lo, hi, end, h, H, G, K, V, L, J, j, scale, r, kk, vv,
+                 C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 PRECISION: tl.constexpr, PLAIN: tl.constexpr):
+    """The gradient of one stored level j from its readers d = lo .. hi - 1, the chunks at kernel rows row0 + d
+    (tokens first + d C, clipped at end): sum_d exp(decay_{row0+d, j}) Q_d^T (scale * lambda_d[c+1+j] * exp(G_d)
+    * dO_d), pipelined over d.  -> [BK, BV] fp32."""
+    acc = tl.zeros([BK, BV], dtype=tl.float32)
+    for d in range(lo, hi):
+        t0 = first + d * C
+        valid = t0 + r < end
+        qc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk)
+        doc = load_tile(do, t0, r, valid, h, H, V, vv)
+        Gc, _ = chunk_gates(g, t0 + r, valid, h, H)
+        to_now = level_decay(decays, (row0 + d).to(tl.int64), h, H, J, j, PLAIN)
+        w = level_column(lam, t0 + r, valid, h, H, L, LOG_C + 1 + j, PLAIN) * tl.exp(Gc) * (scale * to_now)
+        acc += tl.dot(tl.trans(qc), (doc.to(tl.float32) * w[:, None]).to(doc.dtype), input_precision=PRECISION)
+    return acc
+
+
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
 def mamba2_level_grad_kernel(
     q, g, lam, do, decays, starts, ends, chunks, by_level, d_buckets, scale,
@@ -321,16 +344,32 @@ def mamba2_level_grad_kernel(
     end = tl.load(ends + p).to(tl.int64)
     m = merge_target(tl.load(chunks + p).to(tl.int64), tl.arange(0, BJ), BJ, PLAIN)
     readers = tl.minimum(1 << m, tl.cdiv(end - first, C) - 1)
-    acc = tl.zeros([BK, BV], dtype=tl.float32)
-    for d in range(1, readers + 1):
-        t0 = first + d * C
-        valid = t0 + r < end
-        qc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk)
-        doc = load_tile(do, t0, r, valid, h, H, V, vv)
-        Gc, _ = chunk_gates(g, t0 + r, valid, h, H)
-        to_now = level_decay(decays, (p + d).to(tl.int64), h, H, J, m, PLAIN)
-        w = level_column(lam, t0 + r, valid, h, H, L, LOG_C + 1 + m, PLAIN) * tl.exp(Gc) * (scale * to_now)
-        acc += tl.dot(tl.trans(qc), (doc.to(tl.float32) * w[:, None]).to(doc.dtype), input_precision=PRECISION)
+    acc = reader_grads(q, g, lam, do, decays, p, first, 1, readers + 1, end, h, H, G, K, V, L, J, m, scale, r, kk, vv,
+                       C, LOG_C, BK, BV, PRECISION, PLAIN)
     offs = kk[:, None] * V + vv[None, :]
     tl.store(d_buckets + (p.to(tl.int64) * H + h) * K * V + offs, acc.to(d_buckets.dtype.element_ty),
              mask=(kk[:, None] < K) & (vv[None, :] < V))
+
+
+@triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS + ["N", "S"])
+def mamba2_initial_grad_kernel(
+    q, g, lam, do, decays, bos_ptr, eos_ptr, chunk0_ptr, base_ptr, d_init, scale,
+    N, S, H, G, K, V, L, J,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr, PLAIN: tl.constexpr,
+):
+    """The initial levels' gradients from their readers, in S segments: d_init [S, N, J, H, K, V] fp32 out, segment
+    s of the readers of level j of sequence n (the chunks c0 .. ((c0 >> j) + 1) 2^j - 1 of the sequence, cut into S
+    equal runs; 0 where a run is empty). PLAIN: one level, read by the sequence's first chunk. Other arguments as
+    the scans (bos, eos, chunk0, base [N]) and mamba2_chunk_bwd_dq_kernel. Grid (S * N * J, H)."""
+    pid, h = tl.program_id(0), tl.program_id(1)
+    s, n, j = pid // (N * J), (pid // J) % N, pid % J
+    bos, eos, c0, base = sequence_range(n, bos_ptr, eos_ptr, chunk0_ptr, base_ptr)
+    readers = tl.minimum((((c0 >> j) + 1) << j) - c0, tl.cdiv(eos - bos, C))
+    run = tl.cdiv(readers, S)
+    lo = tl.minimum(s * run, readers)
+    r, kk, vv = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV)
+    acc = reader_grads(q, g, lam, do, decays, base, bos, lo, tl.minimum(lo + run, readers), eos, h, H, G, K, V, L, J,
+                       j, scale, r, kk, vv, C, LOG_C, BK, BV, PRECISION, PLAIN)
+    offs = kk[:, None] * V + vv[None, :]
+    tl.store(d_init + ((pid.to(tl.int64) * H + h) * K * V) + offs, acc, mask=(kk[:, None] < K) & (vv[None, :] < V))

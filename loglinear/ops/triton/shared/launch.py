@@ -46,6 +46,7 @@ LAUNCH: dict[str, Launch] = {
     "mamba2_chunk_fwd_kernel": Launch(4, 2),
     "mamba2_chunk_bwd_dq_kernel": Launch(4, 2),
     "mamba2_level_grad_kernel": Launch(4, 3),
+    "mamba2_initial_grad_kernel": Launch(4, 3),
     "mamba2_bwd_scan_kernel": Launch(4, 2, wide_warps=8),
     "mamba2_chunk_bwd_dkv_kernel": Launch(4, 1),
     # Gated DeltaNet, chunk-local stage
