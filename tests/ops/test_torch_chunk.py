@@ -85,3 +85,16 @@ def test_suffix_sum_sums_from_each_position_to_the_end(shape, dim):
     n = x.shape[dim]
     want = torch.stack([x.narrow(dim, t, n - t).sum(dim) for t in range(n)], dim)
     torch.testing.assert_close(suffix_sum(x, dim), want, rtol=1e-12, atol=1e-12)
+
+
+def test_carry_past_is_the_fenwick_carry():
+    """carry_past (host-side position, slices) = fenwick.carry, widening the levels when the target is past them."""
+    from loglinear.fenwick import carry
+    from loglinear.ops.torch_chunk import carry_past
+
+    for position in (1, 2, 6, 8, 12, 64, 96):
+        levels = torch.randn(2, 5, 3, 4, 2, dtype=torch.float64)
+        got = carry_past(levels, position)
+        wide = torch.nn.functional.pad(levels, (0, 0, 0, 0, 0, 0, 0, got.shape[1] - 5))
+        assert got.shape[1] == max(5, (position & -position).bit_length() + 1)
+        torch.testing.assert_close(got, carry(wide, torch.full((2,), position)), rtol=1e-12, atol=1e-12)

@@ -148,6 +148,16 @@ def test_initial_level_readers_in_segments(monkeypatch):
     _compare(x, state=_random_state(2, [64, 48], 2, 8, 5))
 
 
+def test_empty_initial_levels(monkeypatch):
+    """All-zero levels of a state (a state a call leaves holds only its position's bits) are skipped by the
+    readouts: outputs, dlambda columns (written as 0) and the state's gradient (every level's) still exact."""
+    _no_torch_fallback(monkeypatch)
+    state = _random_state(2, [64, 48], 2, 8, 5)
+    state.levels[0, 5] = 0  # chunk level 0 of sequence 0 (16-token chunks: token level 5)
+    state.levels[1, 6:] = 0  # sequence 1: every chunk level above 0
+    _compare(mamba2_args(make_inputs(2, 100, 1, 2, 8, 5, start=64)), state=state)
+
+
 @pytest.mark.parametrize("positions", [[32, 48], [5, 64], [0, 3], [16, 1]])
 def test_continuation_from_state(positions):
     """States at aligned and unaligned positions (also 0), junk in every level; gradients reach the state."""

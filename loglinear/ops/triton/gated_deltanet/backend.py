@@ -101,9 +101,9 @@ def _incoming_state(
         # The first chunk's cascade moves its transitioned buckets into chunk level m0. Seeding h_m0
         # with them instead is the same, except that chunk 0 would also read them at level c+1+m0:
         # take that read off the weights.
-        m0 = int(carry_target(c0 + 1)) - 1
+        m0 = ((c0 + 1) & -(c0 + 1)).bit_length() - 1  # ctz(c0 + 1)
         weights = weights - level_scales_at(lc[:, :, 0], torch.full((C, 1), c + 1 + m0, device=levels.device))
-        h0 = h0 + torch.nn.functional.one_hot(torch.tensor(m0), J).to(h0)[:, None, None] * partial.sum(2, True)
+        h0 = torch.cat([h0[:, :, :m0], h0[:, :, m0 : m0 + 1] + partial.sum(2, True), h0[:, :, m0 + 1 :]], 2)
     qt0 = qt.view(b, H, N, C, K)[:, :, 0].float()
     o_intra.view(b, H, N, C, V)[:, :, 0] += torch.einsum("bhtm,bhtk,bhmkv->bhtv", weights.float(), qt0, partial)
     return partial, h0.reshape(b * H, J, K, V)

@@ -226,6 +226,15 @@ class _Saved:
         return buckets
 
 
+def _initial_reads(h0: torch.Tensor, q: torch.Tensor, plan: LevelScanPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the chunk kernels read of the initial states h0 [N, J, H, K, V] fp32: h0 in q's dtype (their readouts
+    round every level to it, so the same products) and held [N, J] int8, 0 for an all-zero level, which they skip
+    (a state a call leaves holds only its position's levels). Without states: h0 and h0 (never read)."""
+    if not plan.has_init:
+        return h0, h0
+    return h0.to(q.dtype).contiguous(), h0.ne(0).flatten(2).any(2).to(torch.int8)
+
+
 def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Saved:
     """The deposits and the chunk-level scan (levels in/out), then the chunk kernel writing o."""
     BK, BV = _blocks(q, v)
@@ -234,8 +243,9 @@ def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Sa
     NC = table.starts.numel()
     if NC:
         mamba2_chunk_fwd_kernel[(NC, v.shape[1])](
-            q, k, v, g, lam, o, h0, buckets, decays, table.starts, table.ends, table.seqs, table.chunks, ranges[2],
-            plan.scale, L=lam.shape[-1], J=plan.num_levels, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV,
+            q, k, v, g, lam, o, *_initial_reads(h0, q, plan), buckets, decays, table.starts, table.ends, table.seqs,
+            table.chunks, ranges[2], plan.scale, L=lam.shape[-1], J=plan.num_levels, LOG_C=chunk_bits(plan.chunk_size),
+            BK=BK, BV=BV,
             BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, PLAIN=plan.plain, **_sizes(plan, q, v),
             **launch_options(mamba2_chunk_fwd_kernel),
         )
@@ -259,8 +269,9 @@ def _dq_grads(q, k, v, g, lam, h0, d_o, ranges, buckets, saved: _Saved, plan: Le
     qdq = alloc((tokens, H), torch.float32, q.device)
     if table.starts.numel():
         mamba2_chunk_bwd_dq_kernel[(table.starts.numel(), H)](
-            q, k, v, g, lam, d_o, h0, buckets, saved.decays, table.starts, table.ends, table.seqs, table.chunks,
-            ranges[2], plan.scale, dq, dlam, qdq, BL=next_pow2(L, minimum=32), BJ=MAX_CHUNK_LEVELS,
+            q, k, v, g, lam, d_o, *_initial_reads(h0, q, plan), buckets, saved.decays, table.starts, table.ends,
+            table.seqs, table.chunks, ranges[2], plan.scale, dq, dlam, qdq, BL=next_pow2(L, minimum=32),
+            BJ=MAX_CHUNK_LEVELS,
             J=plan.num_levels, HAS_INIT=plan.has_init, **_chunk_sizes(plan, q, v, lam),
             **launch_options(mamba2_chunk_bwd_dq_kernel),
         )

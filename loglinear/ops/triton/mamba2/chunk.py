@@ -106,8 +106,8 @@ def read_bucket(buckets, decays, h, H, J, K, V, chunk, c0, j, offs, mask, PLAIN:
 
 @triton.jit
 def read_initial(h0, decays, n, h, H, J, K, V, j, offs, mask, PLAIN: tl.constexpr):
-    """Level j as this chunk reads it from the initial states h0 [N, J, H, K, V] fp32 (level_source kind 2),
-    before its decay: [BK, BV] fp32; and exp(decay_j) (scalar)."""
+    """Level j as this chunk reads it from the initial states h0 [N, J, H, K, V] (level_source kind 2; in the
+    operand dtype, as the readouts round every level), before its decay: [BK, BV]; and exp(decay_j) (scalar)."""
     p = tl.program_id(0).to(tl.int64)
     state = tl.load(h0 + ((n * J + j) * H + h) * K * V + offs, mask=mask, other=0.0)
     return state, level_decay(decays, p, h, H, J, j, PLAIN)
@@ -171,14 +171,15 @@ def mamba2_deposit_kernel(
 
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
 def mamba2_chunk_fwd_kernel(
-    q, k, v, g, lam, o, h0, buckets, decays, starts, ends, seqs, chunks, chunk0, scale,
+    q, k, v, g, lam, o, h0, h0_held, buckets, decays, starts, ends, seqs, chunks, chunk0, scale,
     H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
     HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
 ):
     """q, k: [tokens, G, K]; v, o: [tokens, H, V]; g: [tokens, H]; lam: [tokens, H, L] (not read when PLAIN);
-    h0: [N, J, H, K, V] fp32; buckets: [NC, H, K, V], decays: [NC, H, J] fp32 (the forward scan's);
-    starts, ends, seqs, chunks: [NC] int32 (the chunk table), chunk0: [N].  Grid (NC, H)."""
+    h0: [N, J, H, K, V] (q's dtype), h0_held: [N, J] int8, 0 where a level of h0 is all zeros (not read: it adds
+    nothing); buckets: [NC, H, K, V], decays: [NC, H, J] fp32 (the forward scan's); starts, ends, seqs, chunks:
+    [NC] int32 (the chunk table), chunk0: [N].  Grid (NC, H)."""
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
     n, chunk, c0 = chunk_position(seqs, chunks, chunk0)
@@ -196,7 +197,7 @@ def mamba2_chunk_fwd_kernel(
         read += readout(qc, state, to_now, lam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION, PLAIN)
     if HAS_INIT:
         for j in range(J):
-            if level_source(chunk, c0, j, True, PLAIN)[0] == 2:
+            if (level_source(chunk, c0, j, True, PLAIN)[0] == 2) & (tl.load(h0_held + n * J + j) != 0):
                 state, to_now = read_initial(h0, decays, n, h, H, J, K, V, j, offs, lmask, PLAIN)
                 read += readout(qc, state, to_now, lam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION, PLAIN)
     acc = intra_output(qc, kc, vc, Gc, lam, t, valid, h, H, L, intra_levels(r, LOG_C), r[:, None] >= r[None, :],
@@ -224,7 +225,7 @@ def intra_grad_blocks(qc, kc, vc, doc, Gc, lam, t, valid, h, H, L, lev, causal, 
 
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
 def mamba2_chunk_bwd_dq_kernel(
-    q, k, v, g, lam, do, h0, buckets, decays, starts, ends, seqs, chunks, chunk0, scale,
+    q, k, v, g, lam, do, h0, h0_held, buckets, decays, starts, ends, seqs, chunks, chunk0, scale,
     dq, dlam, qdq,
     H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
@@ -262,9 +263,12 @@ def mamba2_chunk_bwd_dq_kernel(
     if HAS_INIT:
         for j in range(J):
             if level_source(chunk, c0, j, True, PLAIN)[0] == 2:
-                state, to_now = read_initial(h0, decays, n, h, H, J, K, V, j, offs, lmask, PLAIN)
-                d_q += readout_grad(doc, qc, state, to_now, row_scale, lam, dlam, t, valid, h, H, L, LOG_C + 1 + j,
-                                    PRECISION, PLAIN)
+                if tl.load(h0_held + n * J + j) != 0:
+                    state, to_now = read_initial(h0, decays, n, h, H, J, K, V, j, offs, lmask, PLAIN)
+                    d_q += readout_grad(doc, qc, state, to_now, row_scale, lam, dlam, t, valid, h, H, L,
+                                        LOG_C + 1 + j, PRECISION, PLAIN)
+                elif not PLAIN:  # an empty level: its lambda column's gradient is 0
+                    store_column(dlam, tl.zeros([C], dtype=tl.float32), t, valid, h, H, L, LOG_C + 1 + j)
     store_tile(dq, d_q, t0, r, valid, h, H, K, kk)
     tl.store(qdq + t * H + h, tl.sum(d_q * qc.to(tl.float32), 1), mask=valid)
 
