@@ -1,8 +1,8 @@
 """Compile the log-linear kernels for sm_90 on any machine (no GPU) and report what ptxas says: shared memory,
 registers, stack, spills, per kernel at the op's block and launch choices.
 
-    PYTHONPATH=/path/to/triton36 python benchmarks/profiling/compile_sm90.py mamba2       # bf16, whole tiles
-    python benchmarks/profiling/compile_sm90.py mamba2 --dtype fp32 --split                # the fp32 tiling
+    PYTHONPATH=/path/to/triton36 python benchmarks/profiling/compile_sm90.py mamba2       # bf16
+    python benchmarks/profiling/compile_sm90.py mamba2 --dtype fp32 --has-init --plain     # fp32, plain + states
     python benchmarks/profiling/compile_sm90.py gdn                # bf16, K = 128, V = 64, the op's block choices
     python benchmarks/profiling/compile_sm90.py gdn --dtype fp32 --K 256
     python benchmarks/profiling/compile_sm90.py gdn --l2norm       # the chunk-local kernels normalising q/k rows
@@ -74,38 +74,42 @@ def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: in
 
 def signature(names: str, ptr: str, **special: str) -> dict:
     """Every name a pointer of type ptr unless given in special (runtime ints default to i32)."""
-    return {n: special.get(n, "i32" if n in ("H", "G", "K", "V", "L", "J", "tokens") else ptr) for n in names.split()}
+    ints = ("H", "G", "K", "V", "L", "J", "N", "S", "tokens")
+    return {n: special.get(n, "i32" if n in ints else ptr) for n in names.split()}
 
 
 def mamba2_reports(args: argparse.Namespace) -> list[str]:
-    """The Mamba-2 kernels as the op launches them (fwd scan, chunk kernels, reverse scan)."""
-    P, f32, i32 = "*" + args.dtype, "*fp32", "*i32"
-    prec = dot_precision(DTYPES[args.dtype], mamba2.FP32_DOT)
+    """The Mamba-2 kernels as the op launches them (fwd scan, chunk kernels, reverse scan, the initial levels'
+    gradient)."""
+    dtype, P, f32, i32 = DTYPES[args.dtype], "*" + args.dtype, "*fp32", "*i32"
+    prec = dot_precision(dtype, mamba2.FP32_DOT)
     BK, BV, C = triton.next_power_of_2(args.K), triton.next_power_of_2(args.V), 64
-    rows = BK if args.has_init and not args.split else mamba2.SCAN_ROWS  # the reverse scan's (_scan_rows)
-    print(f"triton {triton.__version__}, mamba2, {args.dtype}, K={args.K}, V={args.V}, C={C}, split={args.split}, "
+    fwd_rows = BK if args.plain and dtype != torch.float32 else mamba2.SCAN_ROWS  # _scan_rows(k, plan.plain)
+    print(f"triton {triton.__version__}, mamba2, {args.dtype}, K={args.K}, V={args.V}, C={C}, plain={args.plain}, "
           f"has_init={args.has_init}, {prec}")
-    base = dict(C=C, LOG_C=6, BK=BK, BV=BV, PRECISION=prec, HAS_INIT=args.has_init)
+    base = dict(C=C, LOG_C=6, BK=BK, BV=BV, PRECISION=prec, HAS_INIT=args.has_init, PLAIN=args.plain)
     ints = dict(K=args.K, V=args.V)
     ptrs = dict(g=f32, lam=P, scale="fp32", starts=i32, ends=i32, bos_ptr=i32, eos_ptr=i32, chunk0_ptr=i32)
 
     scan_const = dict(base, BJ=MAX_CHUNK_LEVELS)
-    bufs = dict(levels=f32, buckets=P, decays=f32, h0=f32, dq=P, dk=P, dv=P, dlam=P, qdq=f32, kdk=f32,
-                d_levels=f32, d_buckets=P, d_deposits=P, chunks=i32, by_level=i32, seqs=i32, chunk0=i32, base_ptr=i32)
-    chunk = "q k v g lam {} h0 buckets decays starts ends seqs chunks chunk0 scale {}H G K V L J"
+    bufs = dict(levels=f32, buckets=P, decays=f32, h0=P, h0_held="*i8", dq=P, dk=P, dv=P, dlam=P, qdq=f32, kdk=f32,
+                d_levels=f32, d_buckets=P, d_deposits=P, d_init=f32, chunks=i32, by_level=i32, seqs=i32, chunk0=i32,
+                base_ptr=i32)
+    chunk = "q k v g lam {} h0 h0_held buckets decays starts ends seqs chunks chunk0 scale {}H G K V L J"
     kernels = [  # (kernel, its arguments, constexprs, state tile of one program: launch_options)
         (mamba2_chunk.mamba2_deposit_kernel, "k v g buckets starts ends H G K V", base, 0),
-        (mamba2_fwd.mamba2_fwd_kernel, "g levels buckets decays bos_ptr eos_ptr chunk0_ptr base_ptr H K V J",
-         dict(scan_const, BKS=mamba2.SCAN_ROWS), mamba2.SCAN_ROWS * BV),
+        (mamba2_fwd.mamba2_fwd_kernel, "k v g levels buckets decays bos_ptr eos_ptr chunk0_ptr base_ptr H G K V J",
+         dict(scan_const, BKS=fwd_rows), fwd_rows * BV),
         (mamba2_chunk.mamba2_chunk_fwd_kernel, chunk.format("o", ""), dict(base, BJ=MAX_CHUNK_LEVELS), 0),
         (mamba2_chunk.mamba2_chunk_bwd_dq_kernel, chunk.format("do", "dq dlam qdq "),
          dict(base, BL=32, BJ=MAX_CHUNK_LEVELS), 0),
         (mamba2_chunk.mamba2_level_grad_kernel,
          "q g lam do decays starts ends chunks by_level d_buckets scale H G K V L J",
          dict(base, BJ=MAX_CHUNK_LEVELS), 0),
-        (mamba2_bwd.mamba2_bwd_scan_kernel,
-         "q g lam do d_levels d_buckets bos_ptr eos_ptr chunk0_ptr base_ptr scale H G K V L J",
-         dict(scan_const, BKS=rows), rows * BV),
+        (mamba2_chunk.mamba2_initial_grad_kernel,
+         "q g lam do decays bos_ptr eos_ptr chunk0_ptr base_ptr d_init scale N S H G K V L J", base, 0),
+        (mamba2_bwd.mamba2_bwd_scan_kernel, "g d_levels d_buckets bos_ptr eos_ptr chunk0_ptr base_ptr H K V J",
+         dict(scan_const, BKS=mamba2.SCAN_ROWS), mamba2.SCAN_ROWS * BV),
         (mamba2_chunk.mamba2_chunk_bwd_dkv_kernel, "q k v g lam do d_deposits starts ends scale dk dv kdk H G K V L",
          base, 0),
     ]
@@ -190,9 +194,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=DTYPES, default="bf16")
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--V", type=int, default=64)
-    ap.add_argument("--split", action="store_true",
-                    help="mamba2: split the reverse scan's tiles into K rows also with initial states (fp32's tiling)")
     ap.add_argument("--has-init", action="store_true", help="mamba2: the variant for calls with initial states")
+    ap.add_argument("--plain", action="store_true", help="mamba2: the plain path's variant (level_scales=None)")
     ap.add_argument("--l2norm", action="store_true", help="gdn: the chunk-local kernels with NORM (use_qk_l2norm)")
     args = ap.parse_args()
     for line in (mamba2_reports if args.variant == "mamba2" else gdn_reports)(args):
