@@ -15,7 +15,7 @@ from loglinear.variants import GATED_DELTANET, MAMBA2
 
 STEPS = {
     "torch": D.decode_step_torch,
-    "triton": lambda variant, *args, **kw: decode_backend(variant is GATED_DELTANET)(variant, *args, **kw),
+    "triton": decode_backend,
 }
 
 

@@ -237,3 +237,24 @@ def test_bad_gate_shapes():
     with pytest.raises(ValueError, match=r"g must be \[N, H, K\] = \[2, 2, 4\]"):
         decode_step("gla", tok["q"], tok["k"], tok["v"], {"g": tok["g"][:, :1]}, tok["level_scales"], levels,
                     torch.tensor([0, 0]), 0.5)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fenwick", [True, False])
+def test_fused_decode_step_is_the_torch_step(fenwick):
+    """The fused kernel's per-channel transition (Triton interpreter on CPU) = the PyTorch step: G < H, rows at
+    different positions (carries of 0, 1 and 3 levels, and position 0), fast-forgetting channels; the plain step
+    too. decode_step picks the kernel on the triton backend."""
+    N, G, H, K, V = 4, 1, 2, 8, 5
+    gen = torch.Generator().manual_seed(23)
+    kw = dict(dtype=torch.float64, generator=gen)
+    q, k, v = torch.randn(N, G, K, **kw), torch.randn(N, G, K, **kw), torch.randn(N, H, V, **kw)
+    g = GLA.sample_gates(N, 1, H, K, **kw)["g"][:, 0]  # [N, H, K]
+    positions = torch.tensor([5, 8, 0, 13])
+    L = levels_needed(14) if fenwick else 1
+    levels, lam = torch.randn(N, L, H, K, V, **kw), 0.2 + torch.rand(N, H, L, **kw)
+    args = (q, k, v, {"g": g}, lam if fenwick else None, levels, positions, 0.5)
+    o, new = decode_step("gla", *args, fenwick=fenwick, backend="triton")
+    o_ref, new_ref = decode_step("gla", *args, fenwick=fenwick, backend="torch")
+    assert_close(o, o_ref, 1e-12, "o")
+    assert_close(new, new_ref, 1e-12, "levels")

@@ -2,10 +2,11 @@
 
 Layout: shared/ (launch config, tiles, numeric rules, head padding, device tables, the Fenwick level
 cascade and in-chunk helpers), mamba2/ and gated_deltanet/ (one stage per file, composed in backend.py),
-decode.py (the fused one-token step of both variants).
+decode.py (the fused one-token step of every variant). GLA has the fused step only: its chunked calls run the
+torch chunk path.
 """
 
-from loglinear.ops.backends import Backend, register_backend
+from loglinear.ops.backends import Backend, register_backend, torch_chunk_backend
 
 try:
     import triton  # noqa: F401
@@ -17,8 +18,7 @@ if triton is not None:
     from loglinear.ops.triton.gated_deltanet import backend as gated_deltanet
     from loglinear.ops.triton.mamba2 import backend as mamba2
 
-    register_backend("mamba2", "triton", Backend(mamba2.backend, mamba2.supports, decode_backend(delta_rule=False),
-                                                plain=True))
+    register_backend("mamba2", "triton", Backend(mamba2.backend, mamba2.supports, decode_backend, plain=True))
     register_backend("gated_deltanet", "triton",
-                     Backend(gated_deltanet.backend, gated_deltanet.supports, decode_backend(delta_rule=True),
-                             plain=True))
+                     Backend(gated_deltanet.backend, gated_deltanet.supports, decode_backend, plain=True))
+    register_backend("gla", "triton", Backend(torch_chunk_backend, decode=decode_backend))

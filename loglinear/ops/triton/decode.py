@@ -7,6 +7,7 @@ also under the delta rule). For the token at absolute position p (spec section 4
     carry       2^l | p            (l <= ctz p):  acc += S_l,  S_l <- 0
                 l == ctz(p) + 1:                  S_l <- S_l + acc
     transition  Mamba-2:  S_l <- exp(g) S_l
+                GLA:      S_l <- diag(exp(g)) S_l                          g per key channel (PER_CHANNEL)
                 GDN:      S_l <- exp(g) (S_l - beta k (k^T S_l))          rank-1, O(K BV)
     deposit     S_0 <- S_0 + beta k v^T                                    (beta = 1 for Mamba-2)
     readout     o <- o + lambda_l S_l^T q,   finally o <- scale o
@@ -18,7 +19,6 @@ The state is read and written once: the step is bound by L * K * V * 4 bytes per
 
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
 import triton
@@ -34,8 +34,8 @@ __all__ = ["fused_decode_step", "decode_backend"]
 def _decode_step_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, lam_ptr, s_in_ptr, s_out_ptr, pos_ptr, o_ptr,
     scale, H, G, K, V, L, lam_sn, lam_sh,
-    BK: tl.constexpr, BV: tl.constexpr, FENWICK: tl.constexpr, HAS_BETA: tl.constexpr, L2NORM: tl.constexpr,
-    ACC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, FENWICK: tl.constexpr, HAS_BETA: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    L2NORM: tl.constexpr, ACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n = pid // H
@@ -53,7 +53,10 @@ def _decode_step_kernel(
         q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
         k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
     v = tl.load(v_ptr + (n * H + h) * V + rv, mask=mv, other=0.0).to(ACC)
-    decay = tl.exp(tl.load(g_ptr + n * H + h).to(ACC))
+    if PER_CHANNEL:  # one decay per row of the [K, BV] tile
+        decay = tl.exp(tl.load(g_ptr + (n * H + h) * K + rk, mask=mk, other=0.0).to(ACC))[:, None]
+    else:
+        decay = tl.exp(tl.load(g_ptr + n * H + h).to(ACC))
     if HAS_BETA:
         beta = tl.load(beta_ptr + n * H + h).to(ACC)
     else:
@@ -105,8 +108,9 @@ def fused_decode_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch for one token per sequence (see loglinear.ops.decode.decode_step for the contract).
 
-    q, k: [N, G, K]; v: [N, H, V]; g, beta: [N, H]; level_scales: [N, H, >= L]; levels: [N, L, H, K, V];
-    positions: [N] int64. Returns o: [N, H, V] (v's dtype) and new levels (levels' dtype).
+    q, k: [N, G, K]; v: [N, H, V]; g: [N, H] (a decay per head) or [N, H, K] (per key channel: GLA); beta: [N, H]
+    (the delta rule) or None; level_scales: [N, H, >= L]; levels: [N, L, H, K, V]; positions: [N] int64.
+    Returns o: [N, H, V] (v's dtype) and new levels (levels' dtype).
     """
     N, G, K = q.shape
     H, V = v.shape[1:]
@@ -134,24 +138,20 @@ def fused_decode_step(
     _decode_step_kernel[grid](
         q, k, v, g, beta_arg, lam, levels, out, positions, o,
         float(scale), H, G, K, V, L, lam_sn, lam_sh,
-        BK=triton.next_power_of_2(K), BV=BV, FENWICK=fenwick, HAS_BETA=beta is not None, L2NORM=l2norm_qk,
+        BK=triton.next_power_of_2(K), BV=BV, FENWICK=fenwick, HAS_BETA=beta is not None, PER_CHANNEL=g.dim() == 3,
+        L2NORM=l2norm_qk,
         ACC=tl.float64 if levels.dtype == torch.float64 else tl.float32, **launch_options(_decode_step_kernel),
     )
     return o, out
 
 
-def decode_backend(delta_rule: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """The decode step a variant registers (loglinear.ops.backends.Backend.decode): the kernel's compile-time
-    switch HAS_BETA is the variant's transition, a scalar decay (delta_rule=False, gates g: Mamba-2) or a gated
-    delta rule (delta_rule=True, gates g and beta: Gated DeltaNet)."""
-
-    def step(
-        variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
-        level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
-        *, fenwick: bool = True, l2norm_qk: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        beta = gates["beta"] if delta_rule else None
-        return fused_decode_step(q, k, v, gates["g"], beta, level_scales, levels, positions, scale,
-                                 fenwick=fenwick, l2norm_qk=l2norm_qk)
-
-    return step
+def decode_backend(
+    variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
+    level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
+    *, fenwick: bool = True, l2norm_qk: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode step the variants register (loglinear.ops.backends.Backend.decode). The kernel's compile-time
+    switches come from the variant's gates: g [N, H] a scalar decay (Mamba-2) or [N, H, K] one per key channel
+    (GLA), and a beta gate makes it the gated delta rule (Gated DeltaNet)."""
+    return fused_decode_step(q, k, v, gates["g"], gates.get("beta"), level_scales, levels, positions, scale,
+                             fenwick=fenwick, l2norm_qk=l2norm_qk)
