@@ -11,7 +11,8 @@ the HF model are timed end to end (Python included), after warm-up. Llama's Dyna
 concatenation (a copy of the cache per step); it is cropped back to T after each step.
 
 Also timed: the fused decode kernel alone (one layer's step, triton.testing.do_bench), log-linear vs
-plain, and a correctness check of the kernel against the PyTorch step on the device.
+plain, for Mamba-2, GLA (Mamba-2's shape with a decay per key channel) and GDN, and a correctness check of the
+kernel against the PyTorch step on the device (all three).
 
     python benchmarks/bench_decode.py --out benchmarks/results            # device
     python benchmarks/bench_decode.py --tiny --out /tmp/bench             # CPU smoke run
@@ -161,18 +162,20 @@ def kernel_times(configs: dict, contexts: list[int], batches: list[int], device)
     from loglinear.ops.triton.decode import fused_decode_step
 
     rows = []
-    shapes = {"mamba2": (1, configs["mamba2"]["num_heads"], configs["mamba2"]["state_size"],
-                         configs["mamba2"]["head_dim"], False),
+    mamba2 = (1, configs["mamba2"]["num_heads"], configs["mamba2"]["state_size"], configs["mamba2"]["head_dim"])
+    shapes = {"mamba2": (*mamba2, "scalar"), "gla": (*mamba2, "channel"),  # GLA: a decay per key channel
               "gdn": (configs["gdn"]["num_heads"], configs["gdn"]["num_heads"], configs["gdn"]["head_dim"],
-                      int(configs["gdn"]["head_dim"] * configs["gdn"]["expand_v"]), True)}
-    for variant, (G, H, K, V, gdn) in shapes.items():
+                      int(configs["gdn"]["head_dim"] * configs["gdn"]["expand_v"]), "delta")}
+    for variant, (G, H, K, V, transition) in shapes.items():
+        gdn = transition == "delta"
         for batch in batches:
             for context in contexts:
                 L = levels_needed(context + 1)
                 bf16 = dict(device=device, dtype=torch.bfloat16)  # the models' dtypes: q, k, v bf16; g, beta, lam fp32
                 q, k, v = (torch.randn(batch, G, K, **bf16), torch.randn(batch, G, K, **bf16),
                            torch.randn(batch, H, V, **bf16))
-                g, beta = -torch.rand(batch, H, device=device), torch.rand(batch, H, device=device)
+                g = -torch.rand(batch, H, *((K,) if transition == "channel" else ()), device=device)
+                beta = torch.rand(batch, H, device=device)
                 lam = torch.rand(batch, H, L, device=device)
                 pos = torch.full((batch,), context, dtype=torch.int64, device=device)
                 row = {"variant": variant, "batch": batch, "context": context, "levels": L}
@@ -190,10 +193,10 @@ def check_kernel(device) -> dict:
     """Fused kernel vs the PyTorch step on the device, every variant with a fused decode kernel (fp32, GQA, rows
     at different positions)."""
     from loglinear.ops.decode import decode_step
-    from loglinear.variants import GATED_DELTANET, MAMBA2
+    from loglinear.variants import GATED_DELTANET, GLA, MAMBA2
 
     errors = {}
-    for variant in (MAMBA2, GATED_DELTANET):
+    for variant in (MAMBA2, GATED_DELTANET, GLA):
         N, G, H, K, V, L = 5, 2, 4, 64, 96, 12
         gates = {n: x[:, 0].to(device) for n, x in variant.sample_gates(N, 1, H, K).items()}
         args = (variant, torch.randn(N, G, K, device=device), torch.randn(N, G, K, device=device) / 8,
