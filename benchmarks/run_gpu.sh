@@ -6,6 +6,9 @@
 #   bash benchmarks/run_gpu.sh checks         # ~5 min: Triton kernels vs the torch path (bf16, fp32), both variants
 #   bash benchmarks/run_gpu.sh bench-mamba2   # ~6 min: ops-mamba2-<gpu>.* and the profile at 32K
 #   bash benchmarks/run_gpu.sh bench-gdn      # ~8 min: ops-gdn-<gpu>.*, then profile-gdn-<gpu>.md
+#   bash benchmarks/run_gpu.sh state          # ~2 min: ops-{mamba2,gdn}-state-<gpu>.* (calls with an incoming state)
+#   bash benchmarks/run_gpu.sh train          # ~3 min: train-<gpu>.* (12 x d768 training steps, five models)
+#   bash benchmarks/run_gpu.sh convert-fla    # ~4 min: convert-fla-<gpu>.* (fla checkpoints vs our conversions)
 #   bash benchmarks/run_gpu.sh decode         # ~5 min: decode-<gpu>.* (per-token latency and cache memory)
 #   bash benchmarks/run_gpu.sh mqar           # ~5 min on 2 GPUs per seed: mqar-h200.* (MQAR_SEEDS="0 1 2")
 #   bash benchmarks/run_gpu.sh lm             # ~9.5 min, all GPUs: five LMs (same tokens), per-position loss, NIAH
@@ -25,7 +28,7 @@
 # is the baselines' package; the `bench` extra installs it from the index instead). Every step has its own time
 # limit; the op benchmarks list our impl first and the largest T first (fla compiles for > 100 s on a fresh machine).
 set -u
-PART=${1:?usage: run_gpu.sh checks|bench-mamba2|bench-gdn|decode|mqar|lm|cp-profile|multigpu [extra options]}
+PART=${1:?usage: run_gpu.sh checks|bench-mamba2|bench-gdn|state|train|convert-fla|decode|mqar|lm|cp-profile|multigpu [extra options]}
 shift
 EXTRA=("$@")
 R=${RESULTS:-/tmp/gpu-results}
@@ -78,13 +81,26 @@ case $PART in
       --long-T 262144 --out "$R"
     ;;
   bench-mamba2)  # largest T first: 128K is always reached
-    step 330 bench-mamba2 python benchmarks/bench_ops.py --impls loglinear fla_mamba2 fla_log_linear sdpa_flash \
-      --T $TS --sdpa-max-T 32768 --profile-T 32768 --out "$R" "${EXTRA[@]}"
+    step 400 bench-mamba2 python benchmarks/bench_ops.py --impls loglinear loglinear_plain fla_mamba2 fla_log_linear \
+      sdpa_flash --T $TS --sdpa-max-T 32768 --profile-T 32768 --out "$R" "${EXTRA[@]}"
     ;;
   bench-gdn)  # fla_gdn compiles for ~2 min on a fresh machine
-    step 400 bench-gdn python benchmarks/bench_ops.py --variant gdn --impls loglinear fla_gdn sdpa_flash \
-      --T $TS --sdpa-max-T 16384 --out "$R" "${EXTRA[@]}"
+    step 420 bench-gdn python benchmarks/bench_ops.py --variant gdn --impls loglinear loglinear_plain fla_gdn \
+      sdpa_flash --T $TS --sdpa-max-T 32768 --out "$R" "${EXTRA[@]}"
     step 90 profile-gdn python benchmarks/profiling/profile_gdn.py --T 32768 131072 --ab --out "$R"
+    ;;
+  state)  # the cost of an incoming state (a context-parallel rank's call) against the same call without one
+    step 100 state-mamba2 python benchmarks/bench_ops.py --impls loglinear loglinear_state --T 131072 32768 8192 \
+      --name ops-mamba2-state --out "$R"
+    step 120 state-gdn python benchmarks/bench_ops.py --variant gdn --impls loglinear loglinear_state \
+      --T 131072 32768 8192 --name ops-gdn-state --out "$R"
+    ;;
+  train)
+    step 200 train python benchmarks/bench_train.py --archs transformer mamba2 ll_mamba2 gated_deltanet \
+      ll_gated_deltanet --out "$R" "${EXTRA[@]}"
+    ;;
+  convert-fla)  # fla's models: the bench extra, or FLA_WHEELS holding both fla wheels (fla-core, flash-linear-attention)
+    step 240 convert-fla python benchmarks/experiments/check_fla_conversion.py --out "$R"
     ;;
   decode)
     step 560 decode python benchmarks/bench_decode.py --steps 15 --out "$R" "${EXTRA[@]}"
@@ -110,7 +126,7 @@ case $PART in
       --long-seq-lens 131072 262144 524288 1048576 --budget 470 --out "$R" "${EXTRA[@]}"
     ;;
   *)
-    echo "unknown part $PART (checks|bench-mamba2|bench-gdn|decode|mqar|lm|cp-profile|multigpu)" >&2
+    echo "unknown part $PART (checks|bench-mamba2|bench-gdn|state|train|convert-fla|decode|mqar|lm|cp-profile|multigpu)" >&2
     exit 2
     ;;
 esac
