@@ -17,6 +17,9 @@ correctness-<gpu>.log (the other variant's section is kept).
 
 --variant gdn: log-linear Gated DeltaNet (ours, use_qk_l2norm) against fla `chunk_gated_delta_rule` (linear GDN,
 "fla_gdn", q/k L2-normalised in its kernel) and SDPA flash; beta in [0.05, 0.95]. Writes ops-gdn-<gpu>.*.
+--variant gla: log-linear GLA (a decay per key channel; ours runs the torch chunk path until it has chunk kernels)
+against fla `chunk_gla` (linear GLA, "fla_gla") and SDPA flash; g = logsigmoid(N(0, 1)) / 16 per channel, fla's GLA
+gate. Writes ops-gla-<gpu>.*; --check covers the variants with chunk kernels (mamba2, gdn).
 
 fla 0.6.0 refuses its gated backward on Hopper with triton < 3.7.1 (a correctness guard in
 fla/ops/common/chunk_o.py); --lift-fla-guard (on by default) lifts it for timing only and the results say so.
@@ -31,6 +34,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -41,13 +45,14 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loglinear import FenwickState, log_linear_gated_deltanet, log_linear_mamba2  # noqa: E402
+from loglinear import FenwickState, log_linear_gated_deltanet, log_linear_gla, log_linear_mamba2  # noqa: E402
 from loglinear.fenwick import levels_needed  # noqa: E402
 from loglinear.report import pyplot  # noqa: E402
 
 IMPLS = ("loglinear", "loglinear_plain", "loglinear_state", "loglinear_torch", "fla_log_linear", "fla_mamba2",
          "sdpa_flash")
 IMPLS_GDN = ("loglinear", "loglinear_plain", "loglinear_state", "loglinear_torch", "fla_gdn", "sdpa_flash")
+IMPLS_GLA = ("loglinear", "loglinear_plain", "loglinear_state", "fla_gla", "sdpa_flash")
 OUR_BACKENDS = {"loglinear": "triton", "loglinear_plain": "triton", "loglinear_state": "triton",
                 "loglinear_torch": "torch"}  # -> backend=
 PAPER = dict(B=2, H=48, G=1, K=128, V=64)
@@ -73,10 +78,10 @@ def continued(x: dict, op: Callable, **kw) -> tuple[dict, FenwickState]:
     takes a gradient) and lambda widened to the levels of positions T..2T (its top level repeated)."""
     with torch.no_grad():
         _, state = op(**x, output_final_state=True, **kw)
-    lam = x["level_scales"]
-    extra = levels_needed(2 * lam.shape[1]) - lam.shape[-1]
-    x = {**x, "level_scales": torch.cat([lam] + [lam[..., -1:]] * extra, -1)}
-    return x, FenwickState(state.levels.detach(), state.positions)
+        lam = x["level_scales"]
+        extra = levels_needed(2 * lam.shape[1]) - lam.shape[-1]
+        x = {**x, "level_scales": torch.cat([lam] + [lam[..., -1:]] * extra, -1)}
+    return x, FenwickState(state.levels, state.positions)
 
 
 def lift_fla_guard() -> None:
@@ -86,15 +91,24 @@ def lift_fla_guard() -> None:
     chunk_o.TRITON_ABOVE_3_7_1 = True
 
 
-def build(impl: str, x: dict, H: int, G: int) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor]]:
+Built = tuple[Callable[[], torch.Tensor], list[torch.Tensor]]  # the forward closure, the leaves needing gradients
+
+
+def ours(impl: str, op: Callable, x: dict, names: tuple[str, ...], **kw) -> Built:
+    """Our op on x's tensors ``names`` and level_scales (None for loglinear_plain) on the impl's backend;
+    loglinear_state continues the state the op leaves after x (``continued``), whose levels are a leaf too."""
+    x, state = continued(x, op, **kw) if impl == "loglinear_state" else (x, None)
+    args = [x[n] for n in names]
+    lam = x["level_scales"] if impl != "loglinear_plain" else None
+    backend = OUR_BACKENDS[impl]
+    leaves = args + ([lam] if lam is not None else []) + ([state.levels] if state is not None else [])
+    return (lambda: op(*args, lam, initial_state=state, backend=backend, **kw)[0]), leaves
+
+
+def build(impl: str, x: dict, H: int, G: int) -> Built:
     """The forward closure of an impl and the leaf tensors that need gradients."""
     if impl in OUR_BACKENDS:
-        x, state = continued(x, log_linear_mamba2) if impl == "loglinear_state" else (x, None)
-        args = [x["q"], x["k"], x["v"], x["g"]]
-        lam = x["level_scales"] if impl != "loglinear_plain" else None
-        backend = OUR_BACKENDS[impl]
-        return ((lambda: log_linear_mamba2(*args, lam, initial_state=state, backend=backend)[0]),
-                args + ([lam] if lam is not None else []) + ([state.levels] if state is not None else []))
+        return ours(impl, log_linear_mamba2, x, ("q", "k", "v", "g"))
     if impl == "fla_log_linear":
         from fla.ops.log_linear_attn import chunk_log_linear_attn
 
@@ -127,17 +141,10 @@ def gdn_inputs(T: int, B: int, H: int, G: int, K: int, V: int, dtype: torch.dtyp
     return x
 
 
-def build_gdn(impl: str, x: dict, H: int, G: int) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor]]:
+def build_gdn(impl: str, x: dict, H: int, G: int) -> Built:
     """build() for --variant gdn: ours, fla's linear chunk_gated_delta_rule, or SDPA flash."""
     if impl in OUR_BACKENDS:
-        x, state = continued(x, log_linear_gated_deltanet, use_qk_l2norm=True) if impl == "loglinear_state" \
-            else (x, None)
-        args = [x["q"], x["k"], x["v"], x["g"], x["beta"]]
-        lam = x["level_scales"] if impl != "loglinear_plain" else None
-        backend = OUR_BACKENDS[impl]
-        return ((lambda: log_linear_gated_deltanet(*args, lam, use_qk_l2norm=True, initial_state=state,
-                                                   backend=backend)[0]),
-                args + ([lam] if lam is not None else []) + ([state.levels] if state is not None else []))
+        return ours(impl, log_linear_gated_deltanet, x, ("q", "k", "v", "g", "beta"), use_qk_l2norm=True)
     if impl == "fla_gdn":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -150,6 +157,51 @@ def build_gdn(impl: str, x: dict, H: int, G: int) -> tuple[Callable[[], torch.Te
     raise ValueError(f"unknown impl {impl!r}, expected one of {IMPLS_GDN}")
 
 
+def gla_inputs(T: int, B: int, H: int, G: int, K: int, V: int, dtype: torch.dtype, seed: int = 0) -> dict:
+    """make_inputs with g [B, T, H, K] = logsigmoid(N(0, 1)) / 16: fla's GLA gate, one log-decay per key channel."""
+    x = make_inputs(T, B, H, G, K, V, dtype, seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 2)
+    x["g"] = F.logsigmoid(torch.randn(B, T, H, K, device="cuda", generator=gen)) / 16
+    return x
+
+
+def build_gla(impl: str, x: dict, H: int, G: int) -> Built:
+    """build() for --variant gla: ours, fla's linear chunk_gla, or SDPA flash."""
+    if impl in OUR_BACKENDS:
+        return ours(impl, log_linear_gla, x, ("q", "k", "v", "g"))
+    if impl == "fla_gla":
+        from fla.ops.gla import chunk_gla
+
+        q = x["q"].repeat_interleave(H // G, dim=2).contiguous()
+        k = x["k"].repeat_interleave(H // G, dim=2).contiguous()
+        args = [q, k, x["v"], x["g"]]
+        return (lambda: chunk_gla(*args, scale=None)[0]), args
+    if impl == "sdpa_flash":
+        return build(impl, x, H, G)
+    raise ValueError(f"unknown impl {impl!r}, expected one of {IMPLS_GLA}")
+
+
+@dataclass(frozen=True)
+class OpBench:
+    """One variant's op benchmark: its rows, inputs, closures, fla's linear baseline and its gates in words."""
+
+    title: str
+    impls: tuple[str, ...]
+    inputs: Callable[..., dict]  # (T, B, H, G, K, V, dtype, seed=0) -> dict
+    build: Callable[[str, dict, int, int], Built]  # (impl, inputs, H, G)
+    linear: str
+    gates: str
+
+
+BENCHES = {
+    "mamba2": OpBench("log-linear Mamba-2", IMPLS, make_inputs, build, "fla_mamba2", "g = -(0.01..0.11)"),
+    "gdn": OpBench("log-linear Gated DeltaNet", IMPLS_GDN, gdn_inputs, build_gdn, "fla_gdn",
+                   "g = -(0.01..0.11); beta in [0.05, 0.95], q/k L2-normalised inside the ops"),
+    "gla": OpBench("log-linear GLA", IMPLS_GLA, gla_inputs, build_gla, "fla_gla",
+                   "g = logsigmoid(N(0, 1)) / 16 per key channel (fla's GLA gate)"),
+}
+
+
 def settle(fn: Callable[[], object], calls: int = 12) -> None:
     """Run fn `calls` times before timing: on an H200 the first ~8 calls at a fresh shape took several times
     longer than the rest, which a short do_bench warmup does not absorb."""
@@ -160,13 +212,9 @@ def settle(fn: Callable[[], object], calls: int = 12) -> None:
 
 def measure(impl: str, T: int, dtype: torch.dtype, warmup: int, rep: int, variant: str = "mamba2") -> dict:
     """fwd_ms, fwdbwd_ms (medians) and peak_gib of one forward+backward."""
-    p = SHAPE
-    if variant == "gdn":
-        x = gdn_inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], dtype)
-        fn, leaves = build_gdn(impl, x, p["H"], p["G"])
-    else:
-        x = make_inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], dtype)
-        fn, leaves = build(impl, x, p["H"], p["G"])
+    p, bench = SHAPE, BENCHES[variant]
+    x = bench.inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], dtype)
+    fn, leaves = bench.build(impl, x, p["H"], p["G"])
     for t in leaves:
         t.requires_grad_(True)
     with torch.no_grad():
@@ -204,13 +252,12 @@ def write_results(rows: list[dict], meta: dict, out: Path, variant: str = "mamba
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     Ts = sorted({r["T"] for r in rows})
-    impls = [i for i in (IMPLS_GDN if variant == "gdn" else IMPLS) if any(r["impl"] == i for r in rows)]
+    bench = BENCHES[variant]
+    impls = [i for i in bench.impls if any(r["impl"] == i for r in rows)]
     cell = {(r["impl"], r["T"]): r for r in rows}
-    name = "log-linear Gated DeltaNet" if variant == "gdn" else "log-linear Mamba-2"
-    linear = "fla_gdn" if variant == "gdn" else "fla_mamba2"
+    name, linear = bench.title, bench.linear
     ratios = [("loglinear", linear), ("loglinear_plain", linear), ("loglinear", "loglinear_plain"),
-              ("loglinear_state", "loglinear")]
-    ratios += [("loglinear", o) for o in ("fla_log_linear", "sdpa_flash") if variant != "gdn" or o == "sdpa_flash"]
+              ("loglinear_state", "loglinear"), ("loglinear", "fla_log_linear"), ("loglinear", "sdpa_flash")]
     lines = [f"# Op benchmark, {name} ({meta['gpu']})", "",
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; `{meta['command']}`", "",
              meta["setting"], "", meta["notes"], ""]
@@ -434,8 +481,8 @@ def profile(T: int, log: Callable[[str], None]) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, nargs="+", default=[2048 * 2**i for i in range(7)])
-    ap.add_argument("--variant", choices=("mamba2", "gdn"), default="mamba2")
-    ap.add_argument("--impls", nargs="+", default=None, choices=sorted(set(IMPLS + IMPLS_GDN)),
+    ap.add_argument("--variant", choices=sorted(BENCHES), default="mamba2")
+    ap.add_argument("--impls", nargs="+", default=None, choices=sorted(set(IMPLS + IMPLS_GDN + IMPLS_GLA)),
                     help="default: every impl of the variant")
     ap.add_argument("--sdpa-max-T", type=int, default=65536, help="skip sdpa_flash above this T (quadratic)")
     ap.add_argument("--warmup", type=int, default=25)
@@ -456,7 +503,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.shape:
         SHAPE.update(zip("BHGKV", args.shape))
     # loglinear_torch (our torch path: minutes per row at long T) runs only when named
-    args.impls = args.impls or [i for i in (IMPLS_GDN if args.variant == "gdn" else IMPLS) if i != "loglinear_torch"]
+    bench = BENCHES[args.variant]
+    args.impls = args.impls or [i for i in bench.impls if i != "loglinear_torch"]
+    unknown = [i for i in args.impls if i not in bench.impls]
+    if unknown or (args.check and args.variant == "gla"):
+        what = f"--impls {' '.join(unknown)}: not rows of --variant {args.variant} ({', '.join(bench.impls)})" \
+            if unknown else "--check: GLA has no chunk kernels to check yet (its calls run the torch chunk path)"
+        print(f"bench_ops.py: {what}", file=sys.stderr)
+        sys.exit(2)
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
     out_dir = Path(args.out)
     command = "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:]))
@@ -498,8 +552,7 @@ def main(argv: list[str] | None = None) -> None:
         "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
         "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", "command": command,
         "setting": f"B={SHAPE['B']}, {SHAPE['H']} value heads, q/k groups {SHAPE['G']}, K={SHAPE['K']}, "
-                   f"V={SHAPE['V']}, bf16; g = -(0.01..0.11), lambda in [0.2, 1.2]; "
-                   + ("beta in [0.05, 0.95], q/k L2-normalised inside the ops; " if args.variant == "gdn" else "")
+                   f"V={SHAPE['V']}, bf16; {bench.gates}; lambda in [0.2, 1.2]; "
                    + f"sdpa_flash: {SHAPE['H']} heads x {SHAPE['V']}, causal. "
                    + ("loglinear_state: the same call continuing the state left by T tokens of the same kind (at "
                       "position T, as context-parallel rank 1 of 2), the state's gradient taken too. "

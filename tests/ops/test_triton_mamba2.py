@@ -139,19 +139,13 @@ def test_split_state_rows_with_state(monkeypatch):
     _compare(x, state=_random_state(1, [21], 2, 40, 24))
 
 
-def test_initial_level_readers_in_segments(monkeypatch):
-    """The initial levels' gradients from their readers summed over several programs per level (runs of 2
-    chunks: 4 per level at most here), states at two aligned positions whose levels have 1 to 7 readers."""
+def test_initial_levels_in_segments_and_empty(monkeypatch):
+    """The initial levels' gradients from their readers summed over several programs per level (runs of 2 chunks:
+    up to 4 per level here; states at two aligned positions whose levels have 1 to 7 readers), and all-zero levels
+    (a state a call leaves holds only its position's bits), which the readouts skip: outputs, dlambda columns
+    (written as 0) and every level's gradient still exact."""
     _no_torch_fallback(monkeypatch)
     monkeypatch.setattr(M, "INITIAL_READERS", 2)
-    x = mamba2_args(make_inputs(2, 100, 1, 2, 8, 5, start=64))
-    _compare(x, state=_random_state(2, [64, 48], 2, 8, 5))
-
-
-def test_empty_initial_levels(monkeypatch):
-    """All-zero levels of a state (a state a call leaves holds only its position's bits) are skipped by the
-    readouts: outputs, dlambda columns (written as 0) and the state's gradient (every level's) still exact."""
-    _no_torch_fallback(monkeypatch)
     state = _random_state(2, [64, 48], 2, 8, 5)
     state.levels[0, 5] = 0  # chunk level 0 of sequence 0 (16-token chunks: token level 5)
     state.levels[1, 6:] = 0  # sequence 1: every chunk level above 0
