@@ -105,6 +105,11 @@ def ours(impl: str, op: Callable, x: dict, names: tuple[str, ...], **kw) -> Buil
     return (lambda: op(*args, lam, initial_state=state, backend=backend, **kw)[0]), leaves
 
 
+def heads_qk(x: dict, H: int, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k [B, T, G, K] repeated to the H value heads, as fla's ops take them: [B, T, H, K] each."""
+    return tuple(x[n].repeat_interleave(H // G, dim=2).contiguous() for n in ("q", "k"))
+
+
 def build(impl: str, x: dict, H: int, G: int) -> Built:
     """The forward closure of an impl and the leaf tensors that need gradients."""
     if impl in OUR_BACKENDS:
@@ -117,8 +122,7 @@ def build(impl: str, x: dict, H: int, G: int) -> Built:
     if impl == "fla_mamba2":
         from fla.ops.simple_gla import chunk_simple_gla
 
-        q = x["q"].repeat_interleave(H // G, dim=2).contiguous()
-        k = x["k"].repeat_interleave(H // G, dim=2).contiguous()
+        q, k = heads_qk(x, H, G)
         args = [q, k, x["v"], x["g"]]
         return (lambda: chunk_simple_gla(*args, scale=None)[0]), args
     if impl == "sdpa_flash":
@@ -148,8 +152,7 @@ def build_gdn(impl: str, x: dict, H: int, G: int) -> Built:
     if impl == "fla_gdn":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        q = x["q"].repeat_interleave(H // G, dim=2).contiguous()
-        k = x["k"].repeat_interleave(H // G, dim=2).contiguous()
+        q, k = heads_qk(x, H, G)
         args = [q, k, x["v"], x["g"], x["beta"]]
         return (lambda: chunk_gated_delta_rule(*args, scale=None, use_qk_l2norm_in_kernel=True)[0]), args
     if impl == "sdpa_flash":
@@ -172,8 +175,7 @@ def build_gla(impl: str, x: dict, H: int, G: int) -> Built:
     if impl == "fla_gla":
         from fla.ops.gla import chunk_gla
 
-        q = x["q"].repeat_interleave(H // G, dim=2).contiguous()
-        k = x["k"].repeat_interleave(H // G, dim=2).contiguous()
+        q, k = heads_qk(x, H, G)
         args = [q, k, x["v"], x["g"]]
         return (lambda: chunk_gla(*args, scale=None)[0]), args
     if impl == "sdpa_flash":
