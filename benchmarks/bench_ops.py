@@ -59,10 +59,11 @@ PAPER = dict(B=2, H=48, G=1, K=128, V=64)
 SHAPE = dict(PAPER)  # what measure() runs: the paper setting unless --shape
 
 
-def make_inputs(T: int, B: int, H: int, G: int, K: int, V: int, dtype: torch.dtype, seed: int = 0) -> dict:
+def make_inputs(T: int, B: int, H: int, G: int, K: int, V: int, dtype: torch.dtype, seed: int = 0,
+                device: str = "cuda") -> dict:
     """Fresh random inputs (never zeros): q, k [B, T, G, K] (k unit-ish norm), v [B, T, H, V], g < 0, lambda > 0."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    kw = dict(device="cuda", generator=gen)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    kw = dict(device=device, generator=gen)
     L = levels_needed(T)
     return {
         "q": torch.randn(B, T, G, K, **kw).to(dtype),
@@ -127,7 +128,7 @@ def build(impl: str, x: dict, H: int, G: int) -> Built:
         return (lambda: chunk_simple_gla(*args, scale=None)[0]), args
     if impl == "sdpa_flash":
         B, T, _, V = x["v"].shape
-        qkv = [torch.randn(B, H, T, V, device="cuda", dtype=x["v"].dtype) for _ in range(3)]
+        qkv = [torch.randn(B, H, T, V, device=x["v"].device, dtype=x["v"].dtype) for _ in range(3)]
 
         def run():
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
@@ -137,11 +138,12 @@ def build(impl: str, x: dict, H: int, G: int) -> Built:
     raise ValueError(f"unknown impl {impl!r}, expected one of {IMPLS}")
 
 
-def gdn_inputs(T: int, B: int, H: int, G: int, K: int, V: int, dtype: torch.dtype, seed: int = 0) -> dict:
+def gdn_inputs(T: int, B: int, H: int, G: int, K: int, V: int, dtype: torch.dtype, seed: int = 0,
+               device: str = "cuda") -> dict:
     """make_inputs plus beta [B, T, H] in [0.05, 0.95] (never zeros)."""
-    x = make_inputs(T, B, H, G, K, V, dtype, seed)
-    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
-    x["beta"] = (0.05 + 0.9 * torch.rand(B, T, H, device="cuda", generator=gen)).to(dtype)
+    x = make_inputs(T, B, H, G, K, V, dtype, seed, device)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    x["beta"] = (0.05 + 0.9 * torch.rand(B, T, H, device=device, generator=gen)).to(dtype)
     return x
 
 
@@ -160,11 +162,12 @@ def build_gdn(impl: str, x: dict, H: int, G: int) -> Built:
     raise ValueError(f"unknown impl {impl!r}, expected one of {IMPLS_GDN}")
 
 
-def gla_inputs(T: int, B: int, H: int, G: int, K: int, V: int, dtype: torch.dtype, seed: int = 0) -> dict:
+def gla_inputs(T: int, B: int, H: int, G: int, K: int, V: int, dtype: torch.dtype, seed: int = 0,
+               device: str = "cuda") -> dict:
     """make_inputs with g [B, T, H, K] = logsigmoid(N(0, 1)) / 16: fla's GLA gate, one log-decay per key channel."""
-    x = make_inputs(T, B, H, G, K, V, dtype, seed)
-    gen = torch.Generator(device="cuda").manual_seed(seed + 2)
-    x["g"] = F.logsigmoid(torch.randn(B, T, H, K, device="cuda", generator=gen)) / 16
+    x = make_inputs(T, B, H, G, K, V, dtype, seed, device)
+    gen = torch.Generator(device=device).manual_seed(seed + 2)
+    x["g"] = F.logsigmoid(torch.randn(B, T, H, K, device=device, generator=gen)) / 16
     return x
 
 
@@ -189,7 +192,7 @@ class OpBench:
 
     title: str
     impls: tuple[str, ...]
-    inputs: Callable[..., dict]  # (T, B, H, G, K, V, dtype, seed=0) -> dict
+    inputs: Callable[..., dict]  # (T, B, H, G, K, V, dtype, seed=0, device="cuda") -> dict
     build: Callable[[str, dict, int, int], Built]  # (impl, inputs, H, G)
     linear: str
     gates: str
