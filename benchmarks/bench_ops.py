@@ -34,7 +34,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -188,7 +188,8 @@ def build_gla(impl: str, x: dict, H: int, G: int) -> Built:
 
 @dataclass(frozen=True)
 class OpBench:
-    """One variant's op benchmark: its rows, inputs, closures, fla's linear baseline and its gates in words."""
+    """One variant's op benchmark: its rows, inputs, closures, fla's linear baseline, its gates in words, and our op
+    with the options the benchmark calls it with (the checks' too)."""
 
     title: str
     impls: tuple[str, ...]
@@ -196,14 +197,18 @@ class OpBench:
     build: Callable[[str, dict, int, int], Built]  # (impl, inputs, H, G)
     linear: str
     gates: str
+    op: Callable
+    op_kw: dict = field(default_factory=dict)
 
 
 BENCHES = {
-    "mamba2": OpBench("log-linear Mamba-2", IMPLS, make_inputs, build, "fla_mamba2", "g = -(0.01..0.11)"),
+    "mamba2": OpBench("log-linear Mamba-2", IMPLS, make_inputs, build, "fla_mamba2", "g = -(0.01..0.11)",
+                      log_linear_mamba2),
     "gdn": OpBench("log-linear Gated DeltaNet", IMPLS_GDN, gdn_inputs, build_gdn, "fla_gdn",
-                   "g = -(0.01..0.11); beta in [0.05, 0.95], q/k L2-normalised inside the ops"),
+                   "g = -(0.01..0.11); beta in [0.05, 0.95], q/k L2-normalised inside the ops",
+                   log_linear_gated_deltanet, {"use_qk_l2norm": True}),
     "gla": OpBench("log-linear GLA", IMPLS_GLA, gla_inputs, build_gla, "fla_gla",
-                   "g = logsigmoid(N(0, 1)) / 16 per key channel (fla's GLA gate)"),
+                   "g = logsigmoid(N(0, 1)) / 16 per key channel (fla's GLA gate)", log_linear_gla),
 }
 
 
@@ -348,9 +353,8 @@ SMALL_HEADS = {"mamba2": ((64, 32), (64, 128)), "gdn": ((16, 32), (64, 128))}
 
 def check_small_heads(log: Callable[[str], None], variant: str, dtypes: list[torch.dtype]) -> None:
     """Kernels vs the torch chunk path at the MQAR models' shapes (B = 64, T = 256, H = 1): o, state, all grads."""
-    gdn = variant == "gdn"
-    op, inputs, kw = ((log_linear_gated_deltanet, gdn_inputs, {"use_qk_l2norm": True}) if gdn
-                      else (log_linear_mamba2, make_inputs, {}))
+    bench = BENCHES[variant]
+    op, inputs, kw = bench.op, bench.inputs, bench.op_kw
     for dtype in dtypes:
         for K, V in SMALL_HEADS[variant]:
             x = inputs(256, 64, 1, 1, K, V, dtype, seed=K + V)
@@ -362,9 +366,8 @@ def check_plain(log: Callable[[str], None], variant: str, dtypes: list[torch.dty
     final states and all gradients at the benchmark's shape, then GQA + varlen + one-level states at unaligned
     positions."""
     p = PAPER
-    gdn = variant == "gdn"
-    op, inputs, kw = ((log_linear_gated_deltanet, gdn_inputs, {"use_qk_l2norm": True}) if gdn
-                      else (log_linear_mamba2, make_inputs, {}))
+    bench = BENCHES[variant]
+    op, inputs, kw = bench.op, bench.inputs, bench.op_kw
     for dtype in dtypes:
         for T, B, H in ((8192, 2, 48), (3000, 1, 8)):
             x = inputs(T, B, H, p["G"], p["K"], p["V"], dtype, seed=T)
