@@ -22,10 +22,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def normalized(self, x32: torch.Tensor) -> torch.Tensor:
+        """x32 / sqrt(mean(x32^2) + eps) over the last dim, without the weight.  x32: [*, D'] (any D')."""
+        return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = wide(x)
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * wide(self.weight)).to(x.dtype)
+        return (self.normalized(wide(x)) * wide(self.weight)).to(x.dtype)
 
 
 class GatedRMSNorm(RMSNorm):
@@ -49,7 +51,7 @@ class GatedRMSNorm(RMSNorm):
         x32, gate32 = wide(x).reshape(*shape[:-1], -1, part), F.silu(wide(gate)).reshape(*shape[:-1], -1, part)
         if not self.norm_before_gate:
             x32 = x32 * gate32
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.normalized(x32)
         if self.norm_before_gate:
             y = y * gate32
         y = y.reshape(*shape[:-1], -1, dim) * wide(self.weight)

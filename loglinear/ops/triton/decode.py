@@ -19,7 +19,6 @@ The state is read and written once: the step is bound by L * K * V * 4 bytes per
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

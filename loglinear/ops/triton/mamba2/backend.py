@@ -149,8 +149,7 @@ def _scan_rows(q: torch.Tensor, multiplies: bool) -> int:
 
 
 def _sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor) -> dict:
-    """Runtime sizes and constexprs of the chunk kernels and the reverse scan (those reading levels also
-    take J = plan.num_levels)."""
+    """Runtime sizes and constexprs of the chunk kernels (those reading levels also take J = plan.num_levels)."""
     return dict(H=v.shape[1], G=q.shape[1], K=q.shape[-1], V=v.shape[-1], C=plan.chunk_size,
                 PRECISION=dot_precision(q.dtype, FP32_DOT))
 
@@ -245,8 +244,7 @@ def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Sa
         mamba2_chunk_fwd_kernel[(NC, v.shape[1])](
             q, k, v, g, lam, o, *_initial_reads(h0, q, plan), buckets, decays, table.starts, table.ends, table.seqs,
             table.chunks, ranges[2], plan.scale, L=lam.shape[-1], J=plan.num_levels, LOG_C=chunk_bits(plan.chunk_size),
-            BK=BK, BV=BV,
-            BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, PLAIN=plan.plain, **_sizes(plan, q, v),
+            BK=BK, BV=BV, BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, PLAIN=plan.plain, **_sizes(plan, q, v),
             **launch_options(mamba2_chunk_fwd_kernel),
         )
     return _Saved(table, buckets, decays)
@@ -271,8 +269,7 @@ def _dq_grads(q, k, v, g, lam, h0, d_o, ranges, buckets, saved: _Saved, plan: Le
         mamba2_chunk_bwd_dq_kernel[(table.starts.numel(), H)](
             q, k, v, g, lam, d_o, *_initial_reads(h0, q, plan), buckets, saved.decays, table.starts, table.ends,
             table.seqs, table.chunks, ranges[2], plan.scale, dq, dlam, qdq, BL=next_pow2(L, minimum=32),
-            BJ=MAX_CHUNK_LEVELS,
-            J=plan.num_levels, HAS_INIT=plan.has_init, **_chunk_sizes(plan, q, v, lam),
+            BJ=MAX_CHUNK_LEVELS, J=plan.num_levels, HAS_INIT=plan.has_init, **_chunk_sizes(plan, q, v, lam),
             **launch_options(mamba2_chunk_bwd_dq_kernel),
         )
     if plan.plain:
