@@ -17,9 +17,9 @@ correctness-<gpu>.log (the other variant's section is kept).
 
 --variant gdn: log-linear Gated DeltaNet (ours, use_qk_l2norm) against fla `chunk_gated_delta_rule` (linear GDN,
 "fla_gdn", q/k L2-normalised in its kernel) and SDPA flash; beta in [0.05, 0.95]. Writes ops-gdn-<gpu>.*.
---variant gla: log-linear GLA (a decay per key channel; ours runs the torch chunk path until it has chunk kernels)
-against fla `chunk_gla` (linear GLA, "fla_gla") and SDPA flash; g = logsigmoid(N(0, 1)) / 16 per channel, fla's GLA
-gate. Writes ops-gla-<gpu>.*; --check covers the variants with chunk kernels (mamba2, gdn).
+--variant gla: log-linear GLA (a decay per key channel: the Mamba-2 kernels with their per-channel switch) against
+fla `chunk_gla` (linear GLA, "fla_gla") and SDPA flash; g = logsigmoid(N(0, 1)) / 16 per channel, fla's GLA gate.
+Writes ops-gla-<gpu>.*.
 
 fla 0.6.0 refuses its gated backward on Hopper with triton < 3.7.1 (a correctness guard in
 fla/ops/common/chunk_o.py); --lift-fla-guard (on by default) lifts it for timing only and the results say so.
@@ -348,7 +348,7 @@ def _compare_backends(log: Callable[[str], None], label: str, x: dict, op: Calla
 
 
 # (K, V) of the MQAR models at d_model 16 and 64 (one head): narrow 16-bit heads once miscomputed on triton 3.6
-SMALL_HEADS = {"mamba2": ((64, 32), (64, 128)), "gdn": ((16, 32), (64, 128))}
+SMALL_HEADS = {"mamba2": ((64, 32), (64, 128)), "gla": ((64, 32), (64, 128)), "gdn": ((16, 32), (64, 128))}
 
 
 def check_small_heads(log: Callable[[str], None], variant: str, dtypes: list[torch.dtype]) -> None:
@@ -383,23 +383,24 @@ def check_plain(log: Callable[[str], None], variant: str, dtypes: list[torch.dty
                           cu_seqlens=torch.tensor([0, 1000, 2500, 4000], device="cuda"), **kw)
 
 
-def check(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]) -> None:
+def check(log: Callable[[str], None], variant: str, long_T: int, dtypes: list[torch.dtype]) -> None:
     """Kernels vs the torch chunk path (fp32 compute) at benchmark sizes on the same inputs (outputs,
-    states and all gradients), then a long forward (stability: finite, and vs the torch path)."""
-    p = PAPER
+    states and all gradients), then a long forward (stability: finite, and vs the torch path). Mamba-2 and GLA
+    (the same kernels, a scalar or a per-channel gate)."""
+    p, bench = PAPER, BENCHES[variant]
     for dtype in dtypes:
         for T, B, H in ((8192, 2, 48), (3000, 1, 8)):
-            x = make_inputs(T, B, H, p["G"], p["K"], p["V"], dtype, seed=T)
-            _compare_backends(log, f"{dtype} T={T} B={B} H={H} G=1 K=128 V=64 chunk=64", x)
-            x, state = continued(x, log_linear_mamba2)
-            _compare_backends(log, f"{dtype} T={T} B={B} H={H} G=1 K=128 V=64 chunk=64 from a state at T", x,
+            x = bench.inputs(T, B, H, p["G"], p["K"], p["V"], dtype, seed=T)
+            _compare_backends(log, f"{variant} {dtype} T={T} B={B} H={H} G=1 K=128 V=64", x, bench.op)
+            x, state = continued(x, bench.op)
+            _compare_backends(log, f"{variant} {dtype} T={T} B={B} H={H} G=1 K=128 V=64 from a state at T", x, bench.op,
                               initial_state=state)
-    x = make_inputs(long_T, 1, 2, 1, 64, 64, torch.float32, seed=1)
+    x = bench.inputs(long_T, 1, 2, 1, 64, 64, torch.float32, seed=1)
     x["g"] = -(0.001 + 0.2 * torch.rand_like(x["g"]))
-    o_ref, s_ref, _, _ = _run_backend("torch", x, None, chunk_size=512)
+    o_ref, s_ref, _, _ = _run_backend("torch", x, None, bench.op, chunk_size=512)
     for dtype in dtypes:
         xd = {n: t.to(dtype) if n != "g" else t for n, t in x.items()}
-        o1, s1, _, t1 = _run_backend("triton", xd, None)
+        o1, s1, _, t1 = _run_backend("triton", xd, None, bench.op)
         log(f"long {dtype} T={long_T} B=1 H=2 K=V=64: finite={bool(torch.isfinite(o1).all())} levels={s1.shape[1]} "
             f"rel err vs torch chunk path (fp32) o={rel(o1, o_ref):.2e} state={rel(s1, s_ref):.2e}  [triton {t1:.2f}s]")
 
@@ -514,10 +515,9 @@ def main(argv: list[str] | None = None) -> None:
     bench = BENCHES[args.variant]
     args.impls = args.impls or [i for i in bench.impls if i != "loglinear_torch"]
     unknown = [i for i in args.impls if i not in bench.impls]
-    if unknown or (args.check and args.variant == "gla"):
-        what = f"--impls {' '.join(unknown)}: not rows of --variant {args.variant} ({', '.join(bench.impls)})" \
-            if unknown else "--check: GLA has no chunk kernels to check yet (its calls run the torch chunk path)"
-        print(f"bench_ops.py: {what}", file=sys.stderr)
+    if unknown:
+        print(f"bench_ops.py: --impls {' '.join(unknown)}: not rows of --variant {args.variant} "
+              f"({', '.join(bench.impls)})", file=sys.stderr)
         sys.exit(2)
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
     out_dir = Path(args.out)
@@ -538,7 +538,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.variant == "gdn":
                 check_gdn(log, args.long_T, dtypes)
             else:
-                check(log, args.long_T, dtypes)
+                check(log, args.variant, args.long_T, dtypes)
         except Exception as e:  # keep the log and go on to the timings
             log(f"check failed: {type(e).__name__}: {e}")
         finally:

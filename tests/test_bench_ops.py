@@ -42,8 +42,8 @@ def test_results_table_has_the_ratios(bench, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--variant", "gla", "--check"], "--check: GLA has no chunk kernels"),
     (["--variant", "gla", "--impls", "fla_gdn"], "--impls fla_gdn: not rows of --variant gla"),
+    (["--variant", "mamba2", "--impls", "fla_gla"], "--impls fla_gla: not rows of --variant mamba2"),
 ])
 def test_refusals_are_one_line_and_status_2(bench, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:

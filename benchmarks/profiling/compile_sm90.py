@@ -3,12 +3,14 @@ registers, stack, spills, per kernel at the op's block and launch choices.
 
     PYTHONPATH=/path/to/triton36 python benchmarks/profiling/compile_sm90.py mamba2       # bf16
     python benchmarks/profiling/compile_sm90.py mamba2 --dtype fp32 --has-init --plain     # fp32, plain + states
+    python benchmarks/profiling/compile_sm90.py gla                # the same kernels with a per-channel gate
     python benchmarks/profiling/compile_sm90.py gdn                # bf16, K = 128, V = 64, the op's block choices
     python benchmarks/profiling/compile_sm90.py gdn --dtype fp32 --K 256
     python benchmarks/profiling/compile_sm90.py gdn --l2norm       # the chunk-local kernels normalising q/k rows
 
-Paper setting by default (K = 128, V = 64, C = 64 for Mamba-2; the op's chunk for Gated DeltaNet). Mamba-2:
-the chunk-level scans mamba2/fwd.py, mamba2/bwd.py and the chunk-parallel mamba2/chunk.py; Gated DeltaNet:
+Paper setting by default (K = 128, V = 64, the op's chunk: 64 for Mamba-2, 32 for GLA, Gated DeltaNet's rule).
+Mamba-2 / GLA: the chunk-level scans mamba2/fwd.py, mamba2/bwd.py and the chunk-parallel mamba2/chunk.py (GLA:
+PER_CHANNEL); Gated DeltaNet:
 the scan kernels (gated_deltanet/scan.py) and the chunk-local ones (gated_deltanet/local.py).
 Uses the installed triton (compile with the GPU's version, e.g. a triton 3.6 wheel on PYTHONPATH) and its
 bundled ptxas. A kernel whose shared memory exceeds SHARED_LIMIT fails to launch on an H100/H200.
@@ -41,6 +43,7 @@ from loglinear.ops.triton.mamba2 import fwd as mamba2_fwd  # noqa: E402
 from loglinear.ops.triton.shared.common import MAX_CHUNK_LEVELS  # noqa: E402
 from loglinear.ops.triton.shared.launch import launch_options  # noqa: E402
 from loglinear.ops.triton.shared.rules import dot_precision, kernel_chunk_size  # noqa: E402
+from loglinear.variants.gla import sub_chunk_size  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SHARED_LIMIT = 232448
@@ -80,14 +83,18 @@ def signature(names: str, ptr: str, **special: str) -> dict:
 
 def mamba2_reports(args: argparse.Namespace) -> list[str]:
     """The Mamba-2 kernels as the op launches them (fwd scan, chunk kernels, reverse scan, the initial levels'
-    gradient)."""
+    gradient); for gla with PER_CHANNEL."""
     dtype, P, f32, i32 = DTYPES[args.dtype], "*" + args.dtype, "*fp32", "*i32"
     prec = dot_precision(dtype, mamba2.FP32_DOT)
-    BK, BV, C = triton.next_power_of_2(args.K), triton.next_power_of_2(args.V), 64
+    per_channel = args.variant == "gla"
+    BK, BV = triton.next_power_of_2(args.K), triton.next_power_of_2(args.V)
+    C = mamba2.MAX_CHUNK_PER_CHANNEL if per_channel else mamba2.MAX_CHUNK
     fwd_rows = BK if args.plain and dtype != torch.float32 else mamba2.SCAN_ROWS  # _scan_rows(k, plan.plain)
-    print(f"triton {triton.__version__}, mamba2, {args.dtype}, K={args.K}, V={args.V}, C={C}, plain={args.plain}, "
+    print(f"triton {triton.__version__}, {args.variant}, {args.dtype}, K={args.K}, V={args.V}, C={C}, "
+          f"plain={args.plain}, "
           f"has_init={args.has_init}, {prec}")
-    base = dict(C=C, LOG_C=6, BK=BK, BV=BV, PRECISION=prec, HAS_INIT=args.has_init, PLAIN=args.plain)
+    base = dict(C=C, LOG_C=C.bit_length() - 1, BK=BK, BV=BV, PRECISION=prec, HAS_INIT=args.has_init, PLAIN=args.plain,
+                PER_CHANNEL=per_channel, SUB=sub_chunk_size(C))
     ints = dict(K=args.K, V=args.V)
     ptrs = dict(g=f32, lam=P, scale="fp32", starts=i32, ends=i32, bos_ptr=i32, eos_ptr=i32, chunk0_ptr=i32)
 
@@ -118,7 +125,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
         const = {n: c for n, c in const.items() if n in fn.arg_names}
         sig = signature(names, P, **{n: t for n, t in {**bufs, **ptrs}.items() if n in names.split()})
         out.append(report(fn, {**sig, **dict.fromkeys(const, "constexpr")}, const, ints=ints,
-                          **launch_options(fn, tile)))
+                          **launch_options(fn, tile, per_channel)))
     return out
 
 
@@ -190,15 +197,15 @@ def gdn_reports(args: argparse.Namespace) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("variant", choices=["mamba2", "gdn"])
+    ap.add_argument("variant", choices=["mamba2", "gla", "gdn"])
     ap.add_argument("--dtype", choices=DTYPES, default="bf16")
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--V", type=int, default=64)
-    ap.add_argument("--has-init", action="store_true", help="mamba2: the variant for calls with initial states")
-    ap.add_argument("--plain", action="store_true", help="mamba2: the plain path's variant (level_scales=None)")
+    ap.add_argument("--has-init", action="store_true", help="mamba2, gla: the build for calls with initial states")
+    ap.add_argument("--plain", action="store_true", help="mamba2, gla: the plain path's build (level_scales=None)")
     ap.add_argument("--l2norm", action="store_true", help="gdn: the chunk-local kernels with NORM (use_qk_l2norm)")
     args = ap.parse_args()
-    for line in (mamba2_reports if args.variant == "mamba2" else gdn_reports)(args):
+    for line in (gdn_reports if args.variant == "gdn" else mamba2_reports)(args):
         print(line)
 
 

@@ -2,11 +2,11 @@
 
 Layout: shared/ (launch config, tiles, numeric rules, head padding, device tables, the Fenwick level
 cascade and in-chunk helpers), mamba2/ and gated_deltanet/ (one stage per file, composed in backend.py),
-decode.py (the fused one-token step of every variant). GLA has the fused step only: its chunked calls run the
-torch chunk path.
+decode.py (the fused one-token step of every variant). GLA runs on mamba2/'s kernels: its per-channel decay is
+their PER_CHANNEL switch.
 """
 
-from loglinear.ops.backends import Backend, register_backend, torch_chunk_backend
+from loglinear.ops.backends import Backend, register_backend
 
 try:
     import triton  # noqa: F401
@@ -21,4 +21,4 @@ if triton is not None:
     register_backend("mamba2", "triton", Backend(mamba2.backend, mamba2.supports, decode_backend, plain=True))
     register_backend("gated_deltanet", "triton",
                      Backend(gated_deltanet.backend, gated_deltanet.supports, decode_backend, plain=True))
-    register_backend("gla", "triton", Backend(torch_chunk_backend, decode=decode_backend))
+    register_backend("gla", "triton", Backend(mamba2.backend, mamba2.supports, decode_backend, plain=True))

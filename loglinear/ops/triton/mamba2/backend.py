@@ -24,6 +24,10 @@ Composition (all sequences of a call in one launch per kernel):
 A plain call (level_scales None: plain Mamba-2 / SSD, lambda = 1, a one-level state) runs the same kernels with
 PLAIN set: no alignment (a plain state continues at any position), one chunk level (the running state),
 every chunk's deposit merged into it, the final state the scan's (shared/levels.py).
+
+GLA (a log-decay per key channel, g [B, T, H, K]) is the same algorithm with the kernels' PER_CHANNEL switch: the
+backend serves every variant whose one gate is a log-decay, scalar (Mamba-2) or per channel (GLA), and reads which
+from the variant (``Gate.per_channel``); the torch prefixes run the variant's own chunk form.
 """
 
 from __future__ import annotations
@@ -49,13 +53,15 @@ from loglinear.ops.triton.shared.launch import launch_options
 from loglinear.ops.triton.shared.rules import dot_precision, kernel_chunk_size
 from loglinear.ops.triton.shared.tables import device_table, table_cache
 from loglinear.state import FenwickState
-from loglinear.variants.mamba2 import Mamba2Form, suffix_sum
+from loglinear.variants.gla import sub_chunk_size
+from loglinear.variants.mamba2 import suffix_sum
 
 __all__ = ["supports", "backend", "LevelScanPlan"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP32_DOT = "ieee"  # fp32 products exact (shared.rules.dot_precision)
 MAX_CHUNK = 64  # the kernels' chunk cap (shared.rules.kernel_chunk_size): tiles fit sm_90's shared memory
+MAX_CHUNK_PER_CHANNEL = 32  # per-channel gates: their [C, K] fp32 tiles fit 8 warps' registers (shared/launch.py)
 SCAN_ROWS = 16  # K rows per program of a scan whose state tile may be split
 INITIAL_READERS = 256  # reader chunks per program of the initial levels' gradient (fewer: more segments)
 
@@ -89,6 +95,7 @@ class LevelScanPlan:
     has_init: bool
     scale: float
     plain: bool = False
+    per_channel: bool = False  # g [tokens, H, K] (GLA), else [tokens, H]
 
     def device_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """bos, eos, chunk0 as int32 [N] tensors on ``device`` (cached, see _tables)."""
@@ -151,7 +158,12 @@ def _scan_rows(q: torch.Tensor, multiplies: bool) -> int:
 def _sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor) -> dict:
     """Runtime sizes and constexprs of the chunk kernels (those reading levels also take J = plan.num_levels)."""
     return dict(H=v.shape[1], G=q.shape[1], K=q.shape[-1], V=v.shape[-1], C=plan.chunk_size,
-                PRECISION=dot_precision(q.dtype, FP32_DOT))
+                PRECISION=dot_precision(q.dtype, FP32_DOT), PER_CHANNEL=plan.per_channel)
+
+
+def _gate_shape(plan: LevelScanPlan, rows: int, H: int, K: int) -> tuple[int, ...]:
+    """Shape of a per-gate tensor of ``rows`` rows: [rows, H], or [rows, H, K] per channel."""
+    return (rows, H, K) if plan.per_channel else (rows, H)
 
 
 def _gate_grad(d_gate: torch.Tensor, d_final: torch.Tensor, final: torch.Tensor,
@@ -159,16 +171,18 @@ def _gate_grad(d_gate: torch.Tensor, d_final: torch.Tensor, final: torch.Tensor,
     """dg[t] = sum_{u >= t in t's range} d_gate[u], with each range's last row also carrying its final levels'
     gate term sum(d_final * final); 0 outside the ranges. Whole-axis ops, no loop over sequences.
 
-    d_gate: [tokens, H] fp32; d_final, final: [N, J, H, K, V] fp32; ranges: bos, eos, chunk0 int32 [N].
-    The per-range suffix sums are differences of one whole-axis suffix sum, taken in fp64 so that subtracting
-    the later ranges' total loses nothing."""
+    d_gate: [tokens, H] fp32 ([tokens, H, K] per channel: the final levels' term row by row); d_final, final:
+    [N, J, H, K, V] fp32; ranges: bos, eos, chunk0 int32 [N]. The per-range suffix sums are differences of one
+    whole-axis suffix sum, taken in fp64 so that subtracting the later ranges' total loses nothing."""
     bos, eos = ranges[0].long(), ranges[1].long()
     t = torch.arange(d_gate.shape[0], device=d_gate.device)
     n = torch.searchsorted(eos, t, right=True).clamp_max(eos.numel() - 1)  # the range that can hold t
-    inside = ((t >= bos[n]) & (t < eos[n]))[:, None]  # rows outside the ranges are not the kernels' (unwritten)
-    term = (d_final * final).sum((1, 3, 4)) * (eos > bos)[:, None]  # [N, H]; empty ranges add nothing
+    per_row = (-1,) + (1,) * (d_gate.dim() - 1)
+    inside = ((t >= bos[n]) & (t < eos[n])).view(per_row)  # rows outside the ranges are not the kernels' (unwritten)
+    term = (d_final * final).sum((1, 4))  # [N, H, K]
+    term = (term if d_gate.dim() == 3 else term.sum(-1)) * (eos > bos).view(per_row)  # empty ranges add nothing
     x = torch.where(inside, d_gate.double(), 0).index_add_(0, (eos - 1).clamp_min(0), term.double())
-    suffix = F.pad(suffix_sum(x, 0), (0, 0, 0, 1))  # [tokens + 1, H]: sum_{u >= t} x[u]
+    suffix = torch.cat([suffix_sum(x, 0), torch.zeros_like(x[:1])])  # [tokens + 1, ...]: sum_{u >= t} x[u]
     return torch.where(inside, suffix[:-1] - suffix[eos[n]], 0).float()
 
 
@@ -191,17 +205,19 @@ def _merge_levels(k, v, g, levels, ranges, table: ChunkTable, plan: LevelScanPla
     BK, BV = _blocks(k, v)
     (N, H), NC = (len(plan.bos), v.shape[1]), table.starts.numel()
     buckets = alloc((NC, H, k.shape[-1], v.shape[-1]), k.dtype, k.device)  # deposits, then merged levels
-    decays = alloc((NC, H, plan.num_levels if not plan.plain else 0), torch.float32, k.device)  # plain: none
+    J = plan.num_levels if not plan.plain else 0  # plain: no decays
+    decays = alloc((NC, H, J, k.shape[-1]) if plan.per_channel else (NC, H, J), torch.float32, k.device)
     if NC and not plan.plain:  # the plain scan forms its deposits itself
         mamba2_deposit_kernel[(NC, H)](
             k, v, g, buckets, table.starts, table.ends, BK=BK, BV=BV, **_sizes(plan, k, v),
-            **launch_options(mamba2_deposit_kernel),
+            **launch_options(mamba2_deposit_kernel, per_channel=plan.per_channel),
         )
     BKS = _scan_rows(k, plan.plain)  # the plain scan multiplies (its deposits)
     mamba2_fwd_kernel[(N, H, triton.cdiv(k.shape[-1], BKS))](
         k, v, g, levels, buckets, decays, *ranges, table.base, H=H, G=k.shape[1], K=k.shape[-1], V=v.shape[-1],
         J=plan.num_levels, C=plan.chunk_size, BKS=BKS, BV=BV, BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init,
-        PLAIN=plan.plain, PRECISION=dot_precision(k.dtype, FP32_DOT), **launch_options(mamba2_fwd_kernel, BKS * BV),
+        PLAIN=plan.plain, PRECISION=dot_precision(k.dtype, FP32_DOT), PER_CHANNEL=plan.per_channel,
+        **launch_options(mamba2_fwd_kernel, BKS * BV),
     )
     return buckets, decays
 
@@ -244,8 +260,9 @@ def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Sa
         mamba2_chunk_fwd_kernel[(NC, v.shape[1])](
             q, k, v, g, lam, o, *_initial_reads(h0, q, plan), buckets, decays, table.starts, table.ends, table.seqs,
             table.chunks, ranges[2], plan.scale, L=lam.shape[-1], J=plan.num_levels, LOG_C=chunk_bits(plan.chunk_size),
-            BK=BK, BV=BV, BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, PLAIN=plan.plain, **_sizes(plan, q, v),
-            **launch_options(mamba2_chunk_fwd_kernel),
+            BK=BK, BV=BV, BJ=MAX_CHUNK_LEVELS, SUB=sub_chunk_size(plan.chunk_size), HAS_INIT=plan.has_init,
+            PLAIN=plan.plain, **_sizes(plan, q, v),
+            **launch_options(mamba2_chunk_fwd_kernel, per_channel=plan.per_channel),
         )
     return _Saved(table, buckets, decays)
 
@@ -260,17 +277,17 @@ def _chunk_sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, lam: tor
 def _dq_grads(q, k, v, g, lam, h0, d_o, ranges, buckets, saved: _Saved, plan: LevelScanPlan) -> tuple:
     """mamba2_chunk_bwd_dq_kernel, the only backward reader of the buckets.
     -> dq [tokens, G, K] (q's dtype), dlam [tokens, H, L] (lam's dtype; None when plain), q.dq [tokens, H] fp32
-    (per value head)."""
+    (per value head; [tokens, H, K] per channel)."""
     (tokens, H), K, L, table = v.shape[:2], q.shape[-1], lam.shape[-1], saved.table
     dq = alloc((tokens, H, K), q.dtype, q.device)
     dlam = alloc(tuple(lam.shape), lam.dtype, q.device) if not plan.plain else g  # g: never written when plain
-    qdq = alloc((tokens, H), torch.float32, q.device)
+    qdq = alloc(_gate_shape(plan, tokens, H, K), torch.float32, q.device)
     if table.starts.numel():
         mamba2_chunk_bwd_dq_kernel[(table.starts.numel(), H)](
             q, k, v, g, lam, d_o, *_initial_reads(h0, q, plan), buckets, saved.decays, table.starts, table.ends,
             table.seqs, table.chunks, ranges[2], plan.scale, dq, dlam, qdq, BL=next_pow2(L, minimum=32),
-            BJ=MAX_CHUNK_LEVELS, J=plan.num_levels, HAS_INIT=plan.has_init, **_chunk_sizes(plan, q, v, lam),
-            **launch_options(mamba2_chunk_bwd_dq_kernel),
+            BJ=MAX_CHUNK_LEVELS, J=plan.num_levels, SUB=sub_chunk_size(plan.chunk_size), HAS_INIT=plan.has_init,
+            **_chunk_sizes(plan, q, v, lam), **launch_options(mamba2_chunk_bwd_dq_kernel, per_channel=plan.per_channel),
         )
     if plan.plain:
         return _group_grad(dq, q.shape[1], plan), None, qdq
@@ -287,7 +304,7 @@ def _initial_read_grads(q, g, lam, d_o, ranges, saved: _Saved, plan: LevelScanPl
     d_init = alloc((S, N, J, H, q.shape[-1], d_o.shape[-1]), torch.float32, q.device)
     mamba2_initial_grad_kernel[(S * N * J, H)](
         q, g, lam, d_o, saved.decays, *ranges, table.base, d_init, plan.scale, N=N, S=S, J=J,
-        **_chunk_sizes(plan, q, d_o, lam), **launch_options(mamba2_initial_grad_kernel),
+        **_chunk_sizes(plan, q, d_o, lam), **launch_options(mamba2_initial_grad_kernel, per_channel=plan.per_channel),
     )
     return d_init.sum(0) if S > 1 else d_init[0]
 
@@ -302,13 +319,14 @@ def _deposit_grads(q, g, lam, d_o, d_levels, ranges, saved: _Saved, plan: LevelS
     if NC:
         mamba2_level_grad_kernel[(NC * H,)](
             q, g, lam, d_o, saved.decays, table.starts, table.ends, table.chunks, table.by_level, d_buckets,
-            plan.scale, J=J, BJ=MAX_CHUNK_LEVELS, **chunk, **launch_options(mamba2_level_grad_kernel),
+            plan.scale, J=J, BJ=MAX_CHUNK_LEVELS, **chunk,
+            **launch_options(mamba2_level_grad_kernel, per_channel=plan.per_channel),
         )
     BKS = _scan_rows(q, False)
     mamba2_bwd_scan_kernel[(N, H, triton.cdiv(q.shape[-1], BKS))](
         g, d_levels, d_buckets, *ranges, table.base, H=H, K=q.shape[-1], V=d_o.shape[-1], J=J, C=plan.chunk_size,
         BKS=BKS, BV=chunk["BV"], BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, PLAIN=plan.plain,
-        **launch_options(mamba2_bwd_scan_kernel, BKS * chunk["BV"]),
+        PER_CHANNEL=plan.per_channel, **launch_options(mamba2_bwd_scan_kernel, BKS * chunk["BV"]),
     )
     if plan.has_init and NC:
         d_levels += _initial_read_grads(q, g, lam, d_o, ranges, saved, plan)
@@ -317,14 +335,15 @@ def _deposit_grads(q, g, lam, d_o, d_levels, ranges, saved: _Saved, plan: LevelS
 
 def _dkv_grads(q, k, v, g, lam, d_o, d_deposits, table: ChunkTable, plan: LevelScanPlan) -> tuple:
     """mamba2_chunk_bwd_dkv_kernel (in-chunk + deposit terms). -> dk [tokens, G, K] (k's dtype),
-    dv [tokens, H, V] (v's dtype), k.dk [tokens, H] fp32 (per value head)."""
+    dv [tokens, H, V] (v's dtype), k.dk [tokens, H] fp32 (per value head; [tokens, H, K] per channel)."""
     (tokens, H), K, NC = v.shape[:2], k.shape[-1], table.starts.numel()
     dk, dv = alloc((tokens, H, K), k.dtype, k.device), alloc(tuple(v.shape), v.dtype, v.device)
-    kdk = alloc((tokens, H), torch.float32, k.device)
+    kdk = alloc(_gate_shape(plan, tokens, H, K), torch.float32, k.device)
     if NC:
         mamba2_chunk_bwd_dkv_kernel[(NC, H)](
             q, k, v, g, lam, d_o, d_deposits, table.starts, table.ends, plan.scale, dk, dv, kdk,
-            **_chunk_sizes(plan, q, v, lam), **launch_options(mamba2_chunk_bwd_dkv_kernel),
+            SUB=sub_chunk_size(plan.chunk_size), **_chunk_sizes(plan, q, v, lam),
+            **launch_options(mamba2_chunk_bwd_dkv_kernel, per_channel=plan.per_channel),
         )
     _zero_prefixes(plan, dv)
     return _group_grad(dk, k.shape[1], plan), dv, kdk
@@ -333,7 +352,8 @@ def _dkv_grads(q, k, v, g, lam, d_o, d_deposits, table: ChunkTable, plan: LevelS
 class LevelScanMamba2(torch.autograd.Function):
     """(q, k, v, g, lam, h0) -> (o, chunk-level final states) on the kernels.
 
-    q, k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H]; lam: [tokens, H, L] (plain: not read, no gradient);
+    q, k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] ([tokens, H, K] per channel); lam: [tokens, H, L]
+    (plain: not read, no gradient);
     h0: [N, J, H, K, V] fp32 chunk-level initial states (plain: J = 1, the state). Returns o: [tokens, H, V]
     (rows outside the plan's ranges unwritten) and the final chunk levels [N, J, H, K, V] fp32."""
 
@@ -370,17 +390,18 @@ class LevelScanMamba2(torch.autograd.Function):
 def _last_chunk_levels(k, v, g, a: int, b: int, C: int, H: int) -> torch.Tensor:
     """In-chunk token levels 0..c of the state after token b-1, from the last chunk of [a, b) (a aligned).
 
-    level l holds sum_{s: bit_length(s XOR e) = l} exp(G_e - G_s) k_s v_s^T.   -> [c+1, H, K, V] fp32."""
+    level l holds sum_{s: bit_length(s XOR e) = l} exp(G_e - G_s) k_s v_s^T (g: [tokens, H], or [tokens, H, K]:
+    exp per key channel).   -> [c+1, H, K, V] fp32."""
     c = chunk_bits(C)
     ls = a + ((b - a - 1) // C) * C
     ks = expand_groups(k[None, ls:b].float(), H)[0]  # [n, H, K]
     vs, gs = v[ls:b].float(), g[ls:b].float()
     G = gs.cumsum(0)
-    w = torch.exp(G[-1:] - G)  # [n, H]
+    w = torch.exp(G[-1:] - G)  # [n, H] or [n, H, K]
     local = torch.arange(b - ls, device=k.device)
     lev = bit_length(local ^ (b - 1 - ls))
     masks = (lev[None, :] == torch.arange(c + 1, device=k.device)[:, None]).float()
-    return torch.einsum("ln,nh,nhk,nhv->lhkv", masks, w, ks, vs)
+    return torch.einsum("ln,nhk,nhv->lhkv", masks, ks * (w if w.dim() == 3 else w[..., None]), vs)
 
 
 def _pad_levels(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -392,8 +413,8 @@ def _pad_levels(x: torch.Tensor, n: int) -> torch.Tensor:
 class _Flat:
     """The call on one flat token axis: sequence n covers tokens [bounds[n], bounds[n+1]) from positions[n].
 
-    q, k: [tokens, G, K]; v: [tokens, H, V] (kernel dtype); g: [tokens, H]; lam: [tokens, H, L] (a plain call:
-    g as [tokens, H, 1], never read)."""
+    q, k: [tokens, G, K]; v: [tokens, H, V] (kernel dtype); g: [tokens, H] ([tokens, H, K] per channel);
+    lam: [tokens, H, L] (a plain call: g in its place, never read)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -423,13 +444,13 @@ def _flatten(inp: OpInputs) -> _Flat:
     B, T, G, K = inp.q.shape
     H, V = inp.v.shape[2:]
     dtype = _kernel_dtype(inp)
+    g = inp.gates["g"].reshape(B * T, *inp.gates["g"].shape[2:]).contiguous()
     bounds = inp.bounds if inp.bounds is not None else [n * T for n in range(B + 1)]
     state = inp.initial_state
     return _Flat(
         inp.q.to(dtype).reshape(B * T, G, K).contiguous(), inp.k.to(dtype).reshape(B * T, G, K).contiguous(),
-        inp.v.to(dtype).reshape(B * T, H, V).contiguous(), inp.gates["g"].reshape(B * T, H).contiguous(),
-        inp.level_scales.reshape(B * T, H, -1).contiguous() if inp.level_scales is not None
-        else inp.gates["g"].reshape(B * T, H, 1), bounds,
+        inp.v.to(dtype).reshape(B * T, H, V).contiguous(), g,
+        inp.level_scales.reshape(B * T, H, -1).contiguous() if inp.level_scales is not None else g, bounds,
         state.positions.tolist() if state is not None else [0] * (len(bounds) - 1),
     )
 
@@ -448,9 +469,9 @@ class _Aligned:
     done: dict[int, torch.Tensor]
 
 
-def _align(flat: _Flat, state: FenwickState | None, C: int, scale: float) -> _Aligned:
-    """Run each stateful sequence through the torch path up to its first chunk boundary (a state at
-    position 0 included: its junk in-chunk levels are read by the first chunk)."""
+def _align(flat: _Flat, state: FenwickState | None, C: int, scale: float, form: type) -> _Aligned:
+    """Run each stateful sequence through the torch path (the variant's chunk form) up to its first chunk
+    boundary (a state at position 0 included: its junk in-chunk levels are read by the first chunk)."""
     out = _Aligned([], [], [], [], [], {})
     for n, (a, b, p) in enumerate(zip(flat.bounds, flat.bounds[1:], flat.positions)):
         levels = state.levels[n : n + 1].float() if state is not None else None
@@ -458,8 +479,7 @@ def _align(flat: _Flat, state: FenwickState | None, C: int, scale: float) -> _Al
         if levels is not None and (p % C or p == 0):
             pre = min(b - a, C - p % C)
             x = flat.rows(a, a + pre)
-            o_pre, levels = chunk_scan(Mamba2Form, x["q"], x["k"], x["v"], {"g": x["g"]}, x["lam"], scale, levels,
-                                       p, C)
+            o_pre, levels = chunk_scan(form, x["q"], x["k"], x["v"], {"g": x["g"]}, x["lam"], scale, levels, p, C)
             out.prefix_out.append(o_pre[0])
             out.prefixes.append((a, a + pre))
         if a + pre == b:
@@ -502,6 +522,11 @@ def _final_state(flat: _Flat, aligned: _Aligned, final: torch.Tensor, C: int, n_
     return FenwickState(torch.stack([_pad_levels(x, n_max) for x in out]), torch.tensor(positions))
 
 
+def _per_channel(inp: OpInputs) -> bool:
+    """Is the variant's log-decay per key channel (GLA) rather than per head (Mamba-2)?"""
+    return inp.variant.gates[0].per_channel
+
+
 def supports(inp: OpInputs) -> bool:
     """Do the kernels take this call? bf16/fp16/fp32 q and v, on CUDA (CPU tensors under the interpreter).
     The dispatcher (loglinear.ops.backends) sends the others (float64, CPU without TRITON_INTERPRET) to torch."""
@@ -519,13 +544,14 @@ def backend(inp: OpInputs, output_final_state: bool, chunk_size: int,
 
 def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tuple[torch.Tensor, FenwickState | None]:
     """backend on the kernels: (o [B, T, H, V] in v's dtype, final state or None)."""
-    C = kernel_chunk_size(chunk_size, MAX_CHUNK)
+    C = kernel_chunk_size(chunk_size, MAX_CHUNK_PER_CHANNEL if _per_channel(inp) else MAX_CHUNK)
     flat = _flatten(inp)
     if inp.level_scales is None:
         return _run_plain(inp, flat, output_final_state, C)
-    aligned = _align(flat, inp.initial_state, C, inp.scale)
+    aligned = _align(flat, inp.initial_state, C, inp.scale, inp.variant.form)
     J, h0, has_init = _chunk_levels(flat, aligned, C)
-    plan = LevelScanPlan(aligned.bos, flat.bounds[1:], aligned.chunk0, aligned.prefixes, C, J, has_init, inp.scale)
+    plan = LevelScanPlan(aligned.bos, flat.bounds[1:], aligned.chunk0, aligned.prefixes, C, J, has_init, inp.scale,
+                         per_channel=_per_channel(inp))
     o, final = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, flat.lam, h0, plan)
     if aligned.prefixes:
         idx = torch.cat([torch.arange(a, b, device=o.device) for a, b in aligned.prefixes])
@@ -547,7 +573,8 @@ def _run_plain(inp: OpInputs, flat: _Flat, output_final_state: bool, C: int
         h0 = state.levels.float().contiguous()
     else:
         h0 = flat.v.new_zeros((1, 1, H, K, V), dtype=torch.float32).expand(N, 1, H, K, V)
-    plan = LevelScanPlan(flat.bounds[:-1], flat.bounds[1:], [0] * N, [], C, 1, state is not None, inp.scale, plain=True)
+    plan = LevelScanPlan(flat.bounds[:-1], flat.bounds[1:], [0] * N, [], C, 1, state is not None, inp.scale, plain=True,
+                         per_channel=_per_channel(inp))
     o, final = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, flat.lam, h0, plan)
     o = o.reshape(inp.v.shape).to(inp.v.dtype)
     if not output_final_state:

@@ -22,6 +22,8 @@ multiplies, with or without a state.
 PLAIN (one chunk level, lambda = 1; see fwd.py): dD_i = dS + dB_i, dS <- exp(Gl) dD_i for every chunk, the
 last one too (its dB is 0: its deposit is merged into the final state), with dS in registers; only the
 sequence's first chunk reads the initial state (its term added by the backend as above).
+
+PER_CHANNEL (GLA): the gate totals, and so the lazy decays, are per state row (shared/levels.py).
 """
 
 from __future__ import annotations
@@ -31,52 +33,55 @@ import triton.language as tl
 
 from loglinear.ops.triton.shared.common import SCAN_RUNTIME_ARGS
 from loglinear.ops.triton.shared.levels import (
-    chunk_inputs, flush_levels, level_tile, sequence_range, split_levels,
+    add_decay, chunk_inputs, flush_levels, level_tile, no_decays, row_decay, sequence_range, split_levels,
 )
 
 
 @triton.jit
-def plain_chain(g, ptrs, lmask, d_buckets, bos, eos, base, h, H, K, V, offs, r, C: tl.constexpr,
-                HAS_INIT: tl.constexpr):
+def plain_chain(g, ptrs, lmask, d_buckets, bos, eos, base, h, H, K, V, offs, r, kk, C: tl.constexpr,
+                HAS_INIT: tl.constexpr, PER_CHANNEL: tl.constexpr):
     """PLAIN, in reverse from the final state's gradient at ptrs: dD_i = dS + dB_i (stored over dB_i),
     dS <- exp(Gl_i) dD_i, in registers; then dS back to ptrs (the initial state's gradient, less its first
     chunk's read: the backend adds it)."""
     d_state = tl.load(ptrs, mask=lmask, other=0.0)
     n_chunks = tl.cdiv(eos - bos, C)
     slot = ((base + n_chunks - 1) * H + h) * K * V
-    reads, Gl = chunk_inputs(d_buckets, g, slot, bos + (n_chunks - 1) * C, r, bos, eos, h, H, offs, lmask, True)
+    reads, Gl = chunk_inputs(d_buckets, g, slot, bos + (n_chunks - 1) * C, r, bos, eos, h, H, offs, lmask, kk, K, True,
+                             PER_CHANNEL)
     for back in range(n_chunks):
         t0 = bos + (n_chunks - 1 - back) * C
-        next_reads, next_Gl = chunk_inputs(d_buckets, g, slot - H * K * V, t0 - C, r, bos, eos, h, H, offs, lmask,
-                                           True)
+        next_reads, next_Gl = chunk_inputs(d_buckets, g, slot - H * K * V, t0 - C, r, bos, eos, h, H, offs, lmask, kk,
+                                           K, True, PER_CHANNEL)
         d_deposit = d_state + reads
         tl.store(d_buckets + slot + offs, d_deposit.to(d_buckets.dtype.element_ty), mask=lmask)
-        d_state = tl.exp(Gl) * d_deposit
+        d_state = row_decay(Gl, PER_CHANNEL) * d_deposit
         reads, Gl, slot = next_reads, next_Gl, slot - H * K * V
     if HAS_INIT:
         tl.store(ptrs, d_state, mask=lmask)
 
 
 @triton.jit
-def fenwick_chain(g, ptrs, stride, lmask, d_buckets, bos, eos, c0, base, h, H, K, V, J, offs, r, jj,
-                  C: tl.constexpr, BJ: tl.constexpr, HAS_INIT: tl.constexpr):
+def fenwick_chain(g, ptrs, stride, lmask, d_buckets, bos, eos, c0, base, h, H, K, V, J, offs, r, jj, kk,
+                  C: tl.constexpr, BJ: tl.constexpr, BKS: tl.constexpr, HAS_INIT: tl.constexpr,
+                  PER_CHANNEL: tl.constexpr):
     """The transposed cascade (module docstring) on the level gradients at ptrs (stride between levels)."""
-    decay = tl.zeros([BJ], dtype=tl.float32)
+    decay = no_decays(BJ, BKS, PER_CHANNEL)
     n_chunks = tl.cdiv(eos - bos, C)
     slot = ((base + n_chunks - 1) * H + h) * K * V
-    reads, Gl = chunk_inputs(d_buckets, g, slot, bos + (n_chunks - 1) * C, r, bos, eos, h, H, offs, lmask, False)
+    reads, Gl = chunk_inputs(d_buckets, g, slot, bos + (n_chunks - 1) * C, r, bos, eos, h, H, offs, lmask, kk, K,
+                             False, PER_CHANNEL)
     for back in range(n_chunks):
         i = n_chunks - 1 - back
         t0 = bos + i * C
-        next_reads, next_Gl = chunk_inputs(d_buckets, g, slot - H * K * V, t0 - C, r, bos, eos, h, H, offs, lmask,
-                                           False)
+        next_reads, next_Gl = chunk_inputs(d_buckets, g, slot - H * K * V, t0 - C, r, bos, eos, h, H, offs, lmask, kk,
+                                           K, False, PER_CHANNEL)
         if i < n_chunks - 1:
-            d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, c0 + i, reads, BJ)
+            d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, c0 + i, reads, BJ, PER_CHANNEL)
             tl.store(d_buckets + slot + offs, d_deposit.to(d_buckets.dtype.element_ty), mask=lmask)
-        decay += Gl
+        decay = add_decay(decay, Gl, PER_CHANNEL)
         reads, Gl, slot = next_reads, next_Gl, slot - H * K * V
     if HAS_INIT:
-        flush_levels(ptrs, stride, lmask, decay, jj, J, c0, c0, False, HAS_INIT)
+        flush_levels(ptrs, stride, lmask, decay, jj, J, c0, c0, False, HAS_INIT, PER_CHANNEL)
 
 
 @triton.jit(do_not_specialize=SCAN_RUNTIME_ARGS)
@@ -84,19 +89,19 @@ def mamba2_bwd_scan_kernel(
     g, d_levels, d_buckets, bos_ptr, eos_ptr, chunk0_ptr, base_ptr,
     H, K, V, J,
     C: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr, HAS_INIT: tl.constexpr,
-    PLAIN: tl.constexpr,
+    PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
-    """Grid (N, H, cdiv(K, BKS)). d_levels: [N, J, H, K, V] fp32, the final chunk-level states' gradient in,
-    the initial ones' out (HAS_INIT; less their readers' terms); d_buckets: [NC, H, K, V] (q's dtype), dB per
-    kernel chunk in, dD out (every chunk but each sequence's last, every chunk when PLAIN); base: [N] each
-    sequence's first kernel chunk."""
+    """Grid (N, H, cdiv(K, BKS)). g: [tokens, H] ([tokens, H, K] with PER_CHANNEL); d_levels: [N, J, H, K, V]
+    fp32, the final chunk-level states' gradient in, the initial ones' out (HAS_INIT; less their readers'
+    terms); d_buckets: [NC, H, K, V] (q's dtype), dB per kernel chunk in, dD out (every chunk but each
+    sequence's last, every chunk when PLAIN); base: [N] each sequence's first kernel chunk."""
     n, h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, c0, base = sequence_range(n, bos_ptr, eos_ptr, chunk0_ptr, base_ptr)
     r = tl.arange(0, C)
     kk, vv, jj = kb * BKS + tl.arange(0, BKS), tl.arange(0, BV), tl.arange(0, BJ)
     ptrs, stride, offs, lmask = level_tile(d_levels, n, h, H, J, K, V, kk, vv)
     if PLAIN:
-        plain_chain(g, ptrs, lmask, d_buckets, bos, eos, base, h, H, K, V, offs, r, C, HAS_INIT)
+        plain_chain(g, ptrs, lmask, d_buckets, bos, eos, base, h, H, K, V, offs, r, kk, C, HAS_INIT, PER_CHANNEL)
     else:
-        fenwick_chain(g, ptrs, stride, lmask, d_buckets, bos, eos, c0, base, h, H, K, V, J, offs, r, jj, C, BJ,
-                      HAS_INIT)
+        fenwick_chain(g, ptrs, stride, lmask, d_buckets, bos, eos, c0, base, h, H, K, V, J, offs, r, jj, kk, C, BJ,
+                      BKS, HAS_INIT, PER_CHANNEL)

@@ -59,6 +59,17 @@ into segments whose sums the backend adds).
 PLAIN (plain Mamba-2 / SSD: lambda = 1, one chunk level, shared/levels.py): the same kernels with lambda's
 loads and dlambda compiled out; chunk i reads the state after chunk i - 1 (or the initial state), the last
 chunk deposits too (into the final state), and each state has one reader.
+
+PER_CHANNEL (GLA, spec section 6b: g [tokens, H, K], a log-decay per key channel; Mamba-2 is its case of equal
+channels): every exp(G) above becomes a per-channel factor on the key side of a product, so it moves from the
+rows of the output to the columns of q or k:
+
+    deposit    D = (K * exp(Gl - G))^T V
+    readout    O += sum_j lambda_j (Q * exp(G) * exp(decay_j)) B_j          (decay_j [K]: decays [NC, H, J, K])
+    in-chunk   P[t, s] = sum_k q_t[k] exp(G_t[k] - G_s[k]) k_s[k]          (shared/intra_channel.py)
+
+and the gate's gradient is the same telescoping per channel: dGs_u[k] = q_u[k] dq_u[k] - k_u[k] dk_u[k] (+ the
+final states' row k), so the dq and dk / dv kernels store q * dq and k * dk [tokens, H, K] instead of row sums.
 """
 from __future__ import annotations
 
@@ -68,6 +79,7 @@ import triton.language as tl
 from loglinear.ops.triton.shared.intra import (
     chunk_gates, intra_levels, intra_output, intra_score_grads, intra_scores, level_sums, level_weights,
 )
+from loglinear.ops.triton.shared.intra_channel import channel_block, channel_gates
 from loglinear.ops.triton.shared.levels import bucket_levels, level_source, merge_target, nth_level, sequence_range
 from loglinear.ops.triton.shared.tiles import level_column, load_tile, store_column, store_tile
 
@@ -94,47 +106,80 @@ def chunk_position(seqs, chunks, chunk0):
 
 
 @triton.jit
-def read_bucket(buckets, decays, h, H, J, K, V, chunk, c0, j, offs, mask, PLAIN: tl.constexpr):
+def gates(g, t, valid, h, H, K, kk, C: tl.constexpr, S: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """The chunk's gates, fp32: (G, Gw, Gl) with G the chunk-local inclusive cumsum and Gl its total; [C] and a
+    scalar from g [tokens, H], or with PER_CHANNEL [C, BK] and [BK] from g [tokens, H, K] with Gw the cumsum
+    restarted every S rows (intra_channel.channel_gates; without PER_CHANNEL Gw = G, unused)."""
+    if PER_CHANNEL:
+        G, Gw, Gl = channel_gates(g, t, valid, h, H, K, kk, C, S)
+    else:
+        G, Gl = chunk_gates(g, t, valid, h, H)
+        Gw = G
+    return G, Gw, Gl
+
+
+@triton.jit
+def read_bucket(buckets, decays, h, H, J, K, V, chunk, c0, j, kk, offs, mask, PLAIN: tl.constexpr,
+                PER_CHANNEL: tl.constexpr):
     """Level j as this chunk reads it from its bucket in buckets [NC, H, K, V] (the merge levels.level_source
-    points to), before its decay: [BK, BV] in buckets' dtype; and exp(decay_j) (scalar; 1 when PLAIN: the
-    state after the previous chunk, stored there)."""
+    points to), before its decay: [BK, BV] in buckets' dtype; and exp(decay_j) (level_decay)."""
     p = tl.program_id(0).to(tl.int64)
     _, back = level_source(chunk, c0, j, False, PLAIN)
     state = tl.load(buckets + ((p - back) * H + h) * K * V + offs, mask=mask, other=0.0)
-    return state, level_decay(decays, p, h, H, J, j, PLAIN)
+    return state, level_decay(decays, p, h, H, J, K, j, kk, PLAIN, PER_CHANNEL)
 
 
 @triton.jit
-def read_initial(h0, decays, n, h, H, J, K, V, j, offs, mask, PLAIN: tl.constexpr):
+def read_initial(h0, decays, n, h, H, J, K, V, j, kk, offs, mask, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr):
     """Level j as this chunk reads it from the initial states h0 [N, J, H, K, V] (level_source kind 2; in the
-    operand dtype, as the readouts round every level), before its decay: [BK, BV]; and exp(decay_j) (scalar)."""
+    operand dtype, as the readouts round every level), before its decay: [BK, BV]; and exp(decay_j)."""
     p = tl.program_id(0).to(tl.int64)
     state = tl.load(h0 + ((n * J + j) * H + h) * K * V + offs, mask=mask, other=0.0)
-    return state, level_decay(decays, p, h, H, J, j, PLAIN)
+    return state, level_decay(decays, p, h, H, J, K, j, kk, PLAIN, PER_CHANNEL)
 
 
 @triton.jit
-def level_decay(decays, p, h, H, J, j, PLAIN: tl.constexpr):
-    """exp(decays[p, h, j]): the decay of level j since stored, as chunk p reads it (1 when PLAIN, no decays)."""
-    if PLAIN:
-        return 1.0
-    return tl.exp(tl.load(decays + (p * H + h) * J + j))
+def level_decay(decays, p, h, H, J, K, j, kk, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """exp(decay of level j since stored), as chunk p reads it: a scalar from decays [NC, H, J], or [BK] from
+    decays [NC, H, J, K] with PER_CHANNEL; 1 when PLAIN (no decays)."""
+    if PER_CHANNEL:
+        if PLAIN:
+            factor = tl.full(kk.shape, 1.0, tl.float32)
+        else:
+            factor = tl.exp(tl.load(decays + ((p * H + h) * J + j) * K + kk, mask=kk < K, other=0.0))
+    else:
+        if PLAIN:
+            factor = 1.0
+        else:
+            factor = tl.exp(tl.load(decays + (p * H + h) * J + j))
+    return factor
 
 
 @triton.jit
-def readout(qc, state, to_now, lam, t, valid, h, H, L, level, PRECISION: tl.constexpr, PLAIN: tl.constexpr):
-    """One level's readout lambda_level * exp(decay) * (Q B), unscaled by exp(G) -> [C, BV] fp32."""
-    lam_j = level_column(lam, t, valid, h, H, L, level, PLAIN) * to_now
-    return lam_j[:, None] * tl.dot(qc, state.to(qc.dtype), input_precision=PRECISION)
+def readout(qc, q_dec, state, to_now, lam, t, valid, h, H, L, level, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
+            PER_CHANNEL: tl.constexpr):
+    """One level's readout lambda_level * (Q * exp(decay)) B, unscaled by exp(G) except with PER_CHANNEL, where
+    the per-channel factors q_dec = exp(G) [C, BK] and to_now [BK] scale q's columns -> [C, BV] fp32."""
+    lam_j = level_column(lam, t, valid, h, H, L, level, PLAIN)
+    if PER_CHANNEL:
+        q_read = (qc.to(tl.float32) * q_dec * to_now[None, :]).to(qc.dtype)
+    else:
+        q_read = qc
+        lam_j *= to_now
+    return lam_j[:, None] * tl.dot(q_read, state.to(qc.dtype), input_precision=PRECISION)
 
 
 @triton.jit
 def readout_grad(doc, qc, state, to_now, row_scale, lam, dlam, t, valid, h, H, L, level,
-                 PRECISION: tl.constexpr, PLAIN: tl.constexpr):
-    """One level's share of dQ, lambda_level * d_read with d_read = diag(row_scale * exp(decay)) dO B^T
-    ([C, BK] fp32); stores dlambda's column ``level`` = rowsum(Q * d_read) (not when PLAIN)."""
+                 PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """One level's share of dQ, lambda_level * d_read with d_read = (dO B^T) * row_scale * exp(decay) ([C, BK]
+    fp32; row_scale = scale * exp(G): [C], or [C, BK] with PER_CHANNEL); stores dlambda's column ``level`` =
+    rowsum(Q * d_read) (not when PLAIN)."""
     d_read = tl.dot(doc, tl.trans(state.to(doc.dtype)), input_precision=PRECISION)
-    d_read *= (row_scale * to_now)[:, None]
+    if PER_CHANNEL:
+        d_read *= row_scale * to_now[None, :]
+    else:
+        d_read *= (row_scale * to_now)[:, None]
     if PLAIN:
         return d_read
     store_column(dlam, tl.sum(d_read * qc.to(tl.float32), 1), t, valid, h, H, L, level)
@@ -142,44 +187,92 @@ def readout_grad(doc, qc, state, to_now, row_scale, lam, dlam, t, valid, h, H, L
 
 
 @triton.jit
-def chunk_deposit(kc, vc, Gc, Gl, PRECISION: tl.constexpr):
-    """D = sum_s exp(Gl - G_s) k_s v_s^T = K^T (exp(Gl - G) * V) -> [BK, BV] fp32 (k [C, BK], v [C, BV])."""
-    to_end = tl.exp(Gl - Gc)[:, None]
-    return tl.dot(tl.trans(kc), (vc.to(tl.float32) * to_end).to(vc.dtype), input_precision=PRECISION)
+def chunk_deposit(kc, vc, Gc, Gl, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """D = sum_s exp(Gl - G_s) k_s v_s^T -> [BK, BV] fp32 (k [C, BK], v [C, BV]): K^T (exp(Gl - G) * V), or with
+    PER_CHANNEL (Gl [BK], G [C, BK]) (K * exp(Gl - G))^T V."""
+    if PER_CHANNEL:
+        k_end = (kc.to(tl.float32) * tl.exp(Gl[None, :] - Gc)).to(kc.dtype)
+        v_end = vc
+    else:
+        k_end = kc
+        v_end = (vc.to(tl.float32) * tl.exp(Gl - Gc)[:, None]).to(vc.dtype)
+    return tl.dot(tl.trans(k_end), v_end, input_precision=PRECISION)
+
+
+@triton.jit
+def store_gate_term(ptr, x, xc, t0, r, t, valid, h, H, K, kk, PER_CHANNEL: tl.constexpr):
+    """The gate gradient's term of a complete dq or dk: x * xc ([C, BK]) into ptr [tokens, H, K] with
+    PER_CHANNEL, else its row sums into ptr [tokens, H] (fp32)."""
+    if PER_CHANNEL:
+        store_tile(ptr, x * xc.to(tl.float32), t0, r, valid, h, H, K, kk)
+    else:
+        tl.store(ptr + t * H + h, tl.sum(x * xc.to(tl.float32), 1), mask=valid)
 
 
 @triton.jit(do_not_specialize=["H", "G"])
 def mamba2_deposit_kernel(
     k, v, g, buckets, starts, ends,
     H, G, K, V,
-    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
-    """buckets[p] = D_p = K^T (exp(Gl - G) * V) for every kernel chunk p but its sequence's last (which
-    deposits nothing; the forward scan merges D_p and overwrites the slot with the merged level). Not used by
-    plain calls: their forward scan forms the deposits itself.
-    k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H]; buckets: [NC, H, K, V].  Grid (NC, H)."""
+    """buckets[p] = D_p (chunk_deposit) for every kernel chunk p but its sequence's last (which deposits nothing;
+    the forward scan merges D_p and overwrites the slot with the merged level). Not used by plain calls: their
+    forward scan forms the deposits itself.
+    k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] ([tokens, H, K] with PER_CHANNEL); buckets:
+    [NC, H, K, V].  Grid (NC, H)."""
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
     if t0 + C < tl.load(ends + tl.program_id(0)):
         kk, vv = tl.arange(0, BK), tl.arange(0, BV)
-        Gc, Gl = chunk_gates(g, t, valid, h, H)
+        Gc, _, Gl = gates(g, t, valid, h, H, K, kk, C, C, PER_CHANNEL)
         deposit = chunk_deposit(load_tile(k, t0, r, valid, h // (H // G), G, K, kk),
-                                load_tile(v, t0, r, valid, h, H, V, vv), Gc, Gl, PRECISION)
+                                load_tile(v, t0, r, valid, h, H, V, vv), Gc, Gl, PRECISION, PER_CHANNEL)
         tl.store(buckets + (tl.program_id(0).to(tl.int64) * H + h) * K * V + kk[:, None] * V + vv[None, :],
                  deposit.to(buckets.dtype.element_ty), mask=(kk[:, None] < K) & (vv[None, :] < V))
+
+
+@triton.jit
+def intra_block(qc, kc, vc, doc, k, g, lam, t0, r, t, valid, h, H, G, K, L, kk, Gc, Gw, scale,
+                C: tl.constexpr, LOG_C: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
+                PER_CHANNEL: tl.constexpr, DQ: tl.constexpr, DK: tl.constexpr):
+    """The in-chunk block, [C, C] fp32 each: the raw scores P (Q K^T * Gamma), Lambda, and with DQ or DK
+    (the backward; doc = dO) dA = scale * dO V^T and the in-chunk dQ = (dA * Gamma * Lambda) K or
+    dK = (dA * Gamma * Lambda)^T Q ([C, BK] fp32; per channel: intra_channel.channel_block). Without DQ / DK,
+    dA and the product come back as 0. Recomputed by each kernel instead of passed (two C x C x K/V GEMMs),
+    so each fits 4 warps without spills."""
+    causal = r[:, None] >= r[None, :]
+    weights = level_weights(lam, t, valid, h, H, L, intra_levels(r, LOG_C), causal, LOG_C, PLAIN)
+    d_a = tl.zeros([C, C], dtype=tl.float32)
+    if DQ:
+        d_a = intra_score_grads(doc, vc, causal, scale, PRECISION)
+    if DK:
+        d_a = intra_score_grads(doc, vc, causal, scale, PRECISION)
+    if PER_CHANNEL:
+        p, d_q, d_k = channel_block(qc, kc, d_a * weights, k, g, t0, r, valid, h // (H // G), G, h, H, K, kk, Gc, Gw,
+                                    C, S, PRECISION, DQ, DK)
+        d_x = d_q + d_k
+    else:
+        p, gamma = intra_scores(qc, kc, Gc, causal, PRECISION)
+        d_x = tl.zeros(qc.shape, dtype=tl.float32)
+        if DQ:
+            d_x = tl.dot((d_a * gamma * weights).to(qc.dtype), kc, input_precision=PRECISION)
+        if DK:
+            d_x = tl.dot(tl.trans((d_a * gamma * weights).to(qc.dtype)), qc, input_precision=PRECISION)
+    return p, weights, d_a, d_x
 
 
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
 def mamba2_chunk_fwd_kernel(
     q, k, v, g, lam, o, h0, h0_held, buckets, decays, starts, ends, seqs, chunks, chunk0, scale,
     H, G, K, V, L, J,
-    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
-    HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr, SUB: tl.constexpr,
+    HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
-    """q, k: [tokens, G, K]; v, o: [tokens, H, V]; g: [tokens, H]; lam: [tokens, H, L] (not read when PLAIN);
-    h0: [N, J, H, K, V] (q's dtype), h0_held: [N, J] int8, 0 where a level of h0 is all zeros (not read: it adds
-    nothing); buckets: [NC, H, K, V], decays: [NC, H, J] fp32 (the forward scan's); starts, ends, seqs, chunks:
-    [NC] int32 (the chunk table), chunk0: [N].  Grid (NC, H)."""
+    """q, k: [tokens, G, K]; v, o: [tokens, H, V]; g: [tokens, H] ([tokens, H, K] with PER_CHANNEL, whose in-chunk
+    sub-chunks have SUB rows); lam: [tokens, H, L] (not read when PLAIN); h0: [N, J, H, K, V] (q's dtype),
+    h0_held: [N, J] int8, 0 where a level of h0 is all zeros (not read: it adds nothing); buckets: [NC, H, K, V],
+    decays: [NC, H, J] ([NC, H, J, K]) fp32 (the forward scan's); starts, ends, seqs, chunks: [NC] int32 (the
+    chunk table), chunk0: [N].  Grid (NC, H)."""
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
     n, chunk, c0 = chunk_position(seqs, chunks, chunk0)
@@ -188,21 +281,30 @@ def mamba2_chunk_fwd_kernel(
     lmask = (kk[:, None] < K) & (vv[None, :] < V)
     qc, kc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk), load_tile(k, t0, r, valid, h // (H // G), G, K, kk)
     vc = load_tile(v, t0, r, valid, h, H, V, vv)
-    Gc, _ = chunk_gates(g, t, valid, h, H)
+    Gc, Gw, _ = gates(g, t, valid, h, H, K, kk, C, SUB, PER_CHANNEL)
+    q_dec = Gc  # per channel: the readouts' column factors exp(G); a scalar gate scales the rows after the loops
+    if PER_CHANNEL:
+        q_dec = tl.exp(Gc)
     read = tl.zeros([C, BV], dtype=tl.float32)
     live, rank, count = bucket_levels(chunk, c0, jj, J, PLAIN)
     for i in range(count):
         j = nth_level(live, rank, jj, i)
-        state, to_now = read_bucket(buckets, decays, h, H, J, K, V, chunk, c0, j, offs, lmask, PLAIN)
-        read += readout(qc, state, to_now, lam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION, PLAIN)
+        state, to_now = read_bucket(buckets, decays, h, H, J, K, V, chunk, c0, j, kk, offs, lmask, PLAIN, PER_CHANNEL)
+        read += readout(qc, q_dec, state, to_now, lam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION, PLAIN,
+                        PER_CHANNEL)
     if HAS_INIT:
         for j in range(J):
             if (level_source(chunk, c0, j, True, PLAIN)[0] == 2) & (tl.load(h0_held + n * J + j) != 0):
-                state, to_now = read_initial(h0, decays, n, h, H, J, K, V, j, offs, lmask, PLAIN)
-                read += readout(qc, state, to_now, lam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION, PLAIN)
-    acc = intra_output(qc, kc, vc, Gc, lam, t, valid, h, H, L, intra_levels(r, LOG_C), r[:, None] >= r[None, :],
-                       LOG_C, PRECISION, PLAIN)
-    store_tile(o, (acc + read * tl.exp(Gc)[:, None]) * scale, t0, r, valid, h, H, V, vv)
+                state, to_now = read_initial(h0, decays, n, h, H, J, K, V, j, kk, offs, lmask, PLAIN, PER_CHANNEL)
+                read += readout(qc, q_dec, state, to_now, lam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION, PLAIN,
+                                PER_CHANNEL)
+    if not PER_CHANNEL:
+        read *= tl.exp(Gc)[:, None]
+    p, _, _, _ = intra_block(qc, kc, vc, vc, k, g, lam, t0, r, t, valid, h, H, G, K, L, kk, Gc, Gw, scale, C, LOG_C,
+                             SUB, PRECISION, PLAIN, PER_CHANNEL, False, False)
+    acc = intra_output(p, vc, lam, t, valid, h, H, L, intra_levels(r, LOG_C), r[:, None] >= r[None, :], LOG_C,
+                       PRECISION, PLAIN)
+    store_tile(o, (acc + read) * scale, t0, r, valid, h, H, V, vv)
 
 
 @triton.jit
@@ -212,65 +314,56 @@ def read_columns(ll, chunk, c0, J, LOG_C: tl.constexpr, HAS_INIT: tl.constexpr):
     return (ll > LOG_C) & (j < J) & (level_source(chunk, c0, j, HAS_INIT, False)[0] != 0)
 
 
-@triton.jit
-def intra_grad_blocks(qc, kc, vc, doc, Gc, lam, t, valid, h, H, L, lev, causal, scale,
-                      LOG_C: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr):
-    """The in-chunk block's pieces both backward kernels need, [C, C] fp32 each: P = Q K^T * Gamma,
-    dA = scale * dO V^T (causal), Lambda, and dS = dA * Gamma * Lambda in q's dtype."""
-    p, gamma = intra_scores(qc, kc, Gc, causal, PRECISION)
-    d_a = intra_score_grads(doc, vc, causal, scale, PRECISION)
-    weights = level_weights(lam, t, valid, h, H, L, lev, causal, LOG_C, PLAIN)
-    return p, d_a, weights, (d_a * gamma * weights).to(qc.dtype)
-
-
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
 def mamba2_chunk_bwd_dq_kernel(
     q, k, v, g, lam, do, h0, h0_held, buckets, decays, starts, ends, seqs, chunks, chunk0, scale,
     dq, dlam, qdq,
     H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
-    BJ: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
+    BJ: tl.constexpr, SUB: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
 ):
     """dQ (in-chunk + readout) and dlambda (every level; not when PLAIN), complete:
 
-        dQ = dS K + diag(scale * exp(G)) sum_j lambda_j exp(decay_j) dO B_j^T,   q.dQ per row.
+        dQ = dS K + diag(scale * exp(G)) sum_j lambda_j exp(decay_j) dO B_j^T,   q.dQ per row
 
-    Inputs as the forward, do: [tokens, H, V]. Out: dq: [tokens, H, K] (q's dtype, per value head),
-    dlam: [tokens, H, L] (lam's dtype), qdq: [tokens, H] fp32.  Grid (NC, H)."""
+    (per channel: exp(G) and exp(decay_j) scale dO B_j^T's columns; q * dQ). Inputs as the forward, do:
+    [tokens, H, V]. Out: dq: [tokens, H, K] (q's dtype, per value head), dlam: [tokens, H, L] (lam's dtype),
+    qdq: [tokens, H] ([tokens, H, K] with PER_CHANNEL) fp32.  Grid (NC, H)."""
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
     n, chunk, c0 = chunk_position(seqs, chunks, chunk0)
     kk, vv, ll, jj = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BL), tl.arange(0, BJ)
     offs = kk[:, None] * V + vv[None, :]
     lmask = (kk[:, None] < K) & (vv[None, :] < V)
-    lev = intra_levels(r, LOG_C)
     qc, kc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk), load_tile(k, t0, r, valid, h // (H // G), G, K, kk)
     doc = load_tile(do, t0, r, valid, h, H, V, vv)
-    Gc, _ = chunk_gates(g, t, valid, h, H)
-    p, d_a, _, d_s = intra_grad_blocks(qc, kc, load_tile(v, t0, r, valid, h, H, V, vv), doc, Gc, lam, t, valid, h,
-                                       H, L, lev, r[:, None] >= r[None, :], scale, LOG_C, PRECISION, PLAIN)
+    Gc, Gw, _ = gates(g, t, valid, h, H, K, kk, C, SUB, PER_CHANNEL)
+    p, _, d_a, d_q = intra_block(qc, kc, load_tile(v, t0, r, valid, h, H, V, vv), doc, k, g, lam, t0, r, t, valid,
+                                 h, H, G, K, L, kk, Gc, Gw, scale, C, LOG_C, SUB, PRECISION, PLAIN, PER_CHANNEL, True,
+                                 False)
     if not PLAIN:  # in-chunk columns and zeros; the columns of the live chunk levels are the loop's (one writer each)
         skip = read_columns(ll, chunk, c0, J, LOG_C, HAS_INIT)
-        store_tile(dlam, level_sums(d_a * p, lev, ll, LOG_C), t0, r, valid, h, H, L, tl.where(skip, L, ll))
-    d_q = tl.dot(d_s, kc, input_precision=PRECISION)
+        store_tile(dlam, level_sums(d_a * p, intra_levels(r, LOG_C), ll, LOG_C), t0, r, valid, h, H, L,
+                   tl.where(skip, L, ll))
     row_scale = scale * tl.exp(Gc)
     live, rank, count = bucket_levels(chunk, c0, jj, J, PLAIN)
     for i in range(count):
         j = nth_level(live, rank, jj, i)
-        state, to_now = read_bucket(buckets, decays, h, H, J, K, V, chunk, c0, j, offs, lmask, PLAIN)
+        state, to_now = read_bucket(buckets, decays, h, H, J, K, V, chunk, c0, j, kk, offs, lmask, PLAIN, PER_CHANNEL)
         d_q += readout_grad(doc, qc, state, to_now, row_scale, lam, dlam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION,
-                            PLAIN)
+                            PLAIN, PER_CHANNEL)
     if HAS_INIT:
         for j in range(J):
             if level_source(chunk, c0, j, True, PLAIN)[0] == 2:
                 if tl.load(h0_held + n * J + j) != 0:
-                    state, to_now = read_initial(h0, decays, n, h, H, J, K, V, j, offs, lmask, PLAIN)
+                    state, to_now = read_initial(h0, decays, n, h, H, J, K, V, j, kk, offs, lmask, PLAIN, PER_CHANNEL)
                     d_q += readout_grad(doc, qc, state, to_now, row_scale, lam, dlam, t, valid, h, H, L,
-                                        LOG_C + 1 + j, PRECISION, PLAIN)
+                                        LOG_C + 1 + j, PRECISION, PLAIN, PER_CHANNEL)
                 elif not PLAIN:  # an empty level: its lambda column's gradient is 0
                     store_column(dlam, tl.zeros([C], dtype=tl.float32), t, valid, h, H, L, LOG_C + 1 + j)
     store_tile(dq, d_q, t0, r, valid, h, H, K, kk)
-    tl.store(qdq + t * H + h, tl.sum(d_q * qc.to(tl.float32), 1), mask=valid)
+    store_gate_term(qdq, d_q, qc, t0, r, t, valid, h, H, K, kk, PER_CHANNEL)
 
 
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
@@ -278,56 +371,66 @@ def mamba2_chunk_bwd_dkv_kernel(
     q, k, v, g, lam, do, d_deposits, starts, ends, scale,
     dk, dv, kdk,
     H, G, K, V, L,
-    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
-    PLAIN: tl.constexpr,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SUB: tl.constexpr,
+    PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """dK and dV (in-chunk + deposit), complete:
 
-        dK = dS^T Q + diag(exp(Gl - G)) V dD^T,   dV = scale * A^T dO + diag(exp(Gl - G)) K dD,   k.dK per row,
+        dK = dS^T Q + diag(exp(Gl - G)) V dD^T,   dV = scale * A^T dO + diag(exp(Gl - G)) K dD,   k.dK per row
 
-    dD = d_deposits [NC, H, K, V] (q's dtype; the backward scan's; not read for a sequence's last chunk, which
-    deposits nothing). Out: dk: [tokens, H, K] (k's dtype, per value head), dv: [tokens, H, V] (v's dtype),
-    kdk: [tokens, H] fp32.  Grid (NC, H)."""
+    (per channel: exp(Gl - G) [C, K] scales V dD^T and K elementwise; k * dK), dD = d_deposits [NC, H, K, V] (q's
+    dtype; the backward scan's; not read for a sequence's last chunk, which deposits nothing). Out: dk:
+    [tokens, H, K] (k's dtype, per value head), dv: [tokens, H, V] (v's dtype), kdk: [tokens, H] ([tokens, H, K]
+    with PER_CHANNEL) fp32.  Grid (NC, H)."""
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
     kk, vv = tl.arange(0, BK), tl.arange(0, BV)
     qc, kc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk), load_tile(k, t0, r, valid, h // (H // G), G, K, kk)
     vc = load_tile(v, t0, r, valid, h, H, V, vv)
     doc = load_tile(do, t0, r, valid, h, H, V, vv)
-    Gc, Gl = chunk_gates(g, t, valid, h, H)
-    p, _, weights, d_s = intra_grad_blocks(qc, kc, vc, doc, Gc, lam, t, valid, h, H, L, intra_levels(r, LOG_C),
-                                           r[:, None] >= r[None, :], scale, LOG_C, PRECISION, PLAIN)
+    Gc, Gw, Gl = gates(g, t, valid, h, H, K, kk, C, SUB, PER_CHANNEL)
+    p, weights, _, d_k = intra_block(qc, kc, vc, doc, k, g, lam, t0, r, t, valid, h, H, G, K, L, kk, Gc, Gw, scale,
+                                     C, LOG_C, SUB, PRECISION, PLAIN, PER_CHANNEL, False, True)
     d_v = tl.dot(tl.trans((p * weights).to(doc.dtype)), doc, input_precision=PRECISION) * scale
-    d_k = tl.dot(tl.trans(d_s), qc, input_precision=PRECISION)
     if PLAIN or t0 + C < tl.load(ends + tl.program_id(0)):
         offs = kk[:, None] * V + vv[None, :]
         d_d = tl.load(d_deposits + (tl.program_id(0).to(tl.int64) * H + h) * K * V + offs,
                       mask=(kk[:, None] < K) & (vv[None, :] < V), other=0.0).to(vc.dtype)
-        to_end = tl.exp(Gl - Gc)[:, None]
+        if PER_CHANNEL:
+            to_end = tl.exp(Gl[None, :] - Gc)
+            d_v += tl.dot((kc.to(tl.float32) * to_end).to(kc.dtype), d_d, input_precision=PRECISION)
+        else:
+            to_end = tl.exp(Gl - Gc)[:, None]
+            d_v += to_end * tl.dot(kc, d_d, input_precision=PRECISION)
         d_k += to_end * tl.dot(vc, tl.trans(d_d), input_precision=PRECISION)
-        d_v += to_end * tl.dot(kc, d_d, input_precision=PRECISION)
     store_tile(dk, d_k, t0, r, valid, h, H, K, kk)
     store_tile(dv, d_v, t0, r, valid, h, H, V, vv)
-    tl.store(kdk + t * H + h, tl.sum(d_k * kc.to(tl.float32), 1), mask=valid)
+    store_gate_term(kdk, d_k, kc, t0, r, t, valid, h, H, K, kk, PER_CHANNEL)
 
 
 @triton.jit
 def reader_grads(q, g, lam, do, decays, row0, first, lo, hi, end, h, H, G, K, V, L, J, j, scale, r, kk, vv,
                  C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                 PRECISION: tl.constexpr, PLAIN: tl.constexpr):
+                 PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr):
     """The gradient of one stored level j from its readers d = lo .. hi - 1, the chunks at kernel rows row0 + d
     (tokens first + d C, clipped at end): sum_d exp(decay_{row0+d, j}) Q_d^T (scale * lambda_d[c+1+j] * exp(G_d)
-    * dO_d), pipelined over d.  -> [BK, BV] fp32."""
+    * dO_d) (per channel: (Q_d * exp(G_d) * exp(decay))^T (scale * lambda * dO_d)), pipelined over d.
+    -> [BK, BV] fp32."""
     acc = tl.zeros([BK, BV], dtype=tl.float32)
     for d in range(lo, hi):
         t0 = first + d * C
         valid = t0 + r < end
         qc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk)
         doc = load_tile(do, t0, r, valid, h, H, V, vv)
-        Gc, _ = chunk_gates(g, t0 + r, valid, h, H)
-        to_now = level_decay(decays, (row0 + d).to(tl.int64), h, H, J, j, PLAIN)
-        w = level_column(lam, t0 + r, valid, h, H, L, LOG_C + 1 + j, PLAIN) * tl.exp(Gc) * (scale * to_now)
-        acc += tl.dot(tl.trans(qc), (doc.to(tl.float32) * w[:, None]).to(doc.dtype), input_precision=PRECISION)
+        Gc, _, _ = gates(g, t0 + r, valid, h, H, K, kk, C, C, PER_CHANNEL)
+        to_now = level_decay(decays, (row0 + d).to(tl.int64), h, H, J, K, j, kk, PLAIN, PER_CHANNEL)
+        w = level_column(lam, t0 + r, valid, h, H, L, LOG_C + 1 + j, PLAIN) * scale
+        if PER_CHANNEL:
+            q_read = (qc.to(tl.float32) * tl.exp(Gc) * to_now[None, :]).to(qc.dtype)
+        else:
+            q_read = qc
+            w *= tl.exp(Gc) * to_now
+        acc += tl.dot(tl.trans(q_read), (doc.to(tl.float32) * w[:, None]).to(doc.dtype), input_precision=PRECISION)
     return acc
 
 
@@ -336,7 +439,7 @@ def mamba2_level_grad_kernel(
     q, g, lam, do, decays, starts, ends, chunks, by_level, d_buckets, scale,
     H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
-    PRECISION: tl.constexpr, PLAIN: tl.constexpr,
+    PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """d_buckets: [NC, H, K, V] out (q's dtype, summed in fp32), dB of the level merged after each kernel chunk
     (0 when nothing reads it); by_level: [NC] int32, the kernel chunks in launch order (backend.ChunkTable:
@@ -349,7 +452,7 @@ def mamba2_level_grad_kernel(
     m = merge_target(tl.load(chunks + p).to(tl.int64), tl.arange(0, BJ), BJ, PLAIN)
     readers = tl.minimum(1 << m, tl.cdiv(end - first, C) - 1)
     acc = reader_grads(q, g, lam, do, decays, p, first, 1, readers + 1, end, h, H, G, K, V, L, J, m, scale, r, kk, vv,
-                       C, LOG_C, BK, BV, PRECISION, PLAIN)
+                       C, LOG_C, BK, BV, PRECISION, PLAIN, PER_CHANNEL)
     offs = kk[:, None] * V + vv[None, :]
     tl.store(d_buckets + (p.to(tl.int64) * H + h) * K * V + offs, acc.to(d_buckets.dtype.element_ty),
              mask=(kk[:, None] < K) & (vv[None, :] < V))
@@ -360,7 +463,7 @@ def mamba2_initial_grad_kernel(
     q, g, lam, do, decays, bos_ptr, eos_ptr, chunk0_ptr, base_ptr, d_init, scale,
     N, S, H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PRECISION: tl.constexpr, PLAIN: tl.constexpr,
+    PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """The initial levels' gradients from their readers, in S segments: d_init [S, N, J, H, K, V] fp32 out, segment
     s of the readers of level j of sequence n (the chunks c0 .. ((c0 >> j) + 1) 2^j - 1 of the sequence, cut into S
@@ -374,6 +477,6 @@ def mamba2_initial_grad_kernel(
     lo = tl.minimum(s * run, readers)
     r, kk, vv = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV)
     acc = reader_grads(q, g, lam, do, decays, base, bos, lo, tl.minimum(lo + run, readers), eos, h, H, G, K, V, L, J,
-                       j, scale, r, kk, vv, C, LOG_C, BK, BV, PRECISION, PLAIN)
+                       j, scale, r, kk, vv, C, LOG_C, BK, BV, PRECISION, PLAIN, PER_CHANNEL)
     offs = kk[:, None] * V + vv[None, :]
     tl.store(d_init + ((pid.to(tl.int64) * H + h) * K * V) + offs, acc, mask=(kk[:, None] < K) & (vv[None, :] < V))

@@ -7,10 +7,11 @@ Per chunk i (Gl = the chunk's gate total), in order:
     carry    H_j <- exp(Gl) H_j  (lazy);   H_m <- D_i + sum_{j<=m} H_j
     record   buckets[i] = H_m (as stored: the value every later reader of level m scales by its decay)
 
-m = ctz(i + 1) (shared/levels.py). The deposits D_i = K^T (exp(Gl - G) * V) come chunk-parallel beforehand in
-the same buffer (chunk.mamba2_deposit_kernel): the scan reads slot i and overwrites it with the
-bucket. The readout (every chunk against its live levels) runs chunk-parallel afterwards
-(chunk.py) from buckets, decays and the initial states. The sequential chain per chunk is the
+m = ctz(i + 1) (shared/levels.py). With PER_CHANNEL (GLA) the gate total Gl is one per state row and
+so are the lazy decays and the recorded ones ([NC, H, J, K]). The deposits D_i = K^T (exp(Gl - G) * V)
+come chunk-parallel beforehand in the same buffer (chunk.mamba2_deposit_kernel): the scan reads slot i
+and overwrites it with the bucket. The readout (every chunk against its live levels) runs chunk-parallel
+afterwards (chunk.py) from buckets, decays and the initial states. The sequential chain per chunk is the
 amortised O(1) level merge (sum over chunks of the levels merged = 2 NT) and two stores, no GEMM, so the
 state tile is cut into blocks of K rows (contiguous in the [K, V] states) over many programs; the next
 chunk's deposit and gates are loaded one chunk ahead. The level states never leave the scan's fp32
@@ -27,59 +28,63 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.mamba2.chunk import chunk_deposit
-from loglinear.ops.triton.shared.intra import chunk_gates
-from loglinear.ops.triton.shared.levels import chunk_inputs, flush_levels, level_tile, merge_levels, sequence_range
+from loglinear.ops.triton.mamba2.chunk import chunk_deposit, gates
+from loglinear.ops.triton.shared.levels import (
+    add_decay, chunk_inputs, flush_levels, level_tile, merge_levels, no_decays, row_decay, sequence_range, store_decays,
+)
 from loglinear.ops.triton.shared.tiles import load_tile
 
 
 @triton.jit
-def deposit_rows(k, v, g, t0, r, eos, grp, h, G, H, K, V, kk, vv, PRECISION: tl.constexpr):
-    """Rows kk of the chunk at t0's deposit D = K^T (exp(Gl - G) * V) -> [BKS, BV] fp32, and its gate total Gl
-    (rows past eos read as 0)."""
+def deposit_rows(k, v, g, t0, r, eos, grp, h, G, H, K, V, kk, vv, C: tl.constexpr, PRECISION: tl.constexpr,
+                 PER_CHANNEL: tl.constexpr):
+    """Rows kk of the chunk at t0's deposit D (chunk.chunk_deposit) -> [BKS, BV] fp32, and its gate total Gl
+    (scalar, or [BKS] with PER_CHANNEL; rows past eos read as 0)."""
     valid = t0 + r < eos
-    Gc, Gl = chunk_gates(g, t0 + r, valid, h, H)
+    Gc, _, Gl = gates(g, t0 + r, valid, h, H, K, kk, C, C, PER_CHANNEL)
     kc, vc = load_tile(k, t0, r, valid, grp, G, K, kk), load_tile(v, t0, r, valid, h, H, V, vv)
-    return chunk_deposit(kc, vc, Gc, Gl, PRECISION), Gl
+    return chunk_deposit(kc, vc, Gc, Gl, PRECISION, PER_CHANNEL), Gl
 
 
 @triton.jit
 def plain_chain(k, v, g, ptrs, lmask, buckets, bos, eos, base, grp, h, G, H, K, V, offs, r, kk, vv,
-                C: tl.constexpr, PRECISION: tl.constexpr):
+                C: tl.constexpr, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr):
     """PLAIN: S <- exp(Gl) S + D_i for every chunk i, in registers from the initial state at ptrs (zeros without
     one), the deposits formed here (the next chunk's during the current one's update); buckets[i] = S (what chunk
     i + 1 reads); the final S back to ptrs."""
     state = tl.load(ptrs, mask=lmask, other=0.0)
-    deposit, Gl = deposit_rows(k, v, g, bos, r, eos, grp, h, G, H, K, V, kk, vv, PRECISION)
+    deposit, Gl = deposit_rows(k, v, g, bos, r, eos, grp, h, G, H, K, V, kk, vv, C, PRECISION, PER_CHANNEL)
     for i in range(tl.cdiv(eos - bos, C)):
         next_deposit, next_Gl = deposit_rows(k, v, g, bos + (i + 1) * C, r, eos, grp, h, G, H, K, V, kk, vv,
-                                             PRECISION)
-        state = tl.exp(Gl) * state + deposit
+                                             C, PRECISION, PER_CHANNEL)
+        state = row_decay(Gl, PER_CHANNEL) * state + deposit
         tl.store(buckets + ((base + i) * H + h) * K * V + offs, state.to(buckets.dtype.element_ty), mask=lmask)
         deposit, Gl = next_deposit, next_Gl
     tl.store(ptrs, state, mask=lmask)
 
 
 @triton.jit
-def fenwick_chain(g, ptrs, stride, lmask, buckets, decays, bos, eos, c0, base, h, H, K, V, J, kb, offs, r, jj,
-                  C: tl.constexpr, BJ: tl.constexpr, HAS_INIT: tl.constexpr):
+def fenwick_chain(g, ptrs, stride, lmask, buckets, decays, bos, eos, c0, base, h, H, K, V, J, kb, offs, r, jj, kk,
+                  C: tl.constexpr, BJ: tl.constexpr, BKS: tl.constexpr, HAS_INIT: tl.constexpr,
+                  PER_CHANNEL: tl.constexpr):
     """The chunk-level cascade (module docstring) on the level states at ptrs (stride between levels)."""
-    decay = tl.zeros([BJ], dtype=tl.float32)
+    decay = no_decays(BJ, BKS, PER_CHANNEL)
     n_chunks = tl.cdiv(eos - bos, C)
-    deposit, Gl = chunk_inputs(buckets, g, (base * H + h) * K * V, bos, r, bos, eos, h, H, offs, lmask, False)
+    deposit, Gl = chunk_inputs(buckets, g, (base * H + h) * K * V, bos, r, bos, eos, h, H, offs, lmask, kk, K, False,
+                               PER_CHANNEL)
     chunk = c0
     for i in range(n_chunks):
         chunk = c0 + i
         slot = ((base + i) * H + h) * K * V
         next_deposit, next_Gl = chunk_inputs(buckets, g, slot + H * K * V, bos + (i + 1) * C, r, bos, eos, h, H,
-                                             offs, lmask, False)
-        tl.store(decays + ((base + i) * H + h) * J + jj, decay, mask=(jj < J) & ((jj * 0 + kb) == 0))
-        decay += Gl
+                                             offs, lmask, kk, K, False, PER_CHANNEL)
+        store_decays(decays, (base + i) * H + h, J, K, decay, jj, kk, kb, PER_CHANNEL)
+        decay = add_decay(decay, Gl, PER_CHANNEL)
         if i < n_chunks - 1:
-            total, decay = merge_levels(ptrs, stride, lmask, deposit, decay, jj, chunk, c0, HAS_INIT, BJ)
+            total, decay = merge_levels(ptrs, stride, lmask, deposit, decay, jj, chunk, c0, HAS_INIT, BJ, PER_CHANNEL)
             tl.store(buckets + slot + offs, total.to(buckets.dtype.element_ty), mask=lmask)
         deposit, Gl = next_deposit, next_Gl
-    flush_levels(ptrs, stride, lmask, decay, jj, J, chunk, c0, True, HAS_INIT)
+    flush_levels(ptrs, stride, lmask, decay, jj, J, chunk, c0, True, HAS_INIT, PER_CHANNEL)
 
 
 @triton.jit(do_not_specialize=["H", "G", "J"])
@@ -87,14 +92,14 @@ def mamba2_fwd_kernel(
     k, v, g, levels, buckets, decays, bos_ptr, eos_ptr, chunk0_ptr, base_ptr,
     H, G, K, V, J,
     C: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr, HAS_INIT: tl.constexpr,
-    PLAIN: tl.constexpr, PRECISION: tl.constexpr,
+    PLAIN: tl.constexpr, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
-    """g: [tokens, H]; levels: [N, J, H, K, V] fp32, initial chunk-level states in, final ones out;
-    buckets: [NC, H, K, V] (q's dtype), the deposits in (PLAIN: formed here from k: [tokens, G, K] and
-    v: [tokens, H, V]), the merged levels out (every chunk but each sequence's last); decays: [NC, H, J] fp32
-    out, per kernel chunk (backend.ChunkTable; not when PLAIN); bos/eos/chunk0/base: [N] (base = the
-    sequence's first kernel chunk).  Grid (N, H, cdiv(K, BKS)): row blocks are independent (block 0 writes
-    decays)."""
+    """g: [tokens, H] ([tokens, H, K] with PER_CHANNEL); levels: [N, J, H, K, V] fp32, initial chunk-level states
+    in, final ones out; buckets: [NC, H, K, V] (q's dtype), the deposits in (PLAIN: formed here from
+    k: [tokens, G, K] and v: [tokens, H, V]), the merged levels out (every chunk but each sequence's last);
+    decays: [NC, H, J] ([NC, H, J, K]) fp32 out, per kernel chunk (backend.ChunkTable; not when PLAIN);
+    bos/eos/chunk0/base: [N] (base = the sequence's first kernel chunk).  Grid (N, H, cdiv(K, BKS)): row blocks
+    are independent."""
     n, h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, c0, base = sequence_range(n, bos_ptr, eos_ptr, chunk0_ptr, base_ptr)
     r = tl.arange(0, C)
@@ -102,7 +107,7 @@ def mamba2_fwd_kernel(
     ptrs, stride, offs, lmask = level_tile(levels, n, h, H, J, K, V, kk, vv)
     if PLAIN:
         plain_chain(k, v, g, ptrs, lmask, buckets, bos, eos, base, h // (H // G), h, G, H, K, V, offs, r, kk, vv,
-                    C, PRECISION)
+                    C, PRECISION, PER_CHANNEL)
     else:
-        fenwick_chain(g, ptrs, stride, lmask, buckets, decays, bos, eos, c0, base, h, H, K, V, J, kb, offs, r, jj,
-                      C, BJ, HAS_INIT)
+        fenwick_chain(g, ptrs, stride, lmask, buckets, decays, bos, eos, c0, base, h, H, K, V, J, kb, offs, r, jj, kk,
+                      C, BJ, BKS, HAS_INIT, PER_CHANNEL)

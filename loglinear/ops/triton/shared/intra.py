@@ -4,7 +4,8 @@
     Lambda[t, s] = lambda_t[level(t, s)]  for s <= t, else 0
     Gamma[t, s]  = exp(G_t - G_s)         for s <= t, else 0  (G: chunk-local inclusive cumsum of g)
 
-The Mamba-2 in-chunk block and its gradients (shared by the fused scans and the chunk-parallel kernels):
+The in-chunk block and its gradients with a scalar gate (Mamba-2; a per-channel gate's raw scores P and products
+come from intra_channel.py, the rest is shared):
 
     P = Q K^T * Gamma,   A = P * Lambda,   O = A V
     dA = scale * dO V^T (s <= t),   dS = dA * Gamma * Lambda,   dlambda_t[l] = sum_{s: level(t,s) = l} dA * P
@@ -63,14 +64,12 @@ def intra_scores(qc, kc, Gc, causal, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def intra_output(qc, kc, vc, Gc, lam, t, valid, head, HEADS, L, lev, causal,
+def intra_output(p, vc, lam, t, valid, head, HEADS, L, lev, causal,
                  LOG_C: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr):
-    """O = (Q K^T * Gamma * Lambda) V, unscaled -> [C, BV] fp32 (q, k [C, BK]; v [C, BV]; Lambda = 1: PLAIN)."""
-    p, _ = intra_scores(qc, kc, Gc, causal, PRECISION)
+    """O = (P * Lambda) V, unscaled -> [C, BV] fp32 (P [C, C] the raw scores; v [C, BV]; Lambda = 1: PLAIN)."""
     if not PLAIN:
         p *= level_weights(lam, t, valid, head, HEADS, L, lev, causal, LOG_C, PLAIN)
-    a = p
-    return tl.dot(a.to(vc.dtype), vc, input_precision=PRECISION)
+    return tl.dot(p.to(vc.dtype), vc, input_precision=PRECISION)
 
 
 @triton.jit

@@ -10,6 +10,8 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
     one's GEMM).
   * Mamba-2 scans (mamba2/fwd.py, mamba2/bwd.py): one program per (sequence, head, block of state rows);
     4 warps up to a [128, 32] fp32 state tile, 8 above (``wide_warps``).
+  * The same chunk kernels with a per-channel gate (GLA, C = 32): their [C, K] fp32 gate tiles and the
+    sub-chunk loops take 8 warps (``channel_warps``); at 4 they spill 0.1-1 KB per thread (C = 64: 2-9 KB).
   * Gated DeltaNet chunk-local kernels (gated_deltanet/local.py): at 4 warps the inverse (166 registers),
     the forward and the key backward (255 / 242) run 3, 2 and 2 programs per SM, which hide each other's
     products; the [C, C] backward spills 380 B at 4 warps and keeps 8 (one program per SM).
@@ -31,24 +33,26 @@ WIDE_STATE_TILE = 128 * 32  # state-tile elements above which a kernel with wide
 
 @dataclass(frozen=True)
 class Launch:
-    """A kernel's GPU launch config: num_warps, num_stages, and (scans over state tiles) the warps for a
-    state tile of more than WIDE_STATE_TILE elements (None: num_warps always)."""
+    """A kernel's GPU launch config: num_warps, num_stages, (scans over state tiles) the warps for a state tile
+    of more than WIDE_STATE_TILE elements, and (chunk kernels with a PER_CHANNEL switch) the warps with a
+    per-channel gate (None: num_warps always)."""
 
     num_warps: int
     num_stages: int
     wide_warps: int | None = None
+    channel_warps: int | None = None
 
 
 LAUNCH: dict[str, Launch] = {
     # Mamba-2
-    "mamba2_deposit_kernel": Launch(4, 1),
+    "mamba2_deposit_kernel": Launch(4, 1, channel_warps=8),
     "mamba2_fwd_kernel": Launch(4, 2, wide_warps=8),
-    "mamba2_chunk_fwd_kernel": Launch(4, 2),
-    "mamba2_chunk_bwd_dq_kernel": Launch(4, 2),
-    "mamba2_level_grad_kernel": Launch(4, 3),
-    "mamba2_initial_grad_kernel": Launch(4, 3),
+    "mamba2_chunk_fwd_kernel": Launch(4, 2, channel_warps=8),
+    "mamba2_chunk_bwd_dq_kernel": Launch(4, 2, channel_warps=8),
+    "mamba2_level_grad_kernel": Launch(4, 3, channel_warps=8),
+    "mamba2_initial_grad_kernel": Launch(4, 3, channel_warps=8),
     "mamba2_bwd_scan_kernel": Launch(4, 2, wide_warps=8),
-    "mamba2_chunk_bwd_dkv_kernel": Launch(4, 1),
+    "mamba2_chunk_bwd_dkv_kernel": Launch(4, 1, channel_warps=8),
     # Gated DeltaNet, chunk-local stage
     "_chunk_inverse_kernel": Launch(4, 2),
     "_chunk_local_kernel": Launch(4, 2),
@@ -65,12 +69,17 @@ LAUNCH: dict[str, Launch] = {
 }
 
 
-def launch_options(kernel, state_tile: int = 0) -> dict[str, int]:
+def launch_options(kernel, state_tile: int = 0, per_channel: bool = False) -> dict[str, int]:
     """num_warps / num_stages for launching ``kernel`` (a @triton.jit function, looked up in LAUNCH by name);
-    state_tile: the elements of the state tile one program holds (kernels with wide_warps). The fixed
-    INTERPRETER config under TRITON_INTERPRET=1."""
+    state_tile: the elements of the state tile one program holds (kernels with wide_warps); per_channel: the
+    kernel runs with a per-channel gate (kernels with channel_warps). The fixed INTERPRETER config under
+    TRITON_INTERPRET=1."""
     config = LAUNCH[kernel.__name__]
     if interpreting():
         return dict(INTERPRETER)
-    wide = config.wide_warps is not None and state_tile > WIDE_STATE_TILE
-    return {"num_warps": config.wide_warps if wide else config.num_warps, "num_stages": config.num_stages}
+    warps = config.num_warps
+    if config.wide_warps is not None and state_tile > WIDE_STATE_TILE:
+        warps = config.wide_warps
+    if config.channel_warps is not None and per_channel:
+        warps = config.channel_warps
+    return {"num_warps": warps, "num_stages": config.num_stages}

@@ -12,8 +12,10 @@ initial state was given and no merge above j has happened since the start chunk 
 
 so dead levels are never loaded. Level states are stored in an fp32 buffer [N, J, H, K, V] (one
 [K, V] tile per level, ``ptrs`` = the tile's pointers for level 0, ``stride`` = H*K*V between levels).
-Scalar decays are applied lazily: ``decay[j]`` is the log-decay accumulated since level j was stored,
-so a chunk touches only the levels it reads or merges (amortised O(1) merges per chunk).
+Decays are applied lazily: ``decay[j]`` is the log-decay accumulated since level j was stored, so a chunk
+touches only the levels it reads or merges (amortised O(1) merges per chunk). With a scalar gate (Mamba-2) it
+is a vector [BJ], one log-decay per level; with a per-channel gate (GLA, PER_CHANNEL) a tile [BJ, BKS], one per
+level and state row (the transition diag(exp(g)) scales row k of every K x V state by its own decay).
 
 The backward walks the chunks in reverse with the transposed cascade on the level gradients dH:
 split (dH_j <- dH_m for j < m; the deposit's gradient is dH_m), decay, then add the reads' gradients.
@@ -49,16 +51,73 @@ def level_tile(levels, n, h, H, J, K, V, kk, vv):
 
 
 @triton.jit
-def chunk_inputs(tiles, g, slot, t0, r, bos, eos, h, H, offs, mask, PLAIN: tl.constexpr):
+def chunk_inputs(tiles, g, slot, t0, r, bos, eos, h, H, offs, mask, kk, K, PLAIN: tl.constexpr,
+                 PER_CHANNEL: tl.constexpr):
     """What a scan step needs from memory for the chunk at t0 of the sequence [bos, eos): its tile in
     ``slot`` of a per-chunk buffer (the deposit / its gradient: [BKS, BV] fp32; 0 for the sequence's last
-    chunk, which deposits nothing unless PLAIN, and outside the sequence) and its gate total (0 outside).
+    chunk, which deposits nothing unless PLAIN, and outside the sequence) and its gate total (0 outside): a
+    scalar from g [tokens, H], or with PER_CHANNEL [BKS] for the state rows kk from g [tokens, H, K].
     Loaded one chunk ahead by the scans, off their dependent chain."""
     first = offs * 0 + t0  # the chunk's first token as a tile: the interpreter masks with tensors only
     inside = (first >= bos) & (first < eos) if PLAIN else (first >= bos) & (first + r.shape[0] < eos)
     tile = tl.load(tiles + slot + offs, mask=mask & inside, other=0.0)
     rows = (bos <= t0 + r) & (t0 + r < eos)
-    return tile.to(tl.float32), tl.sum(tl.load(g + (t0 + r) * H + h, mask=rows, other=0.0).to(tl.float32), 0)
+    if PER_CHANNEL:
+        gates = tl.load(g + ((t0 + r) * H + h)[:, None] * K + kk[None, :], mask=rows[:, None] & (kk[None, :] < K),
+                        other=0.0)
+    else:
+        gates = tl.load(g + (t0 + r) * H + h, mask=rows, other=0.0)
+    return tile.to(tl.float32), tl.sum(gates.to(tl.float32), 0)
+
+
+@triton.jit
+def no_decays(BJ: tl.constexpr, BKS: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """The lazy log-decays of fresh levels: zeros [BJ], or [BJ, BKS] with PER_CHANNEL."""
+    if PER_CHANNEL:
+        decay = tl.zeros([BJ, BKS], dtype=tl.float32)
+    else:
+        decay = tl.zeros([BJ], dtype=tl.float32)
+    return decay
+
+
+@triton.jit
+def add_decay(decay, total, PER_CHANNEL: tl.constexpr):
+    """Every level decays by a chunk's gate total (a scalar, or [BKS] per state row)."""
+    if PER_CHANNEL:
+        decay += total[None, :]
+    else:
+        decay += total
+    return decay
+
+
+@triton.jit
+def clear_decays(decay, jj, m, PER_CHANNEL: tl.constexpr):
+    """decay with levels 0..m reset to 0 (they were just stored)."""
+    if PER_CHANNEL:
+        decay = tl.where(jj[:, None] <= m, 0.0, decay)
+    else:
+        decay = tl.where(jj <= m, 0.0, decay)
+    return decay
+
+
+@triton.jit
+def row_decay(total, PER_CHANNEL: tl.constexpr):
+    """exp(total) of a chunk's gate total as a factor of a [BKS, BV] state tile: a scalar, or [BKS, 1]."""
+    factor = tl.exp(total)
+    if PER_CHANNEL:
+        factor = factor[:, None]
+    return factor
+
+
+@triton.jit
+def store_decays(decays, row, J, K, decay, jj, kk, kb, PER_CHANNEL: tl.constexpr):
+    """Record the lazy decays for chunk row ``row``: decays [rows, J] fp32 (written by the first row block kb = 0),
+    or [rows, J, K] with PER_CHANNEL (each block its state rows kk)."""
+    if PER_CHANNEL:
+        tl.store(decays + (row * J + jj[:, None]) * K + kk[None, :], decay,
+                 mask=(jj[:, None] < J) & (kk[None, :] < K))
+    else:
+        tl.store(decays + row * J + jj, decay, mask=(jj < J) & ((jj * 0 + kb) == 0))
 
 
 @triton.jit
@@ -83,9 +142,13 @@ def merge_target(chunk, jj, BJ: tl.constexpr, PLAIN: tl.constexpr):
 
 
 @triton.jit
-def load_level(ptrs, stride, j, mask, decay, jj):
-    """The current value of level j: exp(decay[j]) * stored.   -> [BK, BV] fp32."""
-    return tl.exp(pick(decay, jj, j)) * tl.load(ptrs + j * stride, mask=mask, other=0.0)
+def load_level(ptrs, stride, j, mask, decay, jj, PER_CHANNEL: tl.constexpr):
+    """The current value of level j: exp(decay[j]) * stored (row by row with PER_CHANNEL).   -> [BK, BV] fp32."""
+    if PER_CHANNEL:
+        factor = tl.exp(tl.sum(tl.where(jj[:, None] == j, decay, 0.0), 0))[:, None]
+    else:
+        factor = tl.exp(pick(decay, jj, j))
+    return factor * tl.load(ptrs + j * stride, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -125,43 +188,37 @@ def nth_level(live, rank, jj, i):
 
 
 @triton.jit
-def merge_levels(ptrs, stride, mask, deposit, decay, jj, chunk, c0, HAS_INIT: tl.constexpr, BJ: tl.constexpr):
+def merge_levels(ptrs, stride, mask, deposit, decay, jj, chunk, c0, HAS_INIT: tl.constexpr, BJ: tl.constexpr,
+                 PER_CHANNEL: tl.constexpr):
     """Forward merge after chunk ``chunk`` (already decayed): H_m = deposit + sum_{j<=m, live} H_j.
     Returns (H_m, decay)."""
     m = merge_target(chunk, jj, BJ, False)
     total = deposit
     for j in range(m + 1):
         if level_live(chunk, c0, j, HAS_INIT, False):
-            total += load_level(ptrs, stride, j, mask, decay, jj)
+            total += load_level(ptrs, stride, j, mask, decay, jj, PER_CHANNEL)
     tl.store(ptrs + m * stride, total, mask=mask)
-    return total, tl.where(jj <= m, 0.0, decay)
+    return total, clear_decays(decay, jj, m, PER_CHANNEL)
 
 
 @triton.jit
-def flush_levels(ptrs, stride, mask, decay, jj, J, chunk, c0, LIVE_ONLY: tl.constexpr, HAS_INIT: tl.constexpr):
+def flush_levels(ptrs, stride, mask, decay, jj, J, chunk, c0, LIVE_ONLY: tl.constexpr, HAS_INIT: tl.constexpr,
+                 PER_CHANNEL: tl.constexpr):
     """Write every level's current value back (dead levels as 0 when LIVE_ONLY): the scan's final states."""
     for j in range(J):
-        value = load_level(ptrs, stride, j, mask, decay, jj)
+        value = load_level(ptrs, stride, j, mask, decay, jj, PER_CHANNEL)
         if LIVE_ONLY:
             value = tl.where(level_live(chunk, c0, j, HAS_INIT, False), value, 0.0)
         tl.store(ptrs + j * stride, value, mask=mask)
 
 
 @triton.jit
-def split_levels(ptrs, stride, mask, decay, jj, chunk, reads, BJ: tl.constexpr):
+def split_levels(ptrs, stride, mask, decay, jj, chunk, reads, BJ: tl.constexpr, PER_CHANNEL: tl.constexpr):
     """Transposed merge after chunk ``chunk``: dH_m += reads (the gradient of the merged value from its
     readers, when the scan does not accumulate them itself; else 0), then dH_j <- dH_m for j <= m.
     Returns (d deposit = dH_m, decay)."""
     m = merge_target(chunk, jj, BJ, False)
-    d_deposit = load_level(ptrs, stride, m, mask, decay, jj) + reads
+    d_deposit = load_level(ptrs, stride, m, mask, decay, jj, PER_CHANNEL) + reads
     for j in range(m + 1):
         tl.store(ptrs + j * stride, d_deposit, mask=mask)
-    return d_deposit, tl.where(jj <= m, 0.0, decay)
-
-
-@triton.jit
-def accumulate_level(ptrs, stride, j, mask, decay, jj, update):
-    """dH_j += update (bringing the lazy decay up to date).  Returns decay with decay[j] = 0."""
-    value = load_level(ptrs, stride, j, mask, decay, jj) + update
-    tl.store(ptrs + j * stride, value, mask=mask)
-    return tl.where(jj == j, 0.0, decay)
+    return d_deposit, clear_decays(decay, jj, m, PER_CHANNEL)
