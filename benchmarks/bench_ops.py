@@ -465,26 +465,28 @@ def check_gdn(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]
     log(f"long bf16 T={long_T}: finite={bool(torch.isfinite(ob).all())} rel err vs fp32 torch path={rel(ob, o2):.2e}")
 
 
-def profile(T: int, log: Callable[[str], None]) -> None:
-    """Where our forward+backward spends its time: CUDA time per kernel (torch.profiler), paper setting."""
+def profile(T: int, variant: str, impls: list[str], log: Callable[[str], None]) -> None:
+    """Where our forward+backward spends its time: CUDA time per kernel (torch.profiler), paper setting, for each
+    of our impls among ``impls``."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    p = PAPER
-    x = make_inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], torch.bfloat16)
-    fn, leaves = build("loglinear", x, p["H"], p["G"])
-    for t in leaves:
-        t.requires_grad_(True)
-    grad = torch.randn_like(fn())
-    for _ in range(2):
-        fn().backward(grad)
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
+    p, bench = PAPER, BENCHES[variant]
+    x = bench.inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], torch.bfloat16)
+    for impl in (i for i in impls if i in OUR_BACKENDS):
+        fn, leaves = bench.build(impl, x, p["H"], p["G"])
+        for t in leaves:
+            t.requires_grad_(True)
+        grad = torch.randn_like(fn())
+        for _ in range(2):
             fn().backward(grad)
         torch.cuda.synchronize()
-    log(f"profile T={T}, 3 x forward+backward, CUDA time by kernel:")
-    log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fn().backward(grad)
+            torch.cuda.synchronize()
+        log(f"profile {impl} T={T}, 3 x forward+backward, CUDA time by kernel:")
+        log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=60))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -545,9 +547,14 @@ def main(argv: list[str] | None = None) -> None:
             write_section(out_dir / f"correctness-{gpu}.log", args.variant, lines)
     if args.profile_T:
         log_lines = []
-        profile(args.profile_T, lambda line: (print(line, flush=True), log_lines.append(line)))
+
+        def log_line(line: str) -> None:
+            print(line, flush=True)
+            log_lines.append(line)
+
+        profile(args.profile_T, args.variant, args.impls, log_line)
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / f"profile-ops-mamba2-{gpu}.log").write_text(f"# {command}\n" + "\n".join(log_lines) + "\n")
+        (out_dir / f"profile-ops-{args.variant}-{gpu}.log").write_text(f"# {command}\n" + "\n".join(log_lines) + "\n")
     if args.no_bench:
         return
     lifted = False

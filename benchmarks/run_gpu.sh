@@ -6,7 +6,8 @@
 #   bash benchmarks/run_gpu.sh checks         # ~5 min: Triton kernels vs the torch path (bf16, fp32), both variants
 #   bash benchmarks/run_gpu.sh bench-mamba2   # ~6 min: ops-mamba2-<gpu>.* and the profile at 32K
 #   bash benchmarks/run_gpu.sh bench-gdn      # ~8 min: ops-gdn-<gpu>.*, then profile-gdn-<gpu>.md
-#   bash benchmarks/run_gpu.sh state          # ~2 min: ops-{mamba2,gdn}-state-<gpu>.* (calls with an incoming state)
+#   bash benchmarks/run_gpu.sh state          # ~3 min: ops-{mamba2,gdn}-state-<gpu>.* and profile-state-<gpu>.md
+#                                             #   (calls with an incoming state, and where their cost goes)
 #   bash benchmarks/run_gpu.sh train          # ~3 min: train-<gpu>.* (12 x d768 training steps, five models)
 #   bash benchmarks/run_gpu.sh convert-fla    # ~4 min: convert-fla-<gpu>.* (fla checkpoints vs our conversions)
 #   bash benchmarks/run_gpu.sh decode         # ~5 min: decode-<gpu>.* (per-token latency and cache memory)
@@ -94,6 +95,7 @@ case $PART in
       --name ops-mamba2-state --out "$R"
     step 120 state-gdn python benchmarks/bench_ops.py --variant gdn --impls loglinear loglinear_state \
       --T 131072 32768 8192 --name ops-gdn-state --out "$R"
+    step 120 profile-state python benchmarks/profiling/profile_state.py --out "$R"
     ;;
   train)
     step 200 train python benchmarks/bench_train.py --archs transformer mamba2 ll_mamba2 gated_deltanet \

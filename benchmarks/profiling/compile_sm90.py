@@ -99,9 +99,9 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     ptrs = dict(g=f32, lam=P, scale="fp32", starts=i32, ends=i32, bos_ptr=i32, eos_ptr=i32, chunk0_ptr=i32)
 
     scan_const = dict(base, BJ=MAX_CHUNK_LEVELS)
-    bufs = dict(levels=f32, buckets=P, decays=f32, h0=P, h0_held="*i8", dq=P, dk=P, dv=P, dlam=P, qdq=f32, kdk=f32,
-                d_levels=f32, d_buckets=P, d_deposits=P, d_init=f32, chunks=i32, by_level=i32, seqs=i32, chunk0=i32,
-                base_ptr=i32)
+    bufs = dict(levels=f32, buckets=P, decays=f32, h0=P, h0_held="*i8", dq=P, dk=P, dv=P, dlam=P, qdq=f32,
+                d_levels=f32, d_buckets=P, d_deposits=P, d_init=f32, d_gate=f32, totals=f32, final_terms=f32,
+                chunks=i32, by_level=i32, seqs=i32, chunk0=i32, base_ptr=i32)
     chunk = "q k v g lam {} h0 h0_held buckets decays starts ends seqs chunks chunk0 scale {}H G K V L J"
     kernels = [  # (kernel, its arguments, constexprs, state tile of one program: launch_options)
         (mamba2_chunk.mamba2_deposit_kernel, "k v g buckets starts ends H G K V", base, 0),
@@ -117,8 +117,8 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
          "q g lam do decays bos_ptr eos_ptr chunk0_ptr base_ptr d_init scale N S H G K V L J", base, 0),
         (mamba2_bwd.mamba2_bwd_scan_kernel, "g d_levels d_buckets bos_ptr eos_ptr chunk0_ptr base_ptr H K V J",
          dict(scan_const, BKS=mamba2.SCAN_ROWS), mamba2.SCAN_ROWS * BV),
-        (mamba2_chunk.mamba2_chunk_bwd_dkv_kernel, "q k v g lam do d_deposits starts ends scale dk dv kdk H G K V L",
-         base, 0),
+        (mamba2_chunk.mamba2_chunk_bwd_dkv_kernel,
+         "q k v g lam do d_deposits starts ends seqs eos_ptr final_terms scale dk dv d_gate totals H G K V L", base, 0),
     ]
     out = []
     for fn, names, const, tile in kernels:

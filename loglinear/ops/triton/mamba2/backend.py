@@ -69,16 +69,19 @@ INITIAL_READERS = 256  # reader chunks per program of the initial levels' gradie
 @dataclass
 class ChunkTable:
     """The kernel chunks of all sequences, int32 [NC] each: first token, the sequence's end, the sequence,
-    the absolute chunk index, and ``by_level``: the kernel chunks by the level merged after them,
-    highest first (the level-gradient kernel's longest loops start first); ``base`` [N]: each
-    sequence's first row."""
+    the absolute chunk index, ``by_level``: the kernel chunks by the level merged after them,
+    highest first (the level-gradient kernel's longest loops start first), and ``seq_last``: the last chunk of
+    each one's sequence; ``base`` [N]: each sequence's first row; ``token_chunks`` [tokens]: the chunk of every
+    token of the flat axis (NC for the tokens no kernel chunk covers)."""
 
     starts: torch.Tensor
     ends: torch.Tensor
     seqs: torch.Tensor
     chunks: torch.Tensor
     by_level: torch.Tensor
+    seq_last: torch.Tensor
     base: torch.Tensor
+    token_chunks: torch.Tensor
 
 
 @dataclass
@@ -125,12 +128,17 @@ def _tables(bos: tuple[int, ...], eos: tuple[int, ...], chunk0: tuple[int, ...],
     chunks = torch.tensor(chunk0, dtype=torch.long)[seqs] + local
     merged = ((chunks + 1) & -(chunks + 1)).log2()  # the level merged after each chunk: ctz(chunk + 1)
     by_level = torch.argsort(merged, descending=True, stable=True)
-    packed = torch.cat([torch.tensor([bos, eos, chunk0], dtype=torch.long).flatten(), starts,
-                        torch.tensor(eos, dtype=torch.long)[seqs], seqs, chunks, by_level, base])
-    packed = device_table(packed, torch.int32, device)
     N, NC = len(bos), len(seqs)
+    ends = torch.tensor(eos, dtype=torch.long)[seqs]
+    rows = starts[:, None] + torch.arange(C)  # [NC, C] the tokens of each chunk (past its end: not its own)
+    token_chunks = torch.full((max(eos, default=0),), NC, dtype=torch.long)
+    token_chunks[rows[rows < ends[:, None]]] = torch.arange(NC)[:, None].expand(NC, C)[rows < ends[:, None]]
+    packed = torch.cat([torch.tensor([bos, eos, chunk0], dtype=torch.long).flatten(), starts, ends, seqs, chunks,
+                        by_level, (base + counts - 1)[seqs], base, token_chunks])
+    packed = device_table(packed, torch.int32, device)
     ranges, rows = packed[: 3 * N].view(3, N), packed[3 * N :]
-    return (ranges[0], ranges[1], ranges[2]), ChunkTable(*rows[: 5 * NC].view(5, NC), rows[5 * NC :])
+    return (ranges[0], ranges[1], ranges[2]), ChunkTable(*rows[: 6 * NC].view(6, NC), rows[6 * NC : 6 * NC + N],
+                                                         rows[6 * NC + N :])
 
 
 def _splits(dtype: torch.dtype) -> bool:
@@ -166,24 +174,20 @@ def _gate_shape(plan: LevelScanPlan, rows: int, H: int, K: int) -> tuple[int, ..
     return (rows, H, K) if plan.per_channel else (rows, H)
 
 
-def _gate_grad(d_gate: torch.Tensor, d_final: torch.Tensor, final: torch.Tensor,
-               ranges: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """dg[t] = sum_{u >= t in t's range} d_gate[u], with each range's last row also carrying its final levels'
-    gate term sum(d_final * final); 0 outside the ranges. Whole-axis ops, no loop over sequences.
-
-    d_gate: [tokens, H] fp32 ([tokens, H, K] per channel: the final levels' term row by row); d_final, final:
-    [N, J, H, K, V] fp32; ranges: bos, eos, chunk0 int32 [N]. The per-range suffix sums are differences of one
-    whole-axis suffix sum, taken in fp64 so that subtracting the later ranges' total loses nothing."""
-    bos, eos = ranges[0].long(), ranges[1].long()
-    t = torch.arange(d_gate.shape[0], device=d_gate.device)
-    n = torch.searchsorted(eos, t, right=True).clamp_max(eos.numel() - 1)  # the range that can hold t
-    per_row = (-1,) + (1,) * (d_gate.dim() - 1)
-    inside = ((t >= bos[n]) & (t < eos[n])).view(per_row)  # rows outside the ranges are not the kernels' (unwritten)
-    term = (d_final * final).sum((1, 4))  # [N, H, K]
-    term = (term if d_gate.dim() == 3 else term.sum(-1)) * (eos > bos).view(per_row)  # empty ranges add nothing
-    x = torch.where(inside, d_gate.double(), 0).index_add_(0, (eos - 1).clamp_min(0), term.double())
-    suffix = torch.cat([suffix_sum(x, 0), torch.zeros_like(x[:1])])  # [tokens + 1, ...]: sum_{u >= t} x[u]
-    return torch.where(inside, suffix[:-1] - suffix[eos[n]], 0).float()
+def _gate_grad(d_gate: torch.Tensor, totals: torch.Tensor, table: ChunkTable) -> torch.Tensor:
+    """dg [tokens, H] fp32 ([tokens, H, K] per channel), dg_u = the sum of dGs over u and the later tokens of its
+    sequence, from the dk / dv kernel's chunk parts: d_gate holds, on every kernel row, the sum over its chunk's
+    rows from it on; totals [NC, H(, K)] fp32 each chunk's sum. Every row gets the totals of its sequence's later
+    chunks: a suffix sum over chunks, in fp64 so that the difference of two loses nothing. Rows no kernel chunk
+    covers (the torch prefixes) are 0. Works in place on d_gate."""
+    NC = totals.shape[0]
+    suffix = suffix_sum(totals.double(), 0)
+    zero = totals.new_zeros((1, *totals.shape[1:]))
+    suffix = torch.cat([suffix, zero.double()])  # [NC + 1, ...]: sum over chunks >= p
+    later = (suffix[1:] - suffix[table.seq_last.long() + 1]).float()  # the chunks after p in p's sequence
+    rows = table.token_chunks.long()
+    d_gate += torch.cat([later, zero])[rows]  # row NC: the tokens no chunk covers
+    return d_gate.masked_fill_((rows == NC).view(-1, *[1] * (d_gate.dim() - 1)), 0.0)
 
 
 def _zero_prefixes(plan: LevelScanPlan, *xs: torch.Tensor) -> None:
@@ -333,20 +337,23 @@ def _deposit_grads(q, g, lam, d_o, d_levels, ranges, saved: _Saved, plan: LevelS
     return d_buckets
 
 
-def _dkv_grads(q, k, v, g, lam, d_o, d_deposits, table: ChunkTable, plan: LevelScanPlan) -> tuple:
-    """mamba2_chunk_bwd_dkv_kernel (in-chunk + deposit terms). -> dk [tokens, G, K] (k's dtype),
-    dv [tokens, H, V] (v's dtype), k.dk [tokens, H] fp32 (per value head; [tokens, H, K] per channel)."""
+def _dkv_grads(q, k, v, g, lam, d_o, d_deposits, d_gate, final_terms, ranges, table: ChunkTable,
+               plan: LevelScanPlan) -> tuple:
+    """mamba2_chunk_bwd_dkv_kernel (in-chunk + deposit terms, and the gate gradient's chunk parts in d_gate and
+    the chunk totals). -> dk [tokens, G, K] (k's dtype), dv [tokens, H, V] (v's dtype), dg [tokens, H] fp32
+    ([tokens, H, K] per channel; _gate_grad)."""
     (tokens, H), K, NC = v.shape[:2], k.shape[-1], table.starts.numel()
     dk, dv = alloc((tokens, H, K), k.dtype, k.device), alloc(tuple(v.shape), v.dtype, v.device)
-    kdk = alloc(_gate_shape(plan, tokens, H, K), torch.float32, k.device)
+    totals = alloc(_gate_shape(plan, NC, H, K), torch.float32, k.device)
     if NC:
         mamba2_chunk_bwd_dkv_kernel[(NC, H)](
-            q, k, v, g, lam, d_o, d_deposits, table.starts, table.ends, plan.scale, dk, dv, kdk,
+            q, k, v, g, lam, d_o, d_deposits, table.starts, table.ends, table.seqs, ranges[1], final_terms,
+            plan.scale, dk, dv, d_gate, totals,
             SUB=sub_chunk_size(plan.chunk_size), **_chunk_sizes(plan, q, v, lam),
             **launch_options(mamba2_chunk_bwd_dkv_kernel, per_channel=plan.per_channel),
         )
     _zero_prefixes(plan, dv)
-    return _group_grad(dk, k.shape[1], plan), dv, kdk
+    return _group_grad(dk, k.shape[1], plan), dv, _gate_grad(d_gate, totals, table)
 
 
 class LevelScanMamba2(torch.autograd.Function):
@@ -380,9 +387,10 @@ class LevelScanMamba2(torch.autograd.Function):
         del buckets
         d_levels = d_final.clone()
         d_deposits = _deposit_grads(q, g, lam, d_o, d_levels, ranges, saved, plan)
-        dk, dv, kdk = _dkv_grads(q, k, v, g, lam, d_o, d_deposits, saved.table, plan)
+        final_terms = (d_final * final).sum((1, 4))  # the final states' gate term [N, H, K] (per row k)
+        final_terms = (final_terms if plan.per_channel else final_terms.sum(-1)).contiguous()
+        dk, dv, dg = _dkv_grads(q, k, v, g, lam, d_o, d_deposits, qdq, final_terms, ranges, saved.table, plan)
         del d_deposits
-        dg = _gate_grad(qdq - kdk, d_final, final, ranges)
         d_h0 = d_levels if plan.has_init else None
         return dq, dk, dv, dg.to(g.dtype), dlam, d_h0, None
 

@@ -40,8 +40,10 @@ u = end, the final states' factor, so o(q e^d, k e^-d, Gs - d) = o for any per-t
     dGs_u = q_u . dq_u - k_u . dk_u  (+ sum(dS_final * S_final) at the last token),
     dg_u  = sum_{t >= u} dGs_t                                        (g_u enters every Gs_t, t >= u)
 
-with dq, dk the full gradients (in-chunk + chunk levels): the dq kernel forms q.dq, the dk/dv kernel
-k.dk (both complete there); the caller adds the final states' term and takes the reverse cumsum.
+with dq, dk the full gradients (in-chunk + chunk levels): the dq kernel stores q.dq, the dk/dv kernel (where
+k.dk is complete) turns each chunk's rows into dGs (the final states' term on the sequence's last row) and
+their sums over the chunk's later rows, and stores the chunk's total; the backend adds, to every row, the totals
+of the sequence's later chunks (a [chunks, H] suffix sum instead of a [tokens, H] one).
 
 The readout's gradient with respect to the merged levels is also chunk-parallel: the level m merged
 after chunk e (m = ctz(e + 1)) is read, as bucket, by exactly the chunks e+1 .. e+2^m (those of the
@@ -201,12 +203,33 @@ def chunk_deposit(kc, vc, Gc, Gl, PRECISION: tl.constexpr, PER_CHANNEL: tl.const
 
 @triton.jit
 def store_gate_term(ptr, x, xc, t0, r, t, valid, h, H, K, kk, PER_CHANNEL: tl.constexpr):
-    """The gate gradient's term of a complete dq or dk: x * xc ([C, BK]) into ptr [tokens, H, K] with
-    PER_CHANNEL, else its row sums into ptr [tokens, H] (fp32)."""
+    """The gate gradient's term of a complete dq: x * xc ([C, BK]) into ptr [tokens, H, K] with PER_CHANNEL,
+    else its row sums into ptr [tokens, H] (fp32)."""
     if PER_CHANNEL:
         store_tile(ptr, x * xc.to(tl.float32), t0, r, valid, h, H, K, kk)
     else:
         tl.store(ptr + t * H + h, tl.sum(x * xc.to(tl.float32), 1), mask=valid)
+
+
+@triton.jit
+def chunk_gate_grads(d_gate, totals, final_terms, d_k, kc, t0, r, t, valid, last, p, n, h, H, K, kk,
+                     PER_CHANNEL: tl.constexpr):
+    """d_gate [tokens, H] ([tokens, H, K] with PER_CHANNEL) fp32 holds q.dq on the chunk's rows (the dq kernel's):
+    with x = q.dq - k.dk (+ final_terms[n] [N, H(, K)], the final states' term, on the sequence's last row
+    ``last``), store the sums of x over each row and the chunk's later rows back into d_gate's rows and the
+    chunk's total into totals [NC, H(, K)] fp32 (row p)."""
+    on_last = (t == last) & valid
+    if PER_CHANNEL:
+        x = load_tile(d_gate, t0, r, valid, h, H, K, kk) - d_k * kc.to(tl.float32)
+        term = tl.load(final_terms + (n * H + h) * K + kk, mask=kk < K, other=0.0)
+        x += tl.where(on_last[:, None], term[None, :], 0.0)
+        store_tile(d_gate, tl.cumsum(x, 0, reverse=True), t0, r, valid, h, H, K, kk)
+        tl.store(totals + (p * H + h) * K + kk, tl.sum(x, 0), mask=kk < K)
+    else:
+        x = tl.load(d_gate + t * H + h, mask=valid, other=0.0) - tl.sum(d_k * kc.to(tl.float32), 1)
+        x += tl.where(on_last, tl.load(final_terms + n * H + h), 0.0)
+        tl.store(d_gate + t * H + h, tl.cumsum(x, 0, reverse=True), mask=valid)
+        tl.store(totals + p * H + h, tl.sum(x, 0))
 
 
 @triton.jit(do_not_specialize=["H", "G"])
@@ -329,7 +352,8 @@ def mamba2_chunk_bwd_dq_kernel(
 
     (per channel: exp(G) and exp(decay_j) scale dO B_j^T's columns; q * dQ). Inputs as the forward, do:
     [tokens, H, V]. Out: dq: [tokens, H, K] (q's dtype, per value head), dlam: [tokens, H, L] (lam's dtype),
-    qdq: [tokens, H] ([tokens, H, K] with PER_CHANNEL) fp32.  Grid (NC, H)."""
+    qdq: [tokens, H] ([tokens, H, K] with PER_CHANNEL) fp32, the gate gradient's q term (for the dk / dv kernel).
+    Grid (NC, H)."""
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
     n, chunk, c0 = chunk_position(seqs, chunks, chunk0)
@@ -368,20 +392,21 @@ def mamba2_chunk_bwd_dq_kernel(
 
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
 def mamba2_chunk_bwd_dkv_kernel(
-    q, k, v, g, lam, do, d_deposits, starts, ends, scale,
-    dk, dv, kdk,
+    q, k, v, g, lam, do, d_deposits, starts, ends, seqs, eos_ptr, final_terms, scale,
+    dk, dv, d_gate, totals,
     H, G, K, V, L,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SUB: tl.constexpr,
     PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """dK and dV (in-chunk + deposit), complete:
 
-        dK = dS^T Q + diag(exp(Gl - G)) V dD^T,   dV = scale * A^T dO + diag(exp(Gl - G)) K dD,   k.dK per row
+        dK = dS^T Q + diag(exp(Gl - G)) V dD^T,   dV = scale * A^T dO + diag(exp(Gl - G)) K dD
 
-    (per channel: exp(Gl - G) [C, K] scales V dD^T and K elementwise; k * dK), dD = d_deposits [NC, H, K, V] (q's
-    dtype; the backward scan's; not read for a sequence's last chunk, which deposits nothing). Out: dk:
-    [tokens, H, K] (k's dtype, per value head), dv: [tokens, H, V] (v's dtype), kdk: [tokens, H] ([tokens, H, K]
-    with PER_CHANNEL) fp32.  Grid (NC, H)."""
+    (per channel: exp(Gl - G) [C, K] scales V dD^T and K elementwise), dD = d_deposits [NC, H, K, V] (q's dtype;
+    the backward scan's; not read for a sequence's last chunk, which deposits nothing), and the gate gradient's
+    chunk part (chunk_gate_grads: d_gate in/out, totals out; seqs: [NC] the chunk table's, eos: [N] the
+    sequences' ends, final_terms: [N, H(, K)] fp32). Out: dk: [tokens, H, K] (k's dtype, per value head),
+    dv: [tokens, H, V] (v's dtype).  Grid (NC, H)."""
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
     kk, vv = tl.arange(0, BK), tl.arange(0, BV)
@@ -405,7 +430,9 @@ def mamba2_chunk_bwd_dkv_kernel(
         d_k += to_end * tl.dot(vc, tl.trans(d_d), input_precision=PRECISION)
     store_tile(dk, d_k, t0, r, valid, h, H, K, kk)
     store_tile(dv, d_v, t0, r, valid, h, H, V, vv)
-    store_gate_term(kdk, d_k, kc, t0, r, t, valid, h, H, K, kk, PER_CHANNEL)
+    n = tl.load(seqs + tl.program_id(0))
+    chunk_gate_grads(d_gate, totals, final_terms, d_k, kc, t0, r, t, valid, tl.load(eos_ptr + n).to(tl.int64) - 1,
+                     tl.program_id(0).to(tl.int64), n, h, H, K, kk, PER_CHANNEL)
 
 
 @triton.jit
