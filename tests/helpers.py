@@ -50,6 +50,23 @@ def slice_time(inputs: dict[str, torch.Tensor], t0: int, t1: int) -> dict[str, t
     return {name: x[:, t0:t1] for name, x in inputs.items()}
 
 
+def gla_inputs(B: int, T: int, G: int = 1, H: int = 2, K: int = 4, V: int = 3, start: int = 0, seed: int = 0,
+               dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """GLA's op inputs: q, k: [B, T, G, K]; v: [B, T, H, V]; g: [B, T, H, K] (GLA.sample_gates: a quarter of the
+    channels forget fast); level_scales: [B, T, H, L] covering positions start .. start + T."""
+    from loglinear.variants import GLA
+
+    gen = torch.Generator().manual_seed(seed)
+    kw = dict(dtype=dtype, generator=gen)
+    return {
+        "q": torch.randn(B, T, G, K, **kw),
+        "k": torch.randn(B, T, G, K, **kw) / K**0.5,
+        "v": torch.randn(B, T, H, V, **kw),
+        "g": GLA.sample_gates(B, T, H, K, **kw)["g"],
+        "level_scales": 0.2 + torch.rand(B, T, H, levels_needed(start + T) + 1, **kw),
+    }
+
+
 def mamba2_args(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: x for name, x in inputs.items() if name != "beta"}
 

@@ -5,8 +5,9 @@
 Builds a random fla GatedDeltaNetForCausalLM, Mamba2ForCausalLM (one q/k group) and LogLinearMamba2ForCausalLM
 (two q/k groups), each with its weights moved off their init, saves it, converts it, and compares the logits of
 fla's model and ours (both on the GPU, float32: fla's chunked kernels past 64 tokens, ours on our kernels) at each
---T. Writes <out>/convert-fla-<gpu>.{json,md} with the command, versions and date. On the CPU the same conversions
-are tested by tests/models/test_convert_fla.py (fla's kernels under the Triton interpreter).
+--T; both are also compared with our converted model in float64 (the torch path), which says which side a
+difference comes from. Writes <out>/convert-fla-<gpu>.{json,md} with the command, versions and date. On the CPU
+the same conversions are tested by tests/models/test_convert_fla.py (fla's kernels under the Triton interpreter).
 
 fla's Triton kernels leave the precision of their float32 dot products to Triton's default, TF32 on NVIDIA GPUs
 (about 1e-3 relative), so this script sets TRITON_F32_DEFAULT=ieee unless it is set: both models then compute in
@@ -60,15 +61,21 @@ def check(name: str, model: torch.nn.Module, lengths: list[int], work: Path) -> 
     model.save_pretrained(work / name)
     target = convert(work / name, work / f"{name}-ours")
     ours = AutoModelForCausalLM.from_pretrained(work / f"{name}-ours").cuda().eval()
+    exact = AutoModelForCausalLM.from_pretrained(work / f"{name}-ours").cuda().double().eval()  # torch path, fp64
     rows = []
     for T in lengths:
         ids = torch.randint(0, SHAPE["vocab_size"], (2, T), device="cuda")
         with torch.no_grad():
-            theirs, mine = model(ids).logits.float(), ours(ids).logits.float()
-        error = ((theirs - mine).norm() / theirs.norm()).item()
-        rows.append({"fla model": name, "ours": target, "T": T, "relative logit error": error})
+            theirs, mine, ref = model(ids).logits.float(), ours(ids).logits.float(), exact(ids).logits
+        rows.append({"fla model": name, "ours": target, "T": T, "relative logit error": relative(theirs, mine),
+                     "fla vs ours in float64": relative(theirs, ref), "ours vs ours in float64": relative(mine, ref)})
         print(rows[-1], flush=True)
     return rows
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (in float64)."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             "TRITON_F32_DEFAULT": os.environ["TRITON_F32_DEFAULT"]}
     out = Path(args.out) / f"convert-fla-{gpu}"
     write_json(out.with_suffix(".json"), {**meta, "rows": rows})
-    table = markdown_table(list(rows[0]), [[r[k] if k != "relative logit error" else f"{r[k]:.2e}" for k in r]
+    table = markdown_table(list(rows[0]), [[f"{x:.2e}" if isinstance(x, float) else x for x in r.values()]
                                            for r in rows])
     out.with_suffix(".md").write_text(
         f"# fla checkpoints converted, against fla's models ({gpu})\n\n"

@@ -19,12 +19,13 @@ TIMEOUT_S = 400  # a hang fails the test (gloo itself gives up after 60 s per ex
 
 
 def _triton_cases(lengths: list[int]) -> list[Case]:
-    """The Triton backend (float32, K = V = 16 for tl.dot), interpreted on the CPU: with initial states, and
-    without (rank 0's op call then gets no state, rank 1's only the levels a state at its start can hold)."""
+    """The Triton backend (float32, K = V = 16 for tl.dot), interpreted on the CPU: with initial states (Mamba-2,
+    and GLA on the same kernels with a per-channel gate), and without (Gated DeltaNet: rank 0's op call then gets
+    no state, rank 1's only the levels a state at its start can hold)."""
     return [
         Case(f"{variant}-triton{'-state' if init else ''}", variant, lengths, K=16, V=16, chunk_size=16,
              init_positions=init, dtype=torch.float32, backend="triton")
-        for variant in ("mamba2", "gated_deltanet") for init in ([5, 12], None)
+        for variant, init in (("mamba2", [5, 12]), ("gla", [5, 12]), ("gated_deltanet", None))
     ]
 
 

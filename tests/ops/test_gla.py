@@ -7,7 +7,7 @@ containment of a non-finite gate channel, and bad gate shapes."""
 import pytest
 import torch
 
-from helpers import assert_close
+from helpers import assert_close, gla_inputs
 from loglinear import FenwickState, log_linear_gla, log_linear_mamba2
 from loglinear import reference as R
 from loglinear.distributed.levelmap import apply_mat, route
@@ -16,20 +16,6 @@ from loglinear.inputs import expand_groups
 from loglinear.ops import attention, custom_ops
 from loglinear.ops.decode import decode_step
 from loglinear.variants import GLA, REGISTRY
-
-
-def _inputs(B: int, T: int, G: int = 1, H: int = 2, K: int = 4, V: int = 3, start: int = 0, seed: int = 0,
-            dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
-    """q, k: [B, T, G, K]; v: [B, T, H, V]; g: [B, T, H, K] (GLA.sample_gates); level_scales: [B, T, H, L]."""
-    gen = torch.Generator().manual_seed(seed)
-    kw = dict(dtype=dtype, generator=gen)
-    return {
-        "q": torch.randn(B, T, G, K, **kw),
-        "k": torch.randn(B, T, G, K, **kw) / K**0.5,
-        "v": torch.randn(B, T, H, V, **kw),
-        "g": GLA.sample_gates(B, T, H, K, **kw)["g"],
-        "level_scales": 0.2 + torch.rand(B, T, H, levels_needed(start + T) + 1, **kw),
-    }
 
 
 def _leaves(x: dict) -> dict:
@@ -55,7 +41,7 @@ def test_registered():
 @pytest.mark.parametrize("B,T,G,H,chunk", [(1, 1, 1, 1, 4), (2, 21, 1, 2, 4), (2, 37, 2, 2, 16), (1, 10, 1, 3, 1)],
                          ids=["T1", "ragged-GQA", "C16", "C1"])
 def test_matches_both_references_with_gradients(B, T, G, H, chunk):
-    x = _inputs(B, T, G, H, seed=T)
+    x = gla_inputs(B, T, G, H, seed=T)
     ours, ref = _leaves(x), _leaves(x)
     o, state = log_linear_gla(**ours, chunk_size=chunk, output_final_state=True, backend="torch")
     o_mat = _materialized(ref)
@@ -74,7 +60,7 @@ def test_continuation_at_nonzero_positions_with_state_gradients():
     """Rows at different positions (11 and 6 tokens seen): the continuation equals the reference from the state,
     with gradients of the initial state, and one long call."""
     lengths, T = [11, 6], 13
-    full = _inputs(2, 11 + T, seed=3)
+    full = gla_inputs(2, 11 + T, seed=3)
     rows = [{n: t[b : b + 1, : lengths[b]] for n, t in full.items()} for b in range(2)]
     L = full["level_scales"].shape[-1]
     prefix = [_recurrent(row)[1].with_levels(L).levels for row in rows]
@@ -103,7 +89,7 @@ def test_continuation_at_nonzero_positions_with_state_gradients():
 
 def test_cu_seqlens_with_states_and_gradients():
     bounds = [0, 5, 6, 19]
-    x = _inputs(1, 19, G=1, H=2, seed=5)
+    x = gla_inputs(1, 19, G=1, H=2, seed=5)
     state = FenwickState(torch.randn(3, 4, 2, 4, 3, dtype=torch.float64) * 0.3, torch.tensor([3, 0, 9]))
     cu = torch.tensor(bounds)
     ours, ref = _leaves(x), _leaves(x)
@@ -121,7 +107,7 @@ def test_cu_seqlens_with_states_and_gradients():
 def test_strongly_negative_gates_are_stable():
     """Decays far below what exp(G_t) exp(-G_s) over a chunk could hold (exp(+900) overflows float64, exp(+90)
     float32), and -inf (a hard reset of a channel): finite outputs and gradients, equal to the references."""
-    x = _inputs(2, 45, seed=7)
+    x = gla_inputs(2, 45, seed=7)
     g = x["g"].clone()
     g[:, :, 0, 1] = -30.0  # head 0, channel 1: e^-960 over a chunk of 32
     g[:, 20:, 1, :2] = -3.0  # float32's range: e^-96
@@ -143,7 +129,7 @@ def test_strongly_negative_gates_are_stable():
 
 
 def test_equal_channels_are_log_linear_mamba2():
-    x = _inputs(2, 29, G=1, H=2, seed=11)
+    x = gla_inputs(2, 29, G=1, H=2, seed=11)
     g = x["g"][..., 0]  # [B, T, H]
     gla = dict(x, g=g[..., None].expand_as(x["g"]))
     o, state = log_linear_gla(**gla, chunk_size=8, output_final_state=True)
@@ -154,7 +140,7 @@ def test_equal_channels_are_log_linear_mamba2():
 
 def test_unit_level_scales_are_plain_gla():
     """lambda = 1: S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T, o_t = scale S_t^T q_t."""
-    x = _inputs(2, 19, G=1, H=2, seed=13)
+    x = gla_inputs(2, 19, G=1, H=2, seed=13)
     x["level_scales"] = torch.ones_like(x["level_scales"])
     o, _ = log_linear_gla(**x, chunk_size=4, scale=0.7)
     q, k = x["q"].expand(-1, -1, 2, -1), x["k"].expand(-1, -1, 2, -1)
@@ -167,7 +153,7 @@ def test_unit_level_scales_are_plain_gla():
 
 
 def test_decode_steps_continue_a_prefill():
-    x = _inputs(3, 12, G=1, H=2, seed=17)
+    x = gla_inputs(3, 12, G=1, H=2, seed=17)
     o_full, final_full = log_linear_gla(**x, chunk_size=4, output_final_state=True)
     _, state = log_linear_gla(**{n: t[:, :7] for n, t in x.items()}, chunk_size=4, output_final_state=True)
     levels, positions, scale = state.with_levels(x["level_scales"].shape[-1]).levels, state.positions, 4**-0.5
@@ -186,7 +172,7 @@ def test_decode_steps_continue_a_prefill():
 
 
 def test_custom_op():
-    x = _inputs(2, 9, seed=19)
+    x = gla_inputs(2, 9, seed=19)
     gates = {"g": x["g"]}
     compiled = custom_ops.attention("gla", x["q"], x["k"], x["v"], gates, x["level_scales"], chunk_size=4)
     assert_close(compiled, attention("gla", x["q"], x["k"], x["v"], gates, x["level_scales"])[0], 1e-12, "custom op")
@@ -195,7 +181,7 @@ def test_custom_op():
 def test_context_parallel_pieces():
     """A shard at position p maps an entering state X to  shard_transition . route(X) + local_state."""
     p, T = 13, 11
-    x = _inputs(2, T, G=1, H=2, start=p, seed=23)
+    x = gla_inputs(2, T, G=1, H=2, start=p, seed=23)
     L = x["level_scales"].shape[-1]
     X = torch.randn(2, L, 2, 4, 3, dtype=torch.float64)
     positions = torch.tensor([p, p])
@@ -211,7 +197,7 @@ def test_context_parallel_pieces():
 
 
 def test_a_non_finite_gate_channel_stays_put():
-    x = _inputs(2, 21, seed=29)
+    x = gla_inputs(2, 21, seed=29)
     bad = dict(x, g=x["g"].clone())
     bad["g"][1, 9, 0, 2] = torch.nan
     o, state = log_linear_gla(**bad, chunk_size=8, output_final_state=True)
@@ -222,7 +208,7 @@ def test_a_non_finite_gate_channel_stays_put():
 
 
 def test_bad_gate_shapes():
-    x = _inputs(2, 5, seed=31)
+    x = gla_inputs(2, 5, seed=31)
     with pytest.raises(ValueError, match=r"g must be \[B, T, H, K\] \(4 dims\), got shape \(2, 5, 2\)"):
         log_linear_gla(**dict(x, g=x["g"][..., 0]))
     with pytest.raises(ValueError, match=r"g must be \[B, T, H, K\] with B, T, H, K = 2, 5, 2, 4, got shape \(2, 5, 2"):

@@ -6,46 +6,13 @@ state's levels), with every kernel output buffer poisoned with NaN first and the
 import pytest
 import torch
 
-from helpers import assert_close, compare_with_reference
+from helpers import assert_close, compare_with_reference, gla_inputs
 from loglinear import FenwickState, log_linear_gla, log_linear_mamba2
 from loglinear import reference as R
-from loglinear.fenwick import levels_needed
-from loglinear.ops import api
-from loglinear.ops.triton.shared import common
 from loglinear.variants import GLA
 
-pytestmark = pytest.mark.interpreter
+pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("triton_kernels", "no_torch_path")]
 FP32_TOL = 3e-5
-
-
-@pytest.fixture(autouse=True)
-def triton_backend(monkeypatch):
-    """Force the kernels, poison their outputs, and fail if anything falls back to the torch path."""
-    if not common.interpreting() and not torch.cuda.is_available():
-        pytest.fail("Triton kernels need TRITON_INTERPRET=1 without CUDA (tests/conftest.py sets it)")
-    monkeypatch.setenv("LOGLINEAR_BACKEND", "triton")
-    monkeypatch.setattr(api, "torch_chunk_backend", _no_torch_path)
-    common.set_poison(True)
-    yield
-    common.set_poison(False)
-
-
-def _no_torch_path(*args, **kwargs):
-    raise AssertionError("the triton backend fell back to the torch path")
-
-
-def _inputs(B: int, T: int, G: int, H: int, K: int, V: int, start: int = 0, seed: int = 0) -> dict:
-    """float64 q, k: [B, T, G, K]; v: [B, T, H, V]; g: [B, T, H, K] (GLA.sample_gates: a quarter of the channels
-    forget fast); level_scales: [B, T, H, L] covering positions start .. start + T."""
-    gen = torch.Generator().manual_seed(seed)
-    kw = dict(dtype=torch.float64, generator=gen)
-    return {
-        "q": torch.randn(B, T, G, K, **kw),
-        "k": torch.randn(B, T, G, K, **kw) / K**0.5,
-        "v": torch.randn(B, T, H, V, **kw),
-        "g": GLA.sample_gates(B, T, H, K, **kw)["g"],
-        "level_scales": 0.2 + torch.rand(B, T, H, levels_needed(start + T) + 1, **kw),
-    }
 
 
 def _state(positions: list[int], H: int, K: int, V: int, levels: int) -> FenwickState:
@@ -81,19 +48,19 @@ def _compare(x: dict, *, state=None, cu_seqlens=None, chunk_size: int = 16, dtyp
     ],
 )
 def test_kernels_match_reference(B, T, G, H, K, V, chunk):
-    _compare(_inputs(B, T, G, H, K, V), chunk_size=chunk)
+    _compare(gla_inputs(B, T, G, H, K, V), chunk_size=chunk)
 
 
 def test_continuation_from_states_varlen():
     """States at an unaligned position, at 0 and at an aligned one (junk in every level, gradients reach them),
     three sequences of one varlen call."""
-    x = _inputs(1, 60, 1, 2, 8, 5, start=48)
+    x = gla_inputs(1, 60, 1, 2, 8, 5, start=48)
     _compare(x, cu_seqlens=torch.tensor([0, 3, 37, 60]), state=_state([21, 0, 48], 2, 8, 5, levels=8))
 
 
 def test_plain_varlen_with_states():
     """Plain GLA (level_scales None): the one-level kernels, states at any position."""
-    x = _inputs(1, 50, 2, 4, 8, 5)
+    x = gla_inputs(1, 50, 2, 4, 8, 5)
     x.pop("level_scales")
     _compare(x, cu_seqlens=torch.tensor([0, 19, 50]), state=_state([13, 0], 4, 8, 5, levels=1))
 
@@ -101,7 +68,7 @@ def test_plain_varlen_with_states():
 def test_strong_decays_are_exact():
     """Decays down to exp(-20) per token and hard resets (g = -inf) in some channels: every exponent the kernels
     take is <= 0, so nothing overflows and the result is the reference's."""
-    x = _inputs(1, 40, 1, 2, 8, 5)
+    x = gla_inputs(1, 40, 1, 2, 8, 5)
     x["g"] = -20 * torch.rand_like(x["g"]) * (torch.rand_like(x["g"]) < 0.5)
     x["g"][0, 9, 1, :3] = -torch.inf
     _compare(x)
@@ -110,7 +77,7 @@ def test_strong_decays_are_exact():
 def test_equal_channels_are_the_mamba2_kernels():
     """A gate equal over the key channels is log-linear Mamba-2: the per-channel build of the kernels gives the
     scalar one's outputs and gradients."""
-    x = {n: t.float().requires_grad_() for n, t in _inputs(2, 45, 1, 2, 8, 5).items()}
+    x = {n: t.float().requires_grad_() for n, t in gla_inputs(2, 24, 1, 2, 8, 5).items()}
     scalar = x["g"][..., 0].detach().requires_grad_()
     o_gla, s_gla = log_linear_gla(**{**x, "g": scalar[..., None].expand_as(x["g"])}, output_final_state=True,
                                   chunk_size=16)
@@ -124,5 +91,5 @@ def test_equal_channels_are_the_mamba2_kernels():
         assert_close(a, b, 1e-5, f"d{name}")
 
 
-def test_half_precision_inputs():
-    _compare(_inputs(1, 37, 1, 2, 16, 8), dtype=torch.bfloat16, tol=3e-2)
+def test_half_precisiongla_inputs():
+    _compare(gla_inputs(1, 37, 1, 2, 16, 8), dtype=torch.bfloat16, tol=3e-2)
