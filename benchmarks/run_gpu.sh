@@ -3,15 +3,17 @@
 # repository root; extra options go to the part's main command (e.g. `mqar --threads 2 --merge`,
 # `multigpu --parts fsdp cp_exact cp_long`).
 #
-#   bash benchmarks/run_gpu.sh checks         # ~5 min: Triton kernels vs the torch path (bf16, fp32), both variants
+#   bash benchmarks/run_gpu.sh checks         # ~8 min: Triton kernels vs the torch path (bf16, fp32), every variant
 #   bash benchmarks/run_gpu.sh bench-mamba2   # ~6 min: ops-mamba2-<gpu>.* and the profile at 32K
 #   bash benchmarks/run_gpu.sh bench-gdn      # ~8 min: ops-gdn-<gpu>.*, then profile-gdn-<gpu>.md
+#   bash benchmarks/run_gpu.sh bench-gla      # ~8 min: ops-gla-<gpu>.* (against fla's chunk_gla), the profile at 32K
 #   bash benchmarks/run_gpu.sh state          # ~3 min: ops-{mamba2,gdn}-state-<gpu>.* and profile-state-<gpu>.md
 #                                             #   (calls with an incoming state, and where their cost goes)
 #   bash benchmarks/run_gpu.sh train          # ~3 min: train-<gpu>.* (12 x d768 training steps, five models)
 #   bash benchmarks/run_gpu.sh convert-fla    # ~4 min: convert-fla-<gpu>.* (fla checkpoints vs our conversions)
 #   bash benchmarks/run_gpu.sh decode         # ~5 min: decode-<gpu>.* (per-token latency and cache memory)
-#   bash benchmarks/run_gpu.sh mqar           # ~5 min on 2 GPUs per seed: mqar-h200.* (MQAR_SEEDS="0 1 2")
+#   bash benchmarks/run_gpu.sh mqar           # ~5 min on 2 GPUs per seed: mqar-h200.* (MQAR_SEEDS="0 1 2"; more
+#                                             #   models into the committed sweep: mqar --archs gla ll_gla --merge)
 #   bash benchmarks/run_gpu.sh lm             # ~9.5 min, all GPUs: five LMs (same tokens), per-position loss, NIAH
 #   bash benchmarks/run_gpu.sh cp-profile     # ~4 min, 2+ GPUs: one profiled context-parallel step per rank
 #   bash benchmarks/run_gpu.sh multigpu       # ~8 min, 2+ GPUs: context parallel exactness, 128K-1M tokens
@@ -29,7 +31,7 @@
 # is the baselines' package; the `bench` extra installs it from the index instead). Every step has its own time
 # limit; the op benchmarks list our impl first and the largest T first (fla compiles for > 100 s on a fresh machine).
 set -u
-PART=${1:?usage: run_gpu.sh checks|bench-mamba2|bench-gdn|state|train|convert-fla|decode|mqar|lm|cp-profile|multigpu [extra options]}
+PART=${1:?usage: run_gpu.sh checks|bench-mamba2|bench-gdn|bench-gla|state|train|convert-fla|decode|mqar|lm|cp-profile|multigpu [extra options]}
 shift
 EXTRA=("$@")
 R=${RESULTS:-/tmp/gpu-results}
@@ -80,6 +82,8 @@ case $PART in
       --long-T 131072 --out "$R"
     step 100 check-mamba2 python benchmarks/bench_ops.py --check --no-bench --check-dtypes bfloat16 float32 \
       --long-T 262144 --out "$R"
+    step 200 check-gla python benchmarks/bench_ops.py --variant gla --check --no-bench \
+      --check-dtypes bfloat16 float32 --long-T 262144 --out "$R"
     ;;
   bench-mamba2)  # largest T first: 128K is always reached
     step 400 bench-mamba2 python benchmarks/bench_ops.py --impls loglinear loglinear_plain fla_mamba2 fla_log_linear \
@@ -89,6 +93,10 @@ case $PART in
     step 420 bench-gdn python benchmarks/bench_ops.py --variant gdn --impls loglinear loglinear_plain fla_gdn \
       sdpa_flash --T $TS --sdpa-max-T 32768 --out "$R" "${EXTRA[@]}"
     step 90 profile-gdn python benchmarks/profiling/profile_gdn.py --T 32768 131072 --ab --out "$R"
+    ;;
+  bench-gla)  # fla's chunk_gla compiles and autotunes for minutes on a fresh machine
+    step 480 bench-gla python benchmarks/bench_ops.py --variant gla --impls loglinear loglinear_plain fla_gla \
+      sdpa_flash --T $TS --sdpa-max-T 32768 --profile-T 32768 --out "$R" "${EXTRA[@]}"
     ;;
   state)  # the cost of an incoming state (a context-parallel rank's call) against the same call without one
     step 100 state-mamba2 python benchmarks/bench_ops.py --impls loglinear loglinear_state --T 131072 32768 8192 \
@@ -108,6 +116,7 @@ case $PART in
     step 560 decode python benchmarks/bench_decode.py --steps 15 --out "$R" "${EXTRA[@]}"
     ;;
   mqar)  # one seed of the MQAR sweep at the paper's setting on two GPUs; more seeds: MQAR_SEEDS, --merge
+    cp benchmarks/results/mqar-h200.json "$R"/ 2>/dev/null  # what --merge keeps (rewritten without it)
     mps_start
     step 560 mqar python -m loglinear.cli mqar --preset gpu --seeds ${MQAR_SEEDS:-0} --budget 420 --grace 60 \
       --out "$R/mqar-h200" "${EXTRA[@]}"
@@ -128,7 +137,7 @@ case $PART in
       --long-seq-lens 131072 262144 524288 1048576 --budget 470 --out "$R" "${EXTRA[@]}"
     ;;
   *)
-    echo "unknown part $PART (checks|bench-mamba2|bench-gdn|state|train|convert-fla|decode|mqar|lm|cp-profile|multigpu)" >&2
+    echo "unknown part $PART (checks|bench-mamba2|bench-gdn|bench-gla|state|train|convert-fla|decode|mqar|lm|cp-profile|multigpu)" >&2
     exit 2
     ;;
 esac
