@@ -58,6 +58,12 @@ def test_continuation_from_states_varlen():
     _compare(x, cu_seqlens=torch.tensor([0, 3, 37, 60]), state=_state([21, 0, 48], 2, 8, 5, levels=8))
 
 
+def test_a_call_inside_one_chunk_from_states():
+    """Every sequence ends before its next chunk boundary: the whole call runs on the torch prefix path, the kernels
+    get no chunk at all, and the gradients (the gate's through its chunk sums too) still reach every input."""
+    _compare(gla_inputs(2, 3, 1, 2, 8, 5, start=20), state=_state([5, 20], 2, 8, 5, levels=6))
+
+
 def test_plain_varlen_with_states():
     """Plain GLA (level_scales None): the one-level kernels, states at any position."""
     x = gla_inputs(1, 50, 2, 4, 8, 5)
