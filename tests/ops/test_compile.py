@@ -26,9 +26,10 @@ def _graph_ops(backend: torch._dynamo.testing.CompileCounterWithBackend) -> set[
     return {str(node.target) for gm in backend.graphs for node in gm.graph.nodes if node.op == "call_function"}
 
 
-@pytest.mark.parametrize("cls", [LogLinearMamba2, LogLinearGatedDeltaNet])
-@pytest.mark.parametrize("ll", [True, False])
+@pytest.mark.parametrize("cls, ll", [(LogLinearMamba2, False), (LogLinearGatedDeltaNet, True)])
 def test_layer_compiles_fullgraph_for_training_and_decoding(cls, ll):
+    """A log-linear and a plain layer (the plain one on the one-level state) of two variants; every variant's
+    layer calls the same custom op."""
     torch.manual_seed(0)
     layer = cls(12, 2, head_dim=4, use_log_linear=ll, chunk_size=4)
     backend = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
