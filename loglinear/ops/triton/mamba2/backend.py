@@ -13,8 +13,9 @@ Composition (all sequences of a call in one launch per kernel):
      in-chunk block and the readout of every chunk (chunk.py). Backward: a chunk kernel gives dq,
      dlambda (complete) and q.dq; a second one each merged level's gradient from its readers; the reverse
      scan (bwd.py) only the transposed cascade, giving every deposit's gradient; a last chunk
-     kernel dk and dv (in-chunk + deposit terms) and k.dk. dq / dk per value head in the operand dtype,
-     summed over the group's heads in fp32 here. Memory: the backward drops the buckets after the dq
+     kernel dk and dv (in-chunk + deposit terms) and the gate gradient's chunk parts (q.dq - k.dk summed
+     within each chunk, and chunk totals: _gate_grad adds the later chunks'). dq / dk per value head in the
+     operand dtype, summed over the group's heads in fp32 here. Memory: the backward drops the buckets after the dq
      kernel (their only reader there; a second backward recomputes them) and each per-head dq / dk and
      the deposits' gradients once summed / read: at most one [NC, H, K, V] buffer and one per-head
      [tokens, H, K] gradient are alive at a time (the peak: dD, per-head dk and dv during the dk / dv

@@ -266,9 +266,7 @@ def intra_block(qc, kc, vc, doc, k, g, lam, t0, r, t, valid, h, H, G, K, L, kk, 
     causal = r[:, None] >= r[None, :]
     weights = level_weights(lam, t, valid, h, H, L, intra_levels(r, LOG_C), causal, LOG_C, PLAIN)
     d_a = tl.zeros([C, C], dtype=tl.float32)
-    if DQ:
-        d_a = intra_score_grads(doc, vc, causal, scale, PRECISION)
-    if DK:
+    if DQ or DK:
         d_a = intra_score_grads(doc, vc, causal, scale, PRECISION)
     if PER_CHANNEL:
         p, d_q, d_k = channel_block(qc, kc, d_a * weights, k, g, t0, r, valid, h // (H // G), G, h, H, K, kk, Gc, Gw,
