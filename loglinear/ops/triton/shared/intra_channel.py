@@ -21,8 +21,8 @@ sub-chunk (Gw_t = G_t - G_{b(t)-1}, <= 0):
     (rows gathered from memory, the running sum W_a = Gw_{c(t)}), with exp(Gw_t - W_a[t]) for c(t) <= t.
 
 Cost per chunk: C K (C/S + S) exponentials and C/S - 1 [C, C] x [C, K] products per product kind; the
-sub-chunk size S is about sqrt(C) (sub_chunk_size). All exponents are <= 0: any decay, down to exp(-inf) = 0,
-is exact.
+sub-chunk size S is about sqrt(C) (sub_chunk_size). All exponents are <= 0, so no decay overflows; a hard reset
+(g = -inf) reaches the kernels floored to a finite log-decay whose exp is 0 (loglinear.ops.finite).
 """
 
 from __future__ import annotations
