@@ -78,8 +78,8 @@ def _compare(variant: Case, x: dict, state: FenwickState | None, cu_seqlens: tor
 @pytest.mark.parametrize(
     "B, T, G, H, K, V, positions, cu, padded",
     [
-        (2, 37, 1, 2, 8, 5, None, None, (64, 64)),  # T not a multiple of the chunk, both axes padded
-        (2, 41, 1, 2, 8, 12, [5, 32], None, (64, 64)),  # G < H, states at an unaligned and an aligned position
+        (2, 41, 1, 2, 8, 12, [5, 32], None, (64, 64)),  # both axes padded, T not a multiple of the chunk, states
+        #                                                 at an unaligned and an aligned position
         (1, 70, 1, 2, 8, 5, [17, 0, 48], [0, 3, 40, 70], (64, 64)),  # cu_seqlens with states
         (1, 45, 1, 2, 72, 12, [21], None, (72, 64)),  # only V padded
         (1, 30, 1, 1, 8, 66, None, None, (64, 66)),  # only K padded
@@ -92,7 +92,7 @@ def test_padded_heads_match_reference(padded_kernels, variant, B, T, G, H, K, V,
     assert padded_kernels == [padded]
 
 
-@pytest.mark.parametrize("positions", [None, [5, 5]])
+@pytest.mark.parametrize("positions", [[5, 5]])
 def test_padded_heads_with_qk_l2norm(padded_kernels, positions):
     """Gated DeltaNet's in-op q/k normalisation (in the chunk-local kernels) sees the zero columns."""
     x = make_inputs(2, 33, 1, 2, K=8, V=4, start=max(positions or [0]))

@@ -127,7 +127,7 @@ def test_initial_levels_in_segments_and_empty(monkeypatch, no_torch_path):
     _compare(mamba2_args(make_inputs(2, 100, 1, 2, 8, 5, start=64)), state=state)
 
 
-@pytest.mark.parametrize("positions", [[32, 48], [5, 64], [0, 3], [16, 1]])
+@pytest.mark.parametrize("positions", [[32, 48], [5, 64], [0, 3]])
 def test_continuation_from_state(positions):
     """States at aligned and unaligned positions (also 0), junk in every level; gradients reach the state."""
     B, T, H, K, V = 2, 41, 2, 8, 5
