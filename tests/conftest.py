@@ -14,6 +14,11 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(items):
+    """The largest cases (marked slow) first, so that two workers do not end on one long test each."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture
 def triton_kernels(monkeypatch):
     """The ops on the Triton kernels (LOGLINEAR_BACKEND=triton), every kernel output buffer poisoned with NaN

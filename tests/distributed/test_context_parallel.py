@@ -74,6 +74,7 @@ def test_context_parallel_matches_single_process(lengths, models, tmp_path):
     _spawn(lengths, _cases(lengths), models, tmp_path)
 
 
+@pytest.mark.slow
 def test_context_parallel_on_the_triton_backend(tmp_path, monkeypatch):
     """Any backend: the same exactness (float32) with the fused kernels, interpreted on the CPU."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the ranks hold CPU tensors; inherited by the spawned ranks

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from torch.autograd import DeviceType
 
 from helpers import spawn_train
@@ -44,6 +45,7 @@ def test_profile_step_on_one_process(tiny_data, tmp_path):
     assert [r.get("profiled", False) for r in rows if "loss" in r] == [False, True]
 
 
+@pytest.mark.slow
 def test_profile_step_labels_the_context_parallel_scopes(tiny_data, tmp_path):
     spawn_train(_config(tiny_data, tmp_path, "--context-parallel", "2"), 2)
     calls = [_scope_calls((tmp_path / f"profile-rank{r}.txt").read_text()) for r in range(2)]
