@@ -35,6 +35,7 @@ __all__ = [
     "chunk_resets_after",
     "carry_target",
     "carry",
+    "ctz",
     "trailing_zeros",
 ]
 
@@ -104,6 +105,11 @@ def chunk_writes(chunk: int, j: int) -> bool:
 def chunk_resets_after(chunk: int, j: int) -> bool:
     """The chunk-level-j running state resets after the last chunk of each aligned block of 2^(j+1)."""
     return (chunk + 1) % (1 << (j + 1)) == 0
+
+
+def ctz(n: int) -> int:
+    """Count of trailing zero bits of a positive Python int (host-side: no tensor)."""
+    return (n & -n).bit_length() - 1
 
 
 def trailing_zeros(x: torch.Tensor) -> torch.Tensor:

@@ -99,5 +99,5 @@ def test_carry_is_a_binary_counter():
             counts[l] = 0
             moved_to = l + 1
             l += 1
-        assert moved_to == int(fenwick.carry_target(p))
+        assert moved_to == int(fenwick.carry_target(p)) == fenwick.ctz(p) + 1
     assert int(fenwick.carry_target(0)) == 0

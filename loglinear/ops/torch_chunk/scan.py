@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loglinear.fenwick import bit_length, chunk_bits, intra_chunk_levels, levels_needed
+from loglinear.fenwick import bit_length, chunk_bits, ctz, intra_chunk_levels, levels_needed
 
 
 def pad_time(x: torch.Tensor, front: int, back: int) -> torch.Tensor:
@@ -52,7 +52,7 @@ def carry_past(levels: torch.Tensor, position: int) -> torch.Tensor:
     """The cascade's carry for a new token at ``position`` (> 0), widening the level axis if needed:
     levels [b, L, H, K, V] -> [b, max(L, ctz(position) + 2), H, K, V]. Levels 0..ctz(position) add into level
     ctz(position) + 1 and clear (fenwick.carry for one host-side position: slices only, no host-device copy)."""
-    target = (position & -position).bit_length()  # ctz(position) + 1
+    target = ctz(position) + 1
     if levels.shape[1] <= target:
         levels = F.pad(levels, (0, 0, 0, 0, 0, 0, 0, target + 1 - levels.shape[1]))
     merged = levels[:, : target + 1].sum(1, keepdim=True)
@@ -134,7 +134,7 @@ def chunk_scan(
         deposit = form.deposit[:, :, i]
         if i == 0 and partial is not None:
             deposit = deposit + form.transition(i, partial.sum(2))
-        m = ((chunk + 1) & -(chunk + 1)).bit_length() - 1  # ctz(chunk + 1)
+        m = ctz(chunk + 1)
         merged = deposit + sum(H_levels[:m], torch.zeros_like(deposit))
         H_levels = [torch.zeros_like(deposit)] * m + [merged + H_levels[m]] + H_levels[m + 1 :]
 

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from loglinear.fenwick import bit_length, carry_target, chunk_bits, levels_needed
+from loglinear.fenwick import bit_length, carry_target, chunk_bits, ctz, levels_needed
 from loglinear.inputs import OpInputs, expand_groups, l2norm, run_segments
 from loglinear.ops.torch_chunk import carry_past, chunked, final_levels, level_scales_at, pad_time
 from loglinear.ops.triton.gated_deltanet.chunking import Chunking, chunk_cap
@@ -101,7 +101,7 @@ def _incoming_state(
         # The first chunk's cascade moves its transitioned buckets into chunk level m0. Seeding h_m0
         # with them instead is the same, except that chunk 0 would also read them at level c+1+m0:
         # take that read off the weights.
-        m0 = ((c0 + 1) & -(c0 + 1)).bit_length() - 1  # ctz(c0 + 1)
+        m0 = ctz(c0 + 1)
         weights = weights - level_scales_at(lc[:, :, 0], torch.full((C, 1), c + 1 + m0, device=levels.device))
         h0 = torch.cat([h0[:, :, :m0], h0[:, :, m0 : m0 + 1] + partial.sum(2, True), h0[:, :, m0 + 1 :]], 2)
     qt0 = qt.view(b, H, N, C, K)[:, :, 0].float()
