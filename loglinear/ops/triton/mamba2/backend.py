@@ -170,6 +170,12 @@ def _sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor) -> dict:
                 PRECISION=dot_precision(q.dtype, FP32_DOT), PER_CHANNEL=plan.per_channel)
 
 
+def _launch(kernel, plan: LevelScanPlan, state_tile: int = 0) -> dict[str, int]:
+    """The launch config of a Mamba-2 kernel for this plan (shared.launch.launch_options: per-channel gates take
+    the kernels' channel_warps)."""
+    return launch_options(kernel, state_tile, plan.per_channel)
+
+
 def _gate_shape(plan: LevelScanPlan, rows: int, H: int, K: int) -> tuple[int, ...]:
     """Shape of a per-gate tensor of ``rows`` rows: [rows, H], or [rows, H, K] per channel."""
     return (rows, H, K) if plan.per_channel else (rows, H)
@@ -215,14 +221,14 @@ def _merge_levels(k, v, g, levels, ranges, table: ChunkTable, plan: LevelScanPla
     if NC and not plan.plain:  # the plain scan forms its deposits itself
         mamba2_deposit_kernel[(NC, H)](
             k, v, g, buckets, table.starts, table.ends, BK=BK, BV=BV, **_sizes(plan, k, v),
-            **launch_options(mamba2_deposit_kernel, per_channel=plan.per_channel),
+            **_launch(mamba2_deposit_kernel, plan),
         )
     BKS = _scan_rows(k, plan.plain)  # the plain scan multiplies (its deposits)
     mamba2_fwd_kernel[(N, H, triton.cdiv(k.shape[-1], BKS))](
         k, v, g, levels, buckets, decays, *ranges, table.base, H=H, G=k.shape[1], K=k.shape[-1], V=v.shape[-1],
         J=plan.num_levels, C=plan.chunk_size, BKS=BKS, BV=BV, BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init,
         PLAIN=plan.plain, PRECISION=dot_precision(k.dtype, FP32_DOT), PER_CHANNEL=plan.per_channel,
-        **launch_options(mamba2_fwd_kernel, BKS * BV),
+        **_launch(mamba2_fwd_kernel, plan, BKS * BV),
     )
     return buckets, decays
 
@@ -267,7 +273,7 @@ def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Sa
             table.chunks, ranges[2], plan.scale, L=lam.shape[-1], J=plan.num_levels, LOG_C=chunk_bits(plan.chunk_size),
             BK=BK, BV=BV, BJ=MAX_CHUNK_LEVELS, SUB=sub_chunk_size(plan.chunk_size), HAS_INIT=plan.has_init,
             PLAIN=plan.plain, **_sizes(plan, q, v),
-            **launch_options(mamba2_chunk_fwd_kernel, per_channel=plan.per_channel),
+            **_launch(mamba2_chunk_fwd_kernel, plan),
         )
     return _Saved(table, buckets, decays)
 
@@ -292,7 +298,7 @@ def _dq_grads(q, k, v, g, lam, h0, d_o, ranges, buckets, saved: _Saved, plan: Le
             q, k, v, g, lam, d_o, *_initial_reads(h0, q, plan), buckets, saved.decays, table.starts, table.ends,
             table.seqs, table.chunks, ranges[2], plan.scale, dq, dlam, qdq, BL=next_pow2(L, minimum=32),
             BJ=MAX_CHUNK_LEVELS, J=plan.num_levels, SUB=sub_chunk_size(plan.chunk_size), HAS_INIT=plan.has_init,
-            **_chunk_sizes(plan, q, v, lam), **launch_options(mamba2_chunk_bwd_dq_kernel, per_channel=plan.per_channel),
+            **_chunk_sizes(plan, q, v, lam), **_launch(mamba2_chunk_bwd_dq_kernel, plan),
         )
     if plan.plain:
         return _group_grad(dq, q.shape[1], plan), None, qdq
@@ -309,7 +315,7 @@ def _initial_read_grads(q, g, lam, d_o, ranges, saved: _Saved, plan: LevelScanPl
     d_init = alloc((S, N, J, H, q.shape[-1], d_o.shape[-1]), torch.float32, q.device)
     mamba2_initial_grad_kernel[(S * N * J, H)](
         q, g, lam, d_o, saved.decays, *ranges, table.base, d_init, plan.scale, N=N, S=S, J=J,
-        **_chunk_sizes(plan, q, d_o, lam), **launch_options(mamba2_initial_grad_kernel, per_channel=plan.per_channel),
+        **_chunk_sizes(plan, q, d_o, lam), **_launch(mamba2_initial_grad_kernel, plan),
     )
     return d_init.sum(0) if S > 1 else d_init[0]
 
@@ -324,14 +330,13 @@ def _deposit_grads(q, g, lam, d_o, d_levels, ranges, saved: _Saved, plan: LevelS
     if NC:
         mamba2_level_grad_kernel[(NC * H,)](
             q, g, lam, d_o, saved.decays, table.starts, table.ends, table.chunks, table.by_level, d_buckets,
-            plan.scale, J=J, BJ=MAX_CHUNK_LEVELS, **chunk,
-            **launch_options(mamba2_level_grad_kernel, per_channel=plan.per_channel),
+            plan.scale, J=J, BJ=MAX_CHUNK_LEVELS, **chunk, **_launch(mamba2_level_grad_kernel, plan),
         )
     BKS = _scan_rows(q, False)
     mamba2_bwd_scan_kernel[(N, H, triton.cdiv(q.shape[-1], BKS))](
         g, d_levels, d_buckets, *ranges, table.base, H=H, K=q.shape[-1], V=d_o.shape[-1], J=J, C=plan.chunk_size,
         BKS=BKS, BV=chunk["BV"], BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, PLAIN=plan.plain,
-        PER_CHANNEL=plan.per_channel, **launch_options(mamba2_bwd_scan_kernel, BKS * chunk["BV"]),
+        PER_CHANNEL=plan.per_channel, **_launch(mamba2_bwd_scan_kernel, plan, BKS * chunk["BV"]),
     )
     if plan.has_init and NC:
         d_levels += _initial_read_grads(q, g, lam, d_o, ranges, saved, plan)
@@ -351,7 +356,7 @@ def _dkv_grads(q, k, v, g, lam, d_o, d_deposits, d_gate, final_terms, ranges, ta
             q, k, v, g, lam, d_o, d_deposits, table.starts, table.ends, table.seqs, ranges[1], final_terms,
             plan.scale, dk, dv, d_gate, totals,
             SUB=sub_chunk_size(plan.chunk_size), **_chunk_sizes(plan, q, v, lam),
-            **launch_options(mamba2_chunk_bwd_dkv_kernel, per_channel=plan.per_channel),
+            **_launch(mamba2_chunk_bwd_dkv_kernel, plan),
         )
     _zero_prefixes(plan, dv)
     return _group_grad(dk, k.shape[1], plan), dv, _gate_grad(d_gate, totals, table)
