@@ -71,7 +71,7 @@ rows of the output to the columns of q or k:
     in-chunk   P[t, s] = sum_k q_t[k] exp(G_t[k] - G_s[k]) k_s[k]          (shared/intra_channel.py)
 
 and the gate's gradient is the same telescoping per channel: dGs_u[k] = q_u[k] dq_u[k] - k_u[k] dk_u[k] (+ the
-final states' row k), so the dq and dk / dv kernels store q * dq and k * dk [tokens, H, K] instead of row sums.
+final states' row k), so the gate terms are q * dq and k * dk [C, K] instead of row sums (gate_term).
 """
 from __future__ import annotations
 
@@ -202,13 +202,32 @@ def chunk_deposit(kc, vc, Gc, Gl, PRECISION: tl.constexpr, PER_CHANNEL: tl.const
 
 
 @triton.jit
-def store_gate_term(ptr, x, xc, t0, r, t, valid, h, H, K, kk, PER_CHANNEL: tl.constexpr):
-    """The gate gradient's term of a complete dq: x * xc ([C, BK]) into ptr [tokens, H, K] with PER_CHANNEL,
-    else its row sums into ptr [tokens, H] (fp32)."""
+def gate_term(d_x, xc, PER_CHANNEL: tl.constexpr):
+    """A complete gradient's share of dGs: x . dx per row ([C]) of dx [C, BK] fp32 and x [C, BK], or with
+    PER_CHANNEL x * dx ([C, BK])."""
+    term = d_x * xc.to(tl.float32)
+    if not PER_CHANNEL:
+        term = tl.sum(term, 1)
+    return term
+
+
+@triton.jit
+def load_gate_rows(ptr, t0, r, t, valid, h, H, K, kk, PER_CHANNEL: tl.constexpr):
+    """The chunk's rows of ptr [tokens, H] fp32 -> [C], or of ptr [tokens, H, K] with PER_CHANNEL -> [C, BK]."""
     if PER_CHANNEL:
-        store_tile(ptr, x * xc.to(tl.float32), t0, r, valid, h, H, K, kk)
+        x = load_tile(ptr, t0, r, valid, h, H, K, kk)
     else:
-        tl.store(ptr + t * H + h, tl.sum(x * xc.to(tl.float32), 1), mask=valid)
+        x = tl.load(ptr + t * H + h, mask=valid, other=0.0)
+    return x
+
+
+@triton.jit
+def store_gate_rows(ptr, x, t0, r, t, valid, h, H, K, kk, PER_CHANNEL: tl.constexpr):
+    """x ([C], or [C, BK] with PER_CHANNEL) into the chunk's rows of ptr [tokens, H(, K)] fp32."""
+    if PER_CHANNEL:
+        store_tile(ptr, x, t0, r, valid, h, H, K, kk)
+    else:
+        tl.store(ptr + t * H + h, x, mask=valid)
 
 
 @triton.jit
@@ -219,17 +238,15 @@ def chunk_gate_grads(d_gate, totals, final_terms, d_k, kc, t0, r, t, valid, last
     ``last``), store the sums of x over each row and the chunk's later rows back into d_gate's rows and the
     chunk's total into totals [NC, H(, K)] fp32 (row p)."""
     on_last = (t == last) & valid
+    x = load_gate_rows(d_gate, t0, r, t, valid, h, H, K, kk, PER_CHANNEL) - gate_term(d_k, kc, PER_CHANNEL)
     if PER_CHANNEL:
-        x = load_tile(d_gate, t0, r, valid, h, H, K, kk) - d_k * kc.to(tl.float32)
         term = tl.load(final_terms + (n * H + h) * K + kk, mask=kk < K, other=0.0)
         x += tl.where(on_last[:, None], term[None, :], 0.0)
-        store_tile(d_gate, tl.cumsum(x, 0, reverse=True), t0, r, valid, h, H, K, kk)
         tl.store(totals + (p * H + h) * K + kk, tl.sum(x, 0), mask=kk < K)
     else:
-        x = tl.load(d_gate + t * H + h, mask=valid, other=0.0) - tl.sum(d_k * kc.to(tl.float32), 1)
         x += tl.where(on_last, tl.load(final_terms + n * H + h), 0.0)
-        tl.store(d_gate + t * H + h, tl.cumsum(x, 0, reverse=True), mask=valid)
         tl.store(totals + p * H + h, tl.sum(x, 0))
+    store_gate_rows(d_gate, tl.cumsum(x, 0, reverse=True), t0, r, t, valid, h, H, K, kk, PER_CHANNEL)
 
 
 @triton.jit(do_not_specialize=["H", "G"])
@@ -385,7 +402,7 @@ def mamba2_chunk_bwd_dq_kernel(
                 elif not PLAIN:  # an empty level: its lambda column's gradient is 0
                     store_column(dlam, tl.zeros([C], dtype=tl.float32), t, valid, h, H, L, LOG_C + 1 + j)
     store_tile(dq, d_q, t0, r, valid, h, H, K, kk)
-    store_gate_term(qdq, d_q, qc, t0, r, t, valid, h, H, K, kk, PER_CHANNEL)
+    store_gate_rows(qdq, gate_term(d_q, qc, PER_CHANNEL), t0, r, t, valid, h, H, K, kk, PER_CHANNEL)
 
 
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
