@@ -10,7 +10,7 @@
 #   bash benchmarks/run_gpu.sh state          # ~3 min: ops-{mamba2,gdn}-state-<gpu>.* and profile-state-<gpu>.md
 #                                             #   (calls with an incoming state, and where their cost goes)
 #   bash benchmarks/run_gpu.sh train          # ~3 min: train-<gpu>.* (12 x d768 training steps, five models)
-#   bash benchmarks/run_gpu.sh convert-fla    # ~4 min: convert-fla-<gpu>.* (fla checkpoints vs our conversions)
+#   bash benchmarks/run_gpu.sh convert-fla    # ~6 min: convert-fla-<gpu>.* (fla checkpoints vs our conversions)
 #   bash benchmarks/run_gpu.sh decode         # ~5 min: decode-<gpu>.* (per-token latency and cache memory)
 #   bash benchmarks/run_gpu.sh mqar           # ~5 min on 2 GPUs per seed: mqar-h200.* (MQAR_SEEDS="0 1 2"; more
 #                                             #   models into the committed sweep: mqar --archs gla ll_gla --merge)
@@ -110,7 +110,7 @@ case $PART in
       ll_gated_deltanet --out "$R" "${EXTRA[@]}"
     ;;
   convert-fla)  # fla's models: the bench extra, or FLA_WHEELS holding both fla wheels (fla-core, flash-linear-attention)
-    step 240 convert-fla python benchmarks/experiments/check_fla_conversion.py --out "$R"
+    step 400 convert-fla python benchmarks/experiments/check_fla_conversion.py --out "$R"
     ;;
   decode)
     step 560 decode python benchmarks/bench_decode.py --steps 15 --out "$R" "${EXTRA[@]}"
