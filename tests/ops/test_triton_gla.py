@@ -97,5 +97,5 @@ def test_equal_channels_are_the_mamba2_kernels():
         assert_close(a, b, 1e-5, f"d{name}")
 
 
-def test_half_precisiongla_inputs():
+def test_half_precision():
     _compare(gla_inputs(1, 37, 1, 2, 16, 8), dtype=torch.bfloat16, tol=3e-2)
