@@ -34,9 +34,12 @@ def intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tor
     nothing overflows whatever the decays (exp(G_t - G_s) is never split into exp(G_t) exp(-G_s) across the
     chunk). The chunk is cut into sub-chunks of S tokens (sub_chunk_size):
       diagonal sub-blocks  the decays exp(G_t - G_s) themselves, [.., C/S, S, S, K]
-      below them           q_t exp(G_t - G_b) and k_s exp(G_b - G_s) with G_b the cumsum just before the query's
-                           sub-chunk ([.., C/S, S, K] and [.., C/S, C, K]), one GEMM per query sub-chunk
-    so the intermediates hold O(C (S + C/S) K) per chunk instead of the C^2 K of a direct [C, C, K] product.
+      below them           for query sub-chunk i and key sub-chunk j < i, exp(G_t - G_s) is the product of three
+                           factors <= 1: exp(G_t - G_b) on q (G_b the cumsum before sub-chunk i), exp(G_e - G_s) on
+                           k (G_e the cumsum at the end of sub-chunk j) and exp(G_b - G_e) [.., C/S, C/S, K] between
+                           them; one product over K per pair of sub-chunks
+    so the intermediates hold O(C (S + C/S) K) per chunk instead of the C^2 K of a direct [C, C, K] product, and
+    the exponentials O(C S K).
     """
     *batch, C, K = q.shape
     S = sub_chunk_size(C)
@@ -45,13 +48,15 @@ def intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tor
     causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()[..., None]  # [S, S, 1]
     gamma = _decayed(Gs[..., :, None, :] - Gs[..., None, :, :], causal)  # [.., n, S, S, K]
     diagonal = torch.einsum("...itk,...itsk,...isk->...its", qs, gamma, ks)  # [.., n, S, S]
-    before = torch.cat([torch.zeros_like(Gs[..., :1, -1, :]), Gs[..., :-1, -1, :]], dim=-2)  # G_b: [.., n, K]
+    last = Gs[..., :, -1, :]  # G_e of each sub-chunk: [.., n, K]
+    before = torch.cat([torch.zeros_like(last[..., :1, :]), last[..., :-1, :]], dim=-2)  # G_b: [.., n, K]
     q_ref = qs * torch.exp(Gs - before[..., None, :])  # [.., n, S, K]
-    earlier = torch.arange(C, device=q.device)[None, :] < (S * torch.arange(n, device=q.device))[:, None]  # [n, C]
-    k_ref = k[..., None, :, :] * _decayed(before[..., None, :] - G[..., None, :, :], earlier[..., None])
-    below = torch.einsum("...itk,...isk->...its", q_ref, k_ref)  # [.., n, S, C]
+    k_end = ks * torch.exp(last[..., None, :] - Gs)  # [.., n, S, K]
+    earlier = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)[..., None]  # j < i: [n, n, 1]
+    between = _decayed(before[..., :, None, :] - last[..., None, :, :], earlier)  # [.., n, n, K]
+    below = torch.einsum("...itk,...ijk,...jsk->...itjs", q_ref, between, k_end)  # [.., n, S, n, S]
     eye = torch.eye(n, dtype=q.dtype, device=q.device)[:, None, :, None]  # [n, 1, n, 1]
-    scores = below.reshape(*batch, n, S, n, S) + diagonal[..., None, :] * eye
+    scores = below + diagonal[..., None, :] * eye
     return scores.reshape(*batch, C, C)
 
 
