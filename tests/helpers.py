@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 from loglinear.fenwick import levels_needed
 from loglinear.state import FenwickState
+from loglinear.variants import GLA
 
 
 def make_inputs(
@@ -54,8 +55,6 @@ def gla_inputs(B: int, T: int, G: int = 1, H: int = 2, K: int = 4, V: int = 3, s
                dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
     """GLA's op inputs: q, k: [B, T, G, K]; v: [B, T, H, V]; g: [B, T, H, K] (GLA.sample_gates: a quarter of the
     channels forget fast); level_scales: [B, T, H, L] covering positions start .. start + T."""
-    from loglinear.variants import GLA
-
     gen = torch.Generator().manual_seed(seed)
     kw = dict(dtype=dtype, generator=gen)
     return {

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from loglinear.fenwick import bit_length, chunk_bits, levels_needed
+from loglinear.fenwick import bit_length, chunk_bits, levels_needed, trailing_zeros
 from loglinear.inputs import OpInputs, expand_groups
 from loglinear.ops.torch_chunk import carry_past, chunk_scan
 from loglinear.ops.triton.mamba2.bwd import mamba2_bwd_scan_kernel
@@ -127,7 +127,7 @@ def _tables(bos: tuple[int, ...], eos: tuple[int, ...], chunk0: tuple[int, ...],
     local = torch.arange(len(seqs)) - base[seqs]
     starts = torch.tensor(bos, dtype=torch.long)[seqs] + local * C
     chunks = torch.tensor(chunk0, dtype=torch.long)[seqs] + local
-    merged = ((chunks + 1) & -(chunks + 1)).log2()  # the level merged after each chunk: ctz(chunk + 1)
+    merged = trailing_zeros(chunks + 1)  # the level merged after each chunk
     by_level = torch.argsort(merged, descending=True, stable=True)
     N, NC = len(bos), len(seqs)
     ends = torch.tensor(eos, dtype=torch.long)[seqs]
