@@ -8,7 +8,7 @@ registers, stack, spills, per kernel at the op's block and launch choices.
     python benchmarks/profiling/compile_sm90.py gdn --dtype fp32 --K 256
     python benchmarks/profiling/compile_sm90.py gdn --l2norm       # the chunk-local kernels normalising q/k rows
 
-Paper setting by default (K = 128, V = 64, the op's chunk: 64 for Mamba-2, 32 for GLA, Gated DeltaNet's rule).
+Paper setting by default (K = 128, V = 64, the op's chunk: 64 for Mamba-2 and GLA, Gated DeltaNet's rule).
 Mamba-2 / GLA: the chunk-level scans mamba2/fwd.py, mamba2/bwd.py and the chunk-parallel mamba2/chunk.py (GLA:
 PER_CHANNEL); Gated DeltaNet:
 the scan kernels (gated_deltanet/scan.py) and the chunk-local ones (gated_deltanet/local.py).
@@ -40,10 +40,10 @@ from loglinear.ops.triton.mamba2 import backend as mamba2  # noqa: E402
 from loglinear.ops.triton.mamba2 import bwd as mamba2_bwd  # noqa: E402
 from loglinear.ops.triton.mamba2 import chunk as mamba2_chunk  # noqa: E402
 from loglinear.ops.triton.mamba2 import fwd as mamba2_fwd  # noqa: E402
+from loglinear.ops.triton.shared import intra_channel  # noqa: E402
 from loglinear.ops.triton.shared.common import MAX_CHUNK_LEVELS  # noqa: E402
 from loglinear.ops.triton.shared.launch import launch_options  # noqa: E402
 from loglinear.ops.triton.shared.rules import dot_precision, kernel_chunk_size  # noqa: E402
-from loglinear.variants.gla import sub_chunk_size  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SHARED_LIMIT = 232448
@@ -88,13 +88,13 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     prec = dot_precision(dtype, mamba2.FP32_DOT)
     per_channel = args.variant == "gla"
     BK, BV = triton.next_power_of_2(args.K), triton.next_power_of_2(args.V)
-    C = mamba2.MAX_CHUNK_PER_CHANNEL if per_channel else mamba2.MAX_CHUNK
+    C = mamba2.MAX_CHUNK
     fwd_rows = BK if args.plain and dtype != torch.float32 else mamba2.SCAN_ROWS  # _scan_rows(k, plan.plain)
     print(f"triton {triton.__version__}, {args.variant}, {args.dtype}, K={args.K}, V={args.V}, C={C}, "
           f"plain={args.plain}, "
           f"has_init={args.has_init}, {prec}")
     base = dict(C=C, LOG_C=C.bit_length() - 1, BK=BK, BV=BV, PRECISION=prec, HAS_INIT=args.has_init, PLAIN=args.plain,
-                PER_CHANNEL=per_channel, SUB=sub_chunk_size(C))
+                PER_CHANNEL=per_channel, S=intra_channel.SUB_CHUNK, KB=min(intra_channel.KEY_BLOCK, BK))
     ints = dict(K=args.K, V=args.V)
     ptrs = dict(g=f32, lam=P, scale="fp32", starts=i32, ends=i32, bos_ptr=i32, eos_ptr=i32, chunk0_ptr=i32)
 
@@ -102,13 +102,14 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     bufs = dict(levels=f32, buckets=P, decays=f32, h0=P, h0_held="*i8", dq=P, dk=P, dv=P, dlam=P, qdq=f32,
                 d_levels=f32, d_buckets=P, d_deposits=P, d_init=f32, d_gate=f32, totals=f32, final_terms=f32,
                 chunks=i32, by_level=i32, seqs=i32, chunk0=i32, base_ptr=i32)
-    chunk = "q k v g lam {} h0 h0_held buckets decays starts ends seqs chunks chunk0 scale {}H G K V L J"
+    bufs.update(scores=f32, dq_in=f32, dk_in=f32, cum=f32)
+    chunk = "q k v g lam {} h0 h0_held buckets decays scores {}starts ends seqs chunks chunk0 scale {}H G K V L J"
     kernels = [  # (kernel, its arguments, constexprs, state tile of one program: launch_options)
         (mamba2_chunk.mamba2_deposit_kernel, "k v g buckets starts ends H G K V", base, 0),
         (mamba2_fwd.mamba2_fwd_kernel, "k v g levels buckets decays bos_ptr eos_ptr chunk0_ptr base_ptr H G K V J",
          dict(scan_const, BKS=fwd_rows), fwd_rows * BV),
-        (mamba2_chunk.mamba2_chunk_fwd_kernel, chunk.format("o", ""), dict(base, BJ=MAX_CHUNK_LEVELS), 0),
-        (mamba2_chunk.mamba2_chunk_bwd_dq_kernel, chunk.format("do", "dq dlam qdq "),
+        (mamba2_chunk.mamba2_chunk_fwd_kernel, chunk.format("o", "", ""), dict(base, BJ=MAX_CHUNK_LEVELS), 0),
+        (mamba2_chunk.mamba2_chunk_bwd_dq_kernel, chunk.format("do", "dq_in ", "dq dlam qdq "),
          dict(base, BL=32, BJ=MAX_CHUNK_LEVELS), 0),
         (mamba2_chunk.mamba2_level_grad_kernel,
          "q g lam do decays starts ends chunks by_level d_buckets scale H G K V L J",
@@ -118,8 +119,17 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
         (mamba2_bwd.mamba2_bwd_scan_kernel, "g d_levels d_buckets bos_ptr eos_ptr chunk0_ptr base_ptr H K V J",
          dict(scan_const, BKS=mamba2.SCAN_ROWS), mamba2.SCAN_ROWS * BV),
         (mamba2_chunk.mamba2_chunk_bwd_dkv_kernel,
-         "q k v g lam do d_deposits starts ends seqs eos_ptr final_terms scale dk dv d_gate totals H G K V L", base, 0),
+         "q k v g lam do d_deposits scores dk_in starts ends seqs eos_ptr final_terms scale dk dv d_gate totals "
+         "H G K V L", base, 0),
     ]
+    if per_channel:
+        kernels += [
+            (intra_channel.channel_cumsum_kernel, "g cum starts ends H K", base, 0),
+            (intra_channel.channel_scores_kernel, "q k cum scores starts ends H G K", base, 0),
+            (intra_channel.channel_dq_kernel, "q k v cum lam do scores dq_in dlam starts ends scale H G K V L",
+             dict(base, BL=32), 0),
+            (intra_channel.channel_dk_kernel, "q k v cum lam do dk_in starts ends scale H G K V L", base, 0),
+        ]
     out = []
     for fn, names, const, tile in kernels:
         const = {n: c for n, c in const.items() if n in fn.arg_names}

@@ -173,7 +173,8 @@ def _chunk_gates(g, beta, tok, valid, h, H, C: tl.constexpr):
 @triton.jit
 def _chunk_levels(lam, tok, valid, h, H, L, causal, C: tl.constexpr, LOG_C: tl.constexpr):
     """Lambda [C, C] fp32 (causal) of levels 0..c from lam [tokens, H, L]."""
-    return level_weights(lam, tok, valid, h, H, L, intra_levels(tl.arange(0, C), LOG_C), causal, LOG_C, False)
+    r = tl.arange(0, C)
+    return level_weights(lam, tok, valid, h, H, L, intra_levels(r, r, LOG_C), causal, LOG_C, False)
 
 
 @triton.jit

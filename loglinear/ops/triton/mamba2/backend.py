@@ -50,11 +50,13 @@ from loglinear.ops.triton.mamba2.chunk import (
 from loglinear.ops.triton.mamba2.fwd import mamba2_fwd_kernel
 from loglinear.ops.triton.shared.common import MAX_CHUNK_LEVELS, alloc, group_sum, interpreting, next_pow2
 from loglinear.ops.triton.shared.heads import min_head_dim, run_padded
+from loglinear.ops.triton.shared.intra_channel import (
+    KEY_BLOCK, SUB_CHUNK, channel_cumsum_kernel, channel_dk_kernel, channel_dq_kernel, channel_scores_kernel,
+)
 from loglinear.ops.triton.shared.launch import launch_options
 from loglinear.ops.triton.shared.rules import dot_precision, kernel_chunk_size
 from loglinear.ops.triton.shared.tables import device_table, table_cache
 from loglinear.state import FenwickState
-from loglinear.variants.gla import sub_chunk_size
 from loglinear.variants.mamba2 import suffix_sum
 
 __all__ = ["supports", "backend", "LevelScanPlan"]
@@ -62,7 +64,6 @@ __all__ = ["supports", "backend", "LevelScanPlan"]
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP32_DOT = "ieee"  # fp32 products exact (shared.rules.dot_precision)
 MAX_CHUNK = 64  # the kernels' chunk cap (shared.rules.kernel_chunk_size): tiles fit sm_90's shared memory
-MAX_CHUNK_PER_CHANNEL = 32  # per-channel gates: their [C, K] fp32 tiles fit 8 warps' registers (shared/launch.py)
 SCAN_ROWS = 16  # K rows per program of a scan whose state tile may be split
 INITIAL_READERS = 256  # reader chunks per program of the initial levels' gradient (fewer: more segments)
 
@@ -269,13 +270,65 @@ def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Sa
     NC = table.starts.numel()
     if NC:
         mamba2_chunk_fwd_kernel[(NC, v.shape[1])](
-            q, k, v, g, lam, o, *_initial_reads(h0, q, plan), buckets, decays, table.starts, table.ends, table.seqs,
-            table.chunks, ranges[2], plan.scale, L=lam.shape[-1], J=plan.num_levels, LOG_C=chunk_bits(plan.chunk_size),
-            BK=BK, BV=BV, BJ=MAX_CHUNK_LEVELS, SUB=sub_chunk_size(plan.chunk_size), HAS_INIT=plan.has_init,
-            PLAIN=plan.plain, **_sizes(plan, q, v),
+            q, k, v, g, lam, o, *_initial_reads(h0, q, plan), buckets, decays, _channel_scores(q, k, g, table, plan),
+            table.starts, table.ends, table.seqs, table.chunks, ranges[2], plan.scale, L=lam.shape[-1],
+            J=plan.num_levels, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, BJ=MAX_CHUNK_LEVELS,
+            HAS_INIT=plan.has_init, PLAIN=plan.plain, **_sizes(plan, q, v),
             **_launch(mamba2_chunk_fwd_kernel, plan),
         )
     return _Saved(table, buckets, decays)
+
+
+def _channel_cumsum(g, table: ChunkTable, plan: LevelScanPlan) -> torch.Tensor:
+    """Per-channel gates: G [tokens, H, K] fp32, the chunk-local cumsum of g (intra_channel.channel_cumsum_kernel)."""
+    (tokens, H, K), NC = g.shape, table.starts.numel()
+    cum = alloc((tokens, H, K), torch.float32, g.device)
+    channel_cumsum_kernel[(NC, H)](g, cum, table.starts, table.ends, H=H, K=K, C=plan.chunk_size, BK=next_pow2(K),
+                                   **launch_options(channel_cumsum_kernel))
+    return cum
+
+
+def _key_blocks(K: int) -> tuple[int, int]:
+    """(BK, KB): the whole block of K and the key channels per block of the in-chunk kernels."""
+    BK = next_pow2(K)
+    return BK, min(KEY_BLOCK, BK)
+
+
+def _channel_scores(q, k, g, table: ChunkTable, plan: LevelScanPlan) -> torch.Tensor:
+    """Per-channel gates: the in-chunk scores P [tokens, H, C] fp32 of every kernel chunk
+    (intra_channel.channel_scores_kernel). A scalar gate: g, which the chunk kernels then do not read."""
+    NC = table.starts.numel()
+    if not plan.per_channel or not NC:
+        return g
+    (tokens, H, K), C = g.shape, plan.chunk_size
+    scores = alloc((tokens, H, C), torch.float32, q.device)
+    BK, KB = _key_blocks(K)
+    channel_scores_kernel[(NC, C // SUB_CHUNK, H)](
+        q, k, _channel_cumsum(g, table, plan), scores, table.starts, table.ends, H=H, G=q.shape[1], K=K, C=C,
+        S=SUB_CHUNK, BK=BK, KB=KB, PRECISION=dot_precision(q.dtype, FP32_DOT), **launch_options(channel_scores_kernel),
+    )
+    return scores
+
+
+def _channel_intra_grads(q, k, v, g, lam, d_o, scores, dlam, table: ChunkTable, plan: LevelScanPlan
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel gates: the in-chunk dQ and dK [tokens, H, K] fp32 (per value head) and dlam's in-chunk columns
+    (not when plain) of every kernel chunk (intra_channel.channel_dq_kernel, channel_dk_kernel). A scalar gate:
+    (g, g), which the chunk kernels then do not read."""
+    NC, H, K = table.starts.numel(), v.shape[1], q.shape[-1]
+    if not plan.per_channel or not NC:
+        return g, g
+    dq_in, dk_in = (alloc((v.shape[0], H, K), torch.float32, q.device) for _ in range(2))
+    C, (BK, KB) = plan.chunk_size, _key_blocks(K)
+    cum = _channel_cumsum(g, table, plan)
+    sizes = dict(H=H, G=q.shape[1], K=K, V=v.shape[-1], L=lam.shape[-1], C=C, S=SUB_CHUNK, LOG_C=chunk_bits(C),
+                 BK=BK, KB=KB, BV=next_pow2(v.shape[-1]), PRECISION=dot_precision(q.dtype, FP32_DOT), PLAIN=plan.plain)
+    grid = (NC, (C // SUB_CHUNK) * (BK // KB), H)
+    channel_dq_kernel[grid](q, k, v, cum, lam, d_o, scores, dq_in, dlam, table.starts, table.ends, plan.scale,
+                            BL=next_pow2(lam.shape[-1], minimum=32), **sizes, **launch_options(channel_dq_kernel))
+    channel_dk_kernel[grid](q, k, v, cum, lam, d_o, dk_in, table.starts, table.ends, plan.scale, **sizes,
+                            **launch_options(channel_dk_kernel))
+    return dq_in, dk_in
 
 
 def _chunk_sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, lam: torch.Tensor) -> dict:
@@ -285,25 +338,28 @@ def _chunk_sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, lam: tor
                 **_sizes(plan, q, v))
 
 
-def _dq_grads(q, k, v, g, lam, h0, d_o, ranges, buckets, saved: _Saved, plan: LevelScanPlan) -> tuple:
-    """mamba2_chunk_bwd_dq_kernel, the only backward reader of the buckets.
-    -> dq [tokens, G, K] (q's dtype), dlam [tokens, H, L] (lam's dtype; None when plain), q.dq [tokens, H] fp32
-    (per value head; [tokens, H, K] per channel)."""
+def _dq_grads(q, k, v, g, lam, h0, d_o, ranges, buckets, scores, saved: _Saved, plan: LevelScanPlan) -> tuple:
+    """mamba2_chunk_bwd_dq_kernel, the only backward reader of the buckets (per channel after
+    _channel_intra_grads, whose dQ it completes). -> dq [tokens, G, K] (q's dtype), dlam [tokens, H, L] (lam's
+    dtype; None when plain), q.dq [tokens, H] fp32 (per value head; [tokens, H, K] per channel), and the in-chunk
+    dK for the dk / dv kernel (per channel; else g)."""
     (tokens, H), K, L, table = v.shape[:2], q.shape[-1], lam.shape[-1], saved.table
     dq = alloc((tokens, H, K), q.dtype, q.device)
     dlam = alloc(tuple(lam.shape), lam.dtype, q.device) if not plan.plain else g  # g: never written when plain
     qdq = alloc(_gate_shape(plan, tokens, H, K), torch.float32, q.device)
+    dq_in, dk_in = _channel_intra_grads(q, k, v, g, lam, d_o, scores, dlam, table, plan)
     if table.starts.numel():
         mamba2_chunk_bwd_dq_kernel[(table.starts.numel(), H)](
-            q, k, v, g, lam, d_o, *_initial_reads(h0, q, plan), buckets, saved.decays, table.starts, table.ends,
-            table.seqs, table.chunks, ranges[2], plan.scale, dq, dlam, qdq, BL=next_pow2(L, minimum=32),
-            BJ=MAX_CHUNK_LEVELS, J=plan.num_levels, SUB=sub_chunk_size(plan.chunk_size), HAS_INIT=plan.has_init,
+            q, k, v, g, lam, d_o, *_initial_reads(h0, q, plan), buckets, saved.decays, scores, dq_in, table.starts,
+            table.ends, table.seqs, table.chunks, ranges[2], plan.scale, dq, dlam, qdq, BL=next_pow2(L, minimum=32),
+            BJ=MAX_CHUNK_LEVELS, J=plan.num_levels, HAS_INIT=plan.has_init,
             **_chunk_sizes(plan, q, v, lam), **_launch(mamba2_chunk_bwd_dq_kernel, plan),
         )
+    del dq_in
     if plan.plain:
-        return _group_grad(dq, q.shape[1], plan), None, qdq
+        return _group_grad(dq, q.shape[1], plan), None, qdq, dk_in
     _zero_prefixes(plan, dlam)
-    return _group_grad(dq, q.shape[1], plan), dlam, qdq
+    return _group_grad(dq, q.shape[1], plan), dlam, qdq, dk_in
 
 
 def _initial_read_grads(q, g, lam, d_o, ranges, saved: _Saved, plan: LevelScanPlan) -> torch.Tensor:
@@ -343,19 +399,18 @@ def _deposit_grads(q, g, lam, d_o, d_levels, ranges, saved: _Saved, plan: LevelS
     return d_buckets
 
 
-def _dkv_grads(q, k, v, g, lam, d_o, d_deposits, d_gate, final_terms, ranges, table: ChunkTable,
+def _dkv_grads(q, k, v, g, lam, d_o, d_deposits, scores, dk_in, d_gate, final_terms, ranges, table: ChunkTable,
                plan: LevelScanPlan) -> tuple:
-    """mamba2_chunk_bwd_dkv_kernel (in-chunk + deposit terms, and the gate gradient's chunk parts in d_gate and
-    the chunk totals). -> dk [tokens, G, K] (k's dtype), dv [tokens, H, V] (v's dtype), dg [tokens, H] fp32
-    ([tokens, H, K] per channel; _gate_grad)."""
+    """mamba2_chunk_bwd_dkv_kernel (in-chunk + deposit terms; per channel it reads the in-chunk dK dk_in and the
+    scores) and the gate gradient's chunk parts in d_gate and the chunk totals. -> dk [tokens, G, K] (k's dtype),
+    dv [tokens, H, V] (v's dtype), dg [tokens, H] fp32 ([tokens, H, K] per channel; _gate_grad)."""
     (tokens, H), K, NC = v.shape[:2], k.shape[-1], table.starts.numel()
     dk, dv = alloc((tokens, H, K), k.dtype, k.device), alloc(tuple(v.shape), v.dtype, v.device)
     totals = alloc(_gate_shape(plan, NC, H, K), torch.float32, k.device)
     if NC:
         mamba2_chunk_bwd_dkv_kernel[(NC, H)](
-            q, k, v, g, lam, d_o, d_deposits, table.starts, table.ends, table.seqs, ranges[1], final_terms,
-            plan.scale, dk, dv, d_gate, totals,
-            SUB=sub_chunk_size(plan.chunk_size), **_chunk_sizes(plan, q, v, lam),
+            q, k, v, g, lam, d_o, d_deposits, scores, dk_in, table.starts, table.ends, table.seqs, ranges[1],
+            final_terms, plan.scale, dk, dv, d_gate, totals, **_chunk_sizes(plan, q, v, lam),
             **_launch(mamba2_chunk_bwd_dkv_kernel, plan),
         )
     _zero_prefixes(plan, dv)
@@ -389,14 +444,16 @@ class LevelScanMamba2(torch.autograd.Function):
         d_o = torch.zeros_like(v) if d_o is None else d_o.to(v.dtype).contiguous()
         d_final = torch.zeros_like(final) if d_final is None else d_final.float().contiguous()
         buckets = saved.take_buckets(k, v, g, h0, ranges, plan)
-        dq, dlam, qdq = _dq_grads(q, k, v, g, lam, h0, d_o, ranges, buckets, saved, plan)
+        scores = _channel_scores(q, k, g, saved.table, plan)  # per channel: recomputed, not kept from the forward
+        dq, dlam, qdq, dk_in = _dq_grads(q, k, v, g, lam, h0, d_o, ranges, buckets, scores, saved, plan)
         del buckets
         d_levels = d_final.clone()
         d_deposits = _deposit_grads(q, g, lam, d_o, d_levels, ranges, saved, plan)
         final_terms = (d_final * final).sum((1, 4))  # the final states' gate term [N, H, K] (per row k)
         final_terms = (final_terms if plan.per_channel else final_terms.sum(-1)).contiguous()
-        dk, dv, dg = _dkv_grads(q, k, v, g, lam, d_o, d_deposits, qdq, final_terms, ranges, saved.table, plan)
-        del d_deposits
+        dk, dv, dg = _dkv_grads(q, k, v, g, lam, d_o, d_deposits, scores, dk_in, qdq, final_terms, ranges, saved.table,
+                                plan)
+        del d_deposits, scores, dk_in
         d_h0 = d_levels if plan.has_init else None
         return dq, dk, dv, dg.to(g.dtype), dlam, d_h0, None
 
@@ -558,7 +615,7 @@ def backend(inp: OpInputs, output_final_state: bool, chunk_size: int,
 
 def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tuple[torch.Tensor, FenwickState | None]:
     """backend on the kernels: (o [B, T, H, V] in v's dtype, final state or None)."""
-    C = kernel_chunk_size(chunk_size, MAX_CHUNK_PER_CHANNEL if _per_channel(inp) else MAX_CHUNK)
+    C = kernel_chunk_size(chunk_size, MAX_CHUNK)
     flat = _flatten(inp)
     if inp.level_scales is None:
         return _run_plain(inp, flat, output_final_state, C)

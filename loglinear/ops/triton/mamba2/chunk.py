@@ -68,10 +68,13 @@ rows of the output to the columns of q or k:
 
     deposit    D = (K * exp(Gl - G))^T V
     readout    O += sum_j lambda_j (Q * exp(G) * exp(decay_j)) B_j          (decay_j [K]: decays [NC, H, J, K])
-    in-chunk   P[t, s] = sum_k q_t[k] exp(G_t[k] - G_s[k]) k_s[k]          (shared/intra_channel.py)
+    in-chunk   P[t, s] = sum_k q_t[k] exp(G_t[k] - G_s[k]) k_s[k]
 
-and the gate's gradient is the same telescoping per channel: dGs_u[k] = q_u[k] dq_u[k] - k_u[k] dk_u[k] (+ the
-final states' row k), so the gate terms are q * dq and k * dk [C, K] instead of row sums (gate_term).
+and the in-chunk block is not one product of q and k: two kernels over 16-row sub-chunks (shared/intra_channel.py)
+write P [tokens, H, C] and, in the backward, the in-chunk dQ and dK [tokens, H, K] fp32 and dlambda's in-chunk
+columns; the forward and the dk / dv kernel read P, the dq and dk / dv kernels add the in-chunk dQ / dK
+(intra_block). The gate's gradient is the same telescoping per channel: dGs_u[k] = q_u[k] dq_u[k] - k_u[k] dk_u[k]
+(+ the final states' row k), so the gate terms are q * dq and k * dk [C, K] instead of row sums (gate_term).
 """
 from __future__ import annotations
 
@@ -81,7 +84,7 @@ import triton.language as tl
 from loglinear.ops.triton.shared.intra import (
     chunk_gates, intra_levels, intra_output, intra_score_grads, intra_scores, level_sums, level_weights,
 )
-from loglinear.ops.triton.shared.intra_channel import channel_block, channel_gates
+from loglinear.ops.triton.shared.intra_channel import channel_gates
 from loglinear.ops.triton.shared.levels import bucket_levels, level_source, merge_target, nth_level, sequence_range
 from loglinear.ops.triton.shared.tiles import level_column, load_tile, store_column, store_tile
 
@@ -108,16 +111,14 @@ def chunk_position(seqs, chunks, chunk0):
 
 
 @triton.jit
-def gates(g, t, valid, h, H, K, kk, C: tl.constexpr, S: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """The chunk's gates, fp32: (G, Gw, Gl) with G the chunk-local inclusive cumsum and Gl its total; [C] and a
-    scalar from g [tokens, H], or with PER_CHANNEL [C, BK] and [BK] from g [tokens, H, K] with Gw the cumsum
-    restarted every S rows (intra_channel.channel_gates; without PER_CHANNEL Gw = G, unused)."""
+def gates(g, t, valid, h, H, K, kk, PER_CHANNEL: tl.constexpr):
+    """The chunk's gates, fp32: G the chunk-local inclusive cumsum and Gl its total; [C] and a scalar from
+    g [tokens, H], or with PER_CHANNEL [C, BK] and [BK] from g [tokens, H, K]."""
     if PER_CHANNEL:
-        G, Gw, Gl = channel_gates(g, t, valid, h, H, K, kk, C, S)
+        G, Gl = channel_gates(g, t, valid, h, H, K, kk)
     else:
         G, Gl = chunk_gates(g, t, valid, h, H)
-        Gw = G
-    return G, Gw, Gl
+    return G, Gl
 
 
 @triton.jit
@@ -264,7 +265,7 @@ def mamba2_deposit_kernel(
     t0, r, t, valid = chunk_rows(starts, ends, C)
     if t0 + C < tl.load(ends + tl.program_id(0)):
         kk, vv = tl.arange(0, BK), tl.arange(0, BV)
-        Gc, _, Gl = gates(g, t, valid, h, H, K, kk, C, C, PER_CHANNEL)
+        Gc, Gl = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
         deposit = chunk_deposit(load_tile(k, t0, r, valid, h // (H // G), G, K, kk),
                                 load_tile(v, t0, r, valid, h, H, V, vv), Gc, Gl, PRECISION, PER_CHANNEL)
         tl.store(buckets + (tl.program_id(0).to(tl.int64) * H + h) * K * V + kk[:, None] * V + vv[None, :],
@@ -272,26 +273,27 @@ def mamba2_deposit_kernel(
 
 
 @triton.jit
-def intra_block(qc, kc, vc, doc, k, g, lam, t0, r, t, valid, h, H, G, K, L, kk, Gc, Gw, scale,
-                C: tl.constexpr, LOG_C: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
+def intra_block(qc, kc, vc, doc, scores, d_in, lam, t0, r, t, valid, h, H, K, L, kk, Gc, scale,
+                C: tl.constexpr, LOG_C: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
                 PER_CHANNEL: tl.constexpr, DQ: tl.constexpr, DK: tl.constexpr):
     """The in-chunk block, [C, C] fp32 each: the raw scores P (Q K^T * Gamma), Lambda, and with DQ or DK
     (the backward; doc = dO) dA = scale * dO V^T and the in-chunk dQ = (dA * Gamma * Lambda) K or
-    dK = (dA * Gamma * Lambda)^T Q ([C, BK] fp32; per channel: intra_channel.channel_block). Without DQ / DK,
-    dA and the product come back as 0. Recomputed by each kernel instead of passed (two C x C x K/V GEMMs),
-    so each fits 4 warps without spills."""
+    dK = (dA * Gamma * Lambda)^T Q ([C, BK] fp32). Without DQ / DK, dA and the gradient are 0. Recomputed in
+    each kernel instead of passed (two C x C x K/V GEMMs), so each fits 4 warps without spills.
+    PER_CHANNEL: P is read from scores [tokens, H, C] and dQ or dK from d_in [tokens, H, K] (fp32, the
+    intra_channel kernels'); dA is not formed (those kernels give dlambda's in-chunk columns)."""
     causal = r[:, None] >= r[None, :]
-    weights = level_weights(lam, t, valid, h, H, L, intra_levels(r, LOG_C), causal, LOG_C, PLAIN)
+    weights = level_weights(lam, t, valid, h, H, L, intra_levels(r, r, LOG_C), causal, LOG_C, PLAIN)
     d_a = tl.zeros([C, C], dtype=tl.float32)
-    if DQ or DK:
-        d_a = intra_score_grads(doc, vc, causal, scale, PRECISION)
+    d_x = tl.zeros(qc.shape, dtype=tl.float32)
     if PER_CHANNEL:
-        p, d_q, d_k = channel_block(qc, kc, d_a * weights, k, g, t0, r, valid, h // (H // G), G, h, H, K, kk, Gc, Gw,
-                                    C, S, PRECISION, DQ, DK)
-        d_x = d_q + d_k
+        p = load_tile(scores, t0, r, valid, h, H, C, r)
+        if DQ or DK:
+            d_x = load_tile(d_in, t0, r, valid, h, H, K, kk)
     else:
+        if DQ or DK:
+            d_a = intra_score_grads(doc, vc, causal, scale, PRECISION)
         p, gamma = intra_scores(qc, kc, Gc, causal, PRECISION)
-        d_x = tl.zeros(qc.shape, dtype=tl.float32)
         if DQ:
             d_x = tl.dot((d_a * gamma * weights).to(qc.dtype), kc, input_precision=PRECISION)
         if DK:
@@ -301,13 +303,14 @@ def intra_block(qc, kc, vc, doc, k, g, lam, t0, r, t, valid, h, H, G, K, L, kk, 
 
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
 def mamba2_chunk_fwd_kernel(
-    q, k, v, g, lam, o, h0, h0_held, buckets, decays, starts, ends, seqs, chunks, chunk0, scale,
+    q, k, v, g, lam, o, h0, h0_held, buckets, decays, scores, starts, ends, seqs, chunks, chunk0, scale,
     H, G, K, V, L, J,
-    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr, SUB: tl.constexpr,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
     HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """q, k: [tokens, G, K]; v, o: [tokens, H, V]; g: [tokens, H] ([tokens, H, K] with PER_CHANNEL, whose in-chunk
-    sub-chunks have SUB rows); lam: [tokens, H, L] (not read when PLAIN); h0: [N, J, H, K, V] (q's dtype),
+    scores P come in scores [tokens, H, C] fp32 from intra_channel.channel_scores_kernel; else not read); lam:
+    [tokens, H, L] (not read when PLAIN); h0: [N, J, H, K, V] (q's dtype),
     h0_held: [N, J] int8, 0 where a level of h0 is all zeros (not read: it adds nothing); buckets: [NC, H, K, V],
     decays: [NC, H, J] ([NC, H, J, K]) fp32 (the forward scan's); starts, ends, seqs, chunks: [NC] int32 (the
     chunk table), chunk0: [N].  Grid (NC, H)."""
@@ -319,7 +322,7 @@ def mamba2_chunk_fwd_kernel(
     lmask = (kk[:, None] < K) & (vv[None, :] < V)
     qc, kc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk), load_tile(k, t0, r, valid, h // (H // G), G, K, kk)
     vc = load_tile(v, t0, r, valid, h, H, V, vv)
-    Gc, Gw, _ = gates(g, t, valid, h, H, K, kk, C, SUB, PER_CHANNEL)
+    Gc, _ = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
     q_dec = Gc  # per channel: the readouts' column factors exp(G); a scalar gate scales the rows after the loops
     if PER_CHANNEL:
         q_dec = tl.exp(Gc)
@@ -338,9 +341,9 @@ def mamba2_chunk_fwd_kernel(
                                 PER_CHANNEL)
     if not PER_CHANNEL:
         read *= tl.exp(Gc)[:, None]
-    p, _, _, _ = intra_block(qc, kc, vc, vc, k, g, lam, t0, r, t, valid, h, H, G, K, L, kk, Gc, Gw, scale, C, LOG_C,
-                             SUB, PRECISION, PLAIN, PER_CHANNEL, False, False)
-    acc = intra_output(p, vc, lam, t, valid, h, H, L, intra_levels(r, LOG_C), r[:, None] >= r[None, :], LOG_C,
+    p, _, _, _ = intra_block(qc, kc, vc, vc, scores, scores, lam, t0, r, t, valid, h, H, K, L, kk, Gc, scale, C, LOG_C,
+                             PRECISION, PLAIN, PER_CHANNEL, False, False)
+    acc = intra_output(p, vc, lam, t, valid, h, H, L, intra_levels(r, r, LOG_C), r[:, None] >= r[None, :], LOG_C,
                        PRECISION, PLAIN)
     store_tile(o, (acc + read) * scale, t0, r, valid, h, H, V, vv)
 
@@ -354,11 +357,11 @@ def read_columns(ll, chunk, c0, J, LOG_C: tl.constexpr, HAS_INIT: tl.constexpr):
 
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
 def mamba2_chunk_bwd_dq_kernel(
-    q, k, v, g, lam, do, h0, h0_held, buckets, decays, starts, ends, seqs, chunks, chunk0, scale,
+    q, k, v, g, lam, do, h0, h0_held, buckets, decays, scores, dq_in, starts, ends, seqs, chunks, chunk0, scale,
     dq, dlam, qdq,
     H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
-    BJ: tl.constexpr, SUB: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
+    BJ: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
     PER_CHANNEL: tl.constexpr,
 ):
     """dQ (in-chunk + readout) and dlambda (every level; not when PLAIN), complete:
@@ -377,13 +380,14 @@ def mamba2_chunk_bwd_dq_kernel(
     lmask = (kk[:, None] < K) & (vv[None, :] < V)
     qc, kc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk), load_tile(k, t0, r, valid, h // (H // G), G, K, kk)
     doc = load_tile(do, t0, r, valid, h, H, V, vv)
-    Gc, Gw, _ = gates(g, t, valid, h, H, K, kk, C, SUB, PER_CHANNEL)
-    p, _, d_a, d_q = intra_block(qc, kc, load_tile(v, t0, r, valid, h, H, V, vv), doc, k, g, lam, t0, r, t, valid,
-                                 h, H, G, K, L, kk, Gc, Gw, scale, C, LOG_C, SUB, PRECISION, PLAIN, PER_CHANNEL, True,
-                                 False)
+    Gc, _ = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
+    p, _, d_a, d_q = intra_block(qc, kc, load_tile(v, t0, r, valid, h, H, V, vv), doc, scores, dq_in, lam, t0, r, t,
+                                 valid, h, H, K, L, kk, Gc, scale, C, LOG_C, PRECISION, PLAIN, PER_CHANNEL, True, False)
     if not PLAIN:  # in-chunk columns and zeros; the columns of the live chunk levels are the loop's (one writer each)
         skip = read_columns(ll, chunk, c0, J, LOG_C, HAS_INIT)
-        store_tile(dlam, level_sums(d_a * p, intra_levels(r, LOG_C), ll, LOG_C), t0, r, valid, h, H, L,
+        if PER_CHANNEL:  # the in-chunk columns are channel_intra_bwd_kernel's
+            skip |= ll <= LOG_C
+        store_tile(dlam, level_sums(d_a * p, intra_levels(r, r, LOG_C), ll, LOG_C), t0, r, valid, h, H, L,
                    tl.where(skip, L, ll))
     row_scale = scale * tl.exp(Gc)
     live, rank, count = bucket_levels(chunk, c0, jj, J, PLAIN)
@@ -407,10 +411,10 @@ def mamba2_chunk_bwd_dq_kernel(
 
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
 def mamba2_chunk_bwd_dkv_kernel(
-    q, k, v, g, lam, do, d_deposits, starts, ends, seqs, eos_ptr, final_terms, scale,
+    q, k, v, g, lam, do, d_deposits, scores, dk_in, starts, ends, seqs, eos_ptr, final_terms, scale,
     dk, dv, d_gate, totals,
     H, G, K, V, L,
-    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SUB: tl.constexpr,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """dK and dV (in-chunk + deposit), complete:
@@ -428,9 +432,9 @@ def mamba2_chunk_bwd_dkv_kernel(
     qc, kc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk), load_tile(k, t0, r, valid, h // (H // G), G, K, kk)
     vc = load_tile(v, t0, r, valid, h, H, V, vv)
     doc = load_tile(do, t0, r, valid, h, H, V, vv)
-    Gc, Gw, Gl = gates(g, t, valid, h, H, K, kk, C, SUB, PER_CHANNEL)
-    p, weights, _, d_k = intra_block(qc, kc, vc, doc, k, g, lam, t0, r, t, valid, h, H, G, K, L, kk, Gc, Gw, scale,
-                                     C, LOG_C, SUB, PRECISION, PLAIN, PER_CHANNEL, False, True)
+    Gc, Gl = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
+    p, weights, _, d_k = intra_block(qc, kc, vc, doc, scores, dk_in, lam, t0, r, t, valid, h, H, K, L, kk, Gc, scale,
+                                     C, LOG_C, PRECISION, PLAIN, PER_CHANNEL, False, True)
     d_v = tl.dot(tl.trans((p * weights).to(doc.dtype)), doc, input_precision=PRECISION) * scale
     if PLAIN or t0 + C < tl.load(ends + tl.program_id(0)):
         offs = kk[:, None] * V + vv[None, :]
@@ -464,7 +468,7 @@ def reader_grads(q, g, lam, do, decays, row0, first, lo, hi, end, h, H, G, K, V,
         valid = t0 + r < end
         qc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk)
         doc = load_tile(do, t0, r, valid, h, H, V, vv)
-        Gc, _, _ = gates(g, t0 + r, valid, h, H, K, kk, C, C, PER_CHANNEL)
+        Gc, _ = gates(g, t0 + r, valid, h, H, K, kk, PER_CHANNEL)
         to_now = level_decay(decays, (row0 + d).to(tl.int64), h, H, J, K, j, kk, PLAIN, PER_CHANNEL)
         w = level_column(lam, t0 + r, valid, h, H, L, LOG_C + 1 + j, PLAIN) * scale
         if PER_CHANNEL:

@@ -41,7 +41,7 @@ def deposit_rows(k, v, g, t0, r, eos, grp, h, G, H, K, V, kk, vv, C: tl.constexp
     """Rows kk of the chunk at t0's deposit D (chunk.chunk_deposit) -> [BKS, BV] fp32, and its gate total Gl
     (scalar, or [BKS] with PER_CHANNEL; rows past eos read as 0)."""
     valid = t0 + r < eos
-    Gc, _, Gl = gates(g, t0 + r, valid, h, H, K, kk, C, C, PER_CHANNEL)
+    Gc, Gl = gates(g, t0 + r, valid, h, H, K, kk, PER_CHANNEL)
     kc, vc = load_tile(k, t0, r, valid, grp, G, K, kk), load_tile(v, t0, r, valid, h, H, V, vv)
     return chunk_deposit(kc, vc, Gc, Gl, PRECISION, PER_CHANNEL), Gl
 

@@ -21,9 +21,14 @@ from loglinear.ops.triton.shared.tiles import load_column
 
 
 @triton.jit
-def intra_levels(r, LOG_C: tl.constexpr):
-    """[C, C] int32 levels bit_length(r_t XOR r_s) for r = arange(C)."""
-    x = r[:, None] ^ r[None, :]
+def intra_levels(rows, cols, LOG_C: tl.constexpr):
+    """[len(rows), len(cols)] int32 levels bit_length(t XOR s) of the in-chunk positions t in rows, s in cols."""
+    return bit_levels(rows[:, None] ^ cols[None, :], LOG_C)
+
+
+@triton.jit
+def bit_levels(x, LOG_C: tl.constexpr):
+    """bit_length(x) elementwise for 0 <= x < 2^LOG_C (int32, any shape)."""
     lev = tl.zeros_like(x)
     for b in tl.static_range(LOG_C):
         lev += ((x >> b) > 0).to(tl.int32)

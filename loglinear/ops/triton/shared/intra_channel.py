@@ -1,28 +1,34 @@
-"""The in-chunk block with a per-channel decay (GLA, spec section 6b), in the stable sub-chunk form.
+"""The in-chunk block with a per-channel decay (GLA, spec section 6b): kernels over 16-row sub-chunks whose results
+the chunk kernels read instead of forming the block themselves.
 
-With G [C, K] the chunk-local inclusive cumsum of g per channel, the in-chunk scores and the two products the
-backward needs are, for s <= t,
+With G [C, K] the chunk-local inclusive cumsum of g per channel (written once per call by channel_cumsum_kernel),
+M = dA * Lambda (dA = scale * dO V^T, s <= t), the in-chunk scores and the two products the backward needs are,
+for s <= t,
 
-    P[t, s]  = sum_k q_t[k] exp(G_t[k] - G_s[k]) k_s[k]                      (raw scores; A = P * Lambda)
-    dQ[t, k] = sum_s M[t, s] exp(G_t[k] - G_s[k]) k_s[k]                     (M = dA * Lambda)
+    P[t, s]  = sum_k q_t[k] exp(G_t[k] - G_s[k]) k_s[k]
+    dQ[t, k] = sum_s M[t, s] exp(G_t[k] - G_s[k]) k_s[k]
     dK[s, k] = sum_t M[t, s] exp(G_t[k] - G_s[k]) q_t[k]
+    dlambda_t[l <= c] = sum_{s: level(t, s) = l} dA[t, s] P[t, s]
 
-exp(G_t - G_s) is never split as exp(G_t) exp(-G_s) over the chunk (that overflows for strong decays). The chunk
-is cut into sub-chunks of S tokens; b(t) is the first row of t's sub-chunk, Gw the cumsum restarted at each
-sub-chunk (Gw_t = G_t - G_{b(t)-1}, <= 0):
+exp(G_t - G_s) is never split as exp(G_t) exp(-G_s) over the chunk (that overflows for strong decays). A program
+of sub-chunk i (rows iS .. iS + S - 1) splits it at a row next to the sub-chunk, so both factors are <= 1:
 
-  * s before t's sub-chunk (s < b(t) = i S): reference r = i S - 1, the row before the sub-chunk,
+  * keys before the sub-chunk (s < iS), at its first row n = iS:
+        exp(G_t - G_s) = exp(G_t - G_n) exp(G_n - G_s):    P_i = (Q_i * exp(G_i - G_n)) (K * exp(G_n - G))^T
+  * queries after the sub-chunk (t > e = iS + S - 1), at its last row e (dK only):
+        exp(G_t - G_s) = exp(G_t - G_e) exp(G_e - G_s):    dK_i += exp(G_e - G_i) * M[:, i]^T (Q * exp(G - G_e))
+  * inside the sub-chunk, one row a at a time (G_a loaded as a vector): key a's column reads exp(G_t - G_a) on
+    the rows t >= a (P's column, dQ's terms), query a's row exp(G_a - G_s) on the rows s <= a (dK's terms).
 
-        exp(G_t - G_s) = exp(Gw_t) * exp(G_r - G_s)          both exponents <= 0
+Programs load only their own rows and, for the products across sub-chunks, the chunk's [C, KB] tiles of k or q
+and G, one block of KB key channels at a time (the backward kernels take their block from the grid): no program
+scans. A hard reset (g = -inf) reaches the kernels floored to a finite log-decay whose exp is 0
+(loglinear.ops.finite).
 
-    so for every query sub-chunk i one product of Q~ = q * exp(Gw) with K~_i = k * exp(G_r - G) (rows s < i S),
-    kept on the rows of sub-chunk i;
-  * s in t's sub-chunk: exactly, column by column: for a = 0 .. S-1 every row t reads the key c(t) = b(t) + a
-    (rows gathered from memory, the running sum W_a = Gw_{c(t)}), with exp(Gw_t - W_a[t]) for c(t) <= t.
-
-Cost per chunk: C K (C/S + S) exponentials and C/S - 1 [C, C] x [C, K] products per product kind; the
-sub-chunk size S is about sqrt(C) (sub_chunk_size). All exponents are <= 0, so no decay overflows; a hard reset
-(g = -inf) reaches the kernels floored to a finite log-decay whose exp is 0 (loglinear.ops.finite).
+    channel_cumsum_kernel     G, fp32 [tokens, H, K]
+    channel_scores_kernel     P, fp32 [tokens, H, C] (row t: its chunk's keys)      forward; kept for the backward
+    channel_dq_kernel         the in-chunk dQ, fp32 [tokens, H, K], and dlambda's in-chunk columns
+    channel_dk_kernel         the in-chunk dK, fp32 [tokens, H, K]
 """
 
 from __future__ import annotations
@@ -30,67 +36,177 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.shared.tiles import load_tile
+from loglinear.ops.triton.shared.intra import intra_levels, level_sums, level_weights
+from loglinear.ops.triton.shared.tiles import load_row, load_tile, store_column, store_tile
+
+SUB_CHUNK = 16  # rows per sub-chunk: the smallest tl.dot tile
+KEY_BLOCK = 64  # key channels per block (products with N = 32 miscompile in bf16 on Hopper, shared/heads.py)
 
 
 @triton.jit
-def channel_gates(g, t, valid, head, HEADS, K, kk, C: tl.constexpr, S: tl.constexpr):
-    """From g [tokens, HEADS, K]: G [C, BK] the chunk-local inclusive cumsum per channel, Gw [C, BK] the same
-    restarted at every sub-chunk of S rows, and Gl [BK] = G at the chunk's end; fp32 (rows past eos: g = 0)."""
+def channel_gates(g, t, valid, head, HEADS, K, kk):
+    """G [C, BK] the chunk-local inclusive cumsum of g [tokens, HEADS, K] per channel and Gl [BK] its total, fp32
+    (rows without valid read g = 0)."""
     gc = tl.load(g + (t * HEADS + head)[:, None] * K + kk[None, :], mask=valid[:, None] & (kk[None, :] < K),
                  other=0.0).to(tl.float32)
-    G = tl.cumsum(gc, 0)
+    return tl.cumsum(gc, 0), tl.sum(gc, 0)
+
+
+@triton.jit
+def sub_chunk(starts, ends, i, C: tl.constexpr, S: tl.constexpr):
+    """Sub-chunk i of chunk program_id(0): the chunk's first token t0 and its end (int64), r = arange(C) and its
+    rows' validity, rs = i S + arange(S) (the sub-chunk's rows in the chunk) and theirs."""
+    p = tl.program_id(0)
+    t0 = tl.load(starts + p).to(tl.int64)
+    end = tl.load(ends + p).to(tl.int64)
     r = tl.arange(0, C)
-    before = tl.zeros_like(G)
-    for i in tl.static_range(1, C // S):
-        before = tl.where(r[:, None] >= i * S, sub_chunk_ref(G, r, i, S)[None, :], before)
-    return G, G - before, tl.sum(gc, 0)
+    rs = i * S + tl.arange(0, S)
+    return t0, end, r, t0 + r < end, rs, t0 + rs < end
+
+
+@triton.jit(do_not_specialize=["H"])
+def channel_cumsum_kernel(g, cum, starts, ends, H, K, C: tl.constexpr, BK: tl.constexpr):
+    """cum = G, the chunk-local inclusive cumsum of g [tokens, H, K] per channel, fp32 [tokens, H, K] (rows of
+    every kernel chunk). Grid (NC, H)."""
+    h = tl.program_id(1)
+    t0, end, r, valid, _, _ = sub_chunk(starts, ends, 0, C, C)
+    kk = tl.arange(0, BK)
+    G, _ = channel_gates(g, t0 + r, valid, h, H, K, kk)
+    store_tile(cum, G, t0, r, valid, h, H, K, kk)
 
 
 @triton.jit
-def sub_chunk_ref(G, r, i, S: tl.constexpr):
-    """G at row i S - 1, the row before sub-chunk i -> [BK]."""
-    return tl.sum(tl.where(r[:, None] == i * S - 1, G, 0.0), 0)
+def to_ref(x, cum, t0, r, rows, G_ref, h, H, K, kk, grp, GROUPS, AFTER: tl.constexpr):
+    """x * exp(G - G_ref) (AFTER: rows after the reference row) or x * exp(G_ref - G) (rows before it), [len(r), KB]
+    in x's dtype on the rows of r with ``rows`` (0 elsewhere); x [tokens, GROUPS, K] (q or k), G from cum: both
+    exponents <= 0 on those rows."""
+    xr = load_tile(x, t0, r, rows, grp, GROUPS, K, kk)
+    diff = load_tile(cum, t0, r, rows, h, H, K, kk) - G_ref[None, :]
+    if not AFTER:
+        diff = -diff
+    return (xr.to(tl.float32) * tl.exp(tl.where(rows[:, None], diff, float("-inf")))).to(xr.dtype)
 
 
 @triton.jit
-def channel_block(qc, kc, m, k, g, t0, r, valid, grp, GROUPS, h, H, K, kk, G, Gw,
-                  C: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr, DQ: tl.constexpr, DK: tl.constexpr):
-    """The raw scores P [C, C] fp32 (0 above the diagonal) and, with DQ, dQ [C, BK] fp32, with DK, dK [C, BK] fp32
-    (module docstring), from q, k [C, BK] (qc, kc), M [C, C] fp32 (m; 0 above the diagonal; unread without DQ
-    and DK), the gates of channel_gates, and k [tokens, GROUPS, K] / g [tokens, H, K] in memory (the diagonal
-    sub-blocks' key rows); r = arange(C), the chunk's rows from t0. Unrequested gradients come back as 0."""
-    cols = r
-    first = (r // S) * S  # b(t)
-    p = tl.zeros([C, C], dtype=tl.float32)
-    d_q = tl.zeros(qc.shape, dtype=tl.float32)
-    d_k = tl.zeros(qc.shape, dtype=tl.float32)
-    q_dec = tl.exp(Gw)
-    q_t = (qc.to(tl.float32) * q_dec).to(qc.dtype)
-    for i in tl.static_range(1, C // S):  # keys before the query's sub-chunk, against the row before it
-        ref = sub_chunk_ref(G, r, i, S)
-        k_dec = tl.exp(tl.where(r[:, None] < i * S, ref[None, :] - G, float("-inf")))
-        k_t = (kc.to(tl.float32) * k_dec).to(kc.dtype)
-        rows = (r >= i * S) & (r < (i + 1) * S)
-        p += tl.where(rows[:, None], tl.dot(q_t, tl.trans(k_t), input_precision=PRECISION), 0.0)
-        if DQ:
-            d_q += tl.where(rows[:, None], tl.dot(m.to(kc.dtype), k_t, input_precision=PRECISION), 0.0)
-        if DK:
-            m_i = tl.where(rows[:, None], m, 0.0).to(qc.dtype)
-            d_k += k_dec * tl.dot(tl.trans(m_i), q_t, input_precision=PRECISION)
-    d_q *= q_dec
-    run = tl.zeros(qc.shape, dtype=tl.float32)  # W_a = Gw at row c(t) = b(t) + a
-    for a in range(S):  # the diagonal sub-blocks, one key per sub-chunk at a time
-        key = first + a
-        reads = valid & (key <= r)  # only rows at or after their key use it (c(t) may lie past the sequence)
-        run += load_tile(g, t0, key, reads, h, H, K, kk).to(tl.float32)
-        decay = tl.exp(tl.where(reads[:, None], Gw - run, float("-inf")))
-        k_row = load_tile(k, t0, key, reads, grp, GROUPS, K, kk).to(tl.float32)
-        at_key = cols[None, :] == key[:, None]
-        p = tl.where(at_key, tl.sum(qc.to(tl.float32) * decay * k_row, 1)[:, None], p)
-        if DQ:
-            d_q += tl.sum(tl.where(at_key, m, 0.0), 1)[:, None] * decay * k_row
-        if DK:  # every row's term goes to its key row c(t): a sum over each sub-chunk's rows
-            terms = tl.sum(tl.where(at_key, m, 0.0), 1)[:, None] * decay * qc.to(tl.float32)
-            d_k += tl.dot(tl.trans(at_key.to(tl.float32)), terms, input_precision=PRECISION)
-    return p, d_q, d_k
+def decays_at(Gs, G_a, ra, a, rows, LATER: tl.constexpr):
+    """exp(G_t - G_a) on the sub-chunk's rows t >= a (LATER), or exp(G_a - G_s) on its rows s <= a; 0 elsewhere and
+    when a is not one of its first ``rows`` (rows past the sequence hold no G). Gs: [S, KB] its rows' G; G_a: [KB]
+    -> [S, KB] fp32."""
+    if LATER:  # t >= a, t valid (so a is)
+        x = tl.exp(tl.where((ra[:, None] >= a) & (ra[:, None] < rows), Gs - G_a[None, :], float("-inf")))
+    else:  # s <= a, a valid (so s is)
+        x = tl.exp(tl.where((ra[:, None] <= a) & ((ra[:, None] * 0 + a) < rows), G_a[None, :] - Gs, float("-inf")))
+    return x
+
+
+@triton.jit(do_not_specialize=["H", "G"])
+def channel_scores_kernel(
+    q, k, cum, scores, starts, ends,
+    H, G, K,
+    C: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """scores[t, h, s] = P[t, s] for the rows t of sub-chunk program_id(1) and the keys s of their chunk (0 for
+    s > t). q, k: [tokens, G, K]; cum: G [tokens, H, K] fp32; scores: [tokens, H, C] fp32; starts, ends: [NC]
+    int32 (the chunk table). Grid (NC, C // S, H)."""
+    h, i = tl.program_id(2), tl.program_id(1)
+    grp = h // (H // G)
+    cols, ra = tl.arange(0, C), tl.arange(0, S)
+    t0, end, r, valid, rs, vs = sub_chunk(starts, ends, i, C, S)
+    p = tl.zeros([S, C], dtype=tl.float32)
+    if (i > 0) & (t0 + i * S < end):  # keys before the sub-chunk (which has rows), through its first row
+        for kb in range(0, BK, KB):
+            kk = kb + tl.arange(0, KB)
+            G_n = load_row(cum, t0 + i * S, end, h, H, K, kk).to(tl.float32)
+            q_ref = to_ref(q, cum, t0, rs, vs, G_n, h, H, K, kk, grp, G, True)
+            k_ref = to_ref(k, cum, t0, r, valid & (r < i * S), G_n, h, H, K, kk, grp, G, False)
+            p += tl.dot(q_ref, tl.trans(k_ref), input_precision=PRECISION)
+    diagonal = (cols >= i * S) & (cols < (i + 1) * S)
+    store_tile(scores, p, t0, rs, vs, h, H, C, tl.where(diagonal, C, cols))  # the diagonal block: by column below
+    kk = tl.arange(0, BK)
+    qs = load_tile(q, t0, rs, vs, grp, G, K, kk).to(tl.float32)
+    Gs = load_tile(cum, t0, rs, vs, h, H, K, kk)
+    for a in range(S):  # key a: P[t, iS + a] = sum_k q_t exp(G_t - G_a) k_a for t >= a (0 above)
+        row = t0 + i * S + a
+        k_a = load_row(k, row, end, grp, G, K, kk).to(tl.float32)
+        decay = decays_at(Gs, load_row(cum, row, end, h, H, K, kk), ra, a, end - t0 - i * S, True)
+        store_column(scores, tl.sum(qs * decay * k_a[None, :], 1), t0 + rs, vs, h, H, C, i * S + a)
+
+
+@triton.jit
+def m_block(do, v, lam, t0, q_rows, q_valid, k_rows, k_valid, scale, h, H, V, L, vv, LOG_C: tl.constexpr,
+            PRECISION: tl.constexpr, PLAIN: tl.constexpr):
+    """(dA, M = dA * Lambda) on the queries q_rows x the keys k_rows of a chunk (in-chunk positions, [R] and
+    [Q] with validity), fp32 [R, Q] each, 0 where key > query."""
+    causal = q_rows[:, None] >= k_rows[None, :]
+    do_q, v_k = load_tile(do, t0, q_rows, q_valid, h, H, V, vv), load_tile(v, t0, k_rows, k_valid, h, H, V, vv)
+    d_a = tl.where(causal, tl.dot(do_q, tl.trans(v_k), input_precision=PRECISION) * scale, 0.0)
+    levels = intra_levels(q_rows, k_rows, LOG_C)
+    return d_a, d_a * level_weights(lam, t0 + q_rows, q_valid, h, H, L, levels, causal, LOG_C, PLAIN)
+
+
+@triton.jit(do_not_specialize=["H", "G"])
+def channel_dq_kernel(
+    q, k, v, cum, lam, do, scores, dq_in, dlam, starts, ends, scale,
+    H, G, K, V, L,
+    C: tl.constexpr, S: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
+    BL: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
+):
+    """dq_in = the in-chunk dQ of the queries of sub-chunk i on key block kb ([tokens, H, K] fp32, per value head;
+    program_id(1) = i * (BK // KB) + kb), and (kb = 0, not PLAIN) dlambda's columns 0..c of those rows into dlam
+    [tokens, H, L]. v, do: [tokens, H, V]; lam: [tokens, H, L]; scores: P (channel_scores_kernel). Grid
+    (NC, (C // S) (BK // KB), H)."""
+    h = tl.program_id(2)
+    i, kb = tl.program_id(1) // (BK // KB), (tl.program_id(1) % (BK // KB)) * KB
+    grp = h // (H // G)
+    kk, vv, cols, ra = kb + tl.arange(0, KB), tl.arange(0, BV), tl.arange(0, C), tl.arange(0, S)
+    t0, end, r, valid, rs, vs = sub_chunk(starts, ends, i, C, S)
+    d_a, m = m_block(do, v, lam, t0, rs, vs, r, valid, scale, h, H, V, L, vv, LOG_C, PRECISION, PLAIN)  # [S, C]
+    if not PLAIN:
+        if kb == 0:
+            ll = tl.arange(0, BL)
+            p = load_tile(scores, t0, rs, vs, h, H, C, cols)
+            store_tile(dlam, level_sums(d_a * p, intra_levels(rs, cols, LOG_C), ll, LOG_C), t0, rs, vs, h, H, L,
+                       tl.where(ll <= LOG_C, ll, L))
+    d_q = tl.zeros([S, KB], dtype=tl.float32)
+    Gs = load_tile(cum, t0, rs, vs, h, H, K, kk)
+    if (i > 0) & (t0 + i * S < end):  # keys before the sub-chunk (which has rows), through its first row
+        G_n = load_row(cum, t0 + i * S, end, h, H, K, kk).to(tl.float32)
+        k_ref = to_ref(k, cum, t0, r, valid & (r < i * S), G_n, h, H, K, kk, grp, G, False)
+        to_query = tl.exp(tl.where(vs[:, None], Gs - G_n[None, :], float("-inf")))
+        d_q = to_query * tl.dot(m.to(k_ref.dtype), k_ref, input_precision=PRECISION)
+    for a in range(S):  # key a of the sub-chunk: its column of M
+        row = t0 + i * S + a
+        m_col = tl.sum(tl.where(cols[None, :] == i * S + a, m, 0.0), 1)
+        decay = decays_at(Gs, load_row(cum, row, end, h, H, K, kk), ra, a, end - t0 - i * S, True)
+        d_q += m_col[:, None] * decay * load_row(k, row, end, grp, G, K, kk).to(tl.float32)[None, :]
+    store_tile(dq_in, d_q, t0, rs, vs, h, H, K, kk)
+
+
+@triton.jit(do_not_specialize=["H", "G"])
+def channel_dk_kernel(
+    q, k, v, cum, lam, do, dk_in, starts, ends, scale,
+    H, G, K, V, L,
+    C: tl.constexpr, S: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr, PLAIN: tl.constexpr,
+):
+    """dk_in = the in-chunk dK of the keys of sub-chunk i on key block kb ([tokens, H, K] fp32, per value head;
+    program_id(1) = i * (BK // KB) + kb); arguments as channel_dq_kernel. Grid (NC, (C // S) (BK // KB), H)."""
+    h = tl.program_id(2)
+    i, kb = tl.program_id(1) // (BK // KB), (tl.program_id(1) % (BK // KB)) * KB
+    grp = h // (H // G)
+    kk, vv, ra = kb + tl.arange(0, KB), tl.arange(0, BV), tl.arange(0, S)
+    t0, end, r, valid, rs, vs = sub_chunk(starts, ends, i, C, S)
+    _, m = m_block(do, v, lam, t0, r, valid, rs, vs, scale, h, H, V, L, vv, LOG_C, PRECISION, PLAIN)  # [C, S]
+    d_k = tl.zeros([S, KB], dtype=tl.float32)
+    Gs = load_tile(cum, t0, rs, vs, h, H, K, kk)
+    if t0 + (i + 1) * S < end:  # queries after the sub-chunk, through its last row
+        G_e = load_row(cum, t0 + i * S + S - 1, end, h, H, K, kk).to(tl.float32)
+        q_ref = to_ref(q, cum, t0, r, valid & (r >= (i + 1) * S), G_e, h, H, K, kk, grp, G, True)
+        to_key = tl.exp(tl.where(vs[:, None], G_e[None, :] - Gs, float("-inf")))
+        d_k = to_key * tl.dot(tl.trans(m.to(q_ref.dtype)), q_ref, input_precision=PRECISION)
+    for a in range(S):  # query a of the sub-chunk: its row of M
+        row = t0 + i * S + a
+        m_row = tl.sum(tl.where(r[:, None] == i * S + a, m, 0.0), 0)
+        decay = decays_at(Gs, load_row(cum, row, end, h, H, K, kk), ra, a, end - t0 - i * S, False)
+        d_k += m_row[:, None] * decay * load_row(q, row, end, grp, G, K, kk).to(tl.float32)[None, :]
+    store_tile(dk_in, d_k, t0, rs, vs, h, H, K, kk)

@@ -38,6 +38,13 @@ def store_tile(ptr, x, t0, r, valid, head, HEADS, D, cols):
 
 
 @triton.jit
+def load_row(ptr, t, end, head, HEADS, D, cols):
+    """x[t, head, cols] of a [rows, HEADS, D] tensor for one row t (int64 scalar) -> [len(cols)] in x's dtype (0 when
+    t >= end and for columns >= D)."""
+    return tl.load(ptr + (t * HEADS + head) * D + cols, mask=(cols < D) & (cols * 0 + t < end), other=0.0)
+
+
+@triton.jit
 def load_column(ptr, t, valid, head, HEADS, L, level):
     """lambda[t, head, level] of a [tokens, HEADS, L] tensor -> [C] fp32 (0 for level >= L or invalid rows).
 
