@@ -4,15 +4,17 @@ Models (2 layers at the paper's width, bf16 weights, vocab 4096 so the LM head d
     ll_mamba2 / mamba2          log-linear / plain Mamba-2   (hidden 1536, 48 heads x 64, state 128)
     ll_gdn / gdn                log-linear / plain GDN       (hidden 1536, 6 heads, key 192, value 384)
     llama_sdpa                  transformers Llama, SDPA, DynamicCache (hidden 1536, 12 heads x 128)
-all with a SwiGLU MLP of 4096. For a context T the cache is built directly at position T with random
-contents (a step's cost depends on the state's size, not its values): L = ceil(log2 T) + 1 level states
-(log-linear), 1 state (plain), T keys/values (Llama). Then `--steps` greedy steps of one token through
-the HF model are timed end to end (Python included), after warm-up. Llama's DynamicCache appends by
-concatenation (a copy of the cache per step); it is cropped back to T after each step.
+all with a SwiGLU MLP of 4096. <model>_graph: the same model decoding through FenwickCache(cuda_graph=True), each
+step one CUDA graph replay, its states in static buffers of max_levels levels. For a context T the cache is built
+directly at position T with random contents (a step's cost depends on the state's size, not its values):
+L = ceil(log2 T) + 1 level states (log-linear), 1 state (plain), T keys/values (Llama). Then `--steps` greedy
+steps of one token through the HF model are timed end to end (Python included), after warm-up. Llama's
+DynamicCache appends by concatenation (a copy of the cache per step); it is cropped back to T after each step.
 
 Also timed: the fused decode kernel alone (one layer's step, triton.testing.do_bench), log-linear vs
 plain, for Mamba-2, GLA (Mamba-2's shape with a decay per key channel) and GDN, and a correctness check of the
-kernel against the PyTorch step on the device (all three).
+kernel against the PyTorch step on the device (all three), the ms per token through model.generate() (eager and
+graphed), and a check of graphed decoding against the ordinary cached steps.
 
     python benchmarks/bench_decode.py --out benchmarks/results            # device
     python benchmarks/bench_decode.py --tiny --out /tmp/bench             # CPU smoke run
@@ -43,7 +45,9 @@ from loglinear.models import (
 from loglinear.models.modeling import CACHE_KEY
 from loglinear.report import pyplot
 
-MODELS = ("ll_mamba2", "mamba2", "ll_gdn", "gdn", "llama_sdpa")
+MODELS = ("ll_mamba2", "mamba2", "ll_gdn", "gdn", "llama_sdpa",
+          "ll_mamba2_graph", "mamba2_graph", "ll_gdn_graph", "gdn_graph")
+GRAPH = "_graph"  # the same model decoding through FenwickCache(cuda_graph=True): each step one CUDA graph replay
 
 
 def model_configs(tiny: bool) -> dict[str, dict]:
@@ -70,6 +74,7 @@ def build(name: str, configs: dict, device, dtype):
         config = LlamaConfig(**configs["llama"], max_position_embeddings=1 << 21, attn_implementation="sdpa")
         return LlamaForCausalLM(config).to(device, dtype).eval()
     ll = name.startswith("ll_")
+    name = name.removesuffix(GRAPH)
     if "mamba2" in name:
         model = LogLinearMamba2ForCausalLM(LogLinearMamba2Config(**configs["mamba2"], use_log_linear=ll))
     else:
@@ -77,9 +82,9 @@ def build(name: str, configs: dict, device, dtype):
     return model.to(device, dtype).eval()
 
 
-def fenwick_cache_at(model, batch: int, context: int, device) -> FenwickCache:
+def fenwick_cache_at(model, batch: int, context: int, device, cuda_graph: bool = False) -> FenwickCache:
     """A FenwickCache of ``batch`` sequences that have seen ``context`` tokens (random state contents)."""
-    cache = FenwickCache(len(model.model.layers))
+    cache = FenwickCache(len(model.model.layers), cuda_graph=cuda_graph)
     for i, block in enumerate(model.model.layers):
         mixer = block.mixer
         H = mixer.num_heads
@@ -233,6 +238,58 @@ def check_model_parity(device) -> dict:
     return errors
 
 
+@torch.no_grad()
+def check_graph_parity(device) -> dict:
+    """Greedy steps through FenwickCache(cuda_graph=True) (CUDA graph replays) vs the ordinary cached steps, fp32
+    tiny models on the device, left padding: relative error of the logits."""
+    errors = {}
+    for name in ("ll_mamba2", "mamba2", "ll_gdn", "gdn"):
+        model = build(name, model_configs(tiny=True), device, torch.float32)
+        ids = torch.randint(0, 64, (3, 40), device=device)
+        mask = torch.ones_like(ids)
+        mask[1, :7] = 0
+        logits = []
+        for cache in (FenwickCache(2), FenwickCache(2, cuda_graph=True)):
+            out = model(ids, attention_mask=mask, use_cache=True, **{CACHE_KEY: cache})
+            steps, step_mask = [out.logits[:, -1:]], mask
+            for _ in range(30):  # from position 40 past 64 (a 7-level carry)
+                step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], 1)
+                nxt = steps[-1].argmax(-1)
+                steps.append(model(nxt, attention_mask=step_mask, use_cache=True, **{CACHE_KEY: cache}).logits)
+            logits.append(torch.cat(steps, 1))
+        if cache.graph is None or cache.graph.graph is None:
+            raise RuntimeError(f"{name}: the steps did not run as a CUDA graph")
+        errors[name] = float((logits[1] - logits[0]).norm() / logits[0].norm())
+    return errors
+
+
+@torch.no_grad()
+def generate_times(configs: dict, device, prompt: int = 64, short: int = 32, long: int = 160) -> list[dict]:
+    """ms per generated token through model.generate() (greedy, B = 1), eager cache vs CUDA graph: the time of
+    ``long`` new tokens minus that of ``short`` (prefill and generate()'s setup cancel), over the difference."""
+    rows = []
+    for name in ("ll_mamba2", "mamba2", "ll_gdn", "gdn"):
+        model = build(name, configs, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        ids = torch.randint(0, model.config.vocab_size, (1, prompt), device=device)
+        for graph in (False, True):
+            def gen(n):
+                cache = FenwickCache(len(model.model.layers), cuda_graph=graph)
+                model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **{CACHE_KEY: cache})
+
+            gen(short)  # warm-up: kernels compiled, the graph captured once
+            times = {}
+            for n in (short, long):
+                sync(device)
+                start = time.perf_counter()
+                gen(n)
+                sync(device)
+                times[n] = time.perf_counter() - start
+            rows.append({"model": name + (GRAPH if graph else ""), "prompt": prompt,
+                         "ms_per_token": 1000 * (times[long] - times[short]) / (long - short)})
+            print(rows[-1], flush=True)
+    return rows
+
+
 def guarded(fn, *args):
     """fn(*args), or the error it raised (a failing check is reported, the timings still run)."""
     try:
@@ -263,10 +320,12 @@ def run(args, save) -> dict:
                         continue
                     cache = kv_cache_at(model, batch, context, device, dtype)
                 else:
-                    cache = fenwick_cache_at(model, batch, context, device)
+                    cache = fenwick_cache_at(model, batch, context, device, cuda_graph=name.endswith(GRAPH))
                 row["cache_bytes"] = cache_bytes(name, cache)
                 timed = guarded(time_steps, name, model, cache, batch, context, args.steps, args.warmup, device)
                 row["ms_per_token" if isinstance(timed, float) else "failed"] = timed
+                if name.endswith(GRAPH):  # the static buffers the first step moved the states into
+                    row["cache_bytes"] = cache_bytes(name, cache)
                 results["rows"].append(row)
                 print(row, flush=True)
                 del cache
@@ -280,7 +339,11 @@ def run(args, save) -> dict:
         print(kernel, flush=True)
         save(results)
     if device.type == "cuda":
+        results["generate"] = guarded(generate_times, configs, device)
+        save(results)
         results["kernel_check"] = guarded(check_kernel, device)
+        save(results)
+        results["graph_parity"] = guarded(check_graph_parity, device)
         save(results)
         results["model_parity"] = guarded(check_model_parity, device)
         print("kernel check", results["kernel_check"], "model parity", results["model_parity"], flush=True)
@@ -309,6 +372,16 @@ def summary(results: dict) -> list[str]:
                              f"over T={contexts[0]}..{contexts[-1]} "
                              f"(x{max(lat) / min(lat):.2f}; "
                              f"log factor {levels_needed(contexts[-1]) / levels_needed(contexts[0]):.2f})")
+    for graphed in ("ll_mamba2_graph", "mamba2_graph", "ll_gdn_graph", "gdn_graph"):
+        r = by.get((graphed, 1, ref))
+        if r and "ms_per_token" in r:
+            eager = by.get((graphed.removesuffix(GRAPH), 1, ref), {}).get("ms_per_token")
+            versus = f" (eager {eager:.2f} ms)" if eager else ""
+            lines.append(f"- {graphed} B=1 T={ref}: {r['ms_per_token']:.3f} ms per token{versus} (target <= 1.0 ms)")
+    gen = results.get("generate")
+    if isinstance(gen, list):
+        lines.append("- through generate(), B=1, greedy: " + ", ".join(
+            f"{r['model']} {r['ms_per_token']:.3f}" for r in gen) + " ms per token")
     top = contexts[-1]
     for variant in ("ll_mamba2", "ll_gdn"):
         for batch in sorted({r["batch"] for r in results["rows"]}):
@@ -367,6 +440,9 @@ def write_markdown(results: dict, path: str) -> None:
                          f"{r['plain_us']:.1f} | {r['log_linear_us'] / r['plain_us']:.2f} |")
     if "kernel_check" in results:
         lines += ["", f"Kernel check on the device (fused vs PyTorch step, fp32): {results['kernel_check']}"]
+    if "graph_parity" in results:
+        lines += ["", "CUDA graph check on the device (graphed vs ordinary cached steps, fp32, left padding, relative "
+                  f"error of the logits): {results['graph_parity']}"]
     if "model_parity" in results:
         lines += ["", "Model check on the device (cached prefill + steps vs full forward, fp32, left padding, "
                   f"relative error of the logits): {results['model_parity']}"]

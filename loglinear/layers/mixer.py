@@ -21,6 +21,7 @@ from loglinear.inputs import check_positive_ints, check_power_of_two
 from loglinear.layers.conv import ShortConvolution
 from loglinear.layers.levels import LevelScales
 from loglinear.layers.sequence import TokenLayout
+from loglinear.ops.decode import decode_step
 from loglinear.ops.stateful import fenwick_attention
 from loglinear.state import FenwickState, LevelsView
 from loglinear.variants import Variant
@@ -154,15 +155,38 @@ class FenwickMixer(nn.Module):
         if layout is None:
             layout = TokenLayout.build(B, T, attention_mask, cu_seqlens, hidden_states.device)
         x = layout.flatten(hidden_states)
-        conv_in, rest = self.conv_inputs(x)
-        features, conv_state = self.short_conv(conv_in, layout, state.conv if state is not None else None)
-        inputs = self.op_inputs(features, rest)
-        lam = self.level_scales(x) if self.level_scales is not None else None
+        inputs, lam, conv_state = self._token_inputs(x, layout, state.conv if state is not None else None)
         o, levels, positions = self._attend(inputs, lam, layout, state, output_state)
         y = layout.unflatten(self.output(o, inputs))
         if not output_state:
             return y, None
         return y, MixerState(levels, positions, conv_state)
+
+    @torch.no_grad()
+    def step_(self, hidden_states: torch.Tensor, state: MixerState, positions: torch.Tensor) -> torch.Tensor:
+        """One token of each of N sequences, the state updated in place: the step a CUDA graph replays
+        (loglinear.models.graphs). No host sync, fixed shapes, nothing allocated outlives the call.
+
+        hidden_states: [N, 1, D]; state: levels [N, L, H, K, V] (L = max_levels log-linear, 1 plain) and conv
+        [N, W-1, C], both written in place (state.positions is not read); positions: [N] int64 on the levels'
+        device, each sequence's tokens so far (the caller advances them). Returns [N, 1, D].
+        """
+        layout = TokenLayout.build(hidden_states.shape[0], 1, device=hidden_states.device)
+        x = layout.flatten(hidden_states)
+        inputs, lam, conv_state = self._token_inputs(x, layout, state.conv)
+        state.conv.copy_(conv_state)
+        o, _ = decode_step(
+            self.variant, inputs.q, inputs.k, inputs.v, inputs.gates, lam, state.levels, positions, self.scale,
+            fenwick=self.level_scales is not None, l2norm_qk=self.l2norm_qk, out=state.levels,
+        )
+        return layout.unflatten(self.output(o, inputs))
+
+    def _token_inputs(self, x: torch.Tensor, layout: TokenLayout, conv_state: torch.Tensor | None):
+        """x: [Ntok, D] -> (MixerInputs, lambda [Ntok, H, max_levels] or None, the new conv state [N, W-1, C])."""
+        conv_in, rest = self.conv_inputs(x)
+        features, conv_state = self.short_conv(conv_in, layout, conv_state)
+        lam = self.level_scales(x) if self.level_scales is not None else None
+        return self.op_inputs(features, rest), lam, conv_state
 
     def _check_forward(self, x: object, state: object) -> torch.Size:
         if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:

@@ -2,7 +2,8 @@
 
 Per layer one MixerState: the Fenwick level states [N, L, H, K, V] with each sequence's position, and the
 short-convolution state [N, W-1, C]. A log-linear layer holds L = ceil(log2 T) + 1 level states after T
-tokens (1 for the plain model), never anything that grows with T. Sequences of a batch keep their own
+tokens (1 for the plain model), never anything that grows with T; with cuda_graph=True, max_levels from the
+first graphed step on (static buffers, loglinear.models.graphs). Sequences of a batch keep their own
 positions (left padding: each row counts only its real tokens).
 
 It subclasses transformers' Cache so generate() and user code recognise it, but keeps its own storage:
@@ -26,9 +27,17 @@ class FenwickCache(Cache):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, *, cuda_graph: bool = False):
+        """num_layers: the model's num_hidden_layers; cuda_graph: run one-token steps as a CUDA graph
+        (loglinear.models.graphs; the states then live in static buffers of max_levels levels)."""
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+            raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
+        if not isinstance(cuda_graph, bool):
+            raise TypeError(f"cuda_graph must be a bool, got {type(cuda_graph).__name__}")
         # transformers' Cache.__init__ wants layer objects; this cache stores MixerStates itself.
         self.states: list[MixerState | None] = [None] * num_layers
+        self.cuda_graph = cuda_graph
+        self.graph = None  # the DecodeGraph of the current batch size (loglinear.models.graphs)
         self.layers: list = []
         self.layer_class_to_replicate = None
         self.offloading = False
@@ -37,7 +46,8 @@ class FenwickCache(Cache):
         return len(self.states)
 
     def __repr__(self) -> str:
-        return f"FenwickCache(layers={len(self)}, tokens={self.get_seq_length()}, bytes={self.nbytes()})"
+        graph = ", cuda_graph=True" if self.cuda_graph else ""
+        return f"FenwickCache(layers={len(self)}, tokens={self.get_seq_length()}, bytes={self.nbytes()}{graph})"
 
     def __getitem__(self, layer_idx: int) -> MixerState | None:
         return self.states[layer_idx]

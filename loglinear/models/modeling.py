@@ -24,6 +24,7 @@ from loglinear.layers.mixer import FenwickMixer
 from loglinear.layers.norm import GatedRMSNorm, wide
 from loglinear.models.cache import FenwickCache
 from loglinear.models.configuration import LogLinearGatedDeltaNetConfig, LogLinearGLAConfig, LogLinearMamba2Config
+from loglinear.models.graphs import graph_step
 
 __all__ = [
     "LogLinearMamba2Model", "LogLinearMamba2ForCausalLM", "LogLinearGatedDeltaNetModel",
@@ -65,10 +66,16 @@ class FenwickBlock(GradientCheckpointingLayer):
         output_state: bool = False,
     ) -> tuple[torch.Tensor, MixerState | None]:
         mixed, state = self.mixer(self.mixer_norm(hidden_states), state=state, output_state=output_state, layout=layout)
-        hidden_states = hidden_states + mixed
-        if self.mlp is not None:
-            hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
-        return hidden_states, state
+        return self._with_mlp(hidden_states + mixed), state
+
+    def step_(self, hidden_states: torch.Tensor, state: MixerState, positions: torch.Tensor) -> torch.Tensor:
+        """One token per sequence, the mixer's state updated in place (FenwickMixer.step_).  [N, 1, D] -> [N, 1, D]."""
+        return self._with_mlp(hidden_states + self.mixer.step_(self.mixer_norm(hidden_states), state, positions))
+
+    def _with_mlp(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.mlp is None:
+            return hidden_states
+        return hidden_states + self.mlp(self.mlp_norm(hidden_states))
 
 
 class _FenwickPreTrainedModel(PreTrainedModel):
@@ -140,6 +147,16 @@ class _FenwickModel(_FenwickPreTrainedModel):
         hidden_states = tuple(all_hidden) if all_hidden is not None else None
         return BaseModelOutputWithPast(last_hidden_state=hidden, hidden_states=hidden_states, **{CACHE_KEY: cache})
 
+    @torch.no_grad()
+    def step_(self, input_ids: torch.Tensor, states: list[MixerState], positions: torch.Tensor) -> torch.Tensor:
+        """One token per sequence through every layer, the layers' states updated in place (the step
+        loglinear.models.graphs captures).  input_ids: [N, 1]; states: one per layer; positions: [N] int64 on the
+        device (not advanced here).  Returns the last hidden state [N, 1, D]."""
+        hidden = self.embeddings(input_ids)
+        for block, state in zip(self.layers, states, strict=True):
+            hidden = block.step_(hidden, state, positions)
+        return self.norm(hidden)
+
     def _check_inputs(self, input_ids: object, inputs_embeds: object) -> None:
         if input_ids is not None:
             if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64):
@@ -198,7 +215,15 @@ class _FenwickForCausalLM(_FenwickPreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """labels: [B, T] next-token targets (-100 ignored; shifted inside; with cu_seqlens no target crosses
-        a sequence boundary). logits_to_keep > 0 computes logits of the last positions only."""
+        a sequence boundary). logits_to_keep > 0 computes logits of the last positions only. With a
+        FenwickCache(cuda_graph=True), a one-token step of every sequence replays a CUDA graph
+        (loglinear.models.graphs)."""
+        given = cache if cache is not None else past_key_values
+        if isinstance(given, FenwickCache) and given.cuda_graph and use_cache is not False and labels is None \
+                and inputs_embeds is None and cu_seqlens is None and not output_hidden_states:
+            logits = graph_step(self, given, input_ids, attention_mask)
+            if logits is not None:
+                return CausalLMOutputWithPast(logits=logits, **{CACHE_KEY: given})
         out = self.model(
             input_ids, attention_mask=attention_mask, cache=cache, past_key_values=past_key_values,
             inputs_embeds=inputs_embeds, use_cache=use_cache, cu_seqlens=cu_seqlens,

@@ -32,7 +32,7 @@ __all__ = ["decode_step", "decode_step_torch", "fused_decode_applies", "op_decod
 def decode_step_torch(
     variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
     level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
-    *, fenwick: bool = True, l2norm_qk: bool = False,
+    *, fenwick: bool = True, l2norm_qk: bool = False, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The PyTorch step; arguments as in ``decode_step``."""
     dtype, H = levels.dtype, v.shape[1]
@@ -47,7 +47,8 @@ def decode_step_torch(
     readout = (S * q[:, None, :, :, None]).sum(3)  # [N, L, H, V]
     if fenwick:
         readout = readout * level_scales[..., : S.shape[1]].to(dtype).transpose(1, 2)[..., None]
-    return (scale * readout.sum(1)).to(v.dtype), S
+    o = (scale * readout.sum(1)).to(v.dtype)
+    return (o, S) if out is None else (o, out.copy_(S))
 
 
 def _on_device(positions: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -62,7 +63,7 @@ def _on_device(positions: torch.Tensor, device: torch.device) -> torch.Tensor:
 def decode_step(
     variant: Variant | str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
     level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
-    *, fenwick: bool = True, l2norm_qk: bool = False, backend: str | None = None,
+    *, fenwick: bool = True, l2norm_qk: bool = False, backend: str | None = None, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per sequence.
 
@@ -70,14 +71,20 @@ def decode_step(
     (Mamba-2: g; GDN: g, beta; GLA: g [N, H, K]);
     level_scales: [N, H, >= L] (unused when fenwick=False); levels: [N, L, H, K, V], L covering the
     positions (fenwick: L >= levels_needed(p + 1)); positions: [N] int64, the token's absolute position;
-    backend: as in the public ops. Returns o: [N, H, V] in v's dtype and the new levels [N, L, H, K, V] in levels'
-    dtype (a new tensor).
+    backend: as in the public ops; out: where the new levels go, [N, L, H, K, V] like levels (``levels`` itself:
+    in place), else a new tensor. Returns o: [N, H, V] in v's dtype and the new levels [N, L, H, K, V] in levels'
+    dtype. Nothing here reads a device tensor on the host: with positions on the levels' device and ``out``
+    given, the step can be captured in a CUDA graph (loglinear.models.graphs).
     """
     variant = get(variant)
     check_decode_inputs(variant, q, k, v, gates, level_scales, levels, positions, fenwick=fenwick)
+    if out is not None and (out.shape != levels.shape or out.dtype != levels.dtype or out.device != levels.device):
+        raise ValueError(f"out must be like levels ({tuple(levels.shape)}, {levels.dtype}, {levels.device}), "
+                         f"got {tuple(out.shape)}, {out.dtype}, {out.device}")
     positions = _on_device(positions, levels.device)
     step = backend_for(variant, select_backend(variant, levels.device, backend)).decode or decode_step_torch
-    return step(variant, q, k, v, gates, level_scales, levels, positions, scale, fenwick=fenwick, l2norm_qk=l2norm_qk)
+    return step(variant, q, k, v, gates, level_scales, levels, positions, scale, fenwick=fenwick, l2norm_qk=l2norm_qk,
+                out=out)
 
 
 def fused_decode_applies(inp: OpInputs) -> bool:

@@ -78,6 +78,37 @@ def test_step_matches_reference(impl, gdn, G, H, K, V):
     assert_close(new, after[:, : new.shape[1]], 1e-12, f"{impl} state")
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("gdn", [False, True])
+def test_step_in_place_on_padded_levels(impl, gdn):
+    """out=levels writes the new levels into the given tensor, equal to the step into a new one, on a state padded
+    to more levels than its positions need (the static buffers of CUDA-graph decoding). The fused kernel does not
+    touch levels above bit_length(p): garbage planted there stays."""
+    lengths = [0, 3, 8, 12]
+    x = make_inputs(4, 14, 1, 2, K=8, V=16, L=7)
+    levels, positions = _prefix_states(x, gdn, lengths)
+    levels = FenwickState(levels, positions).with_levels(7).levels
+    tok = _token(x, lengths)
+    args = (_variant(gdn), tok["q"], tok["k"], tok["v"], _gates(tok, gdn), tok["level_scales"])
+    o_new, new = STEPS[impl](*args, levels, positions, 0.3, l2norm_qk=gdn)
+    buffer = levels.clone()
+    o, out = STEPS[impl](*args, buffer, positions, 0.3, l2norm_qk=gdn, out=buffer)
+    assert out is buffer
+    assert_close(o, o_new, 1e-14, "in-place o")
+    assert_close(buffer, new, 1e-14, "in-place levels")
+    after, _ = _prefix_states(x, gdn, [n + 1 for n in lengths])
+    assert_close(new[:, : after.shape[1]], after, 1e-12, "padded state")
+    assert not new[:, after.shape[1] :].any()
+    if impl == "triton":
+        planted = levels.clone()
+        for n, p in enumerate(lengths):
+            planted[n, levels_needed(p + 1) :] = 7.0
+        o2, _ = STEPS[impl](*args, planted, positions, 0.3, l2norm_qk=gdn, out=planted)
+        assert_close(o2, o_new, 1e-14, "o with garbage above the position's levels")
+        for n, p in enumerate(lengths):
+            assert (planted[n, levels_needed(p + 1) :] == 7.0).all(), f"row {n}: a level above bit_length(p) written"
+
+
 @pytest.mark.parametrize("gdn", [False, True])
 def test_fused_float32_state(gdn):
     lengths = [3, 8, 12]

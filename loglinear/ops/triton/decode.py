@@ -12,6 +12,10 @@ also under the delta rule). For the token at absolute position p (spec section 4
     deposit     S_0 <- S_0 + beta k v^T                                    (beta = 1 for Mamba-2)
     readout     o <- o + lambda_l S_l^T q,   finally o <- scale o
 
+Levels above bit_length(p) are empty before and after the step (the state of a sequence at position p holds
+levels_needed(p + 1) of them; the rest of L is zero padding): a program skips them, leaves them as they are when
+it writes in place and writes zeros otherwise. So a static cache of max_levels levels (CUDA-graph decoding)
+costs what the position needs.
 FENWICK=False is the plain recurrence (no carry, lambda = 1) of use_log_linear=False models.
 q, k are read from group h // (H // G); L2NORM normalises them in the kernel (x / sqrt(|x|^2 + 1e-6)).
 The state is read and written once: the step is bound by L * K * V * 4 bytes per (sequence, head).
@@ -34,7 +38,7 @@ def _decode_step_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, lam_ptr, s_in_ptr, s_out_ptr, pos_ptr, o_ptr,
     scale, H, G, K, V, L, lam_sn, lam_sh,
     BK: tl.constexpr, BV: tl.constexpr, FENWICK: tl.constexpr, HAS_BETA: tl.constexpr, PER_CHANNEL: tl.constexpr,
-    L2NORM: tl.constexpr, ACC: tl.constexpr,
+    L2NORM: tl.constexpr, IN_PLACE: tl.constexpr, ACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n = pid // H
@@ -68,26 +72,29 @@ def _decode_step_kernel(
     o = tl.zeros((BV,), dtype=ACC)
     for l in range(0, L):
         offs = (((n * L + l) * H + h) * K + rk[:, None]) * V + rv[None, :]
-        S = tl.load(s_in_ptr + offs, mask=tile, other=0.0).to(ACC)
-        if FENWICK:
-            merge = (p > 0) & ((p & ((one << l) - 1)) == 0)
-            below = (p & ((one << tl.maximum(l - 1, 0)) - 1)) == 0
-            into = (l > 0) & (p > 0) & below & (merge == 0)
-            moved = tl.where(merge, S, 0.0)
-            S = tl.where(merge, 0.0, S + tl.where(into, acc, 0.0))
-            acc = acc + moved
-        if HAS_BETA:
-            kS = tl.sum(k[:, None] * S, 0)
-            S = decay * (S - beta * k[:, None] * kS[None, :])
-        else:
-            S = decay * S
-        S = S + tl.where(l == 0, deposit, 0.0)
-        if FENWICK:
-            w = tl.load(lam_ptr + n * lam_sn + h * lam_sh + l).to(ACC)
-        else:
-            w = 1.0
-        o = o + w * tl.sum(q[:, None] * S, 0)
-        tl.store(s_out_ptr + offs, S.to(s_out_ptr.dtype.element_ty), mask=tile)
+        if (l == 0) | (p >= (one << tl.maximum(l - 1, 0))):  # l <= bit_length(p): a level the position has
+            S = tl.load(s_in_ptr + offs, mask=tile, other=0.0).to(ACC)
+            if FENWICK:
+                merge = (p > 0) & ((p & ((one << l) - 1)) == 0)
+                below = (p & ((one << tl.maximum(l - 1, 0)) - 1)) == 0
+                into = (l > 0) & (p > 0) & below & (merge == 0)
+                moved = tl.where(merge, S, 0.0)
+                S = tl.where(merge, 0.0, S + tl.where(into, acc, 0.0))
+                acc = acc + moved
+            if HAS_BETA:
+                kS = tl.sum(k[:, None] * S, 0)
+                S = decay * (S - beta * k[:, None] * kS[None, :])
+            else:
+                S = decay * S
+            S = S + tl.where(l == 0, deposit, 0.0)
+            if FENWICK:
+                w = tl.load(lam_ptr + n * lam_sn + h * lam_sh + l).to(ACC)
+            else:
+                w = 1.0
+            o = o + w * tl.sum(q[:, None] * S, 0)
+            tl.store(s_out_ptr + offs, S.to(s_out_ptr.dtype.element_ty), mask=tile)
+        elif not IN_PLACE:
+            tl.store(s_out_ptr + offs, tl.zeros((BK, BV), dtype=s_out_ptr.dtype.element_ty), mask=tile)
     tl.store(o_ptr + (n * H + h) * V + rv, (scale * o).to(o_ptr.dtype.element_ty), mask=mv)
 
 
@@ -103,12 +110,15 @@ def _block_v(K: int, V: int, rows: int) -> int:
 def fused_decode_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor | None,
     level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
-    *, fenwick: bool = True, l2norm_qk: bool = False,
+    *, fenwick: bool = True, l2norm_qk: bool = False, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch for one token per sequence (see loglinear.ops.decode.decode_step for the contract).
 
     q, k: [N, G, K]; v: [N, H, V]; g: [N, H] (a decay per head) or [N, H, K] (per key channel: GLA); beta: [N, H]
     (the delta rule) or None; level_scales: [N, H, >= L]; levels: [N, L, H, K, V]; positions: [N] int64.
+    out: where the new levels go (levels itself: in place; a program reads each level's tile before it writes it,
+    and no other program touches that tile), else a new tensor. Levels above bit_length(positions[n]) must be
+    zero, as in every state the library makes (see the module docstring).
     Returns o: [N, H, V] (v's dtype) and new levels (levels' dtype).
     """
     N, G, K = q.shape
@@ -118,6 +128,8 @@ def fused_decode_step(
         raise ValueError(f"levels must be [N, L, H, K, V] = [{N}, L, {H}, {K}, {V}], got {tuple(levels.shape)}")
     device = levels.device
     q, k, v, g = (x.contiguous() for x in (q, k, v, g))
+    if out is not None and not (levels.is_contiguous() and out.is_contiguous()):
+        raise ValueError("levels and out must be contiguous for an in-place step")
     levels = levels.contiguous()
     positions = positions.to(device=device, dtype=torch.int64).contiguous()
     if fenwick:
@@ -130,7 +142,7 @@ def fused_decode_step(
     else:
         lam, lam_sn, lam_sh = g, 0, 0
     beta_arg = beta.contiguous() if beta is not None else g
-    out = torch.empty_like(levels)
+    out = torch.empty_like(levels) if out is None else out
     o = torch.empty(N, H, V, dtype=v.dtype, device=device)
     BV = _block_v(K, V, N * H)
     grid = (N * H, triton.cdiv(V, BV))
@@ -138,7 +150,7 @@ def fused_decode_step(
         q, k, v, g, beta_arg, lam, levels, out, positions, o,
         float(scale), H, G, K, V, L, lam_sn, lam_sh,
         BK=triton.next_power_of_2(K), BV=BV, FENWICK=fenwick, HAS_BETA=beta is not None, PER_CHANNEL=g.dim() == 3,
-        L2NORM=l2norm_qk,
+        L2NORM=l2norm_qk, IN_PLACE=out is levels,
         ACC=tl.float64 if levels.dtype == torch.float64 else tl.float32, **launch_options(_decode_step_kernel),
     )
     return o, out
@@ -147,10 +159,10 @@ def fused_decode_step(
 def decode_backend(
     variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
     level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
-    *, fenwick: bool = True, l2norm_qk: bool = False,
+    *, fenwick: bool = True, l2norm_qk: bool = False, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode step the variants register (loglinear.ops.backends.Backend.decode). The kernel's compile-time
     switches come from the variant's gates: g [N, H] a scalar decay (Mamba-2) or [N, H, K] one per key channel
     (GLA), and a beta gate makes it the gated delta rule (Gated DeltaNet)."""
     return fused_decode_step(q, k, v, gates["g"], gates.get("beta"), level_scales, levels, positions, scale,
-                             fenwick=fenwick, l2norm_qk=l2norm_qk)
+                             fenwick=fenwick, l2norm_qk=l2norm_qk, out=out)
