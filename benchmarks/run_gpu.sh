@@ -6,7 +6,7 @@
 #   bash benchmarks/run_gpu.sh checks         # ~8 min: Triton kernels vs the torch path (bf16, fp32), every variant
 #   bash benchmarks/run_gpu.sh bench-mamba2   # ~6 min: ops-mamba2-<gpu>.* and the profile at 32K
 #   bash benchmarks/run_gpu.sh bench-gdn      # ~8 min: ops-gdn-<gpu>.*, then profile-gdn-<gpu>.md
-#   bash benchmarks/run_gpu.sh bench-gla      # ~8 min: ops-gla-<gpu>.* (against fla's chunk_gla), the profile at 32K
+#   bash benchmarks/run_gpu.sh bench-gla      # ~7 min: ops-gla-<gpu>.* (16K-128K, against fla's chunk_gla), the profile at 32K
 #   bash benchmarks/run_gpu.sh state          # ~3 min: ops-{mamba2,gdn}-state-<gpu>.* and profile-state-<gpu>.md
 #                                             #   (calls with an incoming state, and where their cost goes)
 #   bash benchmarks/run_gpu.sh train          # ~3 min: train-<gpu>.* (12 x d768 training steps, five models)
@@ -96,7 +96,7 @@ case $PART in
     ;;
   bench-gla)  # fla's chunk_gla compiles and autotunes for minutes on a fresh machine
     step 480 bench-gla python benchmarks/bench_ops.py --variant gla --impls loglinear loglinear_plain fla_gla \
-      sdpa_flash --T $TS --sdpa-max-T 32768 --profile-T 32768 --out "$R" "${EXTRA[@]}"
+      sdpa_flash --T 131072 65536 32768 16384 --sdpa-max-T 32768 --profile-T 32768 --out "$R" "${EXTRA[@]}"
     ;;
   state)  # the cost of an incoming state (a context-parallel rank's call) against the same call without one
     step 100 state-mamba2 python benchmarks/bench_ops.py --impls loglinear loglinear_state --T 131072 32768 8192 \
