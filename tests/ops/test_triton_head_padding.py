@@ -11,11 +11,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from helpers import compare_with_reference, make_inputs
-from loglinear import FenwickState, log_linear_gated_deltanet, log_linear_mamba2
+from helpers import compare_with_reference, gla_inputs, make_inputs
+from loglinear import FenwickState, log_linear_gated_deltanet, log_linear_gla, log_linear_mamba2
 from loglinear import reference as R
 from loglinear.ops import api
 from loglinear.ops.triton.shared import common, heads
+from loglinear.variants import GLA
 
 pytestmark = pytest.mark.interpreter
 MIN_HEAD_DIM = 64  # forced on CPU: the GPU's width
@@ -30,11 +31,16 @@ class Case:
     grad_tol: float
 
 
+def _gla_recurrent(q, k, v, g, level_scales, **kw):
+    return R.recurrent(GLA, q, k, v, {"g": g}, level_scales, **kw)
+
+
 VARIANTS = {
     "mamba2": Case(log_linear_mamba2, R.log_linear_mamba2_recurrent, ("q", "k", "v", "g", "level_scales"),
                       3e-5, 3e-5),
     "gated_deltanet": Case(log_linear_gated_deltanet, R.log_linear_gated_deltanet_recurrent,
                               ("q", "k", "v", "g", "beta", "level_scales"), 2e-5, 2e-4),
+    "gla": Case(log_linear_gla, _gla_recurrent, ("q", "k", "v", "g", "level_scales"), 3e-5, 1e-4),
 }
 
 
@@ -86,7 +92,8 @@ def _compare(variant: Case, x: dict, state: FenwickState | None, cu_seqlens: tor
     ],
 )
 def test_padded_heads_match_reference(padded_kernels, variant, B, T, G, H, K, V, positions, cu, padded):
-    x = make_inputs(B, T, G, H, K=K, V=V, start=max(positions or [0]))
+    start = max(positions or [0])
+    x = gla_inputs(B, T, G, H, K, V, start=start) if variant == "gla" else make_inputs(B, T, G, H, K, V, start=start)
     state = _state(positions, H, K, V) if positions else None
     _compare(VARIANTS[variant], x, state, torch.tensor(cu) if cu else None)
     assert padded_kernels == [padded]
@@ -111,7 +118,8 @@ def test_wide_heads_run_unpadded(padded_kernels):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_bad_inputs_still_name_the_argument(variant):
     """Validation runs before the padding: the error names the caller's argument and its shape."""
-    x = {n: make_inputs(1, 20, 1, 2, K=8, V=5)[n] for n in VARIANTS[variant].names}
+    inputs = gla_inputs(1, 20, 1, 2, 8, 5) if variant == "gla" else make_inputs(1, 20, 1, 2, K=8, V=5)
+    x = {n: inputs[n] for n in VARIANTS[variant].names}
     with pytest.raises(ValueError, match=r"initial_state.levels must be .*\[1, L, 2, 8, 5\]"):
         VARIANTS[variant].op(**x, initial_state=_state([3], 2, 8, 4))
     with pytest.raises(ValueError, match=r"k must match q's shape \(1, 20, 1, 8\)"):

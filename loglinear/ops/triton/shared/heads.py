@@ -39,18 +39,22 @@ def _widen(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def pad_head_dims(inp: OpInputs, K: int, V: int) -> OpInputs:
-    """inp with q, k [B, T, G, K0] zero-padded to K columns, v [B, T, H, V0] to V, the initial state's
-    levels [N, L, H, K0, V0] to [N, L, H, K, V] (F.pad: the gradients come back sliced; scale stays).
+    """inp with q, k [B, T, G, K0] zero-padded to K columns, v [B, T, H, V0] to V, a per-channel gate
+    [B, T, H, K0] (GLA's g) to K, the initial state's levels [N, L, H, K0, V0] to [N, L, H, K, V] (F.pad: the
+    gradients come back sliced; scale stays).
 
-    Exact for both variants: zero q / k columns add nothing to any q.k, k.k or row norm (GDN's l2norm),
-    so the padded state rows see the identity transition (GDN: (I - beta k k^T) is the identity there)
-    and no deposit; zero v columns deposit nothing; both stay 0 and feed only o's / the state's padded
-    columns, which run_padded drops."""
+    Exact for every variant: zero q / k columns add nothing to any q.k, k.k or row norm (GDN's l2norm),
+    so the padded state rows see the identity transition (GDN: (I - beta k k^T) is the identity there; a
+    padded channel's log-decay 0 keeps it as it is) and no deposit; zero v columns deposit nothing; both stay 0
+    and feed only o's / the state's padded columns, which run_padded drops."""
     state = inp.initial_state
     if state is not None:
         levels = state.levels
         state = FenwickState(F.pad(levels, (0, V - levels.shape[-1], 0, K - levels.shape[-2])), state.positions)
-    return dataclasses.replace(inp, q=_widen(inp.q, K), k=_widen(inp.k, K), v=_widen(inp.v, V), initial_state=state)
+    gates = {gate.name: _widen(inp.gates[gate.name], K) if gate.per_channel else inp.gates[gate.name]
+             for gate in inp.variant.gates}
+    return dataclasses.replace(inp, q=_widen(inp.q, K), k=_widen(inp.k, K), v=_widen(inp.v, V), gates=gates,
+                               initial_state=state)
 
 
 def run_padded(inp: OpInputs, minimum: int, kernels: Kernels) -> tuple[torch.Tensor, FenwickState | None]:
