@@ -76,7 +76,8 @@ class DecodeGraph:
             check_capacity(int(host.max()) + 1, max(self.max_levels))
         self.ids.copy_(input_ids)
         if self.graph is not None:
-            self.graph.replay()
+            with torch.cuda.device(self.ids.device):
+                self.graph.replay()
             logits = self.logits.clone()
         else:
             logits = self._run()
@@ -96,18 +97,19 @@ class DecodeGraph:
 
     def _capture(self, cache: FenwickCache) -> None:
         source = list(cache.states)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.no_grad():
+        with torch.cuda.device(self.ids.device):  # the model's GPU, whichever is current
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.no_grad():
+                self.load(cache)
+                for _ in range(2):  # compiles the kernels, sets up cuBLAS; the warm-up steps' states are discarded
+                    self._run()
+            torch.cuda.current_stream().wait_stream(stream)
+            cache.states = source
             self.load(cache)
-            for _ in range(2):  # compiles the kernels, sets up cuBLAS; the warm-up steps' states are discarded
-                self._run()
-        torch.cuda.current_stream().wait_stream(stream)
-        cache.states = source
-        self.load(cache)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.no_grad():
-            self.logits = self._run()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph), torch.no_grad():
+                self.logits = self._run()
 
 
 def graph_step(model, cache: FenwickCache, input_ids: torch.Tensor | None,

@@ -73,6 +73,17 @@ def test_beam_search_and_outside_changes_reload_the_buffers():
     assert caches[1].graph.owns(caches[1])
 
 
+def test_inference_mode():
+    model = make_model("gla", True)
+    ids, mask = left_padded([6, 3], 6)
+    with torch.no_grad():
+        expected, _ = _decode(model, ids, mask, FenwickCache(2), 4)
+    with torch.inference_mode():
+        got, cache = _decode(model, ids, mask, FenwickCache(2, cuda_graph=True), 4)
+    assert_close(got, expected, 1e-12, "inference-mode logits")
+    assert cache.graph.owns(cache)
+
+
 def test_padded_step_and_gradients_take_the_ordinary_forward():
     model = make_model("mamba2", True)
     ids, mask = left_padded([5, 5], 5)
