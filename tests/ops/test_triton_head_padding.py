@@ -92,6 +92,8 @@ def _compare(variant: Case, x: dict, state: FenwickState | None, cu_seqlens: tor
     ],
 )
 def test_padded_heads_match_reference(padded_kernels, variant, B, T, G, H, K, V, positions, cu, padded):
+    if variant == "gla" and K >= MIN_HEAD_DIM:
+        pytest.skip("only V padded: nothing of GLA's per-channel gate changes (the K cases cover it)")
     start = max(positions or [0])
     x = gla_inputs(B, T, G, H, K, V, start=start) if variant == "gla" else make_inputs(B, T, G, H, K, V, start=start)
     state = _state(positions, H, K, V) if positions else None
