@@ -196,7 +196,7 @@ def kernel_times(configs: dict, contexts: list[int], batches: list[int], device)
 
 def check_kernel(device) -> dict:
     """Fused kernel vs the PyTorch step on the device, every variant with a fused decode kernel (fp32, GQA, rows
-    at different positions; random levels, also above what each row's position holds, which both read as empty)."""
+    at different positions; random levels)."""
     from loglinear.ops.decode import decode_step
     from loglinear.variants import GATED_DELTANET, GLA, MAMBA2
 

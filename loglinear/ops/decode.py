@@ -8,9 +8,9 @@ For the token at absolute position p of each sequence, on level states S[0..L-1]
   3. deposit     S[0] += k~ v^T  (variant.deposit_key: k for Mamba-2, beta k for GDN)
   4. readout     o = scale * sum_l lambda[l] S[l]^T q
 
-Levels above bit_length(p) are empty before and after the step (a state at position p holds levels_needed(p + 1)
-of them; a longer level axis is zero padding): both steps treat them as zeros, and the fused kernel does not touch
-them, so a static cache of max_levels levels costs only what its positions need.
+In place (out=levels), the fused kernel does not touch the levels above bit_length(p): they must be zero, as in
+the zero-padded static buffers of CUDA-graph decoding (a state at position p holds levels_needed(p + 1) levels),
+so such a cache costs only what its positions need. Otherwise both steps run every level.
 
 The plain recurrence (use_log_linear=False models) is the same step on one level without the carry and
 with lambda = 1. The GDN update is rank-1: O(K V) per level, never a K x K matrix.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from loglinear.fenwick import bit_length, carry, levels_needed
+from loglinear.fenwick import carry, levels_needed
 from loglinear.inputs import OpInputs, check_decode_inputs, expand_groups, l2norm
 from loglinear.ops.backends import backend_for, select_backend
 from loglinear.state import FenwickState
@@ -44,9 +44,6 @@ def decode_step_torch(
     if l2norm_qk:
         q, k = l2norm(q), l2norm(k)
     gates = {name: x.to(dtype) for name, x in gates.items()}
-    if fenwick:  # levels above bit_length(p) are empty (as in the fused kernel: not read)
-        held = torch.arange(levels.shape[1], device=levels.device) <= bit_length(positions)[:, None]  # [N, L]
-        levels = levels * held[:, :, None, None, None].to(dtype)
     S = carry(levels, positions) if fenwick else levels
     S = variant.transition(S, k, gates)
     deposit = variant.deposit_key(k, gates)[..., None] * v.to(dtype)[:, :, None, :]
@@ -79,9 +76,10 @@ def decode_step(
     level_scales: [N, H, >= L] (unused when fenwick=False); levels: [N, L, H, K, V], L covering the
     positions (fenwick: L >= levels_needed(p + 1)); positions: [N] int64, the token's absolute position;
     backend: as in the public ops; out: where the new levels go, [N, L, H, K, V] like levels (``levels`` itself:
-    in place), else a new tensor. Returns o: [N, H, V] in v's dtype and the new levels [N, L, H, K, V] in levels'
-    dtype. Nothing here reads a device tensor on the host: with positions on the levels' device and ``out``
-    given, the step can be captured in a CUDA graph (loglinear.models.graphs).
+    in place; its levels above bit_length(positions[n]) must then be zero), else a new tensor. Returns o: [N, H, V]
+    in v's dtype and the new levels [N, L, H, K, V] in levels' dtype. Nothing here reads a device tensor on the
+    host: with positions on the levels' device and ``out`` given, the step can be captured in a CUDA graph
+    (loglinear.models.graphs).
     """
     variant = get(variant)
     check_decode_inputs(variant, q, k, v, gates, level_scales, levels, positions, fenwick=fenwick)

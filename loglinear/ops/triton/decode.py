@@ -12,10 +12,9 @@ also under the delta rule). For the token at absolute position p (spec section 4
     deposit     S_0 <- S_0 + beta k v^T                                    (beta = 1 for Mamba-2)
     readout     o <- o + lambda_l S_l^T q,   finally o <- scale o
 
-Levels above bit_length(p) are empty before and after the step (the state of a sequence at position p holds
-levels_needed(p + 1) of them; the rest of L is zero padding): a program skips them, leaves them as they are when
-it writes in place and writes zeros otherwise. So a static cache of max_levels levels (CUDA-graph decoding)
-costs what the position needs.
+IN_PLACE (s_out is s_in): a program skips the levels above bit_length(p), which must be zero there (the zero-padded
+static buffers of CUDA-graph decoding: a state at position p holds levels_needed(p + 1) levels; the step leaves
+the others empty), so a cache of max_levels levels costs what the position needs. Out of place every level runs.
 FENWICK=False is the plain recurrence (no carry, lambda = 1) of use_log_linear=False models.
 q, k are read from group h // (H // G); L2NORM normalises them in the kernel (x / sqrt(|x|^2 + 1e-6)).
 The state is read and written once: the step is bound by L * K * V * 4 bytes per (sequence, head).
@@ -72,7 +71,7 @@ def _decode_step_kernel(
     o = tl.zeros((BV,), dtype=ACC)
     for l in range(0, L):
         offs = (((n * L + l) * H + h) * K + rk[:, None]) * V + rv[None, :]
-        if (l == 0) | (p >= (one << tl.maximum(l - 1, 0))):  # l <= bit_length(p): a level the position has
+        if (not IN_PLACE) | (l == 0) | (p >= (one << tl.maximum(l - 1, 0))):  # in place: l <= bit_length(p)
             S = tl.load(s_in_ptr + offs, mask=tile, other=0.0).to(ACC)
             if FENWICK:
                 merge = (p > 0) & ((p & ((one << l) - 1)) == 0)
@@ -93,8 +92,6 @@ def _decode_step_kernel(
                 w = 1.0
             o = o + w * tl.sum(q[:, None] * S, 0)
             tl.store(s_out_ptr + offs, S.to(s_out_ptr.dtype.element_ty), mask=tile)
-        elif not IN_PLACE:
-            tl.store(s_out_ptr + offs, tl.zeros((BK, BV), dtype=s_out_ptr.dtype.element_ty), mask=tile)
     tl.store(o_ptr + (n * H + h) * V + rv, (scale * o).to(o_ptr.dtype.element_ty), mask=mv)
 
 
@@ -117,8 +114,8 @@ def fused_decode_step(
     q, k: [N, G, K]; v: [N, H, V]; g: [N, H] (a decay per head) or [N, H, K] (per key channel: GLA); beta: [N, H]
     (the delta rule) or None; level_scales: [N, H, >= L]; levels: [N, L, H, K, V]; positions: [N] int64.
     out: where the new levels go (levels itself: in place; a program reads each level's tile before it writes it,
-    and no other program touches that tile), else a new tensor. Levels above bit_length(positions[n]) must be
-    zero, as in every state the library makes (see the module docstring).
+    and no other program touches that tile; the levels above bit_length(positions[n]) must then be zero, see the
+    module docstring), else a new tensor.
     Returns o: [N, H, V] (v's dtype) and new levels (levels' dtype).
     """
     N, G, K = q.shape
