@@ -2,8 +2,9 @@
 learning rates, 2-layer models as in the paper; best learning rate per (model, width, seed).
 
 Each run trains on a mixture of KV-pair counts (at one sequence length, or segments of several: a batch
-holds one length), reads the LM head at the query positions only, and reports the accuracy over all query
-positions of a held-out set at the test length (different seed), also per KV-pair count. With --eval-every
+holds one length), gives every recurrent model a short convolution of SHORT_CONV (Zoology's recipe), reads the
+LM head at the query positions only, and reports the accuracy over all query positions of a held-out set at the
+test length (different seed), also per KV-pair count. With --eval-every
 it checks the test set periodically and stops at --early-stop (Zoology's 0.99). Runs are independent: with
 --workers N, N worker slots train them concurrently, each run in its own process; with --device cuda slot i
 uses cuda:(i mod GPUs), so several runs share each GPU (small models leave it mostly idle). `--preset gpu`
@@ -158,8 +159,11 @@ def batch_stream(pools: list[Pool], batch_size: int, gen: torch.Generator) -> It
             yield tuple(t[idx] for t in pool)
 
 
+SHORT_CONV = 4  # every recurrent model's short convolution (Zoology's recipe; GLA's config has none by default)
+
+
 def _build(run: MQARRun) -> torch.nn.Module:
-    extra = {} if run.arch == "transformer" else {"chunk_size": run.chunk_size}
+    extra = {} if run.arch == "transformer" else {"chunk_size": run.chunk_size, "conv_kernel": SHORT_CONV}
     longest = max([run.seq_len] + [t for t, _, _ in train_segments(run)])
     model = build_model(run.arch, vocab_size=run.vocab_size, d_model=run.d_model, n_layers=run.n_layers, n_heads=1,
                         max_seq_len=longest, seed=run.seed, **extra)

@@ -100,6 +100,14 @@ def test_query_loss_equals_the_full_lm_loss(arch):
     assert torch.allclose(mqar.query_loss(model, x, pos, val), lm_loss(model, x, y), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("arch", ["gla", "ll_gla", "mamba2", "ll_gated_deltanet"])
+def test_every_recurrent_model_has_the_short_convolution(arch):
+    """Zoology's recipe: GLA's config has no short convolution by default; MQAR gives every recurrent model one."""
+    model = mqar._build(replace(TINY, arch=arch, seq_len=32, vocab_size=64, chunk_size=8))
+    assert model.config.conv_kernel == mqar.SHORT_CONV
+    assert all(block.mixer.conv.kernel_size == (mqar.SHORT_CONV,) for block in model.model.layers)
+
+
 def test_train_mix_keeps_each_batch_at_one_length():
     segments = ((16, 2, 40), (32, 4, 40), (32, 8, 24))
     pools = mqar.make_pools(segments, 64, seed=0)
