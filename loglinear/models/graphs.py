@@ -37,11 +37,11 @@ class DecodeGraph:
         self.model = model
         self.batch = states[0].num_sequences
         device = states[0].levels.device
-        self.capture = device.type == "cuda"
         self.max_levels = [block.mixer.max_levels if block.mixer.level_scales is not None else 1
                            for block in model.model.layers]
-        self.buffers = [
-            MixerState(s.levels.new_zeros(s.levels.shape[0], L, *s.levels.shape[2:]), s.positions, s.conv.clone())
+        self.buffers = [  # written by load (their positions are never read: the views carry the host's)
+            MixerState(s.levels.new_empty(s.levels.shape[0], L, *s.levels.shape[2:]), s.positions,
+                       torch.empty_like(s.conv))
             for s, L in zip(states, self.max_levels, strict=True)
         ]
         self.ids = torch.zeros(self.batch, 1, dtype=torch.int64, device=device)
@@ -49,14 +49,14 @@ class DecodeGraph:
         self.views: list[MixerState] = []
         self.graph = None
         self.logits: torch.Tensor | None = None
-        if self.capture:
+        if device.type == "cuda":
             self._capture(cache)
 
     def load(self, cache: FenwickCache) -> None:
         """Copy the cache's states into the static buffers; the cache then holds views of them."""
         for buf, s in zip(self.buffers, cache.states, strict=True):
-            buf.levels.zero_()
             buf.levels[:, : s.num_levels].copy_(s.levels)
+            buf.levels[:, s.num_levels :].zero_()
             buf.conv.copy_(s.conv)
         host = cache.states[0].positions.clone()
         self.positions.copy_(host)
