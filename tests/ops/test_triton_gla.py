@@ -81,6 +81,16 @@ def test_strong_decays_are_exact():
     _compare(x, chunk_size=64)
 
 
+def test_sub_chunks_with_long_and_short_spans():
+    """One call with both ways of taking a sub-chunk's diagonal block: through the products across sub-chunks (its
+    decay from first to last row within exp(-DIAGONAL_SPAN) on every channel; one sub-chunk just inside the span,
+    with factors up to exp(28.5)), and column by column (decays of about exp(-4) per token over two sub-chunks)."""
+    x = gla_inputs(1, 150, 1, 2, 8, 5)
+    x["g"][0, 70:90] = -8 * torch.rand_like(x["g"][0, 70:90])
+    x["g"][0, 97:112] = -1.9
+    _compare(x, chunk_size=64)
+
+
 def test_equal_channels_are_the_mamba2_kernels():
     """A gate equal over the key channels is log-linear Mamba-2: the per-channel build of the kernels gives the
     scalar one's outputs and gradients."""

@@ -237,11 +237,13 @@ def _merge_levels(k, v, g, levels, ranges, table: ChunkTable, plan: LevelScanPla
 @dataclass
 class _Saved:
     """What the backward needs besides save_for_backward's tensors: the chunk table, the merged levels
-    ``buckets`` [NC, H, K, V] (k's dtype; None once a backward took them) and the level decays [NC, H, J] fp32."""
+    ``buckets`` [NC, H, K, V] (k's dtype; None once a backward took them), the level decays [NC, H, J] fp32 and,
+    per channel, the in-chunk scores P [tokens, H, C] fp32 (_channel_scores; None once a backward took them)."""
 
     table: ChunkTable
     buckets: torch.Tensor | None
     decays: torch.Tensor
+    scores: torch.Tensor | None
 
     def take_buckets(self, k, v, g, h0, ranges, plan: LevelScanPlan) -> torch.Tensor:
         """The buckets, no longer held here, so the backward frees them after their only reader (the dq
@@ -251,6 +253,12 @@ class _Saved:
             levels = h0.detach().clone(memory_format=torch.contiguous_format)
             buckets, _ = _merge_levels(k, v, g, levels, ranges, self.table, plan)
         return buckets
+
+    def take_scores(self, q, k, g, plan: LevelScanPlan) -> torch.Tensor:
+        """The in-chunk scores, no longer held here (freed after the backward's last reader); a second backward
+        recomputes them."""
+        scores, self.scores = self.scores, None
+        return _channel_scores(q, k, g, self.table, plan) if scores is None else scores
 
 
 def _initial_reads(h0: torch.Tensor, q: torch.Tensor, plan: LevelScanPlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,16 +275,16 @@ def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Sa
     BK, BV = _blocks(q, v)
     table = plan.chunk_table(q.device)
     buckets, decays = _merge_levels(k, v, g, levels, ranges, table, plan)
-    NC = table.starts.numel()
+    NC, scores = table.starts.numel(), _channel_scores(q, k, g, table, plan)
     if NC:
         mamba2_chunk_fwd_kernel[(NC, v.shape[1])](
-            q, k, v, g, lam, o, *_initial_reads(h0, q, plan), buckets, decays, _channel_scores(q, k, g, table, plan),
+            q, k, v, g, lam, o, *_initial_reads(h0, q, plan), buckets, decays, scores,
             table.starts, table.ends, table.seqs, table.chunks, ranges[2], plan.scale, L=lam.shape[-1],
             J=plan.num_levels, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, BJ=MAX_CHUNK_LEVELS,
             HAS_INIT=plan.has_init, PLAIN=plan.plain, **_sizes(plan, q, v),
             **_launch(mamba2_chunk_fwd_kernel, plan),
         )
-    return _Saved(table, buckets, decays)
+    return _Saved(table, buckets, decays, scores)
 
 
 def _channel_cumsum(g, table: ChunkTable, plan: LevelScanPlan) -> torch.Tensor:
@@ -444,7 +452,7 @@ class LevelScanMamba2(torch.autograd.Function):
         d_o = torch.zeros_like(v) if d_o is None else d_o.to(v.dtype).contiguous()
         d_final = torch.zeros_like(final) if d_final is None else d_final.float().contiguous()
         buckets = saved.take_buckets(k, v, g, h0, ranges, plan)
-        scores = _channel_scores(q, k, g, saved.table, plan)  # per channel: recomputed, not kept from the forward
+        scores = saved.take_scores(q, k, g, plan)
         dq, dlam, qdq, dk_in = _dq_grads(q, k, v, g, lam, h0, d_o, ranges, buckets, scores, saved, plan)
         del buckets
         d_levels = d_final.clone()

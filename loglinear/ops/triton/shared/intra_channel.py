@@ -37,10 +37,13 @@ import triton
 import triton.language as tl
 
 from loglinear.ops.triton.shared.intra import intra_levels, level_sums, level_weights
-from loglinear.ops.triton.shared.tiles import load_row, load_tile, store_column, store_tile
+from loglinear.ops.triton.shared.tiles import load_row, load_tile, store_tile
 
 SUB_CHUNK = 16  # rows per sub-chunk: the smallest tl.dot tile
 KEY_BLOCK = 64  # key channels per block (products with N = 32 miscompile in bf16 on Hopper, shared/heads.py)
+# a sub-chunk whose decay from its first to its last row stays within exp(-DIAGONAL_SPAN) on every channel of a
+# key block takes its diagonal block in the products across sub-chunks (factors up to exp(DIAGONAL_SPAN))
+DIAGONAL_SPAN = tl.constexpr(30.0)
 
 
 @triton.jit
@@ -64,6 +67,19 @@ def sub_chunk(starts, ends, i, C: tl.constexpr, S: tl.constexpr):
     return t0, end, r, t0 + r < end, rs, t0 + rs < end
 
 
+@triton.jit
+def sub_chunk_span(cum, t0, end, i, h, H, K, kk, S: tl.constexpr):
+    """(G_n, G_e, short) of sub-chunk i on the channels kk: G at its first row n and its last row e with a token
+    ([KB] fp32 each, 0 when it has none), and short: it has rows and G_n - G_e <= DIAGONAL_SPAN on every channel,
+    so its diagonal block can go through the products across sub-chunks (one exponent of each product then is up
+    to G_n - G_e instead of <= 0)."""
+    first = t0 + i * S
+    last = tl.minimum(first + S, end) - 1
+    G_n = load_row(cum, first, end, h, H, K, kk).to(tl.float32)
+    G_e = load_row(cum, last, end, h, H, K, kk).to(tl.float32)
+    return G_n, G_e, (first < end) & (tl.max(G_n - G_e, 0) <= DIAGONAL_SPAN)
+
+
 @triton.jit(do_not_specialize=["H"])
 def channel_cumsum_kernel(g, cum, starts, ends, H, K, C: tl.constexpr, BK: tl.constexpr):
     """cum = G, the chunk-local inclusive cumsum of g [tokens, H, K] per channel, fp32 [tokens, H, K] (rows of
@@ -78,8 +94,8 @@ def channel_cumsum_kernel(g, cum, starts, ends, H, K, C: tl.constexpr, BK: tl.co
 @triton.jit
 def to_ref(x, cum, t0, r, rows, G_ref, h, H, K, kk, grp, GROUPS, AFTER: tl.constexpr):
     """x * exp(G - G_ref) (AFTER: rows after the reference row) or x * exp(G_ref - G) (rows before it), [len(r), KB]
-    in x's dtype on the rows of r with ``rows`` (0 elsewhere); x [tokens, GROUPS, K] (q or k), G from cum: both
-    exponents <= 0 on those rows."""
+    in x's dtype on the rows of r with ``rows`` (0 elsewhere); x [tokens, GROUPS, K] (q or k), G from cum. The
+    exponents are <= 0 on rows on the named side, and at most a short sub-chunk's span on its own rows."""
     xr = load_tile(x, t0, r, rows, grp, GROUPS, K, kk)
     diff = load_tile(cum, t0, r, rows, h, H, K, kk) - G_ref[None, :]
     if not AFTER:
@@ -112,24 +128,26 @@ def channel_scores_kernel(
     grp = h // (H // G)
     cols, ra = tl.arange(0, C), tl.arange(0, S)
     t0, end, r, valid, rs, vs = sub_chunk(starts, ends, i, C, S)
-    p = tl.zeros([S, C], dtype=tl.float32)
-    if (i > 0) & (t0 + i * S < end):  # keys before the sub-chunk (which has rows), through its first row
-        for kb in range(0, BK, KB):
-            kk = kb + tl.arange(0, KB)
-            G_n = load_row(cum, t0 + i * S, end, h, H, K, kk).to(tl.float32)
-            q_ref = to_ref(q, cum, t0, rs, vs, G_n, h, H, K, kk, grp, G, True)
-            k_ref = to_ref(k, cum, t0, r, valid & (r < i * S), G_n, h, H, K, kk, grp, G, False)
-            p += tl.dot(q_ref, tl.trans(k_ref), input_precision=PRECISION)
-    diagonal = (cols >= i * S) & (cols < (i + 1) * S)
-    store_tile(scores, p, t0, rs, vs, h, H, C, tl.where(diagonal, C, cols))  # the diagonal block: by column below
     kk = tl.arange(0, BK)
-    qs = load_tile(q, t0, rs, vs, grp, G, K, kk).to(tl.float32)
-    Gs = load_tile(cum, t0, rs, vs, h, H, K, kk)
-    for a in range(S):  # key a: P[t, iS + a] = sum_k q_t exp(G_t - G_a) k_a for t >= a (0 above)
-        row = t0 + i * S + a
-        k_a = load_row(k, row, end, grp, G, K, kk).to(tl.float32)
-        decay = decays_at(Gs, load_row(cum, row, end, h, H, K, kk), ra, a, end - t0 - i * S, True)
-        store_column(scores, tl.sum(qs * decay * k_a[None, :], 1), t0 + rs, vs, h, H, C, i * S + a)
+    _, _, short = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S)
+    keys = tl.where(short, (i + 1) * S, i * S)  # the keys the products reach: with the diagonal block if short
+    p = tl.zeros([S, C], dtype=tl.float32)
+    if (keys > 0) & (t0 + i * S < end):  # keys before the sub-chunk (which has rows), through its first row
+        for kb in range(0, BK, KB):
+            kb_kk = kb + tl.arange(0, KB)
+            G_n = load_row(cum, t0 + i * S, end, h, H, K, kb_kk).to(tl.float32)
+            q_ref = to_ref(q, cum, t0, rs, vs, G_n, h, H, K, kb_kk, grp, G, True)
+            k_ref = to_ref(k, cum, t0, r, valid & (r < keys), G_n, h, H, K, kb_kk, grp, G, False)
+            p += tl.dot(q_ref, tl.trans(k_ref), input_precision=PRECISION)
+    if not short:  # the diagonal block column by column: key a, P[t, iS + a] = sum_k q_t exp(G_t - G_a) k_a, t >= a
+        qs = load_tile(q, t0, rs, vs, grp, G, K, kk).to(tl.float32)
+        Gs = load_tile(cum, t0, rs, vs, h, H, K, kk)
+        for a in range(S):
+            row = t0 + i * S + a
+            k_a = load_row(k, row, end, grp, G, K, kk).to(tl.float32)
+            decay = decays_at(Gs, load_row(cum, row, end, h, H, K, kk), ra, a, end - t0 - i * S, True)
+            p += tl.where(cols[None, :] == i * S + a, tl.sum(qs * decay * k_a[None, :], 1)[:, None], 0.0)
+    store_tile(scores, tl.where(cols[None, :] <= rs[:, None], p, 0.0), t0, rs, vs, h, H, C, cols)
 
 
 @triton.jit
@@ -169,16 +187,18 @@ def channel_dq_kernel(
                        tl.where(ll <= LOG_C, ll, L))
     d_q = tl.zeros([S, KB], dtype=tl.float32)
     Gs = load_tile(cum, t0, rs, vs, h, H, K, kk)
-    if (i > 0) & (t0 + i * S < end):  # keys before the sub-chunk (which has rows), through its first row
-        G_n = load_row(cum, t0 + i * S, end, h, H, K, kk).to(tl.float32)
-        k_ref = to_ref(k, cum, t0, r, valid & (r < i * S), G_n, h, H, K, kk, grp, G, False)
+    G_n, _, short = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S)
+    keys = tl.where(short, (i + 1) * S, i * S)  # with the diagonal block if short
+    if (keys > 0) & (t0 + i * S < end):  # keys before the sub-chunk (which has rows), through its first row
+        k_ref = to_ref(k, cum, t0, r, valid & (r < keys), G_n, h, H, K, kk, grp, G, False)
         to_query = tl.exp(tl.where(vs[:, None], Gs - G_n[None, :], float("-inf")))
         d_q = to_query * tl.dot(m.to(k_ref.dtype), k_ref, input_precision=PRECISION)
-    for a in range(S):  # key a of the sub-chunk: its column of M
-        row = t0 + i * S + a
-        m_col = tl.sum(tl.where(cols[None, :] == i * S + a, m, 0.0), 1)
-        decay = decays_at(Gs, load_row(cum, row, end, h, H, K, kk), ra, a, end - t0 - i * S, True)
-        d_q += m_col[:, None] * decay * load_row(k, row, end, grp, G, K, kk).to(tl.float32)[None, :]
+    if not short:
+        for a in range(S):  # key a of the sub-chunk: its column of M
+            row = t0 + i * S + a
+            m_col = tl.sum(tl.where(cols[None, :] == i * S + a, m, 0.0), 1)
+            decay = decays_at(Gs, load_row(cum, row, end, h, H, K, kk), ra, a, end - t0 - i * S, True)
+            d_q += m_col[:, None] * decay * load_row(k, row, end, grp, G, K, kk).to(tl.float32)[None, :]
     store_tile(dq_in, d_q, t0, rs, vs, h, H, K, kk)
 
 
@@ -199,14 +219,16 @@ def channel_dk_kernel(
     _, m = m_block(do, v, lam, t0, r, valid, rs, vs, scale, h, H, V, L, vv, LOG_C, PRECISION, PLAIN)  # [C, S]
     d_k = tl.zeros([S, KB], dtype=tl.float32)
     Gs = load_tile(cum, t0, rs, vs, h, H, K, kk)
-    if t0 + (i + 1) * S < end:  # queries after the sub-chunk, through its last row
-        G_e = load_row(cum, t0 + i * S + S - 1, end, h, H, K, kk).to(tl.float32)
-        q_ref = to_ref(q, cum, t0, r, valid & (r >= (i + 1) * S), G_e, h, H, K, kk, grp, G, True)
+    _, G_e, short = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S)
+    queries = tl.where(short, i * S, (i + 1) * S)  # from the diagonal block on if short
+    if (t0 + queries < end) & (t0 + i * S < end):  # queries after the sub-chunk, through its last row
+        q_ref = to_ref(q, cum, t0, r, valid & (r >= queries), G_e, h, H, K, kk, grp, G, True)
         to_key = tl.exp(tl.where(vs[:, None], G_e[None, :] - Gs, float("-inf")))
         d_k = to_key * tl.dot(tl.trans(m.to(q_ref.dtype)), q_ref, input_precision=PRECISION)
-    for a in range(S):  # query a of the sub-chunk: its row of M
-        row = t0 + i * S + a
-        m_row = tl.sum(tl.where(r[:, None] == i * S + a, m, 0.0), 0)
-        decay = decays_at(Gs, load_row(cum, row, end, h, H, K, kk), ra, a, end - t0 - i * S, False)
-        d_k += m_row[:, None] * decay * load_row(q, row, end, grp, G, K, kk).to(tl.float32)[None, :]
+    if not short:
+        for a in range(S):  # query a of the sub-chunk: its row of M
+            row = t0 + i * S + a
+            m_row = tl.sum(tl.where(r[:, None] == i * S + a, m, 0.0), 0)
+            decay = decays_at(Gs, load_row(cum, row, end, h, H, K, kk), ra, a, end - t0 - i * S, False)
+            d_k += m_row[:, None] * decay * load_row(q, row, end, grp, G, K, kk).to(tl.float32)[None, :]
     store_tile(dk_in, d_k, t0, rs, vs, h, H, K, kk)
