@@ -69,15 +69,16 @@ def sub_chunk(starts, ends, i, C: tl.constexpr, S: tl.constexpr):
 
 @triton.jit
 def sub_chunk_span(cum, t0, end, i, h, H, K, kk, S: tl.constexpr):
-    """(G_n, G_e, short) of sub-chunk i on the channels kk: G at its first row n and its last row e with a token
-    ([KB] fp32 each, 0 when it has none), and short: it has rows and G_n - G_e <= DIAGONAL_SPAN on every channel,
+    """(G_n, G_e, short, long) of sub-chunk i on the channels kk: G at its first row n and its last row e with a
+    token ([KB] fp32 each, 0 when it has none); short: it has rows and G_n - G_e <= DIAGONAL_SPAN on every channel,
     so its diagonal block can go through the products across sub-chunks (one exponent of each product then is up
-    to G_n - G_e instead of <= 0)."""
+    to G_n - G_e instead of <= 0); long: it has rows and is not short."""
     first = t0 + i * S
     last = tl.minimum(first + S, end) - 1
     G_n = load_row(cum, first, end, h, H, K, kk).to(tl.float32)
     G_e = load_row(cum, last, end, h, H, K, kk).to(tl.float32)
-    return G_n, G_e, (first < end) & (tl.max(G_n - G_e, 0) <= DIAGONAL_SPAN)
+    span = tl.max(G_n - G_e, 0)
+    return G_n, G_e, (first < end) & (span <= DIAGONAL_SPAN), (first < end) & (span > DIAGONAL_SPAN)
 
 
 @triton.jit(do_not_specialize=["H"])
@@ -129,7 +130,7 @@ def channel_scores_kernel(
     cols, ra = tl.arange(0, C), tl.arange(0, S)
     t0, end, r, valid, rs, vs = sub_chunk(starts, ends, i, C, S)
     kk = tl.arange(0, BK)
-    _, _, short = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S)
+    _, _, short, long = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S)
     keys = tl.where(short, (i + 1) * S, i * S)  # the keys the products reach: with the diagonal block if short
     p = tl.zeros([S, C], dtype=tl.float32)
     if (keys > 0) & (t0 + i * S < end):  # keys before the sub-chunk (which has rows), through its first row
@@ -139,7 +140,7 @@ def channel_scores_kernel(
             q_ref = to_ref(q, cum, t0, rs, vs, G_n, h, H, K, kb_kk, grp, G, True)
             k_ref = to_ref(k, cum, t0, r, valid & (r < keys), G_n, h, H, K, kb_kk, grp, G, False)
             p += tl.dot(q_ref, tl.trans(k_ref), input_precision=PRECISION)
-    if not short:  # the diagonal block column by column: key a, P[t, iS + a] = sum_k q_t exp(G_t - G_a) k_a, t >= a
+    if long:  # the diagonal block column by column: key a, P[t, iS + a] = sum_k q_t exp(G_t - G_a) k_a, t >= a
         qs = load_tile(q, t0, rs, vs, grp, G, K, kk).to(tl.float32)
         Gs = load_tile(cum, t0, rs, vs, h, H, K, kk)
         for a in range(S):
@@ -187,13 +188,13 @@ def channel_dq_kernel(
                        tl.where(ll <= LOG_C, ll, L))
     d_q = tl.zeros([S, KB], dtype=tl.float32)
     Gs = load_tile(cum, t0, rs, vs, h, H, K, kk)
-    G_n, _, short = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S)
+    G_n, _, short, long = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S)
     keys = tl.where(short, (i + 1) * S, i * S)  # with the diagonal block if short
     if (keys > 0) & (t0 + i * S < end):  # keys before the sub-chunk (which has rows), through its first row
         k_ref = to_ref(k, cum, t0, r, valid & (r < keys), G_n, h, H, K, kk, grp, G, False)
         to_query = tl.exp(tl.where(vs[:, None], Gs - G_n[None, :], float("-inf")))
         d_q = to_query * tl.dot(m.to(k_ref.dtype), k_ref, input_precision=PRECISION)
-    if not short:
+    if long:
         for a in range(S):  # key a of the sub-chunk: its column of M
             row = t0 + i * S + a
             m_col = tl.sum(tl.where(cols[None, :] == i * S + a, m, 0.0), 1)
@@ -219,13 +220,13 @@ def channel_dk_kernel(
     _, m = m_block(do, v, lam, t0, r, valid, rs, vs, scale, h, H, V, L, vv, LOG_C, PRECISION, PLAIN)  # [C, S]
     d_k = tl.zeros([S, KB], dtype=tl.float32)
     Gs = load_tile(cum, t0, rs, vs, h, H, K, kk)
-    _, G_e, short = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S)
+    _, G_e, short, long = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S)
     queries = tl.where(short, i * S, (i + 1) * S)  # from the diagonal block on if short
     if (t0 + queries < end) & (t0 + i * S < end):  # queries after the sub-chunk, through its last row
         q_ref = to_ref(q, cum, t0, r, valid & (r >= queries), G_e, h, H, K, kk, grp, G, True)
         to_key = tl.exp(tl.where(vs[:, None], G_e[None, :] - Gs, float("-inf")))
         d_k = to_key * tl.dot(tl.trans(m.to(q_ref.dtype)), q_ref, input_precision=PRECISION)
-    if not short:
+    if long:
         for a in range(S):  # query a of the sub-chunk: its row of M
             row = t0 + i * S + a
             m_row = tl.sum(tl.where(r[:, None] == i * S + a, m, 0.0), 0)
