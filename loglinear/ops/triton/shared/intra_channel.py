@@ -11,14 +11,19 @@ for s <= t,
     dlambda_t[l <= c] = sum_{s: level(t, s) = l} dA[t, s] P[t, s]
 
 exp(G_t - G_s) is never split as exp(G_t) exp(-G_s) over the chunk (that overflows for strong decays). A program
-of sub-chunk i (rows iS .. iS + S - 1) splits it at a row next to the sub-chunk, so both factors are <= 1:
+of sub-chunk i (rows iS .. iS + S - 1) splits it at a row of the sub-chunk:
 
-  * keys before the sub-chunk (s < iS), at its first row n = iS:
+  * keys before the sub-chunk (s < iS), at its first row n = iS (both factors <= 1):
         exp(G_t - G_s) = exp(G_t - G_n) exp(G_n - G_s):    P_i = (Q_i * exp(G_i - G_n)) (K * exp(G_n - G))^T
-  * queries after the sub-chunk (t > e = iS + S - 1), at its last row e (dK only):
+  * queries after the sub-chunk, at its last row e with a token (dK only; both factors <= 1):
         exp(G_t - G_s) = exp(G_t - G_e) exp(G_e - G_s):    dK_i += exp(G_e - G_i) * M[:, i]^T (Q * exp(G - G_e))
-  * inside the sub-chunk, one row a at a time (G_a loaded as a vector): key a's column reads exp(G_t - G_a) on
-    the rows t >= a (P's column, dQ's terms), query a's row exp(G_a - G_s) on the rows s <= a (dK's terms).
+  * inside the sub-chunk (the diagonal block), one of two ways (sub_chunk_span):
+      - short, G_n - G_e <= DIAGONAL_SPAN on every channel of the block: the same products also take the
+        sub-chunk's own keys (and, for dK, its own queries), whose factors exp(G_n - G_s) and exp(G_t - G_e) are at
+        most exp(DIAGONAL_SPAN); P's entries above the diagonal (finite) are masked, M's are 0;
+      - long (strong decays, hard resets): one row a at a time in fp32 (G_a loaded as a vector): key a's column
+        reads exp(G_t - G_a) on the rows t >= a (P's column, dQ's terms), query a's row exp(G_a - G_s) on the rows
+        s <= a (dK's terms); every exponent <= 0.
 
 Programs load only their own rows and, for the products across sub-chunks, the chunk's [C, KB] tiles of k or q
 and G, one block of KB key channels at a time (the backward kernels take their block from the grid): no program
@@ -133,7 +138,7 @@ def channel_scores_kernel(
     _, _, short, long = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S)
     keys = tl.where(short, (i + 1) * S, i * S)  # the keys the products reach: with the diagonal block if short
     p = tl.zeros([S, C], dtype=tl.float32)
-    if (keys > 0) & (t0 + i * S < end):  # keys before the sub-chunk (which has rows), through its first row
+    if (keys > 0) & (t0 + i * S < end):  # keys before the sub-chunk (its own if short), through its first row
         for kb in range(0, BK, KB):
             kb_kk = kb + tl.arange(0, KB)
             G_n = load_row(cum, t0 + i * S, end, h, H, K, kb_kk).to(tl.float32)
@@ -190,7 +195,7 @@ def channel_dq_kernel(
     Gs = load_tile(cum, t0, rs, vs, h, H, K, kk)
     G_n, _, short, long = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S)
     keys = tl.where(short, (i + 1) * S, i * S)  # with the diagonal block if short
-    if (keys > 0) & (t0 + i * S < end):  # keys before the sub-chunk (which has rows), through its first row
+    if (keys > 0) & (t0 + i * S < end):  # keys before the sub-chunk (its own if short), through its first row
         k_ref = to_ref(k, cum, t0, r, valid & (r < keys), G_n, h, H, K, kk, grp, G, False)
         to_query = tl.exp(tl.where(vs[:, None], Gs - G_n[None, :], float("-inf")))
         d_q = to_query * tl.dot(m.to(k_ref.dtype), k_ref, input_precision=PRECISION)
@@ -222,7 +227,7 @@ def channel_dk_kernel(
     Gs = load_tile(cum, t0, rs, vs, h, H, K, kk)
     _, G_e, short, long = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S)
     queries = tl.where(short, i * S, (i + 1) * S)  # from the diagonal block on if short
-    if (t0 + queries < end) & (t0 + i * S < end):  # queries after the sub-chunk, through its last row
+    if t0 + queries < end:  # queries after the sub-chunk (its own if short), through its last row
         q_ref = to_ref(q, cum, t0, r, valid & (r >= queries), G_e, h, H, K, kk, grp, G, True)
         to_key = tl.exp(tl.where(vs[:, None], G_e[None, :] - Gs, float("-inf")))
         d_k = to_key * tl.dot(tl.trans(m.to(q_ref.dtype)), q_ref, input_precision=PRECISION)
