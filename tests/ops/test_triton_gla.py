@@ -43,8 +43,8 @@ def _compare(x: dict, *, state=None, cu_seqlens=None, chunk_size: int = 16, dtyp
     "B, T, G, H, K, V, chunk",
     [
         (1, 1, 1, 2, 8, 5, 16),  # one token
-        (2, 37, 1, 2, 8, 5, 16),  # T not a multiple of the chunk, B > 1, K / V not powers of two; 4-row sub-chunks
-        (1, 70, 2, 4, 16, 8, 32),  # G < H, three chunk levels, 8-row sub-chunks
+        (2, 37, 1, 2, 8, 5, 16),  # T not a multiple of the chunk, B > 1, K / V not powers of two; one sub-chunk
+        (1, 70, 2, 4, 16, 8, 32),  # G < H, three chunk levels, two 16-row sub-chunks per chunk
     ],
 )
 def test_kernels_match_reference(B, T, G, H, K, V, chunk):
