@@ -75,7 +75,7 @@ def sub_chunk(starts, ends, i, C: tl.constexpr, S: tl.constexpr):
 @triton.jit
 def sub_chunk_span(cum, t0, end, i, h, H, K, kk, S: tl.constexpr):
     """(G_n, G_e, short, long) of sub-chunk i on the channels kk: G at its first row n and its last row e with a
-    token ([KB] fp32 each, 0 when it has none); short: it has rows and G_n - G_e <= DIAGONAL_SPAN on every channel,
+    token ([len(kk)] fp32 each, 0 when it has none); short: it has rows and G_n - G_e <= DIAGONAL_SPAN on every channel,
     so its diagonal block can go through the products across sub-chunks (one exponent of each product then is up
     to G_n - G_e instead of <= 0); long: it has rows and is not short."""
     first = t0 + i * S
