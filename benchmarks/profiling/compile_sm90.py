@@ -99,7 +99,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     ptrs = dict(g=f32, lam=P, scale="fp32", starts=i32, ends=i32, bos_ptr=i32, eos_ptr=i32, chunk0_ptr=i32)
 
     scan_const = dict(base, BJ=MAX_CHUNK_LEVELS)
-    bufs = dict(levels=f32, buckets=P, decays=f32, h0=P, h0_held="*i8", dq=P, dk=P, dv=P, dlam=P, qdq=f32,
+    bufs = dict(levels=f32, buckets=P, decays=f32, h0=P, h0_held="*i8", dq=P, dk=P, dv=P, dlam=P, qdq=f32, q_dec=P,
                 d_levels=f32, d_buckets=P, d_deposits=P, d_init=f32, d_gate=f32, totals=f32, final_terms=f32,
                 chunks=i32, by_level=i32, seqs=i32, chunk0=i32, base_ptr=i32)
     bufs.update(scores=f32, dq_in=f32, dk_in=f32, cum=f32)
@@ -109,7 +109,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
         (mamba2_fwd.mamba2_fwd_kernel, "k v g levels buckets decays bos_ptr eos_ptr chunk0_ptr base_ptr H G K V J",
          dict(scan_const, BKS=fwd_rows), fwd_rows * BV),
         (mamba2_chunk.mamba2_chunk_fwd_kernel, chunk.format("o", "", ""), dict(base, BJ=MAX_CHUNK_LEVELS), 0),
-        (mamba2_chunk.mamba2_chunk_bwd_dq_kernel, chunk.format("do", "dq_in ", "dq dlam qdq "),
+        (mamba2_chunk.mamba2_chunk_bwd_dq_kernel, chunk.format("do", "dq_in ", "dq dlam qdq q_dec "),
          dict(base, BL=32, BJ=MAX_CHUNK_LEVELS), 0),
         (mamba2_chunk.mamba2_level_grad_kernel,
          "q g lam do decays starts ends chunks by_level d_buckets scale H G K V L J",

@@ -45,7 +45,7 @@ from loglinear.ops.torch_chunk import carry_past, chunk_scan
 from loglinear.ops.triton.mamba2.bwd import mamba2_bwd_scan_kernel
 from loglinear.ops.triton.mamba2.chunk import (
     mamba2_chunk_bwd_dkv_kernel, mamba2_chunk_bwd_dq_kernel, mamba2_chunk_fwd_kernel, mamba2_deposit_kernel,
-    mamba2_initial_grad_kernel, mamba2_level_grad_kernel,
+    mamba2_gate_grad_kernel, mamba2_initial_grad_kernel, mamba2_level_grad_kernel,
 )
 from loglinear.ops.triton.mamba2.fwd import mamba2_fwd_kernel
 from loglinear.ops.triton.shared.common import MAX_CHUNK_LEVELS, alloc, group_sum, interpreting, next_pow2
@@ -73,8 +73,7 @@ class ChunkTable:
     """The kernel chunks of all sequences, int32 [NC] each: first token, the sequence's end, the sequence,
     the absolute chunk index, ``by_level``: the kernel chunks by the level merged after them,
     highest first (the level-gradient kernel's longest loops start first), and ``seq_last``: the last chunk of
-    each one's sequence; ``base`` [N]: each sequence's first row; ``token_chunks`` [tokens]: the chunk of every
-    token of the flat axis (NC for the tokens no kernel chunk covers)."""
+    each one's sequence; ``base`` [N]: each sequence's first row."""
 
     starts: torch.Tensor
     ends: torch.Tensor
@@ -83,7 +82,6 @@ class ChunkTable:
     by_level: torch.Tensor
     seq_last: torch.Tensor
     base: torch.Tensor
-    token_chunks: torch.Tensor
 
 
 @dataclass
@@ -132,15 +130,11 @@ def _tables(bos: tuple[int, ...], eos: tuple[int, ...], chunk0: tuple[int, ...],
     by_level = torch.argsort(merged, descending=True, stable=True)
     N, NC = len(bos), len(seqs)
     ends = torch.tensor(eos, dtype=torch.long)[seqs]
-    rows = starts[:, None] + torch.arange(C)  # [NC, C] the tokens of each chunk (past its end: not its own)
-    token_chunks = torch.full((max(eos, default=0),), NC, dtype=torch.long)
-    token_chunks[rows[rows < ends[:, None]]] = torch.arange(NC)[:, None].expand(NC, C)[rows < ends[:, None]]
     packed = torch.cat([torch.tensor([bos, eos, chunk0], dtype=torch.long).flatten(), starts, ends, seqs, chunks,
-                        by_level, (base + counts - 1)[seqs], base, token_chunks])
+                        by_level, (base + counts - 1)[seqs], base])
     packed = device_table(packed, torch.int32, device)
     ranges, rows = packed[: 3 * N].view(3, N), packed[3 * N :]
-    return (ranges[0], ranges[1], ranges[2]), ChunkTable(*rows[: 6 * NC].view(6, NC), rows[6 * NC : 6 * NC + N],
-                                                         rows[6 * NC + N :])
+    return (ranges[0], ranges[1], ranges[2]), ChunkTable(*rows[: 6 * NC].view(6, NC), rows[6 * NC :])
 
 
 def _splits(dtype: torch.dtype) -> bool:
@@ -182,20 +176,24 @@ def _gate_shape(plan: LevelScanPlan, rows: int, H: int, K: int) -> tuple[int, ..
     return (rows, H, K) if plan.per_channel else (rows, H)
 
 
-def _gate_grad(d_gate: torch.Tensor, totals: torch.Tensor, table: ChunkTable) -> torch.Tensor:
-    """dg [tokens, H] fp32 ([tokens, H, K] per channel), dg_u = the sum of dGs over u and the later tokens of its
-    sequence, from the dk / dv kernel's chunk parts: d_gate holds, on every kernel row, the sum over its chunk's
-    rows from it on; totals [NC, H(, K)] fp32 each chunk's sum. Every row gets the totals of its sequence's later
-    chunks: a suffix sum over chunks, in fp64 so that the difference of two loses nothing. Rows no kernel chunk
-    covers (the torch prefixes) are 0. Works in place on d_gate."""
-    NC = totals.shape[0]
-    suffix = suffix_sum(totals.double(), 0)
-    zero = totals.new_zeros((1, *totals.shape[1:]))
-    suffix = torch.cat([suffix, zero.double()])  # [NC + 1, ...]: sum over chunks >= p
-    later = (suffix[1:] - suffix[table.seq_last.long() + 1]).float()  # the chunks after p in p's sequence
-    rows = table.token_chunks.long()
-    d_gate += torch.cat([later, zero])[rows]  # row NC: the tokens no chunk covers
-    return d_gate.masked_fill_((rows == NC).view(-1, *[1] * (d_gate.dim() - 1)), 0.0)
+def _gate_grad(d_gate: torch.Tensor, totals: torch.Tensor, dtype: torch.dtype, table: ChunkTable,
+               plan: LevelScanPlan) -> torch.Tensor:
+    """dg [tokens, H] ([tokens, H, K] per channel) in ``dtype``, dg_u = the sum of dGs over u and the later tokens
+    of its sequence, from the dk / dv kernel's chunk parts: d_gate (fp32) holds, on every kernel row, the sum over
+    its chunk's rows from it on; totals [NC, H(, K)] fp32 each chunk's sum. Every row gets the totals of its
+    sequence's later chunks (mamba2_gate_grad_kernel): a suffix sum over chunks, in fp64 so that the difference of
+    two loses nothing. Rows no kernel chunk covers (the torch prefixes) are 0."""
+    NC, H = totals.shape[:2]
+    suffix = torch.cat([suffix_sum(totals.double(), 0), totals.new_zeros((1, *totals.shape[1:]), dtype=torch.double)])
+    later = (suffix[1:] - suffix[table.seq_last.long() + 1]).float()  # [NC, ...] the chunks after p in p's sequence
+    dg = alloc(tuple(d_gate.shape), dtype, d_gate.device)
+    if NC:
+        K = d_gate.shape[-1] if plan.per_channel else 1
+        mamba2_gate_grad_kernel[(NC, H)](d_gate, later, dg, table.starts, table.ends, H=H, K=K, C=plan.chunk_size,
+                                         BK=next_pow2(K), PER_CHANNEL=plan.per_channel,
+                                         **launch_options(mamba2_gate_grad_kernel))
+    _zero_prefixes(plan, dg)
+    return dg
 
 
 def _zero_prefixes(plan: LevelScanPlan, *xs: torch.Tensor) -> None:
@@ -211,9 +209,10 @@ def _group_grad(x: torch.Tensor, groups: int, plan: LevelScanPlan) -> torch.Tens
     return group_sum(x, groups, 1).to(x.dtype)
 
 
-def _merge_levels(k, v, g, levels, ranges, table: ChunkTable, plan: LevelScanPlan) -> tuple[torch.Tensor, ...]:
+def _merge_levels(k, v, gate, levels, ranges, table: ChunkTable, plan: LevelScanPlan) -> tuple[torch.Tensor, ...]:
     """The chunks' deposits, then the chunk-level scan merging them (levels [N, J, H, K, V] fp32: the initial
-    states in, the final ones out). -> buckets [NC, H, K, V] (k's dtype), decays [NC, H, J] fp32."""
+    states in, the final ones out; gate: what the kernels read of g, _chunk_gate). -> buckets [NC, H, K, V]
+    (k's dtype), decays [NC, H, J] ([NC, H, J, K] per channel) fp32."""
     BK, BV = _blocks(k, v)
     (N, H), NC = (len(plan.bos), v.shape[1]), table.starts.numel()
     buckets = alloc((NC, H, k.shape[-1], v.shape[-1]), k.dtype, k.device)  # deposits, then merged levels
@@ -221,12 +220,12 @@ def _merge_levels(k, v, g, levels, ranges, table: ChunkTable, plan: LevelScanPla
     decays = alloc((NC, H, J, k.shape[-1]) if plan.per_channel else (NC, H, J), torch.float32, k.device)
     if NC and not plan.plain:  # the plain scan forms its deposits itself
         mamba2_deposit_kernel[(NC, H)](
-            k, v, g, buckets, table.starts, table.ends, BK=BK, BV=BV, **_sizes(plan, k, v),
+            k, v, gate, buckets, table.starts, table.ends, BK=BK, BV=BV, **_sizes(plan, k, v),
             **_launch(mamba2_deposit_kernel, plan),
         )
     BKS = _scan_rows(k, plan.plain)  # the plain scan multiplies (its deposits)
     mamba2_fwd_kernel[(N, H, triton.cdiv(k.shape[-1], BKS))](
-        k, v, g, levels, buckets, decays, *ranges, table.base, H=H, G=k.shape[1], K=k.shape[-1], V=v.shape[-1],
+        k, v, gate, levels, buckets, decays, *ranges, table.base, H=H, G=k.shape[1], K=k.shape[-1], V=v.shape[-1],
         J=plan.num_levels, C=plan.chunk_size, BKS=BKS, BV=BV, BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init,
         PLAIN=plan.plain, PRECISION=dot_precision(k.dtype, FP32_DOT), PER_CHANNEL=plan.per_channel,
         **_launch(mamba2_fwd_kernel, plan, BKS * BV),
@@ -245,20 +244,20 @@ class _Saved:
     decays: torch.Tensor
     scores: torch.Tensor | None
 
-    def take_buckets(self, k, v, g, h0, ranges, plan: LevelScanPlan) -> torch.Tensor:
+    def take_buckets(self, k, v, gate, h0, ranges, plan: LevelScanPlan) -> torch.Tensor:
         """The buckets, no longer held here, so the backward frees them after their only reader (the dq
         kernel). A second backward through the graph (retain_graph=True) recomputes them from h0."""
         buckets, self.buckets = self.buckets, None
         if buckets is None:
             levels = h0.detach().clone(memory_format=torch.contiguous_format)
-            buckets, _ = _merge_levels(k, v, g, levels, ranges, self.table, plan)
+            buckets, _ = _merge_levels(k, v, gate, levels, ranges, self.table, plan)
         return buckets
 
-    def take_scores(self, q, k, g, plan: LevelScanPlan) -> torch.Tensor:
+    def take_scores(self, q, k, gate, plan: LevelScanPlan) -> torch.Tensor:
         """The in-chunk scores, no longer held here (freed after the backward's last reader); a second backward
         recomputes them."""
         scores, self.scores = self.scores, None
-        return _channel_scores(q, k, g, self.table, plan) if scores is None else scores
+        return _channel_scores(q, k, gate, self.table, plan) if scores is None else scores
 
 
 def _initial_reads(h0: torch.Tensor, q: torch.Tensor, plan: LevelScanPlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,11 +273,12 @@ def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Sa
     """The deposits and the chunk-level scan (levels in/out), then the chunk kernel writing o."""
     BK, BV = _blocks(q, v)
     table = plan.chunk_table(q.device)
-    buckets, decays = _merge_levels(k, v, g, levels, ranges, table, plan)
-    NC, scores = table.starts.numel(), _channel_scores(q, k, g, table, plan)
+    gate = _chunk_gate(g, table, plan)
+    buckets, decays = _merge_levels(k, v, gate, levels, ranges, table, plan)
+    NC, scores = table.starts.numel(), _channel_scores(q, k, gate, table, plan)
     if NC:
         mamba2_chunk_fwd_kernel[(NC, v.shape[1])](
-            q, k, v, g, lam, o, *_initial_reads(h0, q, plan), buckets, decays, scores,
+            q, k, v, gate, lam, o, *_initial_reads(h0, q, plan), buckets, decays, scores,
             table.starts, table.ends, table.seqs, table.chunks, ranges[2], plan.scale, L=lam.shape[-1],
             J=plan.num_levels, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, BJ=MAX_CHUNK_LEVELS,
             HAS_INIT=plan.has_init, PLAIN=plan.plain, **_sizes(plan, q, v),
@@ -287,8 +287,12 @@ def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Sa
     return _Saved(table, buckets, decays, scores)
 
 
-def _channel_cumsum(g, table: ChunkTable, plan: LevelScanPlan) -> torch.Tensor:
-    """Per-channel gates: G [tokens, H, K] fp32, the chunk-local cumsum of g (intra_channel.channel_cumsum_kernel)."""
+def _chunk_gate(g, table: ChunkTable, plan: LevelScanPlan) -> torch.Tensor:
+    """What every kernel reads of the gate: g [tokens, H] itself for a scalar gate; per channel G [tokens, H, K]
+    fp32, the chunk-local cumsum of g (intra_channel.channel_cumsum_kernel), formed once per pass (forward and
+    backward) and read by the scans, the chunk kernels and the in-chunk kernels."""
+    if not plan.per_channel:
+        return g
     (tokens, H, K), NC = g.shape, table.starts.numel()
     cum = alloc((tokens, H, K), torch.float32, g.device)
     channel_cumsum_kernel[(NC, H)](g, cum, table.starts, table.ends, H=H, K=K, C=plan.chunk_size, BK=next_pow2(K),
@@ -302,33 +306,32 @@ def _key_blocks(K: int) -> tuple[int, int]:
     return BK, min(KEY_BLOCK, BK)
 
 
-def _channel_scores(q, k, g, table: ChunkTable, plan: LevelScanPlan) -> torch.Tensor:
-    """Per-channel gates: the in-chunk scores P [tokens, H, C] fp32 of every kernel chunk
-    (intra_channel.channel_scores_kernel). A scalar gate: g, which the chunk kernels then do not read."""
+def _channel_scores(q, k, gate, table: ChunkTable, plan: LevelScanPlan) -> torch.Tensor:
+    """Per-channel gates (gate = G, _chunk_gate): the in-chunk scores P [tokens, H, C] fp32 of every kernel chunk
+    (intra_channel.channel_scores_kernel). A scalar gate: gate, which the chunk kernels then do not read."""
     NC = table.starts.numel()
     if not plan.per_channel or not NC:
-        return g
-    (tokens, H, K), C = g.shape, plan.chunk_size
+        return gate
+    (tokens, H, K), C = gate.shape, plan.chunk_size
     scores = alloc((tokens, H, C), torch.float32, q.device)
     BK, KB = _key_blocks(K)
     channel_scores_kernel[(NC, C // SUB_CHUNK, H)](
-        q, k, _channel_cumsum(g, table, plan), scores, table.starts, table.ends, H=H, G=q.shape[1], K=K, C=C,
+        q, k, gate, scores, table.starts, table.ends, H=H, G=q.shape[1], K=K, C=C,
         S=SUB_CHUNK, BK=BK, KB=KB, PRECISION=dot_precision(q.dtype, FP32_DOT), **launch_options(channel_scores_kernel),
     )
     return scores
 
 
-def _channel_intra_grads(q, k, v, g, lam, d_o, scores, dlam, table: ChunkTable, plan: LevelScanPlan
+def _channel_intra_grads(q, k, v, cum, lam, d_o, scores, dlam, table: ChunkTable, plan: LevelScanPlan
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel gates: the in-chunk dQ and dK [tokens, H, K] fp32 (per value head) and dlam's in-chunk columns
-    (not when plain) of every kernel chunk (intra_channel.channel_dq_kernel, channel_dk_kernel). A scalar gate:
-    (g, g), which the chunk kernels then do not read."""
+    """Per-channel gates (cum = G, _chunk_gate): the in-chunk dQ and dK [tokens, H, K] fp32 (per value head) and
+    dlam's in-chunk columns (not when plain) of every kernel chunk (intra_channel.channel_dq_kernel,
+    channel_dk_kernel). A scalar gate: (cum, cum), which the chunk kernels then do not read."""
     NC, H, K = table.starts.numel(), v.shape[1], q.shape[-1]
     if not plan.per_channel or not NC:
-        return g, g
+        return cum, cum
     dq_in, dk_in = (alloc((v.shape[0], H, K), torch.float32, q.device) for _ in range(2))
     C, (BK, KB) = plan.chunk_size, _key_blocks(K)
-    cum = _channel_cumsum(g, table, plan)
     sizes = dict(H=H, G=q.shape[1], K=K, V=v.shape[-1], L=lam.shape[-1], C=C, S=SUB_CHUNK, LOG_C=chunk_bits(C),
                  BK=BK, KB=KB, BV=next_pow2(v.shape[-1]), PRECISION=dot_precision(q.dtype, FP32_DOT), PLAIN=plan.plain)
     grid = (NC, (C // SUB_CHUNK) * (BK // KB), H)
@@ -346,83 +349,88 @@ def _chunk_sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, lam: tor
                 **_sizes(plan, q, v))
 
 
-def _dq_grads(q, k, v, g, lam, h0, d_o, ranges, buckets, scores, saved: _Saved, plan: LevelScanPlan) -> tuple:
+def _dq_grads(q, k, v, gate, lam, h0, d_o, ranges, buckets, scores, saved: _Saved, plan: LevelScanPlan) -> tuple:
     """mamba2_chunk_bwd_dq_kernel, the only backward reader of the buckets (per channel after
     _channel_intra_grads, whose dQ it completes). -> dq [tokens, G, K] (q's dtype), dlam [tokens, H, L] (lam's
-    dtype; None when plain), q.dq [tokens, H] fp32 (per value head; [tokens, H, K] per channel), and the in-chunk
-    dK for the dk / dv kernel (per channel; else g)."""
+    dtype; None when plain), q.dq [tokens, H] fp32 (per value head; [tokens, H, K] per channel), the in-chunk
+    dK for the dk / dv kernel (per channel; else gate) and the level gradient's queries: per channel
+    Q * exp(G) [tokens, H, K] (q's dtype, per value head), else q."""
     (tokens, H), K, L, table = v.shape[:2], q.shape[-1], lam.shape[-1], saved.table
     dq = alloc((tokens, H, K), q.dtype, q.device)
-    dlam = alloc(tuple(lam.shape), lam.dtype, q.device) if not plan.plain else g  # g: never written when plain
+    dlam = alloc(tuple(lam.shape), lam.dtype, q.device) if not plan.plain else gate  # never written when plain
     qdq = alloc(_gate_shape(plan, tokens, H, K), torch.float32, q.device)
-    dq_in, dk_in = _channel_intra_grads(q, k, v, g, lam, d_o, scores, dlam, table, plan)
+    q_dec = alloc((tokens, H, K), q.dtype, q.device) if plan.per_channel else q  # a scalar gate: never written
+    dq_in, dk_in = _channel_intra_grads(q, k, v, gate, lam, d_o, scores, dlam, table, plan)
     if table.starts.numel():
         mamba2_chunk_bwd_dq_kernel[(table.starts.numel(), H)](
-            q, k, v, g, lam, d_o, *_initial_reads(h0, q, plan), buckets, saved.decays, scores, dq_in, table.starts,
-            table.ends, table.seqs, table.chunks, ranges[2], plan.scale, dq, dlam, qdq, BL=next_pow2(L, minimum=32),
-            BJ=MAX_CHUNK_LEVELS, J=plan.num_levels, HAS_INIT=plan.has_init,
+            q, k, v, gate, lam, d_o, *_initial_reads(h0, q, plan), buckets, saved.decays, scores, dq_in,
+            table.starts, table.ends, table.seqs, table.chunks, ranges[2], plan.scale, dq, dlam, qdq, q_dec,
+            BL=next_pow2(L, minimum=32), BJ=MAX_CHUNK_LEVELS, J=plan.num_levels, HAS_INIT=plan.has_init,
             **_chunk_sizes(plan, q, v, lam), **_launch(mamba2_chunk_bwd_dq_kernel, plan),
         )
     del dq_in
     if plan.plain:
-        return _group_grad(dq, q.shape[1], plan), None, qdq, dk_in
+        return _group_grad(dq, q.shape[1], plan), None, qdq, dk_in, q_dec
     _zero_prefixes(plan, dlam)
-    return _group_grad(dq, q.shape[1], plan), dlam, qdq, dk_in
+    return _group_grad(dq, q.shape[1], plan), dlam, qdq, dk_in, q_dec
 
 
-def _initial_read_grads(q, g, lam, d_o, ranges, saved: _Saved, plan: LevelScanPlan) -> torch.Tensor:
-    """The initial levels' gradients from their readers (mamba2_initial_grad_kernel): each level's readers cut
-    into S runs of about INITIAL_READERS chunks, summed here. -> [N, J, H, K, V] fp32."""
+def _initial_read_grads(q, readers, gate, lam, d_o, ranges, saved: _Saved, plan: LevelScanPlan) -> torch.Tensor:
+    """The initial levels' gradients from their readers (mamba2_initial_grad_kernel; readers: the queries
+    _dq_grads gives it): each level's readers cut into S runs of about INITIAL_READERS chunks, summed here.
+    -> [N, J, H, K, V] fp32."""
     (N, H), J, table = (len(plan.bos), d_o.shape[1]), plan.num_levels, saved.table
     chunks = max(triton.cdiv(b - a, plan.chunk_size) for a, b in zip(plan.bos, plan.eos))
     S = max(1, triton.cdiv(chunks, INITIAL_READERS))
     d_init = alloc((S, N, J, H, q.shape[-1], d_o.shape[-1]), torch.float32, q.device)
     mamba2_initial_grad_kernel[(S * N * J, H)](
-        q, g, lam, d_o, saved.decays, *ranges, table.base, d_init, plan.scale, N=N, S=S, J=J,
+        readers, gate, lam, d_o, saved.decays, *ranges, table.base, d_init, plan.scale, N=N, S=S, J=J,
         **_chunk_sizes(plan, q, d_o, lam), **_launch(mamba2_initial_grad_kernel, plan),
     )
     return d_init.sum(0) if S > 1 else d_init[0]
 
 
-def _deposit_grads(q, g, lam, d_o, d_levels, ranges, saved: _Saved, plan: LevelScanPlan) -> torch.Tensor:
-    """The merged levels' gradients dB from their readers (mamba2_level_grad_kernel), then the reverse scan
-    turning them into the deposits' gradients dD, in place (d_levels: the final levels' gradient in, the
-    initial ones' out, with their readers' terms added). -> dD [NC, H, K, V] (q's dtype)."""
+def _deposit_grads(q, readers, gate, lam, d_o, d_levels, ranges, saved: _Saved, plan: LevelScanPlan
+                   ) -> torch.Tensor:
+    """The merged levels' gradients dB from their readers (mamba2_level_grad_kernel, reading the queries
+    ``readers`` that _dq_grads gives), then the reverse scan turning them into the deposits' gradients dD, in
+    place (d_levels: the final levels' gradient in, the initial ones' out, with their readers' terms added).
+    -> dD [NC, H, K, V] (q's dtype)."""
     (N, H), table, J = (len(plan.bos), d_o.shape[1]), saved.table, plan.num_levels
     NC, chunk = table.starts.numel(), _chunk_sizes(plan, q, d_o, lam)
     d_buckets = alloc((NC, H, q.shape[-1], d_o.shape[-1]), q.dtype, q.device)
     if NC:
         mamba2_level_grad_kernel[(NC * H,)](
-            q, g, lam, d_o, saved.decays, table.starts, table.ends, table.chunks, table.by_level, d_buckets,
+            readers, gate, lam, d_o, saved.decays, table.starts, table.ends, table.chunks, table.by_level, d_buckets,
             plan.scale, J=J, BJ=MAX_CHUNK_LEVELS, **chunk, **_launch(mamba2_level_grad_kernel, plan),
         )
     BKS = _scan_rows(q, False)
     mamba2_bwd_scan_kernel[(N, H, triton.cdiv(q.shape[-1], BKS))](
-        g, d_levels, d_buckets, *ranges, table.base, H=H, K=q.shape[-1], V=d_o.shape[-1], J=J, C=plan.chunk_size,
+        gate, d_levels, d_buckets, *ranges, table.base, H=H, K=q.shape[-1], V=d_o.shape[-1], J=J, C=plan.chunk_size,
         BKS=BKS, BV=chunk["BV"], BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, PLAIN=plan.plain,
         PER_CHANNEL=plan.per_channel, **_launch(mamba2_bwd_scan_kernel, plan, BKS * chunk["BV"]),
     )
     if plan.has_init and NC:
-        d_levels += _initial_read_grads(q, g, lam, d_o, ranges, saved, plan)
+        d_levels += _initial_read_grads(q, readers, gate, lam, d_o, ranges, saved, plan)
     return d_buckets
 
 
-def _dkv_grads(q, k, v, g, lam, d_o, d_deposits, scores, dk_in, d_gate, final_terms, ranges, table: ChunkTable,
-               plan: LevelScanPlan) -> tuple:
+def _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, d_gate, final_terms, ranges, table: ChunkTable,
+               plan: LevelScanPlan, g_dtype: torch.dtype) -> tuple:
     """mamba2_chunk_bwd_dkv_kernel (in-chunk + deposit terms; per channel it reads the in-chunk dK dk_in and the
     scores) and the gate gradient's chunk parts in d_gate and the chunk totals. -> dk [tokens, G, K] (k's dtype),
-    dv [tokens, H, V] (v's dtype), dg [tokens, H] fp32 ([tokens, H, K] per channel; _gate_grad)."""
+    dv [tokens, H, V] (v's dtype), dg [tokens, H] ([tokens, H, K] per channel) in g_dtype (_gate_grad)."""
     (tokens, H), K, NC = v.shape[:2], k.shape[-1], table.starts.numel()
     dk, dv = alloc((tokens, H, K), k.dtype, k.device), alloc(tuple(v.shape), v.dtype, v.device)
     totals = alloc(_gate_shape(plan, NC, H, K), torch.float32, k.device)
     if NC:
         mamba2_chunk_bwd_dkv_kernel[(NC, H)](
-            q, k, v, g, lam, d_o, d_deposits, scores, dk_in, table.starts, table.ends, table.seqs, ranges[1],
+            q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, table.starts, table.ends, table.seqs, ranges[1],
             final_terms, plan.scale, dk, dv, d_gate, totals, **_chunk_sizes(plan, q, v, lam),
             **_launch(mamba2_chunk_bwd_dkv_kernel, plan),
         )
     _zero_prefixes(plan, dv)
-    return _group_grad(dk, k.shape[1], plan), dv, _gate_grad(d_gate, totals, table)
+    return _group_grad(dk, k.shape[1], plan), dv, _gate_grad(d_gate, totals, g_dtype, table, plan)
 
 
 class LevelScanMamba2(torch.autograd.Function):
@@ -451,19 +459,21 @@ class LevelScanMamba2(torch.autograd.Function):
         plan, saved, ranges = ctx.plan, ctx.saved, ctx.ranges
         d_o = torch.zeros_like(v) if d_o is None else d_o.to(v.dtype).contiguous()
         d_final = torch.zeros_like(final) if d_final is None else d_final.float().contiguous()
-        buckets = saved.take_buckets(k, v, g, h0, ranges, plan)
-        scores = saved.take_scores(q, k, g, plan)
-        dq, dlam, qdq, dk_in = _dq_grads(q, k, v, g, lam, h0, d_o, ranges, buckets, scores, saved, plan)
+        gate = _chunk_gate(g, saved.table, plan)
+        buckets = saved.take_buckets(k, v, gate, h0, ranges, plan)
+        scores = saved.take_scores(q, k, gate, plan)
+        dq, dlam, qdq, dk_in, readers = _dq_grads(q, k, v, gate, lam, h0, d_o, ranges, buckets, scores, saved, plan)
         del buckets
         d_levels = d_final.clone()
-        d_deposits = _deposit_grads(q, g, lam, d_o, d_levels, ranges, saved, plan)
+        d_deposits = _deposit_grads(q, readers, gate, lam, d_o, d_levels, ranges, saved, plan)
+        del readers
         final_terms = (d_final * final).sum((1, 4))  # the final states' gate term [N, H, K] (per row k)
         final_terms = (final_terms if plan.per_channel else final_terms.sum(-1)).contiguous()
-        dk, dv, dg = _dkv_grads(q, k, v, g, lam, d_o, d_deposits, scores, dk_in, qdq, final_terms, ranges, saved.table,
-                                plan)
-        del d_deposits, scores, dk_in
+        dk, dv, dg = _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, qdq, final_terms, ranges,
+                                saved.table, plan, g.dtype)
+        del d_deposits, scores, dk_in, gate
         d_h0 = d_levels if plan.has_init else None
-        return dq, dk, dv, dg.to(g.dtype), dlam, d_h0, None
+        return dq, dk, dv, dg, dlam, d_h0, None
 
 
 def _last_chunk_levels(k, v, g, a: int, b: int, C: int, H: int) -> torch.Tensor:

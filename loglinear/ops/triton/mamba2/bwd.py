@@ -91,10 +91,10 @@ def mamba2_bwd_scan_kernel(
     C: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr, HAS_INIT: tl.constexpr,
     PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
-    """Grid (N, H, cdiv(K, BKS)). g: [tokens, H] ([tokens, H, K] with PER_CHANNEL); d_levels: [N, J, H, K, V]
-    fp32, the final chunk-level states' gradient in, the initial ones' out (HAS_INIT; less their readers'
-    terms); d_buckets: [NC, H, K, V] (q's dtype), dB per kernel chunk in, dD out (every chunk but each
-    sequence's last, every chunk when PLAIN); base: [N] each sequence's first kernel chunk."""
+    """Grid (N, H, cdiv(K, BKS)). g: [tokens, H] (G [tokens, H, K] fp32 with PER_CHANNEL, chunk.gates());
+    d_levels: [N, J, H, K, V] fp32, the final chunk-level states' gradient in, the initial ones' out (HAS_INIT;
+    less their readers' terms); d_buckets: [NC, H, K, V] (q's dtype), dB per kernel chunk in, dD out (every chunk
+    but each sequence's last, every chunk when PLAIN); base: [N] each sequence's first kernel chunk."""
     n, h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, c0, base = sequence_range(n, bos_ptr, eos_ptr, chunk0_ptr, base_ptr)
     r = tl.arange(0, C)

@@ -72,9 +72,14 @@ rows of the output to the columns of q or k:
 
 and the in-chunk block is not one product of q and k: two kernels over 16-row sub-chunks (shared/intra_channel.py)
 write P [tokens, H, C] and, in the backward, the in-chunk dQ and dK [tokens, H, K] fp32 and dlambda's in-chunk
-columns; the forward and the dk / dv kernel read P, the dq and dk / dv kernels add the in-chunk dQ / dK
-(intra_block). The gate's gradient is the same telescoping per channel: dGs_u[k] = q_u[k] dq_u[k] - k_u[k] dk_u[k]
-(+ the final states' row k), so the gate terms are q * dq and k * dk [C, K] instead of row sums (gate_term).
+columns; the forward and the dk / dv kernel read P, the dq and dk / dv kernels add the in-chunk dQ / dK.
+The kernels read G itself (fp32 [tokens, H, K], written once per pass by intra_channel.channel_cumsum_kernel; no
+kernel forms a [C, K] cumsum), and the per-channel factors are applied where they are cheapest: the forward
+forms Q * exp(G) once per chunk; the dq kernel multiplies the sum over levels by exp(G) once and writes
+Q * exp(G) (q_dec, q's dtype) for the level gradient, whose readers then load one [C, K] tile and scale the
+product's rows by exp(decay) (no exponential of a tile). The gate's gradient is the same telescoping per
+channel: dGs_u[k] = q_u[k] dq_u[k] - k_u[k] dk_u[k] (+ the final states' row k), so the gate terms are q * dq and
+k * dk [C, K] instead of row sums (gate_term).
 """
 from __future__ import annotations
 
@@ -113,7 +118,8 @@ def chunk_position(seqs, chunks, chunk0):
 @triton.jit
 def gates(g, t, valid, h, H, K, kk, PER_CHANNEL: tl.constexpr):
     """The chunk's gates, fp32: G the chunk-local inclusive cumsum and Gl its total; [C] and a scalar from
-    g [tokens, H], or with PER_CHANNEL [C, BK] and [BK] from g [tokens, H, K]."""
+    g [tokens, H], or with PER_CHANNEL [C, BK] and [BK] read from g = G itself ([tokens, H, K] fp32, the
+    per-channel cumsum that intra_channel.channel_cumsum_kernel writes once per pass)."""
     if PER_CHANNEL:
         G, Gl = channel_gates(g, t, valid, h, H, K, kk)
     else:
@@ -162,10 +168,10 @@ def level_decay(decays, p, h, H, J, K, j, kk, PLAIN: tl.constexpr, PER_CHANNEL: 
 def readout(qc, q_dec, state, to_now, lam, t, valid, h, H, L, level, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
             PER_CHANNEL: tl.constexpr):
     """One level's readout lambda_level * (Q * exp(decay)) B, unscaled by exp(G) except with PER_CHANNEL, where
-    the per-channel factors q_dec = exp(G) [C, BK] and to_now [BK] scale q's columns -> [C, BV] fp32."""
+    q_dec = Q * exp(G) [C, BK] fp32 and to_now [BK] scale the columns of q -> [C, BV] fp32."""
     lam_j = level_column(lam, t, valid, h, H, L, level, PLAIN)
     if PER_CHANNEL:
-        q_read = (qc.to(tl.float32) * q_dec * to_now[None, :]).to(qc.dtype)
+        q_read = (q_dec * to_now[None, :]).to(qc.dtype)
     else:
         q_read = qc
         lam_j *= to_now
@@ -173,19 +179,20 @@ def readout(qc, q_dec, state, to_now, lam, t, valid, h, H, L, level, PRECISION: 
 
 
 @triton.jit
-def readout_grad(doc, qc, state, to_now, row_scale, lam, dlam, t, valid, h, H, L, level,
+def readout_grad(doc, q_read, state, to_now, row_scale, lam, dlam, t, valid, h, H, L, level,
                  PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """One level's share of dQ, lambda_level * d_read with d_read = (dO B^T) * row_scale * exp(decay) ([C, BK]
-    fp32; row_scale = scale * exp(G): [C], or [C, BK] with PER_CHANNEL); stores dlambda's column ``level`` =
-    rowsum(Q * d_read) (not when PLAIN)."""
+    """One level's share of dQ, lambda_level * d_read, and dlambda's column ``level`` = rowsum(Q * d_read) (stored;
+    not when PLAIN). A scalar gate: d_read = (dO B^T) * row_scale * exp(decay) ([C, BK] fp32, row_scale = scale *
+    exp(G) [C]), q_read = Q. PER_CHANNEL: d_read without its factor scale * exp(G) [C, BK], which the caller applies
+    to the sum over levels, and q_read = Q * scale * exp(G) fp32 (so dlambda is the same)."""
     d_read = tl.dot(doc, tl.trans(state.to(doc.dtype)), input_precision=PRECISION)
     if PER_CHANNEL:
-        d_read *= row_scale * to_now[None, :]
+        d_read *= to_now[None, :]
     else:
         d_read *= (row_scale * to_now)[:, None]
     if PLAIN:
         return d_read
-    store_column(dlam, tl.sum(d_read * qc.to(tl.float32), 1), t, valid, h, H, L, level)
+    store_column(dlam, tl.sum(d_read * q_read.to(tl.float32), 1), t, valid, h, H, L, level)
     return level_column(lam, t, valid, h, H, L, level, PLAIN)[:, None] * d_read
 
 
@@ -250,6 +257,28 @@ def chunk_gate_grads(d_gate, totals, final_terms, d_k, kc, t0, r, t, valid, last
     store_gate_rows(d_gate, tl.cumsum(x, 0, reverse=True), t0, r, t, valid, h, H, K, kk, PER_CHANNEL)
 
 
+@triton.jit(do_not_specialize=["H"])
+def mamba2_gate_grad_kernel(
+    d_gate, later, dg, starts, ends,
+    H, K,
+    C: tl.constexpr, BK: tl.constexpr, PER_CHANNEL: tl.constexpr,
+):
+    """The gate's gradient on the rows of every kernel chunk p: dg = d_gate + later[p], with d_gate [tokens, H]
+    ([tokens, H, K] with PER_CHANNEL) fp32 the sums over each row's chunk from it on (chunk_gate_grads) and later
+    [NC, H(, K)] fp32 the sums over the later chunks of p's sequence; dg: d_gate's shape, in its own dtype.
+    Grid (NC, H)."""
+    h = tl.program_id(1)
+    t0, r, t, valid = chunk_rows(starts, ends, C)
+    kk = tl.arange(0, BK)
+    x = load_gate_rows(d_gate, t0, r, t, valid, h, H, K, kk, PER_CHANNEL)
+    row = tl.program_id(0).to(tl.int64) * H + h
+    if PER_CHANNEL:
+        x += tl.load(later + row * K + kk, mask=kk < K, other=0.0)[None, :]
+    else:
+        x += tl.load(later + row)
+    store_gate_rows(dg, x, t0, r, t, valid, h, H, K, kk, PER_CHANNEL)
+
+
 @triton.jit(do_not_specialize=["H", "G"])
 def mamba2_deposit_kernel(
     k, v, g, buckets, starts, ends,
@@ -259,7 +288,7 @@ def mamba2_deposit_kernel(
     """buckets[p] = D_p (chunk_deposit) for every kernel chunk p but its sequence's last (which deposits nothing;
     the forward scan merges D_p and overwrites the slot with the merged level). Not used by plain calls: their
     forward scan forms the deposits itself.
-    k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] ([tokens, H, K] with PER_CHANNEL); buckets:
+    k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] (G [tokens, H, K] fp32 with PER_CHANNEL, gates()); buckets:
     [NC, H, K, V].  Grid (NC, H)."""
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
@@ -273,23 +302,22 @@ def mamba2_deposit_kernel(
 
 
 @triton.jit
-def intra_block(qc, kc, vc, doc, scores, d_in, lam, t0, r, t, valid, h, H, K, L, kk, Gc, scale,
+def intra_block(qc, kc, vc, doc, scores, lam, t0, r, t, valid, h, H, L, Gc, scale,
                 C: tl.constexpr, LOG_C: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
                 PER_CHANNEL: tl.constexpr, DQ: tl.constexpr, DK: tl.constexpr):
     """The in-chunk block, [C, C] fp32 each: the raw scores P (Q K^T * Gamma), Lambda, and with DQ or DK
     (the backward; doc = dO) dA = scale * dO V^T and the in-chunk dQ = (dA * Gamma * Lambda) K or
     dK = (dA * Gamma * Lambda)^T Q ([C, BK] fp32). Without DQ / DK, dA and the gradient are 0. Recomputed in
     each kernel instead of passed (two C x C x K/V GEMMs), so each fits 4 warps without spills.
-    PER_CHANNEL: P is read from scores [tokens, H, C] and dQ or dK from d_in [tokens, H, K] (fp32, the
-    intra_channel kernels'); dA is not formed (those kernels give dlambda's in-chunk columns)."""
+    PER_CHANNEL: P is read from scores [tokens, H, C] fp32 (intra_channel.channel_scores_kernel's); dA and the
+    gradient are 0 (the intra_channel kernels give the in-chunk dQ / dK, which the caller reads, and dlambda's
+    in-chunk columns)."""
     causal = r[:, None] >= r[None, :]
     weights = level_weights(lam, t, valid, h, H, L, intra_levels(r, r, LOG_C), causal, LOG_C, PLAIN)
     d_a = tl.zeros([C, C], dtype=tl.float32)
     d_x = tl.zeros(qc.shape, dtype=tl.float32)
     if PER_CHANNEL:
         p = load_tile(scores, t0, r, valid, h, H, C, r)
-        if DQ or DK:
-            d_x = load_tile(d_in, t0, r, valid, h, H, K, kk)
     else:
         if DQ or DK:
             d_a = intra_score_grads(doc, vc, causal, scale, PRECISION)
@@ -308,9 +336,9 @@ def mamba2_chunk_fwd_kernel(
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
     HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
-    """q, k: [tokens, G, K]; v, o: [tokens, H, V]; g: [tokens, H] ([tokens, H, K] with PER_CHANNEL, whose in-chunk
-    scores P come in scores [tokens, H, C] fp32 from intra_channel.channel_scores_kernel; else not read); lam:
-    [tokens, H, L] (not read when PLAIN); h0: [N, J, H, K, V] (q's dtype),
+    """q, k: [tokens, G, K]; v, o: [tokens, H, V]; g: [tokens, H] (G [tokens, H, K] fp32 with PER_CHANNEL, gates();
+    the in-chunk scores P then come in scores [tokens, H, C] fp32 from intra_channel.channel_scores_kernel, else
+    scores is not read); lam: [tokens, H, L] (not read when PLAIN); h0: [N, J, H, K, V] (q's dtype),
     h0_held: [N, J] int8, 0 where a level of h0 is all zeros (not read: it adds nothing); buckets: [NC, H, K, V],
     decays: [NC, H, J] ([NC, H, J, K]) fp32 (the forward scan's); starts, ends, seqs, chunks: [NC] int32 (the
     chunk table), chunk0: [N].  Grid (NC, H)."""
@@ -323,9 +351,9 @@ def mamba2_chunk_fwd_kernel(
     qc, kc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk), load_tile(k, t0, r, valid, h // (H // G), G, K, kk)
     vc = load_tile(v, t0, r, valid, h, H, V, vv)
     Gc, _ = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
-    q_dec = Gc  # per channel: the readouts' column factors exp(G); a scalar gate scales the rows after the loops
+    q_dec = Gc  # per channel: the readouts' queries Q * exp(G); a scalar gate scales the rows after the loops
     if PER_CHANNEL:
-        q_dec = tl.exp(Gc)
+        q_dec = qc.to(tl.float32) * tl.exp(Gc)
     read = tl.zeros([C, BV], dtype=tl.float32)
     live, rank, count = bucket_levels(chunk, c0, jj, J, PLAIN)
     for i in range(count):
@@ -341,8 +369,8 @@ def mamba2_chunk_fwd_kernel(
                                 PER_CHANNEL)
     if not PER_CHANNEL:
         read *= tl.exp(Gc)[:, None]
-    p, _, _, _ = intra_block(qc, kc, vc, vc, scores, scores, lam, t0, r, t, valid, h, H, K, L, kk, Gc, scale, C, LOG_C,
-                             PRECISION, PLAIN, PER_CHANNEL, False, False)
+    p, _, _, _ = intra_block(qc, kc, vc, vc, scores, lam, t0, r, t, valid, h, H, L, Gc, scale, C, LOG_C, PRECISION,
+                             PLAIN, PER_CHANNEL, False, False)
     acc = intra_output(p, vc, lam, t, valid, h, H, L, intra_levels(r, r, LOG_C), r[:, None] >= r[None, :], LOG_C,
                        PRECISION, PLAIN)
     store_tile(o, (acc + read) * scale, t0, r, valid, h, H, V, vv)
@@ -358,7 +386,7 @@ def read_columns(ll, chunk, c0, J, LOG_C: tl.constexpr, HAS_INIT: tl.constexpr):
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
 def mamba2_chunk_bwd_dq_kernel(
     q, k, v, g, lam, do, h0, h0_held, buckets, decays, scores, dq_in, starts, ends, seqs, chunks, chunk0, scale,
-    dq, dlam, qdq,
+    dq, dlam, qdq, q_dec,
     H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
     BJ: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
@@ -368,10 +396,11 @@ def mamba2_chunk_bwd_dq_kernel(
 
         dQ = dS K + diag(scale * exp(G)) sum_j lambda_j exp(decay_j) dO B_j^T,   q.dQ per row
 
-    (per channel: exp(G) and exp(decay_j) scale dO B_j^T's columns; q * dQ). Inputs as the forward, do:
-    [tokens, H, V]. Out: dq: [tokens, H, K] (q's dtype, per value head), dlam: [tokens, H, L] (lam's dtype),
-    qdq: [tokens, H] ([tokens, H, K] with PER_CHANNEL) fp32, the gate gradient's q term (for the dk / dv kernel).
-    Grid (NC, H)."""
+    (per channel: exp(G) and exp(decay_j) scale dO B_j^T's columns, exp(G) once for the sum over levels; the in-chunk
+    dQ comes from dq_in; q * dQ). Inputs as the forward, do: [tokens, H, V]. Out: dq: [tokens, H, K] (q's dtype, per
+    value head), dlam: [tokens, H, L] (lam's dtype), qdq: [tokens, H] ([tokens, H, K] with PER_CHANNEL) fp32, the
+    gate gradient's q term (for the dk / dv kernel); with PER_CHANNEL q_dec = Q * exp(G) [tokens, H, K] (q's
+    dtype, per value head), the level gradient's queries (not written for a scalar gate). Grid (NC, H)."""
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
     n, chunk, c0 = chunk_position(seqs, chunks, chunk0)
@@ -381,30 +410,39 @@ def mamba2_chunk_bwd_dq_kernel(
     qc, kc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk), load_tile(k, t0, r, valid, h // (H // G), G, K, kk)
     doc = load_tile(do, t0, r, valid, h, H, V, vv)
     Gc, _ = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
-    p, _, d_a, d_q = intra_block(qc, kc, load_tile(v, t0, r, valid, h, H, V, vv), doc, scores, dq_in, lam, t0, r, t,
-                                 valid, h, H, K, L, kk, Gc, scale, C, LOG_C, PRECISION, PLAIN, PER_CHANNEL, True, False)
+    p, _, d_a, d_q = intra_block(qc, kc, load_tile(v, t0, r, valid, h, H, V, vv), doc, scores, lam, t0, r, t, valid,
+                                 h, H, L, Gc, scale, C, LOG_C, PRECISION, PLAIN, PER_CHANNEL, True, False)
     if not PLAIN:  # in-chunk columns and zeros; the columns of the live chunk levels are the loop's (one writer each)
         skip = read_columns(ll, chunk, c0, J, LOG_C, HAS_INIT)
-        if PER_CHANNEL:  # the in-chunk columns are channel_intra_bwd_kernel's
+        if PER_CHANNEL:  # the in-chunk columns are intra_channel.channel_dq_kernel's
             skip |= ll <= LOG_C
         store_tile(dlam, level_sums(d_a * p, intra_levels(r, r, LOG_C), ll, LOG_C), t0, r, valid, h, H, L,
                    tl.where(skip, L, ll))
     row_scale = scale * tl.exp(Gc)
+    q_read = qc
+    if PER_CHANNEL:  # the levels' sum is scaled by row_scale after the loops
+        q_read = qc.to(tl.float32) * tl.exp(Gc)
+        store_tile(q_dec, q_read, t0, r, valid, h, H, K, kk)
+        q_read *= scale
     live, rank, count = bucket_levels(chunk, c0, jj, J, PLAIN)
     for i in range(count):
         j = nth_level(live, rank, jj, i)
         state, to_now = read_bucket(buckets, decays, h, H, J, K, V, chunk, c0, j, kk, offs, lmask, PLAIN, PER_CHANNEL)
-        d_q += readout_grad(doc, qc, state, to_now, row_scale, lam, dlam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION,
-                            PLAIN, PER_CHANNEL)
+        d_q += readout_grad(doc, q_read, state, to_now, row_scale, lam, dlam, t, valid, h, H, L, LOG_C + 1 + j,
+                            PRECISION, PLAIN, PER_CHANNEL)
     if HAS_INIT:
         for j in range(J):
             if level_source(chunk, c0, j, True, PLAIN)[0] == 2:
                 if tl.load(h0_held + n * J + j) != 0:
                     state, to_now = read_initial(h0, decays, n, h, H, J, K, V, j, kk, offs, lmask, PLAIN, PER_CHANNEL)
-                    d_q += readout_grad(doc, qc, state, to_now, row_scale, lam, dlam, t, valid, h, H, L,
+                    d_q += readout_grad(doc, q_read, state, to_now, row_scale, lam, dlam, t, valid, h, H, L,
                                         LOG_C + 1 + j, PRECISION, PLAIN, PER_CHANNEL)
                 elif not PLAIN:  # an empty level: its lambda column's gradient is 0
                     store_column(dlam, tl.zeros([C], dtype=tl.float32), t, valid, h, H, L, LOG_C + 1 + j)
+    if PER_CHANNEL:  # the levels' factor, then the in-chunk dQ (both read again rather than held through the loops)
+        d_q = d_q * scale * tl.exp(gates(g, t, valid, h, H, K, kk, PER_CHANNEL)[0])
+        d_q += load_tile(dq_in, t0, r, valid, h, H, K, kk)
+        qc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk)  # read again: not held through the loops
     store_tile(dq, d_q, t0, r, valid, h, H, K, kk)
     store_gate_rows(qdq, gate_term(d_q, qc, PER_CHANNEL), t0, r, t, valid, h, H, K, kk, PER_CHANNEL)
 
@@ -433,8 +471,8 @@ def mamba2_chunk_bwd_dkv_kernel(
     vc = load_tile(v, t0, r, valid, h, H, V, vv)
     doc = load_tile(do, t0, r, valid, h, H, V, vv)
     Gc, Gl = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
-    p, weights, _, d_k = intra_block(qc, kc, vc, doc, scores, dk_in, lam, t0, r, t, valid, h, H, K, L, kk, Gc, scale,
-                                     C, LOG_C, PRECISION, PLAIN, PER_CHANNEL, False, True)
+    p, weights, _, d_k = intra_block(qc, kc, vc, doc, scores, lam, t0, r, t, valid, h, H, L, Gc, scale, C, LOG_C,
+                                     PRECISION, PLAIN, PER_CHANNEL, False, True)
     d_v = tl.dot(tl.trans((p * weights).to(doc.dtype)), doc, input_precision=PRECISION) * scale
     if PLAIN or t0 + C < tl.load(ends + tl.program_id(0)):
         offs = kk[:, None] * V + vv[None, :]
@@ -447,6 +485,8 @@ def mamba2_chunk_bwd_dkv_kernel(
             to_end = tl.exp(Gl - Gc)[:, None]
             d_v += to_end * tl.dot(kc, d_d, input_precision=PRECISION)
         d_k += to_end * tl.dot(vc, tl.trans(d_d), input_precision=PRECISION)
+    if PER_CHANNEL:
+        d_k += load_tile(dk_in, t0, r, valid, h, H, K, kk)
     store_tile(dk, d_k, t0, r, valid, h, H, K, kk)
     store_tile(dv, d_v, t0, r, valid, h, H, V, vv)
     n = tl.load(seqs + tl.program_id(0))
@@ -460,23 +500,25 @@ def reader_grads(q, g, lam, do, decays, row0, first, lo, hi, end, h, H, G, K, V,
                  PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr):
     """The gradient of one stored level j from its readers d = lo .. hi - 1, the chunks at kernel rows row0 + d
     (tokens first + d C, clipped at end): sum_d exp(decay_{row0+d, j}) Q_d^T (scale * lambda_d[c+1+j] * exp(G_d)
-    * dO_d) (per channel: (Q_d * exp(G_d) * exp(decay))^T (scale * lambda * dO_d)), pipelined over d.
-    -> [BK, BV] fp32."""
+    * dO_d), pipelined over d. PER_CHANNEL: q = Q * exp(G) [tokens, H, K] per value head (the dq kernel's q_dec; g
+    is not read) and sum_d diag(exp(decay_{row0+d, j})) q_d^T (scale * lambda * dO_d), the decay [BK] scaling the
+    product's rows. -> [BK, BV] fp32."""
     acc = tl.zeros([BK, BV], dtype=tl.float32)
     for d in range(lo, hi):
         t0 = first + d * C
         valid = t0 + r < end
-        qc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk)
         doc = load_tile(do, t0, r, valid, h, H, V, vv)
-        Gc, _ = gates(g, t0 + r, valid, h, H, K, kk, PER_CHANNEL)
         to_now = level_decay(decays, (row0 + d).to(tl.int64), h, H, J, K, j, kk, PLAIN, PER_CHANNEL)
         w = level_column(lam, t0 + r, valid, h, H, L, LOG_C + 1 + j, PLAIN) * scale
         if PER_CHANNEL:
-            q_read = (qc.to(tl.float32) * tl.exp(Gc) * to_now[None, :]).to(qc.dtype)
+            q_read = load_tile(q, t0, r, valid, h, H, K, kk)
         else:
-            q_read = qc
-            w *= tl.exp(Gc) * to_now
-        acc += tl.dot(tl.trans(q_read), (doc.to(tl.float32) * w[:, None]).to(doc.dtype), input_precision=PRECISION)
+            q_read = load_tile(q, t0, r, valid, h // (H // G), G, K, kk)
+            w *= tl.exp(gates(g, t0 + r, valid, h, H, K, kk, PER_CHANNEL)[0]) * to_now
+        prod = tl.dot(tl.trans(q_read), (doc.to(tl.float32) * w[:, None]).to(doc.dtype), input_precision=PRECISION)
+        if PER_CHANNEL:
+            prod *= to_now[:, None]
+        acc += prod
     return acc
 
 
@@ -489,7 +531,8 @@ def mamba2_level_grad_kernel(
 ):
     """d_buckets: [NC, H, K, V] out (q's dtype, summed in fp32), dB of the level merged after each kernel chunk
     (0 when nothing reads it); by_level: [NC] int32, the kernel chunks in launch order (backend.ChunkTable:
-    longest reader loops first); other arguments as mamba2_chunk_bwd_dq_kernel.
+    longest reader loops first); other arguments as mamba2_chunk_bwd_dq_kernel, but with PER_CHANNEL q = its q_dec
+    [tokens, H, K] (reader_grads).
     Grid (NC * H,): program i * H + h does head h of chunk by_level[i] (heads vary fastest)."""
     h, p = tl.program_id(0) % H, tl.load(by_level + tl.program_id(0) // H)
     r, kk, vv = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV)
@@ -514,7 +557,7 @@ def mamba2_initial_grad_kernel(
     """The initial levels' gradients from their readers, in S segments: d_init [S, N, J, H, K, V] fp32 out, segment
     s of the readers of level j of sequence n (the chunks c0 .. ((c0 >> j) + 1) 2^j - 1 of the sequence, cut into S
     equal runs; 0 where a run is empty). PLAIN: one level, read by the sequence's first chunk. Other arguments as
-    the scans (bos, eos, chunk0, base [N]) and mamba2_chunk_bwd_dq_kernel. Grid (S * N * J, H)."""
+    the scans (bos, eos, chunk0, base [N]) and mamba2_level_grad_kernel. Grid (S * N * J, H)."""
     pid, h = tl.program_id(0), tl.program_id(1)
     s, n, j = pid // (N * J), (pid // J) % N, pid % J
     bos, eos, c0, base = sequence_range(n, bos_ptr, eos_ptr, chunk0_ptr, base_ptr)

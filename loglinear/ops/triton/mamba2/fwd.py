@@ -94,9 +94,10 @@ def mamba2_fwd_kernel(
     C: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr, HAS_INIT: tl.constexpr,
     PLAIN: tl.constexpr, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
-    """g: [tokens, H] ([tokens, H, K] with PER_CHANNEL); levels: [N, J, H, K, V] fp32, initial chunk-level states
-    in, final ones out; buckets: [NC, H, K, V] (q's dtype), the deposits in (PLAIN: formed here from
-    k: [tokens, G, K] and v: [tokens, H, V]), the merged levels out (every chunk but each sequence's last);
+    """g: [tokens, H] (G [tokens, H, K] fp32 with PER_CHANNEL, chunk.gates()); levels: [N, J, H, K, V] fp32,
+    initial chunk-level states in, final ones out; buckets: [NC, H, K, V] (q's dtype), the deposits in (PLAIN:
+    formed here from k: [tokens, G, K] and v: [tokens, H, V]), the merged levels out (every chunk but each
+    sequence's last);
     decays: [NC, H, J] ([NC, H, J, K]) fp32 out, per kernel chunk (backend.ChunkTable; not when PLAIN);
     bos/eos/chunk0/base: [N] (base = the sequence's first kernel chunk).  Grid (N, H, cdiv(K, BKS)): row blocks
     are independent."""

@@ -52,12 +52,14 @@ DIAGONAL_SPAN = tl.constexpr(30.0)
 
 
 @triton.jit
-def channel_gates(g, t, valid, head, HEADS, K, kk):
-    """G [C, BK] the chunk-local inclusive cumsum of g [tokens, HEADS, K] per channel and Gl [BK] its total, fp32
-    (rows without valid read g = 0)."""
-    gc = tl.load(g + (t * HEADS + head)[:, None] * K + kk[None, :], mask=valid[:, None] & (kk[None, :] < K),
-                 other=0.0).to(tl.float32)
-    return tl.cumsum(gc, 0), tl.sum(gc, 0)
+def channel_gates(cum, t, valid, head, HEADS, K, kk):
+    """G [C, BK] of a chunk's rows t from cum [tokens, HEADS, K] (the chunk-local inclusive cumsum per channel,
+    fp32: channel_cumsum_kernel's) and Gl [BK], G at the chunk's last row with a token (rows without valid read
+    G = 0)."""
+    G = tl.load(cum + (t * HEADS + head)[:, None] * K + kk[None, :], mask=valid[:, None] & (kk[None, :] < K),
+                other=0.0)
+    last = tl.min(t, 0) + tl.sum(valid.to(tl.int32), 0) - 1
+    return G, tl.load(cum + (last * HEADS + head) * K + kk, mask=kk < K, other=0.0)
 
 
 @triton.jit
@@ -93,8 +95,7 @@ def channel_cumsum_kernel(g, cum, starts, ends, H, K, C: tl.constexpr, BK: tl.co
     h = tl.program_id(1)
     t0, end, r, valid, _, _ = sub_chunk(starts, ends, 0, C, C)
     kk = tl.arange(0, BK)
-    G, _ = channel_gates(g, t0 + r, valid, h, H, K, kk)
-    store_tile(cum, G, t0, r, valid, h, H, K, kk)
+    store_tile(cum, tl.cumsum(load_tile(g, t0, r, valid, h, H, K, kk).to(tl.float32), 0), t0, r, valid, h, H, K, kk)
 
 
 @triton.jit
