@@ -53,18 +53,18 @@ def level_tile(levels, n, h, H, J, K, V, kk, vv):
 @triton.jit
 def chunk_inputs(tiles, g, slot, t0, r, bos, eos, h, H, offs, mask, kk, K, PLAIN: tl.constexpr,
                  PER_CHANNEL: tl.constexpr):
-    """What a scan step needs from memory for the chunk at t0 of the sequence [bos, eos) (t0 >= bos): its tile
-    in ``slot`` of a per-chunk buffer (the deposit / its gradient: [BKS, BV] fp32; 0 for the sequence's last
-    chunk, which deposits nothing unless PLAIN, and outside the sequence) and its gate total (0 outside): a
-    scalar from g [tokens, H], or with PER_CHANNEL [BKS] for the state rows kk: g = G [tokens, H, K] fp32 (the
-    chunk-local cumsum the chunk kernels read) at the chunk's last row. Loaded one chunk ahead by the scans, off
-    their dependent chain."""
+    """What a scan step needs from memory for the chunk at t0 of the sequence [bos, eos): its tile in ``slot``
+    of a per-chunk buffer (the deposit / its gradient: [BKS, BV] fp32; 0 for the sequence's last chunk, which
+    deposits nothing unless PLAIN, and outside the sequence) and its gate total (0 outside): a scalar from
+    g [tokens, H], or with PER_CHANNEL [BKS] for the state rows kk: g = G [tokens, H, K] fp32 (the chunk-local
+    cumsum the chunk kernels read) at the chunk's last row. Loaded one chunk ahead by the scans, off their
+    dependent chain (the reverse scan's next chunk is before bos at the sequence's start)."""
     first = offs * 0 + t0  # the chunk's first token as a tile: the interpreter masks with tensors only
     inside = (first >= bos) & (first < eos) if PLAIN else (first >= bos) & (first + r.shape[0] < eos)
     tile = tl.load(tiles + slot + offs, mask=mask & inside, other=0.0)
     if PER_CHANNEL:
-        last = tl.minimum(t0 + r.shape[0], eos) - 1
-        total = tl.load(g + (last * H + h) * K + kk, mask=(kk < K) & (kk * 0 + t0 < eos), other=0.0)
+        last, at = tl.minimum(t0 + r.shape[0], eos) - 1, kk * 0 + t0
+        total = tl.load(g + (last * H + h) * K + kk, mask=(kk < K) & (at >= bos) & (at < eos), other=0.0)
     else:
         gates = tl.load(g + (t0 + r) * H + h, mask=(bos <= t0 + r) & (t0 + r < eos), other=0.0)
         total = tl.sum(gates.to(tl.float32), 0)
