@@ -478,12 +478,18 @@ def profile(T: int, variant: str, impls: list[str], log: Callable[[str], None]) 
         for t in leaves:
             t.requires_grad_(True)
         grad = torch.randn_like(fn())
-        for _ in range(2):
+
+        def step() -> None:  # as the timings: the leaves' gradients set, not accumulated
+            for t in leaves:
+                t.grad = None
             fn().backward(grad)
+
+        for _ in range(2):
+            step()
         torch.cuda.synchronize()
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
-                fn().backward(grad)
+                step()
             torch.cuda.synchronize()
         log(f"profile {impl} T={T}, 3 x forward+backward, CUDA time by kernel:")
         log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=60))

@@ -39,15 +39,34 @@ LOG_DECAY_FLOOR = {torch.float64: -750.0, torch.float32: -110.0}
 Run = Callable[[OpInputs], tuple[torch.Tensor, FenwickState | None]]
 
 
+class _Floor(torch.autograd.Function):
+    """max(g, floor) in one pass each way (NaN stays NaN): clamp_min forward; backward the gradient where
+    g > floor and 0 elsewhere (threshold_backward, ReLU's fused kernel; a NaN entry passes it)."""
+
+    @staticmethod
+    def forward(g: torch.Tensor, floor: float) -> torch.Tensor:
+        return g.clamp_min(floor)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.save_for_backward(inputs[0])
+        ctx.floor = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (g,) = ctx.saved_tensors
+        return torch.ops.aten.threshold_backward(grad, g, ctx.floor), None
+
+
 def floor_log_decays(inp: OpInputs) -> OpInputs:
     """inp with every log-decay gate g: [B, T, H] (per channel: [B, T, H, K]) replaced by max(g, floor) (NaN stays
-    NaN)."""
+    NaN; the gradient is 0 where g <= floor)."""
     gates = dict(inp.gates)
     for gate in inp.variant.gates:
         if gate.log_decay:
             g = gates[gate.name]
-            floor = LOG_DECAY_FLOOR[torch.float64 if g.dtype == torch.float64 else torch.float32]
-            gates[gate.name] = torch.where(g < floor, floor, g)
+            gates[gate.name] = _Floor.apply(g, LOG_DECAY_FLOOR[torch.float64 if g.dtype == torch.float64
+                                                               else torch.float32])
     return replace(inp, gates=gates)
 
 

@@ -236,12 +236,14 @@ def _merge_levels(k, v, gate, levels, ranges, table: ChunkTable, plan: LevelScan
 @dataclass
 class _Saved:
     """What the backward needs besides save_for_backward's tensors: the chunk table, the merged levels
-    ``buckets`` [NC, H, K, V] (k's dtype; None once a backward took them), the level decays [NC, H, J] fp32 and,
-    per channel, the in-chunk scores P [tokens, H, C] fp32 (_channel_scores; None once a backward took them)."""
+    ``buckets`` [NC, H, K, V] (k's dtype; None once a backward took them), the level decays [NC, H, J] fp32,
+    what the kernels read of the gate (_chunk_gate: per channel G [tokens, H, K] fp32, else g) and, per channel,
+    the in-chunk scores P [tokens, H, C] fp32 (_channel_scores; None once a backward took them)."""
 
     table: ChunkTable
     buckets: torch.Tensor | None
     decays: torch.Tensor
+    gate: torch.Tensor
     scores: torch.Tensor | None
 
     def take_buckets(self, k, v, gate, h0, ranges, plan: LevelScanPlan) -> torch.Tensor:
@@ -284,13 +286,13 @@ def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Sa
             HAS_INIT=plan.has_init, PLAIN=plan.plain, **_sizes(plan, q, v),
             **_launch(mamba2_chunk_fwd_kernel, plan),
         )
-    return _Saved(table, buckets, decays, scores)
+    return _Saved(table, buckets, decays, gate, scores)
 
 
 def _chunk_gate(g, table: ChunkTable, plan: LevelScanPlan) -> torch.Tensor:
     """What every kernel reads of the gate: g [tokens, H] itself for a scalar gate; per channel G [tokens, H, K]
-    fp32, the chunk-local cumsum of g (intra_channel.channel_cumsum_kernel), formed once per pass (forward and
-    backward) and read by the scans, the chunk kernels and the in-chunk kernels."""
+    fp32, the chunk-local cumsum of g (intra_channel.channel_cumsum_kernel), formed once by the forward (kept for
+    the backward) and read by the scans, the chunk kernels and the in-chunk kernels."""
     if not plan.per_channel:
         return g
     (tokens, H, K), NC = g.shape, table.starts.numel()
@@ -459,7 +461,7 @@ class LevelScanMamba2(torch.autograd.Function):
         plan, saved, ranges = ctx.plan, ctx.saved, ctx.ranges
         d_o = torch.zeros_like(v) if d_o is None else d_o.to(v.dtype).contiguous()
         d_final = torch.zeros_like(final) if d_final is None else d_final.float().contiguous()
-        gate = _chunk_gate(g, saved.table, plan)
+        gate = saved.gate
         buckets = saved.take_buckets(k, v, gate, h0, ranges, plan)
         scores = saved.take_scores(q, k, gate, plan)
         dq, dlam, qdq, dk_in, readers = _dq_grads(q, k, v, gate, lam, h0, d_o, ranges, buckets, scores, saved, plan)

@@ -73,7 +73,7 @@ rows of the output to the columns of q or k:
 and the in-chunk block is not one product of q and k: two kernels over 16-row sub-chunks (shared/intra_channel.py)
 write P [tokens, H, C] and, in the backward, the in-chunk dQ and dK [tokens, H, K] fp32 and dlambda's in-chunk
 columns; the forward and the dk / dv kernel read P, the dq and dk / dv kernels add the in-chunk dQ / dK.
-The kernels read G itself (fp32 [tokens, H, K], written once per pass by intra_channel.channel_cumsum_kernel; no
+The kernels read G itself (fp32 [tokens, H, K], written once per call by intra_channel.channel_cumsum_kernel; no
 kernel forms a [C, K] cumsum), and the per-channel factors are applied where they are cheapest: the forward
 forms Q * exp(G) once per chunk; the dq kernel multiplies the sum over levels by exp(G) once and writes
 Q * exp(G) (q_dec, q's dtype) for the level gradient, whose readers then load one [C, K] tile and scale the
@@ -119,7 +119,7 @@ def chunk_position(seqs, chunks, chunk0):
 def gates(g, t, valid, h, H, K, kk, PER_CHANNEL: tl.constexpr):
     """The chunk's gates, fp32: G the chunk-local inclusive cumsum and Gl its total; [C] and a scalar from
     g [tokens, H], or with PER_CHANNEL [C, BK] and [BK] read from g = G itself ([tokens, H, K] fp32, the
-    per-channel cumsum that intra_channel.channel_cumsum_kernel writes once per pass)."""
+    per-channel cumsum that intra_channel.channel_cumsum_kernel writes once per call)."""
     if PER_CHANNEL:
         G, Gl = channel_gates(g, t, valid, h, H, K, kk)
     else:
