@@ -317,7 +317,7 @@ def _channel_scores(q, k, gate, table: ChunkTable, plan: LevelScanPlan) -> torch
     (tokens, H, K), C = gate.shape, plan.chunk_size
     scores = alloc((tokens, H, C), torch.float32, q.device)
     BK, KB = _key_blocks(K)
-    channel_scores_kernel[(NC, H)](
+    channel_scores_kernel[(NC, C // SUB_CHUNK, H)](
         q, k, gate, scores, table.starts, table.ends, H=H, G=q.shape[1], K=K, C=C,
         S=SUB_CHUNK, BK=BK, KB=KB, PRECISION=dot_precision(q.dtype, FP32_DOT), **launch_options(channel_scores_kernel),
     )
@@ -336,7 +336,7 @@ def _channel_intra_grads(q, k, v, cum, lam, d_o, scores, dlam, table: ChunkTable
     C, (BK, KB) = plan.chunk_size, _key_blocks(K)
     sizes = dict(H=H, G=q.shape[1], K=K, V=v.shape[-1], L=lam.shape[-1], C=C, S=SUB_CHUNK, LOG_C=chunk_bits(C),
                  BK=BK, KB=KB, BV=next_pow2(v.shape[-1]), PRECISION=dot_precision(q.dtype, FP32_DOT), PLAIN=plan.plain)
-    grid = (NC, BK // KB, H)
+    grid = (NC, (C // SUB_CHUNK) * (BK // KB), H)
     channel_dq_kernel[grid](q, k, v, cum, lam, d_o, scores, dq_in, dlam, table.starts, table.ends, plan.scale,
                             BL=next_pow2(lam.shape[-1], minimum=32), **sizes, **launch_options(channel_dq_kernel))
     channel_dk_kernel[grid](q, k, v, cum, lam, d_o, dk_in, table.starts, table.ends, plan.scale, **sizes,

@@ -122,11 +122,16 @@ def decays_at(Gs, G_a, ra, a, rows, LATER: tl.constexpr):
     return x
 
 
-@triton.jit
-def scores_rows(q, k, cum, scores, starts, ends, i, h, H, G, K, C: tl.constexpr, S: tl.constexpr, BK: tl.constexpr,
-                KB: tl.constexpr, PRECISION: tl.constexpr):
-    """channel_scores_kernel's rows of sub-chunk i: scores[t, h, s] = P[t, s] for its rows t and the keys s of
-    their chunk (0 for s > t)."""
+@triton.jit(do_not_specialize=["H", "G"])
+def channel_scores_kernel(
+    q, k, cum, scores, starts, ends,
+    H, G, K,
+    C: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """scores[t, h, s] = P[t, s] for the rows t of sub-chunk program_id(1) and the keys s of their chunk (0 for
+    s > t). q, k: [tokens, G, K]; cum: G [tokens, H, K] fp32; scores: [tokens, H, C] fp32; starts, ends: [NC]
+    int32 (the chunk table). Grid (NC, C // S, H)."""
+    h, i = tl.program_id(2), tl.program_id(1)
     grp = h // (H // G)
     cols, ra = tl.arange(0, C), tl.arange(0, S)
     t0, end, r, valid, rs, vs = sub_chunk(starts, ends, i, C, S)
@@ -152,19 +157,6 @@ def scores_rows(q, k, cum, scores, starts, ends, i, h, H, G, K, C: tl.constexpr,
     store_tile(scores, tl.where(cols[None, :] <= rs[:, None], p, 0.0), t0, rs, vs, h, H, C, cols)
 
 
-@triton.jit(do_not_specialize=["H", "G"])
-def channel_scores_kernel(
-    q, k, cum, scores, starts, ends,
-    H, G, K,
-    C: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """scores[t, h, s] = P[t, s] for the rows t of chunk program_id(0) and the keys s of their chunk (0 for s > t),
-    one sub-chunk of rows after the other (scores_rows). q, k: [tokens, G, K]; cum: G [tokens, H, K] fp32; scores:
-    [tokens, H, C] fp32; starts, ends: [NC] int32 (the chunk table). Grid (NC, H)."""
-    for i in range(C // S):
-        scores_rows(q, k, cum, scores, starts, ends, i, tl.program_id(1), H, G, K, C, S, BK, KB, PRECISION)
-
-
 @triton.jit
 def m_block(do, v, lam, t0, q_rows, q_valid, k_rows, k_valid, scale, h, H, V, L, vv, LOG_C: tl.constexpr,
             PRECISION: tl.constexpr, PLAIN: tl.constexpr):
@@ -177,11 +169,19 @@ def m_block(do, v, lam, t0, q_rows, q_valid, k_rows, k_valid, scale, h, H, V, L,
     return d_a, d_a * level_weights(lam, t0 + q_rows, q_valid, h, H, L, levels, causal, LOG_C, PLAIN)
 
 
-@triton.jit
-def dq_rows(q, k, v, cum, lam, do, scores, dq_in, dlam, starts, ends, scale, i, kb, h, H, G, K, V, L,
-            C: tl.constexpr, S: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr,
-            BV: tl.constexpr, BL: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr):
-    """channel_dq_kernel's queries of sub-chunk i on the key block kb .. kb + KB - 1."""
+@triton.jit(do_not_specialize=["H", "G"])
+def channel_dq_kernel(
+    q, k, v, cum, lam, do, scores, dq_in, dlam, starts, ends, scale,
+    H, G, K, V, L,
+    C: tl.constexpr, S: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
+    BL: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
+):
+    """dq_in = the in-chunk dQ of the queries of sub-chunk i on key block kb ([tokens, H, K] fp32, per value head;
+    program_id(1) = i * (BK // KB) + kb), and (kb = 0, not PLAIN) dlambda's columns 0..c of those rows into dlam
+    [tokens, H, L]. v, do: [tokens, H, V]; lam: [tokens, H, L]; scores: P (channel_scores_kernel). Grid
+    (NC, (C // S) (BK // KB), H)."""
+    h = tl.program_id(2)
+    i, kb = tl.program_id(1) // (BK // KB), (tl.program_id(1) % (BK // KB)) * KB
     grp = h // (H // G)
     kk, vv, cols, ra = kb + tl.arange(0, KB), tl.arange(0, BV), tl.arange(0, C), tl.arange(0, S)
     t0, end, r, valid, rs, vs = sub_chunk(starts, ends, i, C, S)
@@ -210,26 +210,16 @@ def dq_rows(q, k, v, cum, lam, do, scores, dq_in, dlam, starts, ends, scale, i, 
 
 
 @triton.jit(do_not_specialize=["H", "G"])
-def channel_dq_kernel(
-    q, k, v, cum, lam, do, scores, dq_in, dlam, starts, ends, scale,
+def channel_dk_kernel(
+    q, k, v, cum, lam, do, dk_in, starts, ends, scale,
     H, G, K, V, L,
     C: tl.constexpr, S: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
-    BL: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
+    PRECISION: tl.constexpr, PLAIN: tl.constexpr,
 ):
-    """dq_in = the in-chunk dQ of the queries of chunk program_id(0) on key block program_id(1) ([tokens, H, K]
-    fp32, per value head), and (key block 0, not PLAIN) dlambda's columns 0..c of those rows into dlam
-    [tokens, H, L]; one sub-chunk of queries after the other (dq_rows). v, do: [tokens, H, V]; lam:
-    [tokens, H, L]; scores: P (channel_scores_kernel). Grid (NC, BK // KB, H)."""
-    for i in range(C // S):
-        dq_rows(q, k, v, cum, lam, do, scores, dq_in, dlam, starts, ends, scale, i, tl.program_id(1) * KB,
-                tl.program_id(2), H, G, K, V, L, C, S, LOG_C, BK, KB, BV, BL, PRECISION, PLAIN)
-
-
-@triton.jit
-def dk_rows(q, k, v, cum, lam, do, dk_in, starts, ends, scale, i, kb, h, H, G, K, V, L,
-            C: tl.constexpr, S: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr,
-            BV: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr):
-    """channel_dk_kernel's keys of sub-chunk i on the key block kb .. kb + KB - 1."""
+    """dk_in = the in-chunk dK of the keys of sub-chunk i on key block kb ([tokens, H, K] fp32, per value head;
+    program_id(1) = i * (BK // KB) + kb); arguments as channel_dq_kernel. Grid (NC, (C // S) (BK // KB), H)."""
+    h = tl.program_id(2)
+    i, kb = tl.program_id(1) // (BK // KB), (tl.program_id(1) % (BK // KB)) * KB
     grp = h // (H // G)
     kk, vv, ra = kb + tl.arange(0, KB), tl.arange(0, BV), tl.arange(0, S)
     t0, end, r, valid, rs, vs = sub_chunk(starts, ends, i, C, S)
@@ -249,18 +239,3 @@ def dk_rows(q, k, v, cum, lam, do, dk_in, starts, ends, scale, i, kb, h, H, G, K
             decay = decays_at(Gs, load_row(cum, row, end, h, H, K, kk), ra, a, end - t0 - i * S, False)
             d_k += m_row[:, None] * decay * load_row(q, row, end, grp, G, K, kk).to(tl.float32)[None, :]
     store_tile(dk_in, d_k, t0, rs, vs, h, H, K, kk)
-
-
-@triton.jit(do_not_specialize=["H", "G"])
-def channel_dk_kernel(
-    q, k, v, cum, lam, do, dk_in, starts, ends, scale,
-    H, G, K, V, L,
-    C: tl.constexpr, S: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
-    PRECISION: tl.constexpr, PLAIN: tl.constexpr,
-):
-    """dk_in = the in-chunk dK of the keys of chunk program_id(0) on key block program_id(1) ([tokens, H, K] fp32,
-    per value head), one sub-chunk of keys after the other (dk_rows); arguments as channel_dq_kernel. Grid
-    (NC, BK // KB, H)."""
-    for i in range(C // S):
-        dk_rows(q, k, v, cum, lam, do, dk_in, starts, ends, scale, i, tl.program_id(1) * KB, tl.program_id(2), H, G,
-                K, V, L, C, S, LOG_C, BK, KB, BV, PRECISION, PLAIN)
