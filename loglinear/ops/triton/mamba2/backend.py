@@ -13,8 +13,8 @@ Composition (all sequences of a call in one launch per kernel):
      in-chunk block and the readout of every chunk (chunk.py). Backward: a chunk kernel gives dq,
      dlambda (complete) and q.dq; a second one each merged level's gradient from its readers; the reverse
      scan (bwd.py) only the transposed cascade, giving every deposit's gradient; a last chunk
-     kernel dk and dv (in-chunk + deposit terms) and the gate gradient's chunk parts (q.dq - k.dk summed
-     within each chunk, and chunk totals: _gate_grad adds the later chunks'). dq / dk per value head in the
+     kernel dk and dv (in-chunk + deposit terms) and the gate gradient's chunk parts (q.dq - k.dk per row and
+     chunk totals; _gate_grad sums each row's later rows and chunks). dq / dk per value head in the
      operand dtype, summed over the group's heads in fp32 here. Memory: the backward drops the buckets after the dq
      kernel (their only reader there; a second backward recomputes them) and each per-head dq / dk and
      the deposits' gradients once summed / read: at most one [NC, H, K, V] buffer and one per-head
@@ -179,10 +179,10 @@ def _gate_shape(plan: LevelScanPlan, rows: int, H: int, K: int) -> tuple[int, ..
 def _gate_grad(d_gate: torch.Tensor, totals: torch.Tensor, dtype: torch.dtype, table: ChunkTable,
                plan: LevelScanPlan) -> torch.Tensor:
     """dg [tokens, H] ([tokens, H, K] per channel) in ``dtype``, dg_u = the sum of dGs over u and the later tokens
-    of its sequence, from the dk / dv kernel's chunk parts: d_gate (fp32) holds, on every kernel row, the sum over
-    its chunk's rows from it on; totals [NC, H(, K)] fp32 each chunk's sum. Every row gets the totals of its
-    sequence's later chunks (mamba2_gate_grad_kernel): a suffix sum over chunks, in fp64 so that the difference of
-    two loses nothing. Rows no kernel chunk covers (the torch prefixes) are 0."""
+    of its sequence, from the dk / dv kernel's chunk parts: d_gate (fp32) holds dGs on every kernel row, totals
+    [NC, H(, K)] fp32 each chunk's sum. mamba2_gate_grad_kernel gives every row the sum over its chunk's rows from
+    it on plus the totals of its sequence's later chunks: a suffix sum over chunks, in fp64 so that the difference
+    of two loses nothing. Rows no kernel chunk covers (the torch prefixes) are 0."""
     NC, H = totals.shape[:2]
     suffix = torch.cat([suffix_sum(totals.double(), 0), totals.new_zeros((1, *totals.shape[1:]), dtype=torch.double)])
     later = (suffix[1:] - suffix[table.seq_last.long() + 1]).float()  # [NC, ...] the chunks after p in p's sequence

@@ -42,8 +42,8 @@ u = end, the final states' factor, so o(q e^d, k e^-d, Gs - d) = o for any per-t
 
 with dq, dk the full gradients (in-chunk + chunk levels): the dq kernel stores q.dq, the dk/dv kernel (where
 k.dk is complete) turns each chunk's rows into dGs (the final states' term on the sequence's last row) and
-their sums over the chunk's later rows, and stores the chunk's total; the backend adds, to every row, the totals
-of the sequence's later chunks (a [chunks, H] suffix sum instead of a [tokens, H] one).
+stores the chunk's total; the backend sums the totals of each sequence's later chunks (a [chunks, H] suffix sum
+instead of a [tokens, H] one) and mamba2_gate_grad_kernel adds them to the sums over each chunk's later rows.
 
 The readout's gradient with respect to the merged levels is also chunk-parallel: the level m merged
 after chunk e (m = ctz(e + 1)) is read, as bucket, by exactly the chunks e+1 .. e+2^m (those of the
@@ -242,9 +242,8 @@ def store_gate_rows(ptr, x, t0, r, t, valid, h, H, K, kk, PER_CHANNEL: tl.conste
 def chunk_gate_grads(d_gate, totals, final_terms, d_k, kc, t0, r, t, valid, last, p, n, h, H, K, kk,
                      PER_CHANNEL: tl.constexpr):
     """d_gate [tokens, H] ([tokens, H, K] with PER_CHANNEL) fp32 holds q.dq on the chunk's rows (the dq kernel's):
-    with x = q.dq - k.dk (+ final_terms[n] [N, H(, K)], the final states' term, on the sequence's last row
-    ``last``), store the sums of x over each row and the chunk's later rows back into d_gate's rows and the
-    chunk's total into totals [NC, H(, K)] fp32 (row p)."""
+    store x = q.dq - k.dk (+ final_terms[n] [N, H(, K)], the final states' term, on the sequence's last row
+    ``last``) back into d_gate's rows and the chunk's sum of x into totals [NC, H(, K)] fp32 (row p)."""
     on_last = (t == last) & valid
     x = load_gate_rows(d_gate, t0, r, t, valid, h, H, K, kk, PER_CHANNEL) - gate_term(d_k, kc, PER_CHANNEL)
     if PER_CHANNEL:
@@ -254,7 +253,7 @@ def chunk_gate_grads(d_gate, totals, final_terms, d_k, kc, t0, r, t, valid, last
     else:
         x += tl.where(on_last, tl.load(final_terms + n * H + h), 0.0)
         tl.store(totals + p * H + h, tl.sum(x, 0))
-    store_gate_rows(d_gate, tl.cumsum(x, 0, reverse=True), t0, r, t, valid, h, H, K, kk, PER_CHANNEL)
+    store_gate_rows(d_gate, x, t0, r, t, valid, h, H, K, kk, PER_CHANNEL)
 
 
 @triton.jit(do_not_specialize=["H"])
@@ -263,14 +262,14 @@ def mamba2_gate_grad_kernel(
     H, K,
     C: tl.constexpr, BK: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
-    """The gate's gradient on the rows of every kernel chunk p: dg = d_gate + later[p], with d_gate [tokens, H]
-    ([tokens, H, K] with PER_CHANNEL) fp32 the sums over each row's chunk from it on (chunk_gate_grads) and later
+    """The gate's gradient on the rows of every kernel chunk p: dg_u = sum_{rows t >= u of p} x_t + later[p], with
+    x = d_gate [tokens, H] ([tokens, H, K] with PER_CHANNEL) fp32, dGs per row (chunk_gate_grads), and later
     [NC, H(, K)] fp32 the sums over the later chunks of p's sequence; dg: d_gate's shape, in its own dtype.
     Grid (NC, H)."""
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
     kk = tl.arange(0, BK)
-    x = load_gate_rows(d_gate, t0, r, t, valid, h, H, K, kk, PER_CHANNEL)
+    x = tl.cumsum(load_gate_rows(d_gate, t0, r, t, valid, h, H, K, kk, PER_CHANNEL), 0, reverse=True)
     row = tl.program_id(0).to(tl.int64) * H + h
     if PER_CHANNEL:
         x += tl.load(later + row * K + kk, mask=kk < K, other=0.0)[None, :]
