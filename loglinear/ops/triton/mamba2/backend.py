@@ -428,8 +428,8 @@ def _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, d_gate, final
     if NC:
         mamba2_chunk_bwd_dkv_kernel[(NC, H)](
             q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, table.starts, table.ends, table.seqs, ranges[1],
-            final_terms, plan.scale, dk, dv, d_gate, totals, KB=_key_blocks(K)[1] if plan.per_channel else next_pow2(K),
-            **_chunk_sizes(plan, q, v, lam), **_launch(mamba2_chunk_bwd_dkv_kernel, plan),
+            final_terms, plan.scale, dk, dv, d_gate, totals, **_chunk_sizes(plan, q, v, lam),
+            **_launch(mamba2_chunk_bwd_dkv_kernel, plan),
         )
     _zero_prefixes(plan, dv)
     return _group_grad(dk, k.shape[1], plan), dv, _gate_grad(d_gate, totals, g_dtype, table, plan)

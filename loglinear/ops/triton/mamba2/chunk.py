@@ -446,75 +446,51 @@ def mamba2_chunk_bwd_dq_kernel(
     store_gate_rows(qdq, gate_term(d_q, qc, PER_CHANNEL), t0, r, t, valid, h, H, K, kk, PER_CHANNEL)
 
 
-@triton.jit
-def channel_key_block(k, g, dk_in, d_deposits, dk, d_gate, totals, final_terms, vc, d_v, deposits, t0, r, t, valid,
-                      last, p, n, h, H, G, K, V, kk, vv, PRECISION: tl.constexpr):
-    """The dk / dv kernel's work on the key channels kk with a per-channel gate: dK = dK_in + exp(Gl - G) * V dD^T
-    on them (stored, and their gate rows: chunk_gate_grads), and d_v + (K * exp(Gl - G)) dD over them (returned);
-    the deposit terms only if the chunk ``deposits``."""
-    kc = load_tile(k, t0, r, valid, h // (H // G), G, K, kk)
-    d_k = load_tile(dk_in, t0, r, valid, h, H, K, kk)
-    if deposits:
-        G_c, G_l = channel_gates(g, t, valid, h, H, K, kk)
-        d_d = tl.load(d_deposits + (p * H + h) * K * V + kk[:, None] * V + vv[None, :],
-                      mask=(kk[:, None] < K) & (vv[None, :] < V), other=0.0).to(vc.dtype)
-        to_end = tl.exp(G_l[None, :] - G_c)
-        d_v += tl.dot((kc.to(tl.float32) * to_end).to(kc.dtype), d_d, input_precision=PRECISION)
-        d_k += to_end * tl.dot(vc, tl.trans(d_d), input_precision=PRECISION)
-    store_tile(dk, d_k, t0, r, valid, h, H, K, kk)
-    chunk_gate_grads(d_gate, totals, final_terms, d_k, kc, t0, r, t, valid, last, p, n, h, H, K, kk, True)
-    return d_v
-
-
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
 def mamba2_chunk_bwd_dkv_kernel(
     q, k, v, g, lam, do, d_deposits, scores, dk_in, starts, ends, seqs, eos_ptr, final_terms, scale,
     dk, dv, d_gate, totals,
     H, G, K, V, L,
-    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """dK and dV (in-chunk + deposit), complete:
 
         dK = dS^T Q + diag(exp(Gl - G)) V dD^T,   dV = scale * A^T dO + diag(exp(Gl - G)) K dD
 
-    (per channel: exp(Gl - G) [C, K] scales V dD^T and K elementwise, the in-chunk dK comes from dk_in, and the
-    key channels go in blocks of KB: channel_key_block), dD = d_deposits [NC, H, K, V] (q's dtype; the backward
-    scan's; not read for a sequence's last chunk, which deposits nothing), and the gate gradient's chunk part
-    (chunk_gate_grads: d_gate in/out, totals out; seqs: [NC] the chunk table's, eos: [N] the sequences' ends,
-    final_terms: [N, H(, K)] fp32). Out: dk: [tokens, H, K] (k's dtype, per value head), dv: [tokens, H, V]
-    (v's dtype).  Grid (NC, H)."""
+    (per channel: exp(Gl - G) [C, K] scales V dD^T and K elementwise), dD = d_deposits [NC, H, K, V] (q's dtype;
+    the backward scan's; not read for a sequence's last chunk, which deposits nothing), and the gate gradient's
+    chunk part (chunk_gate_grads: d_gate in/out, totals out; seqs: [NC] the chunk table's, eos: [N] the
+    sequences' ends, final_terms: [N, H(, K)] fp32). Out: dk: [tokens, H, K] (k's dtype, per value head),
+    dv: [tokens, H, V] (v's dtype).  Grid (NC, H)."""
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
     kk, vv = tl.arange(0, BK), tl.arange(0, BV)
-    p, n = tl.program_id(0).to(tl.int64), tl.load(seqs + tl.program_id(0))
-    last = tl.load(eos_ptr + n).to(tl.int64) - 1
-    deposits = PLAIN or t0 + C < tl.load(ends + tl.program_id(0))
+    qc, kc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk), load_tile(k, t0, r, valid, h // (H // G), G, K, kk)
     vc = load_tile(v, t0, r, valid, h, H, V, vv)
     doc = load_tile(do, t0, r, valid, h, H, V, vv)
-    if PER_CHANNEL:  # intra_block reads P from scores here: q, k and G are not needed (v stands in)
-        scores_c, weights, _, _ = intra_block(vc, vc, vc, doc, scores, lam, t0, r, t, valid, h, H, L, vc, scale, C,
-                                              LOG_C, PRECISION, PLAIN, PER_CHANNEL, False, False)
-        d_v = tl.dot(tl.trans((scores_c * weights).to(doc.dtype)), doc, input_precision=PRECISION) * scale
-        for kb in range(0, BK, KB):
-            d_v = channel_key_block(k, g, dk_in, d_deposits, dk, d_gate, totals, final_terms, vc, d_v, deposits, t0,
-                                    r, t, valid, last, p, n, h, H, G, K, V, kb + tl.arange(0, KB), vv, PRECISION)
-    else:
-        qc, kc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk), load_tile(k, t0, r, valid, h // (H // G), G,
-                                                                              K, kk)
-        Gc, Gl = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
-        scores_c, weights, _, d_k = intra_block(qc, kc, vc, doc, scores, lam, t0, r, t, valid, h, H, L, Gc, scale, C,
-                                                LOG_C, PRECISION, PLAIN, PER_CHANNEL, False, True)
-        d_v = tl.dot(tl.trans((scores_c * weights).to(doc.dtype)), doc, input_precision=PRECISION) * scale
-        if deposits:
-            d_d = tl.load(d_deposits + (p * H + h) * K * V + kk[:, None] * V + vv[None, :],
-                          mask=(kk[:, None] < K) & (vv[None, :] < V), other=0.0).to(vc.dtype)
+    Gc, Gl = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
+    p, weights, _, d_k = intra_block(qc, kc, vc, doc, scores, lam, t0, r, t, valid, h, H, L, Gc, scale, C, LOG_C,
+                                     PRECISION, PLAIN, PER_CHANNEL, False, True)
+    d_v = tl.dot(tl.trans((p * weights).to(doc.dtype)), doc, input_precision=PRECISION) * scale
+    if PLAIN or t0 + C < tl.load(ends + tl.program_id(0)):
+        offs = kk[:, None] * V + vv[None, :]
+        d_d = tl.load(d_deposits + (tl.program_id(0).to(tl.int64) * H + h) * K * V + offs,
+                      mask=(kk[:, None] < K) & (vv[None, :] < V), other=0.0).to(vc.dtype)
+        if PER_CHANNEL:
+            to_end = tl.exp(Gl[None, :] - Gc)
+            d_v += tl.dot((kc.to(tl.float32) * to_end).to(kc.dtype), d_d, input_precision=PRECISION)
+        else:
             to_end = tl.exp(Gl - Gc)[:, None]
             d_v += to_end * tl.dot(kc, d_d, input_precision=PRECISION)
-            d_k += to_end * tl.dot(vc, tl.trans(d_d), input_precision=PRECISION)
-        store_tile(dk, d_k, t0, r, valid, h, H, K, kk)
-        chunk_gate_grads(d_gate, totals, final_terms, d_k, kc, t0, r, t, valid, last, p, n, h, H, K, kk, False)
+        d_k += to_end * tl.dot(vc, tl.trans(d_d), input_precision=PRECISION)
+    if PER_CHANNEL:
+        d_k += load_tile(dk_in, t0, r, valid, h, H, K, kk)
+    store_tile(dk, d_k, t0, r, valid, h, H, K, kk)
     store_tile(dv, d_v, t0, r, valid, h, H, V, vv)
+    n = tl.load(seqs + tl.program_id(0))
+    chunk_gate_grads(d_gate, totals, final_terms, d_k, kc, t0, r, t, valid, tl.load(eos_ptr + n).to(tl.int64) - 1,
+                     tl.program_id(0).to(tl.int64), n, h, H, K, kk, PER_CHANNEL)
 
 
 @triton.jit
