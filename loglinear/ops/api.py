@@ -135,7 +135,7 @@ def log_linear_gla(
     q, k: [B, T, G, K]; v: [B, T, H, V] (H % G == 0); g: [B, T, H, K] log-decay <= 0 per value head and key
     channel (-inf: a hard reset of that channel); level_scales: [B, T, H, L] = lambda, L >= levels needed for the
     positions covered (None: plain GLA); other arguments as in log_linear_mamba2 (the Triton kernels run chunks
-    of at most 32 tokens; the result does not depend on chunk_size). g equal over K is log_linear_mamba2.
+    of at most 64 tokens; the result does not depend on chunk_size). g equal over K is log_linear_mamba2.
     Returns (o: [B, T, H, V] in v's dtype, state or None).
     """
     return attention(GLA, q, k, v, {"g": g}, level_scales, scale=scale, initial_state=initial_state,

@@ -9,6 +9,7 @@ import torch
 from helpers import assert_close, compare_with_reference, gla_inputs
 from loglinear import FenwickState, log_linear_gla, log_linear_mamba2
 from loglinear import reference as R
+from loglinear.ops.triton.mamba2 import backend
 from loglinear.variants import GLA
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("triton_kernels", "no_torch_path")]
@@ -49,6 +50,12 @@ def _compare(x: dict, *, state=None, cu_seqlens=None, chunk_size: int = 16, dtyp
 )
 def test_kernels_match_reference(B, T, G, H, K, V, chunk):
     _compare(gla_inputs(B, T, G, H, K, V), chunk_size=chunk)
+
+
+def test_key_blocks(monkeypatch):
+    """K wider than the in-chunk kernels' key block (16 here): their programs take the key channels in blocks."""
+    monkeypatch.setattr(backend, "KEY_BLOCK", 16)
+    _compare(gla_inputs(1, 70, 1, 2, 48, 8), chunk_size=32)
 
 
 def test_continuation_from_states_varlen():
