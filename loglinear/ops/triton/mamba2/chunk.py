@@ -419,7 +419,7 @@ def mamba2_chunk_bwd_dq_kernel(
                    tl.where(skip, L, ll))
     row_scale = scale * tl.exp(Gc)
     q_read = qc
-    if PER_CHANNEL:  # the levels' sum is scaled by row_scale after the loops
+    if PER_CHANNEL:  # the sum over levels gets its factor scale * exp(G) after the loops
         q_read = qc.to(tl.float32) * tl.exp(Gc)
         store_tile(q_dec, q_read, t0, r, valid, h, H, K, kk)
         q_read *= scale
