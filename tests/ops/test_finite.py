@@ -137,3 +137,18 @@ def test_hard_reset_and_very_negative_gates_match_the_reference(variant, gate, b
                                    xs["level_scales"], output_final_state=True),
         x, tol=3e-5,
     )
+
+
+def test_log_decay_floor_values_and_gradient():
+    """The op's floor of a log-decay gate: max(g, floor), NaN staying NaN and -inf becoming the floor; the gradient
+    passes where g is above the floor and is 0 at or below it."""
+    from loglinear.inputs import check_inputs
+    from loglinear.ops.finite import LOG_DECAY_FLOOR, floor_log_decays
+
+    floor = LOG_DECAY_FLOOR[torch.float32]
+    g = torch.tensor([[[float("nan")], [float("-inf")], [2 * floor], [floor], [-5.0], [0.0]]], requires_grad=True)
+    q, v = torch.randn(1, 6, 1, 4), torch.randn(1, 6, 1, 3)
+    out = floor_log_decays(check_inputs(MAMBA2, q, q, v, {"g": g}, None, None, None, None)).gates["g"]
+    assert torch.isnan(out[0, 0, 0]) and out[0, 1:, 0].tolist() == [floor, floor, floor, -5.0, 0.0]
+    out.backward(torch.ones_like(out))
+    assert g.grad[0, :, 0].tolist() == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
