@@ -55,11 +55,12 @@ DIAGONAL_SPAN = tl.constexpr(30.0)
 def channel_gates(cum, t, valid, head, HEADS, K, kk):
     """G [C, BK] of a chunk's rows t from cum [tokens, HEADS, K] (the chunk-local inclusive cumsum per channel,
     fp32: channel_cumsum_kernel's) and Gl [BK], G at the chunk's last row with a token (rows without valid read
-    G = 0)."""
+    G = 0; a chunk without tokens, as the scans' look-ahead past a sequence, has Gl = 0)."""
     G = tl.load(cum + (t * HEADS + head)[:, None] * K + kk[None, :], mask=valid[:, None] & (kk[None, :] < K),
                 other=0.0)
-    last = tl.min(t, 0) + tl.sum(valid.to(tl.int32), 0) - 1
-    return G, tl.load(cum + (last * HEADS + head) * K + kk, mask=kk < K, other=0.0)
+    rows = tl.sum(valid.to(tl.int32), 0)
+    last = tl.min(t, 0) + rows - 1
+    return G, tl.load(cum + (last * HEADS + head) * K + kk, mask=(kk < K) & (kk * 0 + rows > 0), other=0.0)
 
 
 @triton.jit

@@ -11,7 +11,7 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
   * Mamba-2 scans (mamba2/fwd.py, mamba2/bwd.py): one program per (sequence, head, block of state rows);
     4 warps up to a [128, 32] fp32 state tile, 8 above (``wide_warps``).
   * The same chunk kernels with a per-channel gate (GLA, C = 64) take 4 warps too, two programs per SM (189-255
-    registers; the dq and dk / dv kernels spill 116 / 560 B, and still ran 26% / 16% faster than at 8 warps
+    registers; the dq and dk / dv kernels spill 116 / 548 B, and still ran 26% / 16% faster than at 8 warps
     without spills on the H200 at 32K); the level gradient's readers take 8 (``channel_warps``: 121-140
     registers). The in-chunk kernels (shared/intra_channel.py) take 4: 79-134 registers, no spills, several
     programs per SM.
