@@ -8,9 +8,10 @@ For the token at absolute position p of each sequence, on level states S[0..L-1]
   3. deposit     S[0] += k~ v^T  (variant.deposit_key: k for Mamba-2, beta k for GDN)
   4. readout     o = scale * sum_l lambda[l] S[l]^T q
 
-In place (out=levels), the fused kernel does not touch the levels above bit_length(p): they must be zero, as in
-the zero-padded static buffers of CUDA-graph decoding (a state at position p holds levels_needed(p + 1) levels),
-so such a cache costs only what its positions need. Otherwise both steps run every level.
+In place (out=levels), the fused kernel touches only the levels position p holds before or after the token
+(level 0 and one level per set bit of p - 1, resp. p; loglinear.state.FenwickState defines them): every other
+level must be zero, as in a valid state and in the zero-padded static buffers of CUDA-graph decoding, so a step
+moves about 1 + popcount(p - 1) levels each way, whatever the buffer's size. Otherwise both steps run every level.
 
 The plain recurrence (use_log_linear=False models) is the same step on one level without the carry and
 with lambda = 1. The GDN update is rank-1: O(K V) per level, never a K x K matrix.
@@ -76,7 +77,7 @@ def decode_step(
     level_scales: [N, H, >= L] (unused when fenwick=False); levels: [N, L, H, K, V], L covering the
     positions (fenwick: L >= levels_needed(p + 1)); positions: [N] int64, the token's absolute position;
     backend: as in the public ops; out: where the new levels go, [N, L, H, K, V] like levels (``levels`` itself:
-    in place; its levels above bit_length(positions[n]) must then be zero), else a new tensor. Returns o: [N, H, V]
+    in place; the levels positions[n] does not hold must then be zero), else a new tensor. Returns o: [N, H, V]
     in v's dtype and the new levels [N, L, H, K, V] in levels' dtype. Nothing here reads a device tensor on the
     host: with positions on the levels' device and ``out`` given, the step can be captured in a CUDA graph
     (loglinear.models.graphs).

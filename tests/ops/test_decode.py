@@ -56,6 +56,12 @@ def _reference_step(x, gdn: bool, lengths: list[int]):
     return torch.cat(outs)
 
 
+def _held(p: int) -> set[int]:
+    """The levels a state after p tokens holds, by the definition: level(p - 1, s) = bit_length((p - 1) XOR s) of
+    each key s < p."""
+    return {((p - 1) ^ s).bit_length() for s in range(p)}
+
+
 def _token(x, lengths):
     idx = torch.tensor(lengths)
     return {name: t[torch.arange(t.shape[0]), idx] for name, t in x.items()}
@@ -83,9 +89,10 @@ def test_step_matches_reference(impl, gdn, G, H, K, V):
 def test_step_in_place_on_padded_levels(impl, gdn):
     """out=levels writes the new levels into the given tensor, equal to the step into a new one, on a state zero-padded
     to more levels than its positions need (the static buffers of CUDA-graph decoding). In place, the fused kernel
-    does not touch the levels above bit_length(p): a value planted there stays and is not read."""
-    lengths = [0, 3, 8, 12]
-    x = make_inputs(4, 14, 1, 2, K=8, V=16, L=7)
+    touches only the levels the position holds before or after the token: a value planted in any other level (below
+    the highest held level too) stays and is not read."""
+    lengths = [0, 3, 8, 12, 5]
+    x = make_inputs(5, 14, 1, 2, K=8, V=16, L=7)
     levels, positions = _prefix_states(x, gdn, lengths)
     levels = FenwickState(levels, positions).with_levels(7).levels
     tok = _token(x, lengths)
@@ -102,11 +109,17 @@ def test_step_in_place_on_padded_levels(impl, gdn):
     if impl == "triton":
         planted = levels.clone()
         for n, p in enumerate(lengths):
-            planted[n, levels_needed(p + 1) :] = 7.0
+            planted[n, [l for l in range(7) if l not in _held(p)]] = 7.0
         o2, _ = STEPS[impl](*args, planted, positions, 0.3, l2norm_qk=gdn, out=planted)
-        assert_close(o2, o_new, 1e-14, "o with a value planted above the position's levels")
+        assert_close(o2, o_new, 1e-14, "o with values planted in the levels the positions do not hold")
         for n, p in enumerate(lengths):
-            assert (planted[n, levels_needed(p + 1) :] == 7.0).all(), f"row {n}: a level above bit_length(p) written"
+            touched = _held(p) | _held(p + 1)
+            assert touched - _held(p), f"row {n}: the step must write a level it did not read (the carry's target)"
+            for l in range(7):
+                if l in touched:
+                    assert_close(planted[n, l], new[n, l], 1e-14, f"row {n} level {l}")
+                else:
+                    assert (planted[n, l] == 7.0).all(), f"row {n}: level {l}, held neither before nor after, written"
 
 
 @pytest.mark.parametrize("gdn", [False, True])
@@ -136,12 +149,14 @@ def test_plain_step_is_the_single_state_recurrence(impl, gdn):
                           if gdn else 0)
     expected = (torch.exp(tok["g"])[..., None, None] * expected
                 + beta[..., None, None] * k[..., None] * tok["v"][:, :, None])
-    o, new = STEPS[impl](
-        _variant(gdn), tok["q"], tok["k"], tok["v"], _gates(tok, gdn), None, S, torch.tensor([5, 0, 8]),
-        0.5, fenwick=False,
-    )
-    assert_close(new[:, 0], expected, 1e-13, "plain state")
-    assert_close(o, 0.5 * torch.einsum("nhkv,nhk->nhv", expected, q), 1e-13, "plain o")
+    for in_place in (False, True):  # a plain state is read at any position, 0 included, in place too
+        levels = S.clone()
+        o, new = STEPS[impl](
+            _variant(gdn), tok["q"], tok["k"], tok["v"], _gates(tok, gdn), None, levels, torch.tensor([5, 0, 8]),
+            0.5, fenwick=False, out=levels if in_place else None,
+        )
+        assert_close(new[:, 0], expected, 1e-13, f"plain state (in place: {in_place})")
+        assert_close(o, 0.5 * torch.einsum("nhkv,nhk->nhv", expected, q), 1e-13, f"plain o (in place: {in_place})")
 
 
 @pytest.mark.parametrize("gdn", [False, True])

@@ -12,12 +12,15 @@ also under the delta rule). For the token at absolute position p (spec section 4
     deposit     S_0 <- S_0 + beta k v^T                                    (beta = 1 for Mamba-2)
     readout     o <- o + lambda_l S_l^T q,   finally o <- scale o
 
-IN_PLACE (s_out is s_in): a program skips the levels above bit_length(p), which must be zero there (the zero-padded
-static buffers of CUDA-graph decoding: a state at position p holds levels_needed(p + 1) levels; the step leaves
-the others empty), so a cache of max_levels levels costs what the position needs. Out of place every level runs.
+IN_PLACE (s_out is s_in) touches only the levels the position holds, as the state's definition has them (spec
+section 4; loglinear.state.FenwickState): before the token, level 0 (p > 0) and each level l >= 1 with bit l - 1 of
+p - 1 set; after it, level 0 and each level with bit l - 1 of p set. It reads the first set, writes the union (the
+carry's merged levels as zeros, its target, the decayed held levels) and skips every other level, which must be
+zero (a valid state; the zero-padded static buffers of CUDA-graph decoding are), so a step at position p moves
+about 1 + popcount(p - 1) levels each way instead of max_levels. Out of place every level is read and written.
 FENWICK=False is the plain recurrence (no carry, lambda = 1) of use_log_linear=False models.
 q, k are read from group h // (H // G); L2NORM normalises them in the kernel (x / sqrt(|x|^2 + 1e-6)).
-The state is read and written once: the step is bound by L * K * V * 4 bytes per (sequence, head).
+The state is read and written once: the step is bound by (levels touched) * K * V * 4 bytes per (sequence, head).
 """
 
 from __future__ import annotations
@@ -71,8 +74,12 @@ def _decode_step_kernel(
     o = tl.zeros((BV,), dtype=ACC)
     for l in range(0, L):
         offs = (((n * L + l) * H + h) * K + rk[:, None]) * V + rv[None, :]
-        if (not IN_PLACE) | (l == 0) | (p >= (one << tl.maximum(l - 1, 0))):  # in place: l <= bit_length(p)
-            S = tl.load(s_in_ptr + offs, mask=tile, other=0.0).to(ACC)
+        bit = one << tl.maximum(l - 1, 0)  # level l >= 1 holds bit l - 1 of the position
+        held_in = (p > 0) & ((l == 0) | (((p - 1) & bit) != 0))  # before the token: the state after p tokens
+        held_out = (l == 0) | ((p & bit) != 0)  # after it
+        read = (not IN_PLACE) | (not FENWICK) | held_in  # a plain state is read whatever its position
+        if read | held_out:
+            S = tl.load(s_in_ptr + offs, mask=tile & read, other=0.0).to(ACC)
             if FENWICK:
                 merge = (p > 0) & ((p & ((one << l) - 1)) == 0)
                 below = (p & ((one << tl.maximum(l - 1, 0)) - 1)) == 0
@@ -114,7 +121,7 @@ def fused_decode_step(
     q, k: [N, G, K]; v: [N, H, V]; g: [N, H] (a decay per head) or [N, H, K] (per key channel: GLA); beta: [N, H]
     (the delta rule) or None; level_scales: [N, H, >= L]; levels: [N, L, H, K, V]; positions: [N] int64.
     out: where the new levels go (levels itself: in place; a program reads each level's tile before it writes it,
-    and no other program touches that tile; the levels above bit_length(positions[n]) must then be zero, see the
+    and no other program touches that tile; the levels positions[n] does not hold must then be zero, see the
     module docstring), else a new tensor.
     Returns o: [N, H, V] (v's dtype) and new levels (levels' dtype).
     """
