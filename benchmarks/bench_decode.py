@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from loglinear.fenwick import levels_needed
+from loglinear.fenwick import held_levels, levels_needed
 from loglinear.layers.mixer import MixerState
 from loglinear.models import (
     FenwickCache,
@@ -165,9 +165,10 @@ def median_us(fn, device) -> float:
 
 def kernel_times(configs: dict, contexts: list[int], batches: list[int], device, draws: int = 8) -> list[dict]:
     """The fused step of one layer alone, in place as CUDA-graph decoding runs it: log-linear (a buffer of
-    L = levels_needed(T + 1) levels) vs plain (one level). The log-linear step touches the levels its position
-    holds, so it is timed at positions drawn uniformly from [T/2, T) for every sequence (the mean over ``draws``
-    draws: a context of about T) and at p = T (a power of two: every level is touched, the worst case)."""
+    L = levels_needed(T + 1) levels; Mamba-2 and GLA with lazy levels, their log-scales beside them) vs plain (one
+    level). The log-linear step touches the levels its position holds, so it is timed at positions drawn uniformly
+    from [T/2, T) for every sequence (the mean over ``draws`` draws: a context of about T) and at p = T (a power of
+    two: every level is touched, the worst case)."""
     from loglinear.ops.triton.decode import fused_decode_step
 
     rows = []
@@ -188,10 +189,13 @@ def kernel_times(configs: dict, contexts: list[int], batches: list[int], device,
                 beta = torch.rand(batch, H, device=device)
                 lam = torch.rand(batch, H, L, device=device)
 
+                log_scales = None if gdn else torch.zeros(batch, L, H, *g.shape[2:], device=device)
+
                 def step_us(levels: torch.Tensor, pos: torch.Tensor, fenwick: bool) -> float:
                     pos = pos.to(device)  # on the device, as in graphed decoding: no copy in the timed call
                     fn = lambda: fused_decode_step(q, k, v, g, beta if gdn else None, lam, levels,  # noqa: E731
-                                                   pos, 0.1, fenwick=fenwick, l2norm_qk=gdn, out=levels)
+                                                   pos, 0.1, fenwick=fenwick, l2norm_qk=gdn, out=levels,
+                                                   log_scales=log_scales if fenwick else None)
                     return median_us(fn, device)
 
                 levels = torch.randn(batch, L, H, K, V, device=device)  # the cost depends on positions, not values
@@ -210,7 +214,8 @@ def kernel_times(configs: dict, contexts: list[int], batches: list[int], device,
 
 def check_kernel(device) -> dict:
     """Fused kernel vs the PyTorch step on the device, every variant with a fused decode kernel (fp32, GQA, rows
-    at different positions; random levels)."""
+    at different positions; random levels), and the lazy levels of Mamba-2 and GLA over three in-place steps (random
+    levels where the positions hold them, zero elsewhere)."""
     from loglinear.ops.decode import decode_step
     from loglinear.variants import GATED_DELTANET, GLA, MAMBA2
 
@@ -226,6 +231,25 @@ def check_kernel(device) -> dict:
         errors[variant.name] = {
             "o_rel_err": float((o1 - o2).norm() / o2.norm()), "state_rel_err": float((s1 - s2).norm() / s2.norm()),
         }
+    for variant in (MAMBA2, GLA):  # lazy levels in place (graphed decoding's), three consecutive steps
+        N, G, H, K, V, L = 5, 2, 4, 64, 96, 12
+        gen = torch.Generator(device=device).manual_seed(1)
+        pos = torch.tensor([0, 1, 8, 1023, 2045], device=device)
+        held = held_levels(pos, L)[:, :, None, None, None]
+        states = [torch.randn(N, L, H, K, V, device=device, generator=gen) * held for _ in range(2)]
+        states[1] = states[0].clone()
+        scales = [torch.zeros(N, L, H, *((K,) if variant is GLA else ()), device=device) for _ in range(2)]
+        err = {"o_rel_err": 0.0, "state_rel_err": 0.0}
+        for step in range(3):
+            gates = {n: x[:, 0].to(device) for n, x in variant.sample_gates(N, 1, H, K).items()}
+            args = (variant, torch.randn(N, G, K, device=device), torch.randn(N, G, K, device=device) / 8,
+                    torch.randn(N, H, V, device=device), gates, torch.rand(N, H, L, device=device))
+            o = [decode_step(*args, states[i], pos + step, 0.125, out=states[i], log_scales=scales[i], backend=b)[0]
+                 for i, b in enumerate(("triton", "torch"))]
+            full = [x * torch.exp(ls).view(*ls.shape, *(1,) * (5 - ls.dim())) for x, ls in zip(states, scales)]
+            err["o_rel_err"] = max(err["o_rel_err"], float((o[0] - o[1]).norm() / o[1].norm()))
+            err["state_rel_err"] = max(err["state_rel_err"], float((full[0] - full[1]).norm() / full[1].norm()))
+        errors[f"{variant.name}_lazy"] = err
     return errors
 
 
@@ -449,8 +473,9 @@ def write_markdown(results: dict, path: str) -> None:
     if results.get("kernel"):
         lines += ["", "## Fused decode kernel alone (one layer, in place, median us)", "",
                   "Log-linear: the mean over draws of every sequence's position from [T/2, T), and at p = T (a power "
-                  "of two: every level held before the token merges into a new one, the most a step touches). "
-                  "Plain: one level.", "",
+                  "of two: every level held before the token merges into a new one, the most a step touches); "
+                  "Mamba-2 and GLA with lazy levels (log-scales), as graphed decoding keeps them. Plain: one level.",
+                  "",
                   "| variant | batch | T | levels | log-linear us | at p = T | plain us | ratio | at p = T |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in results["kernel"]:

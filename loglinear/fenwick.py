@@ -35,6 +35,7 @@ __all__ = [
     "chunk_resets_after",
     "carry_target",
     "carry",
+    "held_levels",
     "ctz",
     "trailing_zeros",
 ]
@@ -140,3 +141,15 @@ def carry(levels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     merge = (lev[None, :] < target[:, None]).to(levels.dtype).view(shape)
     into = ((lev[None, :] == target[:, None]) & (target[:, None] > 0)).to(levels.dtype).view(shape)
     return levels * (1 - merge) + into * (levels * merge).sum(1, keepdim=True)
+
+
+def held_levels(positions: torch.Tensor, num_levels: int) -> torch.Tensor:
+    """Which levels a state after ``positions[n]`` tokens holds: level 0 (p > 0) and each level l >= 1 with bit l - 1
+    of p - 1 set (the buckets of the last query, p - 1; every other level is empty).
+
+    positions: [N] int64 -> [N, num_levels] bool (on positions' device).
+    """
+    p = torch.as_tensor(positions, dtype=torch.int64)[:, None]
+    lev = torch.arange(num_levels, device=p.device)[None, :]
+    bit = (torch.clamp(p - 1, min=0) >> torch.clamp(lev - 1, min=0)) & 1
+    return (p > 0) & ((lev == 0) | (bit == 1))

@@ -26,7 +26,7 @@ from loglinear.ops.stateful import fenwick_attention
 from loglinear.state import FenwickState, LevelsView
 from loglinear.variants import Variant
 
-__all__ = ["MixerState", "MixerInputs", "FenwickMixer", "dt_bias_init"]
+__all__ = ["MixerState", "StaticState", "MixerInputs", "FenwickMixer", "dt_bias_init"]
 
 DEFAULT_MAX_LEVELS = 21  # 2^20 tokens
 
@@ -67,6 +67,42 @@ class MixerState(LevelsView):
             self.levels.index_select(0, index.to(self.levels.device)), self.positions[index.cpu()],
             self.conv.index_select(0, index.to(self.conv.device)),
         )
+
+
+@dataclass
+class StaticState:
+    """One mixer's decoding state in the static buffers of CUDA-graph decoding (loglinear.models.graphs), which
+    ``FenwickMixer.step_`` updates in place.
+
+    levels:     [N, L, H, K, V] (L = max_levels log-linear, 1 plain; levels above a position's own are zero); with
+                log_scales stored lazily: level l's state is levels[:, l] * exp(log_scales[:, l]) (loglinear.ops.decode)
+    log_scales: [N, L, H] ([N, L, H, K] for a per-channel gate) for a log-linear layer whose transition only scales
+                (``Variant.scales_levels``: Mamba-2, GLA), else None
+    conv:       [N, W-1, C]
+    """
+
+    levels: torch.Tensor
+    log_scales: torch.Tensor | None
+    conv: torch.Tensor
+
+    def load(self, state: MixerState) -> None:
+        """Copy ``state`` in: its levels zero-padded to L, log-scales 0."""
+        levels = state.levels
+        self.levels[:, : levels.shape[1]].copy_(levels)
+        self.levels[:, levels.shape[1] :].zero_()
+        if self.log_scales is not None:
+            self.log_scales.zero_()
+        self.conv.copy_(state.conv)
+
+    def level_states(self) -> torch.Tensor:
+        """The level states [N, L, H, K, V]: ``levels`` itself, or with log_scales levels x exp(log_scales), new."""
+        if self.log_scales is None:
+            return self.levels
+        scales = torch.exp(self.log_scales)
+        return self.levels * (scales[..., None] if scales.dim() == 4 else scales[..., None, None])
+
+    def nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in (self.levels, self.log_scales, self.conv) if x is not None)
 
 
 @dataclass
@@ -162,14 +198,26 @@ class FenwickMixer(nn.Module):
             return y, None
         return y, MixerState(levels, positions, conv_state)
 
+    def static_state(self, state: MixerState) -> StaticState:
+        """Static buffers for ``step_`` shaped like ``state`` with the levels this layer can reach (max_levels
+        log-linear, 1 plain), lazy (log-scales) where the variant's transition only scales; not yet loaded."""
+        levels = state.levels
+        L = self.max_levels if self.level_scales is not None else 1
+        log_scales = None
+        if self.level_scales is not None and self.variant.scales_levels:
+            channels = (levels.shape[3],) if self.variant.gates[0].per_channel else ()
+            log_scales = levels.new_zeros(levels.shape[0], L, levels.shape[2], *channels)
+        return StaticState(levels.new_empty(levels.shape[0], L, *levels.shape[2:]), log_scales,
+                           torch.empty_like(state.conv))
+
     @torch.no_grad()
-    def step_(self, hidden_states: torch.Tensor, state: MixerState, positions: torch.Tensor) -> torch.Tensor:
+    def step_(self, hidden_states: torch.Tensor, state: StaticState, positions: torch.Tensor) -> torch.Tensor:
         """One token of each of N sequences, the state updated in place: the step a CUDA graph replays
         (loglinear.models.graphs). No host sync, fixed shapes, nothing allocated outlives the call.
 
-        hidden_states: [N, 1, D]; state: levels [N, L, H, K, V] (L = max_levels log-linear, 1 plain) and conv
-        [N, W-1, C], both written in place (state.positions is not read); positions: [N] int64 on the levels'
-        device, each sequence's tokens so far (the caller advances them). Returns [N, 1, D].
+        hidden_states: [N, 1, D]; state: from ``static_state``, written in place (levels, log-scales, conv);
+        positions: [N] int64 on the levels' device, each sequence's tokens so far (the caller advances them).
+        Returns [N, 1, D].
         """
         layout = TokenLayout.build(hidden_states.shape[0], 1, device=hidden_states.device)
         x = layout.flatten(hidden_states)
@@ -178,6 +226,7 @@ class FenwickMixer(nn.Module):
         o, _ = decode_step(
             self.variant, inputs.q, inputs.k, inputs.v, inputs.gates, lam, state.levels, positions, self.scale,
             fenwick=self.level_scales is not None, l2norm_qk=self.l2norm_qk, out=state.levels,
+            log_scales=state.log_scales,
         )
         return layout.unflatten(self.output(o, inputs))
 

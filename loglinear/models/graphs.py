@@ -8,9 +8,13 @@ kernel launches. With ``FenwickCache(num_layers, cuda_graph=True)`` the causal L
     decode step writing its levels in place, the output projection, the MLP) -> norm -> lm_head -> logits [N, 1, V]
 
 A graph replays fixed shapes at fixed addresses, so on its first step the cache's states move into static
-buffers: levels [N, max_levels, H, K, V] per log-linear layer (one level for a plain one; the extra levels are
-zeros), the conv states [N, W-1, C], and the positions, kept on the GPU for the kernel and on the host for the
-cache. The graph is captured once per batch size (two eager warm-up steps compile the kernels first).
+buffers (loglinear.layers.mixer.StaticState): levels [N, max_levels, H, K, V] per log-linear layer (one level for a
+plain one; the extra levels are zeros), the conv states [N, W-1, C], and the positions, kept on the GPU for the
+kernel and on the host for the cache. Where the variant's transition only scales (Mamba-2, GLA), the levels are
+stored lazily beside their accumulated log-decays, so a step rewrites about two levels instead of every level it
+holds (loglinear.ops.decode). The cache's states are views of the buffers; a lazy layer's view multiplies its levels
+out when something reads them (an ordinary forward, beam reordering). The graph is captured once per batch size
+(two eager warm-up steps compile the kernels first).
 
 Steps that are not one real token of every sequence (a prompt, a chunk, a padded row), and calls that need
 gradients, run the ordinary forward on the same states; a cache changed from outside (beam reordering, such a
@@ -22,11 +26,29 @@ from __future__ import annotations
 
 import torch
 
-from loglinear.layers.mixer import MixerState
+from loglinear.layers.mixer import MixerState, StaticState
 from loglinear.models.cache import FenwickCache
 from loglinear.ops.stateful import check_capacity
 
 __all__ = ["DecodeGraph", "graph_step"]
+
+
+class BufferView(MixerState):
+    """A cache's state of one layer while it lives in a graph's static buffers: the buffers' levels (multiplied out
+    of a lazy layer's log-scales, once, when first read), the host's positions, the buffers' conv state."""
+
+    def __init__(self, buffer: StaticState, positions: torch.Tensor):
+        self.buffer, self.positions, self.conv = buffer, positions, buffer.conv
+        self._levels: torch.Tensor | None = None
+
+    @property
+    def levels(self) -> torch.Tensor:
+        if self._levels is None:
+            self._levels = self.buffer.level_states()
+        return self._levels
+
+    def nbytes(self) -> int:
+        return self.buffer.nbytes()
 
 
 class DecodeGraph:
@@ -39,14 +61,10 @@ class DecodeGraph:
         device = states[0].levels.device
         self.max_levels = [block.mixer.max_levels if block.mixer.level_scales is not None else 1
                            for block in model.model.layers]
-        self.buffers = [  # written by load (their positions are never read: the views carry the host's)
-            MixerState(s.levels.new_empty(s.levels.shape[0], L, *s.levels.shape[2:]), s.positions,
-                       torch.empty_like(s.conv))
-            for s, L in zip(states, self.max_levels, strict=True)
-        ]
+        self.buffers = [block.mixer.static_state(s) for block, s in zip(model.model.layers, states, strict=True)]
         self.ids = torch.zeros(self.batch, 1, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.batch, dtype=torch.int64, device=device)
-        self.views: list[MixerState] = []
+        self.views: list[BufferView] = []
         self.graph = None
         self.logits: torch.Tensor | None = None
         if device.type == "cuda":
@@ -55,9 +73,7 @@ class DecodeGraph:
     def load(self, cache: FenwickCache) -> None:
         """Copy the cache's states into the static buffers; the cache then holds views of them."""
         for buf, s in zip(self.buffers, cache.states, strict=True):
-            buf.levels[:, : s.num_levels].copy_(s.levels)
-            buf.levels[:, s.num_levels :].zero_()
-            buf.conv.copy_(s.conv)
+            buf.load(s)
         host = cache.states[0].positions.clone()
         self.positions.copy_(host)
         self._publish(cache, host)
@@ -91,7 +107,7 @@ class DecodeGraph:
         return self.model.lm_head(hidden)
 
     def _publish(self, cache: FenwickCache, host_positions: torch.Tensor) -> None:
-        self.views = [MixerState(buf.levels, host_positions, buf.conv) for buf in self.buffers]
+        self.views = [BufferView(buf, host_positions) for buf in self.buffers]
         for i, view in enumerate(self.views):
             cache.update_state(i, view)
 

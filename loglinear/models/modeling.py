@@ -20,7 +20,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from loglinear.layers import LogLinearGatedDeltaNet, LogLinearGLA, LogLinearMamba2, MixerState, RMSNorm, TokenLayout
-from loglinear.layers.mixer import FenwickMixer
+from loglinear.layers.mixer import FenwickMixer, StaticState
 from loglinear.layers.norm import GatedRMSNorm, wide
 from loglinear.models.cache import FenwickCache
 from loglinear.models.configuration import LogLinearGatedDeltaNetConfig, LogLinearGLAConfig, LogLinearMamba2Config
@@ -68,7 +68,7 @@ class FenwickBlock(GradientCheckpointingLayer):
         mixed, state = self.mixer(self.mixer_norm(hidden_states), state=state, output_state=output_state, layout=layout)
         return self._with_mlp(hidden_states + mixed), state
 
-    def step_(self, hidden_states: torch.Tensor, state: MixerState, positions: torch.Tensor) -> torch.Tensor:
+    def step_(self, hidden_states: torch.Tensor, state: StaticState, positions: torch.Tensor) -> torch.Tensor:
         """One token per sequence, the mixer's state updated in place (FenwickMixer.step_).  [N, 1, D] -> [N, 1, D]."""
         return self._with_mlp(hidden_states + self.mixer.step_(self.mixer_norm(hidden_states), state, positions))
 
@@ -148,7 +148,7 @@ class _FenwickModel(_FenwickPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden, hidden_states=hidden_states, **{CACHE_KEY: cache})
 
     @torch.no_grad()
-    def step_(self, input_ids: torch.Tensor, states: list[MixerState], positions: torch.Tensor) -> torch.Tensor:
+    def step_(self, input_ids: torch.Tensor, states: list[StaticState], positions: torch.Tensor) -> torch.Tensor:
         """One token per sequence through every layer, the layers' states updated in place (the step
         loglinear.models.graphs captures).  input_ids: [N, 1]; states: one per layer; positions: [N] int64 on the
         device (not advanced here).  Returns the last hidden state [N, 1, D]."""

@@ -6,7 +6,7 @@ A backend runs a validated call (loglinear.inputs.OpInputs) of one variant:
     supports(inputs) -> bool        False: this call runs on the torch backend instead (dtype, head size, device)
     plain: bool                     run takes plain calls (inputs.level_scales None) itself; otherwise the op
                                     runs them as lambda = 1 over the Fenwick levels (loglinear.ops.api)
-    decode(variant, q, k, v, gates, level_scales, levels, positions, scale, *, fenwick, l2norm_qk, out)
+    decode(variant, q, k, v, gates, level_scales, levels, positions, scale, *, fenwick, l2norm_qk, out, log_scales)
                                     its one-token step (loglinear.ops.decode), or None: the torch step
 
 "torch" (the chunkwise PyTorch path, any device, autograd) serves every variant; "triton" (fused kernels, CUDA;

@@ -13,6 +13,12 @@ In place (out=levels), the fused kernel touches only the levels position p holds
 level must be zero, as in a valid state and in the zero-padded static buffers of CUDA-graph decoding, so a step
 moves about 1 + popcount(p - 1) levels each way, whatever the buffer's size. Otherwise both steps run every level.
 
+Lazy levels (``log_scales``, in place, for a variant whose transition only scales: Mamba-2, GLA): level l's state
+is levels[:, l] * exp(log_scales[:, l]) (one log-scale per head, or per head and key channel). A level the token
+only decays (held before and after, above the carry's target) keeps its stored tile and adds g to its log-scale;
+the step rewrites only level 0, the carry's target and the levels the carry empties (their log-scales reset to 0),
+so it reads the held levels once and writes about two. CUDA-graph decoding keeps its buffers this way.
+
 The plain recurrence (use_log_linear=False models) is the same step on one level without the carry and
 with lambda = 1. The GDN update is rank-1: O(K V) per level, never a K x K matrix.
 
@@ -25,19 +31,34 @@ from __future__ import annotations
 
 import torch
 
-from loglinear.fenwick import carry, levels_needed
+from loglinear.fenwick import carry, carry_target, held_levels, levels_needed
 from loglinear.inputs import OpInputs, check_decode_inputs, expand_groups, l2norm
 from loglinear.ops.backends import backend_for, select_backend
 from loglinear.state import FenwickState
 from loglinear.variants import Variant, get
 
-__all__ = ["decode_step", "decode_step_torch", "fused_decode_applies", "op_decode_step"]
+__all__ = ["decode_step", "decode_step_torch", "decayed_only", "fused_decode_applies", "op_decode_step"]
+
+
+def _row_scales(log_scales: torch.Tensor) -> torch.Tensor:
+    """exp(log_scales) shaped to scale level states [N, L, H, K, V]: [N, L, H] -> [N, L, H, 1, 1] (one per head),
+    [N, L, H, K] -> [N, L, H, K, 1] (one per key channel)."""
+    scales = torch.exp(log_scales)
+    return scales[..., None] if log_scales.dim() == 4 else scales[..., None, None]
+
+
+def decayed_only(positions: torch.Tensor, num_levels: int) -> torch.Tensor:
+    """The levels the token at ``positions[n]`` only decays: held before it and above the carry's target (level 0,
+    the target and the levels the carry empties change otherwise).  positions: [N] -> [N, num_levels] bool."""
+    lev = torch.arange(num_levels, device=positions.device)
+    return held_levels(positions, num_levels) & (lev[None, :] > carry_target(positions).to(positions.device)[:, None])
 
 
 def decode_step_torch(
     variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
     level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
     *, fenwick: bool = True, l2norm_qk: bool = False, out: torch.Tensor | None = None,
+    log_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The PyTorch step; arguments as in ``decode_step``."""
     dtype, H = levels.dtype, v.shape[1]
@@ -45,7 +66,8 @@ def decode_step_torch(
     if l2norm_qk:
         q, k = l2norm(q), l2norm(k)
     gates = {name: x.to(dtype) for name, x in gates.items()}
-    S = carry(levels, positions) if fenwick else levels
+    state = levels if log_scales is None else levels * _row_scales(log_scales)
+    S = carry(state, positions) if fenwick else state
     S = variant.transition(S, k, gates)
     deposit = variant.deposit_key(k, gates)[..., None] * v.to(dtype)[:, :, None, :]
     S = torch.cat([S[:, :1] + deposit[:, None], S[:, 1:]], dim=1)
@@ -53,6 +75,12 @@ def decode_step_torch(
     if fenwick:
         readout = readout * level_scales[..., : S.shape[1]].to(dtype).transpose(1, 2)[..., None]
     o = (scale * readout.sum(1)).to(v.dtype)
+    if log_scales is not None:  # decayed-only levels keep their tiles, their log-scales add g; the others reset
+        kept = decayed_only(positions, levels.shape[1])
+        g = gates[variant.gates[0].name][:, None]  # [N, 1, H] or [N, 1, H, K]
+        kept_scales = kept.view(*kept.shape, *(1,) * (log_scales.dim() - 2))
+        log_scales.copy_(torch.where(kept_scales, log_scales + g, 0.0))
+        S = torch.where(kept.view(*kept.shape, 1, 1, 1), levels, S)
     return (o, S) if out is None else (o, out.copy_(S))
 
 
@@ -69,6 +97,7 @@ def decode_step(
     variant: Variant | str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
     level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
     *, fenwick: bool = True, l2norm_qk: bool = False, backend: str | None = None, out: torch.Tensor | None = None,
+    log_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per sequence.
 
@@ -77,20 +106,40 @@ def decode_step(
     level_scales: [N, H, >= L] (unused when fenwick=False); levels: [N, L, H, K, V], L covering the
     positions (fenwick: L >= levels_needed(p + 1)); positions: [N] int64, the token's absolute position;
     backend: as in the public ops; out: where the new levels go, [N, L, H, K, V] like levels (``levels`` itself:
-    in place; the levels positions[n] does not hold must then be zero), else a new tensor. Returns o: [N, H, V]
-    in v's dtype and the new levels [N, L, H, K, V] in levels' dtype. Nothing here reads a device tensor on the
-    host: with positions on the levels' device and ``out`` given, the step can be captured in a CUDA graph
-    (loglinear.models.graphs).
+    in place; the levels positions[n] does not hold must then be zero), else a new tensor; log_scales: lazy levels
+    (module docstring), in place only and for a variant whose transition only scales (``variant.scales_levels``):
+    [N, L, H], or [N, L, H, K] for a per-channel gate, in levels' dtype, updated in place. Returns o: [N, H, V]
+    in v's dtype and the new levels [N, L, H, K, V] in levels' dtype (stored lazily with log_scales). Nothing here
+    reads a device tensor on the host: with positions on the levels' device and ``out`` given, the step can be
+    captured in a CUDA graph (loglinear.models.graphs).
     """
     variant = get(variant)
     check_decode_inputs(variant, q, k, v, gates, level_scales, levels, positions, fenwick=fenwick)
     if out is not None and (out.shape != levels.shape or out.dtype != levels.dtype or out.device != levels.device):
         raise ValueError(f"out must be like levels ({tuple(levels.shape)}, {levels.dtype}, {levels.device}), "
                          f"got {tuple(out.shape)}, {out.dtype}, {out.device}")
+    if log_scales is not None:
+        _check_log_scales(variant, levels, out, fenwick, log_scales)
     positions = _on_device(positions, levels.device)
     step = backend_for(variant, select_backend(variant, levels.device, backend)).decode or decode_step_torch
     return step(variant, q, k, v, gates, level_scales, levels, positions, scale, fenwick=fenwick, l2norm_qk=l2norm_qk,
-                out=out)
+                out=out, log_scales=log_scales)
+
+
+def _check_log_scales(variant: Variant, levels: torch.Tensor, out: torch.Tensor | None, fenwick: bool,
+                      log_scales: object) -> None:
+    if not isinstance(log_scales, torch.Tensor):
+        raise TypeError(f"log_scales must be a tensor or None, got {type(log_scales).__name__}")
+    if not variant.scales_levels:
+        raise ValueError(f"log_scales: {variant.title}'s transition does more than scale a state; its levels are "
+                         "rewritten every token (pass log_scales=None)")
+    if out is not levels or not fenwick:
+        raise ValueError("log_scales needs an in-place log-linear step (out=levels, fenwick=True)")
+    N, L, H, K = levels.shape[:4]
+    shape = (N, L, H, K) if variant.gates[0].per_channel else (N, L, H)
+    if tuple(log_scales.shape) != shape or log_scales.dtype != levels.dtype or log_scales.device != levels.device:
+        raise ValueError(f"log_scales must be {list(shape)} in levels' dtype and device ({levels.dtype}, "
+                         f"{levels.device}), got {list(log_scales.shape)} {log_scales.dtype} {log_scales.device}")
 
 
 def fused_decode_applies(inp: OpInputs) -> bool:

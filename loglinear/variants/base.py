@@ -69,6 +69,13 @@ class Variant:
     def gate_names(self) -> tuple[str, ...]:
         return tuple(gate.name for gate in self.gates)
 
+    @property
+    def scales_levels(self) -> bool:
+        """Whether the transition only scales a state: A_t = exp(g_t) of the variant's one gate, a log-decay per head
+        or per key channel. A decoding cache may then keep each level's accumulated log-decay beside it instead of
+        rewriting the level every token (loglinear.ops.decode)."""
+        return len(self.gates) == 1 and self.gates[0].log_decay
+
     def transition_shape(self, K: int) -> tuple[int, int]:
         """Trailing shape of shard_transition's result: (K, K) or (1, 1)."""
         return (K, K) if self.matrix_transition else (1, 1)

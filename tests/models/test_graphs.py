@@ -39,6 +39,10 @@ def test_static_steps_equal_the_cached_forward(variant, ll):
         assert_close(a.levels[:, : b.num_levels], b.levels, 1e-12, "levels")
         assert not a.levels[:, b.num_levels :].any()
         assert_close(a.conv, b.conv, 1e-12, "conv state")
+    lazy = ll and model.model.layers[0].mixer.variant.scales_levels  # Mamba-2, GLA: levels beside their log-decays
+    for buf in static.graph.buffers:
+        assert (buf.log_scales is not None) == lazy
+        assert not lazy or buf.log_scales.any(), "no level was kept lazily"
 
 
 @pytest.mark.parametrize("variant", NAMES)
@@ -52,8 +56,9 @@ def test_generate_with_static_steps(variant):
 
 
 @torch.no_grad()
-def test_beam_search_and_outside_changes_reload_the_buffers():
-    model = make_model("gated_deltanet", True)
+@pytest.mark.parametrize("variant", NAMES)
+def test_beam_search_and_outside_changes_reload_the_buffers(variant):
+    model = make_model(variant, True)
     ids, mask = left_padded([6, 4], 6)
     kw = dict(attention_mask=mask, max_new_tokens=4, num_beams=3, do_sample=False)
     assert torch.equal(model.generate(ids, **{CACHE_KEY: FenwickCache(2, cuda_graph=True)}, **kw),

@@ -11,7 +11,7 @@ from loglinear import reference as R
 from loglinear.fenwick import levels_needed
 from loglinear.ops import decode as D
 from loglinear.ops.triton.decode import decode_backend, fused_decode_step
-from loglinear.variants import GATED_DELTANET, MAMBA2
+from loglinear.variants import GATED_DELTANET, GLA, MAMBA2
 
 STEPS = {
     "torch": D.decode_step_torch,
@@ -213,3 +213,74 @@ def test_fused_step_rejects_bad_levels():
     with pytest.raises(ValueError, match="level_scales"):
         fused_decode_step(tok["q"], tok["k"], tok["v"], tok["g"], None, tok["level_scales"][..., :1],
                           torch.zeros(2, 2, 2, 4, 3, dtype=torch.float64), torch.tensor([1, 1]), 1.0)
+
+
+def _lazy_case(variant, N: int = 3, T: int = 14, H: int = 2, K: int = 8, V: int = 32, L: int = 6):
+    """Inputs of ``variant`` (its own gates), and the reference per row: o at every position and the state after
+    every prefix, [N, T + 1] states of L levels. V = 32: the fused step splits it into two blocks of columns, whose
+    programs share each level's log-scale."""
+    x = make_inputs(N, T, 1, H, K=K, V=V, L=L)
+    x["g"] = variant.sample_gates(N, T, H, K, dtype=torch.float64)["g"]
+    o, states = [], []
+    for n in range(N):
+        row = {name: t[n : n + 1] for name, t in x.items()}
+        o.append(R.recurrent(variant, row["q"], row["k"], row["v"], {"g": row["g"]}, row["level_scales"])[0])
+        states.append([FenwickState.zeros(1, H, K, V, num_levels=L, dtype=torch.float64).levels] + [
+            R.recurrent(variant, *(row[a][:, :t] for a in "qkv"), {"g": row["g"][:, :t]},
+                        row["level_scales"][:, :t], output_final_state=True)[1].with_levels(L).levels
+            for t in range(1, T + 1)])
+    return x, torch.cat(o), states
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("variant", [MAMBA2, GLA], ids=lambda v: v.name)
+def test_lazy_levels_over_consecutive_steps(impl, variant):
+    """log_scales (in place): level l's state is levels[:, l] * exp(log_scales[:, l]). From states stored with random
+    log-scales, consecutive steps across carries give the reference outputs and states; a level the token only
+    decays keeps its stored tile bit for bit, and every other level the token touches restarts at log-scale 0."""
+    x, o_ref, states = _lazy_case(variant)
+    starts, L = [0, 5, 7], 6
+    per_channel = variant.gates[0].per_channel
+    log_scales = 0.5 * torch.randn(3, L, 2, *((8,) if per_channel else ()), dtype=torch.float64)
+    scales = torch.exp(log_scales)[..., None] if per_channel else torch.exp(log_scales)[..., None, None]
+    levels = torch.cat([states[n][p] for n, p in enumerate(starts)]) / scales
+    for i in range(5):  # positions 0..4, 5..9, 7..11: carries into levels 1..4
+        pos = torch.tensor([p + i for p in starts])
+        tok = _token(x, pos.tolist())
+        before, ls_before = levels.clone(), log_scales.clone()
+        o, out = STEPS[impl](variant, tok["q"], tok["k"], tok["v"], {"g": tok["g"]}, tok["level_scales"], levels,
+                             pos, x["q"].shape[-1] ** -0.5, out=levels, log_scales=log_scales)
+        assert out is levels
+        assert_close(o, torch.stack([o_ref[n, p] for n, p in enumerate(pos.tolist())]), 1e-12, f"o at step {i}")
+        scales = torch.exp(log_scales)[..., None] if per_channel else torch.exp(log_scales)[..., None, None]
+        after = torch.cat([states[n][p + 1] for n, p in enumerate(pos.tolist())])
+        assert_close(levels * scales, after, 1e-12, f"levels at step {i}")
+        kept = D.decayed_only(pos, L)
+        touched = _held_mask(pos, L) | _held_mask(pos + 1, L)
+        assert kept.any() and (touched & ~kept).any()
+        assert torch.equal(levels[kept], before[kept]), "a level the token only decays was rewritten"
+        assert_close(log_scales[kept], ls_before[kept] + tok["g"][:, None].expand_as(ls_before)[kept], 1e-15, "kept")
+        assert not log_scales[touched & ~kept].any(), "a rewritten level's log-scale did not restart at 0"
+
+
+def _held_mask(positions: torch.Tensor, L: int) -> torch.Tensor:
+    return torch.tensor([[l in _held(p) for l in range(L)] for p in positions.tolist()])
+
+
+def test_lazy_levels_reject_what_they_cannot_serve():
+    x = make_inputs(2, 1, 1, 2, K=4, V=3, L=3)
+    tok = {n: t[:, 0] for n, t in x.items()}
+    levels, pos = torch.zeros(2, 3, 2, 4, 3, dtype=torch.float64), torch.tensor([1, 2])
+    args = (tok["q"], tok["k"], tok["v"])
+    ls = torch.zeros(2, 3, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="Gated DeltaNet's transition does more than scale"):
+        D.decode_step(GATED_DELTANET, *args, _gates(tok, True), tok["level_scales"], levels, pos, 1.0, out=levels,
+                      log_scales=ls)
+    with pytest.raises(ValueError, match="in-place"):
+        D.decode_step(MAMBA2, *args, {"g": tok["g"]}, tok["level_scales"], levels, pos, 1.0, log_scales=ls)
+    with pytest.raises(ValueError, match=r"log_scales must be \[2, 3, 2, 4\]"):
+        D.decode_step(GLA, *args, {"g": tok["g"][..., None].expand(-1, -1, 4)}, tok["level_scales"], levels, pos,
+                      1.0, out=levels, log_scales=ls)
+    with pytest.raises(TypeError, match="log_scales must be a tensor"):
+        D.decode_step(MAMBA2, *args, {"g": tok["g"]}, tok["level_scales"], levels, pos, 1.0, out=levels,
+                      log_scales=[0.0])

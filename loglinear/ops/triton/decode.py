@@ -36,11 +36,24 @@ __all__ = ["fused_decode_step", "decode_backend"]
 
 
 @triton.jit
+def _level_roles(p, l):
+    """Level l's part in the step of the token at position p (int64): held before it (the state after p tokens),
+    held after it, merged by the carry (l <= ctz p), the carry's target (l == ctz(p) + 1)."""
+    one = tl.full((), 1, tl.int64)
+    bit = one << tl.maximum(l - 1, 0)  # level l >= 1 holds bit l - 1 of the position
+    held_in = (p > 0) & ((l == 0) | (((p - 1) & bit) != 0))
+    held_out = (l == 0) | ((p & bit) != 0)
+    merge = (p > 0) & ((p & ((one << l) - 1)) == 0)
+    into = (l > 0) & (p > 0) & ((p & (bit - 1)) == 0) & (merge == 0)
+    return held_in, held_out, merge, into
+
+
+@triton.jit
 def _decode_step_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, lam_ptr, s_in_ptr, s_out_ptr, pos_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, pos_ptr, o_ptr,
     scale, H, G, K, V, L, lam_sn, lam_sh,
     BK: tl.constexpr, BV: tl.constexpr, FENWICK: tl.constexpr, HAS_BETA: tl.constexpr, PER_CHANNEL: tl.constexpr,
-    L2NORM: tl.constexpr, IN_PLACE: tl.constexpr, ACC: tl.constexpr,
+    L2NORM: tl.constexpr, IN_PLACE: tl.constexpr, LAZY: tl.constexpr, ACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n = pid // H
@@ -68,22 +81,21 @@ def _decode_step_kernel(
         beta = 1.0
     deposit = (beta * k)[:, None] * v[None, :]
     p = tl.load(pos_ptr + n)  # int64
-    one = tl.full((), 1, tl.int64)
 
     acc = tl.zeros((BK, BV), dtype=ACC)
     o = tl.zeros((BV,), dtype=ACC)
     for l in range(0, L):
         offs = (((n * L + l) * H + h) * K + rk[:, None]) * V + rv[None, :]
-        bit = one << tl.maximum(l - 1, 0)  # level l >= 1 holds bit l - 1 of the position
-        held_in = (p > 0) & ((l == 0) | (((p - 1) & bit) != 0))  # before the token: the state after p tokens
-        held_out = (l == 0) | ((p & bit) != 0)  # after it
+        held_in, held_out, merge, into = _level_roles(p, l)
         read = (not IN_PLACE) | (not FENWICK) | held_in  # a plain state is read whatever its position
         if read | held_out:
             S = tl.load(s_in_ptr + offs, mask=tile & read, other=0.0).to(ACC)
+            if LAZY:  # the level's state is the stored tile times exp(its log-scale)
+                if PER_CHANNEL:
+                    S = S * tl.exp(tl.load(ls_ptr + ((n * L + l) * H + h) * K + rk, mask=mk & read, other=0.0))[:, None]
+                else:
+                    S = S * tl.exp(tl.load(ls_ptr + (n * L + l) * H + h, mask=read, other=0.0))
             if FENWICK:
-                merge = (p > 0) & ((p & ((one << l) - 1)) == 0)
-                below = (p & ((one << tl.maximum(l - 1, 0)) - 1)) == 0
-                into = (l > 0) & (p > 0) & below & (merge == 0)
                 moved = tl.where(merge, S, 0.0)
                 S = tl.where(merge, 0.0, S + tl.where(into, acc, 0.0))
                 acc = acc + moved
@@ -98,8 +110,39 @@ def _decode_step_kernel(
             else:
                 w = 1.0
             o = o + w * tl.sum(q[:, None] * S, 0)
-            tl.store(s_out_ptr + offs, S.to(s_out_ptr.dtype.element_ty), mask=tile)
+            # lazy: a level the token only decays keeps its stored tile (its log-scale adds g); level 0 merges
+            # (p > 0) or is empty (p = 0)
+            if (not LAZY) | (held_in == 0) | merge:
+                tl.store(s_out_ptr + offs, S.to(s_out_ptr.dtype.element_ty), mask=tile)
     tl.store(o_ptr + (n * H + h) * V + rv, (scale * o).to(o_ptr.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _log_scale_kernel(g_ptr, ls_ptr, pos_ptr, H, K, L, BK: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """Lazy levels after the step (one program per (sequence, head)): a level the token only decays adds g to its
+    log-scale, every other level it touches restarts at 0 (its tile was rewritten). Runs after the step kernel,
+    whose programs of every value block read the old log-scales."""
+    pid = tl.program_id(0)
+    n = pid // H
+    h = pid % H
+    rk = tl.arange(0, BK)
+    mk = rk < K
+    p = tl.load(pos_ptr + n)
+    if PER_CHANNEL:
+        g = tl.load(g_ptr + (n * H + h) * K + rk, mask=mk, other=0.0).to(ls_ptr.dtype.element_ty)
+    else:
+        g = tl.load(g_ptr + n * H + h).to(ls_ptr.dtype.element_ty)
+    for l in range(0, L):
+        held_in, held_out, merge, into = _level_roles(p, l)
+        kept = held_in & (merge == 0)  # level 0 merges (p > 0) or is empty (p = 0)
+        if held_in | held_out:
+            if PER_CHANNEL:
+                offs = ((n * L + l) * H + h) * K + rk
+                ls = tl.load(ls_ptr + offs, mask=mk, other=0.0)
+                tl.store(ls_ptr + offs, tl.where(kept, ls + g, 0.0), mask=mk)
+            else:
+                offs = (n * L + l) * H + h
+                tl.store(ls_ptr + offs, tl.where(kept, tl.load(ls_ptr + offs) + g, 0.0))
 
 
 def _block_v(K: int, V: int, rows: int) -> int:
@@ -115,8 +158,10 @@ def fused_decode_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor | None,
     level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
     *, fenwick: bool = True, l2norm_qk: bool = False, out: torch.Tensor | None = None,
+    log_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch for one token per sequence (see loglinear.ops.decode.decode_step for the contract).
+    """One launch for one token per sequence (see loglinear.ops.decode.decode_step for the contract); with
+    log_scales (lazy levels: [N, L, H] or [N, L, H, K], levels' dtype; in place) a second, small one updates them.
 
     q, k: [N, G, K]; v: [N, H, V]; g: [N, H] (a decay per head) or [N, H, K] (per key channel: GLA); beta: [N, H]
     (the delta rule) or None; level_scales: [N, H, >= L]; levels: [N, L, H, K, V]; positions: [N] int64.
@@ -150,13 +195,20 @@ def fused_decode_step(
     o = torch.empty(N, H, V, dtype=v.dtype, device=device)
     BV = _block_v(K, V, N * H)
     grid = (N * H, triton.cdiv(V, BV))
+    lazy = log_scales is not None
+    if lazy and (out is not levels or not fenwick or beta is not None or not log_scales.is_contiguous()):
+        raise ValueError("log_scales needs a contiguous in-place log-linear step with a decay-only transition")
+    BK, per_channel = triton.next_power_of_2(K), g.dim() == 3
     _decode_step_kernel[grid](
-        q, k, v, g, beta_arg, lam, levels, out, positions, o,
+        q, k, v, g, beta_arg, lam, levels, out, log_scales if lazy else g, positions, o,
         float(scale), H, G, K, V, L, lam_sn, lam_sh,
-        BK=triton.next_power_of_2(K), BV=BV, FENWICK=fenwick, HAS_BETA=beta is not None, PER_CHANNEL=g.dim() == 3,
-        L2NORM=l2norm_qk, IN_PLACE=out is levels,
+        BK=BK, BV=BV, FENWICK=fenwick, HAS_BETA=beta is not None, PER_CHANNEL=per_channel,
+        L2NORM=l2norm_qk, IN_PLACE=out is levels, LAZY=lazy,
         ACC=tl.float64 if levels.dtype == torch.float64 else tl.float32, **launch_options(_decode_step_kernel),
     )
+    if lazy:
+        _log_scale_kernel[(N * H,)](g, log_scales, positions, H, K, L, BK=BK, PER_CHANNEL=per_channel,
+                                    **launch_options(_log_scale_kernel))
     return o, out
 
 
@@ -164,9 +216,10 @@ def decode_backend(
     variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
     level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
     *, fenwick: bool = True, l2norm_qk: bool = False, out: torch.Tensor | None = None,
+    log_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode step the variants register (loglinear.ops.backends.Backend.decode). The kernel's compile-time
     switches come from the variant's gates: g [N, H] a scalar decay (Mamba-2) or [N, H, K] one per key channel
     (GLA), and a beta gate makes it the gated delta rule (Gated DeltaNet)."""
     return fused_decode_step(q, k, v, gates["g"], gates.get("beta"), level_scales, levels, positions, scale,
-                             fenwick=fenwick, l2norm_qk=l2norm_qk, out=out)
+                             fenwick=fenwick, l2norm_qk=l2norm_qk, out=out, log_scales=log_scales)

@@ -21,7 +21,8 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
   * Gated DeltaNet scan kernels (gated_deltanet/scan.py): 8 warps for the sequential kernels' [K, BV]
     states and the grads kernel's accumulators; the readout backward takes 4, two programs per SM without
     spills on sm_90.
-  * The decode step (decode.py): Triton's defaults (4 warps, 3 stages).
+  * The decode step (decode.py): Triton's defaults (4 warps, 3 stages); the log-scale update after it, a few
+    scalars or one K-vector per level, one warp.
 """
 
 from __future__ import annotations
@@ -73,8 +74,9 @@ LAUNCH: dict[str, Launch] = {
     "_scan_dh_kernel": Launch(8, 2),
     "_scan_grads_kernel": Launch(8, 2),
     "_scan_readout_bwd_kernel": Launch(4, 2),
-    # the fused decode step
+    # the fused decode step, and the lazy levels' log-scales after it
     "_decode_step_kernel": Launch(4, 3),
+    "_log_scale_kernel": Launch(1, 1),
 }
 
 
