@@ -11,7 +11,7 @@ L = ceil(log2 T) + 1 level states (log-linear), 1 state (plain), T keys/values (
 steps of one token through the HF model are timed end to end (Python included), after warm-up. Llama's
 DynamicCache appends by concatenation (a copy of the cache per step); it is cropped back to T after each step.
 
-Also timed: the fused decode kernel alone (one layer's step in place, triton.testing.do_bench; log-linear at
+Also timed: the fused decode kernel alone (one layer's step in place, its kernels' GPU time; log-linear at
 positions drawn from [T/2, T) and at p = T, where every level is held) vs plain, for Mamba-2, GLA (Mamba-2's
 shape with a decay per key channel) and GDN, and a correctness check of the kernel against the PyTorch step on
 the device (all three), the ms per token through model.generate() (eager and graphed), and a check of graphed
@@ -163,8 +163,31 @@ def median_us(fn, device) -> float:
     return sorted(times)[1]
 
 
+def kernel_us(fn, device, kernels: tuple[str, ...], iters: int = 20) -> float:
+    """GPU microseconds of one call of fn, its ``kernels`` (names) only, as the profiler records them: each call
+    after a 256 MB write that evicts L2 (the states come from HBM, as in a model whose other layers ran in between),
+    and no host time (the Python around a launch is longer than a small step's kernel). On the CPU: median_us."""
+    if device.type != "cuda":
+        return median_us(fn, device)
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize(device)
+    events = prof.key_averages()
+    total = sum(e.device_time_total for e in events if any(k in e.key for k in kernels))
+    if total <= 0:
+        raise RuntimeError(f"the profiler recorded none of {kernels}: {[e.key for e in events]}")
+    return total / iters
+
+
 def kernel_times(configs: dict, contexts: list[int], batches: list[int], device, draws: int = 8) -> list[dict]:
-    """The fused step of one layer alone, in place as CUDA-graph decoding runs it: log-linear (a buffer of
+    """The fused step of one layer alone (its kernels' GPU time, kernel_us), in place as CUDA-graph decoding runs it:
+    log-linear (a buffer of
     L = levels_needed(T + 1) levels; Mamba-2 and GLA with lazy levels, their log-scales beside them) vs plain (one
     level). The log-linear step touches the levels its position holds, so it is timed at positions drawn uniformly
     from [T/2, T) for every sequence (the mean over ``draws`` draws: a context of about T) and at p = T (a power of
@@ -196,7 +219,7 @@ def kernel_times(configs: dict, contexts: list[int], batches: list[int], device,
                     fn = lambda: fused_decode_step(q, k, v, g, beta if gdn else None, lam, levels,  # noqa: E731
                                                    pos, 0.1, fenwick=fenwick, l2norm_qk=gdn, out=levels,
                                                    log_scales=log_scales if fenwick else None)
-                    return median_us(fn, device)
+                    return kernel_us(fn, device, ("_decode_step_kernel", "_log_scale_kernel"))
 
                 levels = torch.randn(batch, L, H, K, V, device=device)  # the cost depends on positions, not values
                 drawn = [step_us(levels, torch.randint(context // 2, context, (batch,), generator=gen), True)
@@ -471,7 +494,7 @@ def write_markdown(results: dict, path: str) -> None:
                 cells.append("—" if b is None else f"{b / 2**20:,.1f}" + ("*" if "cache_bytes" not in r else ""))
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if results.get("kernel"):
-        lines += ["", "## Fused decode kernel alone (one layer, in place, median us)", "",
+        lines += ["", "## Fused decode kernel alone (one layer, in place; GPU time of its kernels, cold L2, us)", "",
                   "Log-linear: the mean over draws of every sequence's position from [T/2, T), and at p = T (a power "
                   "of two: every level held before the token merges into a new one, the most a step touches); "
                   "Mamba-2 and GLA with lazy levels (log-scales), as graphed decoding keeps them. Plain: one level.",
