@@ -84,7 +84,8 @@ def build(name: str, configs: dict, device, dtype):
 
 
 def fenwick_cache_at(model, batch: int, context: int, device, cuda_graph: bool = False) -> FenwickCache:
-    """A FenwickCache of ``batch`` sequences that have seen ``context`` tokens (random state contents)."""
+    """A FenwickCache of ``batch`` sequences that have seen ``context`` tokens (random contents in the levels that
+    position holds, zeros in the others, as in a real state)."""
     cache = FenwickCache(len(model.model.layers), cuda_graph=cuda_graph)
     for i, block in enumerate(model.model.layers):
         mixer = block.mixer
@@ -92,10 +93,12 @@ def fenwick_cache_at(model, batch: int, context: int, device, cuda_graph: bool =
         K = mixer.state_size if hasattr(mixer, "state_size") else mixer.head_k_dim
         V = mixer.head_dim if hasattr(mixer, "state_size") else mixer.head_v_dim
         L = levels_needed(context) if mixer.use_log_linear else 1
-        levels = 0.01 * torch.randn(batch, L, H, K, V, device=device)
+        positions = torch.full((batch,), context, dtype=torch.int64)
+        held = held_levels(positions, L).to(device) if mixer.use_log_linear else torch.ones(batch, 1, device=device)
+        levels = 0.01 * torch.randn(batch, L, H, K, V, device=device) * held[:, :, None, None, None]
         conv = torch.randn(batch, mixer.conv.kernel_size[0] - 1, mixer.conv.in_channels, device=device,
                            dtype=mixer.conv.weight.dtype)
-        cache.update_state(i, MixerState(levels, torch.full((batch,), context, dtype=torch.int64), conv))
+        cache.update_state(i, MixerState(levels, positions, conv))
     return cache
 
 

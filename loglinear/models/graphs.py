@@ -47,6 +47,14 @@ class BufferView(MixerState):
             self._levels = self.buffer.level_states()
         return self._levels
 
+    @property
+    def num_sequences(self) -> int:  # shapes come from the buffer: asking them multiplies nothing out
+        return self.buffer.levels.shape[0]
+
+    @property
+    def num_levels(self) -> int:
+        return self.buffer.levels.shape[1]
+
     def nbytes(self) -> int:
         return self.buffer.nbytes()
 

@@ -8,6 +8,7 @@ import torch
 
 from helpers import assert_close
 from loglinear.models import FenwickCache
+from loglinear.layers.mixer import StaticState
 from loglinear.models.graphs import DecodeGraph
 from loglinear.models.modeling import CACHE_KEY
 from test_models import NAMES, VARIANTS, left_padded, make_model
@@ -46,13 +47,22 @@ def test_static_steps_equal_the_cached_forward(variant, ll):
 
 
 @pytest.mark.parametrize("variant", NAMES)
-def test_generate_with_static_steps(variant):
+def test_generate_with_static_steps(variant, monkeypatch):
+    """generate() with static steps gives the ordinary cache's tokens, and its steps never multiply a lazy layer's
+    levels out (only a reader of the cache's levels does)."""
     model = make_model(variant, True)
     ids, mask = left_padded([8, 5], 8)
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
     cache = FenwickCache(2, cuda_graph=True)
+    multiplied = []
+    real = StaticState.level_states
+    monkeypatch.setattr(StaticState, "level_states", lambda self: multiplied.append(1) or real(self))
     assert torch.equal(model.generate(ids, **{CACHE_KEY: cache}, **kw), model.generate(ids, **kw))
     assert cache.graph is not None and cache.positions.tolist() == [13, 10]
+    assert not multiplied, "a graphed step multiplied the levels out"
+    assert cache.num_levels() == model.config.max_levels and not multiplied
+    cache.states[0].levels
+    assert multiplied
 
 
 @torch.no_grad()
