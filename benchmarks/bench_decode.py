@@ -225,11 +225,13 @@ def kernel_times(configs: dict, contexts: list[int], batches: list[int], device,
                     return kernel_us(fn, device, ("_decode_step_kernel", "_log_scale_kernel"))
 
                 levels = torch.randn(batch, L, H, K, V, device=device)  # the cost depends on positions, not values
-                drawn = [step_us(levels, torch.randint(context // 2, context, (batch,), generator=gen), True)
-                         for _ in range(draws)]
+                drawn = [torch.randint(context // 2, context, (batch,), generator=gen) for _ in range(draws)]
                 rows.append({
                     "variant": variant, "batch": batch, "context": context, "levels": L,
-                    "log_linear_us": sum(drawn) / draws,
+                    "log_linear_us": sum(step_us(levels, pos, True) for pos in drawn) / draws,
+                    # lazy levels kept in bf16 (FenwickCache's level_dtype), the same positions
+                    "log_linear_bf16_us": None if gdn else sum(
+                        step_us(levels.to(torch.bfloat16), pos, True) for pos in drawn) / draws,
                     "log_linear_worst_us": step_us(levels, torch.full((batch,), context), True),
                     "plain_us": step_us(torch.randn(batch, 1, H, K, V, device=device), torch.full((batch,), context),
                                         False),
@@ -463,6 +465,8 @@ def summary(results: dict) -> list[str]:
                          f"({r['log_linear_worst_us']:.1f} us at p = T, all {r['levels']} levels touched) vs plain "
                          f"{r['plain_us']:.1f} us = {r['log_linear_us'] / r['plain_us']:.2f}x "
                          f"({r['log_linear_worst_us'] / r['plain_us']:.2f}x)"
+                         + (f"; bf16 levels {r['log_linear_bf16_us']:.1f} us = "
+                            f"{r['log_linear_bf16_us'] / r['plain_us']:.2f}x" if r.get("log_linear_bf16_us") else "")
                          + (" (target <= 4x)" if r["batch"] == 16 else ""))
     return lines
 
@@ -500,13 +504,15 @@ def write_markdown(results: dict, path: str) -> None:
         lines += ["", "## Fused decode kernel alone (one layer, in place; GPU time of its kernels, cold L2, us)", "",
                   "Log-linear: the mean over draws of every sequence's position from [T/2, T), and at p = T (a power "
                   "of two: every level held before the token merges into a new one, the most a step touches); "
-                  "Mamba-2 and GLA with lazy levels (log-scales), as graphed decoding keeps them. Plain: one level.",
+                  "Mamba-2 and GLA with lazy levels (log-scales), as graphed decoding keeps them; bf16 levels: the "
+                  "same positions with the lazy levels in bf16 (level_dtype). Plain: one level.",
                   "",
-                  "| variant | batch | T | levels | log-linear us | at p = T | plain us | ratio | at p = T |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| variant | batch | T | levels | log-linear us | at p = T | bf16 levels us | plain us | ratio "
+                  "| at p = T |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["kernel"]:
+            bf16 = f"{r['log_linear_bf16_us']:.1f}" if r.get("log_linear_bf16_us") else "—"
             lines.append(f"| {r['variant']} | {r['batch']} | {r['context']:,} | {r['levels']} | "
-                         f"{r['log_linear_us']:.1f} | {r['log_linear_worst_us']:.1f} | {r['plain_us']:.1f} | "
+                         f"{r['log_linear_us']:.1f} | {r['log_linear_worst_us']:.1f} | {bf16} | {r['plain_us']:.1f} | "
                          f"{r['log_linear_us'] / r['plain_us']:.2f} | {r['log_linear_worst_us'] / r['plain_us']:.2f} |")
     if "kernel_check" in results:
         lines += ["", f"Kernel check on the device (fused vs PyTorch step, fp32): {results['kernel_check']}"]

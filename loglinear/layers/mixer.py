@@ -75,9 +75,10 @@ class StaticState:
     ``FenwickMixer.step_`` updates in place.
 
     levels:     [N, L, H, K, V] (L = max_levels log-linear, 1 plain; levels above a position's own are zero); with
-                log_scales stored lazily: level l's state is levels[:, l] * exp(log_scales[:, l]) (loglinear.ops.decode)
-    log_scales: [N, L, H] ([N, L, H, K] for a per-channel gate) for a log-linear layer whose transition only scales
-                (``Variant.scales_levels``: Mamba-2, GLA), else None
+                log_scales stored lazily: level l's state is levels[:, l] * exp(log_scales[:, l])
+                (loglinear.ops.decode), and may then be bfloat16 (FenwickCache's level_dtype)
+    log_scales: [N, L, H] ([N, L, H, K] for a per-channel gate), float32 (float64 with float64 levels), for a
+                log-linear layer whose transition only scales (``Variant.scales_levels``: Mamba-2, GLA), else None
     conv:       [N, W-1, C]
     """
 
@@ -95,7 +96,8 @@ class StaticState:
         self.conv.copy_(state.conv)
 
     def level_states(self) -> torch.Tensor:
-        """The level states [N, L, H, K, V]: ``levels`` itself, or with log_scales levels x exp(log_scales), new."""
+        """The level states [N, L, H, K, V]: ``levels`` itself, or with log_scales levels x exp(log_scales), new
+        (in the log-scales' dtype)."""
         if self.log_scales is None:
             return self.levels
         scales = torch.exp(self.log_scales)
@@ -198,16 +200,24 @@ class FenwickMixer(nn.Module):
             return y, None
         return y, MixerState(levels, positions, conv_state)
 
-    def static_state(self, state: MixerState) -> StaticState:
+    def static_state(self, state: MixerState, level_dtype: torch.dtype | None = None) -> StaticState:
         """Static buffers for ``step_`` shaped like ``state`` with the levels this layer can reach (max_levels
-        log-linear, 1 plain), lazy (log-scales) where the variant's transition only scales; not yet loaded."""
+        log-linear, 1 plain), lazy (log-scales in the step's compute dtype) where the variant's transition only
+        scales; the levels in ``level_dtype`` (None: the states' own; another one needs lazy levels). Not yet
+        loaded."""
         levels = state.levels
         L = self.max_levels if self.level_scales is not None else 1
+        dtype = level_dtype or levels.dtype
         log_scales = None
         if self.level_scales is not None and self.variant.scales_levels:
             channels = (levels.shape[3],) if self.variant.gates[0].per_channel else ()
-            log_scales = levels.new_zeros(levels.shape[0], L, levels.shape[2], *channels)
-        return StaticState(levels.new_empty(levels.shape[0], L, *levels.shape[2:]), log_scales,
+            log_scales = levels.new_zeros(levels.shape[0], L, levels.shape[2], *channels,
+                                          dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        elif dtype != levels.dtype:
+            what = "a plain layer" if self.level_scales is None else f"{self.variant.title}'s layer"
+            raise ValueError(f"level_dtype={level_dtype} needs lazy levels (log-linear Mamba-2, GLA): {what} "
+                             "rewrites its levels every token, and would round them every token")
+        return StaticState(levels.new_empty(levels.shape[0], L, *levels.shape[2:], dtype=dtype), log_scales,
                            torch.empty_like(state.conv))
 
     @torch.no_grad()

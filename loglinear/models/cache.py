@@ -27,16 +27,24 @@ class FenwickCache(Cache):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, num_layers: int, *, cuda_graph: bool = False):
+    def __init__(self, num_layers: int, *, cuda_graph: bool = False, level_dtype: torch.dtype | None = None):
         """num_layers: the model's num_hidden_layers; cuda_graph: run one-token steps as a CUDA graph
-        (loglinear.models.graphs; the states then live in static buffers of max_levels levels)."""
+        (loglinear.models.graphs; the states then live in static buffers of max_levels levels); level_dtype: the
+        dtype the static buffers keep the level states in (cuda_graph only; None: the states' own, float32).
+        torch.bfloat16 halves the bytes a step reads; it needs lazy levels (Mamba-2, GLA: each level is rounded
+        once when it is written, not on every token)."""
         if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
             raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
         if not isinstance(cuda_graph, bool):
             raise TypeError(f"cuda_graph must be a bool, got {type(cuda_graph).__name__}")
+        if level_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(f"level_dtype must be None, torch.float32 or torch.bfloat16, got {level_dtype!r}")
+        if level_dtype is not None and not cuda_graph:
+            raise ValueError("level_dtype sets the static buffers of CUDA-graph decoding: pass cuda_graph=True")
         # transformers' Cache.__init__ wants layer objects; this cache stores MixerStates itself.
         self.states: list[MixerState | None] = [None] * num_layers
         self.cuda_graph = cuda_graph
+        self.level_dtype = level_dtype
         self.graph = None  # the DecodeGraph of the current batch size (loglinear.models.graphs)
         self.layers: list = []
         self.layer_class_to_replicate = None

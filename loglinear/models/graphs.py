@@ -69,7 +69,8 @@ class DecodeGraph:
         device = states[0].levels.device
         self.max_levels = [block.mixer.max_levels if block.mixer.level_scales is not None else 1
                            for block in model.model.layers]
-        self.buffers = [block.mixer.static_state(s) for block, s in zip(model.model.layers, states, strict=True)]
+        self.buffers = [block.mixer.static_state(s, cache.level_dtype)
+                        for block, s in zip(model.model.layers, states, strict=True)]
         self.ids = torch.zeros(self.batch, 1, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.batch, dtype=torch.int64, device=device)
         self.views: list[BufferView] = []

@@ -40,6 +40,11 @@ from loglinear.variants import Variant, get
 __all__ = ["decode_step", "decode_step_torch", "decayed_only", "fused_decode_applies", "op_decode_step"]
 
 
+def _compute_dtype(levels_dtype: torch.dtype) -> torch.dtype:
+    """The step computes in float64 for float64 levels, else in float32 (16-bit levels are stored, not computed in)."""
+    return torch.float64 if levels_dtype == torch.float64 else torch.float32
+
+
 def _row_scales(log_scales: torch.Tensor) -> torch.Tensor:
     """exp(log_scales) shaped to scale level states [N, L, H, K, V]: [N, L, H] -> [N, L, H, 1, 1] (one per head),
     [N, L, H, K] -> [N, L, H, K, 1] (one per key channel)."""
@@ -61,12 +66,12 @@ def decode_step_torch(
     log_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The PyTorch step; arguments as in ``decode_step``."""
-    dtype, H = levels.dtype, v.shape[1]
+    dtype, H = _compute_dtype(levels.dtype), v.shape[1]
     q, k = expand_groups(q[:, None].to(dtype), H)[:, 0], expand_groups(k[:, None].to(dtype), H)[:, 0]
     if l2norm_qk:
         q, k = l2norm(q), l2norm(k)
     gates = {name: x.to(dtype) for name, x in gates.items()}
-    state = levels if log_scales is None else levels * _row_scales(log_scales)
+    state = levels.to(dtype) if log_scales is None else levels.to(dtype) * _row_scales(log_scales)
     S = carry(state, positions) if fenwick else state
     S = variant.transition(S, k, gates)
     deposit = variant.deposit_key(k, gates)[..., None] * v.to(dtype)[:, :, None, :]
@@ -80,8 +85,8 @@ def decode_step_torch(
         g = gates[variant.gates[0].name][:, None]  # [N, 1, H] or [N, 1, H, K]
         kept_scales = kept.view(*kept.shape, *(1,) * (log_scales.dim() - 2))
         log_scales.copy_(torch.where(kept_scales, log_scales + g, 0.0))
-        S = torch.where(kept.view(*kept.shape, 1, 1, 1), levels, S)
-    return (o, S) if out is None else (o, out.copy_(S))
+        S = torch.where(kept.view(*kept.shape, 1, 1, 1), levels.to(dtype), S)
+    return (o, S.to(levels.dtype)) if out is None else (o, out.copy_(S))
 
 
 def _on_device(positions: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -108,7 +113,8 @@ def decode_step(
     backend: as in the public ops; out: where the new levels go, [N, L, H, K, V] like levels (``levels`` itself:
     in place; the levels positions[n] does not hold must then be zero), else a new tensor; log_scales: lazy levels
     (module docstring), in place only and for a variant whose transition only scales (``variant.scales_levels``):
-    [N, L, H], or [N, L, H, K] for a per-channel gate, in levels' dtype, updated in place. Returns o: [N, H, V]
+    [N, L, H], or [N, L, H, K] for a per-channel gate, float32 (float64 for float64 levels), updated in place; the
+    levels may then be bfloat16 (rounded once when written). Returns o: [N, H, V]
     in v's dtype and the new levels [N, L, H, K, V] in levels' dtype (stored lazily with log_scales). Nothing here
     reads a device tensor on the host: with positions on the levels' device and ``out`` given, the step can be
     captured in a CUDA graph (loglinear.models.graphs).
@@ -137,9 +143,11 @@ def _check_log_scales(variant: Variant, levels: torch.Tensor, out: torch.Tensor 
         raise ValueError("log_scales needs an in-place log-linear step (out=levels, fenwick=True)")
     N, L, H, K = levels.shape[:4]
     shape = (N, L, H, K) if variant.gates[0].per_channel else (N, L, H)
-    if tuple(log_scales.shape) != shape or log_scales.dtype != levels.dtype or log_scales.device != levels.device:
-        raise ValueError(f"log_scales must be {list(shape)} in levels' dtype and device ({levels.dtype}, "
-                         f"{levels.device}), got {list(log_scales.shape)} {log_scales.dtype} {log_scales.device}")
+    dtype = _compute_dtype(levels.dtype)
+    if tuple(log_scales.shape) != shape or log_scales.dtype != dtype or log_scales.device != levels.device:
+        raise ValueError(f"log_scales must be {list(shape)}, {dtype} (the step's compute dtype for {levels.dtype} "
+                         f"levels), on {levels.device}; got {list(log_scales.shape)} {log_scales.dtype} "
+                         f"{log_scales.device}")
 
 
 def fused_decode_applies(inp: OpInputs) -> bool:

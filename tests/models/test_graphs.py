@@ -127,3 +127,28 @@ def test_level_cap_and_bad_arguments():
         FenwickCache(2, cuda_graph=1)
     with pytest.raises(ValueError, match="num_layers"):
         FenwickCache(0)
+    with pytest.raises(ValueError, match="level_dtype must be None, torch.float32 or torch.bfloat16"):
+        FenwickCache(2, cuda_graph=True, level_dtype=torch.float16)
+    with pytest.raises(ValueError, match="pass cuda_graph=True"):
+        FenwickCache(2, level_dtype=torch.bfloat16)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("variant,ll", VARIANTS)
+def test_bfloat16_static_levels(variant, ll):
+    """level_dtype=torch.bfloat16 keeps lazy layers' static levels in bf16 (rounded when written): logits within
+    bf16 rounding of the float32 cache's over steps across carries. Layers that rewrite their levels every token
+    (Gated DeltaNet, plain layers) refuse it."""
+    model = make_model(variant, ll)
+    ids, mask = left_padded([9, 5, 7], 9)
+    cache = FenwickCache(2, cuda_graph=True, level_dtype=torch.bfloat16)
+    if not (ll and model.model.layers[0].mixer.variant.scales_levels):
+        with pytest.raises(ValueError, match="needs lazy levels"):
+            _decode(model, ids, mask, cache, 2)
+        return
+    expected, plain = _decode(model, ids, mask, FenwickCache(2), 11)
+    got, cache = _decode(model, ids, mask, cache, 11)
+    assert all(buf.levels.dtype == torch.bfloat16 for buf in cache.graph.buffers)
+    assert_close(got, expected, 2e-2, "bf16 static levels")
+    for a, b in zip(cache.states, plain.states):
+        assert_close(a.levels[:, : b.num_levels], b.levels, 2e-2, "bf16 levels multiplied out")

@@ -234,32 +234,39 @@ def _lazy_case(variant, N: int = 3, T: int = 14, H: int = 2, K: int = 8, V: int 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("variant", [MAMBA2, GLA], ids=lambda v: v.name)
-def test_lazy_levels_over_consecutive_steps(impl, variant):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
+def test_lazy_levels_over_consecutive_steps(impl, variant, dtype):
     """log_scales (in place): level l's state is levels[:, l] * exp(log_scales[:, l]). From states stored with random
     log-scales, consecutive steps across carries give the reference outputs and states; a level the token only
-    decays keeps its stored tile bit for bit, and every other level the token touches restarts at log-scale 0."""
+    decays keeps its stored tile bit for bit, and every other level the token touches restarts at log-scale 0.
+    bfloat16 levels (float32 log-scales): the same within bf16 rounding."""
     x, o_ref, states = _lazy_case(variant)
     starts, L = [0, 5, 7], 6
     per_channel = variant.gates[0].per_channel
+    tol, scale_dtype = (1e-12, torch.float64) if dtype == torch.float64 else (2e-2, torch.float32)
     log_scales = 0.5 * torch.randn(3, L, 2, *((8,) if per_channel else ()), dtype=torch.float64)
-    scales = torch.exp(log_scales)[..., None] if per_channel else torch.exp(log_scales)[..., None, None]
-    levels = torch.cat([states[n][p] for n, p in enumerate(starts)]) / scales
+
+    def scales(ls: torch.Tensor) -> torch.Tensor:
+        return torch.exp(ls.double())[..., None] if per_channel else torch.exp(ls.double())[..., None, None]
+
+    levels = (torch.cat([states[n][p] for n, p in enumerate(starts)]) / scales(log_scales)).to(dtype)
+    log_scales = log_scales.to(scale_dtype)
     for i in range(5):  # positions 0..4, 5..9, 7..11: carries into levels 1..4
         pos = torch.tensor([p + i for p in starts])
         tok = _token(x, pos.tolist())
         before, ls_before = levels.clone(), log_scales.clone()
         o, out = STEPS[impl](variant, tok["q"], tok["k"], tok["v"], {"g": tok["g"]}, tok["level_scales"], levels,
                              pos, x["q"].shape[-1] ** -0.5, out=levels, log_scales=log_scales)
-        assert out is levels
-        assert_close(o, torch.stack([o_ref[n, p] for n, p in enumerate(pos.tolist())]), 1e-12, f"o at step {i}")
-        scales = torch.exp(log_scales)[..., None] if per_channel else torch.exp(log_scales)[..., None, None]
+        assert out is levels and levels.dtype == dtype
+        assert_close(o.double(), torch.stack([o_ref[n, p] for n, p in enumerate(pos.tolist())]), tol, f"o at {i}")
         after = torch.cat([states[n][p + 1] for n, p in enumerate(pos.tolist())])
-        assert_close(levels * scales, after, 1e-12, f"levels at step {i}")
+        assert_close(levels.double() * scales(log_scales), after, tol, f"levels at step {i}")
         kept = D.decayed_only(pos, L)
         touched = _held_mask(pos, L) | _held_mask(pos + 1, L)
         assert kept.any() and (touched & ~kept).any()
         assert torch.equal(levels[kept], before[kept]), "a level the token only decays was rewritten"
-        assert_close(log_scales[kept], ls_before[kept] + tok["g"][:, None].expand_as(ls_before)[kept], 1e-15, "kept")
+        g = tok["g"][:, None].to(scale_dtype).expand_as(ls_before)
+        assert_close(log_scales[kept], ls_before[kept] + g[kept], 1e-6 if dtype == torch.bfloat16 else 1e-15, "kept")
         assert not log_scales[touched & ~kept].any(), "a rewritten level's log-scale did not restart at 0"
 
 

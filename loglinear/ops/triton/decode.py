@@ -161,7 +161,7 @@ def fused_decode_step(
     log_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch for one token per sequence (see loglinear.ops.decode.decode_step for the contract); with
-    log_scales (lazy levels: [N, L, H] or [N, L, H, K], levels' dtype; in place) a second, small one updates them.
+    log_scales (lazy levels: [N, L, H] or [N, L, H, K], float32 or float64; in place) a second, small one updates them.
 
     q, k: [N, G, K]; v: [N, H, V]; g: [N, H] (a decay per head) or [N, H, K] (per key channel: GLA); beta: [N, H]
     (the delta rule) or None; level_scales: [N, H, >= L]; levels: [N, L, H, K, V]; positions: [N] int64.
