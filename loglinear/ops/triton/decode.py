@@ -18,6 +18,11 @@ p - 1 set; after it, level 0 and each level with bit l - 1 of p set. It reads th
 carry's merged levels as zeros, its target, the decayed held levels) and skips every other level, which must be
 zero (a valid state; the zero-padded static buffers of CUDA-graph decoding are), so a step at position p moves
 about 1 + popcount(p - 1) levels each way instead of max_levels. Out of place every level is read and written.
+LAZY (in place, a decay-only transition: Mamba-2, GLA) stores level l as a tile T_l and a log-scale s_l (one per
+head, or per head and key channel): S_l = diag(exp(s_l)) T_l. A level the token only decays (held before and after,
+above the carry's target) keeps T_l and s_l <- s_l + g; the step writes T only for level 0, the carry's target and
+the levels the carry empties (their s restart at 0). The s updates run in a second kernel (_log_scale_kernel) after
+the step, because every value block's program of a head reads the same s.
 FENWICK=False is the plain recurrence (no carry, lambda = 1) of use_log_linear=False models.
 q, k are read from group h // (H // G); L2NORM normalises them in the kernel (x / sqrt(|x|^2 + 1e-6)).
 The state is read and written once: the step is bound by (levels touched) * K * V * 4 bytes per (sequence, head).
