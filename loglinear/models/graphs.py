@@ -66,7 +66,7 @@ class DecodeGraph:
         states = cache.states
         self.model = model
         self.batch = states[0].num_sequences
-        device = states[0].levels.device
+        device = states[0].conv.device  # not levels: reading a lazy view multiplies it out
         self.max_levels = [block.mixer.max_levels if block.mixer.level_scales is not None else 1
                            for block in model.model.layers]
         self.buffers = [block.mixer.static_state(s, cache.level_dtype)
