@@ -20,6 +20,8 @@ position p-1 to p, levels 0..ctz(p) merge into level ctz(p)+1: a binary counter.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "carry_target",
     "carry",
     "held_levels",
+    "last_query_masks",
     "ctz",
     "trailing_zeros",
 ]
@@ -153,3 +156,16 @@ def held_levels(positions: torch.Tensor, num_levels: int) -> torch.Tensor:
     lev = torch.arange(num_levels, device=p.device)[None, :]
     bit = (torch.clamp(p - 1, min=0) >> torch.clamp(lev - 1, min=0)) & 1
     return (p > 0) & ((lev == 0) | (bit == 1))
+
+
+def last_query_masks(e: int, C: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The in-chunk buckets of query e of an aligned chunk of C = 2^c tokens: [c + 1, C] in ``dtype``, row l is 1 at
+    the positions s <= e with bit_length(s XOR e) = l, else 0. Read-only: cached per argument, built on the host
+    once (a final state's last chunk otherwise costs some forty small device ops per sequence)."""
+    return _last_query_masks(e, C, dtype, torch.device(device))
+
+
+@lru_cache(maxsize=512)
+def _last_query_masks(e: int, C: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    rows = [[float(s <= e and (s ^ e).bit_length() == l) for s in range(C)] for l in range(chunk_bits(C) + 1)]
+    return torch.tensor(rows, dtype=dtype, device=device)

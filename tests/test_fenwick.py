@@ -101,3 +101,14 @@ def test_carry_is_a_binary_counter():
             l += 1
         assert moved_to == int(fenwick.carry_target(p)) == fenwick.ctz(p) + 1
     assert int(fenwick.carry_target(0)) == 0
+
+
+def test_last_query_masks_are_the_buckets_of_the_last_query():
+    """Row l marks the keys s <= e of the chunk whose level for query e is l (fenwick.level), nothing else."""
+    for C in (1, 2, 8, 64):
+        for e in {0, C // 3, C - 1}:
+            masks = fenwick.last_query_masks(e, C, torch.float64, "cpu")
+            expected = torch.zeros(masks.shape, dtype=torch.float64)
+            for s in range(e + 1):
+                expected[int(fenwick.level(e, s)), s] = 1.0
+            assert torch.equal(masks, expected), (C, e)

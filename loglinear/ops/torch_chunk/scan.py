@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loglinear.fenwick import bit_length, chunk_bits, ctz, intra_chunk_levels, levels_needed
+from loglinear.fenwick import bit_length, chunk_bits, ctz, intra_chunk_levels, last_query_masks, levels_needed
 
 
 def pad_time(x: torch.Tensor, front: int, back: int) -> torch.Tensor:
@@ -153,11 +153,8 @@ def final_levels(form, H_levels, partial, position, end, c0, N, C, c) -> torch.T
     of C = 2^c tokens.  -> [b, c+1+J, H, K, V] in the form's dtype."""
     device = form.qt.device
     last = end - 1
-    local = torch.arange(C, device=device)
-    e = last - (c0 + N - 1) * C
-    lev = bit_length(local ^ e)  # level of each token of the last chunk for query `last`
-    masks = ((lev[None, :] == torch.arange(c + 1, device=device)[:, None]) & (local <= e)[None, :])
-    buckets = form.bucket_states(N - 1, masks.to(form.qt.dtype))  # [b, c+1, H, K, V]
+    e = last - (c0 + N - 1) * C  # the last chunk's buckets for query `last`
+    buckets = form.bucket_states(N - 1, last_query_masks(e, C, form.qt.dtype, device))  # [b, c+1, H, K, V]
     if partial is not None:
         b, H, M, K, V = partial.shape
         flat = partial.permute(0, 1, 3, 2, 4).reshape(b, H, K, M * V)

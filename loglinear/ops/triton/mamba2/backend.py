@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from loglinear.fenwick import bit_length, chunk_bits, levels_needed, trailing_zeros
+from loglinear.fenwick import chunk_bits, last_query_masks, levels_needed, trailing_zeros
 from loglinear.inputs import OpInputs, expand_groups
 from loglinear.ops.torch_chunk import carry_past, chunk_scan
 from loglinear.ops.triton.mamba2.bwd import mamba2_bwd_scan_kernel
@@ -483,15 +483,12 @@ def _last_chunk_levels(k, v, g, a: int, b: int, C: int, H: int) -> torch.Tensor:
 
     level l holds sum_{s: bit_length(s XOR e) = l} exp(G_e - G_s) k_s v_s^T (g: [tokens, H], or [tokens, H, K]:
     exp per key channel).   -> [c+1, H, K, V] fp32."""
-    c = chunk_bits(C)
     ls = a + ((b - a - 1) // C) * C
     ks = expand_groups(k[None, ls:b].float(), H)[0]  # [n, H, K]
     vs, gs = v[ls:b].float(), g[ls:b].float()
     G = gs.cumsum(0)
     w = torch.exp(G[-1:] - G)  # [n, H] or [n, H, K]
-    local = torch.arange(b - ls, device=k.device)
-    lev = bit_length(local ^ (b - 1 - ls))
-    masks = (lev[None, :] == torch.arange(c + 1, device=k.device)[:, None]).float()
+    masks = last_query_masks(b - 1 - ls, C, torch.float32, k.device)[:, : b - ls]
     return torch.einsum("ln,nhk,nhv->lhkv", masks, ks * (w if w.dim() == 3 else w[..., None]), vs)
 
 
