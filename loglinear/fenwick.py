@@ -168,4 +168,5 @@ def last_query_masks(e: int, C: int, dtype: torch.dtype, device: torch.device) -
 @lru_cache(maxsize=512)
 def _last_query_masks(e: int, C: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     rows = [[float(s <= e and (s ^ e).bit_length() == l) for s in range(C)] for l in range(chunk_bits(C) + 1)]
-    return torch.tensor(rows, dtype=dtype, device=device)
+    with torch.inference_mode(False):  # a normal tensor even if first asked for under inference mode: autograd saves it
+        return torch.tensor(rows, dtype=dtype, device=device)

@@ -112,3 +112,13 @@ def test_last_query_masks_are_the_buckets_of_the_last_query():
             for s in range(e + 1):
                 expected[int(fenwick.level(e, s)), s] = 1.0
             assert torch.equal(masks, expected), (C, e)
+
+
+def test_last_query_masks_built_under_inference_mode_serve_autograd():
+    """The cache outlives the call that built it: masks first asked for under inference mode are normal tensors."""
+    fenwick._last_query_masks.cache_clear()  # built here, under inference mode
+    with torch.inference_mode():
+        masks = fenwick.last_query_masks(5, 16, torch.float32, "cpu")
+    x = torch.randn(16, 3, requires_grad=True)
+    (masks @ x).sum().backward()  # saves masks for x's gradient
+    assert torch.equal(x.grad, masks.sum(0)[:, None].expand(16, 3))
