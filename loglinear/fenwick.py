@@ -39,6 +39,7 @@ __all__ = [
     "carry",
     "held_levels",
     "last_query_masks",
+    "incoming_levels",
     "ctz",
     "trailing_zeros",
 ]
@@ -158,15 +159,34 @@ def held_levels(positions: torch.Tensor, num_levels: int) -> torch.Tensor:
     return (p > 0) & ((lev == 0) | (bit == 1))
 
 
-def last_query_masks(e: int, C: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _host_table(build):
+    """A cache of device tensors: build(*key) (nested lists of host ints) as a tensor, made once per (key, dtype,
+    device). The tensors are normal ones even when first asked for under inference mode (autograd may save them);
+    callers only read them."""
+
+    @lru_cache(maxsize=512)
+    def table(key: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        with torch.inference_mode(False):
+            return torch.tensor(build(*key), dtype=dtype, device=device)
+
+    return table
+
+
+_LAST_QUERY = _host_table(lambda e, C: [[float(s <= e and (s ^ e).bit_length() == l) for s in range(C)]
+                                        for l in range(chunk_bits(C) + 1)])
+_INCOMING = _host_table(lambda position, C: [[max(m, ((position // C * C + t) ^ position).bit_length())
+                                              for m in range(chunk_bits(C) + 1)] for t in range(C)])
+
+
+def last_query_masks(e: int, C: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """The in-chunk buckets of query e of an aligned chunk of C = 2^c tokens: [c + 1, C] in ``dtype``, row l is 1 at
-    the positions s <= e with bit_length(s XOR e) = l, else 0. Read-only: cached per argument, built on the host
-    once (a final state's last chunk otherwise costs some forty small device ops per sequence)."""
-    return _last_query_masks(e, C, dtype, torch.device(device))
+    the positions s <= e with bit_length(s XOR e) = l, else 0. Cached (read-only): a final state's last chunk would
+    otherwise cost some forty small device ops per sequence."""
+    return _LAST_QUERY((e, C), dtype, torch.device(device))
 
 
-@lru_cache(maxsize=512)
-def _last_query_masks(e: int, C: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    rows = [[float(s <= e and (s ^ e).bit_length() == l) for s in range(C)] for l in range(chunk_bits(C) + 1)]
-    with torch.inference_mode(False):  # a normal tensor even if first asked for under inference mode: autograd saves it
-        return torch.tensor(rows, dtype=dtype, device=device)
+def incoming_levels(position: int, C: int, device: torch.device | str) -> torch.Tensor:
+    """Where the first chunk of a call continuing a state at ``position`` reads that state's in-chunk buckets:
+    [C, c + 1] int64, entry [t, m] = max(m, bit_length((c0 C + t) XOR position)) for token c0 C + t of the chunk
+    (c0 = position // C), the level at which it reads incoming bucket m. Cached (read-only)."""
+    return _INCOMING((position, C), torch.int64, torch.device(device))

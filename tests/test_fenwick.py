@@ -116,9 +116,19 @@ def test_last_query_masks_are_the_buckets_of_the_last_query():
 
 def test_last_query_masks_built_under_inference_mode_serve_autograd():
     """The cache outlives the call that built it: masks first asked for under inference mode are normal tensors."""
-    fenwick._last_query_masks.cache_clear()  # built here, under inference mode
+    fenwick._LAST_QUERY.cache_clear()  # built here, under inference mode
     with torch.inference_mode():
         masks = fenwick.last_query_masks(5, 16, torch.float32, "cpu")
     x = torch.randn(16, 3, requires_grad=True)
     (masks @ x).sum().backward()  # saves masks for x's gradient
     assert torch.equal(x.grad, masks.sum(0)[:, None].expand(16, 3))
+
+
+def test_incoming_levels_route_each_bucket_by_the_definition():
+    """Token t of the first chunk reads incoming in-chunk bucket m at level max(m, level(c0 C + t, position))."""
+    for C, position in ((8, 0), (8, 5), (8, 13), (64, 1000), (1, 3)):
+        idx = fenwick.incoming_levels(position, C, "cpu")
+        c0, c = position // C, C.bit_length() - 1
+        for t in range(C):
+            for m in range(c + 1):
+                assert idx[t, m] == max(m, int(fenwick.level(c0 * C + t, position))), (C, position, t, m)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loglinear.fenwick import bit_length, chunk_bits, ctz, intra_chunk_levels, last_query_masks, levels_needed
+from loglinear.fenwick import chunk_bits, ctz, incoming_levels, intra_chunk_levels, last_query_masks, levels_needed
 
 
 def pad_time(x: torch.Tensor, front: int, back: int) -> torch.Tensor:
@@ -109,16 +109,13 @@ def chunk_scan(
     else:
         H_levels = [q.new_zeros(b, H, K, V) for _ in range(n_chunk_levels)]
 
-    abs_pos = c0 * C + torch.arange(C, device=device)
     outs = []
     for i in range(N):
         chunk = c0 + i
         oi = o[:, :, i]
         qt = form.qt[:, :, i]  # [b, H, C, K]
         if i == 0 and partial is not None:
-            slots = torch.arange(c + 1, device=device)
-            idx = torch.maximum(slots[None, :], bit_length(abs_pos ^ position)[:, None])  # [C, c+1]
-            w = level_scales_at(lc[:, :, 0], idx)
+            w = level_scales_at(lc[:, :, 0], incoming_levels(position, C, device))  # [b, H, C, c+1]
             oi = oi + torch.einsum("bhtm,bhtk,bhmkv->bhtv", w, qt, partial)
         if H_levels:
             stacked = torch.stack(H_levels, dim=2)  # [b, H, J, K, V]
@@ -159,7 +156,7 @@ def final_levels(form, H_levels, partial, position, end, c0, N, C, c) -> torch.T
         b, H, M, K, V = partial.shape
         flat = partial.permute(0, 1, 3, 2, 4).reshape(b, H, K, M * V)
         moved = form.transition(N - 1, flat).reshape(b, H, K, M, V).permute(0, 3, 1, 2, 4)  # [b, M, H, K, V]
-        target = torch.maximum(torch.arange(c + 1, device=device), bit_length(torch.tensor(last ^ position)))
+        target = torch.arange(c + 1, device=device).clamp(min=(last ^ position).bit_length())
         route = (target[:, None] == torch.arange(c + 1, device=device)[None, :]).to(moved.dtype)  # [src, dst]
         buckets = buckets + torch.einsum("sd,bshkv->bdhkv", route, moved)
     if H_levels:

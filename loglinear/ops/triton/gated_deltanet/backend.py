@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from loglinear.fenwick import bit_length, carry_target, chunk_bits, ctz, levels_needed
+from loglinear.fenwick import carry_target, chunk_bits, ctz, incoming_levels, levels_needed
 from loglinear.inputs import OpInputs, expand_groups, l2norm, run_segments
 from loglinear.ops.torch_chunk import carry_past, chunked, final_levels, level_scales_at, pad_time
 from loglinear.ops.triton.gated_deltanet.chunking import Chunking, chunk_cap
@@ -94,9 +94,7 @@ def _incoming_state(
     levels = torch.nn.functional.pad(levels, (0, 0, 0, 0, 0, 0, 0, max(0, c + 1 + J - levels.shape[1])))
     partial = levels[:, : c + 1].transpose(1, 2)  # [b, H, c+1, K, V]
     h0 = levels[:, c + 1 :].transpose(1, 2)  # [b, H, J, K, V]
-    pos = c0 * C + torch.arange(C, device=levels.device)
-    idx = torch.maximum(torch.arange(c + 1, device=levels.device)[None, :], bit_length(pos ^ position)[:, None])
-    weights = level_scales_at(lc[:, :, 0], idx)  # [b, H, C, c+1]
+    weights = level_scales_at(lc[:, :, 0], incoming_levels(position, C, levels.device))  # [b, H, C, c+1]
     if N > 1:
         # The first chunk's cascade moves its transitioned buckets into chunk level m0. Seeding h_m0
         # with them instead is the same, except that chunk 0 would also read them at level c+1+m0:
