@@ -244,7 +244,7 @@ def check_kernel(device) -> dict:
     """Fused kernel vs the PyTorch step on the device, every variant with a fused decode kernel (fp32, GQA, rows
     at different positions; random levels), and the lazy levels of Mamba-2 and GLA over three in-place steps (random
     levels where the positions hold them, zero elsewhere)."""
-    from loglinear.ops.decode import decode_step
+    from loglinear.ops.decode import decode_step, lazy_level_states
     from loglinear.variants import GATED_DELTANET, GLA, MAMBA2
 
     errors = {}
@@ -274,7 +274,7 @@ def check_kernel(device) -> dict:
                     torch.randn(N, H, V, device=device), gates, torch.rand(N, H, L, device=device))
             o = [decode_step(*args, states[i], pos + step, 0.125, out=states[i], log_scales=scales[i], backend=b)[0]
                  for i, b in enumerate(("triton", "torch"))]
-            full = [x * torch.exp(ls).view(*ls.shape, *(1,) * (5 - ls.dim())) for x, ls in zip(states, scales)]
+            full = [lazy_level_states(x, ls) for x, ls in zip(states, scales)]
             err["o_rel_err"] = max(err["o_rel_err"], float((o[0] - o[1]).norm() / o[1].norm()))
             err["state_rel_err"] = max(err["state_rel_err"], float((full[0] - full[1]).norm() / full[1].norm()))
         errors[f"{variant.name}_lazy"] = err

@@ -21,7 +21,7 @@ from loglinear.inputs import check_positive_ints, check_power_of_two
 from loglinear.layers.conv import ShortConvolution
 from loglinear.layers.levels import LevelScales
 from loglinear.layers.sequence import TokenLayout
-from loglinear.ops.decode import decode_step
+from loglinear.ops.decode import decode_step, lazy_level_states
 from loglinear.ops.stateful import fenwick_attention
 from loglinear.state import FenwickState, LevelsView
 from loglinear.variants import Variant
@@ -98,10 +98,7 @@ class StaticState:
     def level_states(self) -> torch.Tensor:
         """The level states [N, L, H, K, V]: ``levels`` itself, or with log_scales levels x exp(log_scales), new
         (in the log-scales' dtype)."""
-        if self.log_scales is None:
-            return self.levels
-        scales = torch.exp(self.log_scales)
-        return self.levels * (scales[..., None] if scales.dim() == 4 else scales[..., None, None])
+        return self.levels if self.log_scales is None else lazy_level_states(self.levels, self.log_scales)
 
     def nbytes(self) -> int:
         return sum(x.numel() * x.element_size() for x in (self.levels, self.log_scales, self.conv) if x is not None)

@@ -37,7 +37,8 @@ from loglinear.ops.backends import backend_for, select_backend
 from loglinear.state import FenwickState
 from loglinear.variants import Variant, get
 
-__all__ = ["decode_step", "decode_step_torch", "decayed_only", "fused_decode_applies", "op_decode_step"]
+__all__ = ["decode_step", "decode_step_torch", "decayed_only", "fused_decode_applies", "lazy_level_states",
+           "op_decode_step"]
 
 
 def _compute_dtype(levels_dtype: torch.dtype) -> torch.dtype:
@@ -45,11 +46,11 @@ def _compute_dtype(levels_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if levels_dtype == torch.float64 else torch.float32
 
 
-def _row_scales(log_scales: torch.Tensor) -> torch.Tensor:
-    """exp(log_scales) shaped to scale level states [N, L, H, K, V]: [N, L, H] -> [N, L, H, 1, 1] (one per head),
-    [N, L, H, K] -> [N, L, H, K, 1] (one per key channel)."""
+def lazy_level_states(levels: torch.Tensor, log_scales: torch.Tensor) -> torch.Tensor:
+    """The states of lazy levels: levels [N, L, H, K, V] times exp(log_scales), [N, L, H] (one per head) or
+    [N, L, H, K] (one per key channel)  -> [N, L, H, K, V] in the promoted dtype (a new tensor)."""
     scales = torch.exp(log_scales)
-    return scales[..., None] if log_scales.dim() == 4 else scales[..., None, None]
+    return levels * (scales[..., None] if log_scales.dim() == 4 else scales[..., None, None])
 
 
 def decayed_only(positions: torch.Tensor, num_levels: int) -> torch.Tensor:
@@ -71,7 +72,8 @@ def decode_step_torch(
     if l2norm_qk:
         q, k = l2norm(q), l2norm(k)
     gates = {name: x.to(dtype) for name, x in gates.items()}
-    state = levels.to(dtype) if log_scales is None else levels.to(dtype) * _row_scales(log_scales)
+    stored = levels.to(dtype)
+    state = stored if log_scales is None else lazy_level_states(stored, log_scales)
     S = carry(state, positions) if fenwick else state
     S = variant.transition(S, k, gates)
     deposit = variant.deposit_key(k, gates)[..., None] * v.to(dtype)[:, :, None, :]
@@ -85,7 +87,7 @@ def decode_step_torch(
         g = gates[variant.gates[0].name][:, None]  # [N, 1, H] or [N, 1, H, K]
         kept_scales = kept.view(*kept.shape, *(1,) * (log_scales.dim() - 2))
         log_scales.copy_(torch.where(kept_scales, log_scales + g, 0.0))
-        S = torch.where(kept.view(*kept.shape, 1, 1, 1), levels.to(dtype), S)
+        S = torch.where(kept.view(*kept.shape, 1, 1, 1), stored, S)
     return (o, S.to(levels.dtype)) if out is None else (o, out.copy_(S))
 
 
