@@ -74,9 +74,10 @@ class StaticState:
     """One mixer's decoding state in the static buffers of CUDA-graph decoding (loglinear.models.graphs), which
     ``FenwickMixer.step_`` updates in place.
 
-    levels:     [N, L, H, K, V] (L = max_levels log-linear, 1 plain; levels above a position's own are zero); with
-                log_scales stored lazily: level l's state is levels[:, l] * exp(log_scales[:, l])
-                (loglinear.ops.decode), and may then be bfloat16 (FenwickCache's level_dtype)
+    levels:     [N, L, H, K, V] (L = max_levels log-linear, 1 plain; a level a position does not hold is zero);
+                with log_scales stored lazily: level l's state is levels[:, l] * exp(log_scales[:, l])
+                (loglinear.ops.decode; an emptied level may keep its tile at log-scale -inf), and may then be
+                bfloat16 (FenwickCache's level_dtype)
     log_scales: [N, L, H] ([N, L, H, K] for a per-channel gate), float32 (float64 with float64 levels), for a
                 log-linear layer whose transition only scales (``Variant.scales_levels``: Mamba-2, GLA), else None
     conv:       [N, W-1, C]

@@ -15,9 +15,10 @@ moves about 1 + popcount(p - 1) levels each way, whatever the buffer's size. Oth
 
 Lazy levels (``log_scales``, in place, for a variant whose transition only scales: Mamba-2, GLA): level l's state
 is levels[:, l] * exp(log_scales[:, l]) (one log-scale per head, or per head and key channel). A level the token
-only decays (held before and after, above the carry's target) keeps its stored tile and adds g to its log-scale;
-the step rewrites only level 0, the carry's target and the levels the carry empties (their log-scales reset to 0),
-so it reads the held levels once and writes about two. CUDA-graph decoding keeps its buffers this way.
+only decays (held before and after, above the carry's target) keeps its stored tile and adds g to its log-scale; a
+level l >= 1 the carry empties keeps its tile and takes log-scale -inf (state 0); the step rewrites only level 0 and
+the carry's target (their log-scales reset to 0), so it reads the held levels once and writes two. CUDA-graph
+decoding keeps its buffers this way.
 
 The plain recurrence (use_log_linear=False models) is the same step on one level without the carry and
 with lambda = 1. The GDN update is rank-1: O(K V) per level, never a K x K matrix.
@@ -37,8 +38,8 @@ from loglinear.ops.backends import backend_for, select_backend
 from loglinear.state import FenwickState
 from loglinear.variants import Variant, get
 
-__all__ = ["decode_step", "decode_step_torch", "decayed_only", "fused_decode_applies", "lazy_level_states",
-           "op_decode_step"]
+__all__ = ["decode_step", "decode_step_torch", "decayed_only", "emptied_levels", "fused_decode_applies",
+           "lazy_level_states", "op_decode_step"]
 
 
 def _compute_dtype(levels_dtype: torch.dtype) -> torch.dtype:
@@ -58,6 +59,13 @@ def decayed_only(positions: torch.Tensor, num_levels: int) -> torch.Tensor:
     the target and the levels the carry empties change otherwise).  positions: [N] -> [N, num_levels] bool."""
     lev = torch.arange(num_levels, device=positions.device)
     return held_levels(positions, num_levels) & (lev[None, :] > carry_target(positions).to(positions.device)[:, None])
+
+
+def emptied_levels(positions: torch.Tensor, num_levels: int) -> torch.Tensor:
+    """The levels l >= 1 the carry of the token at ``positions[n]`` empties: 1..ctz(p) (none for p = 0; level 0
+    merges too, and takes the token's deposit).  positions: [N] -> [N, num_levels] bool."""
+    lev = torch.arange(num_levels, device=positions.device)
+    return (lev[None, :] >= 1) & (lev[None, :] < carry_target(positions).to(positions.device)[:, None])
 
 
 def decode_step_torch(
@@ -82,12 +90,13 @@ def decode_step_torch(
     if fenwick:
         readout = readout * level_scales[..., : S.shape[1]].to(dtype).transpose(1, 2)[..., None]
     o = (scale * readout.sum(1)).to(v.dtype)
-    if log_scales is not None:  # decayed-only levels keep their tiles, their log-scales add g; the others reset
-        kept = decayed_only(positions, levels.shape[1])
+    if log_scales is not None:  # held levels keep their tiles: decayed ones add g, emptied ones take -inf
+        kept, emptied = decayed_only(positions, levels.shape[1]), emptied_levels(positions, levels.shape[1])
         g = gates[variant.gates[0].name][:, None]  # [N, 1, H] or [N, 1, H, K]
-        kept_scales = kept.view(*kept.shape, *(1,) * (log_scales.dim() - 2))
-        log_scales.copy_(torch.where(kept_scales, log_scales + g, 0.0))
-        S = torch.where(kept.view(*kept.shape, 1, 1, 1), stored, S)
+        per_scale = (*kept.shape, *(1,) * (log_scales.dim() - 2))
+        reset = torch.where(emptied.view(per_scale), float("-inf"), 0.0)
+        log_scales.copy_(torch.where(kept.view(per_scale), log_scales + g, reset))
+        S = torch.where((kept | emptied).view(*kept.shape, 1, 1, 1), stored, S)
     return (o, S.to(levels.dtype)) if out is None else (o, out.copy_(S))
 
 

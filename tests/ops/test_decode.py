@@ -238,7 +238,8 @@ def _lazy_case(variant, N: int = 3, T: int = 14, H: int = 2, K: int = 8, V: int 
 def test_lazy_levels_over_consecutive_steps(impl, variant, dtype):
     """log_scales (in place): level l's state is levels[:, l] * exp(log_scales[:, l]). From states stored with random
     log-scales, consecutive steps across carries give the reference outputs and states; a level the token only
-    decays keeps its stored tile bit for bit, and every other level the token touches restarts at log-scale 0.
+    decays keeps its stored tile bit for bit, so does a level the carry empties (its log-scale -inf), and the two
+    levels the token writes restart at log-scale 0.
     bfloat16 levels (float32 log-scales): the same within bf16 rounding."""
     x, o_ref, states = _lazy_case(variant)
     starts, L = [0, 5, 7], 6
@@ -261,13 +262,17 @@ def test_lazy_levels_over_consecutive_steps(impl, variant, dtype):
         assert_close(o.double(), torch.stack([o_ref[n, p] for n, p in enumerate(pos.tolist())]), tol, f"o at {i}")
         after = torch.cat([states[n][p + 1] for n, p in enumerate(pos.tolist())])
         assert_close(levels.double() * scales(log_scales), after, tol, f"levels at step {i}")
-        kept = D.decayed_only(pos, L)
+        kept, emptied = D.decayed_only(pos, L), D.emptied_levels(pos, L)
         touched = _held_mask(pos, L) | _held_mask(pos + 1, L)
-        assert kept.any() and (touched & ~kept).any()
+        assert torch.equal(emptied, _held_mask(pos, L) & ~_held_mask(pos + 1, L))
+        rewritten = touched & ~kept & ~emptied
+        assert kept.any() and rewritten.any()
         assert torch.equal(levels[kept], before[kept]), "a level the token only decays was rewritten"
+        assert torch.equal(levels[emptied], before[emptied]), "a level the carry empties was rewritten"
         g = tok["g"][:, None].to(scale_dtype).expand_as(ls_before)
         assert_close(log_scales[kept], ls_before[kept] + g[kept], 1e-6 if dtype == torch.bfloat16 else 1e-15, "kept")
-        assert not log_scales[touched & ~kept].any(), "a rewritten level's log-scale did not restart at 0"
+        assert (log_scales[emptied] == float("-inf")).all(), "an emptied level's log-scale is not -inf"
+        assert not log_scales[rewritten].any(), "a rewritten level's log-scale did not restart at 0"
 
 
 def _held_mask(positions: torch.Tensor, L: int) -> torch.Tensor:

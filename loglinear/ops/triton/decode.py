@@ -20,9 +20,11 @@ zero (a valid state; the zero-padded static buffers of CUDA-graph decoding are),
 about 1 + popcount(p - 1) levels each way instead of max_levels. Out of place every level is read and written.
 LAZY (in place, a decay-only transition: Mamba-2, GLA) stores level l as a tile T_l and a log-scale s_l (one per
 head, or per head and key channel): S_l = diag(exp(s_l)) T_l. A level the token only decays (held before and after,
-above the carry's target) keeps T_l and s_l <- s_l + g; the step writes T only for level 0, the carry's target and
-the levels the carry empties (their s restart at 0). The s updates run in a second kernel (_log_scale_kernel) after
-the step, because every value block's program of a head reads the same s.
+above the carry's target) keeps T_l and s_l <- s_l + g; a level l >= 1 the carry empties keeps T_l too and
+s_l <- -inf (S_l = 0; the level is not held, so no step reads T_l before it is written again as a carry's target).
+The step writes T only for level 0 and the carry's target (their s restart at 0): two tiles per token. The s
+updates run in a second kernel (_log_scale_kernel) after the step, because every value block's program of a head
+reads the same s.
 FENWICK=False is the plain recurrence (no carry, lambda = 1) of use_log_linear=False models.
 q, k are read from group h // (H // G); L2NORM normalises them in the kernel (x / sqrt(|x|^2 + 1e-6)).
 The state is read and written once: the step is bound by (levels touched) * K * V * 4 bytes per (sequence, head).
@@ -115,9 +117,9 @@ def _decode_step_kernel(
             else:
                 w = 1.0
             o = o + w * tl.sum(q[:, None] * S, 0)
-            # lazy: a level the token only decays keeps its stored tile (its log-scale adds g); level 0 merges
-            # (p > 0) or is empty (p = 0)
-            if (not LAZY) | (held_in == 0) | merge:
+            # lazy: a level held before the token keeps its stored tile (decayed: its log-scale adds g; emptied by
+            # the carry: -inf); level 0 merges (p > 0) or is empty (p = 0)
+            if (not LAZY) | (held_in == 0) | (l == 0):
                 tl.store(s_out_ptr + offs, S.to(s_out_ptr.dtype.element_ty), mask=tile)
     tl.store(o_ptr + (n * H + h) * V + rv, (scale * o).to(o_ptr.dtype.element_ty), mask=mv)
 
@@ -125,8 +127,8 @@ def _decode_step_kernel(
 @triton.jit
 def _log_scale_kernel(g_ptr, ls_ptr, pos_ptr, H, K, L, BK: tl.constexpr, PER_CHANNEL: tl.constexpr):
     """Lazy levels after the step (one program per (sequence, head)): a level the token only decays adds g to its
-    log-scale, every other level it touches restarts at 0 (its tile was rewritten). Runs after the step kernel,
-    whose programs of every value block read the old log-scales."""
+    log-scale, a level l >= 1 the carry empties takes -inf, level 0 and the carry's target restart at 0 (their tiles
+    were rewritten). Runs after the step kernel, whose programs of every value block read the old log-scales."""
     pid = tl.program_id(0)
     n = pid // H
     h = pid % H
@@ -140,14 +142,15 @@ def _log_scale_kernel(g_ptr, ls_ptr, pos_ptr, H, K, L, BK: tl.constexpr, PER_CHA
     for l in range(0, L):
         held_in, held_out, merge, into = _level_roles(p, l)
         kept = held_in & (merge == 0)  # level 0 merges (p > 0) or is empty (p = 0)
+        reset = tl.where(merge & (l > 0), float("-inf"), 0.0)
         if held_in | held_out:
             if PER_CHANNEL:
                 offs = ((n * L + l) * H + h) * K + rk
                 ls = tl.load(ls_ptr + offs, mask=mk, other=0.0)
-                tl.store(ls_ptr + offs, tl.where(kept, ls + g, 0.0), mask=mk)
+                tl.store(ls_ptr + offs, tl.where(kept, ls + g, reset), mask=mk)
             else:
                 offs = (n * L + l) * H + h
-                tl.store(ls_ptr + offs, tl.where(kept, tl.load(ls_ptr + offs) + g, 0.0))
+                tl.store(ls_ptr + offs, tl.where(kept, tl.load(ls_ptr + offs) + g, reset))
 
 
 def _block_v(K: int, V: int, rows: int) -> int:
