@@ -8,6 +8,7 @@ kernel name; writes profile-gdn-<gpu>.md (one table per T, ms per step).
 
 --ab: each T again with the scan kernels' square forms off (`square_fits` -> False: the chains without Wm,
 the scan grads without Z), so the square forms and the plain ones are compared in one run.
+--plain: plain Gated DeltaNet (level_scales=None, the one-level schedule); writes profile-gdn-plain-<gpu>.md.
 """
 
 from __future__ import annotations
@@ -27,17 +28,21 @@ from loglinear import log_linear_gated_deltanet  # noqa: E402
 from loglinear.ops.triton.gated_deltanet import scan as gated_deltanet_scan  # noqa: E402
 
 
-def kernel_times(T: int, steps: int = 2) -> tuple[list[tuple[float, int, str]], list[torch.Tensor]]:
-    """One forward+backward at the paper setting (bf16, use_qk_l2norm), after a warm-up step: [(ms per step,
-    calls per step, kernel name)], largest first, and the gradients of q, k, v, g, beta, level_scales."""
+def kernel_times(T: int, plain: bool = False, steps: int = 2) -> tuple[list[tuple[float, int, str]], list]:
+    """One forward+backward at the paper setting (bf16, use_qk_l2norm; plain: level_scales=None), after a warm-up
+    step: [(ms per step, calls per step, kernel name)], largest first, and the gradients of q, k, v, g, beta and
+    level_scales (not plain)."""
     p = PAPER
     x = gdn_inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], torch.bfloat16)
-    leaves = [x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta", "level_scales")]
+    if plain:
+        x["level_scales"] = None
+    leaves = [x[n].requires_grad_() if x[n] is not None else None
+              for n in ("q", "k", "v", "g", "beta", "level_scales")]
     gen = torch.Generator(device="cuda").manual_seed(2)  # the same upstream gradient on every call
     grad = torch.randn(p["B"], T, p["H"], p["V"], device="cuda", dtype=torch.bfloat16, generator=gen)
 
     def step():
-        for t in leaves:
+        for t in leaves[:5] if plain else leaves:
             t.grad = None
         log_linear_gated_deltanet(*leaves, use_qk_l2norm=True)[0].backward(grad)
 
@@ -52,11 +57,11 @@ def kernel_times(T: int, steps: int = 2) -> tuple[list[tuple[float, int, str]], 
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if t > 0:
             rows.append((t / 1000 / steps, e.count // steps, e.key))
-    return sorted(rows, reverse=True), [t.grad for t in leaves]
+    return sorted(rows, reverse=True), [t.grad for t in leaves if t is not None]
 
 
-def profile_step(T: int, top: int, label: str = "") -> list[str]:
-    rows, _ = kernel_times(T)
+def profile_step(T: int, top: int, label: str = "", plain: bool = False) -> list[str]:
+    rows, _ = kernel_times(T, plain)
     total = sum(r[0] for r in rows)
     lines = [f"## T = {T}{label}: {total:.2f} ms of kernel time per forward+backward", "",
              "| ms | % | calls | kernel |", "|---|---|---|---|"]
@@ -70,10 +75,12 @@ def main() -> None:
     ap.add_argument("--T", type=int, nargs="+", default=[32768])
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--ab", action="store_true", help="each T also with the square forms off")
+    ap.add_argument("--plain", action="store_true", help="plain Gated DeltaNet (level_scales=None)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
-    lines = [f"# log-linear Gated DeltaNet, CUDA time per kernel ({gpu}, torch {torch.__version__})", "",
+    what = "plain Gated DeltaNet (one-level schedule)" if args.plain else "log-linear Gated DeltaNet"
+    lines = [f"# {what}, CUDA time per kernel ({gpu}, torch {torch.__version__})", "",
              "B=2, H=48, G=1, K=128, V=64, bf16, use_qk_l2norm; `python " + " ".join(sys.argv) + "`", ""]
     fits = gated_deltanet_scan.square_fits
     runs = [(T, fits, "") for T in args.T]
@@ -82,7 +89,7 @@ def main() -> None:
     for T, rule, label in runs:
         gated_deltanet_scan.square_fits = rule
         try:
-            lines += profile_step(T, args.top, label)
+            lines += profile_step(T, args.top, label, args.plain)
         except Exception as e:  # keep what was measured
             lines += [f"## T = {T}{label}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", ""]
         print("\n".join(lines[-25:]), flush=True)
@@ -90,7 +97,7 @@ def main() -> None:
     gated_deltanet_scan.square_fits = fits
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"profile-gdn-{gpu}.md").write_text("\n".join(lines) + "\n")
+    (out / f"profile-gdn{'-plain' if args.plain else ''}-{gpu}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
