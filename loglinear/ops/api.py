@@ -7,7 +7,8 @@
 
 Every call is validated (loglinear.inputs), then runs on the backend loglinear.ops.backends chooses, or on the
 one-token decode step when it applies (one token per sequence after a state, no gradient needed). A NaN or an
-infinity in the inputs spoils only the outputs at and after it (loglinear.ops.finite).
+infinity in the inputs spoils only the outputs at and after it, and every log-decay gate is floored (in torch
+before the backend runs, or by a backend that floors them where it reads them; loglinear.ops.finite).
 
 level_scales=None is the variant's plain linear attention (lambda = 1: plain Mamba-2 / SSD, Gated DeltaNet, GLA)
 with a one-level state. A backend with a plain path runs it (the Mamba-2 and Gated DeltaNet kernels); elsewhere it
@@ -63,12 +64,13 @@ def attention(
     inp = check_inputs(variant, q, k, v, gates, level_scales, scale, initial_state, cu_seqlens)
     chunk_size = _check_chunk_size(chunk_size)
     name = select_backend(variant, q.device, backend)
-    inp = floor_log_decays(inp)
     if fused_decode_applies(inp):
-        return op_decode_step(inp, output_final_state, use_qk_l2norm, name)
+        return op_decode_step(floor_log_decays(inp), output_final_state, use_qk_l2norm, name)
     chosen = backend_for(variant, name)
     supported = chosen.supports(inp)
     backend_run = chosen.run if supported else torch_chunk_backend
+    if not (supported and chosen.floors_log_decays):
+        inp = floor_log_decays(inp)
     if inp.plain and not (supported and chosen.plain):
         backend_run = plain_over_levels(backend_run)
 

@@ -6,11 +6,13 @@ log-decay of -inf (a hard reset) or -1e30 turns the in-chunk differences of pref
 garbage. The public op (loglinear.ops.api.attention) therefore
 
   1. floors every log-decay gate (Gate.log_decay) at LOG_DECAY_FLOOR of its compute dtype, where exp underflows
-     to exactly 0: g = -inf is a hard reset and very negative gates give the exact result;
-  2. checks that the inputs are finite: one read of them, queued before the op's kernels; on CUDA its answer comes
-     back through an event recorded behind that read, so the host waits for the work queued before the op, not for
-     the op. Skipped while a CUDA graph is captured or torch.compile traces the op (the mixers' custom op runs it
-     eagerly, so they are covered);
+     to exactly 0: g = -inf is a hard reset and very negative gates give the exact result. floor_log_decays does
+     it in torch before the backend runs, unless the backend floors the gates itself where it reads them
+     (Backend.floors_log_decays: the Triton Mamba-2 / GLA kernels), with the same values and gradient (_Floor);
+  2. checks that the inputs are finite: one read of them, queued before the op's kernels (a log-decay gate may
+     hold -inf: it is checked unfloored, by its maximum); on CUDA its answer comes back through an event recorded
+     behind that read, so the host waits for the work queued before the op, not for the op. Skipped while a CUDA
+     graph is captured or torch.compile traces the op (the mixers' custom op runs it eagerly, so they are covered);
   3. only if they are not, runs the call again with every non-finite token zeroed, and puts its effect back as NaN:
         a token whose k, v or gate (per variant: the inputs that change the state) has a NaN or an infinity
           -> every output of that head from the token on (to the end of its sequence) and the head's final
@@ -31,7 +33,7 @@ import torch
 from loglinear.inputs import OpInputs, expand_groups
 from loglinear.state import FenwickState
 
-__all__ = ["LOG_DECAY_FLOOR", "floor_log_decays", "finite_check", "contained"]
+__all__ = ["LOG_DECAY_FLOOR", "floor_log_decay", "floor_log_decays", "finite_check", "contained"]
 
 # exp(floor) is exactly 0 in the dtype the op computes in (float64 for float64 inputs, else float32)
 LOG_DECAY_FLOOR = {torch.float64: -750.0, torch.float32: -110.0}
@@ -58,29 +60,36 @@ class _Floor(torch.autograd.Function):
         return torch.ops.aten.threshold_backward(grad, g, ctx.floor), None
 
 
+def floor_log_decay(g: torch.Tensor) -> torch.Tensor:
+    """max(g, floor) of one log-decay gate g (any shape; the floor of its compute dtype; NaN stays NaN, the
+    gradient is 0 where g <= floor)."""
+    return _Floor.apply(g, LOG_DECAY_FLOOR[torch.float64 if g.dtype == torch.float64 else torch.float32])
+
+
 def floor_log_decays(inp: OpInputs) -> OpInputs:
-    """inp with every log-decay gate g: [B, T, H] (per channel: [B, T, H, K]) replaced by max(g, floor) (NaN stays
-    NaN; the gradient is 0 where g <= floor)."""
+    """inp with every log-decay gate g: [B, T, H] (per channel: [B, T, H, K]) replaced by floor_log_decay(g)."""
     gates = dict(inp.gates)
     for gate in inp.variant.gates:
         if gate.log_decay:
-            g = gates[gate.name]
-            gates[gate.name] = _Floor.apply(g, LOG_DECAY_FLOOR[torch.float64 if g.dtype == torch.float64
-                                                               else torch.float32])
+            gates[gate.name] = floor_log_decay(gates[gate.name])
     return replace(inp, gates=gates)
 
 
 def finite_check(inp: OpInputs) -> Callable[[], bool]:
-    """Start checking that every input is finite (q, k, v, level_scales and the gates, log-decays after flooring);
-    the returned function answers. On CUDA the answer reaches the host behind an event recorded before the op's
+    """Start checking that every input is finite (q, k, v, level_scales and the gates; a log-decay gate, floored or
+    not, for NaN and +inf only: -inf is a hard reset); the returned function answers. One read of each input: its
+    max |x|, a log-decay gate's max g. On CUDA the answer reaches the host behind an event recorded before the op's
     kernels are queued: waiting for it waits for the work queued before the op, not for the op. Always True while a
     CUDA graph is captured or torch.compile traces (no host sync there)."""
     if torch.compiler.is_compiling() or (inp.q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return lambda: True
-    tensors = [x for x in (inp.q, inp.k, inp.v, inp.level_scales, *inp.gates.values()) if x is not None]
+    log_decays = [inp.gates[gate.name] for gate in inp.variant.gates if gate.log_decay]
+    others = [inp.gates[gate.name] for gate in inp.variant.gates if not gate.log_decay]
+    tensors = [x for x in (inp.q, inp.k, inp.v, inp.level_scales, *others) if x is not None]
     wide = torch.float64 if any(x.dtype == torch.float64 for x in tensors) else torch.float32
-    norms = torch._foreach_norm(tensors, float("inf"), dtype=wide)  # max |x|: NaN or inf if any entry is
-    finite = torch.isfinite(torch.stack(norms)).all()
+    peaks = [*torch._foreach_norm(tensors, float("inf"), dtype=wide),  # max |x|: NaN or inf if any entry is
+             *(torch._foreach_max(log_decays) if log_decays else ())]  # max g: NaN or +inf if any entry is
+    finite = (torch.stack(peaks) < torch.inf).all()  # NaN compares False; max g = -inf (all hard resets) passes
     if not finite.is_cuda:
         return lambda: bool(finite)
     answer = torch.empty((), dtype=torch.bool, pin_memory=True)

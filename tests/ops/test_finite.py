@@ -5,10 +5,13 @@ without it; g = -inf is a hard reset and very negative gates are exact, against 
 import pytest
 import torch
 
-from helpers import compare_with_reference, make_inputs
+from helpers import assert_close, compare_with_reference, gla_inputs, make_inputs
 from loglinear import reference as R
-from loglinear.ops import attention
-from loglinear.variants import GATED_DELTANET, MAMBA2
+from loglinear.inputs import check_inputs
+from loglinear.ops import attention, backends
+from loglinear.ops.backends import Backend, torch_chunk_backend
+from loglinear.ops.finite import LOG_DECAY_FLOOR, finite_check, floor_log_decays
+from loglinear.variants import GATED_DELTANET, GLA, MAMBA2
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the kernels run interpreted
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.interpreter)]
@@ -142,9 +145,6 @@ def test_hard_reset_and_very_negative_gates_match_the_reference(variant, gate, b
 def test_log_decay_floor_values_and_gradient():
     """The op's floor of a log-decay gate: max(g, floor), NaN staying NaN and -inf becoming the floor; the gradient
     passes where g is above the floor and is 0 at or below it."""
-    from loglinear.inputs import check_inputs
-    from loglinear.ops.finite import LOG_DECAY_FLOOR, floor_log_decays
-
     floor = LOG_DECAY_FLOOR[torch.float32]
     g = torch.tensor([[[float("nan")], [float("-inf")], [2 * floor], [floor], [-5.0], [0.0]]], requires_grad=True)
     q, v = torch.randn(1, 6, 1, 4), torch.randn(1, 6, 1, 3)
@@ -152,3 +152,68 @@ def test_log_decay_floor_values_and_gradient():
     assert torch.isnan(out[0, 0, 0]) and out[0, 1:, 0].tolist() == [floor, floor, floor, -5.0, 0.0]
     out.backward(torch.ones_like(out))
     assert g.grad[0, :, 0].tolist() == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+
+
+def _gla_inputs(T=29) -> dict[str, torch.Tensor]:
+    return {n: t.to(DEVICE) for n, t in gla_inputs(2, T, 1, 2, K=8, V=4).items()}
+
+
+@pytest.mark.parametrize("variant", [MAMBA2, GATED_DELTANET, GLA], ids=lambda v: v.name)
+def test_finite_check_reads_log_decays_unfloored(variant):
+    """The finite check takes the log-decay gates as the call gives them (a backend may floor them itself): -inf
+    there, even in every entry, is a hard reset and passes; NaN and +inf in them do not, nor -inf elsewhere."""
+    x = _gla_inputs() if variant is GLA else _inputs(variant)
+
+    def finite(name, index, value) -> bool:
+        y = {n: t.clone() for n, t in x.items()}
+        y[name][index] = value
+        gates = {n: y[n] for n in variant.gate_names}
+        return finite_check(check_inputs(variant, y["q"], y["k"], y["v"], gates, y["level_scales"], None, None,
+                                         None))()
+
+    assert finite("g", (1, 13, 0), -torch.inf) and finite("g", ..., -torch.inf) and finite("g", (0, 3), -1e30)
+    assert not finite("g", (1, 13, 0), torch.nan) and not finite("g", (1, 13, 0), torch.inf)
+    assert not finite("g", ..., torch.nan) and not finite("q", (0, 5, 0, 1), -torch.inf)
+    if variant is GATED_DELTANET:
+        assert not finite("beta", (0, 5, 1), -torch.inf)
+
+
+@pytest.mark.parametrize("floors", [False, True], ids=["op-floors", "backend-floors"])
+def test_the_op_floors_the_gates_unless_the_backend_does(monkeypatch, floors):
+    """A backend whose Backend.floors_log_decays is set gets the log-decay gate as the call gives it; any other the
+    gate floored by the op."""
+    seen = []
+
+    def run(inp, *args):
+        seen.append(inp.gates["g"].detach().clone())
+        return torch_chunk_backend(floor_log_decays(inp), *args)
+
+    monkeypatch.setitem(backends._REGISTERED, ("gla", "triton"), Backend(run, floors_log_decays=floors))
+    x = {n: t.float() for n, t in _gla_inputs().items()}
+    x["g"][0, 7, 1, 2:5] = -torch.inf
+    attention(GLA, x["q"], x["k"], x["v"], {"g": x["g"]}, x["level_scales"], backend="triton")
+    expected = x["g"] if floors else x["g"].clamp_min(LOG_DECAY_FLOOR[torch.float32])
+    assert len(seen) == 1 and torch.equal(seen[0], expected)
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["fenwick", "plain"])
+def test_a_call_the_backend_does_not_take_gets_floored_gates(plain):
+    """float64 GLA asked of the triton backend (which floors its gates itself, but takes no float64) runs on the torch
+    path, for which the op floors the gates: hard resets and gates far below the floor in some channels match the
+    float64 reference (plain: as lambda = 1 over the Fenwick levels)."""
+    x = _gla_inputs()
+    if plain:
+        x["level_scales"] = None
+    x["g"][0, 11, 0, :3] = -torch.inf
+    x["g"][1, 16, 1, 5:] = -1e30
+    x["g"][1, 20, 0] = -200.0
+    x = {n: t.requires_grad_() for n, t in x.items() if t is not None}
+    args = (GLA, x["q"], x["k"], x["v"], {"g": x["g"]}, x.get("level_scales"))
+    o, state = attention(*args, output_final_state=True, chunk_size=8, backend="triton")
+    o_ref, state_ref = R.recurrent(*args, output_final_state=True)
+    assert_close(o, o_ref, 1e-10, "o")
+    assert_close(state.levels, state_ref.levels, 1e-10, "final state")
+    d_o = torch.randn_like(o)
+    for name, a, e in zip(x, torch.autograd.grad((o * d_o).sum(), list(x.values())),
+                          torch.autograd.grad((o_ref * d_o).sum(), list(x.values()))):
+        assert_close(a, e, 1e-10, f"d{name}")

@@ -9,6 +9,7 @@ import torch
 from helpers import assert_close, compare_with_reference, gla_inputs
 from loglinear import FenwickState, log_linear_gla, log_linear_mamba2
 from loglinear import reference as R
+from loglinear.ops import finite
 from loglinear.ops.triton.mamba2 import backend
 from loglinear.variants import GLA
 
@@ -117,3 +118,78 @@ def test_equal_channels_are_the_mamba2_kernels():
 
 def test_half_precision():
     _compare(gla_inputs(1, 37, 1, 2, 16, 8), dtype=torch.bfloat16, tol=3e-2)
+
+
+def _below_floor(g: torch.Tensor) -> torch.Tensor:
+    """g [1, T, H, K] with log-decays at or below the floor on some channels (hard resets -inf, -1e30, -200, the floor
+    itself) at tokens 1, 10, 25, 36, 45 and 57 (test_gates_at_and_below_the_floor); -> the mask of those entries."""
+    floor = finite.LOG_DECAY_FLOOR[torch.float32]
+    for t, h, channels, value in [(1, 0, slice(2, 3), -torch.inf), (10, 1, slice(0, 2), -1e30),
+                                  (25, 0, slice(3, 4), -200.0), (25, 0, slice(4, 5), floor),
+                                  (25, 1, slice(5, 8), -torch.inf), (36, 1, slice(6, 7), -torch.inf),
+                                  (45, 1, slice(None), -torch.inf), (57, 0, slice(0, 1), -1e30)]:
+        g[0, t, h, channels] = value
+    return g <= floor
+
+
+def _run(x: dict, state: FenwickState | None, **kw) -> tuple[torch.Tensor, ...]:
+    """(o, final levels, the gradients of q, k, v, g, level_scales and the initial levels) of one GLA call in fp32,
+    under cotangents drawn from a fixed seed."""
+    leaves = {n: t.detach().float().requires_grad_() for n, t in x.items()}
+    levels = state.levels.detach().float().requires_grad_() if state is not None else None
+    st = FenwickState(levels, state.positions) if state is not None else None
+    o, final = log_linear_gla(**{"level_scales": None, **leaves}, initial_state=st, output_final_state=True, **kw)
+    gen = torch.Generator().manual_seed(1)
+    d_o, d_state = (torch.randn(y.shape, generator=gen) for y in (o, final.levels))
+    loss = (o * d_o).sum() + (final.levels * d_state).sum()
+    inputs = [*leaves.values(), *([levels] if levels is not None else [])]
+    return o, final.levels, *torch.autograd.grad(loss, inputs)
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["fenwick", "plain"])
+def test_gates_at_and_below_the_floor(plain):
+    """Log-decays at or below the floor on some channels (hard resets g = -inf, -1e30, -200, the floor itself) in the
+    torch prefix of a state at an unaligned position, in a sequence the prefix finishes, in kernel chunks and in the
+    final state's last chunks of a varlen call (plain: all on the kernels): the kernels floor g where they read it,
+    so the outputs, the final state and every gradient match the float64 reference and the torch backend (which
+    floors g before it runs), and dg is exactly 0 where g <= floor."""
+    x = gla_inputs(1, 60, 1, 2, 8, 5, start=48)
+    cu = torch.tensor([0, 3, 37, 60])  # from positions 21, 5 and 48 (aligned)
+    state = _state([21, 5, 48], 2, 8, 5, levels=1 if plain else 8)
+    if plain:
+        x.pop("level_scales")
+    bad = _below_floor(x["g"])
+    _compare(x, cu_seqlens=cu, state=state, chunk_size=16)
+    kernels = _run(x, state, cu_seqlens=cu, chunk_size=16)
+    torch_path = _run(x, state, cu_seqlens=cu, chunk_size=16, backend="torch")
+    names = ["o", "final state", "dq", "dk", "dv", "dg", *(["dlevel_scales"] if not plain else []), "dinitial state"]
+    for name, a, e in zip(names, kernels, torch_path):
+        _close_or_tiny(a.double(), e.double(), FP32_TOL, name)
+    dg_kernels, dg_torch = kernels[5], torch_path[5]
+    assert (dg_kernels[bad] == 0).all() and (dg_torch[bad] == 0).all(), "dg is not 0 where g <= floor"
+    assert (dg_kernels[~bad] != 0).float().mean() > 0.9  # and not 0 elsewhere
+
+
+def test_the_op_adds_no_pass_over_the_gate(monkeypatch):
+    """On the kernels, a per-channel gate is floored where they read it: the op floors no tensor of the gate's size
+    in torch (only the few rows of a torch prefix or a final state's last chunk)."""
+    floored = []
+    apply = finite._Floor.apply
+    monkeypatch.setattr(finite._Floor, "apply", lambda g, floor: floored.append(g.numel()) or apply(g, floor))
+    x = {n: t.float().requires_grad_() for n, t in gla_inputs(1, 60, 1, 2, 8, 5, start=48).items()}
+    o, state = log_linear_gla(**x, initial_state=_state([21], 2, 8, 5, levels=8), output_final_state=True,
+                              chunk_size=16)
+    (o.sum() + state.levels.sum()).backward()
+    assert floored and max(floored) <= 16 * 2 * 8, f"floored {floored} entries, the gate has {x['g'].numel()}"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_bad_gate_spoils_only_what_comes_after_it(value):
+    """NaN or +inf in one channel of the per-channel gate (read unfloored by the finite check, floored by the kernels):
+    that head's outputs from the token on are NaN, every other output is as without it."""
+    x = {n: t.float() for n, t in gla_inputs(1, 40, 1, 2, 8, 5).items()}
+    o_ref, _ = log_linear_gla(**x, chunk_size=16)
+    x["g"][0, 21, 1, 3] = value
+    o, _ = log_linear_gla(**x, chunk_size=16)
+    assert torch.equal(o[0, :21], o_ref[0, :21]) and torch.equal(o[0, :, 0], o_ref[0, :, 0])
+    assert o[0, 21:, 1].isnan().all()

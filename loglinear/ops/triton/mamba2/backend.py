@@ -29,6 +29,12 @@ every chunk's deposit merged into it, the final state the scan's (shared/levels.
 GLA (a log-decay per key channel, g [B, T, H, K]) is the same algorithm with the kernels' PER_CHANNEL switch: the
 backend serves every variant whose one gate is a log-decay, scalar (Mamba-2) or per channel (GLA), and reads which
 from the variant (``Gate.per_channel``); the torch prefixes run the variant's own chunk form.
+
+The backend floors the log-decay gate itself (Backend.floors_log_decays; loglinear.ops.finite): a scalar gate
+[B, T, H] in torch as the call comes in (floor_log_decays), a per-channel one, the largest input of a GLA call, where
+it is read, so that no pass over it is added: the kernels read it only through G, the cumsum of max(g, FLOOR)
+(_chunk_gate), and the gate gradient is 0 where g <= FLOOR (_gate_grad); the torch path's rows (the prefixes, the
+final state's last chunk) floor their few tokens in torch (floor_log_decay).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import triton
 
 from loglinear.fenwick import chunk_bits, last_query_masks, levels_needed, trailing_zeros
 from loglinear.inputs import OpInputs, expand_groups
+from loglinear.ops.finite import LOG_DECAY_FLOOR, floor_log_decay, floor_log_decays
 from loglinear.ops.torch_chunk import carry_past, chunk_scan
 from loglinear.ops.triton.mamba2.bwd import mamba2_bwd_scan_kernel
 from loglinear.ops.triton.mamba2.chunk import (
@@ -62,6 +69,7 @@ from loglinear.variants.mamba2 import suffix_sum
 __all__ = ["supports", "backend", "LevelScanPlan"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FLOOR = LOG_DECAY_FLOOR[torch.float32]  # every kernel computes in fp32
 FP32_DOT = "ieee"  # fp32 products exact (shared.rules.dot_precision)
 MAX_CHUNK = 64  # the kernels' chunk cap (shared.rules.kernel_chunk_size): tiles fit sm_90's shared memory
 SCAN_ROWS = 16  # K rows per program of a scan whose state tile may be split
@@ -176,21 +184,22 @@ def _gate_shape(plan: LevelScanPlan, rows: int, H: int, K: int) -> tuple[int, ..
     return (rows, H, K) if plan.per_channel else (rows, H)
 
 
-def _gate_grad(d_gate: torch.Tensor, totals: torch.Tensor, dtype: torch.dtype, table: ChunkTable,
+def _gate_grad(d_gate: torch.Tensor, totals: torch.Tensor, g: torch.Tensor, table: ChunkTable,
                plan: LevelScanPlan) -> torch.Tensor:
-    """dg [tokens, H] ([tokens, H, K] per channel) in ``dtype``, dg_u = the sum of dGs over u and the later tokens
+    """dg [tokens, H] ([tokens, H, K] per channel) in g's dtype, dg_u = the sum of dGs over u and the later tokens
     of its sequence, from the dk / dv kernel's chunk parts: d_gate (fp32) holds dGs on every kernel row, totals
     [NC, H(, K)] fp32 each chunk's sum. mamba2_gate_grad_kernel gives every row the sum over its chunk's rows from
     it on plus the totals of its sequence's later chunks: a suffix sum over chunks, in fp64 so that the difference
-    of two loses nothing. Rows no kernel chunk covers (the torch prefixes) are 0."""
+    of two loses nothing; per channel 0 where the gate g (the call's, unfloored) is <= FLOOR. Rows no kernel chunk
+    covers (the torch prefixes) are 0."""
     NC, H = totals.shape[:2]
     suffix = torch.cat([suffix_sum(totals.double(), 0), totals.new_zeros((1, *totals.shape[1:]), dtype=torch.double)])
     later = (suffix[1:] - suffix[table.seq_last.long() + 1]).float()  # [NC, ...] the chunks after p in p's sequence
-    dg = alloc(tuple(d_gate.shape), dtype, d_gate.device)
+    dg = alloc(tuple(d_gate.shape), g.dtype, d_gate.device)
     if NC:
         K = d_gate.shape[-1] if plan.per_channel else 1
-        mamba2_gate_grad_kernel[(NC, H)](d_gate, later, dg, table.starts, table.ends, H=H, K=K, C=plan.chunk_size,
-                                         BK=next_pow2(K), PER_CHANNEL=plan.per_channel,
+        mamba2_gate_grad_kernel[(NC, H)](d_gate, later, g, dg, table.starts, table.ends, H=H, K=K, C=plan.chunk_size,
+                                         BK=next_pow2(K), PER_CHANNEL=plan.per_channel, FLOOR=FLOOR,
                                          **launch_options(mamba2_gate_grad_kernel))
     _zero_prefixes(plan, dg)
     return dg
@@ -290,15 +299,16 @@ def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Sa
 
 
 def _chunk_gate(g, table: ChunkTable, plan: LevelScanPlan) -> torch.Tensor:
-    """What every kernel reads of the gate: g [tokens, H] itself for a scalar gate; per channel G [tokens, H, K]
-    fp32, the chunk-local cumsum of g (intra_channel.channel_cumsum_kernel), formed once by the forward (kept for
-    the backward) and read by the scans, the chunk kernels and the in-chunk kernels."""
+    """What every kernel reads of the gate: g [tokens, H] itself for a scalar gate (which backend floored); per
+    channel G [tokens, H, K] fp32, the chunk-local cumsum of max(g, FLOOR) (intra_channel.channel_cumsum_kernel),
+    formed once by the forward (kept for the backward) and read by the scans, the chunk kernels and the in-chunk
+    kernels."""
     if not plan.per_channel:
         return g
     (tokens, H, K), NC = g.shape, table.starts.numel()
     cum = alloc((tokens, H, K), torch.float32, g.device)
     channel_cumsum_kernel[(NC, H)](g, cum, table.starts, table.ends, H=H, K=K, C=plan.chunk_size, BK=next_pow2(K),
-                                   **launch_options(channel_cumsum_kernel))
+                                   FLOOR=FLOOR, **launch_options(channel_cumsum_kernel))
     return cum
 
 
@@ -418,10 +428,11 @@ def _deposit_grads(q, readers, gate, lam, d_o, d_levels, ranges, saved: _Saved, 
 
 
 def _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, d_gate, final_terms, ranges, table: ChunkTable,
-               plan: LevelScanPlan, g_dtype: torch.dtype) -> tuple:
+               plan: LevelScanPlan, g: torch.Tensor) -> tuple:
     """mamba2_chunk_bwd_dkv_kernel (in-chunk + deposit terms; per channel it reads the in-chunk dK dk_in and the
     scores) and the gate gradient's chunk parts in d_gate and the chunk totals. -> dk [tokens, G, K] (k's dtype),
-    dv [tokens, H, V] (v's dtype), dg [tokens, H] ([tokens, H, K] per channel) in g_dtype (_gate_grad)."""
+    dv [tokens, H, V] (v's dtype), dg [tokens, H] ([tokens, H, K] per channel) in g's dtype (_gate_grad; g: the
+    call's gate)."""
     (tokens, H), K, NC = v.shape[:2], k.shape[-1], table.starts.numel()
     dk, dv = alloc((tokens, H, K), k.dtype, k.device), alloc(tuple(v.shape), v.dtype, v.device)
     totals = alloc(_gate_shape(plan, NC, H, K), torch.float32, k.device)
@@ -432,14 +443,14 @@ def _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, d_gate, final
             **_launch(mamba2_chunk_bwd_dkv_kernel, plan),
         )
     _zero_prefixes(plan, dv)
-    return _group_grad(dk, k.shape[1], plan), dv, _gate_grad(d_gate, totals, g_dtype, table, plan)
+    return _group_grad(dk, k.shape[1], plan), dv, _gate_grad(d_gate, totals, g, table, plan)
 
 
 class LevelScanMamba2(torch.autograd.Function):
     """(q, k, v, g, lam, h0) -> (o, chunk-level final states) on the kernels.
 
-    q, k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] ([tokens, H, K] per channel); lam: [tokens, H, L]
-    (plain: not read, no gradient);
+    q, k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] (floored) or [tokens, H, K] per channel (unfloored:
+    the kernels floor it); lam: [tokens, H, L] (plain: not read, no gradient);
     h0: [N, J, H, K, V] fp32 chunk-level initial states (plain: J = 1, the state). Returns o: [tokens, H, V]
     (rows outside the plan's ranges unwritten) and the final chunk levels [N, J, H, K, V] fp32."""
 
@@ -472,7 +483,7 @@ class LevelScanMamba2(torch.autograd.Function):
         final_terms = (d_final * final).sum((1, 4))  # the final states' gate term [N, H, K] (per row k)
         final_terms = (final_terms if plan.per_channel else final_terms.sum(-1)).contiguous()
         dk, dv, dg = _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, qdq, final_terms, ranges,
-                                saved.table, plan, g.dtype)
+                                saved.table, plan, g)
         del d_deposits, scores, dk_in, gate
         d_h0 = d_levels if plan.has_init else None
         return dq, dk, dv, dg, dlam, d_h0, None
@@ -482,10 +493,10 @@ def _last_chunk_levels(k, v, g, a: int, b: int, C: int, H: int) -> torch.Tensor:
     """In-chunk token levels 0..c of the state after token b-1, from the last chunk of [a, b) (a aligned).
 
     level l holds sum_{s: bit_length(s XOR e) = l} exp(G_e - G_s) k_s v_s^T (g: [tokens, H], or [tokens, H, K]:
-    exp per key channel).   -> [c+1, H, K, V] fp32."""
+    exp per key channel; G the cumsum of g floored here).   -> [c+1, H, K, V] fp32."""
     ls = a + ((b - a - 1) // C) * C
     ks = expand_groups(k[None, ls:b].float(), H)[0]  # [n, H, K]
-    vs, gs = v[ls:b].float(), g[ls:b].float()
+    vs, gs = v[ls:b].float(), floor_log_decay(g[ls:b].float())
     G = gs.cumsum(0)
     w = torch.exp(G[-1:] - G)  # [n, H] or [n, H, K]
     masks = last_query_masks(b - 1 - ls, C, torch.float32, k.device)[:, : b - ls]
@@ -501,8 +512,8 @@ def _pad_levels(x: torch.Tensor, n: int) -> torch.Tensor:
 class _Flat:
     """The call on one flat token axis: sequence n covers tokens [bounds[n], bounds[n+1]) from positions[n].
 
-    q, k: [tokens, G, K]; v: [tokens, H, V] (kernel dtype); g: [tokens, H] ([tokens, H, K] per channel);
-    lam: [tokens, H, L] (a plain call: g in its place, never read)."""
+    q, k: [tokens, G, K]; v: [tokens, H, V] (kernel dtype); g: [tokens, H] floored, or [tokens, H, K] per channel
+    as the call gives it (unfloored); lam: [tokens, H, L] (a plain call: g in its place, never read)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -513,11 +524,12 @@ class _Flat:
     positions: list[int]
 
     def rows(self, a: int, b: int) -> dict[str, torch.Tensor]:
-        """Tokens [a, b) as the torch path's [1, b-a, H, *] fp32 inputs (q/k expanded to the value heads)."""
+        """Tokens [a, b) as the torch path's [1, b-a, H, *] fp32 inputs (q/k expanded to the value heads, g
+        floored)."""
         H = self.v.shape[1]
         pick = lambda x: x[None, a:b].float()  # noqa: E731
         return dict(q=expand_groups(pick(self.q), H), k=expand_groups(pick(self.k), H), v=pick(self.v),
-                    g=pick(self.g), lam=pick(self.lam))
+                    g=floor_log_decay(pick(self.g)), lam=pick(self.lam))
 
 
 def _kernel_dtype(inp: OpInputs) -> torch.dtype:
@@ -624,8 +636,11 @@ def supports(inp: OpInputs) -> bool:
 
 def backend(inp: OpInputs, output_final_state: bool, chunk_size: int,
             use_qk_l2norm: bool = False) -> tuple[torch.Tensor, FenwickState | None]:
-    """Backend "triton" of Mamba-2 (see loglinear.ops.backends) on inputs it supports;
-    heads narrower than min_head_dim run zero-padded."""
+    """Backend "triton" of Mamba-2 and GLA (see loglinear.ops.backends) on inputs it supports, their log-decay
+    gate unfloored (a scalar one floored here; see the module docstring); heads narrower than min_head_dim run
+    zero-padded."""
+    if not _per_channel(inp):
+        inp = floor_log_decays(inp)
     minimum = min_head_dim(_kernel_dtype(inp), inp.q.device)
     return run_padded(inp, minimum, lambda x: _run_kernels(x, output_final_state, chunk_size))
 

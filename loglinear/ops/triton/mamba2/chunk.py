@@ -79,7 +79,9 @@ forms Q * exp(G) once per chunk; the dq kernel multiplies the sum over levels by
 Q * exp(G) (q_dec, q's dtype) for the level gradient, whose readers then load one [C, K] tile and scale the
 product's rows by exp(decay) (no exponential of a tile). The gate's gradient is the same telescoping per
 channel: dGs_u[k] = q_u[k] dq_u[k] - k_u[k] dk_u[k] (+ the final states' row k), so the gate terms are q * dq and
-k * dk [C, K] instead of row sums (gate_term).
+k * dk [C, K] instead of row sums (gate_term). The per-channel gate reaches the kernels unfloored: G is the cumsum
+of max(g, floor) (intra_channel.channel_cumsum_kernel), and mamba2_gate_grad_kernel reads g to give 0 where
+g <= floor (loglinear.ops.finite).
 """
 from __future__ import annotations
 
@@ -258,13 +260,15 @@ def chunk_gate_grads(d_gate, totals, final_terms, d_k, kc, t0, r, t, valid, last
 
 @triton.jit(do_not_specialize=["H"])
 def mamba2_gate_grad_kernel(
-    d_gate, later, dg, starts, ends,
+    d_gate, later, g, dg, starts, ends,
     H, K,
-    C: tl.constexpr, BK: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, PER_CHANNEL: tl.constexpr, FLOOR: tl.constexpr,
 ):
     """The gate's gradient on the rows of every kernel chunk p: dg_u = sum_{rows t >= u of p} x_t + later[p], with
     x = d_gate [tokens, H] ([tokens, H, K] with PER_CHANNEL) fp32, dGs per row (chunk_gate_grads), and later
-    [NC, H(, K)] fp32 the sums over the later chunks of p's sequence; dg: d_gate's shape, in its own dtype.
+    [NC, H(, K)] fp32 the sums over the later chunks of p's sequence; dg: d_gate's shape, in its own dtype. With
+    PER_CHANNEL the kernels ran on max(g, FLOOR) (intra_channel.channel_cumsum_kernel) and g [tokens, H, K] is the
+    raw gate: dg_u is 0 where g_u <= FLOOR (the floor's gradient; a scalar gate came floored, g is not read).
     Grid (NC, H)."""
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
@@ -273,6 +277,7 @@ def mamba2_gate_grad_kernel(
     row = tl.program_id(0).to(tl.int64) * H + h
     if PER_CHANNEL:
         x += tl.load(later + row * K + kk, mask=kk < K, other=0.0)[None, :]
+        x = tl.where(load_tile(g, t0, r, valid, h, H, K, kk).to(tl.float32) <= FLOOR, 0.0, x)
     else:
         x += tl.load(later + row)
     store_gate_rows(dg, x, t0, r, t, valid, h, H, K, kk, PER_CHANNEL)

@@ -27,8 +27,9 @@ of sub-chunk i (rows iS .. iS + S - 1) splits it at a row of the sub-chunk:
 
 Programs load only their own rows and, for the products across sub-chunks, the chunk's [C, KB] tiles of k or q
 and G, one block of KB key channels at a time (the backward kernels take their block from the grid): no program
-scans. A hard reset (g = -inf) reaches the kernels floored to a finite log-decay whose exp is 0
-(loglinear.ops.finite).
+scans. G is the cumsum of the floored gate max(g, FLOOR) (loglinear.ops.finite: a log-decay whose exp is 0, so a
+hard reset g = -inf, or any g below it, gives a finite G), formed here from the raw g: no kernel reads g itself
+(the gate's gradient, 0 where g <= FLOOR, is chunk.mamba2_gate_grad_kernel's).
 
     channel_cumsum_kernel     G, fp32 [tokens, H, K]
     channel_scores_kernel     P, fp32 [tokens, H, C] (row t: its chunk's keys)      forward; kept for the backward
@@ -90,13 +91,15 @@ def sub_chunk_span(cum, t0, end, i, h, H, K, kk, S: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["H"])
-def channel_cumsum_kernel(g, cum, starts, ends, H, K, C: tl.constexpr, BK: tl.constexpr):
-    """cum = G, the chunk-local inclusive cumsum of g [tokens, H, K] per channel, fp32 [tokens, H, K] (rows of
-    every kernel chunk). Grid (NC, H)."""
+def channel_cumsum_kernel(g, cum, starts, ends, H, K, C: tl.constexpr, BK: tl.constexpr, FLOOR: tl.constexpr):
+    """cum = G, the chunk-local inclusive cumsum of max(g, FLOOR) (NaN stays NaN) per channel of g [tokens, H, K],
+    fp32 [tokens, H, K] (rows of every kernel chunk). Grid (NC, H)."""
     h = tl.program_id(1)
     t0, end, r, valid, _, _ = sub_chunk(starts, ends, 0, C, C)
     kk = tl.arange(0, BK)
-    store_tile(cum, tl.cumsum(load_tile(g, t0, r, valid, h, H, K, kk).to(tl.float32), 0), t0, r, valid, h, H, K, kk)
+    floored = tl.maximum(load_tile(g, t0, r, valid, h, H, K, kk).to(tl.float32), FLOOR,
+                         propagate_nan=tl.PropagateNan.ALL)
+    store_tile(cum, tl.cumsum(floored, 0), t0, r, valid, h, H, K, kk)
 
 
 @triton.jit
