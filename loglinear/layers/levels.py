@@ -23,20 +23,27 @@ from loglinear.layers.norm import wide
 
 __all__ = ["LevelScales", "LEVEL_ACTIVATIONS"]
 
-LEVEL_ACTIVATIONS = {"softplus": F.softplus, "sigmoid": lambda z: 2 * torch.sigmoid(z)}
+
+def _sigmoid2(z: torch.Tensor) -> torch.Tensor:
+    return 2 * torch.sigmoid(z)
 
 
-def _level_weights(logits: torch.Tensor, level_scale: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(Ls * logits) in at least float32.  logits: [Ntok, H, L]; level_scale: [H, L]."""
-    return LEVEL_ACTIVATIONS[activation](wide(level_scale) * wide(logits))
+def _sigmoid2_slope(z: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(z)
+    return 2 * s * (1 - s)
+
+
+# name -> (act, act'): the backward multiplies by the derivative (no autograd inside it, so torch.compile traces it)
+LEVEL_ACTIVATIONS = {"softplus": (F.softplus, torch.sigmoid), "sigmoid": (_sigmoid2, _sigmoid2_slope)}
 
 
 class _Recomputed(torch.autograd.Function):
-    """_level_weights saving only its inputs; the backward recomputes it (module docstring)."""
+    """lambda = act(Ls * logits) in at least float32, saving only logits [Ntok, H, L] (in its own dtype) and
+    Ls [H, L]: the backward recomputes z = Ls * logits (module docstring)."""
 
     @staticmethod
     def forward(logits: torch.Tensor, level_scale: torch.Tensor, activation: str) -> torch.Tensor:
-        return _level_weights(logits, level_scale, activation)
+        return LEVEL_ACTIVATIONS[activation][0](wide(level_scale) * wide(logits))
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
@@ -45,13 +52,12 @@ class _Recomputed(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        need = ctx.needs_input_grad[:2]
-        create = torch.is_grad_enabled()  # a double backward: the gradients stay functions of the saved inputs
-        inputs = [x if create else x.detach().requires_grad_(n) for x, n in zip(ctx.saved_tensors, need)]
-        with torch.enable_grad():
-            out = _level_weights(*inputs, ctx.activation)
-            grads = iter(torch.autograd.grad(out, [x for x, n in zip(inputs, need) if n], grad, create_graph=create))
-        return (*(next(grads) if n else None for n in need), None)
+        logits, level_scale = ctx.saved_tensors
+        wide_logits, wide_scale = wide(logits), wide(level_scale)
+        dz = grad * LEVEL_ACTIVATIONS[ctx.activation][1](wide_scale * wide_logits)
+        d_logits = (dz * wide_scale).to(logits.dtype) if ctx.needs_input_grad[0] else None
+        d_scale = (dz * wide_logits).flatten(0, -3).sum(0).to(level_scale.dtype) if ctx.needs_input_grad[1] else None
+        return d_logits, d_scale, None
 
 
 class LevelScales(nn.Module):
@@ -69,6 +75,4 @@ class LevelScales(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.proj(x).reshape(*x.shape[:-1], self.num_heads, self.max_levels)
-        if torch.is_grad_enabled() and (logits.requires_grad or self.level_scale.requires_grad):
-            return _Recomputed.apply(logits, self.level_scale, self.activation)
-        return _level_weights(logits, self.level_scale, self.activation)
+        return _Recomputed.apply(logits, self.level_scale, self.activation)

@@ -9,7 +9,7 @@ from loglinear.layers.levels import LEVEL_ACTIVATIONS, LevelScales, _Recomputed
 def _direct(layer: LevelScales, x: torch.Tensor) -> torch.Tensor:
     """The formula with autograd through every op (what the recomputing backward must equal)."""
     logits = layer.proj(x).float().reshape(*x.shape[:-1], layer.num_heads, layer.max_levels)
-    return LEVEL_ACTIVATIONS[layer.activation](layer.level_scale.float() * logits)
+    return LEVEL_ACTIVATIONS[layer.activation][0](layer.level_scale.float() * logits)
 
 
 @pytest.mark.parametrize("activation", sorted(LEVEL_ACTIVATIONS))
