@@ -33,6 +33,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from loglinear.ops.finite import LOG_DECAY_FLOOR  # noqa: E402
 from loglinear.ops.triton.gated_deltanet import local, scan  # noqa: E402
 from loglinear.ops.triton.gated_deltanet import chunking  # noqa: E402
 from loglinear.ops.triton.gated_deltanet.chunking import Chunking  # noqa: E402
@@ -94,7 +95,8 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
           f"plain={args.plain}, "
           f"has_init={args.has_init}, {prec}")
     base = dict(C=C, LOG_C=C.bit_length() - 1, BK=BK, BV=BV, PRECISION=prec, HAS_INIT=args.has_init, PLAIN=args.plain,
-                PER_CHANNEL=per_channel, S=intra_channel.SUB_CHUNK, KB=min(intra_channel.KEY_BLOCK, BK))
+                PER_CHANNEL=per_channel, S=intra_channel.SUB_CHUNK, KB=min(intra_channel.KEY_BLOCK, BK),
+                FLOOR=LOG_DECAY_FLOOR[torch.float32])
     ints = dict(K=args.K, V=args.V)
     ptrs = dict(g=f32, lam=P, scale="fp32", starts=i32, ends=i32, bos_ptr=i32, eos_ptr=i32, chunk0_ptr=i32)
 
@@ -121,7 +123,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
         (mamba2_chunk.mamba2_chunk_bwd_dkv_kernel,
          "q k v g lam do d_deposits scores dk_in starts ends seqs eos_ptr final_terms scale dk dv d_gate totals "
          "H G K V L", base, 0),
-        (mamba2_chunk.mamba2_gate_grad_kernel, "d_gate later dg starts ends H K", base, 0),
+        (mamba2_chunk.mamba2_gate_grad_kernel, "d_gate later g dg starts ends H K", base, 0),
     ]
     if per_channel:
         kernels += [
