@@ -110,6 +110,7 @@ def _decode_step_kernel(
         beta = tl.load(beta_ptr + n * H + h).to(ACC)
     else:
         beta = 1.0
+    deposit = (beta * k)[:, None] * v[None, :]
 
     acc = tl.zeros((BK, BV), dtype=ACC)
     o = tl.zeros((BV,), dtype=ACC)
@@ -126,19 +127,16 @@ def _decode_step_kernel(
                     S = S * tl.exp(log_scale)[:, None]
                 else:
                     S = S * tl.exp(log_scale)
-            if FENWICK:  # the carry: scalar conditions, so no [BK, BV] temporaries of selects
-                if merge:
-                    acc = acc + S
-                    S = tl.zeros((BK, BV), dtype=ACC)
-                elif into:
-                    S = S + acc
+            if FENWICK:
+                moved = tl.where(merge, S, 0.0)
+                S = tl.where(merge, 0.0, S + tl.where(into, acc, 0.0))
+                acc = acc + moved
             if HAS_BETA:
                 kS = tl.sum(k[:, None] * S, 0)
                 S = decay * (S - beta * k[:, None] * kS[None, :])
             else:
                 S = decay * S
-            if l == 0:  # the deposit beta k v^T, formed here: no [BK, BV] tile of it lives through the loop
-                S = S + (beta * k)[:, None] * v[None, :]
+            S = S + tl.where(l == 0, deposit, 0.0)
             if FENWICK:
                 w = tl.load(lam_ptr + n * lam_sn + h * lam_sh + l).to(ACC)
             else:
