@@ -56,26 +56,6 @@ def _level_roles(p, l):
 
 
 @triton.jit
-def _stored_level(s_in_ptr, ls_ptr, p, n, l, L, H, h, K, V, rk, rv, tile, mk,
-                  FENWICK: tl.constexpr, PER_CHANNEL: tl.constexpr, IN_PLACE: tl.constexpr, LAZY: tl.constexpr):
-    """Issue the loads of level l as stored (0 where the step does not read it, l >= L included): its tile
-    [BK, BV] in the levels' dtype and, LAZY, its log-scale (a scalar, or [BK] per channel; else 0.0). Nothing here
-    uses the loaded values, so the loads stay in flight while the caller works on the level before."""
-    held_in, _, _, _ = _level_roles(p, l)
-    read = ((not IN_PLACE) | (not FENWICK) | held_in) & (l < L)
-    tile_l = tl.load(s_in_ptr + (((n * L + l) * H + h) * K + rk[:, None]) * V + rv[None, :], mask=tile & read,
-                     other=0.0)
-    if LAZY:
-        if PER_CHANNEL:
-            log_scale = tl.load(ls_ptr + ((n * L + l) * H + h) * K + rk, mask=mk & read, other=0.0)
-        else:
-            log_scale = tl.load(ls_ptr + (n * L + l) * H + h, mask=read, other=0.0)
-    else:
-        log_scale = 0.0
-    return tile_l, log_scale
-
-
-@triton.jit
 def _decode_step_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, pos_ptr, o_ptr,
     scale, H, G, K, V, L, lam_sn, lam_sh,
@@ -91,10 +71,6 @@ def _decode_step_kernel(
     mk = rk < K
     mv = rv < V
     tile = mk[:, None] & mv[None, :]
-    p = tl.load(pos_ptr + n)  # int64
-    # level 0's loads first: they are in flight while the token's inputs arrive
-    next_tile, next_scale = _stored_level(s_in_ptr, ls_ptr, p, n, 0, L, H, h, K, V, rk, rv, tile, mk,
-                                          FENWICK, PER_CHANNEL, IN_PLACE, LAZY)
 
     q = tl.load(q_ptr + (n * G + grp) * K + rk, mask=mk, other=0.0).to(ACC)
     k = tl.load(k_ptr + (n * G + grp) * K + rk, mask=mk, other=0.0).to(ACC)
@@ -111,22 +87,21 @@ def _decode_step_kernel(
     else:
         beta = 1.0
     deposit = (beta * k)[:, None] * v[None, :]
+    p = tl.load(pos_ptr + n)  # int64
 
     acc = tl.zeros((BK, BV), dtype=ACC)
     o = tl.zeros((BV,), dtype=ACC)
     for l in range(0, L):
-        stored, log_scale = next_tile, next_scale
-        # the next level's loads go out before this level's work (one level ahead)
-        next_tile, next_scale = _stored_level(s_in_ptr, ls_ptr, p, n, l + 1, L, H, h, K, V, rk, rv, tile, mk,
-                                              FENWICK, PER_CHANNEL, IN_PLACE, LAZY)
+        offs = (((n * L + l) * H + h) * K + rk[:, None]) * V + rv[None, :]
         held_in, held_out, merge, into = _level_roles(p, l)
-        if (not IN_PLACE) | (not FENWICK) | held_in | held_out:  # a plain state is read whatever its position
-            S = stored.to(ACC)
+        read = (not IN_PLACE) | (not FENWICK) | held_in  # a plain state is read whatever its position
+        if read | held_out:
+            S = tl.load(s_in_ptr + offs, mask=tile & read, other=0.0).to(ACC)
             if LAZY:  # the level's state is the stored tile times exp(its log-scale)
                 if PER_CHANNEL:
-                    S = S * tl.exp(log_scale)[:, None]
+                    S = S * tl.exp(tl.load(ls_ptr + ((n * L + l) * H + h) * K + rk, mask=mk & read, other=0.0))[:, None]
                 else:
-                    S = S * tl.exp(log_scale)
+                    S = S * tl.exp(tl.load(ls_ptr + (n * L + l) * H + h, mask=read, other=0.0))
             if FENWICK:
                 moved = tl.where(merge, S, 0.0)
                 S = tl.where(merge, 0.0, S + tl.where(into, acc, 0.0))
@@ -145,7 +120,6 @@ def _decode_step_kernel(
             # lazy: a level held before the token keeps its stored tile (decayed: its log-scale adds g; emptied by
             # the carry: -inf); level 0 merges (p > 0) or is empty (p = 0)
             if (not LAZY) | (held_in == 0) | (l == 0):
-                offs = (((n * L + l) * H + h) * K + rk[:, None]) * V + rv[None, :]
                 tl.store(s_out_ptr + offs, S.to(s_out_ptr.dtype.element_ty), mask=tile)
     tl.store(o_ptr + (n * H + h) * V + rv, (scale * o).to(o_ptr.dtype.element_ty), mask=mv)
 
