@@ -27,7 +27,9 @@ updates run in a second kernel (_log_scale_kernel) after the step, because every
 reads the same s.
 FENWICK=False is the plain recurrence (no carry, lambda = 1) of use_log_linear=False models.
 q, k are read from group h // (H // G); L2NORM normalises them in the kernel (x / sqrt(|x|^2 + 1e-6)).
-The state is read and written once: the step is bound by (levels touched) * K * V * 4 bytes per (sequence, head).
+The state is read and written once, (levels touched) * K * V * (bytes per element) per (sequence, head); a program
+walks its levels one after another, so at batch 16 on an H200 the step is bound by that loop's latency rather than
+by its bytes (docs/kernels.md, Decoding).
 """
 
 from __future__ import annotations
