@@ -8,7 +8,7 @@ garbage. The public op (loglinear.ops.api.attention) therefore
   1. floors every log-decay gate (Gate.log_decay) at LOG_DECAY_FLOOR of its compute dtype, where exp underflows
      to exactly 0: g = -inf is a hard reset and very negative gates give the exact result. floor_log_decays does
      it in torch before the backend runs, unless the backend floors the gates itself where it reads them
-     (Backend.floors_log_decays: the Triton Mamba-2 / GLA kernels), with the same values and gradient (_Floor);
+     (Backend.floors_log_decays: the Triton GLA kernels), with the same values and gradient (_Floor);
   2. checks that the inputs are finite: one read of them, queued before the op's kernels (a log-decay gate may
      hold -inf: it is checked unfloored, by its maximum); on CUDA its answer comes back through an event recorded
      behind that read, so the host waits for the work queued before the op, not for the op. Skipped while a CUDA

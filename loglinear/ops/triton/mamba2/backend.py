@@ -30,11 +30,11 @@ GLA (a log-decay per key channel, g [B, T, H, K]) is the same algorithm with the
 backend serves every variant whose one gate is a log-decay, scalar (Mamba-2) or per channel (GLA), and reads which
 from the variant (``Gate.per_channel``); the torch prefixes run the variant's own chunk form.
 
-The backend floors the log-decay gate itself (Backend.floors_log_decays; loglinear.ops.finite): a scalar gate
-[B, T, H] in torch as the call comes in (floor_log_decays), a per-channel one, the largest input of a GLA call, where
-it is read, so that no pass over it is added: the kernels read it only through G, the cumsum of max(g, FLOOR)
-(_chunk_gate), and the gate gradient is 0 where g <= FLOOR (_gate_grad); the torch path's rows (the prefixes, the
-final state's last chunk) floor their few tokens in torch (floor_log_decay).
+The log-decay gate: a scalar one [B, T, H] (Mamba-2) arrives floored by the op (loglinear.ops.finite); GLA registers
+this backend with Backend.floors_log_decays, so its per-channel gate, the largest input of a call, arrives as the
+caller gave it and is floored where it is read, with no pass over it added: the kernels read it only through G, the
+cumsum of max(g, FLOOR) (_chunk_gate), and the gate gradient is 0 where g <= FLOOR (_gate_grad); the torch path's
+rows (the prefixes, the final state's last chunk) floor their few tokens in torch (floor_log_decay).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import triton
 
 from loglinear.fenwick import chunk_bits, last_query_masks, levels_needed, trailing_zeros
 from loglinear.inputs import OpInputs, expand_groups
-from loglinear.ops.finite import LOG_DECAY_FLOOR, floor_log_decay, floor_log_decays
+from loglinear.ops.finite import LOG_DECAY_FLOOR, floor_log_decay
 from loglinear.ops.torch_chunk import carry_past, chunk_scan
 from loglinear.ops.triton.mamba2.bwd import mamba2_bwd_scan_kernel
 from loglinear.ops.triton.mamba2.chunk import (
@@ -299,7 +299,7 @@ def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Sa
 
 
 def _chunk_gate(g, table: ChunkTable, plan: LevelScanPlan) -> torch.Tensor:
-    """What every kernel reads of the gate: g [tokens, H] itself for a scalar gate (which backend floored); per
+    """What every kernel reads of the gate: g [tokens, H] itself for a scalar gate (floored by the op); per
     channel G [tokens, H, K] fp32, the chunk-local cumsum of max(g, FLOOR) (intra_channel.channel_cumsum_kernel),
     formed once by the forward (kept for the backward) and read by the scans, the chunk kernels and the in-chunk
     kernels."""
@@ -637,10 +637,7 @@ def supports(inp: OpInputs) -> bool:
 def backend(inp: OpInputs, output_final_state: bool, chunk_size: int,
             use_qk_l2norm: bool = False) -> tuple[torch.Tensor, FenwickState | None]:
     """Backend "triton" of Mamba-2 and GLA (see loglinear.ops.backends) on inputs it supports, their log-decay
-    gate unfloored (a scalar one floored here; see the module docstring); heads narrower than min_head_dim run
-    zero-padded."""
-    if not _per_channel(inp):
-        inp = floor_log_decays(inp)
+    gate as the module docstring says; heads narrower than min_head_dim run zero-padded."""
     minimum = min_head_dim(_kernel_dtype(inp), inp.q.device)
     return run_padded(inp, minimum, lambda x: _run_kernels(x, output_final_state, chunk_size))
 
