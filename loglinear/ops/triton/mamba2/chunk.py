@@ -71,8 +71,9 @@ rows of the output to the columns of q or k:
     in-chunk   P[t, s] = sum_k q_t[k] exp(G_t[k] - G_s[k]) k_s[k]
 
 and the in-chunk block is not one product of q and k: two kernels over 16-row sub-chunks (shared/intra_channel.py)
-write P [tokens, H, C] and, in the backward, the in-chunk dQ and dK [tokens, H, K] fp32 and dlambda's in-chunk
-columns; the forward and the dk / dv kernel read P, the dq and dk / dv kernels add the in-chunk dQ / dK.
+write P [tokens, H, C] and, in the backward, the in-chunk dQ and dK [tokens, H, K] fp32; the forward and the dq
+and dk / dv kernels read P (the dq kernel forms dlambda's in-chunk columns from it as with a scalar gate), the dq
+and dk / dv kernels add the in-chunk dQ / dK.
 The kernels read G itself (fp32 [tokens, H, K], written once per call by intra_channel.channel_cumsum_kernel; no
 kernel forms a [C, K] cumsum), and the per-channel factors are applied where they are cheapest: the forward
 forms Q * exp(G) once per chunk; the dq kernel multiplies the sum over levels by exp(G) once and writes
@@ -81,7 +82,7 @@ product's rows by exp(decay) (no exponential of a tile). The gate's gradient is 
 channel: dGs_u[k] = q_u[k] dq_u[k] - k_u[k] dk_u[k] (+ the final states' row k), so the gate terms are q * dq and
 k * dk [C, K] instead of row sums (gate_term). The per-channel gate reaches the kernels unfloored: G is the cumsum
 of max(g, floor) (intra_channel.channel_cumsum_kernel), and mamba2_gate_grad_kernel reads g to give 0 where
-g <= floor (loglinear.ops.finite).
+g <= floor (loglinear.ops.finite), in the chunks where the cumsum kernel saw the gate reach the floor.
 """
 from __future__ import annotations
 
@@ -260,7 +261,7 @@ def chunk_gate_grads(d_gate, totals, final_terms, d_k, kc, t0, r, t, valid, last
 
 @triton.jit(do_not_specialize=["H"])
 def mamba2_gate_grad_kernel(
-    d_gate, later, g, dg, starts, ends,
+    d_gate, later, g, floored, dg, starts, ends,
     H, K,
     C: tl.constexpr, BK: tl.constexpr, PER_CHANNEL: tl.constexpr, FLOOR: tl.constexpr,
 ):
@@ -268,8 +269,8 @@ def mamba2_gate_grad_kernel(
     x = d_gate [tokens, H] ([tokens, H, K] with PER_CHANNEL) fp32, dGs per row (chunk_gate_grads), and later
     [NC, H(, K)] fp32 the sums over the later chunks of p's sequence; dg: d_gate's shape, in its own dtype. With
     PER_CHANNEL the kernels ran on max(g, FLOOR) (intra_channel.channel_cumsum_kernel) and g [tokens, H, K] is the
-    raw gate: dg_u is 0 where g_u <= FLOOR (the floor's gradient; a scalar gate came floored, g is not read).
-    Grid (NC, H)."""
+    raw gate: dg_u is 0 where g_u <= FLOOR (the floor's gradient), read only in the chunks where floored [NC, H]
+    int8 (the cumsum kernel's) is set. A scalar gate came floored: g and floored are not read. Grid (NC, H)."""
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
     kk = tl.arange(0, BK)
@@ -277,7 +278,8 @@ def mamba2_gate_grad_kernel(
     row = tl.program_id(0).to(tl.int64) * H + h
     if PER_CHANNEL:
         x += tl.load(later + row * K + kk, mask=kk < K, other=0.0)[None, :]
-        x = tl.where(load_tile(g, t0, r, valid, h, H, K, kk).to(tl.float32) <= FLOOR, 0.0, x)
+        if tl.load(floored + row) != 0:
+            x = tl.where(load_tile(g, t0, r, valid, h, H, K, kk).to(tl.float32) <= FLOOR, 0.0, x)
     else:
         x += tl.load(later + row)
     store_gate_rows(dg, x, t0, r, t, valid, h, H, K, kk, PER_CHANNEL)
@@ -313,15 +315,16 @@ def intra_block(qc, kc, vc, doc, scores, lam, t0, r, t, valid, h, H, L, Gc, scal
     (the backward; doc = dO) dA = scale * dO V^T and the in-chunk dQ = (dA * Gamma * Lambda) K or
     dK = (dA * Gamma * Lambda)^T Q ([C, BK] fp32). Without DQ / DK, dA and the gradient are 0. Recomputed in
     each kernel instead of passed (two C x C x K/V GEMMs), so each fits 4 warps without spills.
-    PER_CHANNEL: P is read from scores [tokens, H, C] fp32 (intra_channel.channel_scores_kernel's); dA and the
-    gradient are 0 (the intra_channel kernels give the in-chunk dQ / dK, which the caller reads, and dlambda's
-    in-chunk columns)."""
+    PER_CHANNEL: P is read from scores [tokens, H, C] fp32 (intra_channel.channel_scores_kernel's) and the
+    gradient is 0 (the intra_channel kernels give the in-chunk dQ / dK, which the caller reads)."""
     causal = r[:, None] >= r[None, :]
     weights = level_weights(lam, t, valid, h, H, L, intra_levels(r, r, LOG_C), causal, LOG_C, PLAIN)
     d_a = tl.zeros([C, C], dtype=tl.float32)
     d_x = tl.zeros(qc.shape, dtype=tl.float32)
     if PER_CHANNEL:
         p = load_tile(scores, t0, r, valid, h, H, C, r)
+        if DQ:
+            d_a = intra_score_grads(doc, vc, causal, scale, PRECISION)
     else:
         if DQ or DK:
             d_a = intra_score_grads(doc, vc, causal, scale, PRECISION)
@@ -418,8 +421,6 @@ def mamba2_chunk_bwd_dq_kernel(
                                  h, H, L, Gc, scale, C, LOG_C, PRECISION, PLAIN, PER_CHANNEL, True, False)
     if not PLAIN:  # in-chunk columns and zeros; the columns of the live chunk levels are the loop's (one writer each)
         skip = read_columns(ll, chunk, c0, J, LOG_C, HAS_INIT)
-        if PER_CHANNEL:  # the in-chunk columns are intra_channel.channel_dq_kernel's
-            skip |= ll <= LOG_C
         store_tile(dlam, level_sums(d_a * p, intra_levels(r, r, LOG_C), ll, LOG_C), t0, r, valid, h, H, L,
                    tl.where(skip, L, ll))
     row_scale = scale * tl.exp(Gc)

@@ -29,9 +29,11 @@ def set_poison(enabled: bool) -> None:
 
 
 def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised kernel output (NaN-filled when poisoning is on)."""
+    """An uninitialised kernel output (when poisoning is on filled with NaN, integers with their smallest value)."""
     out = torch.empty(shape, dtype=dtype, device=device)
-    return out.fill_(float("nan")) if _POISON else out
+    if not _POISON:
+        return out
+    return out.fill_(float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min)
 
 
 def group_sum(x: torch.Tensor, groups: int, dim: int) -> torch.Tensor:

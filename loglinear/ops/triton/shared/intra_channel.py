@@ -8,7 +8,9 @@ for s <= t,
     P[t, s]  = sum_k q_t[k] exp(G_t[k] - G_s[k]) k_s[k]
     dQ[t, k] = sum_s M[t, s] exp(G_t[k] - G_s[k]) k_s[k]
     dK[s, k] = sum_t M[t, s] exp(G_t[k] - G_s[k]) q_t[k]
-    dlambda_t[l <= c] = sum_{s: level(t, s) = l} dA[t, s] P[t, s]
+
+(dlambda's in-chunk columns, sum over level(t, s) = l of dA P, are the chunk dq kernel's, which reads P as a scalar
+gate's kernel forms it.)
 
 exp(G_t - G_s) is never split as exp(G_t) exp(-G_s) over the chunk (that overflows for strong decays). A program
 of sub-chunk i (rows iS .. iS + S - 1) splits it at a row of the sub-chunk:
@@ -28,12 +30,12 @@ of sub-chunk i (rows iS .. iS + S - 1) splits it at a row of the sub-chunk:
 Programs load only their own rows and, for the products across sub-chunks, the chunk's [C, KB] tiles of k or q
 and G, one block of KB key channels at a time (the backward kernels take their block from the grid): no program
 scans. G is the cumsum of the floored gate max(g, FLOOR) (loglinear.ops.finite: a log-decay whose exp is 0, so a
-hard reset g = -inf, or any g below it, gives a finite G), formed here from the raw g: no kernel reads g itself
-(the gate's gradient, 0 where g <= FLOOR, is chunk.mamba2_gate_grad_kernel's).
+hard reset g = -inf, or any g below it, gives a finite G), formed here from the raw g: no other kernel reads g but
+chunk.mamba2_gate_grad_kernel, whose gradient is 0 where g <= FLOOR, in the chunks flagged here.
 
-    channel_cumsum_kernel     G, fp32 [tokens, H, K]
+    channel_cumsum_kernel     G, fp32 [tokens, H, K], and which chunks reach the floor
     channel_scores_kernel     P, fp32 [tokens, H, C] (row t: its chunk's keys)      forward; kept for the backward
-    channel_dq_kernel         the in-chunk dQ, fp32 [tokens, H, K], and dlambda's in-chunk columns
+    channel_dq_kernel         the in-chunk dQ, fp32 [tokens, H, K]
     channel_dk_kernel         the in-chunk dK, fp32 [tokens, H, K]
 """
 
@@ -42,7 +44,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.shared.intra import intra_levels, level_sums, level_weights
+from loglinear.ops.triton.shared.intra import intra_levels, level_weights
 from loglinear.ops.triton.shared.tiles import load_row, load_tile, store_tile
 
 SUB_CHUNK = 16  # rows per sub-chunk: the smallest tl.dot tile
@@ -65,10 +67,17 @@ def channel_gates(cum, t, valid, head, HEADS, K, kk):
 
 
 @triton.jit
-def sub_chunk(starts, ends, i, C: tl.constexpr, S: tl.constexpr):
-    """Sub-chunk i of chunk program_id(0): the chunk's first token t0 and its end (int64), r = arange(C) and its
-    rows' validity, rs = i S + arange(S) (the sub-chunk's rows in the chunk) and theirs."""
-    p = tl.program_id(0)
+def chunk_program(PER_CHUNK: tl.constexpr):
+    """(p, u) with program_id(0) = p * PER_CHUNK + u: program u of chunk p. A chunk's programs are adjacent in
+    launch order, so they run together and share the chunk's tiles (k or q, G) in L2."""
+    pid = tl.program_id(0)
+    return pid // PER_CHUNK, pid % PER_CHUNK
+
+
+@triton.jit
+def sub_chunk(starts, ends, p, i, C: tl.constexpr, S: tl.constexpr):
+    """Sub-chunk i of chunk p: the chunk's first token t0 and its end (int64), r = arange(C) and its rows'
+    validity, rs = i S + arange(S) (the sub-chunk's rows in the chunk) and theirs."""
     t0 = tl.load(starts + p).to(tl.int64)
     end = tl.load(ends + p).to(tl.int64)
     r = tl.arange(0, C)
@@ -91,15 +100,18 @@ def sub_chunk_span(cum, t0, end, i, h, H, K, kk, S: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["H"])
-def channel_cumsum_kernel(g, cum, starts, ends, H, K, C: tl.constexpr, BK: tl.constexpr, FLOOR: tl.constexpr):
+def channel_cumsum_kernel(g, cum, floored, starts, ends, H, K, C: tl.constexpr, BK: tl.constexpr,
+                          FLOOR: tl.constexpr):
     """cum = G, the chunk-local inclusive cumsum of max(g, FLOOR) (NaN stays NaN) per channel of g [tokens, H, K],
-    fp32 [tokens, H, K] (rows of every kernel chunk). Grid (NC, H)."""
+    fp32 [tokens, H, K] (rows of every kernel chunk), and floored [NC, H] int8: 1 where the chunk's gate reaches
+    the floor (some g <= FLOOR), else 0 (the gate gradient reads g only there). Grid (NC, H)."""
     h = tl.program_id(1)
-    t0, end, r, valid, _, _ = sub_chunk(starts, ends, 0, C, C)
+    t0, end, r, valid, _, _ = sub_chunk(starts, ends, tl.program_id(0), 0, C, C)
     kk = tl.arange(0, BK)
-    floored = tl.maximum(load_tile(g, t0, r, valid, h, H, K, kk).to(tl.float32), FLOOR,
-                         propagate_nan=tl.PropagateNan.ALL)
-    store_tile(cum, tl.cumsum(floored, 0), t0, r, valid, h, H, K, kk)
+    floor = tl.maximum(load_tile(g, t0, r, valid, h, H, K, kk).to(tl.float32), FLOOR, propagate_nan=tl.PropagateNan.ALL)
+    store_tile(cum, tl.cumsum(floor, 0), t0, r, valid, h, H, K, kk)
+    reaches = tl.min(tl.min(floor, 0), 0) == FLOOR  # max(g, FLOOR) = FLOOR: g <= FLOOR
+    tl.store(floored + tl.program_id(0).to(tl.int64) * H + h, reaches.to(tl.int8))
 
 
 @triton.jit
@@ -132,13 +144,14 @@ def channel_scores_kernel(
     H, G, K,
     C: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """scores[t, h, s] = P[t, s] for the rows t of sub-chunk program_id(1) and the keys s of their chunk (0 for
-    s > t). q, k: [tokens, G, K]; cum: G [tokens, H, K] fp32; scores: [tokens, H, C] fp32; starts, ends: [NC]
-    int32 (the chunk table). Grid (NC, C // S, H)."""
-    h, i = tl.program_id(2), tl.program_id(1)
+    """scores[t, h, s] = P[t, s] for the rows t of sub-chunk i of chunk p (chunk_program) and the keys s of their
+    chunk (0 for s > t). q, k: [tokens, G, K]; cum: G [tokens, H, K] fp32; scores: [tokens, H, C] fp32; starts,
+    ends: [NC] int32 (the chunk table). Grid (NC (C // S), H)."""
+    h = tl.program_id(1)
+    p, i = chunk_program(C // S)
     grp = h // (H // G)
     cols, ra = tl.arange(0, C), tl.arange(0, S)
-    t0, end, r, valid, rs, vs = sub_chunk(starts, ends, i, C, S)
+    t0, end, r, valid, rs, vs = sub_chunk(starts, ends, p, i, C, S)
     kk = tl.arange(0, BK)
     _, _, short, long = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S)
     keys = tl.where(short, (i + 1) * S, i * S)  # the keys the products reach: with the diagonal block if short
@@ -164,38 +177,32 @@ def channel_scores_kernel(
 @triton.jit
 def m_block(do, v, lam, t0, q_rows, q_valid, k_rows, k_valid, scale, h, H, V, L, vv, LOG_C: tl.constexpr,
             PRECISION: tl.constexpr, PLAIN: tl.constexpr):
-    """(dA, M = dA * Lambda) on the queries q_rows x the keys k_rows of a chunk (in-chunk positions, [R] and
-    [Q] with validity), fp32 [R, Q] each, 0 where key > query."""
+    """M = dA * Lambda on the queries q_rows x the keys k_rows of a chunk (in-chunk positions, [R] and [Q] with
+    validity), fp32 [R, Q], 0 where key > query."""
     causal = q_rows[:, None] >= k_rows[None, :]
     do_q, v_k = load_tile(do, t0, q_rows, q_valid, h, H, V, vv), load_tile(v, t0, k_rows, k_valid, h, H, V, vv)
     d_a = tl.where(causal, tl.dot(do_q, tl.trans(v_k), input_precision=PRECISION) * scale, 0.0)
     levels = intra_levels(q_rows, k_rows, LOG_C)
-    return d_a, d_a * level_weights(lam, t0 + q_rows, q_valid, h, H, L, levels, causal, LOG_C, PLAIN)
+    return d_a * level_weights(lam, t0 + q_rows, q_valid, h, H, L, levels, causal, LOG_C, PLAIN)
 
 
 @triton.jit(do_not_specialize=["H", "G"])
 def channel_dq_kernel(
-    q, k, v, cum, lam, do, scores, dq_in, dlam, starts, ends, scale,
+    q, k, v, cum, lam, do, dq_in, starts, ends, scale,
     H, G, K, V, L,
     C: tl.constexpr, S: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
-    BL: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
+    PRECISION: tl.constexpr, PLAIN: tl.constexpr,
 ):
-    """dq_in = the in-chunk dQ of the queries of sub-chunk i on key block kb ([tokens, H, K] fp32, per value head;
-    program_id(1) = i * (BK // KB) + kb), and (kb = 0, not PLAIN) dlambda's columns 0..c of those rows into dlam
-    [tokens, H, L]. v, do: [tokens, H, V]; lam: [tokens, H, L]; scores: P (channel_scores_kernel). Grid
-    (NC, (C // S) (BK // KB), H)."""
-    h = tl.program_id(2)
-    i, kb = tl.program_id(1) // (BK // KB), (tl.program_id(1) % (BK // KB)) * KB
+    """dq_in = the in-chunk dQ of the queries of sub-chunk i of chunk p on key block kb ([tokens, H, K] fp32, per
+    value head; chunk_program: u = i * (BK // KB) + kb). v, do: [tokens, H, V]; lam: [tokens, H, L] (not read when
+    PLAIN). Grid (NC (C // S) (BK // KB), H)."""
+    h = tl.program_id(1)
+    p, u = chunk_program((C // S) * (BK // KB))
+    i, kb = u // (BK // KB), (u % (BK // KB)) * KB
     grp = h // (H // G)
     kk, vv, cols, ra = kb + tl.arange(0, KB), tl.arange(0, BV), tl.arange(0, C), tl.arange(0, S)
-    t0, end, r, valid, rs, vs = sub_chunk(starts, ends, i, C, S)
-    d_a, m = m_block(do, v, lam, t0, rs, vs, r, valid, scale, h, H, V, L, vv, LOG_C, PRECISION, PLAIN)  # [S, C]
-    if not PLAIN:
-        if kb == 0:
-            ll = tl.arange(0, BL)
-            p = load_tile(scores, t0, rs, vs, h, H, C, cols)
-            store_tile(dlam, level_sums(d_a * p, intra_levels(rs, cols, LOG_C), ll, LOG_C), t0, rs, vs, h, H, L,
-                       tl.where(ll <= LOG_C, ll, L))
+    t0, end, r, valid, rs, vs = sub_chunk(starts, ends, p, i, C, S)
+    m = m_block(do, v, lam, t0, rs, vs, r, valid, scale, h, H, V, L, vv, LOG_C, PRECISION, PLAIN)  # [S, C]
     d_q = tl.zeros([S, KB], dtype=tl.float32)
     Gs = load_tile(cum, t0, rs, vs, h, H, K, kk)
     G_n, _, short, long = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S)
@@ -220,14 +227,15 @@ def channel_dk_kernel(
     C: tl.constexpr, S: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr, PLAIN: tl.constexpr,
 ):
-    """dk_in = the in-chunk dK of the keys of sub-chunk i on key block kb ([tokens, H, K] fp32, per value head;
-    program_id(1) = i * (BK // KB) + kb); arguments as channel_dq_kernel. Grid (NC, (C // S) (BK // KB), H)."""
-    h = tl.program_id(2)
-    i, kb = tl.program_id(1) // (BK // KB), (tl.program_id(1) % (BK // KB)) * KB
+    """dk_in = the in-chunk dK of the keys of sub-chunk i of chunk p on key block kb ([tokens, H, K] fp32, per value
+    head; chunk_program: u = i * (BK // KB) + kb); arguments as channel_dq_kernel. Grid (NC (C // S) (BK // KB), H)."""
+    h = tl.program_id(1)
+    p, u = chunk_program((C // S) * (BK // KB))
+    i, kb = u // (BK // KB), (u % (BK // KB)) * KB
     grp = h // (H // G)
     kk, vv, ra = kb + tl.arange(0, KB), tl.arange(0, BV), tl.arange(0, S)
-    t0, end, r, valid, rs, vs = sub_chunk(starts, ends, i, C, S)
-    _, m = m_block(do, v, lam, t0, r, valid, rs, vs, scale, h, H, V, L, vv, LOG_C, PRECISION, PLAIN)  # [C, S]
+    t0, end, r, valid, rs, vs = sub_chunk(starts, ends, p, i, C, S)
+    m = m_block(do, v, lam, t0, r, valid, rs, vs, scale, h, H, V, L, vv, LOG_C, PRECISION, PLAIN)  # [C, S]
     d_k = tl.zeros([S, KB], dtype=tl.float32)
     Gs = load_tile(cum, t0, rs, vs, h, H, K, kk)
     _, G_e, short, long = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S)
