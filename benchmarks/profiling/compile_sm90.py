@@ -104,7 +104,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     bufs = dict(levels=f32, buckets=P, decays=f32, h0=P, h0_held="*i8", dq=P, dk=P, dv=P, dlam=P, qdq=f32, q_dec=P,
                 d_levels=f32, d_buckets=P, d_deposits=P, d_init=f32, d_gate=f32, totals=f32, final_terms=f32,
                 later=f32, dg=f32, chunks=i32, by_level=i32, seqs=i32, chunk0=i32, base_ptr=i32)
-    bufs.update(scores=f32, dq_in=f32, dk_in=f32, cum=f32, floored="*i8")
+    bufs.update(scores=P, dq_in=f32, dk_in=f32, cum=f32)
     chunk = "q k v g lam {} h0 h0_held buckets decays scores {}starts ends seqs chunks chunk0 scale {}H G K V L J"
     kernels = [  # (kernel, its arguments, constexprs, state tile of one program: launch_options)
         (mamba2_chunk.mamba2_deposit_kernel, "k v g buckets starts ends H G K V", base, 0),
@@ -123,11 +123,11 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
         (mamba2_chunk.mamba2_chunk_bwd_dkv_kernel,
          "q k v g lam do d_deposits scores dk_in starts ends seqs eos_ptr final_terms scale dk dv d_gate totals "
          "H G K V L", base, 0),
-        (mamba2_chunk.mamba2_gate_grad_kernel, "d_gate later g floored dg starts ends H K", base, 0),
+        (mamba2_chunk.mamba2_gate_grad_kernel, "d_gate later g cum dg starts ends H K", base, 0),
     ]
     if per_channel:
         kernels += [
-            (intra_channel.channel_cumsum_kernel, "g cum floored starts ends H K", base, 0),
+            (intra_channel.channel_cumsum_kernel, "g cum starts ends H K", base, 0),
             (intra_channel.channel_scores_kernel, "q k cum scores starts ends H G K", base, 0),
             (intra_channel.channel_dq_kernel, "q k v cum lam do dq_in starts ends scale H G K V L", base, 0),
             (intra_channel.channel_dk_kernel, "q k v cum lam do dk_in starts ends scale H G K V L", base, 0),

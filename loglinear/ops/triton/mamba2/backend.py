@@ -184,21 +184,22 @@ def _gate_shape(plan: LevelScanPlan, rows: int, H: int, K: int) -> tuple[int, ..
     return (rows, H, K) if plan.per_channel else (rows, H)
 
 
-def _gate_grad(d_gate: torch.Tensor, totals: torch.Tensor, g: torch.Tensor, floored: torch.Tensor,
+def _gate_grad(d_gate: torch.Tensor, totals: torch.Tensor, g: torch.Tensor, gate: torch.Tensor,
                table: ChunkTable, plan: LevelScanPlan) -> torch.Tensor:
     """dg [tokens, H] ([tokens, H, K] per channel) in g's dtype, dg_u = the sum of dGs over u and the later tokens
     of its sequence, from the dk / dv kernel's chunk parts: d_gate (fp32) holds dGs on every kernel row, totals
     [NC, H(, K)] fp32 each chunk's sum. mamba2_gate_grad_kernel gives every row the sum over its chunk's rows from
     it on plus the totals of its sequence's later chunks: a suffix sum over chunks, in fp64 so that the difference
     of two loses nothing; per channel 0 where the gate g (the call's, unfloored) is <= FLOOR, which is read only in
-    the chunks ``floored`` flags (_chunk_gate). Rows no kernel chunk covers (the torch prefixes) are 0."""
+    the chunks whose G (gate, _chunk_gate) reaches the floor. Rows no kernel chunk covers (the torch prefixes) are
+    0."""
     NC, H = totals.shape[:2]
     suffix = torch.cat([suffix_sum(totals.double(), 0), totals.new_zeros((1, *totals.shape[1:]), dtype=torch.double)])
     later = (suffix[1:] - suffix[table.seq_last.long() + 1]).float()  # [NC, ...] the chunks after p in p's sequence
     dg = alloc(tuple(d_gate.shape), g.dtype, d_gate.device)
     if NC:
         K = d_gate.shape[-1] if plan.per_channel else 1
-        mamba2_gate_grad_kernel[(NC, H)](d_gate, later, g, floored, dg, table.starts, table.ends, H=H, K=K,
+        mamba2_gate_grad_kernel[(NC, H)](d_gate, later, g, gate, dg, table.starts, table.ends, H=H, K=K,
                                          C=plan.chunk_size, BK=next_pow2(K), PER_CHANNEL=plan.per_channel,
                                          FLOOR=FLOOR, **launch_options(mamba2_gate_grad_kernel))
     _zero_prefixes(plan, dg)
@@ -246,15 +247,13 @@ def _merge_levels(k, v, gate, levels, ranges, table: ChunkTable, plan: LevelScan
 class _Saved:
     """What the backward needs besides save_for_backward's tensors: the chunk table, the merged levels
     ``buckets`` [NC, H, K, V] (k's dtype; None once a backward took them), the level decays [NC, H, J] fp32,
-    what the kernels read of the gate and which chunks reach its floor (_chunk_gate: per channel G [tokens, H, K]
-    fp32 and [NC, H] int8, else g twice) and, per channel, the in-chunk scores P [tokens, H, C] fp32
-    (_channel_scores; None once a backward took them)."""
+    what the kernels read of the gate (_chunk_gate: per channel G [tokens, H, K] fp32, else g) and, per channel,
+    the in-chunk scores P [tokens, H, C] in q's dtype (_channel_scores; None once a backward took them)."""
 
     table: ChunkTable
     buckets: torch.Tensor | None
     decays: torch.Tensor
     gate: torch.Tensor
-    floored: torch.Tensor
     scores: torch.Tensor | None
 
     def take_buckets(self, k, v, gate, h0, ranges, plan: LevelScanPlan) -> torch.Tensor:
@@ -286,7 +285,7 @@ def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Sa
     """The deposits and the chunk-level scan (levels in/out), then the chunk kernel writing o."""
     BK, BV = _blocks(q, v)
     table = plan.chunk_table(q.device)
-    gate, floored = _chunk_gate(g, table, plan)
+    gate = _chunk_gate(g, table, plan)
     buckets, decays = _merge_levels(k, v, gate, levels, ranges, table, plan)
     NC, scores = table.starts.numel(), _channel_scores(q, k, gate, table, plan)
     if NC:
@@ -297,23 +296,21 @@ def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Sa
             HAS_INIT=plan.has_init, PLAIN=plan.plain, **_sizes(plan, q, v),
             **_launch(mamba2_chunk_fwd_kernel, plan),
         )
-    return _Saved(table, buckets, decays, gate, floored, scores)
+    return _Saved(table, buckets, decays, gate, scores)
 
 
-def _chunk_gate(g, table: ChunkTable, plan: LevelScanPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """What every kernel reads of the gate, and where it reaches the floor: g [tokens, H] itself for a scalar gate
-    (floored by the op; returned twice); per channel G [tokens, H, K] fp32, the chunk-local cumsum of
-    max(g, FLOOR) (intra_channel.channel_cumsum_kernel), formed once by the forward (kept for the backward) and
-    read by the scans, the chunk kernels and the in-chunk kernels, and floored [NC, H] int8, set where a chunk's
-    gate has some g <= FLOOR (the gate gradient reads g only there)."""
+def _chunk_gate(g, table: ChunkTable, plan: LevelScanPlan) -> torch.Tensor:
+    """What every kernel reads of the gate: g [tokens, H] itself for a scalar gate (floored by the op); per
+    channel G [tokens, H, K] fp32, the chunk-local cumsum of max(g, FLOOR) (intra_channel.channel_cumsum_kernel),
+    formed once by the forward (kept for the backward) and read by the scans, the chunk kernels, the in-chunk
+    kernels and the gate gradient."""
     if not plan.per_channel:
-        return g, g
+        return g
     (tokens, H, K), NC = g.shape, table.starts.numel()
     cum = alloc((tokens, H, K), torch.float32, g.device)
-    floored = alloc((NC, H), torch.int8, g.device)
-    channel_cumsum_kernel[(NC, H)](g, cum, floored, table.starts, table.ends, H=H, K=K, C=plan.chunk_size,
-                                   BK=next_pow2(K), FLOOR=FLOOR, **launch_options(channel_cumsum_kernel))
-    return cum, floored
+    channel_cumsum_kernel[(NC, H)](g, cum, table.starts, table.ends, H=H, K=K, C=plan.chunk_size, BK=next_pow2(K),
+                                   FLOOR=FLOOR, **launch_options(channel_cumsum_kernel))
+    return cum
 
 
 def _key_blocks(K: int) -> tuple[int, int]:
@@ -323,13 +320,14 @@ def _key_blocks(K: int) -> tuple[int, int]:
 
 
 def _channel_scores(q, k, gate, table: ChunkTable, plan: LevelScanPlan) -> torch.Tensor:
-    """Per-channel gates (gate = G, _chunk_gate): the in-chunk scores P [tokens, H, C] fp32 of every kernel chunk
-    (intra_channel.channel_scores_kernel). A scalar gate: gate, which the chunk kernels then do not read."""
+    """Per-channel gates (gate = G, _chunk_gate): the in-chunk scores P [tokens, H, C] of every kernel chunk, in
+    q's dtype (intra_channel.channel_scores_kernel; computed in fp32, rounded as the products that read them round
+    P * Lambda). A scalar gate: gate, which the chunk kernels then do not read."""
     NC = table.starts.numel()
     if not plan.per_channel or not NC:
         return gate
     (tokens, H, K), C = gate.shape, plan.chunk_size
-    scores = alloc((tokens, H, C), torch.float32, q.device)
+    scores = alloc((tokens, H, C), q.dtype, q.device)
     BK, KB = _key_blocks(K)
     channel_scores_kernel[(NC * (C // SUB_CHUNK), H)](
         q, k, gate, scores, table.starts, table.ends, H=H, G=q.shape[1], K=K, C=C,
@@ -432,11 +430,11 @@ def _deposit_grads(q, readers, gate, lam, d_o, d_levels, ranges, saved: _Saved, 
 
 
 def _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, d_gate, final_terms, ranges, table: ChunkTable,
-               plan: LevelScanPlan, g: torch.Tensor, floored: torch.Tensor) -> tuple:
+               plan: LevelScanPlan, g: torch.Tensor) -> tuple:
     """mamba2_chunk_bwd_dkv_kernel (in-chunk + deposit terms; per channel it reads the in-chunk dK dk_in and the
     scores) and the gate gradient's chunk parts in d_gate and the chunk totals. -> dk [tokens, G, K] (k's dtype),
     dv [tokens, H, V] (v's dtype), dg [tokens, H] ([tokens, H, K] per channel) in g's dtype (_gate_grad; g: the
-    call's gate, floored: the chunks where it reaches the floor)."""
+    call's gate)."""
     (tokens, H), K, NC = v.shape[:2], k.shape[-1], table.starts.numel()
     dk, dv = alloc((tokens, H, K), k.dtype, k.device), alloc(tuple(v.shape), v.dtype, v.device)
     totals = alloc(_gate_shape(plan, NC, H, K), torch.float32, k.device)
@@ -447,7 +445,7 @@ def _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, d_gate, final
             **_launch(mamba2_chunk_bwd_dkv_kernel, plan),
         )
     _zero_prefixes(plan, dv)
-    return _group_grad(dk, k.shape[1], plan), dv, _gate_grad(d_gate, totals, g, floored, table, plan)
+    return _group_grad(dk, k.shape[1], plan), dv, _gate_grad(d_gate, totals, g, gate, table, plan)
 
 
 class LevelScanMamba2(torch.autograd.Function):
@@ -487,7 +485,7 @@ class LevelScanMamba2(torch.autograd.Function):
         final_terms = (d_final * final).sum((1, 4))  # the final states' gate term [N, H, K] (per row k)
         final_terms = (final_terms if plan.per_channel else final_terms.sum(-1)).contiguous()
         dk, dv, dg = _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, qdq, final_terms, ranges,
-                                saved.table, plan, g, saved.floored)
+                                saved.table, plan, g)
         del d_deposits, scores, dk_in, gate
         d_h0 = d_levels if plan.has_init else None
         return dq, dk, dv, dg, dlam, d_h0, None

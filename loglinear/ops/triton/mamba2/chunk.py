@@ -82,7 +82,7 @@ product's rows by exp(decay) (no exponential of a tile). The gate's gradient is 
 channel: dGs_u[k] = q_u[k] dq_u[k] - k_u[k] dk_u[k] (+ the final states' row k), so the gate terms are q * dq and
 k * dk [C, K] instead of row sums (gate_term). The per-channel gate reaches the kernels unfloored: G is the cumsum
 of max(g, floor) (intra_channel.channel_cumsum_kernel), and mamba2_gate_grad_kernel reads g to give 0 where
-g <= floor (loglinear.ops.finite), in the chunks where the cumsum kernel saw the gate reach the floor.
+g <= floor (loglinear.ops.finite), in the chunks whose G reaches the floor.
 """
 from __future__ import annotations
 
@@ -261,7 +261,7 @@ def chunk_gate_grads(d_gate, totals, final_terms, d_k, kc, t0, r, t, valid, last
 
 @triton.jit(do_not_specialize=["H"])
 def mamba2_gate_grad_kernel(
-    d_gate, later, g, floored, dg, starts, ends,
+    d_gate, later, g, cum, dg, starts, ends,
     H, K,
     C: tl.constexpr, BK: tl.constexpr, PER_CHANNEL: tl.constexpr, FLOOR: tl.constexpr,
 ):
@@ -269,8 +269,11 @@ def mamba2_gate_grad_kernel(
     x = d_gate [tokens, H] ([tokens, H, K] with PER_CHANNEL) fp32, dGs per row (chunk_gate_grads), and later
     [NC, H(, K)] fp32 the sums over the later chunks of p's sequence; dg: d_gate's shape, in its own dtype. With
     PER_CHANNEL the kernels ran on max(g, FLOOR) (intra_channel.channel_cumsum_kernel) and g [tokens, H, K] is the
-    raw gate: dg_u is 0 where g_u <= FLOOR (the floor's gradient), read only in the chunks where floored [NC, H]
-    int8 (the cumsum kernel's) is set. A scalar gate came floored: g and floored are not read. Grid (NC, H)."""
+    raw gate: dg_u is 0 where g_u <= FLOOR (the floor's gradient). g is read only in a chunk whose total
+    Gl = sum of max(g, FLOOR) (cum [tokens, H, K] fp32: G, its last row) is <= FLOOR on some channel, as it is
+    whenever a g of the chunk is (every term is <= 0, and rounding keeps the fp32 partial sums monotone): a gate
+    that stays above the floor costs no read of g. A scalar gate came floored: g and cum are not read.
+    Grid (NC, H)."""
     h = tl.program_id(1)
     t0, r, t, valid = chunk_rows(starts, ends, C)
     kk = tl.arange(0, BK)
@@ -278,7 +281,7 @@ def mamba2_gate_grad_kernel(
     row = tl.program_id(0).to(tl.int64) * H + h
     if PER_CHANNEL:
         x += tl.load(later + row * K + kk, mask=kk < K, other=0.0)[None, :]
-        if tl.load(floored + row) != 0:
+        if tl.min(channel_gates(cum, t, valid, h, H, K, kk)[1], 0) <= FLOOR:
             x = tl.where(load_tile(g, t0, r, valid, h, H, K, kk).to(tl.float32) <= FLOOR, 0.0, x)
     else:
         x += tl.load(later + row)
@@ -315,14 +318,14 @@ def intra_block(qc, kc, vc, doc, scores, lam, t0, r, t, valid, h, H, L, Gc, scal
     (the backward; doc = dO) dA = scale * dO V^T and the in-chunk dQ = (dA * Gamma * Lambda) K or
     dK = (dA * Gamma * Lambda)^T Q ([C, BK] fp32). Without DQ / DK, dA and the gradient are 0. Recomputed in
     each kernel instead of passed (two C x C x K/V GEMMs), so each fits 4 warps without spills.
-    PER_CHANNEL: P is read from scores [tokens, H, C] fp32 (intra_channel.channel_scores_kernel's) and the
+    PER_CHANNEL: P is read from scores [tokens, H, C] (intra_channel.channel_scores_kernel's) and the
     gradient is 0 (the intra_channel kernels give the in-chunk dQ / dK, which the caller reads)."""
     causal = r[:, None] >= r[None, :]
     weights = level_weights(lam, t, valid, h, H, L, intra_levels(r, r, LOG_C), causal, LOG_C, PLAIN)
     d_a = tl.zeros([C, C], dtype=tl.float32)
     d_x = tl.zeros(qc.shape, dtype=tl.float32)
     if PER_CHANNEL:
-        p = load_tile(scores, t0, r, valid, h, H, C, r)
+        p = load_tile(scores, t0, r, valid, h, H, C, r).to(tl.float32)
         if DQ:
             d_a = intra_score_grads(doc, vc, causal, scale, PRECISION)
     else:
@@ -344,7 +347,7 @@ def mamba2_chunk_fwd_kernel(
     HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """q, k: [tokens, G, K]; v, o: [tokens, H, V]; g: [tokens, H] (G [tokens, H, K] fp32 with PER_CHANNEL, gates();
-    the in-chunk scores P then come in scores [tokens, H, C] fp32 from intra_channel.channel_scores_kernel, else
+    the in-chunk scores P then come in scores [tokens, H, C] (q's dtype) from intra_channel.channel_scores_kernel, else
     scores is not read); lam: [tokens, H, L] (not read when PLAIN); h0: [N, J, H, K, V] (q's dtype),
     h0_held: [N, J] int8, 0 where a level of h0 is all zeros (not read: it adds nothing); buckets: [NC, H, K, V],
     decays: [NC, H, J] ([NC, H, J, K]) fp32 (the forward scan's); starts, ends, seqs, chunks: [NC] int32 (the

@@ -29,11 +29,9 @@ def set_poison(enabled: bool) -> None:
 
 
 def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised kernel output (when poisoning is on filled with NaN, integers with their smallest value)."""
+    """An uninitialised kernel output (NaN-filled when poisoning is on)."""
     out = torch.empty(shape, dtype=dtype, device=device)
-    if not _POISON:
-        return out
-    return out.fill_(float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min)
+    return out.fill_(float("nan")) if _POISON else out
 
 
 def group_sum(x: torch.Tensor, groups: int, dim: int) -> torch.Tensor:

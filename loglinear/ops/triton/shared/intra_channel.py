@@ -31,10 +31,11 @@ Programs load only their own rows and, for the products across sub-chunks, the c
 and G, one block of KB key channels at a time (the backward kernels take their block from the grid): no program
 scans. G is the cumsum of the floored gate max(g, FLOOR) (loglinear.ops.finite: a log-decay whose exp is 0, so a
 hard reset g = -inf, or any g below it, gives a finite G), formed here from the raw g: no other kernel reads g but
-chunk.mamba2_gate_grad_kernel, whose gradient is 0 where g <= FLOOR, in the chunks flagged here.
+chunk.mamba2_gate_grad_kernel, whose gradient is 0 where g <= FLOOR (it reads g only in chunks whose G reaches
+the floor).
 
-    channel_cumsum_kernel     G, fp32 [tokens, H, K], and which chunks reach the floor
-    channel_scores_kernel     P, fp32 [tokens, H, C] (row t: its chunk's keys)      forward; kept for the backward
+    channel_cumsum_kernel     G, fp32 [tokens, H, K]
+    channel_scores_kernel     P, [tokens, H, C] in q's dtype (row t: its chunk's keys)   forward; kept for the backward
     channel_dq_kernel         the in-chunk dQ, fp32 [tokens, H, K]
     channel_dk_kernel         the in-chunk dK, fp32 [tokens, H, K]
 """
@@ -100,18 +101,15 @@ def sub_chunk_span(cum, t0, end, i, h, H, K, kk, S: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["H"])
-def channel_cumsum_kernel(g, cum, floored, starts, ends, H, K, C: tl.constexpr, BK: tl.constexpr,
-                          FLOOR: tl.constexpr):
+def channel_cumsum_kernel(g, cum, starts, ends, H, K, C: tl.constexpr, BK: tl.constexpr, FLOOR: tl.constexpr):
     """cum = G, the chunk-local inclusive cumsum of max(g, FLOOR) (NaN stays NaN) per channel of g [tokens, H, K],
-    fp32 [tokens, H, K] (rows of every kernel chunk), and floored [NC, H] int8: 1 where the chunk's gate reaches
-    the floor (some g <= FLOOR), else 0 (the gate gradient reads g only there). Grid (NC, H)."""
+    fp32 [tokens, H, K] (rows of every kernel chunk). Grid (NC, H)."""
     h = tl.program_id(1)
     t0, end, r, valid, _, _ = sub_chunk(starts, ends, tl.program_id(0), 0, C, C)
     kk = tl.arange(0, BK)
-    floor = tl.maximum(load_tile(g, t0, r, valid, h, H, K, kk).to(tl.float32), FLOOR, propagate_nan=tl.PropagateNan.ALL)
-    store_tile(cum, tl.cumsum(floor, 0), t0, r, valid, h, H, K, kk)
-    reaches = tl.min(tl.min(floor, 0), 0) == FLOOR  # max(g, FLOOR) = FLOOR: g <= FLOOR
-    tl.store(floored + tl.program_id(0).to(tl.int64) * H + h, reaches.to(tl.int8))
+    floored = tl.maximum(load_tile(g, t0, r, valid, h, H, K, kk).to(tl.float32), FLOOR,
+                         propagate_nan=tl.PropagateNan.ALL)
+    store_tile(cum, tl.cumsum(floored, 0), t0, r, valid, h, H, K, kk)
 
 
 @triton.jit
@@ -145,7 +143,7 @@ def channel_scores_kernel(
     C: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """scores[t, h, s] = P[t, s] for the rows t of sub-chunk i of chunk p (chunk_program) and the keys s of their
-    chunk (0 for s > t). q, k: [tokens, G, K]; cum: G [tokens, H, K] fp32; scores: [tokens, H, C] fp32; starts,
+    chunk (0 for s > t). q, k: [tokens, G, K]; cum: G [tokens, H, K] fp32; scores: [tokens, H, C] (q's dtype); starts,
     ends: [NC] int32 (the chunk table). Grid (NC (C // S), H)."""
     h = tl.program_id(1)
     p, i = chunk_program(C // S)

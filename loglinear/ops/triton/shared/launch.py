@@ -59,7 +59,7 @@ LAUNCH: dict[str, Launch] = {
     "mamba2_chunk_bwd_dkv_kernel": Launch(4, 1),
     "mamba2_gate_grad_kernel": Launch(4, 1),
     # the in-chunk block with a per-channel gate (GLA)
-    "channel_cumsum_kernel": Launch(8, 1),
+    "channel_cumsum_kernel": Launch(4, 1),
     "channel_scores_kernel": Launch(4, 1),
     "channel_dq_kernel": Launch(4, 1),
     "channel_dk_kernel": Launch(4, 1),
