@@ -175,7 +175,7 @@ def _sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor) -> dict:
 
 def _launch(kernel, plan: LevelScanPlan, state_tile: int = 0) -> dict[str, int]:
     """The launch config of a Mamba-2 kernel for this plan (shared.launch.launch_options: per-channel gates take
-    the kernels' channel_warps)."""
+    the kernels' ``channel`` config)."""
     return launch_options(kernel, state_tile, plan.per_channel)
 
 

@@ -10,11 +10,13 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
     one's GEMM).
   * Mamba-2 scans (mamba2/fwd.py, mamba2/bwd.py): one program per (sequence, head, block of state rows);
     4 warps up to a [128, 32] fp32 state tile, 8 above (``wide_warps``).
-  * The same chunk kernels with a per-channel gate (GLA, C = 64) take 4 warps too, two programs per SM (189-255
-    registers; the dq and dk / dv kernels spill 116 / 548 B, and still ran 26% / 16% faster than at 8 warps
-    without spills on the H200 at 32K); the level gradient's readers take 8 (``channel_warps``: 121-140
-    registers). The in-chunk kernels (shared/intra_channel.py) take 4: 79-134 registers, no spills, several
-    programs per SM.
+  * The same chunk kernels with a per-channel gate (GLA, C = 64) take 4 warps too, two programs per SM (141-255
+    registers; the dq and dk / dv kernels spill 152 / 528 B, and still ran 25% / 23% faster than at 8 warps
+    without spills on the H200 at 32K, and over 10x faster than at 2 warps); the level gradient's readers take 8 warps
+    and one stage (``channel``: 114 registers; 1.75 ms per forward + backward at 32K, 2.13 with three stages).
+    The in-chunk kernels (shared/intra_channel.py) take 4 warps (83-142 registers, no spills, several programs per
+    SM) but the dQ kernel 2 (145 registers; 3.6 ms at 32K against 4.6 at 4 warps, where 2 warps made the scores
+    and dK kernels slower).
   * Gated DeltaNet chunk-local kernels (gated_deltanet/local.py): at 4 warps the inverse (166 registers),
     the forward and the key backward (255 / 242) run 3, 2 and 2 programs per SM, which hide each other's
     products; the [C, C] backward spills 380 B at 4 warps and keeps 8 (one program per SM).
@@ -38,13 +40,13 @@ WIDE_STATE_TILE = 128 * 32  # state-tile elements above which a kernel with wide
 @dataclass(frozen=True)
 class Launch:
     """A kernel's GPU launch config: num_warps, num_stages, (scans over state tiles) the warps for a state tile
-    of more than WIDE_STATE_TILE elements, and (chunk kernels with a PER_CHANNEL switch) the warps with a
-    per-channel gate (None: num_warps always)."""
+    of more than WIDE_STATE_TILE elements, and (chunk kernels with a PER_CHANNEL switch) (num_warps, num_stages)
+    with a per-channel gate (None: the same as a scalar gate's)."""
 
     num_warps: int
     num_stages: int
     wide_warps: int | None = None
-    channel_warps: int | None = None
+    channel: tuple[int, int] | None = None
 
 
 LAUNCH: dict[str, Launch] = {
@@ -53,15 +55,15 @@ LAUNCH: dict[str, Launch] = {
     "mamba2_fwd_kernel": Launch(4, 2, wide_warps=8),
     "mamba2_chunk_fwd_kernel": Launch(4, 2),
     "mamba2_chunk_bwd_dq_kernel": Launch(4, 2),
-    "mamba2_level_grad_kernel": Launch(4, 3, channel_warps=8),
-    "mamba2_initial_grad_kernel": Launch(4, 3, channel_warps=8),
+    "mamba2_level_grad_kernel": Launch(4, 3, channel=(8, 1)),
+    "mamba2_initial_grad_kernel": Launch(4, 3, channel=(8, 3)),
     "mamba2_bwd_scan_kernel": Launch(4, 2, wide_warps=8),
     "mamba2_chunk_bwd_dkv_kernel": Launch(4, 1),
     "mamba2_gate_grad_kernel": Launch(4, 1),
     # the in-chunk block with a per-channel gate (GLA)
     "channel_cumsum_kernel": Launch(4, 1),
     "channel_scores_kernel": Launch(4, 1),
-    "channel_dq_kernel": Launch(4, 1),
+    "channel_dq_kernel": Launch(2, 1),
     "channel_dk_kernel": Launch(4, 1),
     # Gated DeltaNet, chunk-local stage
     "_chunk_inverse_kernel": Launch(4, 2),
@@ -83,14 +85,14 @@ LAUNCH: dict[str, Launch] = {
 def launch_options(kernel, state_tile: int = 0, per_channel: bool = False) -> dict[str, int]:
     """num_warps / num_stages for launching ``kernel`` (a @triton.jit function, looked up in LAUNCH by name);
     state_tile: the elements of the state tile one program holds (kernels with wide_warps); per_channel: the
-    kernel runs with a per-channel gate (kernels with channel_warps). The fixed INTERPRETER config under
+    kernel runs with a per-channel gate (kernels with a ``channel`` config). The fixed INTERPRETER config under
     TRITON_INTERPRET=1."""
     config = LAUNCH[kernel.__name__]
     if interpreting():
         return dict(INTERPRETER)
+    if config.channel is not None and per_channel:
+        return {"num_warps": config.channel[0], "num_stages": config.channel[1]}
     warps = config.num_warps
     if config.wide_warps is not None and state_tile > WIDE_STATE_TILE:
         warps = config.wide_warps
-    if config.channel_warps is not None and per_channel:
-        warps = config.channel_warps
     return {"num_warps": warps, "num_stages": config.num_stages}
