@@ -183,6 +183,23 @@ def test_the_op_adds_no_pass_over_the_gate(monkeypatch):
     assert floored and max(floored) <= 16 * 2 * 8, f"floored {floored} entries, the gate has {x['g'].numel()}"
 
 
+def test_the_gate_gradient_reads_g_only_where_the_floor_is_reached(monkeypatch):
+    """The gate-gradient kernel reads g (for the floor's zero gradient) only in chunks whose G reaches the floor:
+    handed a g of -inf in place of the call's, the chunks of moderate gates keep their gradient and a chunk with a
+    hard reset, where it reads g, gives 0."""
+    x = {n: t.float() for n, t in gla_inputs(1, 48, 1, 2, 8, 5).items()}
+    x["g"][0, 20, 1, 3] = -float("inf")  # the second of three chunks of 16 reaches the floor (head 1, channel 3)
+    dg_true = _run(x, None, chunk_size=16)[5]
+    gate_grad = backend._gate_grad
+    monkeypatch.setattr(backend, "_gate_grad", lambda d_gate, totals, g, *rest: gate_grad(
+        d_gate, totals, torch.full_like(g, -float("inf")), *rest))
+    dg = _run(x, None, chunk_size=16)[5]
+    assert (dg[0, 16:32, 1] == 0).all(), "the reset's chunk did not read g"
+    other = torch.ones_like(dg, dtype=torch.bool)
+    other[0, 16:32, 1] = False
+    assert torch.equal(dg[other], dg_true[other]) and (dg_true[other] != 0).float().mean() > 0.9
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_a_bad_gate_spoils_only_what_comes_after_it(value):
     """NaN or +inf in one channel of the per-channel gate (read unfloored by the finite check, floored by the kernels):
