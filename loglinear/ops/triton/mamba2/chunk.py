@@ -318,8 +318,9 @@ def intra_block(qc, kc, vc, doc, scores, lam, t0, r, t, valid, h, H, L, Gc, scal
     (the backward; doc = dO) dA = scale * dO V^T and the in-chunk dQ = (dA * Gamma * Lambda) K or
     dK = (dA * Gamma * Lambda)^T Q ([C, BK] fp32). Without DQ / DK, dA and the gradient are 0. Recomputed in
     each kernel instead of passed (two C x C x K/V GEMMs), so each fits 4 warps without spills.
-    PER_CHANNEL: P is read from scores [tokens, H, C] (intra_channel.channel_scores_kernel's) and the
-    gradient is 0 (the intra_channel kernels give the in-chunk dQ / dK, which the caller reads)."""
+    PER_CHANNEL: P is read from scores [tokens, H, C] (intra_channel.channel_scores_kernel's), dA is formed with DQ
+    only (for dlambda's in-chunk columns) and the gradient is 0 (the intra_channel kernels give the in-chunk
+    dQ / dK, which the caller reads)."""
     causal = r[:, None] >= r[None, :]
     weights = level_weights(lam, t, valid, h, H, L, intra_levels(r, r, LOG_C), causal, LOG_C, PLAIN)
     d_a = tl.zeros([C, C], dtype=tl.float32)
