@@ -27,7 +27,7 @@ and mamba2_chunk_bwd_dkv_kernel (after it, with the deposits' gradients dD_i fro
     dK = dS^T Q + diag(exp(Gl - G)) V dD^T,   dV = scale * A^T dO + diag(exp(Gl - G)) K dD
 
 Both recompute the in-chunk [C, C] blocks (P, dA, Lambda; two extra C x C x K/V GEMMs) instead of
-passing them, so each fits 4 warps without spills.
+passing them, so each fits 4 warps (shared/launch.py: registers and spills of each).
 
 The gate's gradient needs no per-chunk term. Let Gs be the sequence's inclusive cumsum of g (G is it
 minus its value before the chunk). Every factor the kernels apply telescopes into a difference of Gs:
@@ -317,7 +317,8 @@ def intra_block(qc, kc, vc, doc, scores, lam, t0, r, t, valid, h, H, L, Gc, scal
     """The in-chunk block, [C, C] fp32 each: the raw scores P (Q K^T * Gamma), Lambda, and with DQ or DK
     (the backward; doc = dO) dA = scale * dO V^T and the in-chunk dQ = (dA * Gamma * Lambda) K or
     dK = (dA * Gamma * Lambda)^T Q ([C, BK] fp32). Without DQ / DK, dA and the gradient are 0. Recomputed in
-    each kernel instead of passed (two C x C x K/V GEMMs), so each fits 4 warps without spills.
+    each kernel instead of passed (two C x C x K/V GEMMs), so each fits 4 warps (at K = 128, V = 64 in bf16 the dk / dv
+    kernel spills 28 B with a scalar gate; shared/launch.py has the per-channel numbers).
     PER_CHANNEL: P is read from scores [tokens, H, C] (intra_channel.channel_scores_kernel's), dA is formed with DQ
     only (for dlambda's in-chunk columns) and the gradient is 0 (the intra_channel kernels give the in-chunk
     dQ / dK, which the caller reads)."""
