@@ -40,6 +40,9 @@ class OpInputs:
     initial_state: FenwickState | None
     cu_seqlens: torch.Tensor | None
     bounds: list[int] | None  # cu_seqlens on the host
+    # where a backend that takes the log-decay gates raw reports whether they are finite (a bool scalar on their
+    # device; loglinear.ops.finite.FiniteCheck.report), or None: nobody asks
+    report_finite: Callable[[torch.Tensor], None] | None = None
 
     @property
     def num_heads(self) -> int:

@@ -18,6 +18,8 @@ read; loglinear.inputs.plain_over_levels).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from loglinear.inputs import OpInputs, check_inputs, plain_over_levels
@@ -69,7 +71,8 @@ def attention(
     chosen = backend_for(variant, name)
     supported = chosen.supports(inp)
     backend_run = chosen.run if supported else torch_chunk_backend
-    if not (supported and chosen.floors_log_decays):
+    raw_gates = supported and chosen.takes_raw_log_decays
+    if not raw_gates:
         inp = floor_log_decays(inp)
     if inp.plain and not (supported and chosen.plain):
         backend_run = plain_over_levels(backend_run)
@@ -77,9 +80,9 @@ def attention(
     def run(call: OpInputs) -> tuple[torch.Tensor, FenwickState | None]:
         return backend_run(call, output_final_state, chunk_size, use_qk_l2norm)
 
-    finite = finite_check(inp)
-    o, state = run(inp)
-    if finite():
+    finite = finite_check(inp, log_decays=not raw_gates)
+    o, state = run(replace(inp, report_finite=finite.report if finite is not None else None))
+    if finite is None or finite():
         return o, state
     return contained(inp, run, output_final_state) or (o, state)
 

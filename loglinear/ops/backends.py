@@ -6,8 +6,10 @@ A backend runs a validated call (loglinear.inputs.OpInputs) of one variant:
     supports(inputs) -> bool        False: this call runs on the torch backend instead (dtype, head size, device)
     plain: bool                     run takes plain calls (inputs.level_scales None) itself; otherwise the op
                                     runs them as lambda = 1 over the Fenwick levels (loglinear.ops.api)
-    floors_log_decays: bool         run takes the log-decay gates unfloored and floors them itself, where it
-                                    reads them; otherwise the op floors them in torch first (loglinear.ops.finite)
+    takes_raw_log_decays: bool      run takes the log-decay gates as the caller gave them: it floors them where it
+                                    reads them and checks them for NaN and +inf, reporting the verdict to
+                                    inputs.report_finite when set; otherwise the op floors them in torch first
+                                    and its finite check reads them (loglinear.ops.finite)
     decode(variant, q, k, v, gates, level_scales, levels, positions, scale, *, fenwick, l2norm_qk, out, log_scales)
                                     its one-token step (loglinear.ops.decode), or None: the torch step
 
@@ -44,7 +46,7 @@ class Backend:
     supports: Callable[[OpInputs], bool] = lambda inputs: True
     decode: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     plain: bool = False
-    floors_log_decays: bool = False
+    takes_raw_log_decays: bool = False
 
 
 def torch_chunk_backend(

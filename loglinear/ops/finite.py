@@ -7,11 +7,13 @@ garbage. The public op (loglinear.ops.api.attention) therefore
 
   1. floors every log-decay gate (Gate.log_decay) at LOG_DECAY_FLOOR of its compute dtype, where exp underflows
      to exactly 0: g = -inf is a hard reset and very negative gates give the exact result. floor_log_decays does
-     it in torch before the backend runs, unless the backend floors the gates itself where it reads them
-     (Backend.floors_log_decays: the Triton GLA kernels), with the same values and gradient (_Floor);
-  2. checks that the inputs are finite: one read of them, queued before the op's kernels (a log-decay gate may
-     hold -inf: it is checked unfloored, by its maximum); on CUDA its answer comes back through an event recorded
-     behind that read, so the host waits for the work queued before the op, not for the op. Skipped while a CUDA
+     it in torch before the backend runs, unless the backend takes the gates raw and floors them itself where it
+     reads them (Backend.takes_raw_log_decays: the Triton GLA kernels), with the same values and gradient (_Floor);
+  2. checks that the inputs are finite (FiniteCheck): one read of them, queued before the op's kernels (a
+     log-decay gate may hold -inf: it is checked unfloored, by its maximum), except the log-decay gates of a
+     backend that takes them raw, which checks them where it reads them and reports its verdict; on CUDA the
+     answer comes back through an event recorded behind the last read, so the host waits for the work queued
+     before it, not for the op. Skipped while a CUDA
      graph is captured or torch.compile traces the op (the mixers' custom op runs it eagerly, so they are covered);
   3. only if they are not, runs the call again with every non-finite token zeroed, and puts its effect back as NaN:
         a token whose k, v or gate (per variant: the inputs that change the state) has a NaN or an infinity
@@ -33,7 +35,7 @@ import torch
 from loglinear.inputs import OpInputs, expand_groups
 from loglinear.state import FenwickState
 
-__all__ = ["LOG_DECAY_FLOOR", "floor_log_decay", "floor_log_decays", "finite_check", "contained"]
+__all__ = ["LOG_DECAY_FLOOR", "FiniteCheck", "floor_log_decay", "floor_log_decays", "finite_check", "contained"]
 
 # exp(floor) is exactly 0 in the dtype the op computes in (float64 for float64 inputs, else float32)
 LOG_DECAY_FLOOR = {torch.float64: -750.0, torch.float32: -110.0}
@@ -75,33 +77,65 @@ def floor_log_decays(inp: OpInputs) -> OpInputs:
     return replace(inp, gates=gates)
 
 
-def finite_check(inp: OpInputs) -> Callable[[], bool]:
-    """Start checking that every input is finite (q, k, v, level_scales and the gates; a log-decay gate, floored or
-    not, for NaN and +inf only: -inf is a hard reset); the returned function answers. One read of each input: its
-    max |x|, a log-decay gate's max g. On CUDA the answer reaches the host behind an event recorded before the op's
-    kernels are queued: waiting for it waits for the work queued before the op, not for the op. Always True while a
-    CUDA graph is captured or torch.compile traces (no host sync there)."""
+class FiniteCheck:
+    """Whether every input of one op call is finite, read once (finite_check starts it); calling it answers.
+
+    The read of q, k, v, level_scales and the non-log-decay gates is queued when the check starts. The log-decay
+    gates (checked for NaN and +inf only: -inf is a hard reset) are read then too, unless a backend that takes them
+    raw (Backend.takes_raw_log_decays) checks them where it reads them: it passes its verdict to ``report``
+    (OpInputs.report_finite), and if none came, the answer reads them itself. On CUDA the verdict reaches the host
+    through an event recorded behind the last read, so the answer waits for that read and the work queued before
+    it, not for the op's kernels queued after it."""
+
+    def __init__(self, inp: OpInputs, log_decays: bool) -> None:
+        self._log_decays = [inp.gates[gate.name] for gate in inp.variant.gates if gate.log_decay]
+        others = [inp.gates[gate.name] for gate in inp.variant.gates if not gate.log_decay]
+        tensors = [x for x in (inp.q, inp.k, inp.v, inp.level_scales, *others) if x is not None]
+        wide = torch.float64 if any(x.dtype == torch.float64 for x in tensors) else torch.float32
+        read_now = log_decays or not self._log_decays
+        peaks = [*torch._foreach_norm(tensors, float("inf"), dtype=wide),  # max |x|: NaN or inf if any entry is
+                 *(torch._foreach_max(self._log_decays) if read_now and self._log_decays else ())]  # max g: the same
+        self._verdict = (torch.stack(peaks) < torch.inf).all()  # NaN compares False; max g = -inf passes
+        self._answer: Callable[[], bool] | None = None
+        if read_now:
+            self._post()
+
+    def report(self, finite: torch.Tensor) -> None:
+        """Add the verdict on the log-decay gates: a bool scalar on the inputs' device, True when they hold no NaN
+        and no +inf (queued behind the read it comes from)."""
+        self._verdict = self._verdict & finite
+        self._post()
+
+    def __call__(self) -> bool:
+        if self._answer is None:  # no verdict on the log-decay gates came: read them here
+            self.report((torch.stack(torch._foreach_max(self._log_decays)) < torch.inf).all())
+        return self._answer()
+
+    def _post(self) -> None:
+        """Send the verdict so far to the host (on CUDA behind an event, without waiting)."""
+        verdict = self._verdict
+        if not verdict.is_cuda:
+            self._answer = lambda: bool(verdict)
+            return
+        answer = torch.empty((), dtype=torch.bool, pin_memory=True)
+        answer.copy_(verdict, non_blocking=True)
+        arrived = torch.cuda.Event()
+        arrived.record()
+
+        def wait() -> bool:
+            arrived.synchronize()
+            return bool(answer)
+
+        self._answer = wait
+
+
+def finite_check(inp: OpInputs, log_decays: bool = True) -> FiniteCheck | None:
+    """Start checking that every input of the call is finite (FiniteCheck; log_decays False: the backend checks the
+    log-decay gates and reports to the check's ``report``); calling the check answers. None while a CUDA graph is
+    captured or torch.compile traces: no check there (no host sync)."""
     if torch.compiler.is_compiling() or (inp.q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return lambda: True
-    log_decays = [inp.gates[gate.name] for gate in inp.variant.gates if gate.log_decay]
-    others = [inp.gates[gate.name] for gate in inp.variant.gates if not gate.log_decay]
-    tensors = [x for x in (inp.q, inp.k, inp.v, inp.level_scales, *others) if x is not None]
-    wide = torch.float64 if any(x.dtype == torch.float64 for x in tensors) else torch.float32
-    peaks = [*torch._foreach_norm(tensors, float("inf"), dtype=wide),  # max |x|: NaN or inf if any entry is
-             *(torch._foreach_max(log_decays) if log_decays else ())]  # max g: NaN or +inf if any entry is
-    finite = (torch.stack(peaks) < torch.inf).all()  # NaN compares False; max g = -inf (all hard resets) passes
-    if not finite.is_cuda:
-        return lambda: bool(finite)
-    answer = torch.empty((), dtype=torch.bool, pin_memory=True)
-    answer.copy_(finite, non_blocking=True)
-    arrived = torch.cuda.Event()
-    arrived.record()
-
-    def wait() -> bool:
-        arrived.synchronize()
-        return bool(answer)
-
-    return wait
+        return None
+    return FiniteCheck(inp, log_decays)
 
 
 def _bad_rows(x: torch.Tensor) -> torch.Tensor:

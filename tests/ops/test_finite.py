@@ -10,7 +10,7 @@ from loglinear import reference as R
 from loglinear.inputs import check_inputs
 from loglinear.ops import attention, backends
 from loglinear.ops.backends import Backend, torch_chunk_backend
-from loglinear.ops.finite import LOG_DECAY_FLOOR, finite_check, floor_log_decays
+from loglinear.ops.finite import LOG_DECAY_FLOOR, FiniteCheck, finite_check, floor_log_decays
 from loglinear.variants import GATED_DELTANET, GLA, MAMBA2
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the kernels run interpreted
@@ -178,9 +178,55 @@ def test_finite_check_reads_log_decays_unfloored(variant):
         assert not finite("beta", (0, 5, 1), -torch.inf)
 
 
+def test_a_check_left_without_the_backends_verdict_reads_the_gates_itself():
+    """finite_check(log_decays=False) leaves the log-decay gates to the backend's report: a reported verdict is
+    taken as given, and without one the answer reads the gates itself."""
+    x = _gla_inputs()
+    x["g"][1, 5, 0, 3] = torch.nan
+    inp = check_inputs(GLA, x["q"], x["k"], x["v"], {"g": x["g"]}, x["level_scales"], None, None, None)
+    assert not finite_check(inp, log_decays=False)()
+    check = finite_check(inp, log_decays=False)
+    check.report(torch.ones((), dtype=torch.bool, device=DEVICE))
+    assert check()
+    check = finite_check(inp, log_decays=True)
+    check.report(torch.ones((), dtype=torch.bool, device=DEVICE))
+    assert not check()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("where", ["chunk", "prefix"])
+def test_the_gla_kernels_check_the_gate_they_read(monkeypatch, value, where):
+    """The GLA kernels take g raw and report whether it is finite (from G's last row per chunk, and the torch
+    prefix's rows of g): a NaN or +inf in one channel of g, in a kernel chunk or in the torch prefix of a call that
+    continues a state at an unaligned position, is reported, and spoils that head from its token on and nothing
+    else; the clean call reports finite."""
+    verdicts = []
+    report = FiniteCheck.report
+    monkeypatch.setattr(FiniteCheck, "report", lambda check, ok: (verdicts.append(bool(ok)), report(check, ok))[1])
+    x, state, t_bad = {n: t.float() for n, t in _gla_inputs().items()}, None, T_BAD
+    if where == "prefix":  # the state at position 3: tokens 0..4 of the call are the torch prefix
+        _, state = _call(GLA, {n: t[:, :3] for n, t in x.items()}, "triton")
+        t_bad = 2
+    verdicts.clear()
+    o_ref, s_ref = _call(GLA, x, "triton", initial_state=state)
+    o, s = _call(GLA, _spoil_channel(x, value, t_bad), "triton", initial_state=state)
+    assert verdicts == [True, False]
+    assert torch.equal(o[0], o_ref[0]) and torch.equal(o[1, :t_bad], o_ref[1, :t_bad])
+    assert torch.equal(o[1, :, 1], o_ref[1, :, 1]) and o[1, t_bad:, 0].isnan().all()
+    assert torch.equal(s.levels[0], s_ref.levels[0]) and s.levels[1][:, 0].isnan().all()
+
+
+def _spoil_channel(x, value, t):
+    """A copy of GLA inputs x with g of batch row 1, token t, head 0, key channel 3 set to value."""
+    bad = {n: t_.clone() for n, t_ in x.items()}
+    bad["g"][1, t, 0, 3] = value
+    return bad
+
+
 @pytest.mark.parametrize("floors", [False, True], ids=["op-floors", "backend-floors"])
 def test_the_op_floors_the_gates_unless_the_backend_does(monkeypatch, floors):
-    """A backend whose Backend.floors_log_decays is set gets the log-decay gate as the call gives it; any other the
+    """A backend whose Backend.takes_raw_log_decays is set gets the log-decay gate as the call gives it; any other the
     gate floored by the op."""
     seen = []
 
@@ -188,7 +234,7 @@ def test_the_op_floors_the_gates_unless_the_backend_does(monkeypatch, floors):
         seen.append(inp.gates["g"].detach().clone())
         return torch_chunk_backend(floor_log_decays(inp), *args)
 
-    monkeypatch.setitem(backends._REGISTERED, ("gla", "triton"), Backend(run, floors_log_decays=floors))
+    monkeypatch.setitem(backends._REGISTERED, ("gla", "triton"), Backend(run, takes_raw_log_decays=floors))
     x = {n: t.float() for n, t in _gla_inputs().items()}
     x["g"][0, 7, 1, 2:5] = -torch.inf
     attention(GLA, x["q"], x["k"], x["v"], {"g": x["g"]}, x["level_scales"], backend="triton")

@@ -22,4 +22,4 @@ if triton is not None:
     register_backend("gated_deltanet", "triton",
                      Backend(gated_deltanet.backend, gated_deltanet.supports, decode_backend, plain=True))
     register_backend("gla", "triton", Backend(mamba2.backend, mamba2.supports, decode_backend, plain=True,
-                                              floors_log_decays=True))
+                                              takes_raw_log_decays=True))

@@ -30,16 +30,18 @@ GLA (a log-decay per key channel, g [B, T, H, K]) is the same algorithm with the
 backend serves every variant whose one gate is a log-decay, scalar (Mamba-2) or per channel (GLA), and reads which
 from the variant (``Gate.per_channel``); the torch prefixes run the variant's own chunk form.
 
-The log-decay gate: a scalar one [B, T, H] (Mamba-2) arrives floored by the op (loglinear.ops.finite); GLA registers
-this backend with Backend.floors_log_decays, so its per-channel gate, the largest input of a call, arrives as the
-caller gave it and is floored where it is read, with no pass over it added: the kernels read it only through G, the
-cumsum of max(g, FLOOR) (_chunk_gate), and the gate gradient is 0 where g <= FLOOR (_gate_grad); the torch path's
-rows (the prefixes, the final state's last chunk) floor their few tokens in torch (floor_log_decay).
+The log-decay gate: a scalar one [B, T, H] (Mamba-2) arrives floored and checked by the op (loglinear.ops.finite);
+GLA registers this backend with Backend.takes_raw_log_decays, so its per-channel gate, the largest input of a call,
+arrives as the caller gave it and is floored and checked where it is read, with no pass over it added: the kernels
+read it only through G, the cumsum of max(g, FLOOR) (_read_gate), whose last row per chunk tells whether the chunk's
+g is finite (_gate_finite), and the gate gradient is 0 where g <= FLOOR (_gate_grad); the torch path's rows (the
+prefixes, the final state's last chunk) floor their few tokens in torch (floor_log_decay).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -80,8 +82,8 @@ INITIAL_READERS = 256  # reader chunks per program of the initial levels' gradie
 class ChunkTable:
     """The kernel chunks of all sequences, int32 [NC] each: first token, the sequence's end, the sequence,
     the absolute chunk index, ``by_level``: the kernel chunks by the level merged after them,
-    highest first (the level-gradient kernel's longest loops start first), and ``seq_last``: the last chunk of
-    each one's sequence; ``base`` [N]: each sequence's first row."""
+    highest first (the level-gradient kernel's longest loops start first), ``seq_last``: the last chunk of
+    each one's sequence, and ``last``: each one's last token; ``base`` [N]: each sequence's first row."""
 
     starts: torch.Tensor
     ends: torch.Tensor
@@ -89,6 +91,7 @@ class ChunkTable:
     chunks: torch.Tensor
     by_level: torch.Tensor
     seq_last: torch.Tensor
+    last: torch.Tensor
     base: torch.Tensor
 
 
@@ -139,10 +142,10 @@ def _tables(bos: tuple[int, ...], eos: tuple[int, ...], chunk0: tuple[int, ...],
     N, NC = len(bos), len(seqs)
     ends = torch.tensor(eos, dtype=torch.long)[seqs]
     packed = torch.cat([torch.tensor([bos, eos, chunk0], dtype=torch.long).flatten(), starts, ends, seqs, chunks,
-                        by_level, (base + counts - 1)[seqs], base])
+                        by_level, (base + counts - 1)[seqs], torch.minimum(starts + C, ends) - 1, base])
     packed = device_table(packed, torch.int32, device)
     ranges, rows = packed[: 3 * N].view(3, N), packed[3 * N :]
-    return (ranges[0], ranges[1], ranges[2]), ChunkTable(*rows[: 6 * NC].view(6, NC), rows[6 * NC :])
+    return (ranges[0], ranges[1], ranges[2]), ChunkTable(*rows[: 7 * NC].view(7, NC), rows[7 * NC :])
 
 
 def _splits(dtype: torch.dtype) -> bool:
@@ -191,7 +194,7 @@ def _gate_grad(d_gate: torch.Tensor, totals: torch.Tensor, g: torch.Tensor, gate
     [NC, H(, K)] fp32 each chunk's sum. mamba2_gate_grad_kernel gives every row the sum over its chunk's rows from
     it on plus the totals of its sequence's later chunks: a suffix sum over chunks, in fp64 so that the difference
     of two loses nothing; per channel 0 where the gate g (the call's, unfloored) is <= FLOOR, which is read only in
-    the chunks whose G (gate, _chunk_gate) reaches the floor. Rows no kernel chunk covers (the torch prefixes) are
+    the chunks whose G (gate, _read_gate) reaches the floor. Rows no kernel chunk covers (the torch prefixes) are
     0."""
     NC, H = totals.shape[:2]
     suffix = torch.cat([suffix_sum(totals.double(), 0), totals.new_zeros((1, *totals.shape[1:]), dtype=torch.double)])
@@ -221,7 +224,7 @@ def _group_grad(x: torch.Tensor, groups: int, plan: LevelScanPlan) -> torch.Tens
 
 def _merge_levels(k, v, gate, levels, ranges, table: ChunkTable, plan: LevelScanPlan) -> tuple[torch.Tensor, ...]:
     """The chunks' deposits, then the chunk-level scan merging them (levels [N, J, H, K, V] fp32: the initial
-    states in, the final ones out; gate: what the kernels read of g, _chunk_gate). -> buckets [NC, H, K, V]
+    states in, the final ones out; gate: what the kernels read of g, _read_gate). -> buckets [NC, H, K, V]
     (k's dtype), decays [NC, H, J] ([NC, H, J, K] per channel) fp32."""
     BK, BV = _blocks(k, v)
     (N, H), NC = (len(plan.bos), v.shape[1]), table.starts.numel()
@@ -247,7 +250,7 @@ def _merge_levels(k, v, gate, levels, ranges, table: ChunkTable, plan: LevelScan
 class _Saved:
     """What the backward needs besides save_for_backward's tensors: the chunk table, the merged levels
     ``buckets`` [NC, H, K, V] (k's dtype; None once a backward took them), the level decays [NC, H, J] fp32,
-    what the kernels read of the gate (_chunk_gate: per channel G [tokens, H, K] fp32, else g) and, per channel,
+    what the kernels read of the gate (_read_gate: per channel G [tokens, H, K] fp32, else g) and, per channel,
     the in-chunk scores P [tokens, H, C] in q's dtype (_channel_scores; None once a backward took them)."""
 
     table: ChunkTable
@@ -281,11 +284,10 @@ def _initial_reads(h0: torch.Tensor, q: torch.Tensor, plan: LevelScanPlan) -> tu
     return h0.to(q.dtype).contiguous(), h0.ne(0).flatten(2).any(2).to(torch.int8)
 
 
-def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Saved:
-    """The deposits and the chunk-level scan (levels in/out), then the chunk kernel writing o."""
+def _forward(q, k, v, gate, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Saved:
+    """The deposits and the chunk-level scan (levels in/out), then the chunk kernel writing o (gate: _read_gate's)."""
     BK, BV = _blocks(q, v)
     table = plan.chunk_table(q.device)
-    gate = _chunk_gate(g, table, plan)
     buckets, decays = _merge_levels(k, v, gate, levels, ranges, table, plan)
     NC, scores = table.starts.numel(), _channel_scores(q, k, gate, table, plan)
     if NC:
@@ -299,18 +301,33 @@ def _forward(q, k, v, g, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Sa
     return _Saved(table, buckets, decays, gate, scores)
 
 
-def _chunk_gate(g, table: ChunkTable, plan: LevelScanPlan) -> torch.Tensor:
-    """What every kernel reads of the gate: g [tokens, H] itself for a scalar gate (floored by the op); per
-    channel G [tokens, H, K] fp32, the chunk-local cumsum of max(g, FLOOR) (intra_channel.channel_cumsum_kernel),
-    formed once by the forward (kept for the backward) and read by the scans, the chunk kernels, the in-chunk
-    kernels and the gate gradient."""
+def _read_gate(g, plan: LevelScanPlan, report: Callable[[torch.Tensor], None] | None) -> torch.Tensor:
+    """What every kernel reads of the gate: g [tokens, H] itself for a scalar gate (floored and checked by the op);
+    per channel G [tokens, H, K] fp32, the chunk-local cumsum of max(g, FLOOR) (intra_channel.channel_cumsum_kernel),
+    formed once per call (kept for the backward) and read by the scans, the chunk kernels, the in-chunk kernels and
+    the gate gradient, and the verdict on g to ``report`` (OpInputs.report_finite) when set (_gate_finite)."""
     if not plan.per_channel:
         return g
-    (tokens, H, K), NC = g.shape, table.starts.numel()
+    (tokens, H, K), table = g.shape, plan.chunk_table(g.device)
     cum = alloc((tokens, H, K), torch.float32, g.device)
-    channel_cumsum_kernel[(NC, H)](g, cum, table.starts, table.ends, H=H, K=K, C=plan.chunk_size, BK=next_pow2(K),
-                                   FLOOR=FLOOR, **launch_options(channel_cumsum_kernel))
+    channel_cumsum_kernel[(table.starts.numel(), H)](g, cum, table.starts, table.ends, H=H, K=K, C=plan.chunk_size,
+                                                     BK=next_pow2(K), FLOOR=FLOOR,
+                                                     **launch_options(channel_cumsum_kernel))
+    if report is not None:
+        report(_gate_finite(g, cum, table, plan))
     return cum
+
+
+def _gate_finite(g, cum, table: ChunkTable, plan: LevelScanPlan) -> torch.Tensor:
+    """True (a bool scalar on g's device) when the per-channel gate g [tokens, H, K] holds no NaN and no +inf,
+    read from G (cum) at the last token of each kernel chunk, which is NaN or +inf whenever a g of the chunk is (a
+    sum of max(g, FLOOR), NaN kept, no term -inf), and from the torch prefixes' rows of g itself: [NC, H, K] and a
+    few rows per stateful sequence instead of all of g. (A sum that overflows to +inf fails too: the op then reads
+    the inputs again and finds them finite.)"""
+    rows = [x for x in [cum.index_select(0, table.last), *(g[a:b] for a, b in plan.prefixes)] if x.numel()]
+    if not rows:
+        return torch.ones((), dtype=torch.bool, device=g.device)
+    return (torch.stack(torch._foreach_max(rows)) < torch.inf).all()
 
 
 def _key_blocks(K: int) -> tuple[int, int]:
@@ -320,7 +337,7 @@ def _key_blocks(K: int) -> tuple[int, int]:
 
 
 def _channel_scores(q, k, gate, table: ChunkTable, plan: LevelScanPlan) -> torch.Tensor:
-    """Per-channel gates (gate = G, _chunk_gate): the in-chunk scores P [tokens, H, C] of every kernel chunk, in
+    """Per-channel gates (gate = G, _read_gate): the in-chunk scores P [tokens, H, C] of every kernel chunk, in
     q's dtype (intra_channel.channel_scores_kernel; computed in fp32, rounded as the products that read them round
     P * Lambda). A scalar gate: gate, which the chunk kernels then do not read."""
     NC = table.starts.numel()
@@ -338,13 +355,13 @@ def _channel_scores(q, k, gate, table: ChunkTable, plan: LevelScanPlan) -> torch
 
 def _channel_intra_grads(q, k, v, cum, lam, d_o, table: ChunkTable, plan: LevelScanPlan
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel gates (cum = G, _chunk_gate): the in-chunk dQ and dK [tokens, H, K] fp32 (per value head) of
+    """Per-channel gates (cum = G, _read_gate): the in-chunk dQ and dK [tokens, H, K] in q's dtype (per value head) of
     every kernel chunk (intra_channel.channel_dq_kernel, channel_dk_kernel). A scalar gate: (cum, cum), which the
     chunk kernels then do not read."""
     NC, H, K = table.starts.numel(), v.shape[1], q.shape[-1]
     if not plan.per_channel or not NC:
         return cum, cum
-    dq_in, dk_in = (alloc((v.shape[0], H, K), torch.float32, q.device) for _ in range(2))
+    dq_in, dk_in = (alloc((v.shape[0], H, K), q.dtype, q.device) for _ in range(2))
     C, (BK, KB) = plan.chunk_size, _key_blocks(K)
     sizes = dict(H=H, G=q.shape[1], K=K, V=v.shape[-1], L=lam.shape[-1], C=C, S=SUB_CHUNK, LOG_C=chunk_bits(C),
                  BK=BK, KB=KB, BV=next_pow2(v.shape[-1]), PRECISION=dot_precision(q.dtype, FP32_DOT), PLAIN=plan.plain)
@@ -452,16 +469,17 @@ class LevelScanMamba2(torch.autograd.Function):
     """(q, k, v, g, lam, h0) -> (o, chunk-level final states) on the kernels.
 
     q, k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] (floored) or [tokens, H, K] per channel (unfloored:
-    the kernels floor it); lam: [tokens, H, L] (plain: not read, no gradient);
+    the kernels floor it); gate: what the kernels read of g (_read_gate; no gradient); lam: [tokens, H, L] (plain:
+    not read, no gradient);
     h0: [N, J, H, K, V] fp32 chunk-level initial states (plain: J = 1, the state). Returns o: [tokens, H, V]
     (rows outside the plan's ranges unwritten) and the final chunk levels [N, J, H, K, V] fp32."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, lam, h0, plan: LevelScanPlan):
+    def forward(ctx, q, k, v, g, gate, lam, h0, plan: LevelScanPlan):
         ranges = plan.device_tensors(q.device)
         o = alloc(tuple(v.shape), v.dtype, v.device)
         levels = h0.detach().clone(memory_format=torch.contiguous_format)
-        ctx.saved = _forward(q, k, v, g, lam, h0, o, levels, ranges, plan)
+        ctx.saved = _forward(q, k, v, gate, lam, h0, o, levels, ranges, plan)
         ctx.plan, ctx.ranges = plan, ranges
         ctx.save_for_backward(q, k, v, g, lam, h0, levels)
         return o, levels
@@ -488,7 +506,7 @@ class LevelScanMamba2(torch.autograd.Function):
                                 saved.table, plan, g)
         del d_deposits, scores, dk_in, gate
         d_h0 = d_levels if plan.has_init else None
-        return dq, dk, dv, dg, dlam, d_h0, None
+        return dq, dk, dv, dg, None, dlam, d_h0, None
 
 
 def _last_chunk_levels(k, v, g, a: int, b: int, C: int, H: int) -> torch.Tensor:
@@ -654,7 +672,8 @@ def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tu
     J, h0, has_init = _chunk_levels(flat, aligned, C)
     plan = LevelScanPlan(aligned.bos, flat.bounds[1:], aligned.chunk0, aligned.prefixes, C, J, has_init, inp.scale,
                          per_channel=_per_channel(inp))
-    o, final = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, flat.lam, h0, plan)
+    gate = _read_gate(flat.g, plan, inp.report_finite)
+    o, final = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan)
     if aligned.prefixes:
         idx = torch.cat([torch.arange(a, b, device=o.device) for a, b in aligned.prefixes])
         o = o.index_copy(0, idx, torch.cat(aligned.prefix_out).to(o.dtype))
@@ -677,7 +696,8 @@ def _run_plain(inp: OpInputs, flat: _Flat, output_final_state: bool, C: int
         h0 = flat.v.new_zeros((1, 1, H, K, V), dtype=torch.float32).expand(N, 1, H, K, V)
     plan = LevelScanPlan(flat.bounds[:-1], flat.bounds[1:], [0] * N, [], C, 1, state is not None, inp.scale, plain=True,
                          per_channel=_per_channel(inp))
-    o, final = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, flat.lam, h0, plan)
+    gate = _read_gate(flat.g, plan, inp.report_finite)
+    o, final = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan)
     o = o.reshape(inp.v.shape).to(inp.v.dtype)
     if not output_final_state:
         return o, None

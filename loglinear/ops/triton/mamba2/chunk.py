@@ -71,9 +71,9 @@ rows of the output to the columns of q or k:
     in-chunk   P[t, s] = sum_k q_t[k] exp(G_t[k] - G_s[k]) k_s[k]
 
 and the in-chunk block is not one product of q and k: two kernels over 16-row sub-chunks (shared/intra_channel.py)
-write P [tokens, H, C] and, in the backward, the in-chunk dQ and dK [tokens, H, K] fp32; the forward and the dq
-and dk / dv kernels read P (the dq kernel forms dlambda's in-chunk columns from it as with a scalar gate), the dq
-and dk / dv kernels add the in-chunk dQ / dK.
+write P [tokens, H, C] and, in the backward, the in-chunk dQ and dK [tokens, H, K] (q's dtype, summed in fp32); the
+forward and the dq and dk / dv kernels read P (the dq kernel forms dlambda's in-chunk columns from it as with a
+scalar gate), the dq and dk / dv kernels add the in-chunk dQ / dK.
 The kernels read G itself (fp32 [tokens, H, K], written once per call by intra_channel.channel_cumsum_kernel; no
 kernel forms a [C, K] cumsum), and the per-channel factors are applied where they are cheapest: the forward
 forms Q * exp(G) once per chunk; the dq kernel multiplies the sum over levels by exp(G) once and writes
@@ -187,7 +187,8 @@ def readout_grad(doc, q_read, state, to_now, row_scale, lam, dlam, t, valid, h, 
     """One level's share of dQ, lambda_level * d_read, and dlambda's column ``level`` = rowsum(Q * d_read) (stored;
     not when PLAIN). A scalar gate: d_read = (dO B^T) * row_scale * exp(decay) ([C, BK] fp32, row_scale = scale *
     exp(G) [C]), q_read = Q. PER_CHANNEL: d_read without its factor scale * exp(G) [C, BK], which the caller applies
-    to the sum over levels, and q_read = Q * scale * exp(G) fp32 (so dlambda is the same)."""
+    to the sum over levels, and q_read = Q * scale * exp(G) in q's dtype (so dlambda is the same; held through the
+    loop over levels, in q's dtype the kernel spills less)."""
     d_read = tl.dot(doc, tl.trans(state.to(doc.dtype)), input_precision=PRECISION)
     if PER_CHANNEL:
         d_read *= to_now[None, :]
@@ -433,7 +434,7 @@ def mamba2_chunk_bwd_dq_kernel(
     if PER_CHANNEL:  # the sum over levels gets its factor scale * exp(G) after the loops
         q_read = qc.to(tl.float32) * tl.exp(Gc)
         store_tile(q_dec, q_read, t0, r, valid, h, H, K, kk)
-        q_read *= scale
+        q_read = (q_read * scale).to(qc.dtype)
     live, rank, count = bucket_levels(chunk, c0, jj, J, PLAIN)
     for i in range(count):
         j = nth_level(live, rank, jj, i)

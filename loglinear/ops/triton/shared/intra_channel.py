@@ -36,8 +36,8 @@ the floor).
 
     channel_cumsum_kernel     G, fp32 [tokens, H, K]
     channel_scores_kernel     P, [tokens, H, C] in q's dtype (row t: its chunk's keys)   forward; kept for the backward
-    channel_dq_kernel         the in-chunk dQ, fp32 [tokens, H, K]
-    channel_dk_kernel         the in-chunk dK, fp32 [tokens, H, K]
+    channel_dq_kernel         the in-chunk dQ, [tokens, H, K] in q's dtype (summed in fp32)
+    channel_dk_kernel         the in-chunk dK, [tokens, H, K] in q's dtype (summed in fp32)
 """
 
 from __future__ import annotations
@@ -191,9 +191,9 @@ def channel_dq_kernel(
     C: tl.constexpr, S: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr, PLAIN: tl.constexpr,
 ):
-    """dq_in = the in-chunk dQ of the queries of sub-chunk i of chunk p on key block kb ([tokens, H, K] fp32, per
-    value head; chunk_program: u = i * (BK // KB) + kb). v, do: [tokens, H, V]; lam: [tokens, H, L] (not read when
-    PLAIN). Grid (NC (C // S) (BK // KB), H)."""
+    """dq_in = the in-chunk dQ of the queries of sub-chunk i of chunk p on key block kb ([tokens, H, K] in q's
+    dtype, per value head; chunk_program: u = i * (BK // KB) + kb). v, do: [tokens, H, V]; lam: [tokens, H, L]
+    (not read when PLAIN). Grid (NC (C // S) (BK // KB), H)."""
     h = tl.program_id(1)
     p, u = chunk_program((C // S) * (BK // KB))
     i, kb = u // (BK // KB), (u % (BK // KB)) * KB
@@ -225,8 +225,9 @@ def channel_dk_kernel(
     C: tl.constexpr, S: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr, PLAIN: tl.constexpr,
 ):
-    """dk_in = the in-chunk dK of the keys of sub-chunk i of chunk p on key block kb ([tokens, H, K] fp32, per value
-    head; chunk_program: u = i * (BK // KB) + kb); arguments as channel_dq_kernel. Grid (NC (C // S) (BK // KB), H)."""
+    """dk_in = the in-chunk dK of the keys of sub-chunk i of chunk p on key block kb ([tokens, H, K] in q's dtype,
+    per value head; chunk_program: u = i * (BK // KB) + kb); arguments as channel_dq_kernel.
+    Grid (NC (C // S) (BK // KB), H)."""
     h = tl.program_id(1)
     p, u = chunk_program((C // S) * (BK // KB))
     i, kb = u // (BK // KB), (u % (BK // KB)) * KB
