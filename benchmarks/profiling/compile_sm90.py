@@ -78,7 +78,7 @@ def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: in
 
 def signature(names: str, ptr: str, **special: str) -> dict:
     """Every name a pointer of type ptr unless given in special (runtime ints default to i32)."""
-    ints = ("H", "G", "K", "V", "L", "J", "N", "S", "tokens")
+    ints = ("H", "G", "K", "V", "L", "J", "N", "NC", "S", "tokens")
     return {n: special.get(n, "i32" if n in ints else ptr) for n in names.split()}
 
 
@@ -104,7 +104,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     bufs = dict(levels=f32, buckets=P, decays=f32, h0=P, h0_held="*i8", dq=P, dk=P, dv=P, dlam=P, qdq=f32, q_dec=P,
                 d_levels=f32, d_buckets=P, d_deposits=P, d_init=f32, d_gate=f32, totals=f32, final_terms=f32,
                 later=f32, dg=f32, chunks=i32, by_level=i32, seqs=i32, chunk0=i32, base_ptr=i32)
-    bufs.update(scores=P, dq_in=f32, dk_in=f32, cum=f32)
+    bufs.update(scores=P, dq_in=P, dk_in=P, cum=f32)
     chunk = "q k v g lam {} h0 h0_held buckets decays scores {}starts ends seqs chunks chunk0 scale {}H G K V L J"
     kernels = [  # (kernel, its arguments, constexprs, state tile of one program: launch_options)
         (mamba2_chunk.mamba2_deposit_kernel, "k v g buckets starts ends H G K V", base, 0),
@@ -123,6 +123,8 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
         (mamba2_chunk.mamba2_chunk_bwd_dkv_kernel,
          "q k v g lam do d_deposits scores dk_in starts ends seqs eos_ptr final_terms scale dk dv d_gate totals "
          "H G K V L", base, 0),
+        (mamba2_chunk.mamba2_gate_later_kernel, "totals later base_ptr H K N NC",
+         dict(base, R=mamba2.GATE_LATER_BLOCK, BK=BK if per_channel else 16), 0),
         (mamba2_chunk.mamba2_gate_grad_kernel, "d_gate later g cum dg starts ends H K", base, 0),
     ]
     if per_channel:

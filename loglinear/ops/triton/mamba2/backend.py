@@ -54,7 +54,7 @@ from loglinear.ops.torch_chunk import carry_past, chunk_scan
 from loglinear.ops.triton.mamba2.bwd import mamba2_bwd_scan_kernel
 from loglinear.ops.triton.mamba2.chunk import (
     mamba2_chunk_bwd_dkv_kernel, mamba2_chunk_bwd_dq_kernel, mamba2_chunk_fwd_kernel, mamba2_deposit_kernel,
-    mamba2_gate_grad_kernel, mamba2_initial_grad_kernel, mamba2_level_grad_kernel,
+    mamba2_gate_grad_kernel, mamba2_gate_later_kernel, mamba2_initial_grad_kernel, mamba2_level_grad_kernel,
 )
 from loglinear.ops.triton.mamba2.fwd import mamba2_fwd_kernel
 from loglinear.ops.triton.shared.common import MAX_CHUNK_LEVELS, alloc, group_sum, interpreting, next_pow2
@@ -66,7 +66,6 @@ from loglinear.ops.triton.shared.launch import launch_options
 from loglinear.ops.triton.shared.rules import dot_precision, kernel_chunk_size
 from loglinear.ops.triton.shared.tables import device_table, table_cache
 from loglinear.state import FenwickState
-from loglinear.variants.mamba2 import suffix_sum
 
 __all__ = ["supports", "backend", "LevelScanPlan"]
 
@@ -76,21 +75,21 @@ FP32_DOT = "ieee"  # fp32 products exact (shared.rules.dot_precision)
 MAX_CHUNK = 64  # the kernels' chunk cap (shared.rules.kernel_chunk_size): tiles fit sm_90's shared memory
 SCAN_ROWS = 16  # K rows per program of a scan whose state tile may be split
 INITIAL_READERS = 256  # reader chunks per program of the initial levels' gradient (fewer: more segments)
+GATE_LATER_BLOCK = 16  # chunks per load of the gate gradient's sums over later chunks (mamba2_gate_later_kernel)
 
 
 @dataclass
 class ChunkTable:
     """The kernel chunks of all sequences, int32 [NC] each: first token, the sequence's end, the sequence,
     the absolute chunk index, ``by_level``: the kernel chunks by the level merged after them,
-    highest first (the level-gradient kernel's longest loops start first), ``seq_last``: the last chunk of
-    each one's sequence, and ``last``: each one's last token; ``base`` [N]: each sequence's first row."""
+    highest first (the level-gradient kernel's longest loops start first), and ``last``: each one's last token;
+    ``base`` [N]: each sequence's first row."""
 
     starts: torch.Tensor
     ends: torch.Tensor
     seqs: torch.Tensor
     chunks: torch.Tensor
     by_level: torch.Tensor
-    seq_last: torch.Tensor
     last: torch.Tensor
     base: torch.Tensor
 
@@ -142,10 +141,10 @@ def _tables(bos: tuple[int, ...], eos: tuple[int, ...], chunk0: tuple[int, ...],
     N, NC = len(bos), len(seqs)
     ends = torch.tensor(eos, dtype=torch.long)[seqs]
     packed = torch.cat([torch.tensor([bos, eos, chunk0], dtype=torch.long).flatten(), starts, ends, seqs, chunks,
-                        by_level, (base + counts - 1)[seqs], torch.minimum(starts + C, ends) - 1, base])
+                        by_level, torch.minimum(starts + C, ends) - 1, base])
     packed = device_table(packed, torch.int32, device)
     ranges, rows = packed[: 3 * N].view(3, N), packed[3 * N :]
-    return (ranges[0], ranges[1], ranges[2]), ChunkTable(*rows[: 7 * NC].view(7, NC), rows[7 * NC :])
+    return (ranges[0], ranges[1], ranges[2]), ChunkTable(*rows[: 6 * NC].view(6, NC), rows[6 * NC :])
 
 
 def _splits(dtype: torch.dtype) -> bool:
@@ -192,16 +191,17 @@ def _gate_grad(d_gate: torch.Tensor, totals: torch.Tensor, g: torch.Tensor, gate
     """dg [tokens, H] ([tokens, H, K] per channel) in g's dtype, dg_u = the sum of dGs over u and the later tokens
     of its sequence, from the dk / dv kernel's chunk parts: d_gate (fp32) holds dGs on every kernel row, totals
     [NC, H(, K)] fp32 each chunk's sum. mamba2_gate_grad_kernel gives every row the sum over its chunk's rows from
-    it on plus the totals of its sequence's later chunks: a suffix sum over chunks, in fp64 so that the difference
-    of two loses nothing; per channel 0 where the gate g (the call's, unfloored) is <= FLOOR, which is read only in
-    the chunks whose G (gate, _read_gate) reaches the floor. Rows no kernel chunk covers (the torch prefixes) are
-    0."""
+    it on plus the totals of its sequence's later chunks (mamba2_gate_later_kernel, summed per sequence in fp64);
+    per channel 0 where the gate g (the call's, unfloored) is <= FLOOR, which is read only in the chunks whose G
+    (gate, _read_gate) reaches the floor. Rows no kernel chunk covers (the torch prefixes) are 0."""
     NC, H = totals.shape[:2]
-    suffix = torch.cat([suffix_sum(totals.double(), 0), totals.new_zeros((1, *totals.shape[1:]), dtype=torch.double)])
-    later = (suffix[1:] - suffix[table.seq_last.long() + 1]).float()  # [NC, ...] the chunks after p in p's sequence
     dg = alloc(tuple(d_gate.shape), g.dtype, d_gate.device)
     if NC:
         K = d_gate.shape[-1] if plan.per_channel else 1
+        later = alloc(tuple(totals.shape), torch.float32, totals.device)
+        mamba2_gate_later_kernel[(table.base.numel(), H)](totals, later, table.base, H=H, K=K, N=table.base.numel(),
+                                                          NC=NC, R=GATE_LATER_BLOCK, BK=next_pow2(K),
+                                                          **launch_options(mamba2_gate_later_kernel))
         mamba2_gate_grad_kernel[(NC, H)](d_gate, later, g, gate, dg, table.starts, table.ends, H=H, K=K,
                                          C=plan.chunk_size, BK=next_pow2(K), PER_CHANNEL=plan.per_channel,
                                          FLOOR=FLOOR, **launch_options(mamba2_gate_grad_kernel))
@@ -481,6 +481,7 @@ class LevelScanMamba2(torch.autograd.Function):
         levels = h0.detach().clone(memory_format=torch.contiguous_format)
         ctx.saved = _forward(q, k, v, gate, lam, h0, o, levels, ranges, plan)
         ctx.plan, ctx.ranges = plan, ranges
+        ctx.set_materialize_grads(False)  # an unused output's gradient comes as None, not as zeros
         ctx.save_for_backward(q, k, v, g, lam, h0, levels)
         return o, levels
 
@@ -491,22 +492,33 @@ class LevelScanMamba2(torch.autograd.Function):
         q, k, v, g, lam, h0, final = ctx.saved_tensors
         plan, saved, ranges = ctx.plan, ctx.saved, ctx.ranges
         d_o = torch.zeros_like(v) if d_o is None else d_o.to(v.dtype).contiguous()
-        d_final = torch.zeros_like(final) if d_final is None else d_final.float().contiguous()
         gate = saved.gate
         buckets = saved.take_buckets(k, v, gate, h0, ranges, plan)
         scores = saved.take_scores(q, k, gate, plan)
         dq, dlam, qdq, dk_in, readers = _dq_grads(q, k, v, gate, lam, h0, d_o, ranges, buckets, scores, saved, plan)
         del buckets
-        d_levels = d_final.clone()
+        d_levels, final_terms = _final_grads(d_final, final, plan)
         d_deposits = _deposit_grads(q, readers, gate, lam, d_o, d_levels, ranges, saved, plan)
         del readers
-        final_terms = (d_final * final).sum((1, 4))  # the final states' gate term [N, H, K] (per row k)
-        final_terms = (final_terms if plan.per_channel else final_terms.sum(-1)).contiguous()
         dk, dv, dg = _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, qdq, final_terms, ranges,
                                 saved.table, plan, g)
         del d_deposits, scores, dk_in, gate
         d_h0 = d_levels if plan.has_init else None
         return dq, dk, dv, dg, None, dlam, d_h0, None
+
+
+def _final_grads(d_final: torch.Tensor | None, final: torch.Tensor, plan: LevelScanPlan
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the final chunk levels' gradient d_final [N, J, H, K, V] (None: not used, zeros) and the levels final:
+    d_levels, the backward scan's levels (a fp32 copy it works in) and the final states' gate term sum(dS * S) over
+    levels and values [N, H, K] ([N, H] for a scalar gate) fp32."""
+    N, _, H, K, _ = final.shape
+    if d_final is None:
+        return torch.zeros_like(final), final.new_zeros(_gate_shape(plan, N, H, K))
+    d_final = d_final.float()
+    terms = (d_final * final).sum((1, 4))
+    terms = terms if plan.per_channel else terms.sum(-1)
+    return d_final.clone(memory_format=torch.contiguous_format), terms.contiguous()
 
 
 def _last_chunk_levels(k, v, g, a: int, b: int, C: int, H: int) -> torch.Tensor:

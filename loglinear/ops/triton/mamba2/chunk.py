@@ -42,8 +42,9 @@ u = end, the final states' factor, so o(q e^d, k e^-d, Gs - d) = o for any per-t
 
 with dq, dk the full gradients (in-chunk + chunk levels): the dq kernel stores q.dq, the dk/dv kernel (where
 k.dk is complete) turns each chunk's rows into dGs (the final states' term on the sequence's last row) and
-stores the chunk's total; the backend sums the totals of each sequence's later chunks (a [chunks, H] suffix sum
-instead of a [tokens, H] one) and mamba2_gate_grad_kernel adds them to the sums over each chunk's later rows.
+stores the chunk's total; mamba2_gate_later_kernel sums the totals of each sequence's later chunks (a [chunks, H]
+suffix sum instead of a [tokens, H] one) and mamba2_gate_grad_kernel adds them to the sums over each chunk's later
+rows.
 
 The readout's gradient with respect to the merged levels is also chunk-parallel: the level m merged
 after chunk e (m = ctz(e + 1)) is read, as bucket, by exactly the chunks e+1 .. e+2^m (those of the
@@ -287,6 +288,27 @@ def mamba2_gate_grad_kernel(
     else:
         x += tl.load(later + row)
     store_gate_rows(dg, x, t0, r, t, valid, h, H, K, kk, PER_CHANNEL)
+
+
+@triton.jit(do_not_specialize=["H", "K", "N", "NC"])
+def mamba2_gate_later_kernel(totals, later, base_ptr, H, K, N, NC, R: tl.constexpr, BK: tl.constexpr):
+    """later[p] = the sum of totals[p'] over the chunks p' after p in p's sequence (0 for its last chunk), summed in
+    fp64, stored fp32; totals, later: [NC, H] ([NC, H, K] with a per-channel gate; K = 1 for a scalar one) fp32,
+    base_ptr: [N] int32 each sequence's first chunk (the chunk table's base). The sequence's chunks go in blocks of
+    R from its end, one [R, BK] load each: a block's sums are its reverse cumsum plus the carry, the total of the
+    blocks after it. Grid (N, H)."""
+    n, h = tl.program_id(0), tl.program_id(1)
+    first = tl.load(base_ptr + n)
+    end = tl.where(n + 1 < N, tl.load(base_ptr + n + 1, mask=n + 1 < N, other=0), NC)
+    rr, kk = tl.arange(0, R), tl.arange(0, BK)
+    carry = tl.zeros([BK], dtype=tl.float64)
+    for b in range(0, tl.cdiv(end - first, R)):
+        p = end - (b + 1) * R + rr
+        ok = (p >= first)[:, None] & (kk < K)[None, :]
+        offs = (p.to(tl.int64) * H + h)[:, None] * K + kk[None, :]
+        x = tl.load(totals + offs, mask=ok, other=0.0).to(tl.float64)
+        tl.store(later + offs, (tl.cumsum(x, 0, reverse=True) - x + carry[None, :]).to(tl.float32), mask=ok)
+        carry += tl.sum(x, 0)
 
 
 @triton.jit(do_not_specialize=["H", "G"])

@@ -60,6 +60,7 @@ LAUNCH: dict[str, Launch] = {
     "mamba2_bwd_scan_kernel": Launch(4, 2, wide_warps=8),
     "mamba2_chunk_bwd_dkv_kernel": Launch(4, 1),
     "mamba2_gate_grad_kernel": Launch(4, 1),
+    "mamba2_gate_later_kernel": Launch(4, 3),
     # the in-chunk block with a per-channel gate (GLA)
     "channel_cumsum_kernel": Launch(4, 1),
     "channel_scores_kernel": Launch(4, 1),
