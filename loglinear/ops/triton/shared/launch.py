@@ -9,13 +9,14 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
     or readers pipeline its loads (num_stages > 1: the next bucket / reader chunk is in flight during the current
     one's GEMM).
   * Mamba-2 scans (mamba2/fwd.py, mamba2/bwd.py): one program per (sequence, head, block of state rows);
-    4 warps up to a [128, 32] fp32 state tile, 8 above (``wide_warps``).
+    4 warps up to a [128, 32] fp32 state tile, 8 above (``wide_warps``). The gate gradient's sums over later
+    chunks (mamba2_gate_later_kernel, one program per (sequence, head)): 4 warps, not tuned (0.07 ms at 32K).
   * The same chunk kernels with a per-channel gate (GLA, C = 64) take 4 warps too, two programs per SM (141-255
-    registers; the dq and dk / dv kernels spill 152 / 528 B, and still ran 25% / 23% faster than at 8 warps
-    without spills on the H200 at 32K, and over 10x faster than at 2 warps); the level gradient's readers take 8 warps
-    and one stage (``channel``: 114 registers; 1.75 ms per forward + backward at 32K, 2.13 with three stages).
+    registers; the dq and dk / dv kernels spill 92 / 528 B; at 152 / 528 B they ran 25% / 23% faster than at 8
+    warps without spills on the H200 at 32K, and over 10x faster than at 2 warps); the level gradient's readers take
+    8 warps and one stage (``channel``: 114 registers; 1.75 ms per forward + backward at 32K, 2.13 with three stages).
     The in-chunk kernels (shared/intra_channel.py) take 4 warps (83-142 registers, no spills, several programs per
-    SM) but the dQ kernel 2 (145 registers; 3.6 ms at 32K against 4.6 at 4 warps, where 2 warps made the scores
+    SM) but the dQ kernel 2 (149 registers; 3.6 ms at 32K against 4.6 at 4 warps, where 2 warps made the scores
     and dK kernels slower).
   * Gated DeltaNet chunk-local kernels (gated_deltanet/local.py): at 4 warps the inverse (166 registers),
     the forward and the key backward (255 / 242) run 3, 2 and 2 programs per SM, which hide each other's
