@@ -13,8 +13,8 @@ garbage. The public op (loglinear.ops.api.attention) therefore
      log-decay gate may hold -inf: it is checked unfloored, by its maximum), except the log-decay gates of a
      backend that takes them raw, which checks them where it reads them and reports its verdict; on CUDA the
      answer comes back through an event recorded behind the last read, so the host waits for the work queued
-     before it, not for the op. Skipped while a CUDA
-     graph is captured or torch.compile traces the op (the mixers' custom op runs it eagerly, so they are covered);
+     before it, not for the op. Skipped while a CUDA graph is captured or torch.compile traces the op (the mixers'
+     custom op runs it eagerly, so they are covered);
   3. only if they are not, runs the call again with every non-finite token zeroed, and puts its effect back as NaN:
         a token whose k, v or gate (per variant: the inputs that change the state) has a NaN or an infinity
           -> every output of that head from the token on (to the end of its sequence) and the head's final

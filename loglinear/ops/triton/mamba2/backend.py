@@ -466,7 +466,7 @@ def _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, d_gate, final
 
 
 class LevelScanMamba2(torch.autograd.Function):
-    """(q, k, v, g, lam, h0) -> (o, chunk-level final states) on the kernels.
+    """(q, k, v, g, gate, lam, h0) -> (o, chunk-level final states) on the kernels.
 
     q, k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] (floored) or [tokens, H, K] per channel (unfloored:
     the kernels floor it); gate: what the kernels read of g (_read_gate; no gradient); lam: [tokens, H, L] (plain:
