@@ -35,7 +35,8 @@ import torch
 from loglinear.inputs import OpInputs, expand_groups
 from loglinear.state import FenwickState
 
-__all__ = ["LOG_DECAY_FLOOR", "FiniteCheck", "floor_log_decay", "floor_log_decays", "finite_check", "contained"]
+__all__ = ["LOG_DECAY_FLOOR", "FiniteCheck", "floor_log_decay", "floor_log_decays", "finite_check", "contained",
+           "log_decays_finite"]
 
 # exp(floor) is exactly 0 in the dtype the op computes in (float64 for float64 inputs, else float32)
 LOG_DECAY_FLOOR = {torch.float64: -750.0, torch.float32: -110.0}
@@ -108,7 +109,7 @@ class FiniteCheck:
 
     def __call__(self) -> bool:
         if self._answer is None:  # no verdict on the log-decay gates came: read them here
-            self.report((torch.stack(torch._foreach_max(self._log_decays)) < torch.inf).all())
+            self.report(log_decays_finite(self._log_decays))
         return self._answer()
 
     def _post(self) -> None:
@@ -127,6 +128,12 @@ class FiniteCheck:
             return bool(answer)
 
         self._answer = wait
+
+
+def log_decays_finite(xs: list[torch.Tensor]) -> torch.Tensor:
+    """True (a bool scalar on their device) when no entry of the log-decay tensors xs (non-empty) is NaN or +inf:
+    their max (-inf, a hard reset, passes)."""
+    return (torch.stack(torch._foreach_max(xs)) < torch.inf).all()
 
 
 def finite_check(inp: OpInputs, log_decays: bool = True) -> FiniteCheck | None:

@@ -49,7 +49,7 @@ import triton
 
 from loglinear.fenwick import chunk_bits, last_query_masks, levels_needed, trailing_zeros
 from loglinear.inputs import OpInputs, expand_groups
-from loglinear.ops.finite import LOG_DECAY_FLOOR, floor_log_decay
+from loglinear.ops.finite import LOG_DECAY_FLOOR, floor_log_decay, log_decays_finite
 from loglinear.ops.torch_chunk import carry_past, chunk_scan
 from loglinear.ops.triton.mamba2.bwd import mamba2_bwd_scan_kernel
 from loglinear.ops.triton.mamba2.chunk import (
@@ -198,10 +198,9 @@ def _gate_grad(d_gate: torch.Tensor, totals: torch.Tensor, g: torch.Tensor, gate
     dg = alloc(tuple(d_gate.shape), g.dtype, d_gate.device)
     if NC:
         K = d_gate.shape[-1] if plan.per_channel else 1
-        later = alloc(tuple(totals.shape), torch.float32, totals.device)
-        mamba2_gate_later_kernel[(table.base.numel(), H)](totals, later, table.base, H=H, K=K, N=table.base.numel(),
-                                                          NC=NC, R=GATE_LATER_BLOCK, BK=next_pow2(K),
-                                                          **launch_options(mamba2_gate_later_kernel))
+        later, N = alloc(tuple(totals.shape), torch.float32, totals.device), table.base.numel()
+        mamba2_gate_later_kernel[(N, H)](totals, later, table.base, H=H, K=K, N=N, NC=NC, R=GATE_LATER_BLOCK,
+                                         BK=next_pow2(K), **launch_options(mamba2_gate_later_kernel))
         mamba2_gate_grad_kernel[(NC, H)](d_gate, later, g, gate, dg, table.starts, table.ends, H=H, K=K,
                                          C=plan.chunk_size, BK=next_pow2(K), PER_CHANNEL=plan.per_channel,
                                          FLOOR=FLOOR, **launch_options(mamba2_gate_grad_kernel))
@@ -327,7 +326,7 @@ def _gate_finite(g, cum, table: ChunkTable, plan: LevelScanPlan) -> torch.Tensor
     rows = [x for x in [cum.index_select(0, table.last), *(g[a:b] for a, b in plan.prefixes)] if x.numel()]
     if not rows:
         return torch.ones((), dtype=torch.bool, device=g.device)
-    return (torch.stack(torch._foreach_max(rows)) < torch.inf).all()
+    return log_decays_finite(rows)
 
 
 def _key_blocks(K: int) -> tuple[int, int]:
