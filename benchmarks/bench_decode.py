@@ -222,7 +222,7 @@ def kernel_times(configs: dict, contexts: list[int], batches: list[int], device,
                     fn = lambda: fused_decode_step(q, k, v, g, beta if gdn else None, lam, levels,  # noqa: E731
                                                    pos, 0.1, fenwick=fenwick, l2norm_qk=gdn, out=levels,
                                                    log_scales=log_scales if fenwick else None)
-                    return kernel_us(fn, device, ("_decode_step_kernel", "_log_scale_kernel"))
+                    return kernel_us(fn, device, ("_decode_level_kernel", "_decode_finish_kernel"))
 
                 levels = torch.randn(batch, L, H, K, V, device=device)  # the cost depends on positions, not values
                 drawn = [torch.randint(context // 2, context, (batch,), generator=gen) for _ in range(draws)]

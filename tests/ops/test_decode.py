@@ -10,6 +10,7 @@ from loglinear import FenwickState, log_linear_gated_deltanet, log_linear_mamba2
 from loglinear import reference as R
 from loglinear.fenwick import levels_needed
 from loglinear.ops import decode as D
+from loglinear.ops.triton import decode as triton_decode
 from loglinear.ops.triton.decode import decode_backend, fused_decode_step
 from loglinear.variants import GATED_DELTANET, GLA, MAMBA2
 
@@ -17,6 +18,14 @@ STEPS = {
     "torch": D.decode_step_torch,
     "triton": decode_backend,
 }
+
+
+@pytest.fixture(params=[32, 4], ids=["rows32", "rows4"])
+def row_block(request, monkeypatch):
+    """The fused step's row block: whole tiles at these K, or blocks of 4 rows (the last one partial at K = 5)
+    whose partial readouts the finish kernel sums."""
+    monkeypatch.setattr(triton_decode, "ROW_BLOCK", request.param)
+    return request.param
 
 
 def _gates(tok, gdn: bool) -> dict:
@@ -70,7 +79,7 @@ def _token(x, lengths):
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("gdn", [False, True])
 @pytest.mark.parametrize("G,H,K,V", [(1, 2, 5, 3), (2, 4, 8, 16)])
-def test_step_matches_reference(impl, gdn, G, H, K, V):
+def test_step_matches_reference(impl, gdn, G, H, K, V, row_block):
     lengths = [0, 1, 4, 7, 8, 15]  # fresh state, and carries into levels 1..4
     x = make_inputs(len(lengths), 17, G, H, K=K, V=V)
     levels, positions = _prefix_states(x, gdn, lengths)
@@ -86,7 +95,7 @@ def test_step_matches_reference(impl, gdn, G, H, K, V):
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("gdn", [False, True])
-def test_step_in_place_on_padded_levels(impl, gdn):
+def test_step_in_place_on_padded_levels(impl, gdn, row_block):
     """out=levels writes the new levels into the given tensor, equal to the step into a new one, on a state zero-padded
     to more levels than its positions need (the static buffers of CUDA-graph decoding). In place, the fused kernel
     touches only the levels the position holds before or after the token: a value planted in any other level (below
@@ -123,7 +132,7 @@ def test_step_in_place_on_padded_levels(impl, gdn):
 
 
 @pytest.mark.parametrize("gdn", [False, True])
-def test_fused_float32_state(gdn):
+def test_fused_float32_state(gdn, row_block):
     lengths = [3, 8, 12]
     x = make_inputs(3, 14, 1, 2, K=16, V=32)
     levels, positions = _prefix_states(x, gdn, lengths)
@@ -235,7 +244,7 @@ def _lazy_case(variant, N: int = 3, T: int = 14, H: int = 2, K: int = 8, V: int 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("variant", [MAMBA2, GLA], ids=lambda v: v.name)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
-def test_lazy_levels_over_consecutive_steps(impl, variant, dtype):
+def test_lazy_levels_over_consecutive_steps(impl, variant, dtype, row_block):
     """log_scales (in place): level l's state is levels[:, l] * exp(log_scales[:, l]). From states stored with random
     log-scales, consecutive steps across carries give the reference outputs and states; a level the token only
     decays keeps its stored tile bit for bit, so does a level the carry empties (its log-scale -inf), and the two

@@ -1,8 +1,6 @@
-"""The fused decode step: carry + transition + deposit + readout of all Fenwick levels in one launch.
+"""The fused decode step: carry + transition + deposit + readout of all Fenwick levels, level-parallel.
 
-One program owns one (sequence n, value head h, block of BV value columns) and walks the levels
-l = 0..L-1 of its state once, holding a [K, BV] tile (the columns of a K x V state are independent,
-also under the delta rule). For the token at absolute position p (spec section 4):
+For the token at absolute position p (spec section 4), on each level l of a (sequence n, value head h) state:
 
     carry       2^l | p            (l <= ctz p):  acc += S_l,  S_l <- 0
                 l == ctz(p) + 1:                  S_l <- S_l + acc
@@ -10,7 +8,16 @@ also under the delta rule). For the token at absolute position p (spec section 4
                 GLA:      S_l <- diag(exp(g)) S_l                          g per key channel (PER_CHANNEL)
                 GDN:      S_l <- exp(g) (S_l - beta k (k^T S_l))          rank-1, O(K BV)
     deposit     S_0 <- S_0 + beta k v^T                                    (beta = 1 for Mamba-2)
-    readout     o <- o + lambda_l S_l^T q,   finally o <- scale o
+    readout     o <- scale sum_l lambda_l S_l^T q
+
+Two launches. _decode_level_kernel: one program per (n, h, tile, level l), the tile a [BKR, BV] block of the
+K x V state (the columns are independent, also under the delta rule; the rows too for a decay-only transition, which
+takes blocks of ROW_BLOCK rows; the delta rule's k^T S needs all K rows). A program moves its level's tile once:
+read, transition, (l = 0) deposit, write, and its partial readout lambda_l S_l^T q over its rows into
+partial [N, H, L, KB, V]. The carry belongs to level 0's programs: they sum levels 0..ctz(p) (all held) into the
+target ctz(p) + 1 before rewriting level 0; the programs of the merged levels and of the target return at once.
+_decode_finish_kernel: one program per (n, h) sums the partial readouts of the levels written into o. The levels
+are independent programs, so their loads are in flight together rather than one after another.
 
 IN_PLACE (s_out is s_in) touches only the levels the position holds, as the state's definition has them (spec
 section 4; loglinear.state.FenwickState): before the token, level 0 (p > 0) and each level l >= 1 with bit l - 1 of
@@ -23,14 +30,14 @@ head, or per head and key channel): S_l = diag(exp(s_l)) T_l. A level the token 
 above the carry's target) keeps T_l and s_l <- s_l + g; a level l >= 1 the carry empties keeps T_l too and
 s_l <- -inf (S_l = 0; the level is not held, so no step reads T_l before it is written again as a carry's target).
 The step writes T only for level 0 and the carry's target (their s restart at 0): two tiles per token. The s
-updates run in a second kernel (_log_scale_kernel) after the step, because every value block's program of a head
-reads the same s.
-FENWICK=False is the plain recurrence (no carry, lambda = 1) of use_log_linear=False models.
+updates run in the finish kernel, after every program of the level kernel has read the old ones.
+FENWICK=False is the plain recurrence (no carry, lambda = 1) of use_log_linear=False models: one level, whole
+[K, BV] tiles, and (DIRECT) its programs write o themselves, with no finish kernel.
 q, k are read from group h // (H // G); L2NORM normalises them in the kernel (x / sqrt(|x|^2 + 1e-6)).
-The state is read and written once, (levels touched) * K * V * (bytes per element) per (sequence, head); a program
-walks its levels one after another, so at batch 16 on an H200 the step is bound by that loop's latency rather than
-by its bytes (docs/kernels.md, Decoding).
+The state is read and written once, (levels touched) * K * V * (bytes per element) per (sequence, head)
+(docs/kernels.md, Decoding).
 """
+
 
 from __future__ import annotations
 
@@ -46,41 +53,138 @@ __all__ = ["fused_decode_step", "decode_backend"]
 
 @triton.jit
 def _level_roles(p, l):
-    """Level l's part in the step of the token at position p (int64): held before it (the state after p tokens),
-    held after it, merged by the carry (l <= ctz p), the carry's target (l == ctz(p) + 1)."""
+    """Level l's part in the step of the token at position p (int64; l a scalar or a vector of levels): held before
+    it (the state after p tokens), held after it, merged by the carry (l <= ctz p), the carry's target
+    (l == ctz(p) + 1)."""
     one = tl.full((), 1, tl.int64)
     bit = one << tl.maximum(l - 1, 0)  # level l >= 1 holds bit l - 1 of the position
-    held_in = (p > 0) & ((l == 0) | (((p - 1) & bit) != 0))
+    started = (p + 0 * bit) > 0  # p > 0 in l's shape (TRITON_INTERPRET mistypes a scalar bool & a vector)
+    held_in = started & ((l == 0) | (((p - 1) & bit) != 0))
     held_out = (l == 0) | ((p & bit) != 0)
-    merge = (p > 0) & ((p & ((one << l) - 1)) == 0)
-    into = (l > 0) & (p > 0) & ((p & (bit - 1)) == 0) & (merge == 0)
+    merge = started & ((p & ((one << l) - 1)) == 0)
+    into = (l > 0) & started & ((p & (bit - 1)) == 0) & (merge == 0)
     return held_in, held_out, merge, into
 
 
 @triton.jit
-def _decode_step_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, pos_ptr, o_ptr,
+def _tile_ptr(s_ptr, n, l, h, H, K, V, L, rk, rv):
+    """Pointers to the [BKR, BV] tile (rows rk, columns rv) of level l, head h of sequence n (int64: every offset
+    in int64; int32 offsets within the level made the delta rule's step spill, 1.3-2.8x slower on the H200) in the
+    levels [N, L, H, K, V]."""
+    return s_ptr + ((((n * L + l) * H + h) * K + rk[:, None]) * V + rv[None, :])
+
+
+@triton.jit
+def _load_level(s_ptr, ls_ptr, n, l, h, H, K, V, L, rk, rv, mk, tile, read,
+                LAZY: tl.constexpr, PER_CHANNEL: tl.constexpr, ACC: tl.constexpr):
+    """Level l's state of (sequence n, head h): the [BK, BV] tile, 0 where not ``read``; lazy: times exp(its
+    log-scale), one per head or per key channel."""
+    S = tl.load(_tile_ptr(s_ptr, n, l, h, H, K, V, L, rk, rv), mask=tile & read, other=0.0).to(ACC)
+    if LAZY:
+        if PER_CHANNEL:
+            S = S * tl.exp(tl.load(ls_ptr + ((n * L + l) * H + h) * K + rk, mask=mk & read, other=0.0))[:, None]
+        else:
+            S = S * tl.exp(tl.load(ls_ptr + (n * L + l) * H + h, mask=read, other=0.0))
+    return S
+
+
+@triton.jit
+def _store_level(s_ptr, S, n, l, h, H, K, V, L, rk, rv, tile):
+    tl.store(_tile_ptr(s_ptr, n, l, h, H, K, V, L, rk, rv), S.to(s_ptr.dtype.element_ty), mask=tile)
+
+
+@triton.jit
+def _transition(S, k, decay, beta, HAS_BETA: tl.constexpr):
+    """S <- exp(g) S, diag(exp(g)) S (decay [BK, 1]) or exp(g) (S - beta k (k^T S))."""
+    if HAS_BETA:
+        kS = tl.sum(k[:, None] * S, 0)
+        S = S - beta * k[:, None] * kS[None, :]
+    return decay * S
+
+
+@triton.jit
+def _readout(part_ptr, o_ptr, q, S, w, scale, n, l, h, kb, H, V, L, KB, rv, mv, DIRECT: tl.constexpr):
+    """Level l's readout w S^T q over the program's rows: its row of the partial readouts [N, H, L, KB, V], or
+    (DIRECT: one level, one row block) o itself."""
+    r = w * tl.sum(q[:, None] * S, 0)
+    if DIRECT:
+        tl.store(o_ptr + (n * H + h) * V + rv, (scale * r).to(o_ptr.dtype.element_ty), mask=mv)
+    else:
+        tl.store(part_ptr + (((n * H + h) * L + l) * KB + kb) * V + rv, r, mask=mv)
+
+
+@triton.jit
+def _carry(k, decay, beta, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, part_ptr, o_ptr, q, p, scale,
+           n, h, kb, H, K, V, L, KB, lam_sn, lam_sh, rk, rv, mk, mv, tile,
+           BKR: tl.constexpr, BV: tl.constexpr, HAS_BETA: tl.constexpr,
+           PER_CHANNEL: tl.constexpr, IN_PLACE: tl.constexpr, LAZY: tl.constexpr, DIRECT: tl.constexpr,
+           ACC: tl.constexpr):
+    """The carry of the token at position p > 0 (run by level 0's programs, before they rewrite level 0): the sum
+    of levels 0..ctz(p) (all held), emptied (lazy: by their log-scale, set in the finish kernel), goes into level
+    c = ctz(p) + 1, which then takes the token's transition and its readout."""
+    # levels 0..c-1 merge; counted over 64 levels whatever L (with 16 the carry ran 1.3-2.7x slower on the H200)
+    _, _, merge, _ = _level_roles(p, tl.arange(0, 64))
+    c = tl.sum((merge & (tl.arange(0, 64) < L)).to(tl.int32), 0)
+    acc = tl.zeros((BKR, BV), dtype=ACC)
+    for j in range(0, c):
+        held = tl.full((), 1, tl.int1)  # every merged level is held
+        acc += _load_level(s_in_ptr, ls_ptr, n, j, h, H, K, V, L, rk, rv, mk, tile, held, LAZY, PER_CHANNEL, ACC)
+        if not LAZY:
+            if j > 0:
+                _store_level(s_out_ptr, tl.zeros((BKR, BV), dtype=ACC), n, j, h, H, K, V, L, rk, rv, tile)
+    if c < L:  # in place the target is not held before the token: its stored tile is not read
+        S = _load_level(s_in_ptr, ls_ptr, n, c, h, H, K, V, L, rk, rv, mk, tile, not IN_PLACE, LAZY,
+                        PER_CHANNEL, ACC)
+        S = _transition(S + acc, k, decay, beta, HAS_BETA)
+        _store_level(s_out_ptr, S, n, c, h, H, K, V, L, rk, rv, tile)
+        w = tl.load(lam_ptr + n * lam_sn + h * lam_sh + c).to(ACC)
+        _readout(part_ptr, o_ptr, q, S, w, scale, n, c, h, kb, H, V, L, KB, rv, mv, DIRECT)
+
+
+@triton.jit
+def _head_vector(x_ptr, base, rk, mk, K, BK: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr):
+    """The rows rk of the K-vector at x_ptr + base; L2NORM divides by the whole vector's norm (x / sqrt(|x|^2 +
+    1e-6))."""
+    x = tl.load(x_ptr + base + rk, mask=mk, other=0.0).to(ACC)
+    if L2NORM:
+        full = tl.load(x_ptr + base + tl.arange(0, BK), mask=tl.arange(0, BK) < K, other=0.0).to(ACC)
+        x = x / tl.sqrt(tl.sum(full * full, 0) + 1e-6)
+    return x
+
+
+@triton.jit
+def _decode_level_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, pos_ptr, part_ptr, o_ptr,
     scale, H, G, K, V, L, lam_sn, lam_sh,
-    BK: tl.constexpr, BV: tl.constexpr, FENWICK: tl.constexpr, HAS_BETA: tl.constexpr, PER_CHANNEL: tl.constexpr,
-    L2NORM: tl.constexpr, IN_PLACE: tl.constexpr, LAZY: tl.constexpr, ACC: tl.constexpr,
+    BK: tl.constexpr, BKR: tl.constexpr, BV: tl.constexpr, FENWICK: tl.constexpr,
+    HAS_BETA: tl.constexpr, PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr, IN_PLACE: tl.constexpr,
+    LAZY: tl.constexpr, DIRECT: tl.constexpr, ACC: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    n = pid // H
-    h = pid % H
+    """Program (n * H + h, vb * KB + kb, l): level l's tile of rows kb * BKR.. and value columns vb * BV.. of
+    sequence n, head h (the module docstring)."""
+    n = (tl.program_id(0) // H).to(tl.int64)
+    h = tl.program_id(0) % H
+    KB = tl.cdiv(K, BKR)
+    vb = tl.program_id(1) // KB
+    kb = tl.program_id(1) % KB
+    l = tl.program_id(2)
+    p = tl.load(pos_ptr + n)  # int64
+    held_in, held_out, merge, into = _level_roles(p, l)
+    if FENWICK:
+        if (l > 0) & (merge | into):  # level 0's programs run the carry
+            return
+        if IN_PLACE:
+            if (l > 0) & (held_in == 0):  # neither held before nor after: not touched
+                return
     grp = h // (H // G)
-    rk = tl.arange(0, BK)
-    rv = tl.program_id(1) * BV + tl.arange(0, BV)
+    rk = kb * BKR + tl.arange(0, BKR)
+    rv = vb * BV + tl.arange(0, BV)
     mk = rk < K
     mv = rv < V
     tile = mk[:, None] & mv[None, :]
-
-    q = tl.load(q_ptr + (n * G + grp) * K + rk, mask=mk, other=0.0).to(ACC)
-    k = tl.load(k_ptr + (n * G + grp) * K + rk, mask=mk, other=0.0).to(ACC)
-    if L2NORM:
-        q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
-        k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
-    v = tl.load(v_ptr + (n * H + h) * V + rv, mask=mv, other=0.0).to(ACC)
-    if PER_CHANNEL:  # one decay per row of the [K, BV] tile
+    q = _head_vector(q_ptr, (n * G + grp) * K, rk, mk, K, BK, L2NORM, ACC)
+    k = _head_vector(k_ptr, (n * G + grp) * K, rk, mk, K, BK, L2NORM, ACC)
+    if PER_CHANNEL:  # one decay per row of the [BKR, BV] tile
         decay = tl.exp(tl.load(g_ptr + (n * H + h) * K + rk, mask=mk, other=0.0).to(ACC))[:, None]
     else:
         decay = tl.exp(tl.load(g_ptr + n * H + h).to(ACC))
@@ -88,80 +192,89 @@ def _decode_step_kernel(
         beta = tl.load(beta_ptr + n * H + h).to(ACC)
     else:
         beta = 1.0
-    deposit = (beta * k)[:, None] * v[None, :]
-    p = tl.load(pos_ptr + n)  # int64
-
-    acc = tl.zeros((BK, BV), dtype=ACC)
-    o = tl.zeros((BV,), dtype=ACC)
-    for l in range(0, L):
-        offs = (((n * L + l) * H + h) * K + rk[:, None]) * V + rv[None, :]
-        held_in, held_out, merge, into = _level_roles(p, l)
-        read = (not IN_PLACE) | (not FENWICK) | held_in  # a plain state is read whatever its position
-        if read | held_out:
-            S = tl.load(s_in_ptr + offs, mask=tile & read, other=0.0).to(ACC)
-            if LAZY:  # the level's state is the stored tile times exp(its log-scale)
-                if PER_CHANNEL:
-                    S = S * tl.exp(tl.load(ls_ptr + ((n * L + l) * H + h) * K + rk, mask=mk & read, other=0.0))[:, None]
-                else:
-                    S = S * tl.exp(tl.load(ls_ptr + (n * L + l) * H + h, mask=read, other=0.0))
-            if FENWICK:
-                moved = tl.where(merge, S, 0.0)
-                S = tl.where(merge, 0.0, S + tl.where(into, acc, 0.0))
-                acc = acc + moved
-            if HAS_BETA:
-                kS = tl.sum(k[:, None] * S, 0)
-                S = decay * (S - beta * k[:, None] * kS[None, :])
-            else:
-                S = decay * S
-            S = S + tl.where(l == 0, deposit, 0.0)
-            if FENWICK:
-                w = tl.load(lam_ptr + n * lam_sn + h * lam_sh + l).to(ACC)
-            else:
-                w = 1.0
-            o = o + w * tl.sum(q[:, None] * S, 0)
-            # lazy: a level held before the token keeps its stored tile (decayed: its log-scale adds g; emptied by
-            # the carry: -inf); level 0 merges (p > 0) or is empty (p = 0)
-            if (not LAZY) | (held_in == 0) | (l == 0):
-                tl.store(s_out_ptr + offs, S.to(s_out_ptr.dtype.element_ty), mask=tile)
-    tl.store(o_ptr + (n * H + h) * V + rv, (scale * o).to(o_ptr.dtype.element_ty), mask=mv)
+    if FENWICK:
+        w = tl.load(lam_ptr + n * lam_sn + h * lam_sh + l).to(ACC)
+    else:
+        w = 1.0
+    if FENWICK:
+        if (l == 0) & (p > 0):  # the carry, before level 0 is rewritten: levels 0..ctz(p) move into ctz(p) + 1
+            _carry(k, decay, beta, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, part_ptr, o_ptr, q, p, scale,
+                   n, h, kb, H, K, V, L, KB, lam_sn, lam_sh, rk, rv, mk, mv, tile,
+                   BKR, BV, HAS_BETA, PER_CHANNEL, IN_PLACE, LAZY, DIRECT, ACC)
+    # level l's own state; level 0 of a carrying token starts empty (its state moved into the target)
+    read = ((not IN_PLACE) | (not FENWICK) | held_in) & ((not FENWICK) | (merge == 0))
+    S = _load_level(s_in_ptr, ls_ptr, n, l, h, H, K, V, L, rk, rv, mk, tile, read, LAZY, PER_CHANNEL, ACC)
+    S = _transition(S, k, decay, beta, HAS_BETA)
+    if l == 0:
+        v = tl.load(v_ptr + (n * H + h) * V + rv, mask=mv, other=0.0).to(ACC)
+        S = S + (beta * k)[:, None] * v[None, :]
+    if (not LAZY) | (l == 0):  # lazy: a level the token only decays keeps its tile (its log-scale adds g)
+        _store_level(s_out_ptr, S, n, l, h, H, K, V, L, rk, rv, tile)
+    _readout(part_ptr, o_ptr, q, S, w, scale, n, l, h, kb, H, V, L, KB, rv, mv, DIRECT)
 
 
 @triton.jit
-def _log_scale_kernel(g_ptr, ls_ptr, pos_ptr, H, K, L, BK: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """Lazy levels after the step (one program per (sequence, head)): a level the token only decays adds g to its
-    log-scale, a level l >= 1 the carry empties takes -inf, level 0 and the carry's target restart at 0 (their tiles
-    were rewritten). Runs after the step kernel, whose programs of every value block read the old log-scales."""
+def _decode_finish_kernel(
+    part_ptr, o_ptr, g_ptr, ls_ptr, pos_ptr, scale, H, K, V, L, KB,
+    BL: tl.constexpr, BKB: tl.constexpr, BVO: tl.constexpr, BK: tl.constexpr, FENWICK: tl.constexpr,
+    IN_PLACE: tl.constexpr, LAZY: tl.constexpr, PER_CHANNEL: tl.constexpr,
+):
+    """One program per (sequence, head): o = scale * the sum of the partial readouts [L, KB, V] over the levels the
+    step wrote (in place: those held after the token); lazy levels' log-scales after the step: a level the token
+    only decays adds g, a level l >= 1 the carry empties takes -inf, level 0 and the carry's target restart at 0
+    (their tiles were rewritten). Runs after the level kernel, whose programs read the old log-scales."""
     pid = tl.program_id(0)
-    n = pid // H
+    n = (pid // H).to(tl.int64)
     h = pid % H
-    rk = tl.arange(0, BK)
-    mk = rk < K
     p = tl.load(pos_ptr + n)
-    if PER_CHANNEL:
-        g = tl.load(g_ptr + (n * H + h) * K + rk, mask=mk, other=0.0).to(ls_ptr.dtype.element_ty)
-    else:
-        g = tl.load(g_ptr + n * H + h).to(ls_ptr.dtype.element_ty)
-    for l in range(0, L):
-        held_in, held_out, merge, into = _level_roles(p, l)
-        kept = held_in & (merge == 0)  # level 0 merges (p > 0) or is empty (p = 0)
-        reset = tl.where(merge & (l > 0), float("-inf"), 0.0)
-        if held_in | held_out:
-            if PER_CHANNEL:
-                offs = ((n * L + l) * H + h) * K + rk
-                ls = tl.load(ls_ptr + offs, mask=mk, other=0.0)
-                tl.store(ls_ptr + offs, tl.where(kept, ls + g, reset), mask=mk)
-            else:
-                offs = (n * L + l) * H + h
-                tl.store(ls_ptr + offs, tl.where(kept, tl.load(ls_ptr + offs) + g, reset))
+    rr = tl.arange(0, BL * BKB)  # (level, row block) pairs
+    rv = tl.arange(0, BVO)
+    held_in, held_out, merge, into = _level_roles(p, rr // BKB)
+    if not FENWICK:
+        wrote = rr // BKB < L
+    elif IN_PLACE:
+        wrote = held_out & (rr // BKB < L)
+    else:  # the levels 1..ctz(p) the carry empties have no readout
+        wrote = ((merge == 0) | (rr // BKB == 0)) & (rr // BKB < L)
+    wrote = wrote & (rr % BKB < KB)
+    part = tl.load(part_ptr + (((n * H + h) * L + rr // BKB) * KB + rr % BKB)[:, None] * V + rv[None, :],
+                   mask=wrote[:, None] & (rv < V)[None, :], other=0.0)
+    tl.store(o_ptr + (n * H + h) * V + rv, (scale * tl.sum(part, 0)).to(o_ptr.dtype.element_ty), mask=rv < V)
+    if LAZY:
+        rl = tl.arange(0, BL)
+        l_in, l_out, l_merge, _ = _level_roles(p, rl)
+        kept = l_in & (l_merge == 0)  # level 0 merges (p > 0) or is empty (p = 0)
+        reset = tl.where(l_merge & (rl > 0), float("-inf"), 0.0)
+        moved = (l_in | l_out) & (rl < L)
+        if PER_CHANNEL:
+            rk = tl.arange(0, BK)
+            g = tl.load(g_ptr + (n * H + h) * K + rk, mask=rk < K, other=0.0).to(ls_ptr.dtype.element_ty)
+            offs = ((n * L + rl[:, None]) * H + h) * K + rk[None, :]
+            mask = moved[:, None] & (rk < K)[None, :]
+            ls = tl.load(ls_ptr + offs, mask=mask, other=0.0)
+            tl.store(ls_ptr + offs, tl.where(kept[:, None], ls + g[None, :], reset[:, None]), mask=mask)
+        else:
+            g = tl.load(g_ptr + n * H + h).to(ls_ptr.dtype.element_ty)
+            offs = (n * L + rl) * H + h
+            ls = tl.load(ls_ptr + offs, mask=moved, other=0.0)
+            tl.store(ls_ptr + offs, tl.where(kept, ls + g, reset), mask=moved)
 
 
-def _block_v(K: int, V: int, rows: int) -> int:
-    """Value columns per program: the [K, BV] fp32 tile stays within 8K elements, and narrower blocks
-    (down to 16 columns) spread a small batch over more programs (~256) to keep the SMs streaming."""
-    bv = max(1, min(triton.next_power_of_2(V), 8192 // triton.next_power_of_2(K), 64))
-    while bv > 16 and rows * triton.cdiv(V, bv) < 256:
+def _tile(K: int, V: int, rows: int, itemsize: int, split_rows: bool) -> tuple[int, int]:
+    """(BKR, BV): the rows and value columns of one program's tile of a level. split_rows (a transition that keeps
+    the rows independent: not the delta rule) cuts the K rows into blocks of ROW_BLOCK, so that more, smaller
+    programs are in flight. The [K, BV] column block stays within 32 KB of stored levels (8K fp32 or 16K 16-bit
+    elements; more spilled on the H200), and narrower blocks (down to 16 columns) spread a small batch over more
+    programs (~256 per level) to keep the SMs streaming."""
+    BK = triton.next_power_of_2(K)
+    bkr = min(BK, ROW_BLOCK) if split_rows else BK
+    bv = max(1, min(triton.next_power_of_2(V), 32768 // (BK * itemsize), 64))
+    while bv > 16 and rows * triton.cdiv(K, bkr) * triton.cdiv(V, bv) < 256:
         bv //= 2
-    return bv
+    return bkr, bv
+
+
+ROW_BLOCK = 32  # rows of a program's tile where the transition keeps the rows independent
 
 
 def fused_decode_step(
@@ -170,8 +283,9 @@ def fused_decode_step(
     *, fenwick: bool = True, l2norm_qk: bool = False, out: torch.Tensor | None = None,
     log_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch for one token per sequence (see loglinear.ops.decode.decode_step for the contract); with
-    log_scales (lazy levels: [N, L, H] or [N, L, H, K], float32 or float64; in place) a second, small one updates them.
+    """One token per sequence (see loglinear.ops.decode.decode_step for the contract): the level kernel, then the
+    finish kernel (unless one level in whole tiles), which sums the readouts and, with log_scales (lazy levels:
+    [N, L, H] or [N, L, H, K], float32 or float64; in place), updates them.
 
     q, k: [N, G, K]; v: [N, H, V]; g: [N, H] (a decay per head) or [N, H, K] (per key channel: GLA); beta: [N, H]
     (the delta rule) or None; level_scales: [N, H, >= L]; levels: [N, L, H, K, V]; positions: [N] int64.
@@ -203,22 +317,30 @@ def fused_decode_step(
     beta_arg = beta.contiguous() if beta is not None else g
     out = torch.empty_like(levels) if out is None else out
     o = torch.empty(N, H, V, dtype=v.dtype, device=device)
-    BV = _block_v(K, V, N * H)
-    grid = (N * H, triton.cdiv(V, BV))
     lazy = log_scales is not None
     if lazy and (out is not levels or not fenwick or beta is not None or not log_scales.is_contiguous()):
         raise ValueError("log_scales needs a contiguous in-place log-linear step with a decay-only transition")
+    acc = torch.float64 if levels.dtype == torch.float64 else torch.float32
     BK, per_channel = triton.next_power_of_2(K), g.dim() == 3
-    _decode_step_kernel[grid](
-        q, k, v, g, beta_arg, lam, levels, out, log_scales if lazy else g, positions, o,
+    BKR, BV = _tile(K, V, N * H, levels.element_size(), split_rows=fenwick and beta is None)
+    KB = triton.cdiv(K, BKR)
+    direct = L == 1 and KB == 1 and not lazy  # one level, one row block: its program writes o, no second launch
+    partial = o if direct else torch.empty(N, H, L, KB, V, dtype=acc, device=device)
+    BL = triton.next_power_of_2(L)
+    _decode_level_kernel[(N * H, triton.cdiv(V, BV) * KB, L)](
+        q, k, v, g, beta_arg, lam, levels, out, log_scales if lazy else g, positions, partial, o,
         float(scale), H, G, K, V, L, lam_sn, lam_sh,
-        BK=BK, BV=BV, FENWICK=fenwick, HAS_BETA=beta is not None, PER_CHANNEL=per_channel,
-        L2NORM=l2norm_qk, IN_PLACE=out is levels, LAZY=lazy,
-        ACC=tl.float64 if levels.dtype == torch.float64 else tl.float32, **launch_options(_decode_step_kernel),
+        BK=BK, BKR=BKR, BV=BV, FENWICK=fenwick, HAS_BETA=beta is not None, PER_CHANNEL=per_channel,
+        L2NORM=l2norm_qk, IN_PLACE=out is levels, LAZY=lazy, DIRECT=direct,
+        ACC=tl.float64 if acc == torch.float64 else tl.float32,
+        **launch_options(_decode_level_kernel, state_tile=BKR * BV),
     )
-    if lazy:
-        _log_scale_kernel[(N * H,)](g, log_scales, positions, H, K, L, BK=BK, PER_CHANNEL=per_channel,
-                                    **launch_options(_log_scale_kernel))
+    if not direct:
+        _decode_finish_kernel[(N * H,)](
+            partial, o, g, log_scales if lazy else partial, positions, float(scale), H, K, V, L, KB,
+            BL=BL, BKB=triton.next_power_of_2(KB), BVO=triton.next_power_of_2(V), BK=BK, FENWICK=fenwick,
+            IN_PLACE=out is levels, LAZY=lazy, PER_CHANNEL=per_channel, **launch_options(_decode_finish_kernel),
+        )
     return o, out
 
 
