@@ -20,11 +20,14 @@ STEPS = {
 }
 
 
-@pytest.fixture(params=[32, 4], ids=["rows32", "rows4"])
-def row_block(request, monkeypatch):
-    """The fused step's row block: whole tiles at these K, or blocks of 4 rows (the last one partial at K = 5)
-    whose partial readouts the finish kernel sums."""
-    monkeypatch.setattr(triton_decode, "ROW_BLOCK", request.param)
+@pytest.fixture(params=[(32, 4), (4, 1)], ids=["rows32-levels4", "rows4-levels1"])
+def tiling(request, monkeypatch):
+    """The fused step's programs: whole tiles at these K and four levels per program (L not a multiple of four),
+    or blocks of 4 rows (the last one partial at K = 5), whose partial readouts the finish kernel sums, and one
+    level per program (the delta rule always takes one)."""
+    rows, levels = request.param
+    monkeypatch.setattr(triton_decode, "ROW_BLOCK", rows)
+    monkeypatch.setattr(triton_decode, "_levels_per_program", lambda tile_bytes, BL, delta: 1 if delta else min(levels, BL))
     return request.param
 
 
@@ -79,7 +82,7 @@ def _token(x, lengths):
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("gdn", [False, True])
 @pytest.mark.parametrize("G,H,K,V", [(1, 2, 5, 3), (2, 4, 8, 16)])
-def test_step_matches_reference(impl, gdn, G, H, K, V, row_block):
+def test_step_matches_reference(impl, gdn, G, H, K, V, tiling):
     lengths = [0, 1, 4, 7, 8, 15]  # fresh state, and carries into levels 1..4
     x = make_inputs(len(lengths), 17, G, H, K=K, V=V)
     levels, positions = _prefix_states(x, gdn, lengths)
@@ -95,7 +98,7 @@ def test_step_matches_reference(impl, gdn, G, H, K, V, row_block):
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("gdn", [False, True])
-def test_step_in_place_on_padded_levels(impl, gdn, row_block):
+def test_step_in_place_on_padded_levels(impl, gdn, tiling):
     """out=levels writes the new levels into the given tensor, equal to the step into a new one, on a state zero-padded
     to more levels than its positions need (the static buffers of CUDA-graph decoding). In place, the fused kernel
     touches only the levels the position holds before or after the token: a value planted in any other level (below
@@ -132,7 +135,7 @@ def test_step_in_place_on_padded_levels(impl, gdn, row_block):
 
 
 @pytest.mark.parametrize("gdn", [False, True])
-def test_fused_float32_state(gdn, row_block):
+def test_fused_float32_state(gdn, tiling):
     lengths = [3, 8, 12]
     x = make_inputs(3, 14, 1, 2, K=16, V=32)
     levels, positions = _prefix_states(x, gdn, lengths)
@@ -244,7 +247,7 @@ def _lazy_case(variant, N: int = 3, T: int = 14, H: int = 2, K: int = 8, V: int 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("variant", [MAMBA2, GLA], ids=lambda v: v.name)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
-def test_lazy_levels_over_consecutive_steps(impl, variant, dtype, row_block):
+def test_lazy_levels_over_consecutive_steps(impl, variant, dtype, tiling):
     """log_scales (in place): level l's state is levels[:, l] * exp(log_scales[:, l]). From states stored with random
     log-scales, consecutive steps across carries give the reference outputs and states; a level the token only
     decays keeps its stored tile bit for bit, so does a level the carry empties (its log-scale -inf), and the two
