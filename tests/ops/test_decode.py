@@ -27,7 +27,8 @@ def tiling(request, monkeypatch):
     level per program (the delta rule always takes one)."""
     rows, levels = request.param
     monkeypatch.setattr(triton_decode, "ROW_BLOCK", rows)
-    monkeypatch.setattr(triton_decode, "_levels_per_program", lambda tile_bytes, BL, delta: 1 if delta else min(levels, BL))
+    monkeypatch.setattr(triton_decode, "_levels_per_program",
+                        lambda tile_bytes, BL, delta: 1 if delta else min(levels, BL))
     return request.param
 
 

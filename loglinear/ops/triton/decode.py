@@ -10,14 +10,16 @@ For the token at absolute position p (spec section 4), on each level l of a (seq
     deposit     S_0 <- S_0 + beta k v^T                                    (beta = 1 for Mamba-2)
     readout     o <- scale sum_l lambda_l S_l^T q
 
-Two launches. _decode_level_kernel: one program per (n, h, tile, level l), the tile a [BKR, BV] block of the
-K x V state (the columns are independent, also under the delta rule; the rows too for a decay-only transition, which
-takes blocks of ROW_BLOCK rows; the delta rule's k^T S needs all K rows). A program moves its level's tile once:
-read, transition, (l = 0) deposit, write, and its partial readout lambda_l S_l^T q over its rows into
-partial [N, H, L, KB, V]. The carry belongs to level 0's programs: they sum levels 0..ctz(p) (all held) into the
-target ctz(p) + 1 before rewriting level 0; the programs of the merged levels and of the target return at once.
-_decode_finish_kernel: one program per (n, h) sums the partial readouts of the levels written into o. The levels
-are independent programs, so their loads are in flight together rather than one after another.
+Two launches. _decode_level_kernel: one program per (n, h, tile, group of LG levels), the tile a [BKR, BV] block
+of the K x V state (the columns are independent, also under the delta rule; the rows too for a decay-only
+transition, which takes blocks of ROW_BLOCK rows; the delta rule's k^T S needs all K rows). For each level l of its
+group that takes a step of its own, a program moves the level's tile once: read, transition, (l = 0) deposit,
+write, and its partial readout lambda_l S_l^T q over its rows into partial [N, H, L, KB, V]. The carry belongs to
+the programs of level 0: they sum levels 0..ctz(p) (all held) into the target ctz(p) + 1 before rewriting level 0;
+the merged levels and the target take no step of their own, and a program none of whose levels does returns at
+once. _decode_finish_kernel: one program per (n, h) sums the partial readouts of the levels written into o. The
+groups are independent programs, so the loads of different levels are in flight together rather than one after
+another.
 
 IN_PLACE (s_out is s_in) touches only the levels the position holds, as the state's definition has them (spec
 section 4; loglinear.state.FenwickState): before the token, level 0 (p > 0) and each level l >= 1 with bit l - 1 of
