@@ -40,7 +40,6 @@ The state is read and written once, (levels touched) * K * V * (bytes per elemen
 (docs/kernels.md, Decoding).
 """
 
-
 from __future__ import annotations
 
 import torch
@@ -79,7 +78,7 @@ def _tile_ptr(s_ptr, n, l, h, H, K, V, L, rk, rv):
 @triton.jit
 def _load_level(s_ptr, ls_ptr, n, l, h, H, K, V, L, rk, rv, mk, tile, read,
                 LAZY: tl.constexpr, PER_CHANNEL: tl.constexpr, ACC: tl.constexpr):
-    """Level l's state of (sequence n, head h): the [BK, BV] tile, 0 where not ``read``; lazy: times exp(its
+    """Level l's state of (sequence n, head h): the [BKR, BV] tile, 0 where not ``read``; lazy: times exp(its
     log-scale), one per head or per key channel."""
     S = tl.load(_tile_ptr(s_ptr, n, l, h, H, K, V, L, rk, rv), mask=tile & read, other=0.0).to(ACC)
     if LAZY:
@@ -97,7 +96,7 @@ def _store_level(s_ptr, S, n, l, h, H, K, V, L, rk, rv, tile):
 
 @triton.jit
 def _transition(S, k, decay, beta, HAS_BETA: tl.constexpr):
-    """S <- exp(g) S, diag(exp(g)) S (decay [BK, 1]) or exp(g) (S - beta k (k^T S))."""
+    """S <- exp(g) S, diag(exp(g)) S (decay [BKR, 1]) or exp(g) (S - beta k (k^T S))."""
     if HAS_BETA:
         kS = tl.sum(k[:, None] * S, 0)
         S = S - beta * k[:, None] * kS[None, :]
@@ -128,8 +127,8 @@ def _carry(k, decay, beta, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, part_ptr, o_ptr
     _, _, merge, _ = _level_roles(p, tl.arange(0, 64))
     c = tl.sum((merge & (tl.arange(0, 64) < L)).to(tl.int32), 0)
     acc = tl.zeros((BKR, BV), dtype=ACC)
+    held = tl.full((), 1, tl.int1)  # every merged level is held
     for j in range(0, c):
-        held = tl.full((), 1, tl.int1)  # every merged level is held
         acc += _load_level(s_in_ptr, ls_ptr, n, j, h, H, K, V, L, rk, rv, mk, tile, held, LAZY, PER_CHANNEL, ACC)
         if not LAZY:
             if j > 0:
