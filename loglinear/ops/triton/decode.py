@@ -68,19 +68,22 @@ def _level_roles(p, l):
 
 
 @triton.jit
-def _tile_ptr(s_ptr, n, l, h, H, K, V, L, rk, rv):
-    """Pointers to the [BKR, BV] tile (rows rk, columns rv) of level l, head h of sequence n (int64: every offset
-    in int64; int32 offsets within the level made the delta rule's step spill, 1.3-2.8x slower on the H200) in the
-    levels [N, L, H, K, V]."""
+def _tile_ptr(s_ptr, n, l, h, H, K, V, L, rk, rv, NARROW: tl.constexpr):
+    """Pointers to the [BKR, BV] tile (rows rk, columns rv) of level l, head h of sequence n in the levels
+    [N, L, H, K, V]. Offsets in int64 (n is), NARROW: those within the level in int32. On the H200 at B = 16, 64K,
+    int32 took the bf16 step from 69 to 60 us (Mamba-2) and from 80 to 65 us (GLA); the delta rule spilled with it
+    (1.3-2.8x slower), and the plain step at B = 1 ran 10-30% slower: NARROW is for decay-only row blocks."""
+    if NARROW:
+        return s_ptr + ((n * L + l) * H + h) * K * V + (rk[:, None] * V + rv[None, :])
     return s_ptr + ((((n * L + l) * H + h) * K + rk[:, None]) * V + rv[None, :])
 
 
 @triton.jit
 def _load_level(s_ptr, ls_ptr, n, l, h, H, K, V, L, rk, rv, mk, tile, read,
-                LAZY: tl.constexpr, PER_CHANNEL: tl.constexpr, ACC: tl.constexpr):
+                LAZY: tl.constexpr, PER_CHANNEL: tl.constexpr, ACC: tl.constexpr, NARROW: tl.constexpr):
     """Level l's state of (sequence n, head h): the [BKR, BV] tile, 0 where not ``read``; lazy: times exp(its
     log-scale), one per head or per key channel."""
-    S = tl.load(_tile_ptr(s_ptr, n, l, h, H, K, V, L, rk, rv), mask=tile & read, other=0.0).to(ACC)
+    S = tl.load(_tile_ptr(s_ptr, n, l, h, H, K, V, L, rk, rv, NARROW), mask=tile & read, other=0.0).to(ACC)
     if LAZY:
         if PER_CHANNEL:
             S = S * tl.exp(tl.load(ls_ptr + ((n * L + l) * H + h) * K + rk, mask=mk & read, other=0.0))[:, None]
@@ -90,8 +93,8 @@ def _load_level(s_ptr, ls_ptr, n, l, h, H, K, V, L, rk, rv, mk, tile, read,
 
 
 @triton.jit
-def _store_level(s_ptr, S, n, l, h, H, K, V, L, rk, rv, tile):
-    tl.store(_tile_ptr(s_ptr, n, l, h, H, K, V, L, rk, rv), S.to(s_ptr.dtype.element_ty), mask=tile)
+def _store_level(s_ptr, S, n, l, h, H, K, V, L, rk, rv, tile, NARROW: tl.constexpr):
+    tl.store(_tile_ptr(s_ptr, n, l, h, H, K, V, L, rk, rv, NARROW), S.to(s_ptr.dtype.element_ty), mask=tile)
 
 
 @triton.jit
@@ -119,7 +122,7 @@ def _carry(k, decay, beta, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, part_ptr, o_ptr
            n, h, kb, H, K, V, L, KB, lam_sn, lam_sh, rk, rv, mk, mv, tile,
            BKR: tl.constexpr, BV: tl.constexpr, HAS_BETA: tl.constexpr,
            PER_CHANNEL: tl.constexpr, IN_PLACE: tl.constexpr, LAZY: tl.constexpr, DIRECT: tl.constexpr,
-           ACC: tl.constexpr):
+           ACC: tl.constexpr, NARROW: tl.constexpr):
     """The carry of the token at position p > 0 (run by level 0's programs, before they rewrite level 0): the sum
     of levels 0..ctz(p) (all held), emptied (lazy: by their log-scale, set in the finish kernel), goes into level
     c = ctz(p) + 1, which then takes the token's transition and its readout."""
@@ -129,15 +132,16 @@ def _carry(k, decay, beta, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, part_ptr, o_ptr
     acc = tl.zeros((BKR, BV), dtype=ACC)
     held = tl.full((), 1, tl.int1)  # every merged level is held
     for j in range(0, c):
-        acc += _load_level(s_in_ptr, ls_ptr, n, j, h, H, K, V, L, rk, rv, mk, tile, held, LAZY, PER_CHANNEL, ACC)
+        acc += _load_level(s_in_ptr, ls_ptr, n, j, h, H, K, V, L, rk, rv, mk, tile, held, LAZY, PER_CHANNEL, ACC,
+                           NARROW)
         if not LAZY:
             if j > 0:
-                _store_level(s_out_ptr, tl.zeros((BKR, BV), dtype=ACC), n, j, h, H, K, V, L, rk, rv, tile)
+                _store_level(s_out_ptr, tl.zeros((BKR, BV), dtype=ACC), n, j, h, H, K, V, L, rk, rv, tile, NARROW)
     if c < L:  # in place the target is not held before the token: its stored tile is not read
         S = _load_level(s_in_ptr, ls_ptr, n, c, h, H, K, V, L, rk, rv, mk, tile, not IN_PLACE, LAZY,
-                        PER_CHANNEL, ACC)
+                        PER_CHANNEL, ACC, NARROW)
         S = _transition(S + acc, k, decay, beta, HAS_BETA)
-        _store_level(s_out_ptr, S, n, c, h, H, K, V, L, rk, rv, tile)
+        _store_level(s_out_ptr, S, n, c, h, H, K, V, L, rk, rv, tile, NARROW)
         w = tl.load(lam_ptr + n * lam_sn + h * lam_sh + c).to(ACC)
         _readout(part_ptr, o_ptr, q, S, w, scale, n, c, h, kb, H, V, L, KB, rv, mv, DIRECT)
 
@@ -201,24 +205,25 @@ def _decode_level_kernel(
         beta = tl.load(beta_ptr + n * H + h).to(ACC)
     else:
         beta = 1.0
+    NARROW: tl.constexpr = FENWICK and not HAS_BETA  # row blocks: int32 offsets within a level (_tile_ptr)
     if FENWICK:
         if (l0 == 0) & (p > 0):  # the carry, before level 0 is rewritten: levels 0..ctz(p) move into ctz(p) + 1
             _carry(k, decay, beta, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, part_ptr, o_ptr, q, p, scale,
                    n, h, kb, H, K, V, L, KB, lam_sn, lam_sh, rk, rv, mk, mv, tile,
-                   BKR, BV, HAS_BETA, PER_CHANNEL, IN_PLACE, LAZY, DIRECT, ACC)
+                   BKR, BV, HAS_BETA, PER_CHANNEL, IN_PLACE, LAZY, DIRECT, ACC, NARROW)
     for i in tl.static_range(LG):
         l = l0 + i
         if _runs(p, l, L, FENWICK, IN_PLACE):
             _own_level(k, decay, beta, lam_ptr, v_ptr, s_in_ptr, s_out_ptr, ls_ptr, part_ptr, o_ptr, q, p, scale,
                        n, l, h, kb, H, K, V, L, KB, lam_sn, lam_sh, rk, rv, mk, mv, tile,
-                       FENWICK, HAS_BETA, PER_CHANNEL, IN_PLACE, LAZY, DIRECT, ACC)
+                       FENWICK, HAS_BETA, PER_CHANNEL, IN_PLACE, LAZY, DIRECT, ACC, NARROW)
 
 
 @triton.jit
 def _own_level(k, decay, beta, lam_ptr, v_ptr, s_in_ptr, s_out_ptr, ls_ptr, part_ptr, o_ptr, q, p, scale,
                n, l, h, kb, H, K, V, L, KB, lam_sn, lam_sh, rk, rv, mk, mv, tile,
                FENWICK: tl.constexpr, HAS_BETA: tl.constexpr, PER_CHANNEL: tl.constexpr, IN_PLACE: tl.constexpr,
-               LAZY: tl.constexpr, DIRECT: tl.constexpr, ACC: tl.constexpr):
+               LAZY: tl.constexpr, DIRECT: tl.constexpr, ACC: tl.constexpr, NARROW: tl.constexpr):
     """Level l's own step: read, transition, (l = 0) deposit, write, readout; level 0 of a carrying token starts
     empty (its state moved into the target)."""
     held_in, _, merge, _ = _level_roles(p, l)
@@ -227,13 +232,13 @@ def _own_level(k, decay, beta, lam_ptr, v_ptr, s_in_ptr, s_out_ptr, ls_ptr, part
     else:
         w = 1.0
     read = ((not IN_PLACE) | (not FENWICK) | held_in) & ((not FENWICK) | (merge == 0))
-    S = _load_level(s_in_ptr, ls_ptr, n, l, h, H, K, V, L, rk, rv, mk, tile, read, LAZY, PER_CHANNEL, ACC)
+    S = _load_level(s_in_ptr, ls_ptr, n, l, h, H, K, V, L, rk, rv, mk, tile, read, LAZY, PER_CHANNEL, ACC, NARROW)
     S = _transition(S, k, decay, beta, HAS_BETA)
     if l == 0:
         v = tl.load(v_ptr + (n * H + h) * V + rv, mask=mv, other=0.0).to(ACC)
         S = S + (beta * k)[:, None] * v[None, :]
     if (not LAZY) | (l == 0):  # lazy: a level the token only decays keeps its tile (its log-scale adds g)
-        _store_level(s_out_ptr, S, n, l, h, H, K, V, L, rk, rv, tile)
+        _store_level(s_out_ptr, S, n, l, h, H, K, V, L, rk, rv, tile, NARROW)
     _readout(part_ptr, o_ptr, q, S, w, scale, n, l, h, kb, H, V, L, KB, rv, mv, DIRECT)
 
 

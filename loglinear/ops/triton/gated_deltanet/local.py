@@ -425,11 +425,11 @@ def _meta(ch: Chunking, K: int, V: int, G: int, L: int, dt: torch.dtype, norm: b
 
 
 # per kernel: the widest key block (sm_90, triton 3.6, benchmarks/profiling/compile_sm90.py; warps and stages:
-# shared/launch.py). Whole 128-column key blocks halve the Gram's and the [C, C] backward's key-loop products
-# (fewer spills there too; 16-bit operands only); the forward keeps 64 (at 128 it spills 256 B at 4 warps) and
-# the key backward 32 (its four [C, C] x [C, BK] products per block spill 260-300 B at 64)
-# (benchmarks/profiling/tune_gdn_local.py times other choices on a GPU).
-KEY_BLOCK = {"_chunk_inverse_kernel": 128, "_chunk_local_kernel": 64, "_chunk_local_bwd_cc_kernel": 128,
+# shared/launch.py). Whole 128-column key blocks halve the inverse's Gram products (16-bit operands only); the
+# forward and the [C, C] backward take 64 (at 128 the forward spills 256 B at 4 warps; the [C, C] backward at 4
+# warps ran 4.0 ms at 64 against 4.4 at 128 on the H200 at 32K) and the key backward 32 (its four [C, C] x [C, BK]
+# products per block spill 260-300 B at 64) (benchmarks/profiling/tune_gdn_local.py times other choices on a GPU).
+KEY_BLOCK = {"_chunk_inverse_kernel": 128, "_chunk_local_kernel": 64, "_chunk_local_bwd_cc_kernel": 64,
              "_chunk_local_bwd_k_kernel": 32}
 
 
