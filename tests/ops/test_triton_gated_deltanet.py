@@ -214,10 +214,10 @@ def _chunk_view(x, ch, H):
 @pytest.mark.parametrize("K, V, dtype, rtol, norm", [
     (20, 12, torch.float32, RTOL, False),
     (72, 80, torch.float32, RTOL, False),  # two K and two V blocks of 64
-    (72, 80, torch.float16, 5e-3, False),  # 16-bit operands: the Gram and the [C, C] backward: one 128-column K block
+    (72, 80, torch.float16, 5e-3, False),  # 16-bit operands: the inverse's Gram from one 128-column K block
     (20, 12, torch.float32, RTOL, True),  # q/k rows normalised in the kernels
     (72, 80, torch.float32, RTOL, True),  # ... over two K blocks
-    (72, 80, torch.float16, 5e-3, True),  # ... from one 128-column K block (the Gram, the [C, C] backward)
+    (72, 80, torch.float16, 5e-3, True),  # ... the inverse's Gram from one 128-column K block
 ])
 def test_chunk_local_kernels_match_torch_form(K, V, dtype, rtol, norm):
     """The chunk-local forward and backward kernels, reading the op's layouts (front padding, a partial last
