@@ -79,7 +79,7 @@ LAUNCH: dict[str, Launch] = {
     "_scan_fwd_kernel": Launch(8, 2),
     "_scan_readout_kernel": Launch(8, 2),
     "_scan_dh_kernel": Launch(8, 2),
-    "_scan_grads_kernel": Launch(8, 2),
+    "_scan_grads_kernel": Launch(4, 2),
     "_scan_readout_bwd_kernel": Launch(4, 2),
     # the fused decode step: its levels, then the readout sum and the lazy levels' log-scales
     "_decode_level_kernel": Launch(2, 3, wide_warps=4),
