@@ -14,8 +14,8 @@ DynamicCache appends by concatenation (a copy of the cache per step); it is crop
 Also timed: the fused decode kernel alone (one layer's step in place, its kernels' GPU time; log-linear at
 positions drawn from [T/2, T) and at p = T, where every level is held) vs plain, for Mamba-2, GLA (Mamba-2's
 shape with a decay per key channel) and GDN, and a correctness check of the kernel against the PyTorch step on
-the device (all three), the ms per token through model.generate() (eager and graphed), and a check of graphed
-decoding against the ordinary cached steps.
+the device (all three), the ms per token through model.generate() (eager and graphed; without a stop token, and
+with the eos token and min_new_tokens), and a check of graphed decoding against the ordinary cached steps.
 
     python benchmarks/bench_decode.py --out benchmarks/results            # device
     python benchmarks/bench_decode.py --tiny --out /tmp/bench             # CPU smoke run
@@ -29,6 +29,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -329,30 +330,70 @@ def check_graph_parity(device) -> dict:
     return errors
 
 
+NO_STOP = "none"  # generate() without an eos token: max_new_tokens is the only stopping criterion
+EOS_STOP = "eos+min_new_tokens"  # the model's eos token, min_new_tokens forcing the length
+STOPS = (NO_STOP, EOS_STOP)
+
+
+def generate_kwargs(model, stop: str, n: int) -> dict:
+    """generate()'s arguments for exactly ``n`` new tokens, greedy. NO_STOP: eos_token_id=None, so no eos stopping
+    criterion and no logits processor (the decoding loop's own cost); EOS_STOP: the model's eos token and
+    min_new_tokens=n, so two min-length logits processors and an eos stopping criterion run every step."""
+    if stop == NO_STOP:
+        return dict(max_new_tokens=n, eos_token_id=None, do_sample=False)
+    if stop != EOS_STOP:
+        raise ValueError(f"stop is one of {STOPS}, got {stop!r}")
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        raise ValueError(f"{type(model).__name__} has no eos token: {EOS_STOP} would measure {NO_STOP}")
+    return dict(max_new_tokens=n, min_new_tokens=n, eos_token_id=eos, do_sample=False)
+
+
 @torch.no_grad()
-def generate_times(configs: dict, device, prompt: int = 64, short: int = 32, long: int = 160) -> list[dict]:
-    """ms per generated token through model.generate() (greedy, B = 1), eager cache vs CUDA graph: the time of
-    ``long`` new tokens minus that of ``short`` (prefill and generate()'s setup cancel), over the difference."""
+def time_generate(model, ids: torch.Tensor, n: int, graph: bool, stop: str, device) -> float:
+    """Seconds of one model.generate() call of ``n`` new tokens from a fresh FenwickCache (prefill included),
+    after checking it produced exactly ``n``."""
+    cache = FenwickCache(len(model.model.layers), cuda_graph=graph)
+    sync(device)
+    start = time.perf_counter()
+    out = model.generate(ids, **generate_kwargs(model, stop, n), **{CACHE_KEY: cache})
+    sync(device)
+    seconds = time.perf_counter() - start
+    if out.shape[1] - ids.shape[1] != n:
+        raise RuntimeError(f"generate() with stop={stop!r} produced {out.shape[1] - ids.shape[1]} new tokens, "
+                           f"not {n}: the short/long difference would not be {n} tokens")
+    return seconds
+
+
+def ms_per_generated_token(model, ids: torch.Tensor, graph: bool, stop: str, device, short: int, long: int,
+                           repeats: int) -> dict:
+    """ms per generated token: after a warm-up call, ``repeats`` interleaved pairs (short, long, short, long, ...),
+    each pair's (t_long - t_short) / (long - short) (prefill and generate()'s setup cancel); their median, min, max."""
+    time_generate(model, ids, short, graph, stop, device)  # warm-up: kernels compiled, the graph captured once
+    per_pair = []
+    for _ in range(repeats):
+        t_short = time_generate(model, ids, short, graph, stop, device)
+        t_long = time_generate(model, ids, long, graph, stop, device)
+        per_pair.append(1000 * (t_long - t_short) / (long - short))
+    return {"ms_per_token": statistics.median(per_pair), "ms_per_token_min": min(per_pair),
+            "ms_per_token_max": max(per_pair)}
+
+
+def generate_times(configs: dict, device, prompt: int = 64, short: int = 32, long: int = 160, repeats: int = 3,
+                   graphs: tuple[bool, ...] = (False, True)) -> list[dict]:
+    """ms per generated token through model.generate() (greedy, B = 1), eager cache vs CUDA graph (on the CPU the
+    graphed step runs eagerly), each without a stop token (NO_STOP) and with the eos token and min_new_tokens
+    (EOS_STOP): ms_per_generated_token, a row per (model, graph, stop)."""
     rows = []
     for name in ("ll_mamba2", "mamba2", "ll_gdn", "gdn"):
         model = build(name, configs, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
         ids = torch.randint(0, model.config.vocab_size, (1, prompt), device=device)
-        for graph in (False, True):
-            def gen(n):
-                cache = FenwickCache(len(model.model.layers), cuda_graph=graph)
-                model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **{CACHE_KEY: cache})
-
-            gen(short)  # warm-up: kernels compiled, the graph captured once
-            times = {}
-            for n in (short, long):
-                sync(device)
-                start = time.perf_counter()
-                gen(n)
-                sync(device)
-                times[n] = time.perf_counter() - start
-            rows.append({"model": name + (GRAPH if graph else ""), "prompt": prompt,
-                         "ms_per_token": 1000 * (times[long] - times[short]) / (long - short)})
-            print(rows[-1], flush=True)
+        for graph in graphs:
+            for stop in STOPS:
+                rows.append({"model": name + (GRAPH if graph else ""), "stop": stop, "prompt": prompt,
+                             "new_tokens": [short, long], "repeats": repeats,
+                             **ms_per_generated_token(model, ids, graph, stop, device, short, long, repeats)})
+                print(rows[-1], flush=True)
     return rows
 
 
@@ -446,8 +487,7 @@ def summary(results: dict) -> list[str]:
             lines.append(f"- {graphed} B=1 T={ref}: {r['ms_per_token']:.3f} ms per token{versus} (target <= 1.0 ms)")
     gen = results.get("generate")
     if isinstance(gen, list):
-        lines.append("- through generate(), B=1, greedy: " + ", ".join(
-            f"{r['model']} {r['ms_per_token']:.3f}" for r in gen) + " ms per token")
+        lines.append(generate_summary(gen))
     top = contexts[-1]
     for variant in ("ll_mamba2", "ll_gdn"):
         for batch in sorted({r["batch"] for r in results["rows"]}):
@@ -468,6 +508,48 @@ def summary(results: dict) -> list[str]:
                          + (f"; bf16 levels {r['log_linear_bf16_us']:.1f} us = "
                             f"{r['log_linear_bf16_us'] / r['plain_us']:.2f}x" if r.get("log_linear_bf16_us") else "")
                          + (" (target <= 4x)" if r["batch"] == 16 else ""))
+    return lines
+
+
+def generate_by_model(gen: list[dict]) -> dict[str, dict[str, dict]]:
+    """generate_times' rows by model, then by stop (rows without one measured EOS_STOP)."""
+    by: dict[str, dict[str, dict]] = {}
+    for r in gen:
+        by.setdefault(r["model"], {})[r.get("stop", EOS_STOP)] = r
+    return by
+
+
+def generate_summary(gen: list[dict]) -> str:
+    """The target line of generate_times' rows: per model NO_STOP's median, EOS_STOP's in parentheses."""
+    cells = []
+    for model, stops in generate_by_model(gen).items():
+        cells.append(" ".join([model] + [f"{stops[s]['ms_per_token']:.3f}" if s == NO_STOP
+                                         else f"({s} {stops[s]['ms_per_token']:.3f})" for s in STOPS if s in stops]))
+    return (f"- through generate(), B=1, greedy: {', '.join(cells)} ms per token "
+            "(no stop token; in parentheses with the eos token and min_new_tokens)")
+
+
+def generate_markdown(gen: list[dict]) -> list[str]:
+    """generate_times' rows as a section: what the two configurations are, then median (min..max) per model."""
+    def cell(r: dict | None) -> str:
+        if r is None:
+            return "—"
+        spread = f" ({r['ms_per_token_min']:.3f}..{r['ms_per_token_max']:.3f})" if "ms_per_token_min" in r else ""
+        return f"{r['ms_per_token']:.3f}{spread}"
+
+    r0 = gen[0]
+    short, long = r0.get("new_tokens", ("short", "long"))
+    lines = ["", "## Through generate(): ms per generated token (B=1, greedy)", "",
+             f"The time of generate() with {long} new tokens minus that with {short} (prefill and setup cancel), over "
+             f"the difference; prompt {r0['prompt']} tokens, a fresh cache per call; the median over "
+             f"{r0.get('repeats', 1)} interleaved (short, long) pairs after a warm-up call (min..max). "
+             f"`{NO_STOP}`: no eos token (eos_token_id=None), so generate() stops at max_new_tokens only and runs no "
+             "logits processor: the decoding loop's own cost. "
+             f"`{EOS_STOP}`: the model's eos token with min_new_tokens forcing the length, so min-length logits "
+             "processors and an eos stopping criterion run every step.", "",
+             "| model | " + " | ".join(STOPS) + " |", "|---" * (len(STOPS) + 1) + "|"]
+    for model, stops in generate_by_model(gen).items():
+        lines.append(f"| {model} | " + " | ".join(cell(stops.get(s)) for s in STOPS) + " |")
     return lines
 
 
@@ -500,6 +582,8 @@ def write_markdown(results: dict, path: str) -> None:
                 b = None if r is None else r.get("cache_bytes", r.get("cache_bytes_analytic"))
                 cells.append("—" if b is None else f"{b / 2**20:,.1f}" + ("*" if "cache_bytes" not in r else ""))
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if isinstance(results.get("generate"), list) and results["generate"]:
+        lines += generate_markdown(results["generate"])
     if results.get("kernel"):
         lines += ["", "## Fused decode kernel alone (one layer, in place; GPU time of its kernels, cold L2, us)", "",
                   "Log-linear: the mean over draws of every sequence's position from [T/2, T), and at p = T (a power "
