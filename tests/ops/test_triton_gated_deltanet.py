@@ -169,6 +169,21 @@ def test_continuation_from_a_state(positions):
     _compare(x, _state(2, L, 2, 8, 4, positions, torch.float64))
 
 
+@pytest.mark.parametrize("position, seeds", [(256, 0b10001), (128, 0b1001), (64, 0b1101), (80, 0b1111)])
+def test_continuation_seeds_only_the_levels_the_carry_left(position, seeds, monkeypatch):
+    """A state at an aligned position, 100 tokens in chunks of 16 (c = 4; J = 4 chunk levels, 5 at 256): the carry
+    past the position clears the token levels up to ctz(position), so the scan seeds only the chunk levels above
+    them and the first chunk's cascade target (256: levels 4 and 0; 128: 3 and 0; 64: 2, 3 and 0; 80: all, the
+    carry clears no chunk level), never the cleared ones; o, the final state and every gradient (the junk-filled
+    state's too) match the float64 reference."""
+    seen = []
+    apply = scan_module.FenwickDeltaScan.apply
+    monkeypatch.setattr(scan_module.FenwickDeltaScan, "apply", lambda *a: seen.append(a[8]) or apply(*a))
+    x = make_inputs(1, 100, 1, 2, K=8, V=4, start=position)
+    _compare(x, _state(1, (position - 1).bit_length() + 1, 2, 8, 4, [position], torch.float64))
+    assert {sched.bits[0] for sched in seen} == {seeds}
+
+
 def test_varlen_with_states():
     lengths, positions = [7, 30, 1], [0, 19, 64]
     x = make_inputs(1, sum(lengths), 1, 2, K=8, V=4, start=64)

@@ -519,13 +519,14 @@ class Schedule:
 
 
 @table_cache()
-def schedule(merge: tuple[int, ...], J: int, seeded: bool, device: torch.device) -> Schedule:
+def schedule(merge: tuple[int, ...], J: int, seeds: int, device: torch.device) -> Schedule:
     """Live levels per chunk: a level holds a (possibly) nonzero state entering chunk i iff it is seeded by
     the initial states and no cascade has reached it yet, or a cascade moved keys into it and none has
     cleared it since (for a sequence from position 0: bit j of the chunk index). merge: [N] cascade targets
-    (-1 for the last chunk); seeded: the initial states may be nonzero (every level is live at chunk 0).
-    Cached per argument tuple: repeated calls get the same Schedule (no host-to-device copy)."""
-    live, snap_at, alive, slots = [], [], (1 << J) - 1 if seeded else 0, 0
+    (-1 for the last chunk); seeds: bitmask of the levels whose initial states may be nonzero (live at chunk 0;
+    0 without initial states). Cached per argument tuple: repeated calls get the same Schedule (no
+    host-to-device copy)."""
+    live, snap_at, alive, slots = [], [], seeds, 0
     for m in (*merge, -1):
         live.append(alive)
         snap_at.append(slots)
@@ -545,7 +546,7 @@ class FenwickDeltaScan(torch.autograd.Function):
 
     qt, wt, kt: [BH, Tp, K] (the dot dtype); u: [BH, Tp, V] (dot dtype); decay: [BH, N] fp32;
     lam: [BH, Tp, J] fp32; h0: [BH, J, K, V] fp32 or None (zeros); o_intra: [BH, Tp, V] fp32;
-    sched: schedule(merge, J, h0 is not None); ch: the chunking of the op's tokens.
+    sched: schedule(merge, J, seeds), seeds covering every level h0 may hold; ch: the chunking of the op's tokens.
     Returns o: [b, T, H, V] in dtype (scale (o_intra + readouts) of the real tokens) and hN: [BH, J, K, V] fp32
     (None unless final).  Only the live levels of each chunk are touched.
     """
@@ -617,11 +618,20 @@ class FenwickDeltaScan(torch.autograd.Function):
 
 def fenwick_delta_scan(
     qt, wt, kt, u, decay, lam, h0, o_intra, merge: Sequence[int], ch: Chunking, scale: float, dtype: torch.dtype,
-    final: bool = True,
+    final: bool = True, seeds: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Functional form of FenwickDeltaScan (shapes there; merge: the N cascade targets, -1 last; final: return
-    the final states, else None); qt/wt/kt/u keep their (operand) dtype."""
-    sched = schedule(tuple(merge), lam.shape[-1], h0 is not None, qt.device)
+    the final states, else None; seeds: bitmask of the levels of h0 that may be nonzero, None: all of them; the
+    others must be zeros that nothing differentiates, they are never read and get no gradient); qt/wt/kt/u keep
+    their (operand) dtype."""
+    J = lam.shape[-1]
+    if h0 is None:
+        seeds = 0
+    elif seeds is None:
+        seeds = (1 << J) - 1
+    elif not 0 <= seeds < 1 << J:
+        raise ValueError(f"seeds must be a bitmask of the J = {J} levels, got {seeds}")
+    sched = schedule(tuple(merge), J, seeds, qt.device)
     return FenwickDeltaScan.apply(
         qt.contiguous(), wt.contiguous(), kt.contiguous(), u.contiguous(), decay.float().contiguous(),
         lam.float().contiguous(), None if h0 is None else h0.float().contiguous(), o_intra.contiguous(),
