@@ -178,7 +178,7 @@ def test_continuation_seeds_only_the_levels_the_carry_left(position, seeds, monk
     state's too) match the float64 reference."""
     seen = []
     apply = scan_module.FenwickDeltaScan.apply
-    monkeypatch.setattr(scan_module.FenwickDeltaScan, "apply", lambda *a: seen.append(a[8]) or apply(*a))
+    monkeypatch.setattr(scan_module.FenwickDeltaScan, "apply", lambda *a: seen.append(a[10]) or apply(*a))
     x = make_inputs(1, 100, 1, 2, K=8, V=4, start=position)
     _compare(x, _state(1, (position - 1).bit_length() + 1, 2, 8, 4, [position], torch.float64))
     assert {sched.bits[0] for sched in seen} == {seeds}
@@ -383,7 +383,7 @@ def test_schedule_is_cached_per_shape(monkeypatch):
     after the first call; the merge targets are built once too); another T gets its own, and both stay right."""
     seen = []
     apply = scan_module.FenwickDeltaScan.apply
-    monkeypatch.setattr(scan_module.FenwickDeltaScan, "apply", lambda *a: seen.append(a[8]) or apply(*a))
+    monkeypatch.setattr(scan_module.FenwickDeltaScan, "apply", lambda *a: seen.append(a[10]) or apply(*a))
     built = []  # per call: how often it built a tensor from Python values
     tensor = torch.tensor
     for T in (50, 50, 83, 50):

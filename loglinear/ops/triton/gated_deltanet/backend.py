@@ -82,15 +82,14 @@ def _last_chunk(x: torch.Tensor, ch: Chunking, norm: bool = False) -> torch.Tens
 
 
 def _incoming_state(
-    levels: torch.Tensor, position: int, ch: Chunking, J: int, lc0: torch.Tensor, qt: torch.Tensor,
-    o_intra: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The incoming state (carried past ``position``): levels [b, Ls, H, K, V] fp32.  Adds the first chunk's
-    readout of its in-chunk buckets (levels <= c) to o_intra [b H, Tp, V] in place and returns them,
-    partial [b, H, c+1, K, V], with the chunk-level seeds h0 [b H, J, K, V] and the bitmask of the chunk levels
-    that may be nonzero: the carry past ``position`` cleared every level below its target ctz(position) + 1
-    (zeros, whatever the state held), so the scan never treats those chunk levels as live.  lc0: lambda of the
-    first chunk [b, H, C, L]; qt: [b H, Tp, K]."""
+    levels: torch.Tensor, position: int, ch: Chunking, J: int, lc0: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The incoming state (carried past ``position``): levels [b, Ls, H, K, V] fp32.  Returns its in-chunk buckets
+    (levels <= c) partial [b, H, c+1, K, V] with the weights [b, H, C, c+1] of the first chunk's reads of them (the
+    scan adds that readout to the first chunk's o), the chunk-level seeds h0 [b H, J, K, V] and the bitmask of the
+    chunk levels that may be nonzero: the carry past ``position`` cleared every level below its target
+    ctz(position) + 1 (zeros, whatever the state held), so the scan never treats those chunk levels as live.
+    lc0: lambda of the first chunk [b, H, C, L]."""
     b, H, C, N = ch.b, ch.H, ch.C, ch.N
     K, V, c, c0 = levels.shape[-2], levels.shape[-1], chunk_bits(C), position // C
     levels = torch.nn.functional.pad(levels, (0, 0, 0, 0, 0, 0, 0, max(0, c + 1 + J - levels.shape[1])))
@@ -104,11 +103,9 @@ def _incoming_state(
         m0 = ctz(c0 + 1)
         weights = weights - level_scales_at(lc0, torch.full((C, 1), c + 1 + m0, device=levels.device))
         h0 = torch.cat([h0[:, :, :m0], h0[:, :, m0 : m0 + 1] + partial.sum(2, True), h0[:, :, m0 + 1 :]], 2)
-    qt0 = qt.view(b, H, N, C, K)[:, :, 0].float()
-    o_intra.view(b, H, N, C, V)[:, :, 0] += torch.einsum("bhtm,bhtk,bhmkv->bhtv", weights.float(), qt0, partial)
     cleared = max(0, ctz(position) - c) if position > 0 else 0  # chunk levels j < cleared: c + 1 + j <= ctz(p)
     seeds = ((1 << J) - 1) & ~((1 << cleared) - 1) | ((1 << m0) if N > 1 else 0)
-    return partial, h0.reshape(b * H, J, K, V), seeds
+    return partial, weights, h0.reshape(b * H, J, K, V), seeds
 
 
 def gated_deltanet_core(
@@ -131,17 +128,18 @@ def gated_deltanet_core(
     o_intra, qt, wt, kt, u, decay = chunk_local(q, k, v, g, beta, lam, ch, dtype, qk_l2norm)
 
     J = max((end - 1) // C, 1).bit_length()
-    partial = h0 = seeds = None
+    partial = h0 = seeds = first = None
     if levels is not None:
         levels = carry_past(levels, position) if position > 0 else levels
         J = max(J, levels.shape[1] - c - 1)
         first = min(T, C - ch.front)  # the first chunk's tokens: only they read the in-chunk buckets
         lc0 = chunked(pad_time(lam[:, :first], ch.front, C - ch.front - first), C)[:, :, 0]  # [b, H, C, L]
-        partial, h0, seeds = _incoming_state(levels, position, ch, J, lc0, qt, o_intra)
+        partial, weights, h0, seeds = _incoming_state(levels, position, ch, J, lc0)
+        first = (weights.flatten(0, 1), partial.flatten(0, 1))
 
     o, hN = fenwick_delta_scan(
         qt, wt, kt, u, decay, _inter_level_scales(lam, ch, c, J), h0, o_intra, _merge_targets(c0, N), ch, scale,
-        dtype, final, seeds,
+        dtype, final, seeds, first,
     )
     if not final:
         return o, None

@@ -540,19 +540,35 @@ def schedule(merge: tuple[int, ...], J: int, seeds: int, device: torch.device) -
                     tuple(live), tuple(snap_at), snap_at[-1])
 
 
+def _first_readout(w0: torch.Tensor, qt: torch.Tensor, p0: torch.Tensor, C: int) -> torch.Tensor:
+    """The first chunk's readout of incoming in-chunk buckets: sum_m w0[:, t, m] (qt_t p0_m).  w0: [BH, C, M],
+    qt: [BH, Tp, K], p0: [BH, M, K, V] fp32 -> [BH, C, V] fp32."""
+    return torch.einsum("ntm,ntk,nmkv->ntv", w0, qt[:, :C].float(), p0)
+
+
+def _add_first_chunk(o: torch.Tensor, x: torch.Tensor, ch: Chunking) -> None:
+    """o[:, t] += x at chunk 0's row front + t, for the first chunk's real tokens, in fp32 then o's dtype.
+    o: [b, T, H, V]; x: [b H, C, V] fp32."""
+    first = min(ch.T, ch.C - ch.front)
+    rows = x.view(ch.b, ch.H, ch.C, -1)[:, :, ch.front : ch.front + first].transpose(1, 2)  # [b, first, H, V]
+    o[:, :first] = (o[:, :first].float() + rows).to(o.dtype)
+
+
 class FenwickDeltaScan(torch.autograd.Function):
-    """(o, final states) = scan(qt, wt, kt, u, decay, lam, h0, o_intra, sched, ch, scale, dtype, final); see the
-    module docstring.
+    """(o, final states) = scan(qt, wt, kt, u, decay, lam, h0, o_intra, w0, p0, sched, ch, scale, dtype, final); see
+    the module docstring.
 
     qt, wt, kt: [BH, Tp, K] (the dot dtype); u: [BH, Tp, V] (dot dtype); decay: [BH, N] fp32;
     lam: [BH, Tp, J] fp32; h0: [BH, J, K, V] fp32 or None (zeros); o_intra: [BH, Tp, V] fp32;
+    w0: [BH, C, M], p0: [BH, M, K, V] fp32 or None: M incoming in-chunk buckets that chunk 0 reads with weights w0
+    (o gains scale _first_readout; its gradients stay [BH, C, *]: no full-size copy of o_intra's or qt's);
     sched: schedule(merge, J, seeds), seeds covering every level h0 may hold; ch: the chunking of the op's tokens.
     Returns o: [b, T, H, V] in dtype (scale (o_intra + readouts) of the real tokens) and hN: [BH, J, K, V] fp32
     (None unless final).  Only the live levels of each chunk are touched.
     """
 
     @staticmethod
-    def forward(ctx, qt, wt, kt, u, decay, lam, h0, o_intra, sched: Schedule, ch: Chunking, scale: float,
+    def forward(ctx, qt, wt, kt, u, decay, lam, h0, o_intra, w0, p0, sched: Schedule, ch: Chunking, scale: float,
                 dtype: torch.dtype, final: bool):
         BH, Tp, K = qt.shape
         V, N, J = u.shape[-1], decay.shape[1], lam.shape[-1]
@@ -573,13 +589,15 @@ class FenwickDeltaScan(torch.autograd.Function):
                 K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=dot_precision(qt.dtype, FP32_DOT),
                 **launch_options(_scan_readout_kernel),
             )
-        ctx.save_for_backward(qt, wt, kt, u, decay, lam, snap if keep else None)
+        if w0 is not None:
+            _add_first_chunk(o, scale * _first_readout(w0, qt, p0, ch.C), ch)
+        ctx.save_for_backward(qt, wt, kt, u, decay, lam, snap if keep else None, w0, p0)
         ctx.sched, ctx.ch, ctx.scale = sched, ch, scale
         return o, torch.where(sched.mask[N, :, None, None], states, 0.0) if final else None
 
     @staticmethod
     def backward(ctx, do, dhN):
-        qt, wt, kt, u, decay, lam, snap = ctx.saved_tensors
+        qt, wt, kt, u, decay, lam, snap, w0, p0 = ctx.saved_tensors
         sched, ch = ctx.sched, ctx.ch
         BH, Tp, K = qt.shape
         V, N, J = u.shape[-1], decay.shape[1], lam.shape[-1]
@@ -613,17 +631,23 @@ class FenwickDeltaScan(torch.autograd.Function):
             K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec, **launch_options(_scan_readout_bwd_kernel),
         )
         dh0 = torch.where(sched.mask[0, :, None, None], dstates, 0.0) if ctx.needs_input_grad[6] else None
-        return dqt, dwt, dkt, du, dd, dlam, dh0, do_intra, None, None, None, None, None
+        dw0 = dp0 = None
+        if w0 is not None:  # the first chunk's readout of the incoming buckets: do_intra = scale do
+            dx, qt0 = do_intra[:, : ch.C], qt[:, : ch.C].float()
+            dqt[:, : ch.C] += torch.einsum("ntm,ntv,nmkv->ntk", w0, dx, p0).to(dqt.dtype)
+            dw0 = torch.einsum("ntv,ntk,nmkv->ntm", dx, qt0, p0) if ctx.needs_input_grad[8] else None
+            dp0 = torch.einsum("ntm,ntk,ntv->nmkv", w0, qt0, dx) if ctx.needs_input_grad[9] else None
+        return dqt, dwt, dkt, du, dd, dlam, dh0, do_intra, dw0, dp0, None, None, None, None, None
 
 
 def fenwick_delta_scan(
     qt, wt, kt, u, decay, lam, h0, o_intra, merge: Sequence[int], ch: Chunking, scale: float, dtype: torch.dtype,
-    final: bool = True, seeds: int | None = None,
+    final: bool = True, seeds: int | None = None, first: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Functional form of FenwickDeltaScan (shapes there; merge: the N cascade targets, -1 last; final: return
     the final states, else None; seeds: bitmask of the levels of h0 that may be nonzero, None: all of them; the
-    others must be zeros that nothing differentiates, they are never read and get no gradient); qt/wt/kt/u keep
-    their (operand) dtype."""
+    others must be zeros that nothing differentiates, they are never read and get no gradient; first: (w0, p0),
+    incoming in-chunk buckets that chunk 0 reads, or None); qt/wt/kt/u keep their (operand) dtype."""
     J = lam.shape[-1]
     if h0 is None:
         seeds = 0
@@ -632,8 +656,9 @@ def fenwick_delta_scan(
     elif not 0 <= seeds < 1 << J:
         raise ValueError(f"seeds must be a bitmask of the J = {J} levels, got {seeds}")
     sched = schedule(tuple(merge), J, seeds, qt.device)
+    w0, p0 = (None, None) if first is None else (first[0].float().contiguous(), first[1].float().contiguous())
     return FenwickDeltaScan.apply(
         qt.contiguous(), wt.contiguous(), kt.contiguous(), u.contiguous(), decay.float().contiguous(),
-        lam.float().contiguous(), None if h0 is None else h0.float().contiguous(), o_intra.contiguous(),
+        lam.float().contiguous(), None if h0 is None else h0.float().contiguous(), o_intra.contiguous(), w0, p0,
         sched, ch, scale, dtype, final,
     )
