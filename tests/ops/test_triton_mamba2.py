@@ -8,6 +8,7 @@ import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import assert_close, compare_with_reference, make_inputs, mamba2_args
 from loglinear import FenwickState, log_linear_mamba2
@@ -233,6 +234,44 @@ def test_index_tables_are_cached_per_plan():
         ref = R.log_linear_mamba2_materialized(**{n: t.double() for n, t in x.items()})
         assert_close(o.double(), ref, FP32_TOL, f"T={T}")
     assert M._tables.cache_info().misses == 2  # one build per layout (T = 50 twice, T = 37)
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the torch ops dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_final_states_of_many_sequences_take_one_batch_of_ops(monkeypatch):
+    """The final states' last chunks of every sequence in one batch of torch ops: about the same op count at 1 and
+    12 sequences (varlen, last chunks of 1 to 16 tokens), their layout's tables first built under inference mode and
+    then saved by autograd; states and gradients match the reference."""
+    cu = torch.tensor([0, 16, 17, 40, 41, 64, 100, 101, 130, 146, 147, 170, 200])
+    x = mamba2_args(make_inputs(1, 200, 1, 2, 8, 5))
+    M._last_chunks.cache_clear()
+    with torch.inference_mode():
+        log_linear_mamba2(**{n: t.float() for n, t in x.items()}, cu_seqlens=cu, output_final_state=True,
+                          chunk_size=16)
+    _compare(x, cu_seqlens=cu)
+    counts, final_state = [], M._final_state
+
+    def counted(*args):
+        with _CountOps() as mode:
+            out = final_state(*args)
+        counts.append(mode.ops)
+        return out
+
+    monkeypatch.setattr(M, "_final_state", counted)
+    for bounds in (cu[[0, -1]], cu, cu[[0, -1]], cu):  # the second round: both layouts' tables cached
+        log_linear_mamba2(**{n: t.float() for n, t in x.items()}, cu_seqlens=bounds, output_final_state=True,
+                          chunk_size=16)
+    assert 0 < counts[3] <= counts[2] + 4, counts  # not per sequence (one op per sequence would add 11)
 
 
 def test_float64_uses_the_exact_torch_path():

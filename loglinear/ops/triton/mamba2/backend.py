@@ -520,23 +520,38 @@ def _final_grads(d_final: torch.Tensor | None, final: torch.Tensor, plan: LevelS
     return d_final.clone(memory_format=torch.contiguous_format), terms.contiguous()
 
 
-def _last_chunk_levels(k, v, g, a: int, b: int, C: int, H: int) -> torch.Tensor:
-    """In-chunk token levels 0..c of the state after token b-1, from the last chunk of [a, b) (a aligned).
+@table_cache()
+def _last_chunks(bos: tuple[int, ...], eos: tuple[int, ...], C: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last chunk of each sequence [a, b) (a aligned): rows [R, C] int64, its tokens (clamped to b - 1), and
+    masks [R, c+1, C] fp32, the in-chunk buckets of its last token (fenwick.last_query_masks). Cached per layout
+    (read-only; normal tensors even when first built under inference mode: autograd saves them)."""
+    starts = [a + ((b - a - 1) // C) * C for a, b in zip(bos, eos)]
+    rows = [[min(t + s, b - 1) for s in range(C)] for t, b in zip(starts, eos)]
+    with torch.inference_mode(False):
+        masks = torch.stack([last_query_masks(b - 1 - t, C, torch.float32, device) for t, b in zip(starts, eos)])
+        return device_table(rows, torch.int64, device), masks
+
+
+def _last_chunk_levels(k, v, g, bos: list[int], eos: list[int], C: int, H: int) -> torch.Tensor:
+    """In-chunk token levels 0..c of each sequence's state after its token b-1, from the last chunk of [a, b)
+    (a aligned), all sequences in one batch of ops.
 
     level l holds sum_{s: bit_length(s XOR e) = l} exp(G_e - G_s) k_s v_s^T (g: [tokens, H], or [tokens, H, K]:
-    exp per key channel; G the cumsum of g floored here).   -> [c+1, H, K, V] fp32."""
-    ls = a + ((b - a - 1) // C) * C
-    ks = expand_groups(k[None, ls:b].float(), H)[0]  # [n, H, K]
-    vs, gs = v[ls:b].float(), floor_log_decay(g[ls:b].float())
-    G = gs.cumsum(0)
-    w = torch.exp(G[-1:] - G)  # [n, H] or [n, H, K]
-    masks = last_query_masks(b - 1 - ls, C, torch.float32, k.device)[:, : b - ls]
-    return torch.einsum("ln,nhk,nhv->lhkv", masks, ks * (w if w.dim() == 3 else w[..., None]), vs)
+    exp per key channel; G the cumsum of g floored here; rows past e read as g = 0).   -> [R, c+1, H, K, V] fp32."""
+    rows, masks = _last_chunks(tuple(bos), tuple(eos), C, k.device)
+    held = masks.sum(1)  # [R, C]: 1 at s <= e
+    ks = expand_groups(k[rows].float(), H)  # [R, C, H, K]
+    gs = floor_log_decay(g[rows].float())
+    G = (gs * held.view(*held.shape, *(1,) * (gs.dim() - 2))).cumsum(1)
+    w = torch.exp(G[:, -1:] - G)  # [R, C, H] or [R, C, H, K]
+    return torch.einsum("rls,rshk,rshv->rlhkv", masks, ks * (w if w.dim() == 4 else w[..., None]), v[rows].float())
 
 
-def _pad_levels(x: torch.Tensor, n: int) -> torch.Tensor:
-    """[L, ...] zero-padded or truncated to n levels."""
-    return F.pad(x, (0, 0) * (x.dim() - 1) + (0, max(0, n - x.shape[0])))[:n]
+def _pad_levels(x: torch.Tensor, n: int, dim: int = 0) -> torch.Tensor:
+    """x zero-padded or truncated to n levels along dim."""
+    pad = (0, 0) * (x.dim() - 1 - dim) + (0, max(0, n - x.shape[dim]))
+    return F.pad(x, pad).narrow(dim, 0, n)
 
 
 @dataclass
@@ -639,18 +654,26 @@ def _chunk_levels(flat: _Flat, aligned: _Aligned, C: int) -> tuple[int, torch.Te
 
 
 def _final_state(flat: _Flat, aligned: _Aligned, final: torch.Tensor, C: int, n_in: int) -> FenwickState:
-    """Per sequence: the last chunk's in-chunk buckets + the scan's chunk levels, padded as the torch path."""
-    H = flat.v.shape[1]
-    out, positions = [], []
-    for n, (a, b, p) in enumerate(zip(flat.bounds, flat.bounds[1:], flat.positions)):
-        if n in aligned.done:
-            lv = aligned.done[n]
-        else:
-            lv = torch.cat([_last_chunk_levels(flat.k, flat.v, flat.g, aligned.bos[n], b, C, H), final[n]])
-        out.append(_pad_levels(lv, max(levels_needed(p + b - a), n_in)))
-        positions.append(p + b - a)
-    n_max = max(x.shape[0] for x in out)
-    return FenwickState(torch.stack([_pad_levels(x, n_max) for x in out]), torch.tensor(positions))
+    """Per sequence: the last chunk's in-chunk buckets + the scan's chunk levels (final [N, J, H, K, V]), or the
+    levels of a sequence the torch prefix finished, with max(levels_needed(end), n_in) levels as the torch path
+    (the rest zero, up to the widest). The sequences the kernels ran take one batch of ops, whatever their number."""
+    N, H = len(flat.bounds) - 1, flat.v.shape[1]
+    ends = [p + b - a for a, b, p in zip(flat.bounds, flat.bounds[1:], flat.positions)]
+    keep = [max(levels_needed(e), n_in) for e in ends]
+    width = max(keep)
+    ran = [n for n in range(N) if n not in aligned.done]
+    parts = []
+    if ran:
+        last = _last_chunk_levels(flat.k, flat.v, flat.g, [aligned.bos[n] for n in ran],
+                                  [flat.bounds[n + 1] for n in ran], C, H)
+        parts.append(_pad_levels(torch.cat([last, final if len(ran) == N else final[ran]], 1), width, dim=1))
+    parts += [_pad_levels(aligned.done[n], width)[None] for n in aligned.done]
+    levels = torch.cat(parts) if len(parts) > 1 else parts[0]
+    order = ran + list(aligned.done)
+    if order != list(range(N)):
+        levels = levels[[order.index(n) for n in range(N)]]
+    kept = device_table([[j < k for j in range(width)] for k in keep], torch.bool, levels.device)
+    return FenwickState(torch.where(kept[:, :, None, None, None], levels, 0.0), torch.tensor(ends))
 
 
 def _per_channel(inp: OpInputs) -> bool:
