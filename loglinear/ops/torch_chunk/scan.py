@@ -48,10 +48,20 @@ def chunked(x: torch.Tensor, C: int) -> torch.Tensor:
     return x.movedim(3, 1)
 
 
-def carry_past(levels: torch.Tensor, position: int) -> torch.Tensor:
+def carry_past(levels: torch.Tensor, position: int | torch.Tensor) -> torch.Tensor:
     """The cascade's carry for a new token at ``position`` (> 0), widening the level axis if needed:
     levels [b, L, H, K, V] -> [b, max(L, ctz(position) + 2), H, K, V]. Levels 0..ctz(position) add into level
-    ctz(position) + 1 and clear (fenwick.carry for one host-side position: slices only, no host-device copy)."""
+    ctz(position) + 1 and clear (fenwick.carry for one host-side position: slices only, no host-device copy).
+    Rows at different positions: position a [b] int64 tensor on levels' device of each row's carry target
+    (fenwick.carry_target of its position, 0: the row is unchanged), L above every target (no widening); the carry
+    is then masks over the level axis, the same ops for any number of rows."""
+    if isinstance(position, torch.Tensor):
+        lev = torch.arange(levels.shape[1], device=levels.device)
+        target = position[:, None]  # [b, 1]
+        shape = (*levels.shape[:2], *(1,) * (levels.dim() - 2))
+        below, into = (lev < target).view(shape), ((lev == target) & (target > 0)).view(shape)
+        merged = torch.where(below | into, levels, 0.0).sum(1, keepdim=True)
+        return torch.where(below, 0.0, torch.where(into, merged, levels))
     target = ctz(position) + 1
     if levels.shape[1] <= target:
         levels = F.pad(levels, (0, 0, 0, 0, 0, 0, 0, target + 1 - levels.shape[1]))

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from loglinear.fenwick import chunk_bits, last_query_masks, levels_needed, trailing_zeros
+from loglinear.fenwick import chunk_bits, ctz, last_query_masks, levels_needed, trailing_zeros
 from loglinear.inputs import OpInputs, expand_groups
 from loglinear.ops.finite import LOG_DECAY_FLOOR, floor_log_decay, log_decays_finite
 from loglinear.ops.torch_chunk import carry_past, chunk_scan
@@ -603,13 +603,13 @@ def _flatten(inp: OpInputs) -> _Flat:
 
 @dataclass
 class _Aligned:
-    """After the torch prefixes: per sequence its kernel start, the incoming levels there (carried past
-    that aligned position, or None), and the prefixes' outputs; ``done`` holds the final levels of
-    sequences that the prefix finished."""
+    """After the torch prefixes: per sequence its kernel start, the incoming levels there (carried past that aligned
+    position: [N, W, H, K, V] fp32, or None without a state), and the prefixes' outputs; ``done`` holds the final
+    levels of sequences that the prefix finished (their rows of ``levels`` are not read)."""
 
     bos: list[int]
     chunk0: list[int]
-    levels: list[torch.Tensor | None]
+    levels: torch.Tensor | None
     prefixes: list[tuple[int, int]]
     prefix_out: list[torch.Tensor]
     done: dict[int, torch.Tensor]
@@ -617,40 +617,55 @@ class _Aligned:
 
 def _align(flat: _Flat, state: FenwickState | None, C: int, scale: float, form: type) -> _Aligned:
     """Run each stateful sequence through the torch path (the variant's chunk form) up to its first chunk
-    boundary (a state at position 0 included: its junk in-chunk levels are read by the first chunk)."""
-    out = _Aligned([], [], [], [], [], {})
-    for n, (a, b, p) in enumerate(zip(flat.bounds, flat.bounds[1:], flat.positions)):
-        levels = state.levels[n : n + 1].float() if state is not None else None
+    boundary (a state at position 0 included: its junk in-chunk levels are read by the first chunk), then carry
+    every sequence's levels past its aligned start in one batch of ops."""
+    spans = list(zip(flat.bounds, flat.bounds[1:], flat.positions))
+    if state is None:
+        return _Aligned(flat.bounds[:-1], [p // C for p in flat.positions], None, [], [], {})
+    out = _Aligned([], [], None, [], [], {})
+    levels, prefixed, starts = state.levels.float(), {}, []
+    for n, (a, b, p) in enumerate(spans):
         pre = 0
-        if levels is not None and (p % C or p == 0):
+        if p % C or p == 0:
             pre = min(b - a, C - p % C)
             x = flat.rows(a, a + pre)
-            o_pre, levels = chunk_scan(form, x["q"], x["k"], x["v"], {"g": x["g"]}, x["lam"], scale, levels, p, C)
+            o_pre, lv = chunk_scan(form, x["q"], x["k"], x["v"], {"g": x["g"]}, x["lam"], scale, levels[n : n + 1],
+                                   p, C)
             out.prefix_out.append(o_pre[0])
             out.prefixes.append((a, a + pre))
+            prefixed[n] = lv[0]
         if a + pre == b:
-            out.done[n] = levels[0]
-            levels = None
-        elif levels is not None and p + pre > 0:
-            levels = carry_past(levels, p + pre)
-        out.levels.append(levels)
+            out.done[n] = prefixed.pop(n, levels[n])
         out.bos.append(a + pre)
         out.chunk0.append((p + pre) // C)
+        starts.append(p + pre if a + pre < b else 0)
+    targets = [ctz(t) + 1 if t else 0 for t in starts]  # fenwick.carry_target, on the host
+    width = max([levels.shape[1]] + [lv.shape[0] for lv in prefixed.values()] + [t + 1 for t in targets])
+    levels = _pad_levels(levels, width, dim=1)
+    if prefixed:
+        index = device_table(list(prefixed), torch.int64, levels.device)
+        levels = levels.index_copy(0, index, torch.stack([_pad_levels(lv, width) for lv in prefixed.values()]))
+    one = len(set(targets)) == 1 and targets[0] > 0  # every row carries into one level: slices
+    out.levels = carry_past(levels, starts[0] if one else device_table(targets, torch.int64, levels.device))
     return out
 
 
 def _chunk_levels(flat: _Flat, aligned: _Aligned, C: int) -> tuple[int, torch.Tensor, bool]:
-    """J (chunk levels the scans carry), the initial chunk levels h0 [N, J, H, K, V] fp32, and whether
-    any sequence has a state (otherwise h0 is zeros and the scans skip it)."""
-    c = chunk_bits(C)
+    """J (chunk levels the scans carry), the initial chunk levels h0 [N, J, H, K, V] fp32 (0 for the sequences the
+    prefix finished), and whether any sequence has a state (otherwise h0 is zeros and the scans skip it)."""
+    c, N = chunk_bits(C), len(flat.bounds) - 1
     ends = [p + b - a for a, b, p in zip(flat.bounds, flat.bounds[1:], flat.positions)]
+    stateful = aligned.levels is not None and len(aligned.done) < N
     J = max([1] + [max((e - 1) // C, 1).bit_length() for e in ends]
-            + [lv.shape[1] - c - 1 for lv in aligned.levels if lv is not None])
+            + ([aligned.levels.shape[1] - c - 1] if stateful else []))
     H, K, V = flat.v.shape[1], flat.q.shape[2], flat.v.shape[2]
-    zeros = flat.v.new_zeros((J, H, K, V), dtype=torch.float32)
-    if all(lv is None for lv in aligned.levels):
-        return J, zeros.expand(len(aligned.levels), J, H, K, V), False
-    return J, torch.stack([_pad_levels(lv[0, c + 1 :], J) if lv is not None else zeros for lv in aligned.levels]), True
+    if not stateful:
+        return J, flat.v.new_zeros((J, H, K, V), dtype=torch.float32).expand(N, J, H, K, V), False
+    h0 = _pad_levels(aligned.levels[:, c + 1 :], J, dim=1)
+    if aligned.done:
+        ran = device_table([n not in aligned.done for n in range(N)], torch.bool, h0.device)
+        h0 = torch.where(ran[:, None, None, None, None], h0, 0.0)
+    return J, h0.contiguous(), True
 
 
 def _final_state(flat: _Flat, aligned: _Aligned, final: torch.Tensor, C: int, n_in: int) -> FenwickState:
