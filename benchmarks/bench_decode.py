@@ -512,10 +512,10 @@ def summary(results: dict) -> list[str]:
 
 
 def generate_by_model(gen: list[dict]) -> dict[str, dict[str, dict]]:
-    """generate_times' rows by model, then by stop (rows without one measured EOS_STOP)."""
+    """generate_times' rows by model, then by stop."""
     by: dict[str, dict[str, dict]] = {}
     for r in gen:
-        by.setdefault(r["model"], {})[r.get("stop", EOS_STOP)] = r
+        by.setdefault(r["model"], {})[r["stop"]] = r
     return by
 
 
@@ -534,15 +534,14 @@ def generate_markdown(gen: list[dict]) -> list[str]:
     def cell(r: dict | None) -> str:
         if r is None:
             return "—"
-        spread = f" ({r['ms_per_token_min']:.3f}..{r['ms_per_token_max']:.3f})" if "ms_per_token_min" in r else ""
-        return f"{r['ms_per_token']:.3f}{spread}"
+        return f"{r['ms_per_token']:.3f} ({r['ms_per_token_min']:.3f}..{r['ms_per_token_max']:.3f})"
 
     r0 = gen[0]
-    short, long = r0.get("new_tokens", ("short", "long"))
+    short, long = r0["new_tokens"]
     lines = ["", "## Through generate(): ms per generated token (B=1, greedy)", "",
              f"The time of generate() with {long} new tokens minus that with {short} (prefill and setup cancel), over "
              f"the difference; prompt {r0['prompt']} tokens, a fresh cache per call; the median over "
-             f"{r0.get('repeats', 1)} interleaved (short, long) pairs after a warm-up call (min..max). "
+             f"{r0['repeats']} interleaved (short, long) pairs after a warm-up call (min..max). "
              f"`{NO_STOP}`: no eos token (eos_token_id=None), so generate() stops at max_new_tokens only and runs no "
              "logits processor: the decoding loop's own cost. "
              f"`{EOS_STOP}`: the model's eos token with min_new_tokens forcing the length, so min-length logits "

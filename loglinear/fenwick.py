@@ -37,6 +37,7 @@ __all__ = [
     "chunk_resets_after",
     "carry_target",
     "carry",
+    "carry_into",
     "held_levels",
     "last_query_masks",
     "incoming_levels",
@@ -139,12 +140,22 @@ def carry(levels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     levels: [N, L, ...] level states with L > ctz(p) + 1 for every p > 0; positions: [N] int64.
     Returns a new tensor of levels' shape (differentiable; no in-place update).
     """
-    target = carry_target(positions).to(levels.device)  # [N]
+    return carry_into(levels, carry_target(positions).to(levels.device))
+
+
+def carry_into(levels: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The carry with each row's target given (carry_target of its position, 0: the row is unchanged): levels
+    below target[n] are added into level target[n] and cleared (set to 0).
+
+    levels: [N, L, ...] with L > every target; target: [N] int64 on levels' device. Returns a new tensor of
+    levels' shape (differentiable), masks over the level axis: the same ops for any number of rows.
+    """
     lev = torch.arange(levels.shape[1], device=levels.device)
     shape = tuple(levels.shape[:2]) + (1,) * (levels.dim() - 2)
-    merge = (lev[None, :] < target[:, None]).to(levels.dtype).view(shape)
-    into = ((lev[None, :] == target[:, None]) & (target[:, None] > 0)).to(levels.dtype).view(shape)
-    return levels * (1 - merge) + into * (levels * merge).sum(1, keepdim=True)
+    below = (lev[None, :] < target[:, None]).view(shape)
+    into = ((lev[None, :] == target[:, None]) & (target[:, None] > 0)).view(shape)
+    merged = torch.where(below | into, levels, 0.0).sum(1, keepdim=True)
+    return torch.where(below, 0.0, torch.where(into, merged, levels))
 
 
 def held_levels(positions: torch.Tensor, num_levels: int) -> torch.Tensor:

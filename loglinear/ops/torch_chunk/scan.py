@@ -32,7 +32,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loglinear.fenwick import chunk_bits, ctz, incoming_levels, intra_chunk_levels, last_query_masks, levels_needed
+from loglinear.fenwick import (
+    carry_into, chunk_bits, ctz, incoming_levels, intra_chunk_levels, last_query_masks, levels_needed,
+)
 
 
 def pad_time(x: torch.Tensor, front: int, back: int) -> torch.Tensor:
@@ -53,15 +55,10 @@ def carry_past(levels: torch.Tensor, position: int | torch.Tensor) -> torch.Tens
     levels [b, L, H, K, V] -> [b, max(L, ctz(position) + 2), H, K, V]. Levels 0..ctz(position) add into level
     ctz(position) + 1 and clear (fenwick.carry for one host-side position: slices only, no host-device copy).
     Rows at different positions: position a [b] int64 tensor on levels' device of each row's carry target
-    (fenwick.carry_target of its position, 0: the row is unchanged), L above every target (no widening); the carry
-    is then masks over the level axis, the same ops for any number of rows."""
+    (fenwick.carry_target of its position, 0: the row is unchanged), L above every target (no widening): then
+    fenwick.carry_into, masks over the level axis, the same ops for any number of rows."""
     if isinstance(position, torch.Tensor):
-        lev = torch.arange(levels.shape[1], device=levels.device)
-        target = position[:, None]  # [b, 1]
-        shape = (*levels.shape[:2], *(1,) * (levels.dim() - 2))
-        below, into = (lev < target).view(shape), ((lev == target) & (target > 0)).view(shape)
-        merged = torch.where(below | into, levels, 0.0).sum(1, keepdim=True)
-        return torch.where(below, 0.0, torch.where(into, merged, levels))
+        return carry_into(levels, position)
     target = ctz(position) + 1
     if levels.shape[1] <= target:
         levels = F.pad(levels, (0, 0, 0, 0, 0, 0, 0, target + 1 - levels.shape[1]))

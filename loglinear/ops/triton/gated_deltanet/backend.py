@@ -132,8 +132,8 @@ def gated_deltanet_core(
     if levels is not None:
         levels = carry_past(levels, position) if position > 0 else levels
         J = max(J, levels.shape[1] - c - 1)
-        first = min(T, C - ch.front)  # the first chunk's tokens: only they read the in-chunk buckets
-        lc0 = chunked(pad_time(lam[:, :first], ch.front, C - ch.front - first), C)[:, :, 0]  # [b, H, C, L]
+        n0 = min(T, C - ch.front)  # the first chunk's tokens: only they read the in-chunk buckets
+        lc0 = chunked(pad_time(lam[:, :n0], ch.front, C - ch.front - n0), C)[:, :, 0]  # [b, H, C, L]
         partial, weights, h0, seeds = _incoming_state(levels, position, ch, J, lc0)
         first = (weights.flatten(0, 1), partial.flatten(0, 1))
 
