@@ -201,7 +201,7 @@ def _gate_grad(d_gate: torch.Tensor, totals: torch.Tensor, g: torch.Tensor, gate
         later, N = alloc(tuple(totals.shape), torch.float32, totals.device), table.base.numel()
         mamba2_gate_later_kernel[(N, H)](totals, later, table.base, H=H, K=K, N=N, NC=NC, R=GATE_LATER_BLOCK,
                                          BK=next_pow2(K), **launch_options(mamba2_gate_later_kernel))
-        mamba2_gate_grad_kernel[(NC, H)](d_gate, later, g, gate, dg, table.starts, table.ends, H=H, K=K,
+        mamba2_gate_grad_kernel[(NC * H,)](d_gate, later, g, gate, dg, table.starts, table.ends, H=H, K=K,
                                          C=plan.chunk_size, BK=next_pow2(K), PER_CHANNEL=plan.per_channel,
                                          FLOOR=FLOOR, **launch_options(mamba2_gate_grad_kernel))
     _zero_prefixes(plan, dg)
@@ -231,7 +231,7 @@ def _merge_levels(k, v, gate, levels, ranges, table: ChunkTable, plan: LevelScan
     J = plan.num_levels if not plan.plain else 0  # plain: no decays
     decays = alloc((NC, H, J, k.shape[-1]) if plan.per_channel else (NC, H, J), torch.float32, k.device)
     if NC and not plan.plain:  # the plain scan forms its deposits itself
-        mamba2_deposit_kernel[(NC, H)](
+        mamba2_deposit_kernel[(NC * H,)](
             k, v, gate, buckets, table.starts, table.ends, BK=BK, BV=BV, **_sizes(plan, k, v),
             **_launch(mamba2_deposit_kernel, plan),
         )
@@ -290,7 +290,7 @@ def _forward(q, k, v, gate, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> 
     buckets, decays = _merge_levels(k, v, gate, levels, ranges, table, plan)
     NC, scores = table.starts.numel(), _channel_scores(q, k, gate, table, plan)
     if NC:
-        mamba2_chunk_fwd_kernel[(NC, v.shape[1])](
+        mamba2_chunk_fwd_kernel[(NC * v.shape[1],)](
             q, k, v, gate, lam, o, *_initial_reads(h0, q, plan), buckets, decays, scores,
             table.starts, table.ends, table.seqs, table.chunks, ranges[2], plan.scale, L=lam.shape[-1],
             J=plan.num_levels, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, BJ=MAX_CHUNK_LEVELS,
@@ -392,7 +392,7 @@ def _dq_grads(q, k, v, gate, lam, h0, d_o, ranges, buckets, scores, saved: _Save
     q_dec = alloc((tokens, H, K), q.dtype, q.device) if plan.per_channel else q  # a scalar gate: never written
     dq_in, dk_in = _channel_intra_grads(q, k, v, gate, lam, d_o, table, plan)
     if table.starts.numel():
-        mamba2_chunk_bwd_dq_kernel[(table.starts.numel(), H)](
+        mamba2_chunk_bwd_dq_kernel[(table.starts.numel() * H,)](
             q, k, v, gate, lam, d_o, *_initial_reads(h0, q, plan), buckets, saved.decays, scores, dq_in,
             table.starts, table.ends, table.seqs, table.chunks, ranges[2], plan.scale, dq, dlam, qdq, q_dec,
             BL=next_pow2(L, minimum=32), BJ=MAX_CHUNK_LEVELS, J=plan.num_levels, HAS_INIT=plan.has_init,
@@ -413,7 +413,7 @@ def _initial_read_grads(q, readers, gate, lam, d_o, ranges, saved: _Saved, plan:
     chunks = max(triton.cdiv(b - a, plan.chunk_size) for a, b in zip(plan.bos, plan.eos))
     S = max(1, triton.cdiv(chunks, INITIAL_READERS))
     d_init = alloc((S, N, J, H, q.shape[-1], d_o.shape[-1]), torch.float32, q.device)
-    mamba2_initial_grad_kernel[(S * N * J, H)](
+    mamba2_initial_grad_kernel[(S * N * J * H,)](
         readers, gate, lam, d_o, saved.decays, *ranges, table.base, d_init, plan.scale, N=N, S=S, J=J,
         **_chunk_sizes(plan, q, d_o, lam), **_launch(mamba2_initial_grad_kernel, plan),
     )
@@ -455,7 +455,7 @@ def _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, d_gate, final
     dk, dv = alloc((tokens, H, K), k.dtype, k.device), alloc(tuple(v.shape), v.dtype, v.device)
     totals = alloc(_gate_shape(plan, NC, H, K), torch.float32, k.device)
     if NC:
-        mamba2_chunk_bwd_dkv_kernel[(NC, H)](
+        mamba2_chunk_bwd_dkv_kernel[(NC * H,)](
             q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, table.starts, table.ends, table.seqs, ranges[1],
             final_terms, plan.scale, dk, dv, d_gate, totals, **_chunk_sizes(plan, q, v, lam),
             **_launch(mamba2_chunk_bwd_dkv_kernel, plan),

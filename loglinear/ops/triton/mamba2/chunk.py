@@ -101,10 +101,17 @@ CHUNK_RUNTIME_ARGS = ["H", "G", "L", "J"]
 
 
 @triton.jit
-def chunk_rows(starts, ends, C: tl.constexpr):
-    """Chunk program_id(0): its first token t0 (int64), r = arange(C), the token indices t = t0 + r and
-    whether each is inside its sequence."""
-    p = tl.program_id(0)
+def chunk_head(H):
+    """(kernel chunk p (int64), head h) of a program of a grid (NC * H,): program p * H + h. Heads vary fastest, so
+    the heads of a chunk run side by side and share its q / k tiles (one group's) in L2."""
+    pid = tl.program_id(0)
+    return (pid // H).to(tl.int64), pid % H
+
+
+@triton.jit
+def chunk_rows(p, starts, ends, C: tl.constexpr):
+    """Kernel chunk p: its first token t0 (int64), r = arange(C), the token indices t = t0 + r and whether each
+    is inside its sequence."""
     r = tl.arange(0, C)
     t0 = tl.load(starts + p).to(tl.int64)
     t = t0 + r
@@ -112,9 +119,8 @@ def chunk_rows(starts, ends, C: tl.constexpr):
 
 
 @triton.jit
-def chunk_position(seqs, chunks, chunk0):
-    """Chunk program_id(0): (sequence n, absolute chunk index, the sequence's first absolute chunk c0)."""
-    p = tl.program_id(0)
+def chunk_position(p, seqs, chunks, chunk0):
+    """Kernel chunk p: (sequence n, absolute chunk index, the sequence's first absolute chunk c0)."""
     n = tl.load(seqs + p)
     return n, tl.load(chunks + p).to(tl.int64), tl.load(chunk0 + n).to(tl.int64)
 
@@ -132,21 +138,20 @@ def gates(g, t, valid, h, H, K, kk, PER_CHANNEL: tl.constexpr):
 
 
 @triton.jit
-def read_bucket(buckets, decays, h, H, J, K, V, chunk, c0, j, kk, offs, mask, PLAIN: tl.constexpr,
+def read_bucket(buckets, decays, p, h, H, J, K, V, chunk, c0, j, kk, offs, mask, PLAIN: tl.constexpr,
                 PER_CHANNEL: tl.constexpr):
-    """Level j as this chunk reads it from its bucket in buckets [NC, H, K, V] (the merge levels.level_source
+    """Level j as kernel chunk p reads it from its bucket in buckets [NC, H, K, V] (the merge levels.level_source
     points to), before its decay: [BK, BV] in buckets' dtype; and exp(decay_j) (level_decay)."""
-    p = tl.program_id(0).to(tl.int64)
     _, back = level_source(chunk, c0, j, False, PLAIN)
     state = tl.load(buckets + ((p - back) * H + h) * K * V + offs, mask=mask, other=0.0)
     return state, level_decay(decays, p, h, H, J, K, j, kk, PLAIN, PER_CHANNEL)
 
 
 @triton.jit
-def read_initial(h0, decays, n, h, H, J, K, V, j, kk, offs, mask, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """Level j as this chunk reads it from the initial states h0 [N, J, H, K, V] (level_source kind 2; in the
-    operand dtype, as the readouts round every level), before its decay: [BK, BV]; and exp(decay_j)."""
-    p = tl.program_id(0).to(tl.int64)
+def read_initial(h0, decays, p, n, h, H, J, K, V, j, kk, offs, mask, PLAIN: tl.constexpr,
+                 PER_CHANNEL: tl.constexpr):
+    """Level j as kernel chunk p (of sequence n) reads it from the initial states h0 [N, J, H, K, V] (level_source
+    kind 2; in the operand dtype, as the readouts round every level), before its decay: [BK, BV]; and exp(decay_j)."""
     state = tl.load(h0 + ((n * J + j) * H + h) * K * V + offs, mask=mask, other=0.0)
     return state, level_decay(decays, p, h, H, J, K, j, kk, PLAIN, PER_CHANNEL)
 
@@ -275,12 +280,12 @@ def mamba2_gate_grad_kernel(
     Gl = sum of max(g, FLOOR) (cum [tokens, H, K] fp32: G, its last row) is <= FLOOR on some channel, as it is
     whenever a g of the chunk is (every term is <= 0, and rounding keeps the fp32 partial sums monotone): a gate
     that stays above the floor costs no read of g. A scalar gate came floored: g and cum are not read.
-    Grid (NC, H)."""
-    h = tl.program_id(1)
-    t0, r, t, valid = chunk_rows(starts, ends, C)
+    Grid (NC * H,) (chunk_head)."""
+    ci, h = chunk_head(H)
+    t0, r, t, valid = chunk_rows(ci, starts, ends, C)
     kk = tl.arange(0, BK)
     x = tl.cumsum(load_gate_rows(d_gate, t0, r, t, valid, h, H, K, kk, PER_CHANNEL), 0, reverse=True)
-    row = tl.program_id(0).to(tl.int64) * H + h
+    row = ci * H + h
     if PER_CHANNEL:
         x += tl.load(later + row * K + kk, mask=kk < K, other=0.0)[None, :]
         if tl.min(channel_gates(cum, t, valid, h, H, K, kk)[1], 0) <= FLOOR:
@@ -321,15 +326,15 @@ def mamba2_deposit_kernel(
     the forward scan merges D_p and overwrites the slot with the merged level). Not used by plain calls: their
     forward scan forms the deposits itself.
     k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] (G [tokens, H, K] fp32 with PER_CHANNEL, gates()); buckets:
-    [NC, H, K, V].  Grid (NC, H)."""
-    h = tl.program_id(1)
-    t0, r, t, valid = chunk_rows(starts, ends, C)
-    if t0 + C < tl.load(ends + tl.program_id(0)):
+    [NC, H, K, V].  Grid (NC * H,) (chunk_head)."""
+    ci, h = chunk_head(H)
+    t0, r, t, valid = chunk_rows(ci, starts, ends, C)
+    if t0 + C < tl.load(ends + ci):
         kk, vv = tl.arange(0, BK), tl.arange(0, BV)
         Gc, Gl = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
         deposit = chunk_deposit(load_tile(k, t0, r, valid, h // (H // G), G, K, kk),
                                 load_tile(v, t0, r, valid, h, H, V, vv), Gc, Gl, PRECISION, PER_CHANNEL)
-        tl.store(buckets + (tl.program_id(0).to(tl.int64) * H + h) * K * V + kk[:, None] * V + vv[None, :],
+        tl.store(buckets + (ci * H + h) * K * V + kk[:, None] * V + vv[None, :],
                  deposit.to(buckets.dtype.element_ty), mask=(kk[:, None] < K) & (vv[None, :] < V))
 
 
@@ -376,10 +381,10 @@ def mamba2_chunk_fwd_kernel(
     scores is not read); lam: [tokens, H, L] (not read when PLAIN); h0: [N, J, H, K, V] (q's dtype),
     h0_held: [N, J] int8, 0 where a level of h0 is all zeros (not read: it adds nothing); buckets: [NC, H, K, V],
     decays: [NC, H, J] ([NC, H, J, K]) fp32 (the forward scan's); starts, ends, seqs, chunks: [NC] int32 (the
-    chunk table), chunk0: [N].  Grid (NC, H)."""
-    h = tl.program_id(1)
-    t0, r, t, valid = chunk_rows(starts, ends, C)
-    n, chunk, c0 = chunk_position(seqs, chunks, chunk0)
+    chunk table), chunk0: [N].  Grid (NC * H,) (chunk_head)."""
+    ci, h = chunk_head(H)
+    t0, r, t, valid = chunk_rows(ci, starts, ends, C)
+    n, chunk, c0 = chunk_position(ci, seqs, chunks, chunk0)
     kk, vv, jj = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BJ)
     offs = kk[:, None] * V + vv[None, :]
     lmask = (kk[:, None] < K) & (vv[None, :] < V)
@@ -393,13 +398,14 @@ def mamba2_chunk_fwd_kernel(
     live, rank, count = bucket_levels(chunk, c0, jj, J, PLAIN)
     for i in range(count):
         j = nth_level(live, rank, jj, i)
-        state, to_now = read_bucket(buckets, decays, h, H, J, K, V, chunk, c0, j, kk, offs, lmask, PLAIN, PER_CHANNEL)
+        state, to_now = read_bucket(buckets, decays, ci, h, H, J, K, V, chunk, c0, j, kk, offs, lmask, PLAIN,
+                                    PER_CHANNEL)
         read += readout(qc, q_dec, state, to_now, lam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION, PLAIN,
                         PER_CHANNEL)
     if HAS_INIT:
         for j in range(J):
             if (level_source(chunk, c0, j, True, PLAIN)[0] == 2) & (tl.load(h0_held + n * J + j) != 0):
-                state, to_now = read_initial(h0, decays, n, h, H, J, K, V, j, kk, offs, lmask, PLAIN, PER_CHANNEL)
+                state, to_now = read_initial(h0, decays, ci, n, h, H, J, K, V, j, kk, offs, lmask, PLAIN, PER_CHANNEL)
                 read += readout(qc, q_dec, state, to_now, lam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION, PLAIN,
                                 PER_CHANNEL)
     if not PER_CHANNEL:
@@ -435,10 +441,11 @@ def mamba2_chunk_bwd_dq_kernel(
     dQ comes from dq_in; q * dQ). Inputs as the forward, do: [tokens, H, V]. Out: dq: [tokens, H, K] (q's dtype, per
     value head), dlam: [tokens, H, L] (lam's dtype), qdq: [tokens, H] ([tokens, H, K] with PER_CHANNEL) fp32, the
     gate gradient's q term (for the dk / dv kernel); with PER_CHANNEL q_dec = Q * exp(G) [tokens, H, K] (q's
-    dtype, per value head), the level gradient's queries (not written for a scalar gate). Grid (NC, H)."""
-    h = tl.program_id(1)
-    t0, r, t, valid = chunk_rows(starts, ends, C)
-    n, chunk, c0 = chunk_position(seqs, chunks, chunk0)
+    dtype, per value head), the level gradient's queries (not written for a scalar gate).
+    Grid (NC * H,) (chunk_head)."""
+    ci, h = chunk_head(H)
+    t0, r, t, valid = chunk_rows(ci, starts, ends, C)
+    n, chunk, c0 = chunk_position(ci, seqs, chunks, chunk0)
     kk, vv, ll, jj = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BL), tl.arange(0, BJ)
     offs = kk[:, None] * V + vv[None, :]
     lmask = (kk[:, None] < K) & (vv[None, :] < V)
@@ -460,14 +467,16 @@ def mamba2_chunk_bwd_dq_kernel(
     live, rank, count = bucket_levels(chunk, c0, jj, J, PLAIN)
     for i in range(count):
         j = nth_level(live, rank, jj, i)
-        state, to_now = read_bucket(buckets, decays, h, H, J, K, V, chunk, c0, j, kk, offs, lmask, PLAIN, PER_CHANNEL)
+        state, to_now = read_bucket(buckets, decays, ci, h, H, J, K, V, chunk, c0, j, kk, offs, lmask, PLAIN,
+                                    PER_CHANNEL)
         d_q += readout_grad(doc, q_read, state, to_now, row_scale, lam, dlam, t, valid, h, H, L, LOG_C + 1 + j,
                             PRECISION, PLAIN, PER_CHANNEL)
     if HAS_INIT:
         for j in range(J):
             if level_source(chunk, c0, j, True, PLAIN)[0] == 2:
                 if tl.load(h0_held + n * J + j) != 0:
-                    state, to_now = read_initial(h0, decays, n, h, H, J, K, V, j, kk, offs, lmask, PLAIN, PER_CHANNEL)
+                    state, to_now = read_initial(h0, decays, ci, n, h, H, J, K, V, j, kk, offs, lmask, PLAIN,
+                                                 PER_CHANNEL)
                     d_q += readout_grad(doc, q_read, state, to_now, row_scale, lam, dlam, t, valid, h, H, L,
                                         LOG_C + 1 + j, PRECISION, PLAIN, PER_CHANNEL)
                 elif not PLAIN:  # an empty level: its lambda column's gradient is 0
@@ -496,9 +505,9 @@ def mamba2_chunk_bwd_dkv_kernel(
     the backward scan's; not read for a sequence's last chunk, which deposits nothing), and the gate gradient's
     chunk part (chunk_gate_grads: d_gate in/out, totals out; seqs: [NC] the chunk table's, eos: [N] the
     sequences' ends, final_terms: [N, H(, K)] fp32). Out: dk: [tokens, H, K] (k's dtype, per value head),
-    dv: [tokens, H, V] (v's dtype).  Grid (NC, H)."""
-    h = tl.program_id(1)
-    t0, r, t, valid = chunk_rows(starts, ends, C)
+    dv: [tokens, H, V] (v's dtype).  Grid (NC * H,) (chunk_head)."""
+    ci, h = chunk_head(H)
+    t0, r, t, valid = chunk_rows(ci, starts, ends, C)
     kk, vv = tl.arange(0, BK), tl.arange(0, BV)
     qc, kc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk), load_tile(k, t0, r, valid, h // (H // G), G, K, kk)
     vc = load_tile(v, t0, r, valid, h, H, V, vv)
@@ -507,9 +516,9 @@ def mamba2_chunk_bwd_dkv_kernel(
     p, weights, _, d_k = intra_block(qc, kc, vc, doc, scores, lam, t0, r, t, valid, h, H, L, Gc, scale, C, LOG_C,
                                      PRECISION, PLAIN, PER_CHANNEL, False, True)
     d_v = tl.dot(tl.trans((p * weights).to(doc.dtype)), doc, input_precision=PRECISION) * scale
-    if PLAIN or t0 + C < tl.load(ends + tl.program_id(0)):
+    if PLAIN or t0 + C < tl.load(ends + ci):
         offs = kk[:, None] * V + vv[None, :]
-        d_d = tl.load(d_deposits + (tl.program_id(0).to(tl.int64) * H + h) * K * V + offs,
+        d_d = tl.load(d_deposits + (ci * H + h) * K * V + offs,
                       mask=(kk[:, None] < K) & (vv[None, :] < V), other=0.0).to(vc.dtype)
         if PER_CHANNEL:
             to_end = tl.exp(Gl[None, :] - Gc)
@@ -522,9 +531,9 @@ def mamba2_chunk_bwd_dkv_kernel(
         d_k += load_tile(dk_in, t0, r, valid, h, H, K, kk)
     store_tile(dk, d_k, t0, r, valid, h, H, K, kk)
     store_tile(dv, d_v, t0, r, valid, h, H, V, vv)
-    n = tl.load(seqs + tl.program_id(0))
+    n = tl.load(seqs + ci)
     chunk_gate_grads(d_gate, totals, final_terms, d_k, kc, t0, r, t, valid, tl.load(eos_ptr + n).to(tl.int64) - 1,
-                     tl.program_id(0).to(tl.int64), n, h, H, K, kk, PER_CHANNEL)
+                     ci, n, h, H, K, kk, PER_CHANNEL)
 
 
 @triton.jit
@@ -591,8 +600,8 @@ def mamba2_initial_grad_kernel(
     s of the readers of level j of sequence n (the chunks c0 .. ((c0 >> j) + 1) 2^j - 1 of the sequence, cut into S
     equal runs; 0 where a run is empty, and for the levels below ctz(c0), which the carry cleared). PLAIN: one
     level, read by the sequence's first chunk. Other arguments as the scans (bos, eos, chunk0, base [N]) and
-    mamba2_level_grad_kernel. Grid (S * N * J, H)."""
-    pid, h = tl.program_id(0), tl.program_id(1)
+    mamba2_level_grad_kernel. Grid (S * N * J * H,): program i * H + h (heads vary fastest, as chunk_head)."""
+    pid, h = tl.program_id(0) // H, tl.program_id(0) % H
     s, n, j = pid // (N * J), (pid // J) % N, pid % J
     bos, eos, c0, base = sequence_range(n, bos_ptr, eos_ptr, chunk0_ptr, base_ptr)
     readers = tl.minimum((((c0 >> j) + 1) << j) - c0, tl.cdiv(eos - bos, C))
