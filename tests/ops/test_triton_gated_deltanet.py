@@ -169,13 +169,13 @@ def test_continuation_from_a_state(positions):
     _compare(x, _state(2, L, 2, 8, 4, positions, torch.float64))
 
 
-@pytest.mark.parametrize("position, seeds", [(256, 0b10001), (128, 0b1001), (64, 0b1101), (80, 0b1111)])
+@pytest.mark.parametrize("position, seeds", [(256, 0b10000), (128, 0b1000), (64, 0b1100), (80, 0b1111)])
 def test_continuation_seeds_only_the_levels_the_carry_left(position, seeds, monkeypatch):
     """A state at an aligned position, 100 tokens in chunks of 16 (c = 4; J = 4 chunk levels, 5 at 256): the carry
-    past the position clears the token levels up to ctz(position), so the scan seeds only the chunk levels above
-    them and the first chunk's cascade target (256: levels 4 and 0; 128: 3 and 0; 64: 2, 3 and 0; 80: all, the
-    carry clears no chunk level), never the cleared ones; o, the final state and every gradient (the junk-filled
-    state's too) match the float64 reference."""
+    past the position clears the token levels up to ctz(position), the in-chunk ones among them, so the scan seeds
+    only the chunk levels above them (256: level 4; 128: 3; 64: 2 and 3; 80: all, the carry clears no chunk level)
+    and nothing for the in-chunk buckets, never the cleared ones; o, the final state and every gradient (the
+    junk-filled state's too) match the float64 reference."""
     seen = []
     apply = scan_module.FenwickDeltaScan.apply
     monkeypatch.setattr(scan_module.FenwickDeltaScan, "apply", lambda *a: seen.append(a[10]) or apply(*a))

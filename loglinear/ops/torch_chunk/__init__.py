@@ -1,6 +1,8 @@
 """Portable chunkwise backend (any device, autograd): the Fenwick chunk scan over a variant's chunk form
 (loglinear.variants: Mamba2Form, GatedDeltaNetForm)."""
 
-from loglinear.ops.torch_chunk.scan import carry_past, chunk_scan, chunked, final_levels, level_scales_at, pad_time
+from loglinear.ops.torch_chunk.scan import (
+    carry_past, chunk_levels_past, chunk_scan, chunked, final_levels, level_scales_at, pad_time,
+)
 
-__all__ = ["chunk_scan", "carry_past", "chunked", "final_levels", "level_scales_at", "pad_time"]
+__all__ = ["chunk_scan", "carry_past", "chunk_levels_past", "chunked", "final_levels", "level_scales_at", "pad_time"]

@@ -66,6 +66,41 @@ def carry_past(levels: torch.Tensor, position: int | torch.Tensor) -> torch.Tens
     return torch.cat([torch.zeros_like(levels[:, :target]), merged, levels[:, target + 1 :]], 1)
 
 
+class _ChunkLevelsPast(torch.autograd.Function):
+    """chunk_levels_past's carry and slice in one step: one read of the state forward, one write of its gradient
+    backward (the general carry_past, slices and pads each copy the whole state, forward and in autograd)."""
+
+    @staticmethod
+    def forward(ctx, levels: torch.Tensor, target: int, c: int, J: int) -> torch.Tensor:
+        L, j0 = levels.shape[1], target - c - 1
+        out = levels.new_zeros(levels.shape[0], J, *levels.shape[2:])
+        out[:, j0] = levels[:, : target + 1].sum(1)
+        above = levels[:, target + 1 : c + 1 + J]
+        out[:, j0 + 1 : j0 + 1 + above.shape[1]] = above
+        ctx.sizes = (L, min(L, target + 1), j0)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out: torch.Tensor) -> tuple:
+        L, merged, j0 = ctx.sizes
+        d_levels = d_out.new_empty(d_out.shape[0], L, *d_out.shape[2:])
+        d_levels[:, :merged] = d_out[:, j0 : j0 + 1]
+        d_levels[:, merged:] = d_out[:, j0 + 1 : j0 + 1 + L - merged]
+        return d_levels, None, None, None
+
+
+def chunk_levels_past(levels: torch.Tensor, position: int, chunk_size: int, J: int) -> torch.Tensor:
+    """The chunk levels c+1 .. c+J (c = log2 chunk_size) of the state carried past a chunk-aligned ``position``
+    (> 0, a multiple of chunk_size; carry_past): levels [b, L, H, K, V], L <= c + 1 + J -> [b, J, H, K, V]. The
+    carry clears every level below its target t = ctz(position) + 1 > c, so the in-chunk levels are 0 and chunk
+    level t - c - 1 holds the sum of levels 0..t; the result's levels below it are 0 (no gradient flows there)."""
+    c, target = chunk_bits(chunk_size), ctz(position) + 1
+    if position <= 0 or position % chunk_size or levels.shape[1] > c + 1 + J:
+        raise ValueError(f"chunk_levels_past takes an aligned position > 0 and at most c + 1 + J levels, got position "
+                         f"{position}, chunk_size {chunk_size}, {levels.shape[1]} levels, J = {J}")
+    return _ChunkLevelsPast.apply(levels, target, c, J)
+
+
 def level_scales_at(lam: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """lam: [..., C, L]; idx: [C, M] level per (query, slot) -> [..., C, M] (levels >= L read as 0).
 

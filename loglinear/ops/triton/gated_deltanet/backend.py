@@ -33,7 +33,9 @@ import torch
 
 from loglinear.fenwick import carry_target, chunk_bits, ctz, incoming_levels, levels_needed
 from loglinear.inputs import OpInputs, expand_groups, l2norm, run_segments
-from loglinear.ops.torch_chunk import carry_past, chunked, final_levels, level_scales_at, pad_time
+from loglinear.ops.torch_chunk import (
+    carry_past, chunk_levels_past, chunked, final_levels, level_scales_at, pad_time,
+)
 from loglinear.ops.triton.gated_deltanet.chunking import Chunking, chunk_cap
 from loglinear.ops.triton.gated_deltanet.local import chunk_local
 from loglinear.ops.triton.gated_deltanet.scan import fenwick_delta_scan
@@ -129,7 +131,11 @@ def gated_deltanet_core(
 
     J = max((end - 1) // C, 1).bit_length()
     partial = h0 = seeds = first = None
-    if levels is not None:
+    if levels is not None and position > 0 and ch.front == 0:  # aligned: the carry cleared the in-chunk levels
+        J = max(J, levels.shape[1] - c - 1, ctz(position) + 1 - c)
+        h0 = chunk_levels_past(levels, position, C, J).transpose(1, 2).reshape(ch.BH, J, K, v.shape[-1])
+        seeds = ((1 << J) - 1) & ~((1 << (ctz(position) - c)) - 1)
+    elif levels is not None:
         levels = carry_past(levels, position) if position > 0 else levels
         J = max(J, levels.shape[1] - c - 1)
         n0 = min(T, C - ch.front)  # the first chunk's tokens: only they read the in-chunk buckets
