@@ -104,13 +104,14 @@ def test_carry_past_is_the_fenwick_carry():
 def test_chunk_levels_past_is_the_carried_chunk_levels(position, width, J):
     """chunk_levels_past (one step, its own backward) = carry_past then the chunk levels c+1 .. c+J, zero-padded,
     values and the state's gradient; levels wider than the target included."""
+    from loglinear.fenwick import ctz
     from loglinear.ops.torch_chunk import carry_past, chunk_levels_past
 
     C, c = 8, 3
     levels = torch.randn(2, width, 3, 4, 2, dtype=torch.float64, requires_grad=True)
     carried = carry_past(levels, position)[:, c + 1 :]
     want = torch.nn.functional.pad(carried, (0, 0, 0, 0, 0, 0, 0, J - carried.shape[1]))
-    got = chunk_levels_past(levels, position, C, J)
+    got = chunk_levels_past(levels, ctz(position) + 1, C, J)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     d_out = torch.randn_like(want)
     (d_want,) = torch.autograd.grad(want, levels, d_out)
@@ -118,9 +119,9 @@ def test_chunk_levels_past_is_the_carried_chunk_levels(position, width, J):
     torch.testing.assert_close(d_got, d_want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("position, width", [(0, 3), (12, 3), (16, 9)])
-def test_chunk_levels_past_rejects_unaligned_positions_and_wide_states(position, width):
+@pytest.mark.parametrize("target, width", [(3, 3), (1, 3), (8, 3), (4, 9)])
+def test_chunk_levels_past_rejects_in_chunk_targets_and_wide_states(target, width):
     from loglinear.ops.torch_chunk import chunk_levels_past
 
-    with pytest.raises(ValueError, match="aligned position"):
-        chunk_levels_past(torch.zeros(1, width, 1, 2, 2), position, 8, 4)
+    with pytest.raises(ValueError, match="carry target"):
+        chunk_levels_past(torch.zeros(1, width, 1, 2, 2), target, 8, 4)

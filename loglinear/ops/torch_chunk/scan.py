@@ -89,15 +89,16 @@ class _ChunkLevelsPast(torch.autograd.Function):
         return d_levels, None, None, None
 
 
-def chunk_levels_past(levels: torch.Tensor, position: int, chunk_size: int, J: int) -> torch.Tensor:
-    """The chunk levels c+1 .. c+J (c = log2 chunk_size) of the state carried past a chunk-aligned ``position``
-    (> 0, a multiple of chunk_size; carry_past): levels [b, L, H, K, V], L <= c + 1 + J -> [b, J, H, K, V]. The
-    carry clears every level below its target t = ctz(position) + 1 > c, so the in-chunk levels are 0 and chunk
-    level t - c - 1 holds the sum of levels 0..t; the result's levels below it are 0 (no gradient flows there)."""
-    c, target = chunk_bits(chunk_size), ctz(position) + 1
-    if position <= 0 or position % chunk_size or levels.shape[1] > c + 1 + J:
-        raise ValueError(f"chunk_levels_past takes an aligned position > 0 and at most c + 1 + J levels, got position "
-                         f"{position}, chunk_size {chunk_size}, {levels.shape[1]} levels, J = {J}")
+def chunk_levels_past(levels: torch.Tensor, target: int, chunk_size: int, J: int) -> torch.Tensor:
+    """The chunk levels c+1 .. c+J (c = log2 chunk_size) of the state after the carry into level ``target`` > c
+    (carry_past of a chunk-aligned position p, target = ctz(p) + 1; one target for every row): levels
+    [b, L, H, K, V] with L <= c + 1 + J -> [b, J, H, K, V]. The carry clears the levels below the target, the
+    in-chunk ones among them, so chunk level target - c - 1 holds the sum of levels 0..target, the levels above
+    are as they were and those below are 0 (no gradient flows there)."""
+    c = chunk_bits(chunk_size)
+    if not c < target <= c + J or levels.shape[1] > c + 1 + J:
+        raise ValueError(f"chunk_levels_past takes a carry target in (c, c + J] = ({c}, {c + J}] and at most "
+                         f"c + 1 + J = {c + 1 + J} levels, got target {target} and {levels.shape[1]} levels")
     return _ChunkLevelsPast.apply(levels, target, c, J)
 
 

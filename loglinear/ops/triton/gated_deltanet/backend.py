@@ -133,7 +133,7 @@ def gated_deltanet_core(
     partial = h0 = seeds = first = None
     if levels is not None and position > 0 and ch.front == 0:  # aligned: the carry cleared the in-chunk levels
         J = max(J, levels.shape[1] - c - 1, ctz(position) + 1 - c)
-        h0 = chunk_levels_past(levels, position, C, J).transpose(1, 2).reshape(ch.BH, J, K, v.shape[-1])
+        h0 = chunk_levels_past(levels, ctz(position) + 1, C, J).transpose(1, 2).reshape(ch.BH, J, K, v.shape[-1])
         seeds = ((1 << J) - 1) & ~((1 << (ctz(position) - c)) - 1)
     elif levels is not None:
         levels = carry_past(levels, position) if position > 0 else levels
