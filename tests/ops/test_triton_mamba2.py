@@ -9,6 +9,8 @@ import weakref
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from triton.runtime.interpreter import InterpretedFunction
 
 from helpers import assert_close, compare_with_reference, make_inputs, mamba2_args
 from loglinear import FenwickState, log_linear_mamba2
@@ -237,15 +239,19 @@ def test_index_tables_are_cached_per_plan():
 
 
 class _CountOps(TorchDispatchMode):
-    """Counts the torch ops dispatched while active."""
+    """Counts the torch ops dispatched while active (``ops``), and those that are no view and touch a tensor of 5 or
+    more dims, state-sized [N, levels, H, K, V] (``state_ops``)."""
 
     def __init__(self):
         super().__init__()
-        self.ops = 0
+        self.ops = self.state_ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
         self.ops += 1
-        return func(*args, **(kwargs or {}))
+        self.state_ops += not func.is_view and any(t.dim() >= 5 for t in tensors)
+        return out
 
 
 def test_final_states_of_many_sequences_take_one_batch_of_ops(monkeypatch):
@@ -272,6 +278,32 @@ def test_final_states_of_many_sequences_take_one_batch_of_ops(monkeypatch):
         log_linear_mamba2(**{n: t.float() for n, t in x.items()}, cu_seqlens=bounds, output_final_state=True,
                           chunk_size=16)
     assert 0 < counts[3] <= counts[2] + 4, counts  # not per sequence (one op per sequence would add 11)
+
+
+def _state_ops(x: dict, state: FenwickState | None) -> int:
+    """State-sized torch ops (_CountOps.state_ops) of a forward + backward with the final state (fp32 inputs)."""
+    leaves = {n: t.float().requires_grad_() for n, t in x.items()}
+    if state is not None:
+        state = FenwickState(state.levels.float().requires_grad_(), state.positions)
+    with _CountOps() as mode:
+        o, final = log_linear_mamba2(**leaves, initial_state=state, output_final_state=True, chunk_size=16)
+        (o.sum() + final.levels.sum()).backward()
+    return mode.state_ops
+
+
+def test_one_carry_target_reads_the_state_once(monkeypatch):
+    """Sequences at aligned positions that all carry into one level (3072 = 3 * 2^10, 16-token chunks: token level
+    11, chunk level 6; junk in every level, some above the target): the chunk levels straight from the caller's
+    levels, those below the target's neither read nor given a gradient. Outputs, final state and every gradient
+    match the reference (a first level one too high drops the carried sum), and the state adds at most 8
+    state-sized torch ops to the forward + backward (kernels stubbed; the general carry adds 16)."""
+    B, T, H, K, V = 2, 40, 2, 8, 5
+    x = mamba2_args(make_inputs(B, T, 1, H, K, V, start=3072))
+    state = _random_state(B, [3072, 3072], H, K, V)
+    _compare(x, state=state)
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *args, **kwargs: None)
+    counts = [[_state_ops(x, st) for st in (None, state)] for _ in range(2)][1]  # the second: tables cached
+    assert counts[1] <= counts[0] + 8, counts
 
 
 def test_float64_uses_the_exact_torch_path():

@@ -6,7 +6,8 @@ Composition (all sequences of a call in one launch per kernel):
   2. a sequence whose state is not at a chunk boundary (or a state at position 0) first runs its
      first C - p_n mod C tokens through the torch chunk path (exact, differentiable), so the kernels
      always start chunk-aligned: after the carry past an aligned position, every incoming level is a
-     chunk level (token level > c);
+     chunk level (token level > c), and those below the carry's target are 0 (LevelScanPlan.first_level: not
+     read, no gradient);
   3. forward: a chunk-parallel kernel computes every chunk's deposit, a sequential scan merges them
      through the chunk levels (fwd.py: recording each merged level and every chunk's level
      decays; no GEMM, the states cut into K-row blocks), then a chunk-parallel kernel computes the
@@ -109,6 +110,7 @@ class LevelScanPlan:
     scale: float
     plain: bool = False
     per_channel: bool = False  # g [tokens, H, K] (GLA), else [tokens, H]
+    first_level: int = 0  # chunk levels below it are 0 in every h0 (the carry cleared them): not read, no gradient
 
     def device_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """bos, eos, chunk0 as int32 [N] tensors on ``device`` (cached, see _tables)."""
@@ -250,13 +252,15 @@ class _Saved:
     """What the backward needs besides save_for_backward's tensors: the chunk table, the merged levels
     ``buckets`` [NC, H, K, V] (k's dtype; None once a backward took them), the level decays [NC, H, J] fp32,
     what the kernels read of the gate (_read_gate: per channel G [tokens, H, K] fp32, else g) and, per channel,
-    the in-chunk scores P [tokens, H, C] in q's dtype (_channel_scores; None once a backward took them)."""
+    the in-chunk scores P [tokens, H, C] in q's dtype (_channel_scores; None once a backward took them), and what
+    the chunk kernels read of the initial states (_initial_reads: formed once, read by the forward and dq kernels)."""
 
     table: ChunkTable
     buckets: torch.Tensor | None
     decays: torch.Tensor
     gate: torch.Tensor
     scores: torch.Tensor | None
+    initial: tuple[torch.Tensor, torch.Tensor]
 
     def take_buckets(self, k, v, gate, h0, ranges, plan: LevelScanPlan) -> torch.Tensor:
         """The buckets, no longer held here, so the backward frees them after their only reader (the dq
@@ -277,27 +281,36 @@ class _Saved:
 def _initial_reads(h0: torch.Tensor, q: torch.Tensor, plan: LevelScanPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """What the chunk kernels read of the initial states h0 [N, J, H, K, V] fp32: h0 in q's dtype (their readouts
     round every level to it, so the same products) and held [N, J] int8, 0 for an all-zero level, which they skip
-    (a state a call leaves holds only its position's levels). Without states: h0 and h0 (never read)."""
+    (a state a call leaves holds only its position's levels). Levels below plan.first_level are 0 by construction:
+    held 0 without a read, and not converted (never read). Without states: h0 and h0 (never read)."""
     if not plan.has_init:
         return h0, h0
-    return h0.to(q.dtype).contiguous(), h0.ne(0).flatten(2).any(2).to(torch.int8)
+    j0, live = plan.first_level, h0[:, plan.first_level :]
+    held = F.pad(live.ne(0).flatten(2).any(2).to(torch.int8), (j0, 0))
+    if h0.dtype == q.dtype:
+        return h0, held
+    converted = alloc(tuple(h0.shape), q.dtype, h0.device)
+    converted[:, j0:] = live
+    return converted, held
 
 
 def _forward(q, k, v, gate, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> _Saved:
-    """The deposits and the chunk-level scan (levels in/out), then the chunk kernel writing o (gate: _read_gate's)."""
+    """The deposits and the chunk-level scan (levels in/out), then the chunk kernel writing o (gate: _read_gate's;
+    what it reads of h0, _initial_reads, is kept for the backward)."""
     BK, BV = _blocks(q, v)
     table = plan.chunk_table(q.device)
     buckets, decays = _merge_levels(k, v, gate, levels, ranges, table, plan)
     NC, scores = table.starts.numel(), _channel_scores(q, k, gate, table, plan)
+    initial = _initial_reads(h0, q, plan)
     if NC:
         mamba2_chunk_fwd_kernel[(NC * v.shape[1],)](
-            q, k, v, gate, lam, o, *_initial_reads(h0, q, plan), buckets, decays, scores,
+            q, k, v, gate, lam, o, *initial, buckets, decays, scores,
             table.starts, table.ends, table.seqs, table.chunks, ranges[2], plan.scale, L=lam.shape[-1],
             J=plan.num_levels, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, BJ=MAX_CHUNK_LEVELS,
             HAS_INIT=plan.has_init, PLAIN=plan.plain, **_sizes(plan, q, v),
             **_launch(mamba2_chunk_fwd_kernel, plan),
         )
-    return _Saved(table, buckets, decays, gate, scores)
+    return _Saved(table, buckets, decays, gate, scores, initial)
 
 
 def _read_gate(g, plan: LevelScanPlan, report: Callable[[torch.Tensor], None] | None) -> torch.Tensor:
@@ -379,7 +392,7 @@ def _chunk_sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, lam: tor
                 **_sizes(plan, q, v))
 
 
-def _dq_grads(q, k, v, gate, lam, h0, d_o, ranges, buckets, scores, saved: _Saved, plan: LevelScanPlan) -> tuple:
+def _dq_grads(q, k, v, gate, lam, d_o, ranges, buckets, scores, saved: _Saved, plan: LevelScanPlan) -> tuple:
     """mamba2_chunk_bwd_dq_kernel, the only backward reader of the buckets (per channel after
     _channel_intra_grads, whose dQ it completes). -> dq [tokens, G, K] (q's dtype), dlam [tokens, H, L] (lam's
     dtype; None when plain), q.dq [tokens, H] fp32 (per value head; [tokens, H, K] per channel), the in-chunk
@@ -393,7 +406,7 @@ def _dq_grads(q, k, v, gate, lam, h0, d_o, ranges, buckets, scores, saved: _Save
     dq_in, dk_in = _channel_intra_grads(q, k, v, gate, lam, d_o, table, plan)
     if table.starts.numel():
         mamba2_chunk_bwd_dq_kernel[(table.starts.numel() * H,)](
-            q, k, v, gate, lam, d_o, *_initial_reads(h0, q, plan), buckets, saved.decays, scores, dq_in,
+            q, k, v, gate, lam, d_o, *saved.initial, buckets, saved.decays, scores, dq_in,
             table.starts, table.ends, table.seqs, table.chunks, ranges[2], plan.scale, dq, dlam, qdq, q_dec,
             BL=next_pow2(L, minimum=32), BJ=MAX_CHUNK_LEVELS, J=plan.num_levels, HAS_INIT=plan.has_init,
             **_chunk_sizes(plan, q, v, lam), **_launch(mamba2_chunk_bwd_dq_kernel, plan),
@@ -408,7 +421,7 @@ def _dq_grads(q, k, v, gate, lam, h0, d_o, ranges, buckets, scores, saved: _Save
 def _initial_read_grads(q, readers, gate, lam, d_o, ranges, saved: _Saved, plan: LevelScanPlan) -> torch.Tensor:
     """The initial levels' gradients from their readers (mamba2_initial_grad_kernel; readers: the queries
     _dq_grads gives it): each level's readers cut into S runs of about INITIAL_READERS chunks, summed here.
-    -> [N, J, H, K, V] fp32."""
+    -> levels plan.first_level .. J-1 [N, J - first_level, H, K, V] fp32 (those below are 0 in h0: no gradient)."""
     (N, H), J, table = (len(plan.bos), d_o.shape[1]), plan.num_levels, saved.table
     chunks = max(triton.cdiv(b - a, plan.chunk_size) for a, b in zip(plan.bos, plan.eos))
     S = max(1, triton.cdiv(chunks, INITIAL_READERS))
@@ -417,14 +430,16 @@ def _initial_read_grads(q, readers, gate, lam, d_o, ranges, saved: _Saved, plan:
         readers, gate, lam, d_o, saved.decays, *ranges, table.base, d_init, plan.scale, N=N, S=S, J=J,
         **_chunk_sizes(plan, q, d_o, lam), **_launch(mamba2_initial_grad_kernel, plan),
     )
-    return d_init.sum(0) if S > 1 else d_init[0]
+    j0 = plan.first_level
+    return d_init[:, :, j0:].sum(0) if S > 1 else d_init[0, :, j0:]
 
 
 def _deposit_grads(q, readers, gate, lam, d_o, d_levels, ranges, saved: _Saved, plan: LevelScanPlan
                    ) -> torch.Tensor:
     """The merged levels' gradients dB from their readers (mamba2_level_grad_kernel, reading the queries
     ``readers`` that _dq_grads gives), then the reverse scan turning them into the deposits' gradients dD, in
-    place (d_levels: the final levels' gradient in, the initial ones' out, with their readers' terms added).
+    place (d_levels: the final levels' gradient in, the initial ones' out, with their readers' terms added from
+    plan.first_level on).
     -> dD [NC, H, K, V] (q's dtype)."""
     (N, H), table, J = (len(plan.bos), d_o.shape[1]), saved.table, plan.num_levels
     NC, chunk = table.starts.numel(), _chunk_sizes(plan, q, d_o, lam)
@@ -441,7 +456,7 @@ def _deposit_grads(q, readers, gate, lam, d_o, d_levels, ranges, saved: _Saved, 
         PER_CHANNEL=plan.per_channel, **_launch(mamba2_bwd_scan_kernel, plan, BKS * chunk["BV"]),
     )
     if plan.has_init and NC:
-        d_levels += _initial_read_grads(q, readers, gate, lam, d_o, ranges, saved, plan)
+        d_levels[:, plan.first_level :].add_(_initial_read_grads(q, readers, gate, lam, d_o, ranges, saved, plan))
     return d_buckets
 
 
@@ -494,7 +509,7 @@ class LevelScanMamba2(torch.autograd.Function):
         gate = saved.gate
         buckets = saved.take_buckets(k, v, gate, h0, ranges, plan)
         scores = saved.take_scores(q, k, gate, plan)
-        dq, dlam, qdq, dk_in, readers = _dq_grads(q, k, v, gate, lam, h0, d_o, ranges, buckets, scores, saved, plan)
+        dq, dlam, qdq, dk_in, readers = _dq_grads(q, k, v, gate, lam, d_o, ranges, buckets, scores, saved, plan)
         del buckets
         d_levels, final_terms = _final_grads(d_final, final, plan)
         d_deposits = _deposit_grads(q, readers, gate, lam, d_o, d_levels, ranges, saved, plan)
@@ -549,7 +564,9 @@ def _last_chunk_levels(k, v, g, bos: list[int], eos: list[int], C: int, H: int) 
 
 
 def _pad_levels(x: torch.Tensor, n: int, dim: int = 0) -> torch.Tensor:
-    """x zero-padded or truncated to n levels along dim."""
+    """x zero-padded or truncated to n levels along dim (x itself when it has n)."""
+    if x.shape[dim] == n:
+        return x
     pad = (0, 0) * (x.dim() - 1 - dim) + (0, max(0, n - x.shape[dim]))
     return F.pad(x, pad).narrow(dim, 0, n)
 
@@ -603,13 +620,16 @@ def _flatten(inp: OpInputs) -> _Flat:
 
 @dataclass
 class _Aligned:
-    """After the torch prefixes: per sequence its kernel start, the incoming levels there (carried past that aligned
-    position: [N, W, H, K, V] fp32, or None without a state), and the prefixes' outputs; ``done`` holds the final
-    levels of sequences that the prefix finished (their rows of ``levels`` are not read)."""
+    """After the torch prefixes: per sequence its kernel start, the incoming levels there before the carry past that
+    aligned position ([N, W, H, K, V] fp32: the caller's, a prefixed sequence's row its prefix's final levels; None
+    without a state), its carry target (fenwick.carry_target of the start, > c; 0 for a sequence the prefix
+    finished), and the prefixes' outputs; ``done`` holds the final levels of sequences that the prefix finished
+    (their rows of ``levels`` are not read)."""
 
     bos: list[int]
     chunk0: list[int]
     levels: torch.Tensor | None
+    targets: list[int]
     prefixes: list[tuple[int, int]]
     prefix_out: list[torch.Tensor]
     done: dict[int, torch.Tensor]
@@ -617,13 +637,13 @@ class _Aligned:
 
 def _align(flat: _Flat, state: FenwickState | None, C: int, scale: float, form: type) -> _Aligned:
     """Run each stateful sequence through the torch path (the variant's chunk form) up to its first chunk
-    boundary (a state at position 0 included: its junk in-chunk levels are read by the first chunk), then carry
-    every sequence's levels past its aligned start in one batch of ops."""
+    boundary (a state at position 0 included: its junk in-chunk levels are read by the first chunk); the carry past
+    every sequence's aligned start is _chunk_levels'."""
     spans = list(zip(flat.bounds, flat.bounds[1:], flat.positions))
     if state is None:
-        return _Aligned(flat.bounds[:-1], [p // C for p in flat.positions], None, [], [], {})
-    out = _Aligned([], [], None, [], [], {})
-    levels, prefixed, starts = state.levels.float(), {}, []
+        return _Aligned(flat.bounds[:-1], [p // C for p in flat.positions], None, [], [], [], {})
+    levels, prefixed = state.levels.float(), {}
+    out = _Aligned([], [], levels, [], [], [], {})
     for n, (a, b, p) in enumerate(spans):
         pre = 0
         if p % C or p == 0:
@@ -638,34 +658,58 @@ def _align(flat: _Flat, state: FenwickState | None, C: int, scale: float, form: 
             out.done[n] = prefixed.pop(n, levels[n])
         out.bos.append(a + pre)
         out.chunk0.append((p + pre) // C)
-        starts.append(p + pre if a + pre < b else 0)
-    targets = [ctz(t) + 1 if t else 0 for t in starts]  # fenwick.carry_target, on the host
-    width = max([levels.shape[1]] + [lv.shape[0] for lv in prefixed.values()] + [t + 1 for t in targets])
-    levels = _pad_levels(levels, width, dim=1)
-    if prefixed:
+        out.targets.append(ctz(p + pre) + 1 if a + pre < b else 0)  # fenwick.carry_target, on the host
+    if prefixed:  # rows as wide as the widest and past every carry target (carry_past's width)
+        width = max([levels.shape[1]] + [lv.shape[0] for lv in prefixed.values()] + [t + 1 for t in out.targets])
         index = device_table(list(prefixed), torch.int64, levels.device)
-        levels = levels.index_copy(0, index, torch.stack([_pad_levels(lv, width) for lv in prefixed.values()]))
-    one = len(set(targets)) == 1 and targets[0] > 0  # every row carries into one level: slices
-    out.levels = carry_past(levels, starts[0] if one else device_table(targets, torch.int64, levels.device))
+        out.levels = _pad_levels(levels, width, dim=1).index_copy(
+            0, index, torch.stack([_pad_levels(lv, width) for lv in prefixed.values()]))
     return out
 
 
-def _chunk_levels(flat: _Flat, aligned: _Aligned, C: int) -> tuple[int, torch.Tensor, bool]:
-    """J (chunk levels the scans carry), the initial chunk levels h0 [N, J, H, K, V] fp32 (0 for the sequences the
-    prefix finished), and whether any sequence has a state (otherwise h0 is zeros and the scans skip it)."""
+def _chunk_levels(flat: _Flat, aligned: _Aligned, C: int) -> tuple[int, torch.Tensor, bool, int]:
+    """J (chunk levels the scans carry), the initial chunk levels h0 [N, J, H, K, V] fp32: every sequence's levels
+    carried past its aligned start, those above c (0 for the sequences the prefix finished), whether any sequence
+    has a state (otherwise h0 is zeros and the scans skip it), and the first level h0 may hold (plan.first_level:
+    the carry into target t clears chunk levels below t - c - 1)."""
     c, N = chunk_bits(C), len(flat.bounds) - 1
     ends = [p + b - a for a, b, p in zip(flat.bounds, flat.bounds[1:], flat.positions)]
     stateful = aligned.levels is not None and len(aligned.done) < N
-    J = max([1] + [max((e - 1) // C, 1).bit_length() for e in ends]
-            + ([aligned.levels.shape[1] - c - 1] if stateful else []))
+    width = max(aligned.levels.shape[1], max(aligned.targets) + 1) if stateful else 0  # the carried levels
+    J = max([1] + [max((e - 1) // C, 1).bit_length() for e in ends] + ([width - c - 1] if stateful else []))
     H, K, V = flat.v.shape[1], flat.q.shape[2], flat.v.shape[2]
     if not stateful:
-        return J, flat.v.new_zeros((J, H, K, V), dtype=torch.float32).expand(N, J, H, K, V), False
-    h0 = _pad_levels(aligned.levels[:, c + 1 :], J, dim=1)
+        return J, flat.v.new_zeros((J, H, K, V), dtype=torch.float32).expand(N, J, H, K, V), False, 0
+    first = min(t for t in aligned.targets if t) - c - 1
+    if len(set(aligned.targets)) == 1:  # one carry target: h0 straight from the levels, no carried copy
+        return J, _CarriedChunkLevels.apply(aligned.levels, aligned.targets[0], c, J), True, first
+    targets = device_table(aligned.targets, torch.int64, aligned.levels.device)
+    h0 = _pad_levels(carry_past(_pad_levels(aligned.levels, width, dim=1), targets)[:, c + 1 :], J, dim=1)
     if aligned.done:
         ran = device_table([n not in aligned.done for n in range(N)], torch.bool, h0.device)
         h0 = torch.where(ran[:, None, None, None, None], h0, 0.0)
-    return J, h0.contiguous(), True
+    return J, h0.contiguous(), True, first
+
+
+class _CarriedChunkLevels(torch.autograd.Function):
+    """levels [N, W, H, K, V] fp32 carried into level t (> c) in every row, then its chunk levels (token levels above
+    c) -> h0 [N, J, H, K, V] fp32: h0[:, t-c-1] = sum_{l <= t} levels[:, l], h0[:, j] = levels[:, c+1+j] above, 0
+    elsewhere (carry_past, sliced and padded, in one write of h0). The backward writes the levels' gradient once."""
+
+    @staticmethod
+    def forward(ctx, levels: torch.Tensor, t: int, c: int, J: int) -> torch.Tensor:
+        above = levels[:, t + 1 :]
+        h0 = F.pad(above, (0, 0, 0, 0, 0, 0, t - c, J - t + c - above.shape[1]))
+        torch.sum(levels[:, : t + 1], 1, out=h0[:, t - c - 1])
+        ctx.t, ctx.c, ctx.width = t, c, levels.shape[1]
+        return h0
+
+    @staticmethod
+    def backward(ctx, d_h0: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        """d_h0 [N, J, H, K, V] -> d_levels [N, W, H, K, V]: d_h0[:, t-c-1] on levels 0..t, d_h0[:, l-c-1] above."""
+        j0, W = ctx.t - ctx.c - 1, ctx.width
+        into = d_h0[:, j0 : j0 + 1].expand(-1, min(ctx.t + 1, W), *d_h0.shape[2:])
+        return torch.cat([into, d_h0[:, j0 + 1 : W - ctx.c - 1]], 1), None, None, None
 
 
 def _final_state(flat: _Flat, aligned: _Aligned, final: torch.Tensor, C: int, n_in: int) -> FenwickState:
@@ -718,9 +762,9 @@ def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tu
     if inp.level_scales is None:
         return _run_plain(inp, flat, output_final_state, C)
     aligned = _align(flat, inp.initial_state, C, inp.scale, inp.variant.form)
-    J, h0, has_init = _chunk_levels(flat, aligned, C)
+    J, h0, has_init, first = _chunk_levels(flat, aligned, C)
     plan = LevelScanPlan(aligned.bos, flat.bounds[1:], aligned.chunk0, aligned.prefixes, C, J, has_init, inp.scale,
-                         per_channel=_per_channel(inp))
+                         per_channel=_per_channel(inp), first_level=first)
     gate = _read_gate(flat.g, plan, inp.report_finite)
     o, final = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan)
     if aligned.prefixes:
