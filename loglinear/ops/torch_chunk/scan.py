@@ -72,21 +72,17 @@ class _ChunkLevelsPast(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, levels: torch.Tensor, target: int, c: int, J: int) -> torch.Tensor:
-        L, j0 = levels.shape[1], target - c - 1
-        out = levels.new_zeros(levels.shape[0], J, *levels.shape[2:])
-        out[:, j0] = levels[:, : target + 1].sum(1)
-        above = levels[:, target + 1 : c + 1 + J]
-        out[:, j0 + 1 : j0 + 1 + above.shape[1]] = above
-        ctx.sizes = (L, min(L, target + 1), j0)
+        j0, above = target - c - 1, levels[:, target + 1 :]
+        out = F.pad(above, (0, 0, 0, 0, 0, 0, j0 + 1, J - j0 - 1 - above.shape[1]))
+        torch.sum(levels[:, : target + 1], 1, out=out[:, j0])
+        ctx.sizes = (min(levels.shape[1], target + 1), above.shape[1], j0)
         return out
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor) -> tuple:
-        L, merged, j0 = ctx.sizes
-        d_levels = d_out.new_empty(d_out.shape[0], L, *d_out.shape[2:])
-        d_levels[:, :merged] = d_out[:, j0 : j0 + 1]
-        d_levels[:, merged:] = d_out[:, j0 + 1 : j0 + 1 + L - merged]
-        return d_levels, None, None, None
+        merged, kept, j0 = ctx.sizes
+        into = d_out[:, j0 : j0 + 1].expand(-1, merged, *d_out.shape[2:])
+        return torch.cat([into, d_out[:, j0 + 1 : j0 + 1 + kept]], 1), None, None, None
 
 
 def chunk_levels_past(levels: torch.Tensor, target: int, chunk_size: int, J: int) -> torch.Tensor:

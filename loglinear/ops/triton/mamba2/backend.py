@@ -51,7 +51,7 @@ import triton
 from loglinear.fenwick import chunk_bits, ctz, last_query_masks, levels_needed, trailing_zeros
 from loglinear.inputs import OpInputs, expand_groups
 from loglinear.ops.finite import LOG_DECAY_FLOOR, floor_log_decay, log_decays_finite
-from loglinear.ops.torch_chunk import carry_past, chunk_scan
+from loglinear.ops.torch_chunk import carry_past, chunk_levels_past, chunk_scan
 from loglinear.ops.triton.mamba2.bwd import mamba2_bwd_scan_kernel
 from loglinear.ops.triton.mamba2.chunk import (
     mamba2_chunk_bwd_dkv_kernel, mamba2_chunk_bwd_dq_kernel, mamba2_chunk_fwd_kernel, mamba2_deposit_kernel,
@@ -682,34 +682,13 @@ def _chunk_levels(flat: _Flat, aligned: _Aligned, C: int) -> tuple[int, torch.Te
         return J, flat.v.new_zeros((J, H, K, V), dtype=torch.float32).expand(N, J, H, K, V), False, 0
     first = min(t for t in aligned.targets if t) - c - 1
     if len(set(aligned.targets)) == 1:  # one carry target: h0 straight from the levels, no carried copy
-        return J, _CarriedChunkLevels.apply(aligned.levels, aligned.targets[0], c, J), True, first
+        return J, chunk_levels_past(aligned.levels, aligned.targets[0], C, J), True, first
     targets = device_table(aligned.targets, torch.int64, aligned.levels.device)
     h0 = _pad_levels(carry_past(_pad_levels(aligned.levels, width, dim=1), targets)[:, c + 1 :], J, dim=1)
     if aligned.done:
         ran = device_table([n not in aligned.done for n in range(N)], torch.bool, h0.device)
         h0 = torch.where(ran[:, None, None, None, None], h0, 0.0)
     return J, h0.contiguous(), True, first
-
-
-class _CarriedChunkLevels(torch.autograd.Function):
-    """levels [N, W, H, K, V] fp32 carried into level t (> c) in every row, then its chunk levels (token levels above
-    c) -> h0 [N, J, H, K, V] fp32: h0[:, t-c-1] = sum_{l <= t} levels[:, l], h0[:, j] = levels[:, c+1+j] above, 0
-    elsewhere (carry_past, sliced and padded, in one write of h0). The backward writes the levels' gradient once."""
-
-    @staticmethod
-    def forward(ctx, levels: torch.Tensor, t: int, c: int, J: int) -> torch.Tensor:
-        above = levels[:, t + 1 :]
-        h0 = F.pad(above, (0, 0, 0, 0, 0, 0, t - c, J - t + c - above.shape[1]))
-        torch.sum(levels[:, : t + 1], 1, out=h0[:, t - c - 1])
-        ctx.t, ctx.c, ctx.width = t, c, levels.shape[1]
-        return h0
-
-    @staticmethod
-    def backward(ctx, d_h0: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        """d_h0 [N, J, H, K, V] -> d_levels [N, W, H, K, V]: d_h0[:, t-c-1] on levels 0..t, d_h0[:, l-c-1] above."""
-        j0, W = ctx.t - ctx.c - 1, ctx.width
-        into = d_h0[:, j0 : j0 + 1].expand(-1, min(ctx.t + 1, W), *d_h0.shape[2:])
-        return torch.cat([into, d_h0[:, j0 + 1 : W - ctx.c - 1]], 1), None, None, None
 
 
 def _final_state(flat: _Flat, aligned: _Aligned, final: torch.Tensor, C: int, n_in: int) -> FenwickState:
