@@ -1,9 +1,11 @@
 #!/bin/bash
-# Every GPU benchmark and experiment of the repository, in parts of under 10 minutes each. Run from the
-# repository root; extra options go to the part's main command (e.g. `mqar --threads 2 --merge`,
+# Every GPU benchmark and experiment of the repository, in parts of under 10 minutes each (checks: one variant at a
+# time). Run from the repository root; extra options go to the part's main command (e.g. `mqar --threads 2 --merge`,
 # `multigpu --parts fsdp cp_exact cp_long`).
 #
-#   bash benchmarks/run_gpu.sh checks         # ~8 min: Triton kernels vs the torch path (bf16, fp32), every variant
+#   bash benchmarks/run_gpu.sh checks         # ~12 min on a fresh machine (Triton compiles): Triton kernels vs the
+#                                             #   torch path (bf16, fp32), every variant; `checks mamba2` (~7 min),
+#                                             #   `checks gdn`, `checks gla`: one variant's section
 #   bash benchmarks/run_gpu.sh bench-mamba2   # ~6 min: ops-mamba2-<gpu>.* and the profile at 32K
 #   bash benchmarks/run_gpu.sh bench-gdn      # ~8 min: ops-gdn-<gpu>.*, then profile-gdn-<gpu>.md
 #   bash benchmarks/run_gpu.sh bench-gla      # ~7 min: ops-gla-<gpu>.* (16K-128K, against fla's chunk_gla), the profile at 32K
@@ -77,13 +79,21 @@ mps_start() {
 mps_stop() { echo quit | nvidia-cuda-mps-control 2> /dev/null; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; }
 
 case $PART in
-  checks)  # GDN first (bf16 at the benchmark's shape), then Mamba-2
-    step 200 check-gdn python benchmarks/bench_ops.py --variant gdn --check --no-bench --check-dtypes bfloat16 float32 \
-      --long-T 131072 --out "$R"
-    step 100 check-mamba2 python benchmarks/bench_ops.py --check --no-bench --check-dtypes bfloat16 float32 \
-      --long-T 262144 --out "$R"
-    step 200 check-gla python benchmarks/bench_ops.py --variant gla --check --no-bench \
-      --check-dtypes bfloat16 float32 --long-T 262144 --out "$R"
+  checks)  # GDN first (bf16 at the benchmark's shape), then Mamba-2, then GLA; or the variants named
+    cp benchmarks/results/correctness-*.log "$R"/ 2>/dev/null  # the sections not redone are kept
+    variants=("${EXTRA[@]}")
+    [ ${#variants[@]} -gt 0 ] || variants=(gdn mamba2 gla)
+    for variant in "${variants[@]}"; do
+      case $variant in
+        gdn) step 300 check-gdn python benchmarks/bench_ops.py --variant gdn --check --no-bench \
+               --check-dtypes bfloat16 float32 --long-T 131072 --out "$R" ;;
+        mamba2) step 500 check-mamba2 python benchmarks/bench_ops.py --check --no-bench --check-dtypes bfloat16 \
+                  float32 --long-T 262144 --out "$R" ;;
+        gla) step 300 check-gla python benchmarks/bench_ops.py --variant gla --check --no-bench \
+               --check-dtypes bfloat16 float32 --long-T 262144 --out "$R" ;;
+        *) echo "unknown variant $variant for checks (gdn|mamba2|gla)" >&2; exit 2 ;;
+      esac
+    done
     ;;
   bench-mamba2)  # largest T first: 128K is always reached
     step 400 bench-mamba2 python benchmarks/bench_ops.py --impls loglinear loglinear_plain fla_mamba2 fla_log_linear \
