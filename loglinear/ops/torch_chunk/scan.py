@@ -32,9 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loglinear.fenwick import (
-    carry_into, chunk_bits, ctz, incoming_levels, intra_chunk_levels, last_query_masks, levels_needed,
-)
+from loglinear.fenwick import chunk_bits, ctz, incoming_levels, intra_chunk_levels, last_query_masks, levels_needed
 
 
 def pad_time(x: torch.Tensor, front: int, back: int) -> torch.Tensor:
@@ -50,15 +48,11 @@ def chunked(x: torch.Tensor, C: int) -> torch.Tensor:
     return x.movedim(3, 1)
 
 
-def carry_past(levels: torch.Tensor, position: int | torch.Tensor) -> torch.Tensor:
+def carry_past(levels: torch.Tensor, position: int) -> torch.Tensor:
     """The cascade's carry for a new token at ``position`` (> 0), widening the level axis if needed:
     levels [b, L, H, K, V] -> [b, max(L, ctz(position) + 2), H, K, V]. Levels 0..ctz(position) add into level
-    ctz(position) + 1 and clear (fenwick.carry for one host-side position: slices only, no host-device copy).
-    Rows at different positions: position a [b] int64 tensor on levels' device of each row's carry target
-    (fenwick.carry_target of its position, 0: the row is unchanged), L above every target (no widening): then
-    fenwick.carry_into, masks over the level axis, the same ops for any number of rows."""
-    if isinstance(position, torch.Tensor):
-        return carry_into(levels, position)
+    ctz(position) + 1 and clear (fenwick.carry for one host-side position: slices only, no host-device copy; rows
+    at different positions: fenwick.carry_into)."""
     target = ctz(position) + 1
     if levels.shape[1] <= target:
         levels = F.pad(levels, (0, 0, 0, 0, 0, 0, 0, target + 1 - levels.shape[1]))

@@ -85,13 +85,12 @@ def _last_chunk(x: torch.Tensor, ch: Chunking, norm: bool = False) -> torch.Tens
 
 def _incoming_state(
     levels: torch.Tensor, position: int, ch: Chunking, J: int, lc0: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """The incoming state (carried past ``position``): levels [b, Ls, H, K, V] fp32.  Returns its in-chunk buckets
-    (levels <= c) partial [b, H, c+1, K, V] with the weights [b, H, C, c+1] of the first chunk's reads of them (the
-    scan adds that readout to the first chunk's o), the chunk-level seeds h0 [b H, J, K, V] and the bitmask of the
-    chunk levels that may be nonzero: the carry past ``position`` cleared every level below its target
-    ctz(position) + 1 (zeros, whatever the state held), so the scan never treats those chunk levels as live.
-    lc0: lambda of the first chunk [b, H, C, L]."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The incoming state at position 0 or a position inside a chunk (carried past ``position``, which clears no
+    chunk level): levels [b, Ls, H, K, V] fp32.  Returns its in-chunk buckets (levels <= c) partial
+    [b, H, c+1, K, V] with the weights [b, H, C, c+1] of the first chunk's reads of them (the scan adds that readout
+    to the first chunk's o) and the chunk-level seeds h0 [b H, J, K, V].  lc0: lambda of the first chunk
+    [b, H, C, L]."""
     b, H, C, N = ch.b, ch.H, ch.C, ch.N
     K, V, c, c0 = levels.shape[-2], levels.shape[-1], chunk_bits(C), position // C
     levels = torch.nn.functional.pad(levels, (0, 0, 0, 0, 0, 0, 0, max(0, c + 1 + J - levels.shape[1])))
@@ -105,9 +104,7 @@ def _incoming_state(
         m0 = ctz(c0 + 1)
         weights = weights - level_scales_at(lc0, torch.full((C, 1), c + 1 + m0, device=levels.device))
         h0 = torch.cat([h0[:, :, :m0], h0[:, :, m0 : m0 + 1] + partial.sum(2, True), h0[:, :, m0 + 1 :]], 2)
-    cleared = max(0, ctz(position) - c) if position > 0 else 0  # chunk levels j < cleared: c + 1 + j <= ctz(p)
-    seeds = ((1 << J) - 1) & ~((1 << cleared) - 1) | ((1 << m0) if N > 1 else 0)
-    return partial, weights, h0.reshape(b * H, J, K, V), seeds
+    return partial, weights, h0.reshape(b * H, J, K, V)
 
 
 def gated_deltanet_core(
@@ -132,15 +129,16 @@ def gated_deltanet_core(
     J = max((end - 1) // C, 1).bit_length()
     partial = h0 = seeds = first = None
     if levels is not None and position > 0 and ch.front == 0:  # aligned: the carry cleared the in-chunk levels
-        J = max(J, levels.shape[1] - c - 1, ctz(position) + 1 - c)
-        h0 = chunk_levels_past(levels, ctz(position) + 1, C, J).transpose(1, 2).reshape(ch.BH, J, K, v.shape[-1])
-        seeds = ((1 << J) - 1) & ~((1 << (ctz(position) - c)) - 1)
+        target = ctz(position) + 1  # chunk levels below target - c - 1 are cleared: never seeded
+        J = max(J, levels.shape[1] - c - 1, target - c)
+        h0 = chunk_levels_past(levels, target, C, J).transpose(1, 2).reshape(ch.BH, J, K, v.shape[-1])
+        seeds = ((1 << J) - 1) & ~((1 << (target - c - 1)) - 1)
     elif levels is not None:
         levels = carry_past(levels, position) if position > 0 else levels
         J = max(J, levels.shape[1] - c - 1)
         n0 = min(T, C - ch.front)  # the first chunk's tokens: only they read the in-chunk buckets
         lc0 = chunked(pad_time(lam[:, :n0], ch.front, C - ch.front - n0), C)[:, :, 0]  # [b, H, C, L]
-        partial, weights, h0, seeds = _incoming_state(levels, position, ch, J, lc0)
+        partial, weights, h0 = _incoming_state(levels, position, ch, J, lc0)  # every chunk level may be nonzero
         first = (weights.flatten(0, 1), partial.flatten(0, 1))
 
     o, hN = fenwick_delta_scan(

@@ -48,10 +48,10 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from loglinear.fenwick import chunk_bits, ctz, last_query_masks, levels_needed, trailing_zeros
+from loglinear.fenwick import carry_into, chunk_bits, ctz, last_query_masks, levels_needed, trailing_zeros
 from loglinear.inputs import OpInputs, expand_groups
 from loglinear.ops.finite import LOG_DECAY_FLOOR, floor_log_decay, log_decays_finite
-from loglinear.ops.torch_chunk import carry_past, chunk_levels_past, chunk_scan
+from loglinear.ops.torch_chunk import chunk_levels_past, chunk_scan
 from loglinear.ops.triton.mamba2.bwd import mamba2_bwd_scan_kernel
 from loglinear.ops.triton.mamba2.chunk import (
     mamba2_chunk_bwd_dkv_kernel, mamba2_chunk_bwd_dq_kernel, mamba2_chunk_fwd_kernel, mamba2_deposit_kernel,
@@ -684,7 +684,7 @@ def _chunk_levels(flat: _Flat, aligned: _Aligned, C: int) -> tuple[int, torch.Te
     if len(set(aligned.targets)) == 1:  # one carry target: h0 straight from the levels, no carried copy
         return J, chunk_levels_past(aligned.levels, aligned.targets[0], C, J), True, first
     targets = device_table(aligned.targets, torch.int64, aligned.levels.device)
-    h0 = _pad_levels(carry_past(_pad_levels(aligned.levels, width, dim=1), targets)[:, c + 1 :], J, dim=1)
+    h0 = _pad_levels(carry_into(_pad_levels(aligned.levels, width, dim=1), targets)[:, c + 1 :], J, dim=1)
     if aligned.done:
         ran = device_table([n not in aligned.done for n in range(N)], torch.bool, h0.device)
         h0 = torch.where(ran[:, None, None, None, None], h0, 0.0)
