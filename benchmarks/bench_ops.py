@@ -535,9 +535,12 @@ def main(argv: list[str] | None = None) -> None:
         lines = [f"# {command}  ({gpu}, torch {torch.__version__}, triton {triton.__version__}, "
                  f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)"]
 
-        def log(s: str) -> None:
+        log_path = out_dir / f"correctness-{gpu}.log"
+
+        def log(s: str) -> None:  # the section is rewritten after every line: a time limit keeps what ran
             print(s, flush=True)
             lines.append(s)
+            write_section(log_path, args.variant, [*lines, "# cut here: the cases after this line did not run"])
 
         dtypes = [getattr(torch, d) for d in args.check_dtypes]
         try:
@@ -550,7 +553,7 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as e:  # keep the log and go on to the timings
             log(f"check failed: {type(e).__name__}: {e}")
         finally:
-            write_section(out_dir / f"correctness-{gpu}.log", args.variant, lines)
+            write_section(log_path, args.variant, lines)
     if args.profile_T:
         log_lines = []
 

@@ -85,7 +85,7 @@ case $PART in
     [ ${#variants[@]} -gt 0 ] || variants=(gdn mamba2 gla)
     for variant in "${variants[@]}"; do
       case $variant in
-        gdn) step 300 check-gdn python benchmarks/bench_ops.py --variant gdn --check --no-bench \
+        gdn) step 420 check-gdn python benchmarks/bench_ops.py --variant gdn --check --no-bench \
                --check-dtypes bfloat16 float32 --long-T 131072 --out "$R" ;;
         mamba2) step 500 check-mamba2 python benchmarks/bench_ops.py --check --no-bench --check-dtypes bfloat16 \
                   float32 --long-T 262144 --out "$R" ;;

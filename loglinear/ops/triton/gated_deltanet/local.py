@@ -117,11 +117,14 @@ def unit_lower_inverse(A, C: tl.constexpr, PREC: tl.constexpr = "tf32x3"):
 
 @triton.jit
 def _chunk_program(T, front, Tp, H, NG, C: tl.constexpr):
-    """A chunk-local program's chunk n (axis 0) and head row bh (axis 1): its first token t0 and valid [C]
-    (chunk_tokens), head h, q/k group, chunk rows rc [C] and the first row of the chunk in the [BH, Tp, *]
-    stage tensors (tiles of those: load_tile(x, row0, rc, rc < C, 0, 1, D, cols))."""
-    n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    """A chunk-local program's chunk n and head row bh (= batch row * H + head) on a grid (N * BH,): program
+    (row * N + n) * H + head, heads varying fastest, so the heads of a chunk run side by side and share its q / k
+    tiles (one group's) in L2. Returns n, bh, its first token t0 and valid [C] (chunk_tokens), head h, q/k group,
+    chunk rows rc [C] and the first row of the chunk in the [BH, Tp, *] stage tensors (tiles of those:
+    load_tile(x, row0, rc, rc < C, 0, 1, D, cols))."""
+    pid, N = tl.program_id(0), Tp // C
+    n = (pid // H) % N
+    bh = ((pid // H) // N * H + pid % H).to(tl.int64)
     t0, rc, valid, h = chunk_tokens(n, bh, T, front, H, C)
     return n, bh, t0, valid, h, h // (H // NG), rc, bh * Tp + n * C
 
@@ -183,9 +186,9 @@ def _chunk_inverse_kernel(
     T, front, Tp, H, NG, eps,
     K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
 ):
-    """Chunk n of head bh (grid N x BH): T_g = (I + A)^-1 of A = strict_lower(beta_t Gamma[t, s] (k_t . k_s))
-    (unit_lower_inverse; k row-normalised when NORM) -> tg: [BH, Tp, C] in the operand dtype (row t of the
-    chunk: T_g[t, :]).
+    """Chunk n of head bh (grid N * BH, _chunk_program): T_g = (I + A)^-1 of
+    A = strict_lower(beta_t Gamma[t, s] (k_t . k_s)) (unit_lower_inverse; k row-normalised when NORM) -> tg:
+    [BH, Tp, C] in the operand dtype (row t of the chunk: T_g[t, :]).
     Read by the forward and the backward; alone in its kernel so its dependent products run at a few
     programs per SM (few registers) instead of inside the register-heavy chunk kernels."""
     _, _, t0, valid, h, grp, rc, row0 = _chunk_program(T, front, Tp, H, NG, C)
@@ -204,10 +207,10 @@ def _chunk_local_kernel(
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
     BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
 ):
-    """Chunk n of head bh (grid N x BH).  Inputs in the op's layouts (any float dtype; module docstring) and
-    T_g (tg: [BH, Tp, C], _chunk_inverse_kernel); outputs o: [BH, Tp, V] fp32, qt, wt, kt: [BH, Tp, K] and
-    u: [BH, Tp, V] in the operand dtype, decay: [BH, N] fp32, and for the backward QK (qkg: [BH, Tp, C], operand
-    dtype). K and V are walked in blocks; q and k row-normalised when NORM."""
+    """Chunk n of head bh (grid N * BH, _chunk_program).  Inputs in the op's layouts (any float dtype; module
+    docstring) and T_g (tg: [BH, Tp, C], _chunk_inverse_kernel); outputs o: [BH, Tp, V] fp32, qt, wt, kt:
+    [BH, Tp, K] and u: [BH, Tp, V] in the operand dtype, decay: [BH, N] fp32, and for the backward QK (qkg:
+    [BH, Tp, C], operand dtype). K and V are walked in blocks; q and k row-normalised when NORM."""
     n, bh, t0, valid, h, grp, rc, row0 = _chunk_program(T, front, Tp, H, NG, C)
     tok = t0 + rc
     dt = qt.dtype.element_ty
@@ -440,8 +443,8 @@ def kernel_meta(kernel, meta: dict) -> dict:
 
 
 def _launch(kernel, ch: Chunking, meta: dict, *tensors: torch.Tensor) -> None:
-    """kernel over the grid chunks x heads."""
-    kernel[(ch.N, ch.BH)](*tensors, **kernel_meta(kernel, meta), **launch_options(kernel))
+    """kernel over the chunks of every head row, heads varying fastest (_chunk_program)."""
+    kernel[(ch.N * ch.BH,)](*tensors, **kernel_meta(kernel, meta), **launch_options(kernel))
 
 
 class ChunkLocal(torch.autograd.Function):
