@@ -20,9 +20,9 @@ of sub-chunk i (rows iS .. iS + S - 1) splits it at a row of the sub-chunk:
   * queries after the sub-chunk, at its last row e with a token (dK only; both factors <= 1):
         exp(G_t - G_s) = exp(G_t - G_e) exp(G_e - G_s):    dK_i += exp(G_e - G_i) * M[:, i]^T (Q * exp(G - G_e))
   * inside the sub-chunk (the diagonal block), one of two ways (sub_chunk_span):
-      - short, G_n - G_e <= DIAGONAL_SPAN on every channel of the block: the same products also take the
-        sub-chunk's own keys (and, for dK, its own queries), whose factors exp(G_n - G_s) and exp(G_t - G_e) are at
-        most exp(DIAGONAL_SPAN); P's entries above the diagonal (finite) are masked, M's are 0;
+      - short, G_n - G_e <= diagonal_span(dtype) on every channel of the block (30; 6 for fp16 operands): the
+        same products also take the sub-chunk's own keys (and, for dK, its own queries), whose factors
+        exp(G_n - G_s) and exp(G_t - G_e) are at most exp(span); P's entries above the diagonal (finite) are masked, M's are 0;
       - long (strong decays, hard resets): one row a at a time in fp32 (G_a loaded as a vector): key a's column
         reads exp(G_t - G_a) on the rows t >= a (P's column, dQ's terms), query a's row exp(G_a - G_s) on the rows
         s <= a (dK's terms); every exponent <= 0.
@@ -50,9 +50,18 @@ from loglinear.ops.triton.shared.tiles import load_row, load_tile, store_tile
 
 SUB_CHUNK = 16  # rows per sub-chunk: the smallest tl.dot tile
 KEY_BLOCK = 64  # key channels per block (products with N = 32 miscompile in bf16 on Hopper, shared/heads.py)
-# a sub-chunk whose decay from its first to its last row stays within exp(-DIAGONAL_SPAN) on every channel of a
-# key block takes its diagonal block in the products across sub-chunks (factors up to exp(DIAGONAL_SPAN))
-DIAGONAL_SPAN = tl.constexpr(30.0)
+
+
+@triton.jit
+def diagonal_span(dtype: tl.constexpr):
+    """The largest decay span (G_n - G_e) of a sub-chunk that takes its diagonal block in the products across
+    sub-chunks, whose operands (in dtype) then carry factors up to exp(span) and down to exp(-span): 30 where the
+    exponent range is fp32's (bf16, fp32); 6 for fp16, whose largest value is 65504 (e^6 ~ 403 keeps |k| up to ~160
+    finite, e^-6 keeps q's scaled rows normal numbers)."""
+    if dtype == tl.float16:
+        return 6.0
+    else:
+        return 30.0
 
 
 @triton.jit
@@ -87,17 +96,18 @@ def sub_chunk(starts, ends, p, i, C: tl.constexpr, S: tl.constexpr):
 
 
 @triton.jit
-def sub_chunk_span(cum, t0, end, i, h, H, K, kk, S: tl.constexpr):
+def sub_chunk_span(cum, t0, end, i, h, H, K, kk, S: tl.constexpr, DT: tl.constexpr):
     """(G_n, G_e, short, long) of sub-chunk i on the channels kk: G at its first row n and its last row e with a
-    token ([len(kk)] fp32 each, 0 when it has none); short: it has rows and G_n - G_e <= DIAGONAL_SPAN on every channel,
-    so its diagonal block can go through the products across sub-chunks (one exponent of each product then is up
-    to G_n - G_e instead of <= 0); long: it has rows and is not short."""
+    token ([len(kk)] fp32 each, 0 when it has none); short: it has rows and G_n - G_e <= diagonal_span(DT) (DT: the
+    products' operand dtype) on every channel, so its diagonal block can go through the products across sub-chunks
+    (one exponent of each product then is up to G_n - G_e instead of <= 0); long: it has rows and is not short."""
     first = t0 + i * S
     last = tl.minimum(first + S, end) - 1
     G_n = load_row(cum, first, end, h, H, K, kk).to(tl.float32)
     G_e = load_row(cum, last, end, h, H, K, kk).to(tl.float32)
     span = tl.max(G_n - G_e, 0)
-    return G_n, G_e, (first < end) & (span <= DIAGONAL_SPAN), (first < end) & (span > DIAGONAL_SPAN)
+    limit = diagonal_span(DT)
+    return G_n, G_e, (first < end) & (span <= limit), (first < end) & (span > limit)
 
 
 @triton.jit(do_not_specialize=["H"])
@@ -151,7 +161,7 @@ def channel_scores_kernel(
     cols, ra = tl.arange(0, C), tl.arange(0, S)
     t0, end, r, valid, rs, vs = sub_chunk(starts, ends, p, i, C, S)
     kk = tl.arange(0, BK)
-    _, _, short, long = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S)
+    _, _, short, long = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S, q.dtype.element_ty)
     keys = tl.where(short, (i + 1) * S, i * S)  # the keys the products reach: with the diagonal block if short
     p = tl.zeros([S, C], dtype=tl.float32)
     if (keys > 0) & (t0 + i * S < end):  # keys before the sub-chunk (its own if short), through its first row
@@ -203,7 +213,7 @@ def channel_dq_kernel(
     m = m_block(do, v, lam, t0, rs, vs, r, valid, scale, h, H, V, L, vv, LOG_C, PRECISION, PLAIN)  # [S, C]
     d_q = tl.zeros([S, KB], dtype=tl.float32)
     Gs = load_tile(cum, t0, rs, vs, h, H, K, kk)
-    G_n, _, short, long = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S)
+    G_n, _, short, long = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S, k.dtype.element_ty)
     keys = tl.where(short, (i + 1) * S, i * S)  # with the diagonal block if short
     if (keys > 0) & (t0 + i * S < end):  # keys before the sub-chunk (its own if short), through its first row
         k_ref = to_ref(k, cum, t0, r, valid & (r < keys), G_n, h, H, K, kk, grp, G, False)
@@ -237,7 +247,7 @@ def channel_dk_kernel(
     m = m_block(do, v, lam, t0, r, valid, rs, vs, scale, h, H, V, L, vv, LOG_C, PRECISION, PLAIN)  # [C, S]
     d_k = tl.zeros([S, KB], dtype=tl.float32)
     Gs = load_tile(cum, t0, rs, vs, h, H, K, kk)
-    _, G_e, short, long = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S)
+    _, G_e, short, long = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S, q.dtype.element_ty)
     queries = tl.where(short, i * S, (i + 1) * S)  # from the diagonal block on if short
     if t0 + queries < end:  # queries after the sub-chunk (its own if short), through its last row
         q_ref = to_ref(q, cum, t0, r, valid & (r >= queries), G_e, h, H, K, kk, grp, G, True)
