@@ -32,6 +32,11 @@
 # result files into benchmarks/results. FLA_WHEELS=<dir> installs the fla wheels from that folder first (fla-core
 # is the baselines' package; the `bench` extra installs it from the index instead). Every step has its own time
 # limit; the op benchmarks list our impl first and the largest T first (fla compiles for > 100 s on a fresh machine).
+#
+# On machines that start fresh each time, TRITON_CACHE_TGZ=<file.tgz> carries the compiled kernels (ours and fla's,
+# with fla's autotuning choices) from one machine to the next: the file, when it exists, is unpacked into
+# /tmp/triton-cache (TRITON_CACHE_DIR; the cache records absolute paths, so the folder is fixed) before the part,
+# and the cache is packed back into it after the part. Unchanged kernels then load instead of compiling.
 set -u
 PART=${1:?usage: run_gpu.sh checks|bench-mamba2|bench-gdn|bench-gla|state|train|convert-fla|decode|mqar|lm|cp-profile|multigpu [extra options]}
 shift
@@ -48,6 +53,13 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1
+if [ -n "${TRITON_CACHE_TGZ:-}" ]; then
+  export TRITON_CACHE_DIR=/tmp/triton-cache
+  mkdir -p "$TRITON_CACHE_DIR"
+  [ -f "$TRITON_CACHE_TGZ" ] && tar xzf "$TRITON_CACHE_TGZ" -C /tmp
+  # packed on exit, through a temporary file: parts side by side each write a whole file
+  trap 'tar czf "$TRITON_CACHE_TGZ.$$" -C /tmp triton-cache && mv "$TRITON_CACHE_TGZ.$$" "$TRITON_CACHE_TGZ"' EXIT
+fi
 TS="131072 65536 32768 16384 8192 4096 2048"
 T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
