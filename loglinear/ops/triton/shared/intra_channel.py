@@ -22,7 +22,8 @@ of sub-chunk i (rows iS .. iS + S - 1) splits it at a row of the sub-chunk:
   * inside the sub-chunk (the diagonal block), one of two ways (sub_chunk_span):
       - short, G_n - G_e <= diagonal_span(dtype) on every channel of the block (30; 6 for fp16 operands): the
         same products also take the sub-chunk's own keys (and, for dK, its own queries), whose factors
-        exp(G_n - G_s) and exp(G_t - G_e) are at most exp(span); P's entries above the diagonal (finite) are masked, M's are 0;
+        exp(G_n - G_s) and exp(G_t - G_e) are at most exp(span); P's entries above the diagonal (finite) are
+        masked, M's are 0;
       - long (strong decays, hard resets): one row a at a time in fp32 (G_a loaded as a vector): key a's column
         reads exp(G_t - G_a) on the rows t >= a (P's column, dQ's terms), query a's row exp(G_a - G_s) on the rows
         s <= a (dK's terms); every exponent <= 0.
