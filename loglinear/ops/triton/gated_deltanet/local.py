@@ -118,13 +118,14 @@ def unit_lower_inverse(A, C: tl.constexpr, PREC: tl.constexpr = "tf32x3"):
 @triton.jit
 def _chunk_program(T, front, Tp, H, NG, C: tl.constexpr):
     """A chunk-local program's chunk n and head row bh (= batch row * H + head) on a grid (N * BH,): program
-    (row * N + n) * H + head, heads varying fastest, so the heads of a chunk run side by side and share its q / k
-    tiles (one group's) in L2. Returns n, bh, its first token t0 and valid [C] (chunk_tokens), head h, q/k group,
-    chunk rows rc [C] and the first row of the chunk in the [BH, Tp, *] stage tensors (tiles of those:
+    (row * N + n) * H + head, heads_fastest's order (decoded in int32 here: the int64 row costs the [C, C] backward
+    ~25 B more spills). Returns n, bh, its first token t0 and valid [C] (chunk_tokens), head h, q/k group, chunk
+    rows rc [C] and the first row of the chunk in the [BH, Tp, *] stage tensors (tiles of those:
     load_tile(x, row0, rc, rc < C, 0, 1, D, cols))."""
     pid, N = tl.program_id(0), Tp // C
-    n = (pid // H) % N
-    bh = ((pid // H) // N * H + pid % H).to(tl.int64)
+    i, head = pid // H, pid % H
+    n = i % N
+    bh = (i // N * H + head).to(tl.int64)
     t0, rc, valid, h = chunk_tokens(n, bh, T, front, H, C)
     return n, bh, t0, valid, h, h // (H // NG), rc, bh * Tp + n * C
 

@@ -659,8 +659,8 @@ def _align(flat: _Flat, state: FenwickState | None, C: int, scale: float, form: 
         out.bos.append(a + pre)
         out.chunk0.append((p + pre) // C)
         out.targets.append(ctz(p + pre) + 1 if a + pre < b else 0)  # fenwick.carry_target, on the host
-    if prefixed:  # rows as wide as the widest and past every carry target (carry_past's width)
-        width = max([levels.shape[1]] + [lv.shape[0] for lv in prefixed.values()] + [t + 1 for t in out.targets])
+    if prefixed:  # rows as wide as the widest (_chunk_levels widens past the carry targets)
+        width = max([levels.shape[1]] + [lv.shape[0] for lv in prefixed.values()])
         index = device_table(list(prefixed), torch.int64, levels.device)
         out.levels = _pad_levels(levels, width, dim=1).index_copy(
             0, index, torch.stack([_pad_levels(lv, width) for lv in prefixed.values()]))

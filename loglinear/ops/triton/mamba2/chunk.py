@@ -90,6 +90,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from loglinear.ops.triton.shared.common import heads_fastest
 from loglinear.ops.triton.shared.intra import (
     chunk_gates, intra_levels, intra_output, intra_score_grads, intra_scores, level_sums, level_weights,
 )
@@ -98,14 +99,6 @@ from loglinear.ops.triton.shared.levels import bucket_levels, level_source, merg
 from loglinear.ops.triton.shared.tiles import level_column, load_tile, store_column, store_tile
 
 CHUNK_RUNTIME_ARGS = ["H", "G", "L", "J"]
-
-
-@triton.jit
-def chunk_head(H):
-    """(kernel chunk p (int64), head h) of a program of a grid (NC * H,): program p * H + h. Heads vary fastest, so
-    the heads of a chunk run side by side and share its q / k tiles (one group's) in L2."""
-    pid = tl.program_id(0)
-    return (pid // H).to(tl.int64), pid % H
 
 
 @triton.jit
@@ -280,8 +273,8 @@ def mamba2_gate_grad_kernel(
     Gl = sum of max(g, FLOOR) (cum [tokens, H, K] fp32: G, its last row) is <= FLOOR on some channel, as it is
     whenever a g of the chunk is (every term is <= 0, and rounding keeps the fp32 partial sums monotone): a gate
     that stays above the floor costs no read of g. A scalar gate came floored: g and cum are not read.
-    Grid (NC * H,) (chunk_head)."""
-    ci, h = chunk_head(H)
+    Grid (NC * H,) (heads_fastest)."""
+    ci, h = heads_fastest(H)
     t0, r, t, valid = chunk_rows(ci, starts, ends, C)
     kk = tl.arange(0, BK)
     x = tl.cumsum(load_gate_rows(d_gate, t0, r, t, valid, h, H, K, kk, PER_CHANNEL), 0, reverse=True)
@@ -326,8 +319,8 @@ def mamba2_deposit_kernel(
     the forward scan merges D_p and overwrites the slot with the merged level). Not used by plain calls: their
     forward scan forms the deposits itself.
     k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] (G [tokens, H, K] fp32 with PER_CHANNEL, gates()); buckets:
-    [NC, H, K, V].  Grid (NC * H,) (chunk_head)."""
-    ci, h = chunk_head(H)
+    [NC, H, K, V].  Grid (NC * H,) (heads_fastest)."""
+    ci, h = heads_fastest(H)
     t0, r, t, valid = chunk_rows(ci, starts, ends, C)
     if t0 + C < tl.load(ends + ci):
         kk, vv = tl.arange(0, BK), tl.arange(0, BV)
@@ -381,8 +374,8 @@ def mamba2_chunk_fwd_kernel(
     scores is not read); lam: [tokens, H, L] (not read when PLAIN); h0: [N, J, H, K, V] (q's dtype),
     h0_held: [N, J] int8, 0 where a level of h0 is all zeros (not read: it adds nothing); buckets: [NC, H, K, V],
     decays: [NC, H, J] ([NC, H, J, K]) fp32 (the forward scan's); starts, ends, seqs, chunks: [NC] int32 (the
-    chunk table), chunk0: [N].  Grid (NC * H,) (chunk_head)."""
-    ci, h = chunk_head(H)
+    chunk table), chunk0: [N].  Grid (NC * H,) (heads_fastest)."""
+    ci, h = heads_fastest(H)
     t0, r, t, valid = chunk_rows(ci, starts, ends, C)
     n, chunk, c0 = chunk_position(ci, seqs, chunks, chunk0)
     kk, vv, jj = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BJ)
@@ -442,8 +435,8 @@ def mamba2_chunk_bwd_dq_kernel(
     value head), dlam: [tokens, H, L] (lam's dtype), qdq: [tokens, H] ([tokens, H, K] with PER_CHANNEL) fp32, the
     gate gradient's q term (for the dk / dv kernel); with PER_CHANNEL q_dec = Q * exp(G) [tokens, H, K] (q's
     dtype, per value head), the level gradient's queries (not written for a scalar gate).
-    Grid (NC * H,) (chunk_head)."""
-    ci, h = chunk_head(H)
+    Grid (NC * H,) (heads_fastest)."""
+    ci, h = heads_fastest(H)
     t0, r, t, valid = chunk_rows(ci, starts, ends, C)
     n, chunk, c0 = chunk_position(ci, seqs, chunks, chunk0)
     kk, vv, ll, jj = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BL), tl.arange(0, BJ)
@@ -505,8 +498,8 @@ def mamba2_chunk_bwd_dkv_kernel(
     the backward scan's; not read for a sequence's last chunk, which deposits nothing), and the gate gradient's
     chunk part (chunk_gate_grads: d_gate in/out, totals out; seqs: [NC] the chunk table's, eos: [N] the
     sequences' ends, final_terms: [N, H(, K)] fp32). Out: dk: [tokens, H, K] (k's dtype, per value head),
-    dv: [tokens, H, V] (v's dtype).  Grid (NC * H,) (chunk_head)."""
-    ci, h = chunk_head(H)
+    dv: [tokens, H, V] (v's dtype).  Grid (NC * H,) (heads_fastest)."""
+    ci, h = heads_fastest(H)
     t0, r, t, valid = chunk_rows(ci, starts, ends, C)
     kk, vv = tl.arange(0, BK), tl.arange(0, BV)
     qc, kc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk), load_tile(k, t0, r, valid, h // (H // G), G, K, kk)
@@ -600,8 +593,8 @@ def mamba2_initial_grad_kernel(
     s of the readers of level j of sequence n (the chunks c0 .. ((c0 >> j) + 1) 2^j - 1 of the sequence, cut into S
     equal runs; 0 where a run is empty, and for the levels below ctz(c0), which the carry cleared). PLAIN: one
     level, read by the sequence's first chunk. Other arguments as the scans (bos, eos, chunk0, base [N]) and
-    mamba2_level_grad_kernel. Grid (S * N * J * H,): program i * H + h (heads vary fastest, as chunk_head)."""
-    pid, h = tl.program_id(0) // H, tl.program_id(0) % H
+    mamba2_level_grad_kernel. Grid (S * N * J * H,): program i * H + h (heads_fastest)."""
+    pid, h = heads_fastest(H)
     s, n, j = pid // (N * J), (pid // J) % N, pid % J
     bos, eos, c0, base = sequence_range(n, bos_ptr, eos_ptr, chunk0_ptr, base_ptr)
     readers = tl.minimum((((c0 >> j) + 1) << j) - c0, tl.cdiv(eos - bos, C))

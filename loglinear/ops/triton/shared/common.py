@@ -49,6 +49,15 @@ def next_pow2(n: int, minimum: int = 16) -> int:
 
 
 @triton.jit
+def heads_fastest(H):
+    """program_id(0) of a grid (R * H,) as (row r (int64), head h): program r * H + h. The chunk kernels launch so,
+    heads varying fastest, so that the heads of a chunk run side by side and share its q / k tiles (one group's)
+    in L2."""
+    pid = tl.program_id(0)
+    return (pid // H).to(tl.int64), pid % H
+
+
+@triton.jit
 def pick(vec, idx, j):
     """vec[j] of a register vector (idx = arange over its length)."""
     return tl.sum(tl.where(idx == j, vec, 0.0), 0)
