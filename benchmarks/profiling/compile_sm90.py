@@ -151,14 +151,14 @@ def gdn_scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: s
     rows = dict(T="i32", front="i32", H="i32", scale="fp32")
     out = []
     sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", states=f32,
-               snap=P, o_intra=f32, o=P, N="i32", J="i32", Tp="i32", S="i32", **rows,
+               snap=P, o_intra=f32, o=P, N="i32", J="i32", Tp="i32", S="i32", **rows, i0="i32", i1="i32",
                **{n: "constexpr" for n in [*const, "SNAP", "TM"]})
     fits = scan.square_fits(BK, dtype)
     for snap in (True, False):
         out.append(report(scan._scan_fwd_kernel, sig, dict(const, SNAP=snap, TM=fits),
                           **launch_options(scan._scan_fwd_kernel)) + f"  (SNAP={snap})")
     sig = dict(qt=P, lam=f32, live="*i32", snap_at="*i32", snap=P, o_intra=f32, o=P, J="i32", Tp="i32", S="i32",
-               **rows, **{n: "constexpr" for n in [*const, "NV"]})
+               **rows, i0="i32", **{n: "constexpr" for n in [*const, "NV"]})
     out.append(report(scan._scan_readout_kernel, sig, dict(const, NV=NV), **launch_options(scan._scan_readout_kernel)))
     sig = dict(qt=P, wt=P, kt=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", do=P,
                dstates=f32, dsnap=P, do_intra=f32, N="i32", J="i32", Tp="i32", S="i32", **rows, i0="i32", i1="i32",
@@ -170,7 +170,7 @@ def gdn_scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: s
     out.append(report(scan._scan_grads_kernel, sig, dict(const, NV=NV, TZ=fits),
                       **launch_options(scan._scan_grads_kernel)))
     sig = dict(qt=P, lam=f32, snap_at="*i32", lev="*i32", snap=P, do_intra=f32, dqt=P, dlam=f32, J="i32", Tp="i32",
-               S="i32", **{n: "constexpr" for n in [*const, "NV"]})
+               S="i32", i0="i32", **{n: "constexpr" for n in [*const, "NV"]})
     out.append(report(scan._scan_readout_bwd_kernel, sig, dict(const, NV=NV),
                       **launch_options(scan._scan_readout_bwd_kernel)))
     return out

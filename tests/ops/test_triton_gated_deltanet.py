@@ -284,7 +284,7 @@ def test_scan_kernel_and_its_backward(seeded, segment, K, monkeypatch):
     (gradients: snapshots) and by the chain itself (none); the backward in one segment of chunks or two.
     K = 20: the chains' one [BK, BK] transition matrix per chunk and the grads kernel's Z = sum_j h_j dg_j^T;
     K = 136 (BK = 256): their two products per level and the grads kernel's four."""
-    monkeypatch.setattr(scan_module, "BWD_SEGMENT", segment)
+    monkeypatch.setattr(scan_module, "SEGMENT", segment)
     b, H, N, C, V, J = 1, 3, 6, 16, 40, 3  # V = 40: two V blocks of 32 (partial sums); three of 16 at K = 136
     BH, ch, scale = b * H, Chunking(b, N * C - 8, H, front=5, C=C), 0.7
     merge = [0, 2, 0, 1, 0, -1]  # chunks 2..7

@@ -41,12 +41,14 @@ steps vanish. The kernels:
                         per live level, then dkt = u dD^T - wt Z, dwt = -kt Z^T, dd = trace(Z), du = kt dD
                         (4 per chunk); wider keys: 4 GEMMs per live level.
   _scan_readout_bwd_kernel  chunk-parallel: dqt, dlam of a chunk from its incoming states and do (2 GEMMs per
-                        live level; needs no dh: one launch after the chain).
+                        live level; needs no dh, only the scaled do that the dh chain writes as it passes).
 The chunk-parallel kernels walk the chunk's live levels from the live-level list with the next level's
 tiles loaded a step ahead; all V in one program: no partial sums, deterministic, no atomics.
 
-The backward runs in segments of BWD_SEGMENT chunks (dh chain, then the chunk gradients of the segment),
-so only one segment's dh snapshots exist at a time.
+Both chains run in segments of SEGMENT chunks on a side stream (shared/streams.py): while a chain walks
+segment s, the chunk-parallel kernels of segment s - 1 (forward: the readouts; backward: the grads and readout
+backward) run on the SMs that the chain's one program per head leaves idle. The backward's dh snapshots exist
+for two segments at a time (the one the chain writes, the one the grads kernel reads).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from loglinear.ops.triton.gated_deltanet.chunking import FP32_DOT, Chunking, chu
 from loglinear.ops.triton.shared.common import alloc, next_pow2
 from loglinear.ops.triton.shared.launch import launch_options
 from loglinear.ops.triton.shared.rules import dot_precision
+from loglinear.ops.triton.shared.streams import ChainStreams
 from loglinear.ops.triton.shared.tables import device_table, table_cache
 from loglinear.ops.triton.shared.tiles import load_tile, store_tile
 
@@ -105,14 +108,16 @@ def _gram(a, b, PREC: tl.constexpr):
 @triton.jit
 def _scan_fwd_kernel(
     qt, wt, kt, u, decay, lam, merge, lev, snap_at, states, snap, o_intra, o,
-    N, J, Tp, S, T, front, H, scale,
+    N, J, Tp, S, T, front, H, scale, i0, i1,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr, SNAP: tl.constexpr, TM: tl.constexpr,
 ):
-    """qt, wt, kt: [BH, Tp, K]; u: [BH, Tp, V]; decay: [BH, N]; lam: [BH, Tp, J]; merge: [N], snap_at: [N + 1]
+    """Chunks i0 .. i1-1 of the forward chain.
+    qt, wt, kt: [BH, Tp, K]; u: [BH, Tp, V]; decay: [BH, N]; lam: [BH, Tp, J]; merge: [N], snap_at: [N + 1]
     int32 (cascade target, first snapshot slot); lev: the live levels of chunk i at lev[snap_at[i] : snap_at[i + 1]]
     (ascending; one entry past the end); states: [BH, J, K, V] fp32,
-    updated in place (the initial states; at the end the final ones of the live levels); snap: [BH, S, K, V]
+    updated in place (the states entering chunk i0; at the end the ones leaving chunk i1 - 1: after the last
+    segment the final states of the live levels); snap: [BH, S, K, V]
     (SNAP: the live states entering each chunk, in level order); o_intra: [BH, Tp, V] fp32, the chunk-local
     outputs; o: [b, T, H, V] (Chunking's tokens) = scale (o_intra + the readouts), written here without
     SNAP; with SNAP the readouts leave the sequential chain (_scan_readout_kernel reads the snapshots).
@@ -129,7 +134,7 @@ def _scan_fwd_kernel(
     KV = K * V
     # in place: level j is read, then written (j > m); the cascade target m is written after every read
     src = states + bh * J * KV
-    for i in range(N):
+    for i in range(i0, i1):
         row0 = bh * Tp + i * C
         rows = row0 + rc
         if not SNAP:
@@ -185,14 +190,14 @@ def _scan_fwd_kernel(
 @triton.jit
 def _scan_readout_kernel(
     qt, lam, live, snap_at, snap, o_intra, o,
-    J, Tp, S, T, front, H, scale,
+    J, Tp, S, T, front, H, scale, i0,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """The readouts of chunk i of head bh (all in parallel) from the forward's snapshots: o = scale (o_intra +
-    sum_j lam[:, j] (qt_i h_j)) over the live levels, written for the real tokens of o: [b, T, H, V].
-    Shapes as _scan_fwd_kernel; V in NV blocks of BV."""
-    i = tl.program_id(0)
+    """The readouts of chunk i = i0 + program_id(0) of head bh (all in parallel) from the forward's snapshots:
+    o = scale (o_intra + sum_j lam[:, j] (qt_i h_j)) over the live levels, written for the real tokens of
+    o: [b, T, H, V].  Shapes as _scan_fwd_kernel; V in NV blocks of BV."""
+    i = tl.program_id(0) + i0
     bh, rk, mk, row0, rc = _chunk_rows(i, Tp, C, K, BK)
     rows = row0 + rc
     KV = K * V
@@ -311,18 +316,19 @@ def _grad_tiles(hsrc, gsrc, lev, start, m, after, t, steps, KV, rk, mk, V, BV: t
 @triton.jit
 def _scan_readout_bwd_kernel(
     qt, lam, snap_at, lev, snap, do_intra, dqt, dlam,
-    J, Tp, S,
+    J, Tp, S, i0,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """Backward of the readouts (chunk i of head bh, all in parallel; they do not need dh): from the forward's
-    states entering the chunk (snap: [BH, S, K, V]) and do_intra = scale do ([BH, Tp, V] fp32, _scan_dh_kernel):
+    """Backward of the readouts (chunk i = i0 + program_id(0) of head bh, all in parallel; they do not need dh),
+    from the forward's states entering the chunk (snap: [BH, S, K, V]) and do_intra = scale do ([BH, Tp, V] fp32,
+    _scan_dh_kernel, which writes a chunk's rows when it passes the chunk):
 
         Y_j = lam_i[:, j] * do_i;   dqt_i = sum_j Y_j h_j^T;   dlam_i[:, j] = rowsum(do_i * (qt_i h_j))
 
     over the live levels (walked from lev, the next state tile loaded a step ahead).  Outputs dqt: [BH, Tp, K]
     (operand dtype), dlam: [BH, Tp, J] fp32 (the live levels' columns; the caller zeroes the others)."""
-    i = tl.program_id(0)
+    i = tl.program_id(0) + i0
     bh, rk, mk, row0, rc = _chunk_rows(i, Tp, C, K, BK)
     rows = row0 + rc
     KV = K * V
@@ -472,7 +478,12 @@ def _scan_grads_kernel(
     tl.store(dd + bh * N + i, dd_acc)
 
 
-BWD_SEGMENT = 256  # chunks per backward segment: bounds the dh snapshots (~2 GB at B H = 96, K = 128, V = 64)
+SEGMENT = 128  # chunks per chain segment: two segments' dh snapshots are ~2 GB at B H = 96, K = 128, V = 64
+
+
+def _segments(N: int) -> list[tuple[int, int]]:
+    """The chains' segments (i0, i1) of N chunks, in order."""
+    return [(i0, min(i0 + SEGMENT, N)) for i0 in range(0, N, SEGMENT)]
 
 
 def _blocks(K: int, V: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -577,18 +588,28 @@ class FenwickDeltaScan(torch.autograd.Function):
         states = h0.clone() if h0 is not None else alloc((BH, J, K, V), torch.float32, qt.device)
         snap = alloc((BH, sched.slots, K, V) if keep else (1,), qt.dtype, qt.device)
         o = alloc((ch.b, ch.T, ch.H, V), dtype, qt.device)
-        _scan_fwd_kernel[(NV, BH)](
-            qt, wt, kt, u, decay, lam, sched.merge, sched.lev, sched.snap_at, states, snap, o_intra, o,
-            N, J, Tp, sched.slots, ch.T, ch.front, ch.H, scale,
-            K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=dot_precision(qt.dtype, FP32_DOT), SNAP=keep,
-            TM=square_fits(BK, qt.dtype), **launch_options(_scan_fwd_kernel),
-        )
-        if keep:
-            _scan_readout_kernel[(N, BH)](
-                qt, lam, sched.live, sched.snap_at, snap, o_intra, o, J, Tp, sched.slots, ch.T, ch.front, ch.H, scale,
-                K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=dot_precision(qt.dtype, FP32_DOT),
-                **launch_options(_scan_readout_kernel),
+        prec = dot_precision(qt.dtype, FP32_DOT)
+
+        def chain(i0: int, i1: int) -> None:
+            _scan_fwd_kernel[(NV, BH)](
+                qt, wt, kt, u, decay, lam, sched.merge, sched.lev, sched.snap_at, states, snap, o_intra, o,
+                N, J, Tp, sched.slots, ch.T, ch.front, ch.H, scale, i0, i1,
+                K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, SNAP=keep, TM=square_fits(BK, qt.dtype),
+                **launch_options(_scan_fwd_kernel),
             )
+
+        if keep:  # the readouts of a segment beside the chain's next one
+            streams = ChainStreams(qt.device)
+            for i0, i1 in _segments(N):
+                with streams.chain():
+                    chain(i0, i1)
+                streams.hand_over()
+                _scan_readout_kernel[(i1 - i0, BH)](
+                    qt, lam, sched.live, sched.snap_at, snap, o_intra, o, J, Tp, sched.slots, ch.T, ch.front, ch.H,
+                    scale, i0, K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec, **launch_options(_scan_readout_kernel),
+                )
+        else:  # the chain reads out itself
+            chain(0, N)
         if w0 is not None:
             _add_first_chunk(o, scale * _first_readout(w0, qt, p0, ch.C), ch)
         ctx.save_for_backward(qt, wt, kt, u, decay, lam, snap if keep else None, w0, p0)
@@ -609,27 +630,42 @@ class FenwickDeltaScan(torch.autograd.Function):
         do = torch.zeros(ch.b, ch.T, ch.H, V, device=dev) if do is None else do.contiguous()
         dqt, dwt, dkt = [nan(BH, Tp, K, dtype=dt) for _ in range(3)]
         du, dd = nan(BH, Tp, V, dtype=u.dtype), nan(BH, N)
-        dlam = torch.zeros(BH, Tp, J, device=dev)  # the grads kernel writes the live levels' columns
-        for i1 in range(N, 0, -BWD_SEGMENT):  # segments of chunks, last first: dsnap holds one segment
-            i0 = max(0, i1 - BWD_SEGMENT)
+        dlam = torch.zeros(BH, Tp, J, device=dev)  # the readout backward writes the live levels' columns
+
+        def dh_snapshots(i0: int, i1: int) -> torch.Tensor:
+            """[BH, slots, K, V]: room for the dh entering chunks i0 .. i1 - 1, then (filled) the dh entering i1."""
             base, tail = sched.at[i0], sched.at[i1]
             dsnap = nan(BH, tail - base + sched.count(i1), K, V, dtype=dt)
             dsnap[:, tail - base :] = dstates.index_select(1, sched.level_index(i1))
-            _scan_dh_kernel[(NV, BH)](
-                qt, wt, kt, decay, lam, sched.merge, sched.lev, sched.snap_at, do, dstates, dsnap, do_intra,
-                N, J, Tp, dsnap.shape[1], ch.T, ch.front, ch.H, ctx.scale, i0, i1,
-                K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, TM=square_fits(BK, dt), **launch_options(_scan_dh_kernel),
-            )
+            return dsnap
+
+        streams = ChainStreams(dev)
+        segments = _segments(N)[::-1]  # last first
+        with streams.chain():
+            dsnap = dh_snapshots(*segments[0])
+        for n, (i0, i1) in enumerate(segments):
+            with streams.chain():
+                _scan_dh_kernel[(NV, BH)](
+                    qt, wt, kt, decay, lam, sched.merge, sched.lev, sched.snap_at, do, dstates, dsnap, do_intra,
+                    N, J, Tp, dsnap.shape[1], ch.T, ch.front, ch.H, ctx.scale, i0, i1,
+                    K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, TM=square_fits(BK, dt),
+                    **launch_options(_scan_dh_kernel),
+                )
+                # the next segment's buffer before the hand-over: the chain's next launch is then ready as
+                # soon as the segment's readers below are
+                after = dh_snapshots(*segments[n + 1]) if n + 1 < len(segments) else None
+            streams.hand_over(dsnap)
             _scan_grads_kernel[(i1 - i0, BH)](
                 wt, kt, u, sched.merge, sched.live, sched.snap_at, sched.lev, snap, dsnap, dwt, dkt, du, dd,
                 N, Tp, sched.slots, dsnap.shape[1], i0, K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec,
                 TZ=square_fits(BK, dt), **launch_options(_scan_grads_kernel),
             )
-            del dsnap
-        _scan_readout_bwd_kernel[(N, BH)](
-            qt, lam, sched.snap_at, sched.lev, snap, do_intra, dqt, dlam, J, Tp, sched.slots,
-            K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec, **launch_options(_scan_readout_bwd_kernel),
-        )
+            _scan_readout_bwd_kernel[(i1 - i0, BH)](
+                qt, lam, sched.snap_at, sched.lev, snap, do_intra, dqt, dlam, J, Tp, sched.slots, i0,
+                K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec, **launch_options(_scan_readout_bwd_kernel),
+            )
+            dsnap = after
+        streams.hand_over()  # dstates: the dh of the initial states
         dh0 = torch.where(sched.mask[0, :, None, None], dstates, 0.0) if ctx.needs_input_grad[6] else None
         dw0 = dp0 = None
         if w0 is not None:  # the first chunk's readout of the incoming buckets: do_intra = scale do

@@ -1,0 +1,67 @@
+"""A sequential chain and the chunk-parallel kernels that read it, side by side on two streams.
+
+A chain kernel runs one program per (sequence, head) and walks the chunks in order (the Gated DeltaNet scans: 96
+programs at the paper setting, one per SM), so it leaves SMs idle; the chunk-parallel kernels that read a finished
+segment of its chunks can run on them. The chain goes on a side stream of the highest priority, segment after
+segment; after each segment the current stream waits for the chain so far and launches that segment's readers,
+which run beside the chain's next segment (when both are ready, the chain's blocks are dispatched first, so the
+chain keeps its SMs). On CPU (the interpreter) both run on one stream in the same order, and the results are the
+same either way: the kernels and their inputs do not change, only when they run.
+
+    streams = ChainStreams(device)
+    for segment in segments:
+        with streams.chain():
+            ...                        # the chain's launches for this segment (and buffers they allocate)
+        streams.hand_over(buffers)     # buffers the chain allocated that the readers below read
+        ...                            # the segment's chunk-parallel readers, on the current stream
+    streams.hand_over()                # after the last segment: the current stream waits for the whole chain
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+_HIGHEST = -100  # stream priority: values past the device's range map to its highest priority
+
+
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One high-priority stream per CUDA device, made on first use."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _side_streams:
+        _side_streams[index] = torch.cuda.Stream(index, priority=_HIGHEST)
+    return _side_streams[index]
+
+
+class ChainStreams:
+    """The two streams of one op call (module docstring). Made where the chain starts: the side stream first waits
+    for everything launched on the current stream so far (the chain's inputs)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.main = torch.cuda.current_stream(device)
+            self.side = _side_stream(device)
+            self.side.wait_stream(self.main)
+
+    @contextlib.contextmanager
+    def chain(self) -> Iterator[None]:
+        """Launches (and allocations) inside run on the side stream."""
+        if not self.cuda:
+            yield
+            return
+        with torch.cuda.stream(self.side):
+            yield
+
+    def hand_over(self, *tensors: torch.Tensor) -> None:
+        """The current stream's next launches wait for the chain's launches so far; tensors allocated inside
+        chain() that they read stay allocated until they have run."""
+        if self.cuda:
+            self.main.wait_stream(self.side)
+            for t in tensors:
+                t.record_stream(self.main)
