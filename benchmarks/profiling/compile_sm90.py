@@ -78,7 +78,7 @@ def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: in
 
 def signature(names: str, ptr: str, **special: str) -> dict:
     """Every name a pointer of type ptr unless given in special (runtime ints default to i32)."""
-    ints = ("H", "G", "K", "V", "L", "J", "N", "NC", "S", "tokens")
+    ints = ("H", "G", "K", "V", "L", "J", "J0", "N", "NC", "S", "tokens")
     return {n: special.get(n, "i32" if n in ints else ptr) for n in names.split()}
 
 
@@ -117,7 +117,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
          "q g lam do decays starts ends chunks by_level d_buckets scale H G K V L J",
          dict(base, BJ=MAX_CHUNK_LEVELS), 0),
         (mamba2_chunk.mamba2_initial_grad_kernel,
-         "q g lam do decays bos_ptr eos_ptr chunk0_ptr base_ptr d_init scale N S H G K V L J", base, 0),
+         "q g lam do decays bos_ptr eos_ptr chunk0_ptr base_ptr d_init scale N S J0 H G K V L J", base, 0),
         (mamba2_bwd.mamba2_bwd_scan_kernel, "g d_levels d_buckets bos_ptr eos_ptr chunk0_ptr base_ptr H K V J",
          dict(scan_const, BKS=mamba2.SCAN_ROWS), mamba2.SCAN_ROWS * BV),
         (mamba2_chunk.mamba2_chunk_bwd_dkv_kernel,

@@ -118,16 +118,21 @@ def test_split_state_rows_with_state(no_torch_path):
     _compare(x, state=_random_state(1, [21], 2, 40, 24))
 
 
-def test_initial_levels_in_segments_and_empty(monkeypatch, no_torch_path):
+@pytest.mark.parametrize("positions, budget", [([64, 48], None), ([64, 48], 1), ([64, 128], None)])
+def test_initial_levels_in_segments_and_empty(positions, budget, monkeypatch, no_torch_path):
     """The initial levels' gradients from their readers summed over several programs per level (runs of 2 chunks:
-    up to 4 per level here; states at two aligned positions whose levels have 1 to 7 readers), and all-zero levels
-    (a state a call leaves holds only its position's bits), which the readouts skip: outputs, dlambda columns
-    (written as 0) and every level's gradient still exact."""
+    up to 4 per level here; states at two aligned positions whose levels have 1 to 7 readers), or over one program
+    per level (budget 1: no room for partial sums); at [64, 128] the carries cleared chunk levels 0 and 1 of both
+    states (the programs start at level 2); and all-zero levels (a state a call leaves holds only its position's
+    bits), which the readouts skip: outputs, dlambda columns (written as 0) and every level's gradient still
+    exact."""
     monkeypatch.setattr(M, "INITIAL_READERS", 2)
-    state = _random_state(2, [64, 48], 2, 8, 5)
+    if budget is not None:
+        monkeypatch.setattr(M, "INITIAL_GRAD_BYTES", budget)
+    state = _random_state(2, positions, 2, 8, 5)
     state.levels[0, 5] = 0  # chunk level 0 of sequence 0 (16-token chunks: token level 5)
     state.levels[1, 6:] = 0  # sequence 1: every chunk level above 0
-    _compare(mamba2_args(make_inputs(2, 100, 1, 2, 8, 5, start=64)), state=state)
+    _compare(mamba2_args(make_inputs(2, 100, 1, 2, 8, 5, start=max(positions))), state=state)
 
 
 @pytest.mark.parametrize("positions", [[32, 48], [5, 64], [0, 3]])

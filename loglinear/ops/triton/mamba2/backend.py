@@ -41,6 +41,7 @@ prefixes, the final state's last chunk) floor their few tokens in torch (floor_l
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -75,7 +76,8 @@ FLOOR = LOG_DECAY_FLOOR[torch.float32]  # every kernel computes in fp32
 FP32_DOT = "ieee"  # fp32 products exact (shared.rules.dot_precision)
 MAX_CHUNK = 64  # the kernels' chunk cap (shared.rules.kernel_chunk_size): tiles fit sm_90's shared memory
 SCAN_ROWS = 16  # K rows per program of a scan whose state tile may be split
-INITIAL_READERS = 256  # reader chunks per program of the initial levels' gradient (fewer: more segments)
+INITIAL_READERS = 32  # reader chunks per program of the initial levels' gradient (fewer: more segments)
+INITIAL_GRAD_BYTES = 256 << 20  # at most this much for its segments' partial sums (more readers per program)
 GATE_LATER_BLOCK = 16  # chunks per load of the gate gradient's sums over later chunks (mamba2_gate_later_kernel)
 
 
@@ -420,18 +422,19 @@ def _dq_grads(q, k, v, gate, lam, d_o, ranges, buckets, scores, saved: _Saved, p
 
 def _initial_read_grads(q, readers, gate, lam, d_o, ranges, saved: _Saved, plan: LevelScanPlan) -> torch.Tensor:
     """The initial levels' gradients from their readers (mamba2_initial_grad_kernel; readers: the queries
-    _dq_grads gives it): each level's readers cut into S runs of about INITIAL_READERS chunks, summed here.
+    _dq_grads gives it): each level's readers cut into S runs of about INITIAL_READERS chunks (fewer, longer runs
+    where the partial sums would pass INITIAL_GRAD_BYTES), summed here.
     -> levels plan.first_level .. J-1 [N, J - first_level, H, K, V] fp32 (those below are 0 in h0: no gradient)."""
-    (N, H), J, table = (len(plan.bos), d_o.shape[1]), plan.num_levels, saved.table
+    (N, H), J, j0, table = (len(plan.bos), d_o.shape[1]), plan.num_levels, plan.first_level, saved.table
     chunks = max(triton.cdiv(b - a, plan.chunk_size) for a, b in zip(plan.bos, plan.eos))
-    S = max(1, triton.cdiv(chunks, INITIAL_READERS))
-    d_init = alloc((S, N, J, H, q.shape[-1], d_o.shape[-1]), torch.float32, q.device)
-    mamba2_initial_grad_kernel[(S * N * J * H,)](
-        readers, gate, lam, d_o, saved.decays, *ranges, table.base, d_init, plan.scale, N=N, S=S, J=J,
+    shape = (N, J - j0, H, q.shape[-1], d_o.shape[-1])
+    S = max(1, min(triton.cdiv(chunks, INITIAL_READERS), INITIAL_GRAD_BYTES // (4 * math.prod(shape))))
+    d_init = alloc((S, *shape), torch.float32, q.device)
+    mamba2_initial_grad_kernel[(S * math.prod(shape[:3]),)](
+        readers, gate, lam, d_o, saved.decays, *ranges, table.base, d_init, plan.scale, N=N, S=S, J0=j0, J=J,
         **_chunk_sizes(plan, q, d_o, lam), **_launch(mamba2_initial_grad_kernel, plan),
     )
-    j0 = plan.first_level
-    return d_init[:, :, j0:].sum(0) if S > 1 else d_init[0, :, j0:]
+    return d_init.sum(0) if S > 1 else d_init[0]
 
 
 def _deposit_grads(q, readers, gate, lam, d_o, d_levels, ranges, saved: _Saved, plan: LevelScanPlan

@@ -582,20 +582,21 @@ def mamba2_level_grad_kernel(
              mask=(kk[:, None] < K) & (vv[None, :] < V))
 
 
-@triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS + ["N", "S"])
+@triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS + ["N", "S", "J0"])
 def mamba2_initial_grad_kernel(
     q, g, lam, do, decays, bos_ptr, eos_ptr, chunk0_ptr, base_ptr, d_init, scale,
-    N, S, H, G, K, V, L, J,
+    N, S, J0, H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
-    """The initial levels' gradients from their readers, in S segments: d_init [S, N, J, H, K, V] fp32 out, segment
-    s of the readers of level j of sequence n (the chunks c0 .. ((c0 >> j) + 1) 2^j - 1 of the sequence, cut into S
-    equal runs; 0 where a run is empty, and for the levels below ctz(c0), which the carry cleared). PLAIN: one
-    level, read by the sequence's first chunk. Other arguments as the scans (bos, eos, chunk0, base [N]) and
-    mamba2_level_grad_kernel. Grid (S * N * J * H,): program i * H + h (heads_fastest)."""
+    """The gradients of the initial levels J0 .. J-1 from their readers, in S segments: d_init [S, N, J - J0, H, K, V]
+    fp32 out, segment s of the readers of level j of sequence n (the chunks c0 .. ((c0 >> j) + 1) 2^j - 1 of the
+    sequence, cut into S equal runs; 0 where a run is empty, and for the levels below ctz(c0), which the carry
+    cleared). PLAIN: one level, read by the sequence's first chunk. Other arguments as the scans (bos, eos, chunk0,
+    base [N]) and mamba2_level_grad_kernel. Grid (S * N * (J - J0) * H,): program i * H + h (heads_fastest)."""
     pid, h = heads_fastest(H)
-    s, n, j = pid // (N * J), (pid // J) % N, pid % J
+    JR = J - J0
+    s, n, j = pid // (N * JR), (pid // JR) % N, J0 + pid % JR
     bos, eos, c0, base = sequence_range(n, bos_ptr, eos_ptr, chunk0_ptr, base_ptr)
     readers = tl.minimum((((c0 >> j) + 1) << j) - c0, tl.cdiv(eos - bos, C))
     # the carry past the state's aligned position c0 C cleared the chunk levels j < ctz(c0): zeros that nothing
