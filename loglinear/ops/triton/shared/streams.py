@@ -20,22 +20,18 @@ same either way: the kernels and their inputs do not change, only when they run.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from typing import ContextManager
 
 import torch
 
 _HIGHEST = -100  # stream priority: values past the device's range map to its highest priority
 
 
-_side_streams: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One high-priority stream per CUDA device, made on first use."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _side_streams:
-        _side_streams[index] = torch.cuda.Stream(index, priority=_HIGHEST)
-    return _side_streams[index]
+@functools.cache
+def _side_stream(index: int) -> torch.cuda.Stream:
+    """One highest-priority stream per CUDA device, made on first use."""
+    return torch.cuda.Stream(index, priority=_HIGHEST)
 
 
 class ChainStreams:
@@ -46,17 +42,12 @@ class ChainStreams:
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.main = torch.cuda.current_stream(device)
-            self.side = _side_stream(device)
+            self.side = _side_stream(device.index if device.index is not None else torch.cuda.current_device())
             self.side.wait_stream(self.main)
 
-    @contextlib.contextmanager
-    def chain(self) -> Iterator[None]:
+    def chain(self) -> ContextManager:
         """Launches (and allocations) inside run on the side stream."""
-        if not self.cuda:
-            yield
-            return
-        with torch.cuda.stream(self.side):
-            yield
+        return torch.cuda.stream(self.side) if self.cuda else contextlib.nullcontext()
 
     def hand_over(self, *tensors: torch.Tensor) -> None:
         """The current stream's next launches wait for the chain's launches so far; tensors allocated inside
