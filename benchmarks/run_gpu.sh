@@ -114,7 +114,7 @@ case $PART in
   bench-gdn)  # fla_gdn compiles for ~2 min on a fresh machine
     step 420 bench-gdn python benchmarks/bench_ops.py --variant gdn --impls loglinear loglinear_plain fla_gdn \
       sdpa_flash --T $TS --sdpa-max-T 32768 --out "$R" "${EXTRA[@]}"
-    step 90 profile-gdn python benchmarks/profiling/profile_gdn.py --T 32768 131072 --ab --out "$R"
+    step 150 profile-gdn python benchmarks/profiling/profile_gdn.py --T 32768 131072 --ab --one-stream-ab --out "$R"
     ;;
   bench-gla)  # fla's chunk_gla compiles and autotunes for minutes on a fresh machine
     step 480 bench-gla python benchmarks/bench_ops.py --variant gla --impls loglinear loglinear_plain fla_gla \

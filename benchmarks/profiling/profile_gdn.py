@@ -3,11 +3,13 @@
     python benchmarks/profiling/profile_gdn.py --T 32768 131072 --out benchmarks/results
 
 Paper setting (B = 2, 48 value heads, one q/k group, K = 128, V = 64, bf16, q/k L2-normalised in the op).
-For each T: torch.profiler over two forward+backward steps (after a warm-up step), CUDA time summed per
-kernel name; writes profile-gdn-<gpu>.md (one table per T, ms per step).
+For each T: the wall time of a forward+backward step, and torch.profiler over two steps (after a warm-up step),
+CUDA time summed per kernel name; writes profile-gdn-<gpu>.md (one table per T, ms per step). The chains' readers
+run beside them on a second stream, so the kernel times add up to more than the wall time.
 
 --ab: each T again with the scan kernels' square forms off (`square_fits` -> False: the chains without Wm,
 the scan grads without Z), so the square forms and the plain ones are compared in one run.
+--one-stream-ab: each T again with the chains and their readers on one stream, one after another.
 --plain: plain Gated DeltaNet (level_scales=None, the one-level schedule); writes profile-gdn-plain-<gpu>.md.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -26,12 +29,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: ben
 from bench_ops import PAPER, gdn_inputs  # noqa: E402
 from loglinear import log_linear_gated_deltanet  # noqa: E402
 from loglinear.ops.triton.gated_deltanet import scan as gated_deltanet_scan  # noqa: E402
+from loglinear.ops.triton.shared.streams import ChainStreams  # noqa: E402
 
 
-def kernel_times(T: int, plain: bool = False, steps: int = 2) -> tuple[list[tuple[float, int, str]], list]:
+class OneStream(ChainStreams):
+    """The chains and their readers on the current stream, one after another (--one-stream-ab)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = False
+
+
+def kernel_times(T: int, plain: bool = False, steps: int = 2) -> tuple[list[tuple[float, int, str]], float, list]:
     """One forward+backward at the paper setting (bf16, use_qk_l2norm; plain: level_scales=None), after a warm-up
-    step: [(ms per step, calls per step, kernel name)], largest first, and the gradients of q, k, v, g, beta and
-    level_scales (not plain)."""
+    step: [(ms per step, calls per step, kernel name)], largest first, the wall ms per step (unprofiled), and the
+    gradients of q, k, v, g, beta and level_scales (not plain)."""
     p = PAPER
     x = gdn_inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], torch.bfloat16)
     if plain:
@@ -48,6 +59,11 @@ def kernel_times(T: int, plain: bool = False, steps: int = 2) -> tuple[list[tupl
 
     step()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / steps * 1e3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
@@ -57,13 +73,13 @@ def kernel_times(T: int, plain: bool = False, steps: int = 2) -> tuple[list[tupl
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if t > 0:
             rows.append((t / 1000 / steps, e.count // steps, e.key))
-    return sorted(rows, reverse=True), [t.grad for t in leaves if t is not None]
+    return sorted(rows, reverse=True), wall, [t.grad for t in leaves if t is not None]
 
 
 def profile_step(T: int, top: int, label: str = "", plain: bool = False) -> list[str]:
-    rows, _ = kernel_times(T, plain)
+    rows, wall, _ = kernel_times(T, plain)
     total = sum(r[0] for r in rows)
-    lines = [f"## T = {T}{label}: {total:.2f} ms of kernel time per forward+backward", "",
+    lines = [f"## T = {T}{label}: {wall:.2f} ms per forward+backward, {total:.2f} ms of kernel time", "",
              "| ms | % | calls | kernel |", "|---|---|---|---|"]
     for ms, n, key in rows[:top]:
         lines.append(f"| {ms:.3f} | {100 * ms / total:.1f} | {n} | `{key[:90]}` |")
@@ -75,6 +91,7 @@ def main() -> None:
     ap.add_argument("--T", type=int, nargs="+", default=[32768])
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--ab", action="store_true", help="each T also with the square forms off")
+    ap.add_argument("--one-stream-ab", action="store_true", help="each T also with the chains' readers after them")
     ap.add_argument("--plain", action="store_true", help="plain Gated DeltaNet (level_scales=None)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     args = ap.parse_args()
@@ -83,18 +100,21 @@ def main() -> None:
     lines = [f"# {what}, CUDA time per kernel ({gpu}, torch {torch.__version__})", "",
              "B=2, H=48, G=1, K=128, V=64, bf16, use_qk_l2norm; `python " + " ".join(sys.argv) + "`", ""]
     fits = gated_deltanet_scan.square_fits
-    runs = [(T, fits, "") for T in args.T]
+    variants = [(fits, ChainStreams, "")]
     if args.ab:
-        runs = [r for T in args.T for r in ((T, fits, ""), (T, lambda BK, dtype: False, ", square forms off"))]
-    for T, rule, label in runs:
-        gated_deltanet_scan.square_fits = rule
-        try:
-            lines += profile_step(T, args.top, label, args.plain)
-        except Exception as e:  # keep what was measured
-            lines += [f"## T = {T}{label}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", ""]
-        print("\n".join(lines[-25:]), flush=True)
-        torch.cuda.empty_cache()
-    gated_deltanet_scan.square_fits = fits
+        variants.append((lambda BK, dtype: False, ChainStreams, ", square forms off"))
+    if args.one_stream_ab:
+        variants.append((fits, OneStream, ", one stream"))
+    for T in args.T:
+        for rule, streams, label in variants:
+            gated_deltanet_scan.square_fits, gated_deltanet_scan.ChainStreams = rule, streams
+            try:
+                lines += profile_step(T, args.top, label, args.plain)
+            except Exception as e:  # keep what was measured
+                lines += [f"## T = {T}{label}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", ""]
+            print("\n".join(lines[-25:]), flush=True)
+            torch.cuda.empty_cache()
+    gated_deltanet_scan.square_fits, gated_deltanet_scan.ChainStreams = fits, ChainStreams
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"profile-gdn{'-plain' if args.plain else ''}-{gpu}.md").write_text("\n".join(lines) + "\n")

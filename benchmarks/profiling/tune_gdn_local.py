@@ -65,7 +65,7 @@ def run(name: str, cfg: tuple[int, int, int], T: int, ref: list[torch.Tensor]) -
     saved = launch.LAUNCH[name], local.KEY_BLOCK[name]
     launch.LAUNCH[name], local.KEY_BLOCK[name] = launch.Launch(cfg[0], cfg[2]), cfg[1]
     try:
-        rows, grads = kernel_times(T)
+        rows, _, grads = kernel_times(T)
     finally:
         launch.LAUNCH[name], local.KEY_BLOCK[name] = saved
     return choice(name, cfg, **timings(rows, name, rel_diff(grads, ref)))
@@ -95,7 +95,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
-    base, ref = kernel_times(args.T)
+    base, _, ref = kernel_times(args.T)
     rows = [choice(n, op_choice(n), **timings(base, n, 0.0)) for n in local.KEY_BLOCK]
     write(rows, out, gpu, args.T)
     for name, cfgs in CANDIDATES.items():
