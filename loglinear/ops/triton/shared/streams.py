@@ -5,8 +5,8 @@ programs at the paper setting, one per SM), so it leaves SMs idle; the chunk-par
 segment of its chunks can run on them. The chain goes on a side stream of the highest priority, segment after
 segment; after each segment the current stream waits for the chain so far and launches that segment's readers,
 which run beside the chain's next segment (the side stream's priority lets the chain's blocks go first when both
-are ready, so that the chain keeps its SMs). On CPU (the interpreter) both run on one stream in the same order, and the results are the
-same either way: the kernels and their inputs do not change, only when they run.
+are ready, so that the chain keeps its SMs). On CPU (the interpreter) both run on one stream in the same order,
+and the results are the same either way: the kernels and their inputs do not change, only when they run.
 
     streams = ChainStreams(device)
     for segment in segments:
