@@ -16,6 +16,7 @@ the scan grads without Z), so the square forms and the plain ones are compared i
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -30,13 +31,6 @@ from bench_ops import PAPER, gdn_inputs  # noqa: E402
 from loglinear import log_linear_gated_deltanet  # noqa: E402
 from loglinear.ops.triton.gated_deltanet import scan as gated_deltanet_scan  # noqa: E402
 from loglinear.ops.triton.shared.streams import ChainStreams  # noqa: E402
-
-
-class OneStream(ChainStreams):
-    """The chains and their readers on the current stream, one after another (--one-stream-ab)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = False
 
 
 def kernel_times(T: int, plain: bool = False, steps: int = 2) -> tuple[list[tuple[float, int, str]], float, list]:
@@ -104,7 +98,7 @@ def main() -> None:
     if args.ab:
         variants.append((lambda BK, dtype: False, ChainStreams, ", square forms off"))
     if args.one_stream_ab:
-        variants.append((fits, OneStream, ", one stream"))
+        variants.append((fits, functools.partial(ChainStreams, side=False), ", one stream"))
     for T in args.T:
         for rule, streams, label in variants:
             gated_deltanet_scan.square_fits, gated_deltanet_scan.ChainStreams = rule, streams

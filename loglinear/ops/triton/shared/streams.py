@@ -8,7 +8,7 @@ which run beside the chain's next segment (the side stream's priority lets the c
 are ready, so that the chain keeps its SMs). On CPU (the interpreter) both run on one stream in the same order,
 and the results are the same either way: the kernels and their inputs do not change, only when they run.
 
-    streams = ChainStreams(device)
+    streams = ChainStreams(device)     # side=False: everything on the current stream, in this order
     for segment in segments:
         with streams.chain():
             ...                        # the chain's launches for this segment (and buffers they allocate)
@@ -36,23 +36,24 @@ def _side_stream(index: int) -> torch.cuda.Stream:
 
 class ChainStreams:
     """The two streams of one op call (module docstring). Made where the chain starts: the side stream first waits
-    for everything launched on the current stream so far (the chain's inputs)."""
+    for everything launched on the current stream so far (the chain's inputs). side=False (and on CPU): one
+    stream, the chain and its readers one after another."""
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        if self.cuda:
+    def __init__(self, device: torch.device, side: bool = True):
+        self.two = side and device.type == "cuda"
+        if self.two:
             self.main = torch.cuda.current_stream(device)
             self.side = _side_stream(device.index if device.index is not None else torch.cuda.current_device())
             self.side.wait_stream(self.main)
 
     def chain(self) -> ContextManager:
         """Launches (and allocations) inside run on the side stream."""
-        return torch.cuda.stream(self.side) if self.cuda else contextlib.nullcontext()
+        return torch.cuda.stream(self.side) if self.two else contextlib.nullcontext()
 
     def hand_over(self, *tensors: torch.Tensor) -> None:
         """The current stream's next launches wait for the chain's launches so far; tensors allocated inside
         chain() that they read stay allocated until they have run."""
-        if self.cuda:
+        if self.two:
             self.main.wait_stream(self.side)
             for t in tensors:
                 t.record_stream(self.main)
