@@ -180,7 +180,8 @@ def gdn_local_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, norm: 
     """The four chunk-local kernels (q and k in the operand dtype; norm: their rows normalised in the kernels)."""
     f32 = "*fp32"
     meta = local._meta(Chunking(b=2, T=8192, H=48, front=0, C=C), K, V, 1, 18, dtype, norm)
-    runtime = dict(T="i32", front="i32", Tp="i32", N="i32", H="i32", NG="i32", L="i32", eps="fp32")
+    runtime = dict(T="i32", front="i32", Tp="i32", N="i32", H="i32", NG="i32", L="i32", eps="fp32", n0="i32",
+                   NS="i32")
     pointers = [
         (local._chunk_inverse_kernel, dict(k=P, g=P, beta=P, tg=P)),
         (local._chunk_local_kernel, dict(q=P, k=P, v=P, g=P, beta=P, lam=P, tg=P, o=f32, qt=P, wt=P, kt=P, u=P,
@@ -192,7 +193,7 @@ def gdn_local_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, norm: 
     ]
     out = []
     for kernel, sig in pointers:
-        args = local.kernel_meta(kernel, meta)
+        args = local.kernel_meta(kernel, dict(meta, n0=0, NS=meta["N"]))
         sig = dict(sig, **{n: runtime.get(n, "constexpr") for n in args})
         const = {n: x for n, x in args.items() if n not in runtime}
         out.append(report(kernel, sig, const, **launch_options(kernel)))

@@ -144,8 +144,8 @@ def test_qk_l2norm_in_kernels(B, T, G, H, K, V, positions, monkeypatch):
     L = max(1, (start - 1).bit_length() + 1)
     state = _state(B, L, H, K, V, positions, torch.float64) if positions else None
     seen = []
-    local = gdn.chunk_local
-    monkeypatch.setattr(gdn, "chunk_local", lambda *a: seen.append((a[0], a[-1])) or local(*a))
+    local = gdn.chunk_local_segments
+    monkeypatch.setattr(gdn, "chunk_local_segments", lambda *a: seen.append((a[0], a[-1])) or local(*a))
     _compare(x, state, l2norm=True)
     (q, norm), = seen[:1]
     assert norm and torch.equal(q, x["q"].float())
@@ -182,6 +182,25 @@ def test_continuation_seeds_only_the_levels_the_carry_left(position, seeds, monk
     x = make_inputs(1, 100, 1, 2, K=8, V=4, start=position)
     _compare(x, _state(1, (position - 1).bit_length() + 1, 2, 8, 4, [position], torch.float64))
     assert {sched.bits[0] for sched in seen} == {seeds}
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_chunk_local_stage_launched_by_segments(plain, monkeypatch):
+    """Chain segments of 2 chunks: the scan launches the chunk-local stage of each segment before the chain's
+    segment (the outputs are poisoned until then), 100 tokens from a state at position 5 in chunks of 16 (7 chunks:
+    segments of 2, 2, 2 and 1); o, the final state and every gradient against the float64 reference."""
+    monkeypatch.setattr(scan_module, "SEGMENT", 2)
+    launched, local = [], gdn.chunk_local_segments
+
+    def spy(*args):
+        out, launch = local(*args)
+        return out, lambda i0, i1: launched.append((i0, i1)) or launch(i0, i1)
+
+    monkeypatch.setattr(gdn, "chunk_local_segments", spy)
+    x = make_inputs(1, 100, 1, 2, K=8, V=4, start=5)
+    L = 1 if plain else 4
+    (_compare_plain if plain else _compare)(x, _state(1, L, 2, 8, 4, [5], torch.float64))
+    assert launched == [(0, 2), (2, 4), (4, 6), (6, 7)]
 
 
 def test_varlen_with_states():
@@ -320,7 +339,7 @@ def test_public_op_reaches_the_kernels_when_selected(monkeypatch):
     x = {n: t.float() for n, t in make_inputs(1, 20, 1, 2, K=8, V=4).items()}
     calls = []
     scan = gdn.fenwick_delta_scan
-    monkeypatch.setattr(gdn, "fenwick_delta_scan", lambda *a: calls.append(1) or scan(*a))
+    monkeypatch.setattr(gdn, "fenwick_delta_scan", lambda *a, **kw: calls.append(1) or scan(*a, **kw))
     o, _ = log_linear_gated_deltanet(**x, chunk_size=16)
     assert calls == [1]
     assert_close(o.double(), _reference({n: t.double() for n, t in x.items()})[0], RTOL, "o")

@@ -4,7 +4,8 @@ Composition, per group of rows that start at the same absolute position p0 (spec
 
   1. chunks aligned to absolute positions: p0 mod C identity tokens in front (Chunking; the kernels read
      the op's [b, T, G|H, D] tensors with the padding as masks, q/k from group h // (H / G));
-  2. chunk_local   (local.py):  o_intra (levels 0..c), qt, W~, K~, u, decay per chunk;
+  2. chunk_local_segments (local.py):  o_intra (levels 0..c), qt, W~, K~, u, decay per chunk, launched by the
+     scan segment by segment (its producers run beside the chain);
   3. incoming state: carried past p0; its levels <= c are buckets inside the first chunk (read by
      query t at level max(l, bit_length(t XOR p0)), and folded into the chunk-level state that the
      first chunk's cascade fills), its levels > c seed the chunk-level states;
@@ -37,7 +38,7 @@ from loglinear.ops.torch_chunk import (
     carry_past, chunk_levels_past, chunked, final_levels, level_scales_at, pad_time,
 )
 from loglinear.ops.triton.gated_deltanet.chunking import Chunking, chunk_cap
-from loglinear.ops.triton.gated_deltanet.local import chunk_local
+from loglinear.ops.triton.gated_deltanet.local import chunk_local_segments
 from loglinear.ops.triton.gated_deltanet.scan import fenwick_delta_scan
 from loglinear.ops.triton.shared.common import interpreting
 from loglinear.ops.triton.shared.heads import min_head_dim, run_padded
@@ -124,7 +125,7 @@ def gated_deltanet_core(
     c = chunk_bits(C)
     ch = Chunking(b, T, H, position % C, C)
     N, c0, end = ch.N, position // C, position + T
-    o_intra, qt, wt, kt, u, decay = chunk_local(q, k, v, g, beta, lam, ch, dtype, qk_l2norm)
+    (o_intra, qt, wt, kt, u, decay), produce = chunk_local_segments(q, k, v, g, beta, lam, ch, dtype, qk_l2norm)
 
     J = max((end - 1) // C, 1).bit_length()
     partial = h0 = seeds = first = None
@@ -143,7 +144,7 @@ def gated_deltanet_core(
 
     o, hN = fenwick_delta_scan(
         qt, wt, kt, u, decay, _inter_level_scales(lam, ch, c, J), h0, o_intra, _merge_targets(c0, N), ch, scale,
-        dtype, final, seeds, first,
+        dtype, final, seeds, first, produce,
     )
     if not final:
         return o, None
@@ -162,11 +163,11 @@ def _plain_core(
     C = kernel_chunk_size(chunk_size, chunk_cap(dtype, K))
     ch = Chunking(b, T, H, 0, C)
     one = torch.ones((), dtype=torch.float32, device=q.device)
-    o_intra, qt, wt, kt, u, decay = chunk_local(q, k, v, g, beta, one.expand(b, T, H, chunk_bits(C) + 1), ch, dtype,
-                                                qk_l2norm)
+    (o_intra, qt, wt, kt, u, decay), produce = chunk_local_segments(
+        q, k, v, g, beta, one.expand(b, T, H, chunk_bits(C) + 1), ch, dtype, qk_l2norm)
     h0 = None if levels is None else levels.transpose(1, 2).reshape(b * H, 1, K, V)
     o, hN = fenwick_delta_scan(qt, wt, kt, u, decay, one.expand(b * H, ch.Tp, 1), h0, o_intra, _plain_targets(ch.N),
-                               ch, scale, dtype, final)
+                               ch, scale, dtype, final, produce=produce)
     return o, (hN.view(b, H, 1, K, V).transpose(1, 2) if final else None)
 
 

@@ -44,6 +44,8 @@ dx = r (dx_n - x_n <x_n, dx_n>) runs in torch (l2norm_backward; [b, T, G, K]).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -116,16 +118,16 @@ def unit_lower_inverse(A, C: tl.constexpr, PREC: tl.constexpr = "tf32x3"):
 
 
 @triton.jit
-def _chunk_program(T, front, Tp, H, NG, C: tl.constexpr):
-    """A chunk-local program's chunk n and head row bh (= batch row * H + head) on a grid (N * BH,): program
-    (row * N + n) * H + head, heads_fastest's order (decoded in int32 here: the int64 row costs the [C, C] backward
-    ~25 B more spills). Returns n, bh, its first token t0 and valid [C] (chunk_tokens), head h, q/k group, chunk
-    rows rc [C] and the first row of the chunk in the [BH, Tp, *] stage tensors (tiles of those:
-    load_tile(x, row0, rc, rc < C, 0, 1, D, cols))."""
-    pid, N = tl.program_id(0), Tp // C
+def _chunk_program(T, front, Tp, H, NG, n0, NS, C: tl.constexpr):
+    """A chunk-local program's chunk n and head row bh (= batch row * H + head) on a grid (NS * BH,) over the
+    chunks n0 .. n0 + NS - 1 of every row: program (row * NS + n - n0) * H + head, heads_fastest's order (decoded in
+    int32 here: the int64 row costs the [C, C] backward ~25 B more spills). Returns n, bh, its first token t0 and
+    valid [C] (chunk_tokens), head h, q/k group, chunk rows rc [C] and the first row of the chunk in the [BH, Tp, *]
+    stage tensors (tiles of those: load_tile(x, row0, rc, rc < C, 0, 1, D, cols))."""
+    pid = tl.program_id(0)
     i, head = pid // H, pid % H
-    n = i % N
-    bh = (i // N * H + head).to(tl.int64)
+    n = n0 + i % NS
+    bh = (i // NS * H + head).to(tl.int64)
     t0, rc, valid, h = chunk_tokens(n, bh, T, front, H, C)
     return n, bh, t0, valid, h, h // (H // NG), rc, bh * Tp + n * C
 
@@ -184,15 +186,15 @@ def _chunk_levels(lam, tok, valid, h, H, L, causal, C: tl.constexpr, LOG_C: tl.c
 @triton.jit
 def _chunk_inverse_kernel(
     k, g, beta, tg,
-    T, front, Tp, H, NG, eps,
+    T, front, Tp, H, NG, eps, n0, NS,
     K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
 ):
-    """Chunk n of head bh (grid N * BH, _chunk_program): T_g = (I + A)^-1 of
+    """Chunk n of head bh (grid NS * BH over the chunks n0 .., _chunk_program): T_g = (I + A)^-1 of
     A = strict_lower(beta_t Gamma[t, s] (k_t . k_s)) (unit_lower_inverse; k row-normalised when NORM) -> tg:
     [BH, Tp, C] in the operand dtype (row t of the chunk: T_g[t, :]).
     Read by the forward and the backward; alone in its kernel so its dependent products run at a few
     programs per SM (few registers) instead of inside the register-heavy chunk kernels."""
-    _, _, t0, valid, h, grp, rc, row0 = _chunk_program(T, front, Tp, H, NG, C)
+    _, _, t0, valid, h, grp, rc, row0 = _chunk_program(T, front, Tp, H, NG, n0, NS, C)
     tok = t0 + rc
     b_c, _, gamma, _ = _chunk_gates(g, beta, tok, valid, h, H, C)
     r_k = _row_norms(k, t0, valid, grp, NG, K, eps, C, BK, NK, NORM)
@@ -204,15 +206,15 @@ def _chunk_inverse_kernel(
 @triton.jit
 def _chunk_local_kernel(
     q, k, v, g, beta, lam, tg, o, qt, wt, kt, u, qkg, decay,
-    T, front, Tp, N, H, NG, L, eps,
+    T, front, Tp, N, H, NG, L, eps, n0, NS,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
     BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
 ):
-    """Chunk n of head bh (grid N * BH, _chunk_program).  Inputs in the op's layouts (any float dtype; module
-    docstring) and T_g (tg: [BH, Tp, C], _chunk_inverse_kernel); outputs o: [BH, Tp, V] fp32, qt, wt, kt:
-    [BH, Tp, K] and u: [BH, Tp, V] in the operand dtype, decay: [BH, N] fp32, and for the backward QK (qkg:
-    [BH, Tp, C], operand dtype). K and V are walked in blocks; q and k row-normalised when NORM."""
-    n, bh, t0, valid, h, grp, rc, row0 = _chunk_program(T, front, Tp, H, NG, C)
+    """Chunk n of head bh (grid NS * BH over the chunks n0 .., _chunk_program).  Inputs in the op's layouts (any
+    float dtype; module docstring) and T_g (tg: [BH, Tp, C], _chunk_inverse_kernel); outputs o: [BH, Tp, V] fp32,
+    qt, wt, kt: [BH, Tp, K] and u: [BH, Tp, V] in the operand dtype, decay: [BH, N] fp32, and for the backward QK
+    (qkg: [BH, Tp, C], operand dtype). K and V are walked in blocks; q and k row-normalised when NORM."""
+    n, bh, t0, valid, h, grp, rc, row0 = _chunk_program(T, front, Tp, H, NG, n0, NS, C)
     tok = t0 + rc
     dt = qt.dtype.element_ty
     b_c, G, gamma, causal = _chunk_gates(g, beta, tok, valid, h, H, C)
@@ -291,7 +293,7 @@ def _chunk_local_bwd_cc_kernel(
         dbp = rowsum(dbv * V) + colsum(dP * M * Lambda);  dGp = rowsum(dGg) - colsum(dGg), dGg = dQK * QK
     (the terms of dA * beta_t * A with K K^T, and those of dbk and dqt, are part 2's).
     """
-    n, bh, t0, valid, h, _, rc, row0 = _chunk_program(T, front, Tp, H, 1, C)
+    n, bh, t0, valid, h, _, rc, row0 = _chunk_program(T, front, Tp, H, 1, 0, N, C)
     tok = t0 + rc
     dt = dqt.dtype.element_ty  # the operand dtype: qt's gradient comes in qt's dtype
     causal = rc[:, None] >= rc[None, :]
@@ -359,7 +361,7 @@ def _chunk_local_bwd_k_kernel(
         de = rowsum(dqt * Q) + beta sbk,  sbk = rowsum(dbk * K);   dbeta = dbp + rho + e sbk
         dG = dGp + e de + beta rho - kappa - f rowsum(dkt * K) + [last] dG_last
     """
-    n, bh, t0, valid, h, grp, rc, row0 = _chunk_program(T, front, Tp, H, NG, C)
+    n, bh, t0, valid, h, grp, rc, row0 = _chunk_program(T, front, Tp, H, NG, 0, N, C)
     tok = t0 + rc
     dt = dqt.dtype.element_ty
     src = scratch + (bh * N + n) * 2 * C * C
@@ -443,9 +445,15 @@ def kernel_meta(kernel, meta: dict) -> dict:
     return {n: x for n, x in dict(meta, BK=BK, NK=triton.cdiv(meta["K"], BK)).items() if n in kernel.arg_names}
 
 
-def _launch(kernel, ch: Chunking, meta: dict, *tensors: torch.Tensor) -> None:
-    """kernel over the chunks of every head row, heads varying fastest (_chunk_program)."""
-    kernel[(ch.N * ch.BH,)](*tensors, **kernel_meta(kernel, meta), **launch_options(kernel))
+def _launch(kernel, ch: Chunking, meta: dict, *tensors: torch.Tensor, chunks: tuple[int, int] | None = None) -> None:
+    """kernel over the chunks i0 .. i1 - 1 (chunks; None: all) of every head row, heads varying fastest
+    (_chunk_program)."""
+    i0, i1 = chunks or (0, ch.N)
+    kernel[((i1 - i0) * ch.BH,)](*tensors, **kernel_meta(kernel, dict(meta, n0=i0, NS=i1 - i0)),
+                                 **launch_options(kernel))
+
+
+Launch = Callable[[int, int], None]
 
 
 class ChunkLocal(torch.autograd.Function):
@@ -453,10 +461,12 @@ class ChunkLocal(torch.autograd.Function):
     two backward kernels (they recompute the other [C, C] blocks from the op's tensors, which the forward
     saves as they are: no copies; q and k in the operand dtype, a cast only where they come in wider: the
     kernels would round them there anyway).  norm: q and k are row-normalised in the kernels (module
-    docstring); the backward applies the norm's gradient to the kernels' group-summed dq_n, dk_n."""
+    docstring); the backward applies the norm's gradient to the kernels' group-summed dq_n, dk_n.
+    The forward allocates the outputs and appends to ``launches`` the function that fills them for the chunks
+    i0 .. i1 - 1 of every row (chunk_local_segments): it launches no kernel itself."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, lam, ch: Chunking, dtype: torch.dtype, norm: bool):
+    def forward(ctx, q, k, v, g, beta, lam, ch: Chunking, dtype: torch.dtype, norm: bool, launches: list[Launch]):
         K, V, G, L = q.shape[-1], v.shape[-1], q.shape[2], lam.shape[-1]
         dt, dev, BH, Tp = dot_dtype(dtype), q.device, ch.BH, ch.Tp
         ctx.qk_dtypes = q.dtype, k.dtype
@@ -466,8 +476,13 @@ class ChunkLocal(torch.autograd.Function):
         tg, qkg = alloc((BH, Tp, ch.C), dt, dev), alloc((BH, Tp, ch.C), dt, dev)
         decay = alloc((BH, ch.N), torch.float32, dev)
         meta = _meta(ch, K, V, G, L, dt, norm)
-        _launch(_chunk_inverse_kernel, ch, meta, k, g, beta, tg)
-        _launch(_chunk_local_kernel, ch, meta, q, k, v, g, beta, lam, tg, o, qt, wt, kt, u, qkg, decay)
+
+        def launch(i0: int, i1: int) -> None:
+            _launch(_chunk_inverse_kernel, ch, meta, k, g, beta, tg, chunks=(i0, i1))
+            _launch(_chunk_local_kernel, ch, meta, q, k, v, g, beta, lam, tg, o, qt, wt, kt, u, qkg, decay,
+                    chunks=(i0, i1))
+
+        launches.append(launch)
         ctx.save_for_backward(q, k, v, g, beta, lam, tg, qkg, wt, u)  # wt, u: the scan keeps them anyway
         ctx.ch, ctx.dt, ctx.norm = ch, dt, norm
         return o, qt, wt, kt, u, decay
@@ -502,13 +517,27 @@ class ChunkLocal(torch.autograd.Function):
             dq, dk = l2norm_backward(q, dq), l2norm_backward(k, dk)
         grads = [dq, dk, dv, dg, dbeta, dlam]
         dtypes = (*ctx.qk_dtypes, v.dtype, g.dtype, beta.dtype, lam.dtype)
-        return (*[d.to(x) for d, x in zip(grads, dtypes)], None, None, None)
+        return (*[d.to(x) for d, x in zip(grads, dtypes)], None, None, None, None)
+
+
+def chunk_local_segments(
+    q, k, v, g, beta, lam, ch: Chunking, dtype: torch.dtype, qk_l2norm: bool = False,
+) -> tuple[LocalOut, Launch]:
+    """The chunk-local stage with gradients (see ChunkLocal), its kernels left to the caller: returns the outputs
+    and launch(i0, i1), which fills them for the chunks i0 .. i1 - 1 of every row, on the current stream. The
+    outputs are not filled until launch has covered every chunk (fenwick_delta_scan's produce does it, segment by
+    segment beside the chain).  q, k: [b, T, G, K]; v: [b, T, H, V]; g, beta: [b, T, H]; lam: [b, T, H, L] (any
+    float dtypes, contiguous); ch: their chunking; dtype sets the operand dtype (dot_dtype); qk_l2norm: the
+    kernels use l2norm(q), l2norm(k) (gradients w.r.t. q, k). Outputs: o_intra [BH, Tp, V] fp32, qt, wt, kt
+    [BH, Tp, K] and u [BH, Tp, V] (operand dtype), decay [BH, N] fp32: chunk_local_torch's outputs of the padded
+    chunks, flattened."""
+    launches: list[Launch] = []
+    out = ChunkLocal.apply(*(x.contiguous() for x in (q, k, v, g, beta, lam)), ch, dtype, qk_l2norm, launches)
+    return out, launches[0]
 
 
 def chunk_local(q, k, v, g, beta, lam, ch: Chunking, dtype: torch.dtype, qk_l2norm: bool = False) -> LocalOut:
-    """The chunk-local stage with gradients (see ChunkLocal).  q, k: [b, T, G, K]; v: [b, T, H, V];
-    g, beta: [b, T, H]; lam: [b, T, H, L] (any float dtypes, contiguous); ch: their chunking; dtype sets the
-    operand dtype (dot_dtype); qk_l2norm: the kernels use l2norm(q), l2norm(k) (gradients w.r.t. q, k).
-    Returns o_intra [BH, Tp, V] fp32, qt, wt, kt [BH, Tp, K] and u [BH, Tp, V] (operand dtype), decay [BH, N]
-    fp32: chunk_local_torch's outputs of the padded chunks, flattened."""
-    return ChunkLocal.apply(*(x.contiguous() for x in (q, k, v, g, beta, lam)), ch, dtype, qk_l2norm)
+    """chunk_local_segments with every chunk launched: the filled outputs."""
+    out, launch = chunk_local_segments(q, k, v, g, beta, lam, ch, dtype, qk_l2norm)
+    launch(0, ch.N)
+    return out

@@ -53,7 +53,7 @@ for two segments at a time (the one the chain writes, the one the grads kernel r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -566,8 +566,8 @@ def _add_first_chunk(o: torch.Tensor, x: torch.Tensor, ch: Chunking) -> None:
 
 
 class FenwickDeltaScan(torch.autograd.Function):
-    """(o, final states) = scan(qt, wt, kt, u, decay, lam, h0, o_intra, w0, p0, sched, ch, scale, dtype, final); see
-    the module docstring.
+    """(o, final states) = scan(qt, wt, kt, u, decay, lam, h0, o_intra, w0, p0, sched, ch, scale, dtype, final,
+    produce); see the module docstring.
 
     qt, wt, kt: [BH, Tp, K] (the dot dtype); u: [BH, Tp, V] (dot dtype); decay: [BH, N] fp32;
     lam: [BH, Tp, J] fp32; h0: [BH, J, K, V] fp32 or None (zeros); o_intra: [BH, Tp, V] fp32;
@@ -575,12 +575,15 @@ class FenwickDeltaScan(torch.autograd.Function):
     (o gains scale _first_readout; its gradients stay [BH, C, *]: no full-size copy of o_intra's or qt's);
     sched: schedule(merge, J, seeds), seeds covering every level h0 may hold; ch: the chunking of the op's tokens.
     Returns o: [b, T, H, V] in dtype (scale (o_intra + readouts) of the real tokens) and hN: [BH, J, K, V] fp32
-    (None unless final).  Only the live levels of each chunk are touched.
+    (None unless final).  Only the live levels of each chunk are touched.  produce(i0, i1), when given, fills qt,
+    wt, kt, u, decay and o_intra for the chunks i0 .. i1 - 1 on the current stream: called for each chain segment
+    before it (the producers of segment s + 1 then run beside the chain's segment s), or for all chunks before the
+    chain without gradients.
     """
 
     @staticmethod
     def forward(ctx, qt, wt, kt, u, decay, lam, h0, o_intra, w0, p0, sched: Schedule, ch: Chunking, scale: float,
-                dtype: torch.dtype, final: bool):
+                dtype: torch.dtype, final: bool, produce: Callable[[int, int], None] | None):
         BH, Tp, K = qt.shape
         V, N, J = u.shape[-1], decay.shape[1], lam.shape[-1]
         BK, BV, NV = _blocks(K, V, qt.dtype)
@@ -598,17 +601,29 @@ class FenwickDeltaScan(torch.autograd.Function):
                 **launch_options(_scan_fwd_kernel),
             )
 
-        if keep:  # the readouts of a segment beside the chain's next one
+        produce = produce or (lambda i0, i1: None)
+        if keep:  # the producers of segment s + 1 and the readouts of segment s - 1 beside the chain's segment s
             streams = ChainStreams(qt.device)
-            for i0, i1 in _segments(N):
+            segments = _segments(N)
+
+            def start(n: int) -> None:
+                produce(*segments[n])
+                streams.feed()
                 with streams.chain():
-                    chain(i0, i1)
-                streams.hand_over()
+                    chain(*segments[n])
+
+            start(0)
+            for n, (i0, i1) in enumerate(segments):
+                if n + 1 < len(segments):
+                    start(n + 1)
+                streams.hand_over(upto=n)
                 _scan_readout_kernel[(i1 - i0, BH)](
                     qt, lam, sched.live, sched.snap_at, snap, o_intra, o, J, Tp, sched.slots, ch.T, ch.front, ch.H,
                     scale, i0, K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec, **launch_options(_scan_readout_kernel),
                 )
+            streams.hand_over()
         else:  # the chain reads out itself
+            produce(0, N)
             chain(0, N)
         if w0 is not None:
             _add_first_chunk(o, scale * _first_readout(w0, qt, p0, ch.C), ch)
@@ -673,17 +688,21 @@ class FenwickDeltaScan(torch.autograd.Function):
             dqt[:, : ch.C] += torch.einsum("ntm,ntv,nmkv->ntk", w0, dx, p0).to(dqt.dtype)
             dw0 = torch.einsum("ntv,ntk,nmkv->ntm", dx, qt0, p0) if ctx.needs_input_grad[8] else None
             dp0 = torch.einsum("ntm,ntk,ntv->nmkv", w0, qt0, dx) if ctx.needs_input_grad[9] else None
-        return dqt, dwt, dkt, du, dd, dlam, dh0, do_intra, dw0, dp0, None, None, None, None, None
+        return dqt, dwt, dkt, du, dd, dlam, dh0, do_intra, dw0, dp0, None, None, None, None, None, None
 
 
 def fenwick_delta_scan(
     qt, wt, kt, u, decay, lam, h0, o_intra, merge: Sequence[int], ch: Chunking, scale: float, dtype: torch.dtype,
     final: bool = True, seeds: int | None = None, first: tuple[torch.Tensor, torch.Tensor] | None = None,
+    produce: Callable[[int, int], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Functional form of FenwickDeltaScan (shapes there; merge: the N cascade targets, -1 last; final: return
     the final states, else None; seeds: bitmask of the levels of h0 that may be nonzero, None: all of them; the
     others must be zeros that nothing differentiates, they are never read and get no gradient; first: (w0, p0),
-    incoming in-chunk buckets that chunk 0 reads, or None); qt/wt/kt/u keep their (operand) dtype."""
+    incoming in-chunk buckets that chunk 0 reads, or None; produce: produce(i0, i1) fills qt, wt, kt, u, decay and
+    o_intra for the chunks i0 .. i1 - 1 (local.chunk_local_segments' launch), called once per chain segment before
+    it, or None: they are filled; with produce they must come in the kernels' dtypes and contiguous, as the
+    conversions here would copy them unfilled); qt/wt/kt/u keep their (operand) dtype."""
     J = lam.shape[-1]
     if h0 is None:
         seeds = 0
@@ -696,5 +715,5 @@ def fenwick_delta_scan(
     return FenwickDeltaScan.apply(
         qt.contiguous(), wt.contiguous(), kt.contiguous(), u.contiguous(), decay.float().contiguous(),
         lam.float().contiguous(), None if h0 is None else h0.float().contiguous(), o_intra.contiguous(), w0, p0,
-        sched, ch, scale, dtype, final,
+        sched, ch, scale, dtype, final, produce,
     )
