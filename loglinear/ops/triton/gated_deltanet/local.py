@@ -453,7 +453,7 @@ def _launch(kernel, ch: Chunking, meta: dict, *tensors: torch.Tensor, chunks: tu
                                  **launch_options(kernel))
 
 
-Launch = Callable[[int, int], None]
+FillChunks = Callable[[int, int], None]  # fill(i0, i1): a stage's outputs for the chunks i0 .. i1 - 1
 
 
 class ChunkLocal(torch.autograd.Function):
@@ -466,7 +466,7 @@ class ChunkLocal(torch.autograd.Function):
     i0 .. i1 - 1 of every row (chunk_local_segments): it launches no kernel itself."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, lam, ch: Chunking, dtype: torch.dtype, norm: bool, launches: list[Launch]):
+    def forward(ctx, q, k, v, g, beta, lam, ch: Chunking, dtype: torch.dtype, norm: bool, launches: list[FillChunks]):
         K, V, G, L = q.shape[-1], v.shape[-1], q.shape[2], lam.shape[-1]
         dt, dev, BH, Tp = dot_dtype(dtype), q.device, ch.BH, ch.Tp
         ctx.qk_dtypes = q.dtype, k.dtype
@@ -522,7 +522,7 @@ class ChunkLocal(torch.autograd.Function):
 
 def chunk_local_segments(
     q, k, v, g, beta, lam, ch: Chunking, dtype: torch.dtype, qk_l2norm: bool = False,
-) -> tuple[LocalOut, Launch]:
+) -> tuple[LocalOut, FillChunks]:
     """The chunk-local stage with gradients (see ChunkLocal), its kernels left to the caller: returns the outputs
     and launch(i0, i1), which fills them for the chunks i0 .. i1 - 1 of every row, on the current stream. The
     outputs are not filled until launch has covered every chunk (fenwick_delta_scan's produce does it, segment by
@@ -531,7 +531,7 @@ def chunk_local_segments(
     kernels use l2norm(q), l2norm(k) (gradients w.r.t. q, k). Outputs: o_intra [BH, Tp, V] fp32, qt, wt, kt
     [BH, Tp, K] and u [BH, Tp, V] (operand dtype), decay [BH, N] fp32: chunk_local_torch's outputs of the padded
     chunks, flattened."""
-    launches: list[Launch] = []
+    launches: list[FillChunks] = []
     out = ChunkLocal.apply(*(x.contiguous() for x in (q, k, v, g, beta, lam)), ch, dtype, qk_l2norm, launches)
     return out, launches[0]
 
