@@ -151,6 +151,16 @@ def _tables(bos: tuple[int, ...], eos: tuple[int, ...], chunk0: tuple[int, ...],
     return (ranges[0], ranges[1], ranges[2]), ChunkTable(*rows[: 6 * NC].view(6, NC), rows[6 * NC :])
 
 
+@table_cache()
+def _host_table(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """values (a tuple of ints or bools, nested for more dims) as a ``dtype`` tensor on ``device`` (device_table),
+    built once per distinct values: a layout's index tables and masks cost a call no host tensor work and no
+    host-to-device copy once cached (read-only; normal tensors even when first built under inference mode:
+    autograd saves them)."""
+    with torch.inference_mode(False):
+        return device_table(values, dtype, device)
+
+
 def _splits(dtype: torch.dtype) -> bool:
     """May a scan that multiplies state tiles split them over programs?
 
@@ -288,7 +298,7 @@ def _initial_reads(h0: torch.Tensor, q: torch.Tensor, plan: LevelScanPlan) -> tu
     if not plan.has_init:
         return h0, h0
     j0, live = plan.first_level, h0[:, plan.first_level :]
-    held = F.pad(live.ne(0).flatten(2).any(2).to(torch.int8), (j0, 0))
+    held = F.pad(live.flatten(2).any(2).to(torch.int8), (j0, 0))  # any(x): any(x != 0), NaN included
     if h0.dtype == q.dtype:
         return h0, held
     converted = alloc(tuple(h0.shape), q.dtype, h0.device)
@@ -540,15 +550,16 @@ def _final_grads(d_final: torch.Tensor | None, final: torch.Tensor, plan: LevelS
 
 @table_cache()
 def _last_chunks(bos: tuple[int, ...], eos: tuple[int, ...], C: int, device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last chunk of each sequence [a, b) (a aligned): rows [R, C] int64, its tokens (clamped to b - 1), and
-    masks [R, c+1, C] fp32, the in-chunk buckets of its last token (fenwick.last_query_masks). Cached per layout
-    (read-only; normal tensors even when first built under inference mode: autograd saves them)."""
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The last chunk of each sequence [a, b) (a aligned): rows [R, C] int64, its tokens (clamped to b - 1),
+    masks [R, c+1, C] fp32, the in-chunk buckets of its last token (fenwick.last_query_masks), and held [R, C]
+    fp32, their sum over the buckets: 1 at the tokens up to the last. Cached per layout (read-only; normal tensors
+    even when first built under inference mode: autograd saves them)."""
     starts = [a + ((b - a - 1) // C) * C for a, b in zip(bos, eos)]
     rows = [[min(t + s, b - 1) for s in range(C)] for t, b in zip(starts, eos)]
     with torch.inference_mode(False):
         masks = torch.stack([last_query_masks(b - 1 - t, C, torch.float32, device) for t, b in zip(starts, eos)])
-        return device_table(rows, torch.int64, device), masks
+        return device_table(rows, torch.int64, device), masks, masks.sum(1)
 
 
 def _last_chunk_levels(k, v, g, bos: list[int], eos: list[int], C: int, H: int) -> torch.Tensor:
@@ -557,8 +568,7 @@ def _last_chunk_levels(k, v, g, bos: list[int], eos: list[int], C: int, H: int) 
 
     level l holds sum_{s: bit_length(s XOR e) = l} exp(G_e - G_s) k_s v_s^T (g: [tokens, H], or [tokens, H, K]:
     exp per key channel; G the cumsum of g floored here; rows past e read as g = 0).   -> [R, c+1, H, K, V] fp32."""
-    rows, masks = _last_chunks(tuple(bos), tuple(eos), C, k.device)
-    held = masks.sum(1)  # [R, C]: 1 at s <= e
+    rows, masks, held = _last_chunks(tuple(bos), tuple(eos), C, k.device)
     ks = expand_groups(k[rows].float(), H)  # [R, C, H, K]
     gs = floor_log_decay(g[rows].float())
     G = (gs * held.view(*held.shape, *(1,) * (gs.dim() - 2))).cumsum(1)
@@ -664,7 +674,7 @@ def _align(flat: _Flat, state: FenwickState | None, C: int, scale: float, form: 
         out.targets.append(ctz(p + pre) + 1 if a + pre < b else 0)  # fenwick.carry_target, on the host
     if prefixed:  # rows as wide as the widest (_chunk_levels widens past the carry targets)
         width = max([levels.shape[1]] + [lv.shape[0] for lv in prefixed.values()])
-        index = device_table(list(prefixed), torch.int64, levels.device)
+        index = _host_table(tuple(prefixed), torch.int64, levels.device)
         out.levels = _pad_levels(levels, width, dim=1).index_copy(
             0, index, torch.stack([_pad_levels(lv, width) for lv in prefixed.values()]))
     return out
@@ -686,10 +696,10 @@ def _chunk_levels(flat: _Flat, aligned: _Aligned, C: int) -> tuple[int, torch.Te
     first = min(t for t in aligned.targets if t) - c - 1
     if len(set(aligned.targets)) == 1:  # one carry target: h0 straight from the levels, no carried copy
         return J, chunk_levels_past(aligned.levels, aligned.targets[0], C, J), True, first
-    targets = device_table(aligned.targets, torch.int64, aligned.levels.device)
+    targets = _host_table(tuple(aligned.targets), torch.int64, aligned.levels.device)
     h0 = _pad_levels(carry_into(_pad_levels(aligned.levels, width, dim=1), targets)[:, c + 1 :], J, dim=1)
     if aligned.done:
-        ran = device_table([n not in aligned.done for n in range(N)], torch.bool, h0.device)
+        ran = _host_table(tuple(n not in aligned.done for n in range(N)), torch.bool, h0.device)
         h0 = torch.where(ran[:, None, None, None, None], h0, 0.0)
     return J, h0.contiguous(), True, first
 
@@ -707,14 +717,19 @@ def _final_state(flat: _Flat, aligned: _Aligned, final: torch.Tensor, C: int, n_
     if ran:
         last = _last_chunk_levels(flat.k, flat.v, flat.g, [aligned.bos[n] for n in ran],
                                   [flat.bounds[n + 1] for n in ran], C, H)
-        parts.append(_pad_levels(torch.cat([last, final if len(ran) == N else final[ran]], 1), width, dim=1))
+        if len(ran) < N:
+            final = final.index_select(0, _host_table(tuple(ran), torch.int64, final.device))
+        parts.append(_pad_levels(torch.cat([last, final], 1), width, dim=1))
     parts += [_pad_levels(aligned.done[n], width)[None] for n in aligned.done]
     levels = torch.cat(parts) if len(parts) > 1 else parts[0]
     order = ran + list(aligned.done)
     if order != list(range(N)):
-        levels = levels[[order.index(n) for n in range(N)]]
-    kept = device_table([[j < k for j in range(width)] for k in keep], torch.bool, levels.device)
-    return FenwickState(torch.where(kept[:, :, None, None, None], levels, 0.0), torch.tensor(ends))
+        levels = levels.index_select(0, _host_table(tuple(order.index(n) for n in range(N)), torch.int64,
+                                                    levels.device))
+    if min(keep) < width:  # rows that keep fewer levels: zero the rest
+        kept = _host_table(tuple(tuple(j < k for j in range(width)) for k in keep), torch.bool, levels.device)
+        levels = torch.where(kept[:, :, None, None, None], levels, 0.0)
+    return FenwickState(levels.contiguous(), torch.tensor(ends))
 
 
 def _per_channel(inp: OpInputs) -> bool:
@@ -750,7 +765,7 @@ def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tu
     gate = _read_gate(flat.g, plan, inp.report_finite)
     o, final = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan)
     if aligned.prefixes:
-        idx = torch.cat([torch.arange(a, b, device=o.device) for a, b in aligned.prefixes])
+        idx = _host_table(tuple(t for a, b in aligned.prefixes for t in range(a, b)), torch.int64, o.device)
         o = o.index_copy(0, idx, torch.cat(aligned.prefix_out).to(o.dtype))
     o = o.reshape(inp.v.shape).to(inp.v.dtype)
     if not output_final_state:
