@@ -47,8 +47,10 @@ tiles loaded a step ahead; all V in one program: no partial sums, deterministic,
 
 Both chains run in segments of SEGMENT chunks on a side stream (shared/streams.py): while a chain walks
 segment s, the chunk-parallel kernels of segment s - 1 (forward: the readouts; backward: the grads and readout
-backward) run on the SMs that the chain's one program per head leaves idle. The backward's dh snapshots exist
-for two segments at a time (the one the chain writes, the one the grads kernel reads).
+backward) run on the SMs that the chain's one program per head leaves idle, and in the forward the producers of
+the chain's inputs for segment s + 1 too (``produce``: the chunk-local stage, local.chunk_local_segments). The
+backward's dh snapshots exist for two segments at a time (the one the chain writes, the one the grads kernel
+reads).
 """
 
 from __future__ import annotations
