@@ -66,7 +66,7 @@ from loglinear.ops.triton.shared.intra_channel import (
 )
 from loglinear.ops.triton.shared.launch import launch_options
 from loglinear.ops.triton.shared.rules import dot_precision, kernel_chunk_size
-from loglinear.ops.triton.shared.tables import device_table, table_cache
+from loglinear.ops.triton.shared.tables import cached_table, device_table, table_cache
 from loglinear.state import FenwickState
 
 __all__ = ["supports", "backend", "LevelScanPlan"]
@@ -149,16 +149,6 @@ def _tables(bos: tuple[int, ...], eos: tuple[int, ...], chunk0: tuple[int, ...],
     packed = device_table(packed, torch.int32, device)
     ranges, rows = packed[: 3 * N].view(3, N), packed[3 * N :]
     return (ranges[0], ranges[1], ranges[2]), ChunkTable(*rows[: 6 * NC].view(6, NC), rows[6 * NC :])
-
-
-@table_cache()
-def _host_table(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """values (a tuple of ints or bools, nested for more dims) as a ``dtype`` tensor on ``device`` (device_table),
-    built once per distinct values: a layout's index tables and masks cost a call no host tensor work and no
-    host-to-device copy once cached (read-only; normal tensors even when first built under inference mode:
-    autograd saves them)."""
-    with torch.inference_mode(False):
-        return device_table(values, dtype, device)
 
 
 def _splits(dtype: torch.dtype) -> bool:
@@ -674,7 +664,7 @@ def _align(flat: _Flat, state: FenwickState | None, C: int, scale: float, form: 
         out.targets.append(ctz(p + pre) + 1 if a + pre < b else 0)  # fenwick.carry_target, on the host
     if prefixed:  # rows as wide as the widest (_chunk_levels widens past the carry targets)
         width = max([levels.shape[1]] + [lv.shape[0] for lv in prefixed.values()])
-        index = _host_table(tuple(prefixed), torch.int64, levels.device)
+        index = cached_table(tuple(prefixed), torch.int64, levels.device)
         out.levels = _pad_levels(levels, width, dim=1).index_copy(
             0, index, torch.stack([_pad_levels(lv, width) for lv in prefixed.values()]))
     return out
@@ -696,10 +686,10 @@ def _chunk_levels(flat: _Flat, aligned: _Aligned, C: int) -> tuple[int, torch.Te
     first = min(t for t in aligned.targets if t) - c - 1
     if len(set(aligned.targets)) == 1:  # one carry target: h0 straight from the levels, no carried copy
         return J, chunk_levels_past(aligned.levels, aligned.targets[0], C, J), True, first
-    targets = _host_table(tuple(aligned.targets), torch.int64, aligned.levels.device)
+    targets = cached_table(tuple(aligned.targets), torch.int64, aligned.levels.device)
     h0 = _pad_levels(carry_into(_pad_levels(aligned.levels, width, dim=1), targets)[:, c + 1 :], J, dim=1)
     if aligned.done:
-        ran = _host_table(tuple(n not in aligned.done for n in range(N)), torch.bool, h0.device)
+        ran = cached_table(tuple(n not in aligned.done for n in range(N)), torch.bool, h0.device)
         h0 = torch.where(ran[:, None, None, None, None], h0, 0.0)
     return J, h0.contiguous(), True, first
 
@@ -718,16 +708,16 @@ def _final_state(flat: _Flat, aligned: _Aligned, final: torch.Tensor, C: int, n_
         last = _last_chunk_levels(flat.k, flat.v, flat.g, [aligned.bos[n] for n in ran],
                                   [flat.bounds[n + 1] for n in ran], C, H)
         if len(ran) < N:
-            final = final.index_select(0, _host_table(tuple(ran), torch.int64, final.device))
+            final = final.index_select(0, cached_table(tuple(ran), torch.int64, final.device))
         parts.append(_pad_levels(torch.cat([last, final], 1), width, dim=1))
     parts += [_pad_levels(aligned.done[n], width)[None] for n in aligned.done]
     levels = torch.cat(parts) if len(parts) > 1 else parts[0]
     order = ran + list(aligned.done)
     if order != list(range(N)):
-        levels = levels.index_select(0, _host_table(tuple(order.index(n) for n in range(N)), torch.int64,
+        levels = levels.index_select(0, cached_table(tuple(order.index(n) for n in range(N)), torch.int64,
                                                     levels.device))
     if min(keep) < width:  # rows that keep fewer levels: zero the rest
-        kept = _host_table(tuple(tuple(j < k for j in range(width)) for k in keep), torch.bool, levels.device)
+        kept = cached_table(tuple(tuple(j < k for j in range(width)) for k in keep), torch.bool, levels.device)
         levels = torch.where(kept[:, :, None, None, None], levels, 0.0)
     return FenwickState(levels.contiguous(), torch.tensor(ends))
 
@@ -765,7 +755,7 @@ def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tu
     gate = _read_gate(flat.g, plan, inp.report_finite)
     o, final = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan)
     if aligned.prefixes:
-        idx = _host_table(tuple(t for a, b in aligned.prefixes for t in range(a, b)), torch.int64, o.device)
+        idx = cached_table(tuple(t for a, b in aligned.prefixes for t in range(a, b)), torch.int64, o.device)
         o = o.index_copy(0, idx, torch.cat(aligned.prefix_out).to(o.dtype))
     o = o.reshape(inp.v.shape).to(inp.v.dtype)
     if not output_final_state:

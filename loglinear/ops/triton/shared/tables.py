@@ -29,3 +29,12 @@ def table_cache(maxsize: int = TABLE_CACHE_SIZE) -> Callable[[Fn], Fn]:
     host or device tables (functools.lru_cache, at most maxsize entries, least recently used dropped).
     The cached results are shared between calls: callers must not modify them."""
     return functools.lru_cache(maxsize=maxsize)
+
+
+@table_cache()
+def cached_table(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """device_table of values (a tuple of ints or bools, nested for more dims), built once per distinct values: a
+    layout's index tables and masks then cost a call no host tensor and no host-to-device copy. Read-only, and a
+    normal tensor even when first built under inference mode (autograd may save it)."""
+    with torch.inference_mode(False):
+        return device_table(values, dtype, device)
