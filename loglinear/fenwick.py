@@ -20,9 +20,9 @@ position p-1 to p, levels 0..ctz(p) merge into level ctz(p)+1: a binary counter.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
+
+from loglinear.tables import device_table, table_cache
 
 __all__ = [
     "bit_length",
@@ -171,14 +171,14 @@ def held_levels(positions: torch.Tensor, num_levels: int) -> torch.Tensor:
 
 
 def _host_table(build):
-    """A cache of device tensors: build(*key) (nested lists of host ints) as a tensor, made once per (key, dtype,
-    device). The tensors are normal ones even when first asked for under inference mode (autograd may save them);
-    callers only read them."""
+    """A cache of device tensors: build(*key) (nested lists of host ints) as a tensor (device_table: no
+    synchronising copy), made once per (key, dtype, device). The tensors are normal ones even when first asked for
+    under inference mode (autograd may save them); callers only read them."""
 
-    @lru_cache(maxsize=512)
+    @table_cache(512)
     def table(key: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         with torch.inference_mode(False):
-            return torch.tensor(build(*key), dtype=dtype, device=device)
+            return device_table(build(*key), dtype, device)
 
     return table
 

@@ -13,6 +13,7 @@ import torch
 
 from loglinear.fenwick import levels_needed
 from loglinear.state import FenwickState
+from loglinear.tables import device_table
 
 if TYPE_CHECKING:
     from loglinear.variants import Variant
@@ -356,11 +357,11 @@ def run_segments(
     gates = {name: x.to(dtype) for name, x in inp.gates.items()}
     outs, finals, order, positions = [], [], [], []
     for seg in segments(inp):
-        rows = torch.tensor(seg.rows, device=q.device)
+        rows = device_table(seg.rows, torch.int64, q.device)
         pick = lambda x: x.index_select(0, rows)[:, seg.t0 : seg.t1]  # noqa: E731
         levels = None
         if inp.initial_state is not None:
-            idx = torch.tensor(seg.state_rows, device=q.device)
+            idx = device_table(seg.state_rows, torch.int64, q.device)
             levels = inp.initial_state.levels.index_select(0, idx).to(dtype)
         picked = {name: pick(x) for name, x in gates.items()}
         o, lv = core(pick(q), pick(k), pick(v), picked, pick(lam) if lam is not None else None, inp.scale, levels,

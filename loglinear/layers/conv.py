@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from loglinear.layers.sequence import TokenLayout
+from loglinear.tables import device_table
 
 __all__ = ["ShortConvolution"]
 
@@ -57,7 +58,7 @@ class ShortConvolution(nn.Conv1d):
         """The last W-1 inputs of every sequence: [N, W-1, C]."""
         N = layout.num_sequences
         device = source.device
-        lengths = torch.tensor(layout.lengths, device=device)
+        lengths = device_table(layout.lengths, torch.int64, device)
         starts = torch.cumsum(lengths, 0) - lengths
         rel = lengths[:, None] - (W - 1) + torch.arange(W - 1, device=device)[None, :]  # [N, W-1]
         seq = torch.arange(N, device=device)[:, None].expand_as(rel)

@@ -66,7 +66,7 @@ from loglinear.ops.triton.shared.intra_channel import (
 )
 from loglinear.ops.triton.shared.launch import launch_options
 from loglinear.ops.triton.shared.rules import dot_precision, kernel_chunk_size
-from loglinear.ops.triton.shared.tables import cached_table, device_table, table_cache
+from loglinear.tables import cached_table, device_table, table_cache
 from loglinear.state import FenwickState
 
 __all__ = ["supports", "backend", "LevelScanPlan"]

@@ -23,9 +23,6 @@ How a variant plugs in (mamba2/ is the worked example: fwd.py, chunk.py, bwd.py 
     ``kernel_chunk_size``.
   * heads.py: ``run_padded`` runs a backend's kernels on heads zero-padded to ``min_head_dim`` (bf16/fp16
     on CUDA: 64).
-  * tables.py: ``device_table`` puts a small index table built from Python values on the device without a
-    synchronising copy; ``table_cache`` memoises the functions that build them (a bounded LRU keyed by their
-    arguments), so that steady-state calls copy nothing from the host.
   * streams.py: ``ChainStreams``, a sequential chain kernel's segments on a side stream and the chunk-parallel
     kernels that read each finished segment beside it, on the current stream (the Gated DeltaNet scans).
   * common.py: the interpreter switch, kernel-output allocation (``alloc``, NaN-poisoned by ``set_poison``

@@ -1,5 +1,6 @@
 """Small index tables built from Python values, put on the device without a synchronising copy, and the
-cache that makes steady-state calls copy nothing from the host."""
+cache that makes steady-state calls copy nothing from the host (used from the level math up to the kernels'
+backends)."""
 
 from __future__ import annotations
 
