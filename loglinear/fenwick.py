@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from loglinear.tables import device_table, table_cache
+from loglinear.tables import keyed_tables
 
 __all__ = [
     "bit_length",
@@ -170,23 +170,10 @@ def held_levels(positions: torch.Tensor, num_levels: int) -> torch.Tensor:
     return (p > 0) & ((lev == 0) | (bit == 1))
 
 
-def _host_table(build):
-    """A cache of device tensors: build(*key) (nested lists of host ints) as a tensor (device_table: no
-    synchronising copy), made once per (key, dtype, device). The tensors are normal ones even when first asked for
-    under inference mode (autograd may save them); callers only read them."""
-
-    @table_cache(512)
-    def table(key: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        with torch.inference_mode(False):
-            return device_table(build(*key), dtype, device)
-
-    return table
-
-
-_LAST_QUERY = _host_table(lambda e, C: [[float(s <= e and (s ^ e).bit_length() == l) for s in range(C)]
-                                        for l in range(chunk_bits(C) + 1)])
-_INCOMING = _host_table(lambda position, C: [[max(m, ((position // C * C + t) ^ position).bit_length())
-                                              for m in range(chunk_bits(C) + 1)] for t in range(C)])
+_LAST_QUERY = keyed_tables(lambda e, C: [[float(s <= e and (s ^ e).bit_length() == l) for s in range(C)]
+                                          for l in range(chunk_bits(C) + 1)], 512)
+_INCOMING = keyed_tables(lambda position, C: [[max(m, ((position // C * C + t) ^ position).bit_length())
+                                                for m in range(chunk_bits(C) + 1)] for t in range(C)], 512)
 
 
 def last_query_masks(e: int, C: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -32,10 +32,24 @@ def table_cache(maxsize: int = TABLE_CACHE_SIZE) -> Callable[[Fn], Fn]:
     return functools.lru_cache(maxsize=maxsize)
 
 
-@table_cache()
+def keyed_tables(build: Callable[..., Sequence], maxsize: int = TABLE_CACHE_SIZE
+                 ) -> Callable[[tuple, torch.dtype, torch.device], torch.Tensor]:
+    """A cache of device tables: table(key, dtype, device) = device_table(build(*key), dtype, device), built once
+    per (key, dtype, device), so that a steady-state call makes no host tensor and no host-to-device copy. Read-only,
+    and normal tensors even when first built under inference mode (autograd may save them)."""
+
+    @table_cache(maxsize)
+    def table(key: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        with torch.inference_mode(False):
+            return device_table(build(*key), dtype, device)
+
+    return table
+
+
+_VALUES = keyed_tables(lambda values: values)
+
+
 def cached_table(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """device_table of values (a tuple of ints or bools, nested for more dims), built once per distinct values: a
-    layout's index tables and masks then cost a call no host tensor and no host-to-device copy. Read-only, and a
-    normal tensor even when first built under inference mode (autograd may save it)."""
-    with torch.inference_mode(False):
-        return device_table(values, dtype, device)
+    """device_table of values (a tuple of ints or bools, nested for more dims), built once per distinct values
+    (keyed_tables): a layout's index tables and masks."""
+    return _VALUES((values,), dtype, device)

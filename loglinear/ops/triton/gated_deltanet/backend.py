@@ -43,8 +43,8 @@ from loglinear.ops.triton.gated_deltanet.scan import fenwick_delta_scan
 from loglinear.ops.triton.shared.common import interpreting
 from loglinear.ops.triton.shared.heads import min_head_dim, run_padded
 from loglinear.ops.triton.shared.rules import dot_dtype, kernel_chunk_size
-from loglinear.tables import table_cache
 from loglinear.state import FenwickState
+from loglinear.tables import table_cache
 from loglinear.variants.gated_deltanet import GatedDeltaNetForm
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -12,7 +12,7 @@ Inside a chunk (G = local cumsum of g, Gamma[t, s] = exp(G_t - G_s) for s <= t, 
     K~    = exp(G_last - G) * K,  decay = exp(G_last)    the chunk's transition h <- decay h - K~^T (W~ h)
 
 This is what loglinear.ops.torch_chunk.forms.GatedDeltaNetForm computes, arranged for the kernels:
-``chunk_local_torch`` is the differentiable torch form (the tests' reference), ``chunk_local`` the kernels
+``chunk_local_torch`` is the differentiable torch form (the tests' reference), ``chunk_local_segments`` the kernels
 inside one autograd.Function, one program per chunk and head each:
 
     _chunk_inverse_kernel        T_g (unit_lower_inverse: doubling solved diagonal blocks, fp32)
@@ -535,9 +535,3 @@ def chunk_local_segments(
     out = ChunkLocal.apply(*(x.contiguous() for x in (q, k, v, g, beta, lam)), ch, dtype, qk_l2norm, launches)
     return out, launches[0]
 
-
-def chunk_local(q, k, v, g, beta, lam, ch: Chunking, dtype: torch.dtype, qk_l2norm: bool = False) -> LocalOut:
-    """chunk_local_segments with every chunk launched: the filled outputs."""
-    out, launch = chunk_local_segments(q, k, v, g, beta, lam, ch, dtype, qk_l2norm)
-    launch(0, ch.N)
-    return out

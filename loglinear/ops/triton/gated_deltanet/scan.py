@@ -67,8 +67,8 @@ from loglinear.ops.triton.shared.common import alloc, next_pow2
 from loglinear.ops.triton.shared.launch import launch_options
 from loglinear.ops.triton.shared.rules import dot_precision
 from loglinear.ops.triton.shared.streams import ChainStreams
-from loglinear.tables import device_table, table_cache
 from loglinear.ops.triton.shared.tiles import load_tile, store_tile
+from loglinear.tables import device_table, table_cache
 
 
 @triton.jit

@@ -66,8 +66,8 @@ from loglinear.ops.triton.shared.intra_channel import (
 )
 from loglinear.ops.triton.shared.launch import launch_options
 from loglinear.ops.triton.shared.rules import dot_precision, kernel_chunk_size
-from loglinear.tables import cached_table, device_table, table_cache
 from loglinear.state import FenwickState
+from loglinear.tables import cached_table, device_table, table_cache
 
 __all__ = ["supports", "backend", "LevelScanPlan"]
 
