@@ -12,8 +12,8 @@ chunk-local inclusive cumsum of g and Gl its value at the chunk's end:
 
 B_j is the value of level j as stored (the bucket the forward scan recorded after the merge that
 assigned it, or the initial state; levels.level_source) and decay_j its log-decay since then (recorded
-by the scan for this chunk). The readout loops walk the bucket levels as a branch-free list
-(levels.bucket_levels), so their bucket loads are pipelined; initial-state levels have their own loop.
+by the scan for this chunk). The readout loops walk the levels a chunk reads as one branch-free list
+(levels.read_levels: the buckets, and the initial levels that are not all zeros), so their loads are pipelined.
 
 The backward runs in two kernels around the reverse scan. mamba2_chunk_bwd_dq_kernel (before it):
 dlambda for every level and dQ in full,
@@ -95,7 +95,9 @@ from loglinear.ops.triton.shared.intra import (
     chunk_gates, intra_levels, intra_output, intra_score_grads, intra_scores, level_sums, level_weights,
 )
 from loglinear.ops.triton.shared.intra_channel import channel_gates
-from loglinear.ops.triton.shared.levels import bucket_levels, level_source, merge_target, nth_level, sequence_range
+from loglinear.ops.triton.shared.levels import (
+    level_read, level_source, merge_target, nth_level, read_levels, sequence_range,
+)
 from loglinear.ops.triton.shared.tiles import level_column, load_tile, store_column, store_tile
 
 CHUNK_RUNTIME_ARGS = ["H", "G", "L", "J"]
@@ -131,21 +133,17 @@ def gates(g, t, valid, h, H, K, kk, PER_CHANNEL: tl.constexpr):
 
 
 @triton.jit
-def read_bucket(buckets, decays, p, h, H, J, K, V, chunk, c0, j, kk, offs, mask, PLAIN: tl.constexpr,
-                PER_CHANNEL: tl.constexpr):
-    """Level j as kernel chunk p reads it from its bucket in buckets [NC, H, K, V] (the merge levels.level_source
-    points to), before its decay: [BK, BV] in buckets' dtype; and exp(decay_j) (level_decay)."""
-    _, back = level_source(chunk, c0, j, False, PLAIN)
-    state = tl.load(buckets + ((p - back) * H + h) * K * V + offs, mask=mask, other=0.0)
-    return state, level_decay(decays, p, h, H, J, K, j, kk, PLAIN, PER_CHANNEL)
-
-
-@triton.jit
-def read_initial(h0, decays, p, n, h, H, J, K, V, j, kk, offs, mask, PLAIN: tl.constexpr,
-                 PER_CHANNEL: tl.constexpr):
-    """Level j as kernel chunk p (of sequence n) reads it from the initial states h0 [N, J, H, K, V] (level_source
-    kind 2; in the operand dtype, as the readouts round every level), before its decay: [BK, BV]; and exp(decay_j)."""
-    state = tl.load(h0 + ((n * J + j) * H + h) * K * V + offs, mask=mask, other=0.0)
+def read_level(buckets, h0, decays, p, n, h, H, J, K, V, chunk, c0, j, kk, offs, mask, HAS_INIT: tl.constexpr,
+               PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """Level j as kernel chunk p (of sequence n) reads it, before its decay: from its bucket in buckets
+    [NC, H, K, V] (the merge levels.level_source points to) or from the initial states h0 [N, J, H, K, V]
+    (level_source kind 2; in the operand dtype, as the readouts round every level) -> [BK, BV] in buckets' dtype;
+    and exp(decay_j) (level_decay)."""
+    kind, back = level_source(chunk, c0, j, HAS_INIT, PLAIN)
+    source = buckets + ((p - back) * H + h) * K * V
+    if HAS_INIT:
+        source = tl.where(kind == 2, h0 + ((n * J + j) * H + h) * K * V, source)
+    state = tl.load(source + offs, mask=mask, other=0.0)
     return state, level_decay(decays, p, h, H, J, K, j, kk, PLAIN, PER_CHANNEL)
 
 
@@ -388,19 +386,13 @@ def mamba2_chunk_fwd_kernel(
     if PER_CHANNEL:
         q_dec = qc.to(tl.float32) * tl.exp(Gc)
     read = tl.zeros([C, BV], dtype=tl.float32)
-    live, rank, count = bucket_levels(chunk, c0, jj, J, PLAIN)
+    live, rank, count = read_levels(chunk, c0, n, jj, J, h0_held, HAS_INIT, PLAIN)
     for i in range(count):
         j = nth_level(live, rank, jj, i)
-        state, to_now = read_bucket(buckets, decays, ci, h, H, J, K, V, chunk, c0, j, kk, offs, lmask, PLAIN,
-                                    PER_CHANNEL)
+        state, to_now = read_level(buckets, h0, decays, ci, n, h, H, J, K, V, chunk, c0, j, kk, offs, lmask, HAS_INIT,
+                                   PLAIN, PER_CHANNEL)
         read += readout(qc, q_dec, state, to_now, lam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION, PLAIN,
                         PER_CHANNEL)
-    if HAS_INIT:
-        for j in range(J):
-            if (level_source(chunk, c0, j, True, PLAIN)[0] == 2) & (tl.load(h0_held + n * J + j) != 0):
-                state, to_now = read_initial(h0, decays, ci, n, h, H, J, K, V, j, kk, offs, lmask, PLAIN, PER_CHANNEL)
-                read += readout(qc, q_dec, state, to_now, lam, t, valid, h, H, L, LOG_C + 1 + j, PRECISION, PLAIN,
-                                PER_CHANNEL)
     if not PER_CHANNEL:
         read *= tl.exp(Gc)[:, None]
     p, _, _, _ = intra_block(qc, kc, vc, vc, scores, lam, t0, r, t, valid, h, H, L, Gc, scale, C, LOG_C, PRECISION,
@@ -411,10 +403,10 @@ def mamba2_chunk_fwd_kernel(
 
 
 @triton.jit
-def read_columns(ll, chunk, c0, J, LOG_C: tl.constexpr, HAS_INIT: tl.constexpr):
-    """Which of the lambda columns ll (token levels) are chunk levels that chunk ``chunk`` reads."""
-    j = tl.maximum(ll - (LOG_C + 1), 0)
-    return (ll > LOG_C) & (j < J) & (level_source(chunk, c0, j, HAS_INIT, False)[0] != 0)
+def read_columns(ll, chunk, c0, n, J, held, LOG_C: tl.constexpr, HAS_INIT: tl.constexpr):
+    """Which of the lambda columns ll (token levels) are chunk levels that chunk ``chunk`` (of sequence n) reads
+    (levels.level_read; held: the initial levels' flags)."""
+    return (ll > LOG_C) & level_read(chunk, c0, n, tl.maximum(ll - (LOG_C + 1), 0), J, held, HAS_INIT, False)
 
 
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
@@ -448,7 +440,7 @@ def mamba2_chunk_bwd_dq_kernel(
     p, _, d_a, d_q = intra_block(qc, kc, load_tile(v, t0, r, valid, h, H, V, vv), doc, scores, lam, t0, r, t, valid,
                                  h, H, L, Gc, scale, C, LOG_C, PRECISION, PLAIN, PER_CHANNEL, True, False)
     if not PLAIN:  # in-chunk columns and zeros; the columns of the live chunk levels are the loop's (one writer each)
-        skip = read_columns(ll, chunk, c0, J, LOG_C, HAS_INIT)
+        skip = read_columns(ll, chunk, c0, n, J, h0_held, LOG_C, HAS_INIT)
         store_tile(dlam, level_sums(d_a * p, intra_levels(r, r, LOG_C), ll, LOG_C), t0, r, valid, h, H, L,
                    tl.where(skip, L, ll))
     row_scale = scale * tl.exp(Gc)
@@ -457,23 +449,13 @@ def mamba2_chunk_bwd_dq_kernel(
         q_read = qc.to(tl.float32) * tl.exp(Gc)
         store_tile(q_dec, q_read, t0, r, valid, h, H, K, kk)
         q_read = (q_read * scale).to(qc.dtype)
-    live, rank, count = bucket_levels(chunk, c0, jj, J, PLAIN)
+    live, rank, count = read_levels(chunk, c0, n, jj, J, h0_held, HAS_INIT, PLAIN)
     for i in range(count):
         j = nth_level(live, rank, jj, i)
-        state, to_now = read_bucket(buckets, decays, ci, h, H, J, K, V, chunk, c0, j, kk, offs, lmask, PLAIN,
-                                    PER_CHANNEL)
+        state, to_now = read_level(buckets, h0, decays, ci, n, h, H, J, K, V, chunk, c0, j, kk, offs, lmask, HAS_INIT,
+                                   PLAIN, PER_CHANNEL)
         d_q += readout_grad(doc, q_read, state, to_now, row_scale, lam, dlam, t, valid, h, H, L, LOG_C + 1 + j,
                             PRECISION, PLAIN, PER_CHANNEL)
-    if HAS_INIT:
-        for j in range(J):
-            if level_source(chunk, c0, j, True, PLAIN)[0] == 2:
-                if tl.load(h0_held + n * J + j) != 0:
-                    state, to_now = read_initial(h0, decays, ci, n, h, H, J, K, V, j, kk, offs, lmask, PLAIN,
-                                                 PER_CHANNEL)
-                    d_q += readout_grad(doc, q_read, state, to_now, row_scale, lam, dlam, t, valid, h, H, L,
-                                        LOG_C + 1 + j, PRECISION, PLAIN, PER_CHANNEL)
-                elif not PLAIN:  # an empty level: its lambda column's gradient is 0
-                    store_column(dlam, tl.zeros([C], dtype=tl.float32), t, valid, h, H, L, LOG_C + 1 + j)
     if PER_CHANNEL:  # the levels' factor, then the in-chunk dQ (both read again rather than held through the loops)
         d_q = d_q * scale * tl.exp(gates(g, t, valid, h, H, K, kk, PER_CHANNEL)[0])
         d_q += load_tile(dq_in, t0, r, valid, h, H, K, kk)

@@ -173,18 +173,29 @@ def level_source(chunk, c0, j, HAS_INIT: tl.constexpr, PLAIN: tl.constexpr):
 
 
 @triton.jit
-def bucket_levels(chunk, c0, jj, J, PLAIN: tl.constexpr):
-    """The levels that chunk ``chunk`` reads from a bucket (level_source kind 1), as a list to loop over
-    without branches (so the loop's loads can be pipelined): (live [BJ] bool, rank [BJ] int32 of each
-    live level among them, how many), jj = arange(BJ). The list's i-th level: nth_level."""
-    kind, _ = level_source(chunk, c0, jj, False, PLAIN)
-    live = (kind == 1) & (jj < J)
+def level_read(chunk, c0, n, j, J, held, HAS_INIT: tl.constexpr, PLAIN: tl.constexpr):
+    """Does chunk ``chunk`` (of sequence n) read level j (any shape)? Yes for a level stored by a merge
+    (level_source kind 1) and, with HAS_INIT, for an initial level (kind 2) that is not all zeros (held [N, J] int8,
+    0 where sequence n's initial level j is all zeros: it adds nothing); never for j >= J."""
+    kind, _ = level_source(chunk, c0, j, HAS_INIT, PLAIN)
+    read = kind == 1
+    if HAS_INIT:
+        read = read | ((kind == 2) & (tl.load(held + n * J + j, mask=j < J, other=0) != 0))
+    return read & (j < J)
+
+
+@triton.jit
+def read_levels(chunk, c0, n, jj, J, held, HAS_INIT: tl.constexpr, PLAIN: tl.constexpr):
+    """The levels that chunk ``chunk`` reads (level_read), as a list to loop over without branches (so the loop's
+    loads can be pipelined): (live [BJ] bool, rank [BJ] int32 of each live level among them, how many),
+    jj = arange(BJ). The list's i-th level: nth_level."""
+    live = level_read(chunk, c0, n, jj, J, held, HAS_INIT, PLAIN)
     return live, tl.cumsum(live.to(tl.int32), 0) - 1, tl.sum(live.to(tl.int32), 0)
 
 
 @triton.jit
 def nth_level(live, rank, jj, i):
-    """The i-th level of a bucket_levels list (scalar)."""
+    """The i-th level of a read_levels list (scalar)."""
     return tl.sum(tl.where(live & (rank == i), jj, 0), 0)
 
 
