@@ -66,6 +66,16 @@ def test_continuation_from_states_varlen():
     _compare(x, cu_seqlens=torch.tensor([0, 3, 37, 60]), state=_state([21, 0, 48], 2, 8, 5, levels=8))
 
 
+def test_all_zero_initial_levels_are_skipped_exactly():
+    """States at aligned positions with all-zero chunk levels (a state a call leaves holds only its position's
+    levels), which the readouts skip: outputs, dlambda (written as 0 in their columns: the buffers start as NaN) and
+    every level's gradient still exact. Sequence 0 keeps its other levels, sequence 1 only chunk level 0."""
+    state = _state([64, 48], 2, 8, 5, levels=9)
+    state.levels[0, 5] = 0  # chunk level 0 of sequence 0 (16-token chunks: token level 5)
+    state.levels[1, 6:] = 0  # sequence 1: every chunk level above 0
+    _compare(gla_inputs(2, 100, 1, 2, 8, 5, start=64), state=state)
+
+
 def test_a_call_inside_one_chunk_from_states():
     """Every sequence ends before its next chunk boundary: the whole call runs on the torch prefix path, the kernels
     get no chunk at all, and the gradients (the gate's through its chunk sums too) still reach every input."""
