@@ -3,6 +3,7 @@ and their numbers for the shared numeric rules (loglinear.ops.triton.shared.rule
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,7 @@ import triton.language as tl
 from loglinear.ops.triton.shared.rules import dot_dtype
 
 FP32_DOT = "tf32x3"  # fp32 products: the chunk-local kernels chain dependent [C, C] products (the inverse)
+FillChunks = Callable[[int, int], None]  # fill(i0, i1): a stage's outputs for the chunks i0 .. i1 - 1 of every row
 
 
 def chunk_cap(dtype: torch.dtype, K: int) -> int:

@@ -44,15 +44,13 @@ dx = r (dx_n - x_n <x_n, dx_n>) runs in torch (l2norm_backward; [b, T, G, K]).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
 
 from loglinear.fenwick import chunk_bits, intra_chunk_levels
 from loglinear.inputs import L2NORM_EPS, l2norm_backward
-from loglinear.ops.triton.gated_deltanet.chunking import FP32_DOT, Chunking, chunk_tokens
+from loglinear.ops.triton.gated_deltanet.chunking import FP32_DOT, Chunking, FillChunks, chunk_tokens
 from loglinear.ops.triton.shared.common import alloc, group_sum, next_pow2
 from loglinear.ops.triton.shared.intra import decay_matrix, intra_levels, level_weights
 from loglinear.ops.triton.shared.launch import launch_options
@@ -452,8 +450,6 @@ def _launch(kernel, ch: Chunking, meta: dict, *tensors: torch.Tensor, chunks: tu
     kernel[((i1 - i0) * ch.BH,)](*tensors, **kernel_meta(kernel, dict(meta, n0=i0, NS=i1 - i0)),
                                  **launch_options(kernel))
 
-
-FillChunks = Callable[[int, int], None]  # fill(i0, i1): a stage's outputs for the chunks i0 .. i1 - 1
 
 
 class ChunkLocal(torch.autograd.Function):

@@ -55,14 +55,14 @@ reads).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.gated_deltanet.chunking import FP32_DOT, Chunking, chunk_tokens
+from loglinear.ops.triton.gated_deltanet.chunking import FP32_DOT, Chunking, FillChunks, chunk_tokens
 from loglinear.ops.triton.shared.common import alloc, next_pow2
 from loglinear.ops.triton.shared.launch import launch_options
 from loglinear.ops.triton.shared.rules import dot_precision
@@ -585,7 +585,7 @@ class FenwickDeltaScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qt, wt, kt, u, decay, lam, h0, o_intra, w0, p0, sched: Schedule, ch: Chunking, scale: float,
-                dtype: torch.dtype, final: bool, produce: Callable[[int, int], None] | None):
+                dtype: torch.dtype, final: bool, produce: FillChunks | None):
         BH, Tp, K = qt.shape
         V, N, J = u.shape[-1], decay.shape[1], lam.shape[-1]
         BK, BV, NV = _blocks(K, V, qt.dtype)
@@ -696,7 +696,7 @@ class FenwickDeltaScan(torch.autograd.Function):
 def fenwick_delta_scan(
     qt, wt, kt, u, decay, lam, h0, o_intra, merge: Sequence[int], ch: Chunking, scale: float, dtype: torch.dtype,
     final: bool = True, seeds: int | None = None, first: tuple[torch.Tensor, torch.Tensor] | None = None,
-    produce: Callable[[int, int], None] | None = None,
+    produce: FillChunks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Functional form of FenwickDeltaScan (shapes there; merge: the N cascade targets, -1 last; final: return
     the final states, else None; seeds: bitmask of the levels of h0 that may be nonzero, None: all of them; the
