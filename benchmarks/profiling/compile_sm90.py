@@ -107,8 +107,9 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     bufs.update(scores=P, dq_in=P, dk_in=P, cum=f32)
     chunk = "q k v g lam {} h0 h0_held buckets decays scores {}starts ends seqs chunks chunk0 scale {}H G K V L J"
     kernels = [  # (kernel, its arguments, constexprs, state tile of one program: launch_options)
-        (mamba2_chunk.mamba2_deposit_kernel, "k v g buckets starts ends H G K V", base, 0),
-        (mamba2_fwd.mamba2_fwd_kernel, "k v g levels buckets decays bos_ptr eos_ptr chunk0_ptr base_ptr H G K V J",
+        (mamba2_chunk.mamba2_deposit_kernel, "k v g buckets totals starts ends H G K V", base, 0),
+        (mamba2_fwd.mamba2_fwd_kernel,
+         "k v g levels buckets decays totals bos_ptr eos_ptr chunk0_ptr base_ptr H G K V J",
          dict(scan_const, BKS=fwd_rows), fwd_rows * BV),
         (mamba2_chunk.mamba2_chunk_fwd_kernel, chunk.format("o", "", ""), dict(base, BJ=MAX_CHUNK_LEVELS), 0),
         (mamba2_chunk.mamba2_chunk_bwd_dq_kernel, chunk.format("do", "dq_in ", "dq dlam qdq q_dec "),
@@ -118,7 +119,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
          dict(base, BJ=MAX_CHUNK_LEVELS), 0),
         (mamba2_chunk.mamba2_initial_grad_kernel,
          "q g lam do decays bos_ptr eos_ptr chunk0_ptr base_ptr d_init scale N S J0 H G K V L J", base, 0),
-        (mamba2_bwd.mamba2_bwd_scan_kernel, "g d_levels d_buckets bos_ptr eos_ptr chunk0_ptr base_ptr H K V J",
+        (mamba2_bwd.mamba2_bwd_scan_kernel, "totals d_levels d_buckets bos_ptr eos_ptr chunk0_ptr base_ptr H K V J",
          dict(scan_const, BKS=mamba2.SCAN_ROWS), mamba2.SCAN_ROWS * BV),
         (mamba2_chunk.mamba2_chunk_bwd_dkv_kernel,
          "q k v g lam do d_deposits scores dk_in starts ends seqs eos_ptr final_terms scale dk dv d_gate totals "

@@ -228,38 +228,42 @@ def _group_grad(x: torch.Tensor, groups: int, plan: LevelScanPlan) -> torch.Tens
 def _merge_levels(k, v, gate, levels, ranges, table: ChunkTable, plan: LevelScanPlan) -> tuple[torch.Tensor, ...]:
     """The chunks' deposits, then the chunk-level scan merging them (levels [N, J, H, K, V] fp32: the initial
     states in, the final ones out; gate: what the kernels read of g, _read_gate). -> buckets [NC, H, K, V]
-    (k's dtype), decays [NC, H, J] ([NC, H, J, K] per channel) fp32."""
+    (k's dtype), decays [NC, H, J] ([NC, H, J, K] per channel) fp32, the chunks' gate totals [NC, H] ([NC, H, K])
+    fp32 (levels.store_total: the scans read them instead of the gate)."""
     BK, BV = _blocks(k, v)
     (N, H), NC = (len(plan.bos), v.shape[1]), table.starts.numel()
     buckets = alloc((NC, H, k.shape[-1], v.shape[-1]), k.dtype, k.device)  # deposits, then merged levels
     J = plan.num_levels if not plan.plain else 0  # plain: no decays
     decays = alloc((NC, H, J, k.shape[-1]) if plan.per_channel else (NC, H, J), torch.float32, k.device)
-    if NC and not plan.plain:  # the plain scan forms its deposits itself
+    totals = alloc(_gate_shape(plan, NC, H, k.shape[-1]), torch.float32, k.device)
+    if NC and not plan.plain:  # the plain scan forms its deposits and totals itself
         mamba2_deposit_kernel[(NC * H,)](
-            k, v, gate, buckets, table.starts, table.ends, BK=BK, BV=BV, **_sizes(plan, k, v),
+            k, v, gate, buckets, totals, table.starts, table.ends, BK=BK, BV=BV, **_sizes(plan, k, v),
             **_launch(mamba2_deposit_kernel, plan),
         )
     BKS = _scan_rows(k, plan.plain)  # the plain scan multiplies (its deposits)
     mamba2_fwd_kernel[(N, H, triton.cdiv(k.shape[-1], BKS))](
-        k, v, gate, levels, buckets, decays, *ranges, table.base, H=H, G=k.shape[1], K=k.shape[-1], V=v.shape[-1],
-        J=plan.num_levels, C=plan.chunk_size, BKS=BKS, BV=BV, BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init,
-        PLAIN=plan.plain, PRECISION=dot_precision(k.dtype, FP32_DOT), PER_CHANNEL=plan.per_channel,
-        **_launch(mamba2_fwd_kernel, plan, BKS * BV),
+        k, v, gate, levels, buckets, decays, totals, *ranges, table.base, H=H, G=k.shape[1], K=k.shape[-1],
+        V=v.shape[-1], J=plan.num_levels, C=plan.chunk_size, BKS=BKS, BV=BV, BJ=MAX_CHUNK_LEVELS,
+        HAS_INIT=plan.has_init, PLAIN=plan.plain, PRECISION=dot_precision(k.dtype, FP32_DOT),
+        PER_CHANNEL=plan.per_channel, **_launch(mamba2_fwd_kernel, plan, BKS * BV),
     )
-    return buckets, decays
+    return buckets, decays, totals
 
 
 @dataclass
 class _Saved:
     """What the backward needs besides save_for_backward's tensors: the chunk table, the merged levels
-    ``buckets`` [NC, H, K, V] (k's dtype; None once a backward took them), the level decays [NC, H, J] fp32,
-    what the kernels read of the gate (_read_gate: per channel G [tokens, H, K] fp32, else g) and, per channel,
-    the in-chunk scores P [tokens, H, C] in q's dtype (_channel_scores; None once a backward took them), and what
-    the chunk kernels read of the initial states (_initial_reads: formed once, read by the forward and dq kernels)."""
+    ``buckets`` [NC, H, K, V] (k's dtype; None once a backward took them), the level decays [NC, H, J] fp32, the
+    chunks' gate totals (_merge_levels), what the kernels read of the gate (_read_gate: per channel G [tokens, H, K]
+    fp32, else g) and, per channel, the in-chunk scores P [tokens, H, C] in q's dtype (_channel_scores; None once a
+    backward took them), and what the chunk kernels read of the initial states (_initial_reads: formed once, read by
+    the forward and dq kernels)."""
 
     table: ChunkTable
     buckets: torch.Tensor | None
     decays: torch.Tensor
+    totals: torch.Tensor
     gate: torch.Tensor
     scores: torch.Tensor | None
     initial: tuple[torch.Tensor, torch.Tensor]
@@ -270,7 +274,7 @@ class _Saved:
         buckets, self.buckets = self.buckets, None
         if buckets is None:
             levels = h0.detach().clone(memory_format=torch.contiguous_format)
-            buckets, _ = _merge_levels(k, v, gate, levels, ranges, self.table, plan)
+            buckets = _merge_levels(k, v, gate, levels, ranges, self.table, plan)[0]
         return buckets
 
     def take_scores(self, q, k, gate, plan: LevelScanPlan) -> torch.Tensor:
@@ -301,7 +305,7 @@ def _forward(q, k, v, gate, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> 
     what it reads of h0, _initial_reads, is kept for the backward)."""
     BK, BV = _blocks(q, v)
     table = plan.chunk_table(q.device)
-    buckets, decays = _merge_levels(k, v, gate, levels, ranges, table, plan)
+    buckets, decays, totals = _merge_levels(k, v, gate, levels, ranges, table, plan)
     NC, scores = table.starts.numel(), _channel_scores(q, k, gate, table, plan)
     initial = _initial_reads(h0, q, plan)
     if NC:
@@ -312,7 +316,7 @@ def _forward(q, k, v, gate, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> 
             HAS_INIT=plan.has_init, PLAIN=plan.plain, **_sizes(plan, q, v),
             **_launch(mamba2_chunk_fwd_kernel, plan),
         )
-    return _Saved(table, buckets, decays, gate, scores, initial)
+    return _Saved(table, buckets, decays, totals, gate, scores, initial)
 
 
 def _read_gate(g, plan: LevelScanPlan, report: Callable[[torch.Tensor], None] | None) -> torch.Tensor:
@@ -454,8 +458,8 @@ def _deposit_grads(q, readers, gate, lam, d_o, d_levels, ranges, saved: _Saved, 
         )
     BKS = _scan_rows(q, False)
     mamba2_bwd_scan_kernel[(N, H, triton.cdiv(q.shape[-1], BKS))](
-        gate, d_levels, d_buckets, *ranges, table.base, H=H, K=q.shape[-1], V=d_o.shape[-1], J=J, C=plan.chunk_size,
-        BKS=BKS, BV=chunk["BV"], BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, PLAIN=plan.plain,
+        saved.totals, d_levels, d_buckets, *ranges, table.base, H=H, K=q.shape[-1], V=d_o.shape[-1], J=J,
+        C=plan.chunk_size, BKS=BKS, BV=chunk["BV"], BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, PLAIN=plan.plain,
         PER_CHANNEL=plan.per_channel, **_launch(mamba2_bwd_scan_kernel, plan, BKS * chunk["BV"]),
     )
     if plan.has_init and NC:

@@ -38,7 +38,7 @@ from loglinear.ops.triton.shared.levels import (
 
 
 @triton.jit
-def plain_chain(g, ptrs, lmask, d_buckets, bos, eos, base, h, H, K, V, offs, r, kk, C: tl.constexpr,
+def plain_chain(totals, ptrs, lmask, d_buckets, bos, eos, base, h, H, K, V, offs, r, kk, C: tl.constexpr,
                 HAS_INIT: tl.constexpr, PER_CHANNEL: tl.constexpr):
     """PLAIN, in reverse from the final state's gradient at ptrs: dD_i = dS + dB_i (stored over dB_i),
     dS <- exp(Gl_i) dD_i, in registers; then dS back to ptrs (the initial state's gradient, less its first
@@ -46,12 +46,13 @@ def plain_chain(g, ptrs, lmask, d_buckets, bos, eos, base, h, H, K, V, offs, r, 
     d_state = tl.load(ptrs, mask=lmask, other=0.0)
     n_chunks = tl.cdiv(eos - bos, C)
     slot = ((base + n_chunks - 1) * H + h) * K * V
-    reads, Gl = chunk_inputs(d_buckets, g, slot, bos + (n_chunks - 1) * C, r, bos, eos, h, H, offs, lmask, kk, K, True,
-                             PER_CHANNEL)
+    reads, Gl = chunk_inputs(d_buckets, totals, slot, base + n_chunks - 1, bos + (n_chunks - 1) * C, r, bos, eos, h,
+                             H, offs, lmask, kk, K, True, PER_CHANNEL)
     for back in range(n_chunks):
-        t0 = bos + (n_chunks - 1 - back) * C
-        next_reads, next_Gl = chunk_inputs(d_buckets, g, slot - H * K * V, t0 - C, r, bos, eos, h, H, offs, lmask, kk,
-                                           K, True, PER_CHANNEL)
+        i = n_chunks - 1 - back
+        t0 = bos + i * C
+        next_reads, next_Gl = chunk_inputs(d_buckets, totals, slot - H * K * V, base + i - 1, t0 - C, r, bos, eos, h,
+                                           H, offs, lmask, kk, K, True, PER_CHANNEL)
         d_deposit = d_state + reads
         tl.store(d_buckets + slot + offs, d_deposit.to(d_buckets.dtype.element_ty), mask=lmask)
         d_state = row_decay(Gl, PER_CHANNEL) * d_deposit
@@ -61,37 +62,40 @@ def plain_chain(g, ptrs, lmask, d_buckets, bos, eos, base, h, H, K, V, offs, r, 
 
 
 @triton.jit
-def fenwick_chain(g, ptrs, stride, lmask, d_buckets, bos, eos, c0, base, h, H, K, V, J, offs, r, jj, kk,
+def fenwick_chain(totals, ptrs, stride, lmask, d_buckets, bos, eos, c0, base, h, H, K, V, J, offs, r, jj, kk,
                   C: tl.constexpr, BJ: tl.constexpr, BKS: tl.constexpr, HAS_INIT: tl.constexpr,
                   PER_CHANNEL: tl.constexpr):
     """The transposed cascade (module docstring) on the level gradients at ptrs (stride between levels)."""
     decay = no_decays(BJ, BKS, PER_CHANNEL)
     n_chunks = tl.cdiv(eos - bos, C)
     slot = ((base + n_chunks - 1) * H + h) * K * V
-    reads, Gl = chunk_inputs(d_buckets, g, slot, bos + (n_chunks - 1) * C, r, bos, eos, h, H, offs, lmask, kk, K,
-                             False, PER_CHANNEL)
+    reads, Gl = chunk_inputs(d_buckets, totals, slot, base + n_chunks - 1, bos + (n_chunks - 1) * C, r, bos, eos, h,
+                             H, offs, lmask, kk, K, False, PER_CHANNEL)
     for back in range(n_chunks):
         i = n_chunks - 1 - back
         t0 = bos + i * C
-        next_reads, next_Gl = chunk_inputs(d_buckets, g, slot - H * K * V, t0 - C, r, bos, eos, h, H, offs, lmask, kk,
-                                           K, False, PER_CHANNEL)
+        next_reads, next_Gl = chunk_inputs(d_buckets, totals, slot - H * K * V, base + i - 1, t0 - C, r, bos, eos, h,
+                                           H, offs, lmask, kk, K, False, PER_CHANNEL)
         if i < n_chunks - 1:
             d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, c0 + i, reads, BJ, PER_CHANNEL)
             tl.store(d_buckets + slot + offs, d_deposit.to(d_buckets.dtype.element_ty), mask=lmask)
+            tl.debug_barrier()  # levels' stores before the next chunk's loads (shared/levels.py)
         decay = add_decay(decay, Gl, PER_CHANNEL)
         reads, Gl, slot = next_reads, next_Gl, slot - H * K * V
     if HAS_INIT:
+        tl.debug_barrier()
         flush_levels(ptrs, stride, lmask, decay, jj, J, c0, c0, False, HAS_INIT, PER_CHANNEL)
 
 
 @triton.jit(do_not_specialize=SCAN_RUNTIME_ARGS)
 def mamba2_bwd_scan_kernel(
-    g, d_levels, d_buckets, bos_ptr, eos_ptr, chunk0_ptr, base_ptr,
+    totals, d_levels, d_buckets, bos_ptr, eos_ptr, chunk0_ptr, base_ptr,
     H, K, V, J,
     C: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr, HAS_INIT: tl.constexpr,
     PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
-    """Grid (N, H, cdiv(K, BKS)). g: [tokens, H] (G [tokens, H, K] fp32 with PER_CHANNEL, chunk.gates());
+    """Grid (N, H, cdiv(K, BKS)). totals: [NC, H] ([NC, H, K] with PER_CHANNEL) fp32, the chunks' gate totals
+    (levels.store_total, written by the forward);
     d_levels: [N, J, H, K, V] fp32, the final chunk-level states' gradient in, the initial ones' out (HAS_INIT;
     less their readers' terms); d_buckets: [NC, H, K, V] (q's dtype), dB per kernel chunk in, dD out (every chunk
     but each sequence's last, every chunk when PLAIN); base: [N] each sequence's first kernel chunk."""
@@ -101,7 +105,7 @@ def mamba2_bwd_scan_kernel(
     kk, vv, jj = kb * BKS + tl.arange(0, BKS), tl.arange(0, BV), tl.arange(0, BJ)
     ptrs, stride, offs, lmask = level_tile(d_levels, n, h, H, J, K, V, kk, vv)
     if PLAIN:
-        plain_chain(g, ptrs, lmask, d_buckets, bos, eos, base, h, H, K, V, offs, r, kk, C, HAS_INIT, PER_CHANNEL)
+        plain_chain(totals, ptrs, lmask, d_buckets, bos, eos, base, h, H, K, V, offs, r, kk, C, HAS_INIT, PER_CHANNEL)
     else:
-        fenwick_chain(g, ptrs, stride, lmask, d_buckets, bos, eos, c0, base, h, H, K, V, J, offs, r, jj, kk, C, BJ,
+        fenwick_chain(totals, ptrs, stride, lmask, d_buckets, bos, eos, c0, base, h, H, K, V, J, offs, r, jj, kk, C, BJ,
                       BKS, HAS_INIT, PER_CHANNEL)

@@ -96,7 +96,7 @@ from loglinear.ops.triton.shared.intra import (
 )
 from loglinear.ops.triton.shared.intra_channel import channel_gates
 from loglinear.ops.triton.shared.levels import (
-    level_read, level_source, merge_target, nth_level, read_levels, sequence_range,
+    level_read, level_source, merge_target, nth_level, read_levels, sequence_range, store_total,
 )
 from loglinear.ops.triton.shared.tiles import level_column, load_tile, store_column, store_tile
 
@@ -309,20 +309,21 @@ def mamba2_gate_later_kernel(totals, later, base_ptr, H, K, N, NC, R: tl.constex
 
 @triton.jit(do_not_specialize=["H", "G"])
 def mamba2_deposit_kernel(
-    k, v, g, buckets, starts, ends,
+    k, v, g, buckets, totals, starts, ends,
     H, G, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """buckets[p] = D_p (chunk_deposit) for every kernel chunk p but its sequence's last (which deposits nothing;
-    the forward scan merges D_p and overwrites the slot with the merged level). Not used by plain calls: their
-    forward scan forms the deposits itself.
+    the forward scan merges D_p and overwrites the slot with the merged level), and every chunk's gate total for the
+    scans (levels.store_total). Not used by plain calls: their forward scan forms the deposits and totals itself.
     k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] (G [tokens, H, K] fp32 with PER_CHANNEL, gates()); buckets:
-    [NC, H, K, V].  Grid (NC * H,) (heads_fastest)."""
+    [NC, H, K, V]; totals: [NC, H] ([NC, H, K]) fp32.  Grid (NC * H,) (heads_fastest)."""
     ci, h = heads_fastest(H)
     t0, r, t, valid = chunk_rows(ci, starts, ends, C)
+    kk, vv = tl.arange(0, BK), tl.arange(0, BV)
+    Gc, Gl = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
+    store_total(totals, ci, h, H, K, kk, True, Gl, PER_CHANNEL)
     if t0 + C < tl.load(ends + ci):
-        kk, vv = tl.arange(0, BK), tl.arange(0, BV)
-        Gc, Gl = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
         deposit = chunk_deposit(load_tile(k, t0, r, valid, h // (H // G), G, K, kk),
                                 load_tile(v, t0, r, valid, h, H, V, vv), Gc, Gl, PRECISION, PER_CHANNEL)
         tl.store(buckets + (ci * H + h) * K * V + kk[:, None] * V + vv[None, :],

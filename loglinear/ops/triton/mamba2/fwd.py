@@ -9,18 +9,19 @@ Per chunk i (Gl = the chunk's gate total), in order:
 
 m = ctz(i + 1) (shared/levels.py). With PER_CHANNEL (GLA) the gate total Gl is one per state row and
 so are the lazy decays and the recorded ones ([NC, H, J, K]). The deposits D_i = K^T (exp(Gl - G) * V)
-come chunk-parallel beforehand in the same buffer (chunk.mamba2_deposit_kernel): the scan reads slot i
-and overwrites it with the bucket. The readout (every chunk against its live levels) runs chunk-parallel
+come chunk-parallel beforehand in the same buffer (chunk.mamba2_deposit_kernel), with every chunk's gate total
+Gl (levels.store_total): the scan reads slot i and overwrites it with the bucket. The readout (every chunk against its live levels) runs chunk-parallel
 afterwards (chunk.py) from buckets, decays and the initial states. The sequential chain per chunk is the
 amortised O(1) level merge (sum over chunks of the levels merged = 2 NT) and two stores, no GEMM, so the
 state tile is cut into blocks of K rows (contiguous in the [K, V] states) over many programs; the next
-chunk's deposit and gates are loaded one chunk ahead. The level states never leave the scan's fp32
+chunk's deposit and gate total are loaded one chunk ahead. The level states never leave the scan's fp32
 buffer except as the final states.
 
 PLAIN (plain Mamba-2 / SSD, lambda = 1): one chunk level, the running state S, kept in registers; every chunk,
 the last one too, merges S <- exp(Gl) S + D_i, and buckets[i] = S is what chunk i + 1 reads (no decays: a
 bucket is read right after it is stored). The deposits are formed in the scan (one [BKS, C] x [C, BV] product
-per chunk, a chunk ahead: off the chain), so a plain call has no deposit kernel and no deposit buffer traffic.
+per chunk, a chunk ahead: off the chain), so a plain call has no deposit kernel and no deposit buffer traffic; it
+records the gate totals for the backward scan itself.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import triton.language as tl
 from loglinear.ops.triton.mamba2.chunk import chunk_deposit, gates
 from loglinear.ops.triton.shared.levels import (
     add_decay, chunk_inputs, flush_levels, level_tile, merge_levels, no_decays, row_decay, sequence_range, store_decays,
+    store_total,
 )
 from loglinear.ops.triton.shared.tiles import load_tile
 
@@ -47,49 +49,52 @@ def deposit_rows(k, v, g, t0, r, eos, grp, h, G, H, K, V, kk, vv, C: tl.constexp
 
 
 @triton.jit
-def plain_chain(k, v, g, ptrs, lmask, buckets, bos, eos, base, grp, h, G, H, K, V, offs, r, kk, vv,
+def plain_chain(k, v, g, ptrs, lmask, buckets, totals, bos, eos, base, grp, h, G, H, K, V, kb, offs, r, kk, vv,
                 C: tl.constexpr, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr):
     """PLAIN: S <- exp(Gl) S + D_i for every chunk i, in registers from the initial state at ptrs (zeros without
     one), the deposits formed here (the next chunk's during the current one's update); buckets[i] = S (what chunk
-    i + 1 reads); the final S back to ptrs."""
+    i + 1 reads) and the gate totals for the backward scan; the final S back to ptrs."""
     state = tl.load(ptrs, mask=lmask, other=0.0)
     deposit, Gl = deposit_rows(k, v, g, bos, r, eos, grp, h, G, H, K, V, kk, vv, C, PRECISION, PER_CHANNEL)
     for i in range(tl.cdiv(eos - bos, C)):
         next_deposit, next_Gl = deposit_rows(k, v, g, bos + (i + 1) * C, r, eos, grp, h, G, H, K, V, kk, vv,
                                              C, PRECISION, PER_CHANNEL)
         state = row_decay(Gl, PER_CHANNEL) * state + deposit
+        store_total(totals, base + i, h, H, K, kk, kb == 0, Gl, PER_CHANNEL)
         tl.store(buckets + ((base + i) * H + h) * K * V + offs, state.to(buckets.dtype.element_ty), mask=lmask)
         deposit, Gl = next_deposit, next_Gl
     tl.store(ptrs, state, mask=lmask)
 
 
 @triton.jit
-def fenwick_chain(g, ptrs, stride, lmask, buckets, decays, bos, eos, c0, base, h, H, K, V, J, kb, offs, r, jj, kk,
+def fenwick_chain(totals, ptrs, stride, lmask, buckets, decays, bos, eos, c0, base, h, H, K, V, J, kb, offs, r, jj, kk,
                   C: tl.constexpr, BJ: tl.constexpr, BKS: tl.constexpr, HAS_INIT: tl.constexpr,
                   PER_CHANNEL: tl.constexpr):
     """The chunk-level cascade (module docstring) on the level states at ptrs (stride between levels)."""
     decay = no_decays(BJ, BKS, PER_CHANNEL)
     n_chunks = tl.cdiv(eos - bos, C)
-    deposit, Gl = chunk_inputs(buckets, g, (base * H + h) * K * V, bos, r, bos, eos, h, H, offs, lmask, kk, K, False,
-                               PER_CHANNEL)
+    deposit, Gl = chunk_inputs(buckets, totals, (base * H + h) * K * V, base, bos, r, bos, eos, h, H, offs, lmask, kk,
+                               K, False, PER_CHANNEL)
     chunk = c0
     for i in range(n_chunks):
         chunk = c0 + i
         slot = ((base + i) * H + h) * K * V
-        next_deposit, next_Gl = chunk_inputs(buckets, g, slot + H * K * V, bos + (i + 1) * C, r, bos, eos, h, H,
-                                             offs, lmask, kk, K, False, PER_CHANNEL)
+        next_deposit, next_Gl = chunk_inputs(buckets, totals, slot + H * K * V, base + i + 1, bos + (i + 1) * C, r,
+                                             bos, eos, h, H, offs, lmask, kk, K, False, PER_CHANNEL)
         store_decays(decays, (base + i) * H + h, J, K, decay, jj, kk, kb, PER_CHANNEL)
         decay = add_decay(decay, Gl, PER_CHANNEL)
         if i < n_chunks - 1:
             total, decay = merge_levels(ptrs, stride, lmask, deposit, decay, jj, chunk, c0, HAS_INIT, BJ, PER_CHANNEL)
             tl.store(buckets + slot + offs, total.to(buckets.dtype.element_ty), mask=lmask)
+            tl.debug_barrier()  # levels' stores before the next chunk's loads (shared/levels.py)
         deposit, Gl = next_deposit, next_Gl
+    tl.debug_barrier()
     flush_levels(ptrs, stride, lmask, decay, jj, J, chunk, c0, True, HAS_INIT, PER_CHANNEL)
 
 
 @triton.jit(do_not_specialize=["H", "G", "J"])
 def mamba2_fwd_kernel(
-    k, v, g, levels, buckets, decays, bos_ptr, eos_ptr, chunk0_ptr, base_ptr,
+    k, v, g, levels, buckets, decays, totals, bos_ptr, eos_ptr, chunk0_ptr, base_ptr,
     H, G, K, V, J,
     C: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr, HAS_INIT: tl.constexpr,
     PLAIN: tl.constexpr, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
@@ -99,6 +104,8 @@ def mamba2_fwd_kernel(
     formed here from k: [tokens, G, K] and v: [tokens, H, V]), the merged levels out (every chunk but each
     sequence's last);
     decays: [NC, H, J] ([NC, H, J, K]) fp32 out, per kernel chunk (backend.ChunkTable; not when PLAIN);
+    totals: [NC, H] ([NC, H, K]) fp32, the chunks' gate totals (levels.store_total): in (the deposit kernel's), or
+    out when PLAIN;
     bos/eos/chunk0/base: [N] (base = the sequence's first kernel chunk).  Grid (N, H, cdiv(K, BKS)): row blocks
     are independent."""
     n, h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -107,8 +114,8 @@ def mamba2_fwd_kernel(
     kk, vv, jj = kb * BKS + tl.arange(0, BKS), tl.arange(0, BV), tl.arange(0, BJ)
     ptrs, stride, offs, lmask = level_tile(levels, n, h, H, J, K, V, kk, vv)
     if PLAIN:
-        plain_chain(k, v, g, ptrs, lmask, buckets, bos, eos, base, h // (H // G), h, G, H, K, V, offs, r, kk, vv,
-                    C, PRECISION, PER_CHANNEL)
+        plain_chain(k, v, g, ptrs, lmask, buckets, totals, bos, eos, base, h // (H // G), h, G, H, K, V, kb, offs, r,
+                    kk, vv, C, PRECISION, PER_CHANNEL)
     else:
-        fenwick_chain(g, ptrs, stride, lmask, buckets, decays, bos, eos, c0, base, h, H, K, V, J, kb, offs, r, jj, kk,
-                      C, BJ, BKS, HAS_INIT, PER_CHANNEL)
+        fenwick_chain(totals, ptrs, stride, lmask, buckets, decays, bos, eos, c0, base, h, H, K, V, J, kb, offs, r, jj,
+                      kk, C, BJ, BKS, HAS_INIT, PER_CHANNEL)

@@ -11,7 +11,9 @@ initial state was given and no merge above j has happened since the start chunk 
     live_j(i) = bit_j(i)  or  (HAS_INIT and i >> (j+1) == c0 >> (j+1))
 
 so dead levels are never loaded. Level states are stored in an fp32 buffer [N, J, H, K, V] (one
-[K, V] tile per level, ``ptrs`` = the tile's pointers for level 0, ``stride`` = H*K*V between levels).
+[K, V] tile per level, ``ptrs`` = the tile's pointers for level 0, ``stride`` = H*K*V between levels). An element a
+thread stores there may be loaded back by another thread of the program (the compiler picks each tile's layout), so
+the scans put a barrier (tl.debug_barrier) between one chunk's level stores and the next chunk's loads.
 Decays are applied lazily: ``decay[j]`` is the log-decay accumulated since level j was stored, so a chunk
 touches only the levels it reads or merges (amortised O(1) merges per chunk). With a scalar gate (Mamba-2) it
 is a vector [BJ], one log-decay per level; with a per-channel gate (GLA, PER_CHANNEL) a tile [BJ, BKS], one per
@@ -51,24 +53,33 @@ def level_tile(levels, n, h, H, J, K, V, kk, vv):
 
 
 @triton.jit
-def chunk_inputs(tiles, g, slot, t0, r, bos, eos, h, H, offs, mask, kk, K, PLAIN: tl.constexpr,
+def chunk_inputs(tiles, totals, slot, row, t0, r, bos, eos, h, H, offs, mask, kk, K, PLAIN: tl.constexpr,
                  PER_CHANNEL: tl.constexpr):
-    """What a scan step needs from memory for the chunk at t0 of the sequence [bos, eos): its tile in ``slot``
-    of a per-chunk buffer (the deposit / its gradient: [BKS, BV] fp32; 0 for the sequence's last chunk, which
-    deposits nothing unless PLAIN, and outside the sequence) and its gate total (0 outside): a scalar from
-    g [tokens, H], or with PER_CHANNEL [BKS] for the state rows kk: g = G [tokens, H, K] fp32 (the chunk-local
-    cumsum the chunk kernels read) at the chunk's last row. Loaded one chunk ahead by the scans, off their
-    dependent chain (the reverse scan's next chunk is before bos at the sequence's start)."""
+    """What a scan step needs from memory for the chunk at t0 (kernel chunk ``row``) of the sequence [bos, eos): its
+    tile in ``slot`` of a per-chunk buffer (the deposit / its gradient: [BKS, BV] fp32; 0 for the sequence's last
+    chunk, which deposits nothing unless PLAIN, and outside the sequence) and its gate total from totals
+    (store_total; 0 outside): a scalar, or with PER_CHANNEL [BKS] for the state rows kk. Loaded one chunk ahead by
+    the scans, off their dependent chain (the reverse scan's next chunk is before bos at the sequence's start):
+    nothing is reduced here, so no instruction waits for these loads before the chunk is scanned."""
     first = offs * 0 + t0  # the chunk's first token as a tile: the interpreter masks with tensors only
     inside = (first >= bos) & (first < eos) if PLAIN else (first >= bos) & (first + r.shape[0] < eos)
     tile = tl.load(tiles + slot + offs, mask=mask & inside, other=0.0)
     if PER_CHANNEL:
-        last, at = tl.minimum(t0 + r.shape[0], eos) - 1, kk * 0 + t0
-        total = tl.load(g + (last * H + h) * K + kk, mask=(kk < K) & (at >= bos) & (at < eos), other=0.0)
+        at = kk * 0 + t0
+        total = tl.load(totals + (row * H + h) * K + kk, mask=(kk < K) & (at >= bos) & (at < eos), other=0.0)
     else:
-        gates = tl.load(g + (t0 + r) * H + h, mask=(bos <= t0 + r) & (t0 + r < eos), other=0.0)
-        total = tl.sum(gates.to(tl.float32), 0)
+        total = tl.load(totals + row * H + h, mask=(t0 >= bos) & (t0 < eos), other=0.0)
     return tile.to(tl.float32), total
+
+
+@triton.jit
+def store_total(totals, row, h, H, K, kk, first, total, PER_CHANNEL: tl.constexpr):
+    """Record kernel chunk ``row``'s gate total for the scans (chunk_inputs): totals [NC, H] fp32, written where
+    ``first`` (one program of those that computed it), or [NC, H, K] with PER_CHANNEL (total [BK]: the rows kk)."""
+    if PER_CHANNEL:
+        tl.store(totals + (row * H + h) * K + kk, total, mask=kk < K)
+    else:
+        tl.store(totals + row * H + h, total, mask=first)
 
 
 @triton.jit
