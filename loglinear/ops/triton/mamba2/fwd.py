@@ -10,12 +10,12 @@ Per chunk i (Gl = the chunk's gate total), in order:
 m = ctz(i + 1) (shared/levels.py). With PER_CHANNEL (GLA) the gate total Gl is one per state row and
 so are the lazy decays and the recorded ones ([NC, H, J, K]). The deposits D_i = K^T (exp(Gl - G) * V)
 come chunk-parallel beforehand in the same buffer (chunk.mamba2_deposit_kernel), with every chunk's gate total
-Gl (levels.store_total): the scan reads slot i and overwrites it with the bucket. The readout (every chunk against its live levels) runs chunk-parallel
-afterwards (chunk.py) from buckets, decays and the initial states. The sequential chain per chunk is the
-amortised O(1) level merge (sum over chunks of the levels merged = 2 NT) and two stores, no GEMM, so the
-state tile is cut into blocks of K rows (contiguous in the [K, V] states) over many programs; the next
-chunk's deposit and gate total are loaded one chunk ahead. The level states never leave the scan's fp32
-buffer except as the final states.
+Gl (levels.store_total): the scan reads slot i and overwrites it with the bucket. The readout (every chunk against
+its live levels) runs chunk-parallel afterwards (chunk.py) from buckets, decays and the initial states. The
+sequential chain per chunk is the amortised O(1) level merge (sum over chunks of the levels merged = 2 NT) and two
+stores, no GEMM, so the state tile is cut into blocks of K rows (contiguous in the [K, V] states) over many
+programs; the next chunk's deposit and gate total are loaded one chunk ahead. The level states never leave the
+scan's fp32 buffer except as the final states.
 
 PLAIN (plain Mamba-2 / SSD, lambda = 1): one chunk level, the running state S, kept in registers; every chunk,
 the last one too, merges S <- exp(Gl) S + D_i, and buckets[i] = S is what chunk i + 1 reads (no decays: a
