@@ -451,7 +451,6 @@ def _launch(kernel, ch: Chunking, meta: dict, *tensors: torch.Tensor, chunks: tu
                                  **launch_options(kernel))
 
 
-
 class ChunkLocal(torch.autograd.Function):
     """The chunk-local stage: the inverse kernel (T_g, kept for the backward), the fused forward kernel, and
     two backward kernels (they recompute the other [C, C] blocks from the op's tensors, which the forward
@@ -530,4 +529,3 @@ def chunk_local_segments(
     launches: list[FillChunks] = []
     out = ChunkLocal.apply(*(x.contiguous() for x in (q, k, v, g, beta, lam)), ch, dtype, qk_l2norm, launches)
     return out, launches[0]
-
