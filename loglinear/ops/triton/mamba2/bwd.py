@@ -4,7 +4,7 @@
 The scan walks the chunks in reverse carrying the level gradients dH. Per chunk i (Gl = the chunk's gate
 total), with m = ctz(i + 1) the level merged after it (shared/levels.py):
 
-    split    dD_i = dH_m + dB_i,   dH_j <- dD_i for j <= m      (transposed merge)
+    split    dD_i = dH_m + dB_i,   dH_j <- dD_i for j <= m      (transposed merge; stored once, in level m)
     decay    dH_j <- exp(Gl) dH_j (lazy)
 
 dB_i, the gradient of the level merged after chunk i from all its readers, comes summed chunk-parallel
@@ -33,7 +33,7 @@ import triton.language as tl
 
 from loglinear.ops.triton.shared.common import SCAN_RUNTIME_ARGS
 from loglinear.ops.triton.shared.levels import (
-    add_decay, chunk_inputs, flush_levels, level_tile, no_decays, row_decay, sequence_range, split_levels,
+    add_decay, chunk_inputs, flush_splits, level_tile, no_decays, row_decay, sequence_range, split_levels,
 )
 
 
@@ -68,6 +68,7 @@ def fenwick_chain(totals, ptrs, stride, lmask, d_buckets, bos, eos, c0, base, h,
     """The transposed cascade (module docstring) on the level gradients at ptrs (stride between levels)."""
     decay = no_decays(BJ, BKS, PER_CHANNEL)
     n_chunks = tl.cdiv(eos - bos, C)
+    last = c0 + n_chunks - 2  # the last chunk with a split after it
     slot = ((base + n_chunks - 1) * H + h) * K * V
     reads, Gl = chunk_inputs(d_buckets, totals, slot, base + n_chunks - 1, bos + (n_chunks - 1) * C, r, bos, eos, h,
                              H, offs, lmask, kk, K, False, PER_CHANNEL)
@@ -77,14 +78,14 @@ def fenwick_chain(totals, ptrs, stride, lmask, d_buckets, bos, eos, c0, base, h,
         next_reads, next_Gl = chunk_inputs(d_buckets, totals, slot - H * K * V, base + i - 1, t0 - C, r, bos, eos, h,
                                            H, offs, lmask, kk, K, False, PER_CHANNEL)
         if i < n_chunks - 1:
-            d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, c0 + i, reads, BJ, PER_CHANNEL)
+            d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, c0 + i, last, reads, BJ, PER_CHANNEL)
             tl.store(d_buckets + slot + offs, d_deposit.to(d_buckets.dtype.element_ty), mask=lmask)
             tl.debug_barrier()  # levels' stores before the next chunk's loads (shared/levels.py)
         decay = add_decay(decay, Gl, PER_CHANNEL)
         reads, Gl, slot = next_reads, next_Gl, slot - H * K * V
     if HAS_INIT:
         tl.debug_barrier()
-        flush_levels(ptrs, stride, lmask, decay, jj, J, c0, c0, False, HAS_INIT, PER_CHANNEL)
+        flush_splits(ptrs, stride, lmask, decay, jj, J, c0, last, BJ, PER_CHANNEL)
 
 
 @triton.jit(do_not_specialize=SCAN_RUNTIME_ARGS)

@@ -89,7 +89,7 @@ def fenwick_chain(totals, ptrs, stride, lmask, buckets, decays, bos, eos, c0, ba
             tl.debug_barrier()  # levels' stores before the next chunk's loads (shared/levels.py)
         deposit, Gl = next_deposit, next_Gl
     tl.debug_barrier()
-    flush_levels(ptrs, stride, lmask, decay, jj, J, chunk, c0, True, HAS_INIT, PER_CHANNEL)
+    flush_levels(ptrs, stride, lmask, decay, jj, J, chunk, c0, HAS_INIT, PER_CHANNEL)
 
 
 @triton.jit(do_not_specialize=["H", "G", "J"])

@@ -225,23 +225,44 @@ def merge_levels(ptrs, stride, mask, deposit, decay, jj, chunk, c0, HAS_INIT: tl
 
 
 @triton.jit
-def flush_levels(ptrs, stride, mask, decay, jj, J, chunk, c0, LIVE_ONLY: tl.constexpr, HAS_INIT: tl.constexpr,
-                 PER_CHANNEL: tl.constexpr):
-    """Write every level's current value back (dead levels as 0 when LIVE_ONLY): the scan's final states."""
+def flush_levels(ptrs, stride, mask, decay, jj, J, chunk, c0, HAS_INIT: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """Write every level's current value back, dead levels as 0: the forward scan's final states."""
     for j in range(J):
         value = load_level(ptrs, stride, j, mask, decay, jj, PER_CHANNEL)
-        if LIVE_ONLY:
-            value = tl.where(level_live(chunk, c0, j, HAS_INIT, False), value, 0.0)
+        value = tl.where(level_live(chunk, c0, j, HAS_INIT, False), value, 0.0)
         tl.store(ptrs + j * stride, value, mask=mask)
 
 
 @triton.jit
-def split_levels(ptrs, stride, mask, decay, jj, chunk, reads, BJ: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """Transposed merge after chunk ``chunk``: dH_m += reads (the gradient of the merged value from its
-    readers, when the scan does not accumulate them itself; else 0), then dH_j <- dH_m for j <= m.
+def split_holder(x, j, last, jj, BJ: tl.constexpr):
+    """Where the reverse scan keeps level j's gradient once the splits after chunks x..last are done (split_levels
+    stores each split's value once, in its target m, though it stands for levels 0..m): the level of the split
+    that last assigned j, a = the first chunk >= x with ctz(a + 1) >= j, which is level ctz(a + 1); level j itself
+    when a > last (no split assigned it: the final states' gradient). No later split can have overwritten that
+    level: a split into it between x and a would also have assigned j."""
+    a = (((x + ((x * 0 + 1) << j)) >> j) << j) - 1
+    return tl.where(a <= last, merge_target(a, jj, BJ, False), j)
+
+
+@triton.jit
+def split_levels(ptrs, stride, mask, decay, jj, chunk, last, reads, BJ: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """Transposed merge after chunk ``chunk`` (the reverse scan's splits run after chunks last, last - 1, ...):
+    dH_m += reads (the gradient of the merged value from its readers, when the scan does not accumulate them
+    itself; else 0), then dH_j <- dH_m for j <= m, stored once, in level m (split_holder finds it).
     Returns (d deposit = dH_m, decay)."""
     m = merge_target(chunk, jj, BJ, False)
-    d_deposit = load_level(ptrs, stride, m, mask, decay, jj, PER_CHANNEL) + reads
-    for j in range(m + 1):
-        tl.store(ptrs + j * stride, d_deposit, mask=mask)
+    d_deposit = load_level(ptrs, stride, split_holder(chunk + 1, m, last, jj, BJ), mask, decay, jj, PER_CHANNEL)
+    d_deposit += reads
+    tl.store(ptrs + m * stride, d_deposit, mask=mask)
     return d_deposit, clear_decays(decay, jj, m, PER_CHANNEL)
+
+
+@triton.jit
+def flush_splits(ptrs, stride, mask, decay, jj, J, c0, last, BJ: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """flush_levels after the reverse scan's splits (c0..last): level j's current value from its split_holder,
+    levels in increasing order (a level's holder is at or above it, so no level is overwritten before it is read;
+    a barrier between levels, as between scan steps)."""
+    for j in range(J):
+        value = load_level(ptrs, stride, split_holder(c0, j, last, jj, BJ), mask, decay, jj, PER_CHANNEL)
+        tl.store(ptrs + j * stride, value, mask=mask)
+        tl.debug_barrier()
