@@ -20,7 +20,8 @@ is a vector [BJ], one log-decay per level; with a per-channel gate (GLA, PER_CHA
 level and state row (the transition diag(exp(g)) scales row k of every K x V state by its own decay).
 
 The backward walks the chunks in reverse with the transposed cascade on the level gradients dH:
-split (dH_j <- dH_m for j < m; the deposit's gradient is dH_m), decay, then add the reads' gradients.
+split (dH_j <- dH_m for j < m; the deposit's gradient is dH_m; stored once, in level m: split_holder), decay, then
+add the reads' gradients.
 
 PLAIN (a constexpr of the helpers the chunk kernels share with the plain path) is the one-level case, plain
 linear attention (lambda = 1 throughout): a single chunk level, the running state, into which every chunk's
@@ -239,7 +240,8 @@ def split_holder(x, j, last, jj, BJ: tl.constexpr):
     stores each split's value once, in its target m, though it stands for levels 0..m): the level of the split
     that last assigned j, a = the first chunk >= x with ctz(a + 1) >= j, which is level ctz(a + 1); level j itself
     when a > last (no split assigned it: the final states' gradient). No later split can have overwritten that
-    level: a split into it between x and a would also have assigned j."""
+    level: a split into it between x and a would also have assigned j. Its lazy decay equals level j's (that split
+    cleared both, and none has since)."""
     a = (((x + ((x * 0 + 1) << j)) >> j) << j) - 1
     return tl.where(a <= last, merge_target(a, jj, BJ, False), j)
 
