@@ -52,7 +52,9 @@ from loglinear.fenwick import chunk_bits, intra_chunk_levels
 from loglinear.inputs import L2NORM_EPS, l2norm_backward
 from loglinear.ops.triton.gated_deltanet.chunking import FP32_DOT, Chunking, FillChunks, chunk_tokens
 from loglinear.ops.triton.shared.common import alloc, group_sum, next_pow2
-from loglinear.ops.triton.shared.intra import decay_matrix, intra_levels, level_weights
+from loglinear.ops.triton.shared.intra import (
+    decay_matrix, intra_levels, level_weights, store_level_sums,
+)
 from loglinear.ops.triton.shared.launch import launch_options
 from loglinear.ops.triton.shared.rules import dot_dtype, dot_precision
 from loglinear.ops.triton.shared.tiles import load_tile, store_tile
@@ -257,17 +259,6 @@ def _cc_tile(ptr, i, rc, C: tl.constexpr):
 
 
 @triton.jit
-def _store_level_sums(dlam, x, tok, valid, h, H, L, r_t, r_s, LOG_C: tl.constexpr):
-    """dlam[tok, h, l] = sum_s x[t, s] over level(t, s) = bit_length(r_t XOR r_s) = l, levels l = 0..c (< L).
-    (The levels are rebuilt here from the row indices instead of kept alive through the kernel.)"""
-    xr = r_t[:, None] ^ r_s[None, :]
-    for level in tl.static_range(LOG_C + 1):
-        sel = (xr == 0) if level == 0 else ((xr >> (level - 1)) == 1)
-        tl.store(dlam + (tok * H + h) * L + level, tl.sum(tl.where(sel, x, 0.0), axis=1),
-                 mask=valid & (tok * 0 + level < L))
-
-
-@triton.jit
 def _chunk_local_bwd_cc_kernel(
     v, g, beta, lam, tg, qkg, wt, u, do, dqt, dwt, du,
     dv, dlam, scratch, dGp, dbp, dbk,
@@ -314,7 +305,7 @@ def _chunk_local_bwd_cc_kernel(
         db += tl.sum(dbv * v_b.to(tl.float32), axis=1)
         store_tile(dv, tl.dot(tl.trans(P), do_b, input_precision=PREC) + b_c[:, None] * dbv, t0, rc, valid, h, H, V, vc)
     dPM = tl.where(causal, dP, 0.0) * M
-    _store_level_sums(dlam, dPM * b_c[None, :], tok, valid, h, H, L, tok - (tok - rc), rc, LOG_C)
+    store_level_sums(dlam, dPM * b_c[None, :], tok, valid, h, H, L, rc, LOG_C)
     lam_c = _chunk_levels(lam, tok, valid, h, H, L, causal, C, LOG_C)  # again: not live in the value loop
     db += tl.sum(dPM * lam_c, axis=0)
     dQK = _dot(tl.where(causal, dP, 0.0) * b_c[None, :] * lam_c, tl.trans(Tg), dt, PREC)

@@ -92,7 +92,7 @@ import triton.language as tl
 
 from loglinear.ops.triton.shared.common import heads_fastest
 from loglinear.ops.triton.shared.intra import (
-    chunk_gates, intra_levels, intra_output, intra_score_grads, intra_scores, level_sums, level_weights,
+    chunk_gates, intra_levels, intra_output, intra_score_grads, intra_scores, level_weights, store_level_sums,
 )
 from loglinear.ops.triton.shared.intra_channel import channel_gates
 from loglinear.ops.triton.shared.levels import (
@@ -442,8 +442,9 @@ def mamba2_chunk_bwd_dq_kernel(
                                  h, H, L, Gc, scale, C, LOG_C, PRECISION, PLAIN, PER_CHANNEL, True, False)
     if not PLAIN:  # in-chunk columns and zeros; the columns of the live chunk levels are the loop's (one writer each)
         skip = read_columns(ll, chunk, c0, n, J, h0_held, LOG_C, HAS_INIT)
-        store_tile(dlam, level_sums(d_a * p, intra_levels(r, r, LOG_C), ll, LOG_C), t0, r, valid, h, H, L,
-                   tl.where(skip, L, ll))
+        store_level_sums(dlam, d_a * p, t, valid, h, H, L, r, LOG_C)
+        zeros = tl.zeros([C, BL], dtype=tl.float32)
+        store_tile(dlam, zeros, t0, r, valid, h, H, L, tl.where(skip | (ll <= LOG_C), L, ll))
     row_scale = scale * tl.exp(Gc)
     q_read = qc
     if PER_CHANNEL:  # the sum over levels gets its factor scale * exp(G) after the loops

@@ -17,8 +17,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.shared.tiles import load_column
-
 
 @triton.jit
 def intra_levels(rows, cols, LOG_C: tl.constexpr):
@@ -37,14 +35,15 @@ def bit_levels(x, LOG_C: tl.constexpr):
 
 @triton.jit
 def level_weights(lam, t, valid, head, HEADS, L, lev, causal, LOG_C: tl.constexpr, PLAIN: tl.constexpr):
-    """Lambda [C, C] fp32 from lambda [tokens, HEADS, L] (levels 0..c); the causal mask when PLAIN (lambda = 1)."""
+    """Lambda [C, C] fp32 from lambda [tokens, HEADS, L] (levels 0..c): each row's in-chunk lambdas as one tile,
+    gathered along the row by level (one gather instead of a masked pass per level); the causal mask when PLAIN
+    (lambda = 1)."""
     if PLAIN:
         return causal.to(tl.float32)
-    weights = tl.zeros(lev.shape, dtype=tl.float32)
-    for level in tl.static_range(LOG_C + 1):
-        col = load_column(lam, t, valid, head, HEADS, L, level)
-        weights = tl.where(lev == level, col[:, None], weights)
-    return tl.where(causal, weights, 0.0)
+    cols = tl.arange(0, 8 << (LOG_C >> 3))  # levels 0..c, padded to a power of two
+    rows = tl.load(lam + (t[:, None] * HEADS + head) * L + cols[None, :],
+                   mask=valid[:, None] & (cols[None, :] < L) & (cols[None, :] <= LOG_C), other=0.0)
+    return tl.where(causal, tl.gather(rows.to(tl.float32), lev, 1), 0.0)
 
 
 @triton.jit
@@ -84,10 +83,12 @@ def intra_score_grads(doc, vc, causal, scale, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def level_sums(x, lev, ll, LOG_C: tl.constexpr):
-    """[C, BL]: column l <= c holds sum_s x[t, s] over level(t, s) = l; the other columns 0 (ll = arange(BL))."""
-    out = tl.zeros([x.shape[0], ll.shape[0]], dtype=tl.float32)
+def store_level_sums(dlam, x, t, valid, head, HEADS, L, r, LOG_C: tl.constexpr):
+    """dlam[t, head, l] = sum_s x[t, s] over level(t, s) = l for the in-chunk levels l = 0..c (< L), from x [C, C]
+    fp32 over the chunk's positions r = arange(C) in rows and columns; dlam: [tokens, HEADS, L]. One masked row sum
+    per level, each column stored as it is (no [C, L] tile assembled in registers)."""
+    xr = r[:, None] ^ r[None, :]
     for level in tl.static_range(LOG_C + 1):
-        col = tl.sum(tl.where(lev == level, x, 0.0), 1)
-        out = tl.where(ll[None, :] == level, col[:, None], out)
-    return out
+        sel = (xr == 0) if level == 0 else ((xr >> (level - 1)) == 1)
+        tl.store(dlam + (t * HEADS + head) * L + level, tl.sum(tl.where(sel, x, 0.0), axis=1),
+                 mask=valid & (t * 0 + level < L))
