@@ -1,5 +1,5 @@
 """Compile the log-linear kernels for sm_90 on any machine (no GPU) and report what ptxas says: shared memory,
-registers, stack, spills, per kernel at the op's block and launch choices.
+registers, stack, spills, and the static SASS instruction count, per kernel at the op's block and launch choices.
 
     PYTHONPATH=/path/to/triton36 python benchmarks/profiling/compile_sm90.py mamba2       # bf16
     python benchmarks/profiling/compile_sm90.py mamba2 --dtype fp32 --has-init --plain     # fp32, plain + states
@@ -7,6 +7,7 @@ registers, stack, spills, per kernel at the op's block and launch choices.
     python benchmarks/profiling/compile_sm90.py gdn                # bf16, K = 128, V = 64, the op's block choices
     python benchmarks/profiling/compile_sm90.py gdn --dtype fp32 --K 256
     python benchmarks/profiling/compile_sm90.py gdn --l2norm       # the chunk-local kernels normalising q/k rows
+    python benchmarks/profiling/compile_sm90.py mamba2 --sass /tmp/sass   # and each kernel's SASS listing
 
 Paper setting by default (K = 128, V = 64, the op's chunk: 64 for Mamba-2 and GLA, Gated DeltaNet's rule).
 Mamba-2 / GLA: the chunk-level scans mamba2/fwd.py, mamba2/bwd.py and the chunk-parallel mamba2/chunk.py (GLA:
@@ -48,6 +49,7 @@ from loglinear.ops.triton.shared.rules import dot_precision, kernel_chunk_size  
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SHARED_LIMIT = 232448
+SASS_DIR: Path | None = None  # --sass: where each kernel's SASS listing goes
 
 
 def aligned(fn, signature: dict, ints: dict) -> dict:
@@ -73,7 +75,21 @@ def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: in
     info = [line.split("info    :")[-1].strip() for line in (out.stdout + out.stderr).splitlines()
             if "stack frame" in line or "Used" in line]
     over = "  OVER THE SHARED LIMIT" if kernel.metadata.shared > SHARED_LIMIT else ""
-    return f"{fn.__name__:28s} warps={num_warps} shared={kernel.metadata.shared:6d}  " + "; ".join(info) + over
+    return (f"{fn.__name__:28s} warps={num_warps} shared={kernel.metadata.shared:6d}  " + "; ".join(info)
+            + f"; {sass_count(fn.__name__, kernel.asm['cubin'])} SASS instructions" + over)
+
+
+def sass_count(name: str, cubin: bytes) -> int:
+    """The kernel's static SASS instruction count (cuobjdump of the cubin; a loop's body counted once), and its
+    listing as SASS_DIR/<name>.sass when SASS_DIR is set (--sass)."""
+    tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    if SASS_DIR is not None:
+        (SASS_DIR / f"{name}.sass").write_text(sass)
+    return sum(1 for line in sass.splitlines() if line.strip().startswith("/*") and ";" in line)
 
 
 def signature(names: str, ptr: str, **special: str) -> dict:
@@ -220,7 +236,12 @@ def main() -> None:
     ap.add_argument("--has-init", action="store_true", help="mamba2, gla: the build for calls with initial states")
     ap.add_argument("--plain", action="store_true", help="mamba2, gla: the plain path's build (level_scales=None)")
     ap.add_argument("--l2norm", action="store_true", help="gdn: the chunk-local kernels with NORM (use_qk_l2norm)")
+    ap.add_argument("--sass", type=Path, default=None, help="write each kernel's SASS listing into this folder")
     args = ap.parse_args()
+    if args.sass is not None:
+        global SASS_DIR
+        SASS_DIR = args.sass
+        SASS_DIR.mkdir(parents=True, exist_ok=True)
     for line in (gdn_reports if args.variant == "gdn" else mamba2_reports)(args):
         print(line)
 
