@@ -338,7 +338,7 @@ def intra_block(qc, kc, vc, doc, scores, lam, t0, r, t, valid, h, H, L, Gc, scal
     (the backward; doc = dO) dA = scale * dO V^T and the in-chunk dQ = (dA * Gamma * Lambda) K or
     dK = (dA * Gamma * Lambda)^T Q ([C, BK] fp32). Without DQ / DK, dA and the gradient are 0. Recomputed in
     each kernel instead of passed (two C x C x K/V GEMMs), so each fits 4 warps (at K = 128, V = 64 in bf16 the dk / dv
-    kernel spills 28 B with a scalar gate; shared/launch.py has the per-channel numbers).
+    kernel spills 16 B with a scalar gate; shared/launch.py has the per-channel numbers).
     PER_CHANNEL: P is read from scores [tokens, H, C] (intra_channel.channel_scores_kernel's), dA is formed with DQ
     only (for dlambda's in-chunk columns) and the gradient is 0 (the intra_channel kernels give the in-chunk
     dQ / dK, which the caller reads)."""

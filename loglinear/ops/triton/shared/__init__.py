@@ -14,9 +14,10 @@ How a variant plugs in (mamba2/ is the worked example: fwd.py, chunk.py, bwd.py 
     (split, decay, accumulate reads) are jit helpers; a variant supplies only what a chunk reads from a
     level (its readout GEMM), what it deposits, and its transition (a scalar decay for Mamba-2, folded
     into the lazy per-level log-decays).
-  * intra.py: ``intra_levels`` / ``level_weights`` build the in-chunk level mask Lambda[t, s], and the
-    Mamba-2 in-chunk block and its gradients; intra_channel.py the in-chunk scores and products with a
-    per-channel decay (GLA), in stable sub-chunks.
+  * intra.py: ``intra_levels`` / ``level_weights`` build the in-chunk level weights Lambda[t, s] (one gather),
+    ``store_level_sums`` their gradient's per-level row sums, and the Mamba-2 in-chunk block and its
+    gradients; intra_channel.py the in-chunk scores and products with a per-channel decay (GLA), in stable
+    sub-chunks.
   * launch.py: ``launch_options(kernel)``, num_warps / num_stages of every launch from one per-kernel table,
     with one fixed config under TRITON_INTERPRET=1.
   * rules.py: the per-variant numeric rules: ``dot_precision`` (tl.dot input_precision), ``dot_dtype``,
