@@ -52,9 +52,7 @@ from loglinear.fenwick import chunk_bits, intra_chunk_levels
 from loglinear.inputs import L2NORM_EPS, l2norm_backward
 from loglinear.ops.triton.gated_deltanet.chunking import FP32_DOT, Chunking, FillChunks, chunk_tokens
 from loglinear.ops.triton.shared.common import alloc, group_sum, next_pow2
-from loglinear.ops.triton.shared.intra import (
-    decay_matrix, intra_levels, level_weights, store_level_sums,
-)
+from loglinear.ops.triton.shared.intra import decay_matrix, intra_levels, level_weights, store_level_sums
 from loglinear.ops.triton.shared.launch import launch_options
 from loglinear.ops.triton.shared.rules import dot_dtype, dot_precision
 from loglinear.ops.triton.shared.tiles import load_tile, store_tile
