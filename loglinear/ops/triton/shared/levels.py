@@ -242,7 +242,7 @@ def split_holder(x, j, last, jj, BJ: tl.constexpr):
     when a > last (no split assigned it: the final states' gradient). No later split can have overwritten that
     level: a split into it between x and a would also have assigned j. Its lazy decay equals level j's (that split
     cleared both, and none has since)."""
-    a = (((x + ((x * 0 + 1) << j)) >> j) << j) - 1
+    a = (((x >> j) + 1) << j) - 1
     return tl.where(a <= last, merge_target(a, jj, BJ, False), j)
 
 
