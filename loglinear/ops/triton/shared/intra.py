@@ -85,10 +85,24 @@ def intra_score_grads(doc, vc, causal, scale, PRECISION: tl.constexpr):
 @triton.jit
 def store_level_sums(dlam, x, t, valid, head, HEADS, L, r, LOG_C: tl.constexpr):
     """dlam[t, head, l] = sum_s x[t, s] over level(t, s) = l for the in-chunk levels l = 0..c (< L), from x [C, C]
-    fp32 over the chunk's positions r = arange(C) in rows and columns; dlam: [tokens, HEADS, L]. One masked row sum
-    per level, each column stored as it is (no [C, L] tile assembled in registers)."""
-    xr = r[:, None] ^ r[None, :]
+    fp32 over the chunk's positions r = arange(C) in rows and columns (C >= 8); dlam: [tokens, HEADS, L].
+
+    Through 8-column blocks: level(t, s) = 3 + bit_length((t >> 3) XOR (s >> 3)) outside t's own block, so levels
+    4..c are masked row sums of the block sums [C, C / 8], and levels 0..3 of the row's own block [C, 8] (bit_length
+    of (t & 7) XOR (s & 7)); each column is stored as it is."""
+    C: tl.constexpr = x.shape[0]
+    x3 = tl.reshape(x, [C, C // 8, 8])
+    bb = tl.arange(0, C // 8)
+    jj = tl.arange(0, 8)
+    blocks = tl.sum(x3, 2)
+    own = (r[:, None] >> 3) == bb[None, :]
+    inner = tl.sum(tl.where(own[:, :, None], x3, 0.0), 1)
+    x_in = (r[:, None] & 7) ^ jj[None, :]
+    x_out = (r[:, None] >> 3) ^ bb[None, :]
     for level in tl.static_range(LOG_C + 1):
-        sel = (xr == 0) if level == 0 else ((xr >> (level - 1)) == 1)
-        tl.store(dlam + (t * HEADS + head) * L + level, tl.sum(tl.where(sel, x, 0.0), axis=1),
-                 mask=valid & (t * 0 + level < L))
+        if level <= 3:
+            sel = (x_in == 0) if level == 0 else ((x_in >> (level - 1)) == 1)
+            col = tl.sum(tl.where(sel, inner, 0.0), axis=1)
+        else:
+            col = tl.sum(tl.where((x_out >> (level - 4)) == 1, blocks, 0.0), axis=1)
+        tl.store(dlam + (t * HEADS + head) * L + level, col, mask=valid & (t * 0 + level < L))
