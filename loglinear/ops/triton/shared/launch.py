@@ -5,14 +5,14 @@ CPU tensors). On the GPU the table's values were tuned on an H200 (sm_90, triton
 benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_local.py):
 
   * Mamba-2 chunk kernels (mamba2/chunk.py): at bf16, K = 128, V = 64 every one fits 4 warps (the dq and dk / dv
-    kernels at 255 registers, two programs per SM, the dk / dv kernel spilling 16 B); those with a loop over levels
+    kernels at 255 registers, two programs per SM, spilling 8 / 16 B); those with a loop over levels
     or readers pipeline its loads (num_stages > 1: the next bucket / reader chunk is in flight during the current
     one's GEMM).
   * Mamba-2 scans (mamba2/fwd.py, mamba2/bwd.py): one program per (sequence, head, block of state rows);
     4 warps up to a [128, 32] fp32 state tile, 8 above (``wide_warps``). The gate gradient's sums over later
     chunks (mamba2_gate_later_kernel, one program per (sequence, head)): 4 warps, not tuned (0.07 ms at 32K).
   * The same chunk kernels with a per-channel gate (GLA, C = 64) take 4 warps too, two programs per SM (141-255
-    registers; the dq and dk / dv kernels spill 120 / 580 B; at 152 / 528 B they ran 25% / 23% faster than at 8
+    registers; the dq and dk / dv kernels spill 96 / 580 B; at 152 / 528 B they ran 25% / 23% faster than at 8
     warps without spills on the H200 at 32K, and over 10x faster than at 2 warps); the level gradient's readers take
     8 warps and one stage (``channel``: 114 registers; 1.75 ms per forward + backward at 32K, 2.13 with three stages).
     The in-chunk kernels (shared/intra_channel.py) take 4 warps (83-142 registers, no spills, several programs per
@@ -20,7 +20,7 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
     and dK kernels slower).
   * Gated DeltaNet chunk-local kernels (gated_deltanet/local.py): at 4 warps the inverse (166 registers),
     the forward, the key backward and the [C, C] backward (255 registers each) run 3, 2, 2 and 2 programs per SM,
-    which hide each other's products. The [C, C] backward spills ~100 B at 4 warps and none at 8 (one program per
+    which hide each other's products. The [C, C] backward spills 8 B at 4 warps and none at 8 (one program per
     SM), yet runs 4.0 ms per forward + backward at 32K at 4 warps against 7.2 at 8 on the H200.
   * Gated DeltaNet scan kernels (gated_deltanet/scan.py): 8 warps for the sequential chains' [K, BV] states (at 4
     they spill 1.3-1.8 KB); the chunk-parallel grads kernel takes 4 (254 registers, no spills: 3.1 ms per forward
