@@ -1,5 +1,6 @@
 """Compile the log-linear kernels for sm_90 on any machine (no GPU) and report what ptxas says: shared memory,
-registers, stack, spills, and the static SASS instruction count, per kernel at the op's block and launch choices.
+registers, stack, spills, the static SASS instruction count and the length of each loop body (a loop over levels or
+reader chunks: what each of its iterations issues), per kernel at the op's block and launch choices.
 
     PYTHONPATH=/path/to/triton36 python benchmarks/profiling/compile_sm90.py mamba2       # bf16
     python benchmarks/profiling/compile_sm90.py mamba2 --dtype fp32 --has-init --plain     # fp32, plain + states
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -76,12 +78,13 @@ def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: in
             if "stack frame" in line or "Used" in line]
     over = "  OVER THE SHARED LIMIT" if kernel.metadata.shared > SHARED_LIMIT else ""
     return (f"{fn.__name__:28s} warps={num_warps} shared={kernel.metadata.shared:6d}  " + "; ".join(info)
-            + f"; {sass_count(fn.__name__, kernel.asm['cubin'])} SASS instructions" + over)
+            + f"; {sass_summary(fn.__name__, kernel.asm['cubin'])}" + over)
 
 
-def sass_count(name: str, cubin: bytes) -> int:
-    """The kernel's static SASS instruction count (cuobjdump of the cubin; a loop's body counted once), and its
-    listing as SASS_DIR/<name>.sass when SASS_DIR is set (--sass)."""
+def sass_summary(name: str, cubin: bytes) -> str:
+    """The kernel's static SASS instruction count (cuobjdump of the cubin; a loop's body counted once) and the
+    length of each loop body, e.g. "2848 SASS instructions, loop bodies 288"; the listing goes to
+    SASS_DIR/<name>.sass when SASS_DIR is set (--sass)."""
     tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(cubin)
@@ -89,7 +92,30 @@ def sass_count(name: str, cubin: bytes) -> int:
     os.unlink(f.name)
     if SASS_DIR is not None:
         (SASS_DIR / f"{name}.sass").write_text(sass)
-    return sum(1 for line in sass.splitlines() if line.strip().startswith("/*") and ";" in line)
+    addresses = instructions(sass)
+    bodies = loop_bodies(sass)
+    return f"{len(addresses)} SASS instructions" + (", loop bodies " + " / ".join(map(str, bodies)) if bodies else "")
+
+
+INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+([^;]*);")
+
+
+def instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, text) of each instruction of a cuobjdump -sass listing."""
+    return [(int(m.group(1), 16), m.group(2)) for m in map(INSTRUCTION.match, sass.splitlines()) if m]
+
+
+def loop_bodies(sass: str) -> list[int]:
+    """The instruction count of each loop of a cuobjdump -sass listing, in order: a branch back to a lower address
+    closes a loop whose body runs from that address to the branch (a kernel's final self-branch is not a loop)."""
+    listing = instructions(sass)
+    bodies = []
+    for address, text in listing:
+        m = re.search(r"\bBRA\s+0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < address:
+            start = int(m.group(1), 16)
+            bodies.append(sum(1 for a, _ in listing if start <= a <= address))
+    return bodies
 
 
 def signature(names: str, ptr: str, **special: str) -> dict:
