@@ -92,9 +92,9 @@ def sass_summary(name: str, cubin: bytes) -> str:
     os.unlink(f.name)
     if SASS_DIR is not None:
         (SASS_DIR / f"{name}.sass").write_text(sass)
-    addresses = instructions(sass)
-    bodies = loop_bodies(sass)
-    return f"{len(addresses)} SASS instructions" + (", loop bodies " + " / ".join(map(str, bodies)) if bodies else "")
+    listing = instructions(sass)
+    bodies = loop_bodies(listing)
+    return f"{len(listing)} SASS instructions" + (", loop bodies " + " / ".join(map(str, bodies)) if bodies else "")
 
 
 INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+([^;]*);")
@@ -105,10 +105,9 @@ def instructions(sass: str) -> list[tuple[int, str]]:
     return [(int(m.group(1), 16), m.group(2)) for m in map(INSTRUCTION.match, sass.splitlines()) if m]
 
 
-def loop_bodies(sass: str) -> list[int]:
-    """The instruction count of each loop of a cuobjdump -sass listing, in order: a branch back to a lower address
+def loop_bodies(listing: list[tuple[int, str]]) -> list[int]:
+    """The instruction count of each loop of a listing (instructions()), in order: a branch back to a lower address
     closes a loop whose body runs from that address to the branch (a kernel's final self-branch is not a loop)."""
-    listing = instructions(sass)
     bodies = []
     for address, text in listing:
         m = re.search(r"\bBRA\s+0x([0-9a-f]+)", text)

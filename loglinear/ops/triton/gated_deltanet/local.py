@@ -303,7 +303,7 @@ def _chunk_local_bwd_cc_kernel(
         db += tl.sum(dbv * v_b.to(tl.float32), axis=1)
         store_tile(dv, tl.dot(tl.trans(P), do_b, input_precision=PREC) + b_c[:, None] * dbv, t0, rc, valid, h, H, V, vc)
     dPM = tl.where(causal, dP, 0.0) * M
-    store_level_sums(dlam, dPM * b_c[None, :], tok, valid, h, H, L, rc, LOG_C)
+    store_level_sums(dlam, dPM * b_c[None, :], tok, valid, h, H, L, LOG_C)
     lam_c = _chunk_levels(lam, tok, valid, h, H, L, causal, C, LOG_C)  # again: not live in the value loop
     db += tl.sum(dPM * lam_c, axis=0)
     dQK = _dot(tl.where(causal, dP, 0.0) * b_c[None, :] * lam_c, tl.trans(Tg), dt, PREC)

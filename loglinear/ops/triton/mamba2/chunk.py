@@ -442,7 +442,7 @@ def mamba2_chunk_bwd_dq_kernel(
                                  h, H, L, Gc, scale, C, LOG_C, PRECISION, PLAIN, PER_CHANNEL, True, False)
     if not PLAIN:  # in-chunk columns and zeros; the columns of the live chunk levels are the loop's (one writer each)
         skip = read_columns(ll, chunk, c0, n, J, h0_held, LOG_C, HAS_INIT)
-        store_level_sums(dlam, d_a * p, t, valid, h, H, L, r, LOG_C)
+        store_level_sums(dlam, d_a * p, t, valid, h, H, L, LOG_C)
         zeros = tl.zeros([C, BL], dtype=tl.float32)
         store_tile(dlam, zeros, t0, r, valid, h, H, L, tl.where(skip | (ll <= LOG_C), L, ll))
     row_scale = scale * tl.exp(Gc)

@@ -83,14 +83,15 @@ def intra_score_grads(doc, vc, causal, scale, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def store_level_sums(dlam, x, t, valid, head, HEADS, L, r, LOG_C: tl.constexpr):
+def store_level_sums(dlam, x, t, valid, head, HEADS, L, LOG_C: tl.constexpr):
     """dlam[t, head, l] = sum_s x[t, s] over level(t, s) = l for the in-chunk levels l = 0..c (< L), from x [C, C]
-    fp32 over the chunk's positions r = arange(C) in rows and columns (C >= 8); dlam: [tokens, HEADS, L].
+    fp32 over the chunk's positions in rows and columns (C >= 8; t: the rows' tokens); dlam: [tokens, HEADS, L].
 
     Through 8-column blocks: level(t, s) = 3 + bit_length((t >> 3) XOR (s >> 3)) outside t's own block, so levels
     4..c are masked row sums of the block sums [C, C / 8], and levels 0..3 of the row's own block [C, 8] (bit_length
     of (t & 7) XOR (s & 7)); each column is stored as it is."""
     C: tl.constexpr = x.shape[0]
+    r = tl.arange(0, C)
     x3 = tl.reshape(x, [C, C // 8, 8])
     bb = tl.arange(0, C // 8)
     jj = tl.arange(0, 8)
