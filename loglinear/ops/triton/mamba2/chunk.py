@@ -181,20 +181,21 @@ def readout(qc, q_dec, state, to_now, lam, t, valid, h, H, L, level, PRECISION: 
 @triton.jit
 def readout_grad(doc, q_read, state, to_now, row_scale, lam, dlam, t, valid, h, H, L, level,
                  PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """One level's share of dQ, lambda_level * d_read, and dlambda's column ``level`` = rowsum(Q * d_read) (stored;
-    not when PLAIN). A scalar gate: d_read = (dO B^T) * row_scale * exp(decay) ([C, BK] fp32, row_scale = scale *
-    exp(G) [C]), q_read = Q. PER_CHANNEL: d_read without its factor scale * exp(G) [C, BK], which the caller applies
-    to the sum over levels, and q_read = Q * scale * exp(G) in q's dtype (so dlambda is the same; held through the
-    loop over levels, in q's dtype the kernel spills less)."""
+    """One level's share of dQ, lambda_level * d_read, and dlambda's column ``level`` = rowsum(q_read * d_read)
+    (stored; not when PLAIN), with d_read = f * (dO B^T) [C, BK] fp32 never formed: its factor f is applied to the
+    column's row sums and, with lambda, to the share (one multiply-add per element into the caller's sum). A scalar
+    gate: f = row_scale * exp(decay) [C] (row_scale = scale * exp(G)), q_read = Q. PER_CHANNEL: f = exp(decay) [BK]
+    on the columns (the caller applies scale * exp(G) to the sum over levels), q_read = Q * scale * exp(G) in q's
+    dtype (so dlambda is the same; held through the loop over levels, in q's dtype the kernel spills less)."""
     d_read = tl.dot(doc, tl.trans(state.to(doc.dtype)), input_precision=PRECISION)
     if PER_CHANNEL:
         d_read *= to_now[None, :]
+        rows = tl.full(t.shape, 1.0, tl.float32)
     else:
-        d_read *= (row_scale * to_now)[:, None]
-    if PLAIN:
-        return d_read
-    store_column(dlam, tl.sum(d_read * q_read.to(tl.float32), 1), t, valid, h, H, L, level)
-    return level_column(lam, t, valid, h, H, L, level, PLAIN)[:, None] * d_read
+        rows = row_scale * to_now
+    if not PLAIN:
+        store_column(dlam, tl.sum(d_read * q_read.to(tl.float32), 1) * rows, t, valid, h, H, L, level)
+    return (level_column(lam, t, valid, h, H, L, level, PLAIN) * rows)[:, None] * d_read
 
 
 @triton.jit
