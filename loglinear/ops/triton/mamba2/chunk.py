@@ -181,12 +181,13 @@ def readout(qc, q_dec, state, to_now, lam, t, valid, h, H, L, level, PRECISION: 
 @triton.jit
 def readout_grad(doc, q_read, state, to_now, row_scale, lam, dlam, t, valid, h, H, L, level,
                  PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """One level's share of dQ, lambda_level * d_read, and dlambda's column ``level`` = rowsum(q_read * d_read)
-    (stored; not when PLAIN), with d_read = f * (dO B^T) [C, BK] fp32 never formed: its factor f is applied to the
-    column's row sums and, with lambda, to the share (one multiply-add per element into the caller's sum). A scalar
-    gate: f = row_scale * exp(decay) [C] (row_scale = scale * exp(G)), q_read = Q. PER_CHANNEL: f = exp(decay) [BK]
-    on the columns (the caller applies scale * exp(G) to the sum over levels), q_read = Q * scale * exp(G) in q's
-    dtype (so dlambda is the same; held through the loop over levels, in q's dtype the kernel spills less)."""
+    """One level's share of dQ, lambda_level * f * (dO B^T), and dlambda's column ``level`` = rowsum(q_read * f *
+    (dO B^T)) (stored; not when PLAIN), from the product dO B^T [C, BK] fp32 (``d_read``). A scalar gate: f =
+    row_scale * exp(decay) [C] (row_scale = scale * exp(G)), a row factor applied to the column's row sums and, with
+    lambda, to the share (one multiply-add per element into the caller's sum), never to the [C, BK] product; q_read =
+    Q. PER_CHANNEL: f = exp(decay) [BK] on the product's columns (the caller applies scale * exp(G) to the sum over
+    levels), q_read = Q * scale * exp(G) in q's dtype (so dlambda is the same; held through the loop over levels, in
+    q's dtype the kernel spills less)."""
     d_read = tl.dot(doc, tl.trans(state.to(doc.dtype)), input_precision=PRECISION)
     if PER_CHANNEL:
         d_read *= to_now[None, :]
