@@ -191,7 +191,7 @@ def readout_grad(doc, q_read, state, to_now, row_scale, lam, dlam, t, valid, h, 
     d_read = tl.dot(doc, tl.trans(state.to(doc.dtype)), input_precision=PRECISION)
     if PER_CHANNEL:
         d_read *= to_now[None, :]
-        rows = tl.full(t.shape, 1.0, tl.float32)
+        rows = 1.0
     else:
         rows = row_scale * to_now
     if not PLAIN:
