@@ -137,7 +137,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
           f"has_init={args.has_init}, {prec}")
     base = dict(C=C, LOG_C=C.bit_length() - 1, BK=BK, BV=BV, PRECISION=prec, HAS_INIT=args.has_init, PLAIN=args.plain,
                 PER_CHANNEL=per_channel, S=intra_channel.SUB_CHUNK, KB=min(intra_channel.KEY_BLOCK, BK),
-                FLOOR=LOG_DECAY_FLOOR[torch.float32])
+                FLOOR=LOG_DECAY_FLOOR[torch.float32], HP=1 if per_channel else args.heads_per_program)
     ints = dict(K=args.K, V=args.V)
     ptrs = dict(g=f32, lam=P, scale="fp32", starts=i32, ends=i32, bos_ptr=i32, eos_ptr=i32, chunk0_ptr=i32)
 
@@ -146,14 +146,14 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
                 d_levels=f32, d_buckets=P, d_deposits=P, d_init=f32, d_gate=f32, totals=f32, final_terms=f32,
                 later=f32, dg=f32, chunks=i32, by_level=i32, seqs=i32, chunk0=i32, base_ptr=i32)
     bufs.update(scores=P, dq_in=P, dk_in=P, cum=f32)
-    chunk = "q k v g lam {} h0 h0_held buckets decays scores {}starts ends seqs chunks chunk0 scale {}H G K V L J"
+    chunk = "q k v g lam {} h0 h0_held buckets decays scores {}starts ends seqs chunks chunk0 scale {}H G K V L J{}"
     kernels = [  # (kernel, its arguments, constexprs, state tile of one program: launch_options)
         (mamba2_chunk.mamba2_deposit_kernel, "k v g buckets totals starts ends H G K V", base, 0),
         (mamba2_fwd.mamba2_fwd_kernel,
          "k v g levels buckets decays totals bos_ptr eos_ptr chunk0_ptr base_ptr H G K V J",
          dict(scan_const, BKS=fwd_rows), fwd_rows * BV),
-        (mamba2_chunk.mamba2_chunk_fwd_kernel, chunk.format("o", "", ""), dict(base, BJ=MAX_CHUNK_LEVELS), 0),
-        (mamba2_chunk.mamba2_chunk_bwd_dq_kernel, chunk.format("do", "dq_in ", "dq dlam qdq q_dec "),
+        (mamba2_chunk.mamba2_chunk_fwd_kernel, chunk.format("o", "", "", ""), dict(base, BJ=MAX_CHUNK_LEVELS), 0),
+        (mamba2_chunk.mamba2_chunk_bwd_dq_kernel, chunk.format("do", "dq_in ", "dq dlam qdq q_dec ", ""),
          dict(base, BL=32, BJ=MAX_CHUNK_LEVELS), 0),
         (mamba2_chunk.mamba2_level_grad_kernel,
          "q g lam do decays starts ends chunks by_level d_buckets scale H G K V L J",
@@ -260,6 +260,8 @@ def main() -> None:
     ap.add_argument("--V", type=int, default=64)
     ap.add_argument("--has-init", action="store_true", help="mamba2, gla: the build for calls with initial states")
     ap.add_argument("--plain", action="store_true", help="mamba2, gla: the plain path's build (level_scales=None)")
+    ap.add_argument("--heads-per-program", type=int, default=24,
+                    help="mamba2: value heads the dq and dk / dv kernels sum per program (24: paper setting, 32K)")
     ap.add_argument("--l2norm", action="store_true", help="gdn: the chunk-local kernels with NORM (use_qk_l2norm)")
     ap.add_argument("--sass", type=Path, default=None, help="write each kernel's SASS listing into this folder")
     args = ap.parse_args()

@@ -118,6 +118,34 @@ def test_split_state_rows_with_state(no_torch_path):
     _compare(x, state=_random_state(1, [21], 2, 40, 24))
 
 
+@pytest.mark.parametrize("G, H, heads, plain", [(1, 4, 4, False), (1, 4, 2, True), (2, 8, 2, False),
+                                                 (2, 8, 4, True)])
+def test_group_heads_summed_in_the_kernels(G, H, heads, plain, monkeypatch, no_torch_path):
+    """dq / dk summed over ``heads`` value heads per program inside the dq and dk / dv kernels: a whole group per
+    program (its sum in q's dtype) or part of one (fp32 parts summed after), with the gate's gradient from the
+    per-head terms (q.dQ from dlambda's columns, k.dK = v.dV); varlen, states at aligned and unaligned positions."""
+    monkeypatch.setattr(M, "heads_per_program", lambda rows, H, G, per_head=False: 1 if per_head else heads)
+    cu = torch.tensor([0, 37, 100])
+    x = mamba2_args(make_inputs(1, 100, G, H, 16, 8))
+    if plain:
+        state = FenwickState(torch.randn(2, 1, H, 16, 8, dtype=torch.float64), torch.tensor([5, 0]))
+        _compare_plain(x, cu_seqlens=cu, state=state)
+    else:
+        _compare(x, cu_seqlens=cu, state=_random_state(2, [48, 21], H, 16, 8))
+
+
+def test_heads_per_program_keeps_the_programs_in_flight():
+    from loglinear.ops.triton.shared import launch
+
+    assert launch.heads_per_program(1024, 48, 1) == 48  # 128K at B = 2: a whole group per program
+    assert launch.heads_per_program(1024, 48, 1, per_head=True) == 1
+    assert launch.heads_per_program(128, 48, 1) == 6  # 1024 programs of 6 heads
+    assert launch.heads_per_program(16, 48, 1) == 1  # too few chunks: one head each
+    assert launch.heads_per_program(512, 48, 4) == 12  # a group of 12, 2048 programs
+    assert launch.heads_per_program(512, 12, 4) == 3  # groups of 3 heads, 2048 programs
+    assert launch.heads_per_program(128, 12, 4) == 1  # 3 per program would leave 512
+
+
 @pytest.mark.parametrize("positions, budget", [([64, 48], None), ([64, 48], 1), ([64, 128], None)])
 def test_initial_levels_in_segments_and_empty(positions, budget, monkeypatch, no_torch_path):
     """The initial levels' gradients from their readers summed over several programs per level (runs of 2 chunks:

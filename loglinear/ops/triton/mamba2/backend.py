@@ -64,7 +64,7 @@ from loglinear.ops.triton.shared.heads import min_head_dim, run_padded
 from loglinear.ops.triton.shared.intra_channel import (
     KEY_BLOCK, SUB_CHUNK, channel_cumsum_kernel, channel_dk_kernel, channel_dq_kernel, channel_scores_kernel,
 )
-from loglinear.ops.triton.shared.launch import launch_options
+from loglinear.ops.triton.shared.launch import heads_per_program, launch_options
 from loglinear.ops.triton.shared.rules import dot_precision, kernel_chunk_size
 from loglinear.state import FenwickState
 from loglinear.tables import cached_table, device_table, table_cache
@@ -218,11 +218,21 @@ def _zero_prefixes(plan: LevelScanPlan, *xs: torch.Tensor) -> None:
             x[a:b] = 0
 
 
-def _group_grad(x: torch.Tensor, groups: int, plan: LevelScanPlan) -> torch.Tensor:
-    """A kernel's per-value-head gradient x [tokens, H, K] -> [tokens, groups, K] in x's dtype: the torch
-    prefixes' rows zeroed, a group's heads summed in fp32 (x itself when groups == H)."""
+def _group_sums(rows: int, q: torch.Tensor, v: torch.Tensor, per_head: bool) -> tuple[int, torch.Tensor]:
+    """The heads per program HP of the dq or dk / dv kernel (shared.launch.heads_per_program; per_head: HP = 1) and
+    its output [tokens, H / HP, K], each program's sum over its heads: in q's dtype when that is one head or a whole
+    group, else fp32 (summed again per group by _group_grad)."""
+    (tokens, H), G = v.shape[:2], q.shape[1]
+    HP = heads_per_program(rows, H, G, per_head=per_head)
+    dtype = q.dtype if HP in (1, H // G) else torch.float32
+    return HP, alloc((tokens, H // HP, q.shape[-1]), dtype, q.device)
+
+
+def _group_grad(x: torch.Tensor, groups: int, plan: LevelScanPlan, dtype: torch.dtype) -> torch.Tensor:
+    """The kernels' sums over parts of each group x [tokens, S * groups, K] (_group_sums) -> [tokens, groups, K] in
+    ``dtype``: the torch prefixes' rows zeroed, a group's S parts summed in fp32 (x itself when S = 1)."""
     _zero_prefixes(plan, x)
-    return group_sum(x, groups, 1).to(x.dtype)
+    return group_sum(x, groups, 1).to(dtype)
 
 
 def _merge_levels(k, v, gate, levels, ranges, table: ChunkTable, plan: LevelScanPlan) -> tuple[torch.Tensor, ...]:
@@ -405,23 +415,25 @@ def _dq_grads(q, k, v, gate, lam, d_o, ranges, buckets, scores, saved: _Saved, p
     dK for the dk / dv kernel (per channel; else gate) and the level gradient's queries: per channel
     Q * exp(G) [tokens, H, K] (q's dtype, per value head), else q."""
     (tokens, H), K, L, table = v.shape[:2], q.shape[-1], lam.shape[-1], saved.table
-    dq = alloc((tokens, H, K), q.dtype, q.device)
+    # per head with a per-channel gate (its gate term), and over the levels (shared.launch: measured slower summed)
+    HP, dq = _group_sums(table.starts.numel(), q, v, per_head=plan.per_channel or not plan.plain)
     dlam = alloc(tuple(lam.shape), lam.dtype, q.device) if not plan.plain else gate  # never written when plain
     qdq = alloc(_gate_shape(plan, tokens, H, K), torch.float32, q.device)
     q_dec = alloc((tokens, H, K), q.dtype, q.device) if plan.per_channel else q  # a scalar gate: never written
     dq_in, dk_in = _channel_intra_grads(q, k, v, gate, lam, d_o, table, plan)
     if table.starts.numel():
-        mamba2_chunk_bwd_dq_kernel[(table.starts.numel() * H,)](
+        mamba2_chunk_bwd_dq_kernel[(table.starts.numel() * H // HP,)](
             q, k, v, gate, lam, d_o, *saved.initial, buckets, saved.decays, scores, dq_in,
             table.starts, table.ends, table.seqs, table.chunks, ranges[2], plan.scale, dq, dlam, qdq, q_dec,
-            BL=next_pow2(L, minimum=32), BJ=MAX_CHUNK_LEVELS, J=plan.num_levels, HAS_INIT=plan.has_init,
+            HP=HP, BL=next_pow2(L, minimum=32), BJ=MAX_CHUNK_LEVELS, J=plan.num_levels, HAS_INIT=plan.has_init,
             **_chunk_sizes(plan, q, v, lam), **_launch(mamba2_chunk_bwd_dq_kernel, plan),
         )
     del dq_in
+    dq = _group_grad(dq, q.shape[1], plan, q.dtype)
     if plan.plain:
-        return _group_grad(dq, q.shape[1], plan), None, qdq, dk_in, q_dec
+        return dq, None, qdq, dk_in, q_dec
     _zero_prefixes(plan, dlam)
-    return _group_grad(dq, q.shape[1], plan), dlam, qdq, dk_in, q_dec
+    return dq, dlam, qdq, dk_in, q_dec
 
 
 def _initial_read_grads(q, readers, gate, lam, d_o, ranges, saved: _Saved, plan: LevelScanPlan) -> torch.Tensor:
@@ -473,17 +485,17 @@ def _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, d_gate, final
     scores) and the gate gradient's chunk parts in d_gate and the chunk totals. -> dk [tokens, G, K] (k's dtype),
     dv [tokens, H, V] (v's dtype), dg [tokens, H] ([tokens, H, K] per channel) in g's dtype (_gate_grad; g: the
     call's gate)."""
-    (tokens, H), K, NC = v.shape[:2], k.shape[-1], table.starts.numel()
-    dk, dv = alloc((tokens, H, K), k.dtype, k.device), alloc(tuple(v.shape), v.dtype, v.device)
+    H, K, NC = v.shape[1], k.shape[-1], table.starts.numel()
+    (HP, dk), dv = _group_sums(NC, k, v, per_head=plan.per_channel), alloc(tuple(v.shape), v.dtype, v.device)
     totals = alloc(_gate_shape(plan, NC, H, K), torch.float32, k.device)
     if NC:
-        mamba2_chunk_bwd_dkv_kernel[(NC * H,)](
+        mamba2_chunk_bwd_dkv_kernel[(NC * H // HP,)](
             q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, table.starts, table.ends, table.seqs, ranges[1],
-            final_terms, plan.scale, dk, dv, d_gate, totals, **_chunk_sizes(plan, q, v, lam),
+            final_terms, plan.scale, dk, dv, d_gate, totals, HP=HP, **_chunk_sizes(plan, q, v, lam),
             **_launch(mamba2_chunk_bwd_dkv_kernel, plan),
         )
     _zero_prefixes(plan, dv)
-    return _group_grad(dk, k.shape[1], plan), dv, _gate_grad(d_gate, totals, g, gate, table, plan)
+    return _group_grad(dk, k.shape[1], plan, k.dtype), dv, _gate_grad(d_gate, totals, g, gate, table, plan)
 
 
 class LevelScanMamba2(torch.autograd.Function):

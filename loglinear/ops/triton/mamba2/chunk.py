@@ -181,22 +181,30 @@ def readout(qc, q_dec, state, to_now, lam, t, valid, h, H, L, level, PRECISION: 
 @triton.jit
 def readout_grad(doc, q_read, state, to_now, row_scale, lam, dlam, t, valid, h, H, L, level,
                  PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """One level's share of dQ, lambda_level * f * (dO B^T), and dlambda's column ``level`` = rowsum(q_read * f *
-    (dO B^T)) (stored; not when PLAIN), from the product dO B^T [C, BK] fp32 (``d_read``). A scalar gate: f =
-    row_scale * exp(decay) [C] (row_scale = scale * exp(G)), a row factor applied to the column's row sums and, with
-    lambda, to the share (one multiply-add per element into the caller's sum), never to the [C, BK] product; q_read =
-    Q. PER_CHANNEL: f = exp(decay) [BK] on the product's columns (the caller applies scale * exp(G) to the sum over
+    """One level's share of dQ, lambda_level * f * (dO B^T), dlambda's column ``level`` = rowsum(q_read * f *
+    (dO B^T)) (stored; not when PLAIN) and the share's q . dQ term, lambda_level * that column [C] (a scalar gate;
+    0 with PER_CHANNEL), from the product dO B^T [C, BK] fp32 (``d_read``). A scalar gate: f = row_scale *
+    exp(decay) [C] (row_scale = scale * exp(G)), a row factor applied to the column's row sums and, with lambda, to
+    the share (one multiply-add per element into the caller's sum), never to the [C, BK] product; q_read = Q.
+    PER_CHANNEL: f = exp(decay) [BK] on the product's columns (the caller applies scale * exp(G) to the sum over
     levels), q_read = Q * scale * exp(G) in q's dtype (so dlambda is the same; held through the loop over levels, in
-    q's dtype the kernel spills less)."""
+    q's dtype the kernel spills less). -> ([C, BK] fp32, [C] fp32)"""
     d_read = tl.dot(doc, tl.trans(state.to(doc.dtype)), input_precision=PRECISION)
     if PER_CHANNEL:
         d_read *= to_now[None, :]
         rows = 1.0
     else:
         rows = row_scale * to_now
+    lam_j = level_column(lam, t, valid, h, H, L, level, PLAIN)
+    column = tl.zeros(lam_j.shape, dtype=tl.float32)
+    term = tl.zeros(lam_j.shape, dtype=tl.float32)  # a per-channel gate's q * dQ comes from dQ itself
+    if not PLAIN or not PER_CHANNEL:
+        column = tl.sum(d_read * q_read.to(tl.float32), 1) * rows
     if not PLAIN:
-        store_column(dlam, tl.sum(d_read * q_read.to(tl.float32), 1) * rows, t, valid, h, H, L, level)
-    return (level_column(lam, t, valid, h, H, L, level, PLAIN) * rows)[:, None] * d_read
+        store_column(dlam, column, t, valid, h, H, L, level)
+    if not PER_CHANNEL:
+        term = lam_j * column
+    return (lam_j * rows)[:, None] * d_read, term
 
 
 @triton.jit
@@ -242,13 +250,14 @@ def store_gate_rows(ptr, x, t0, r, t, valid, h, H, K, kk, PER_CHANNEL: tl.conste
 
 
 @triton.jit
-def chunk_gate_grads(d_gate, totals, final_terms, d_k, kc, t0, r, t, valid, last, p, n, h, H, K, kk,
+def chunk_gate_grads(d_gate, totals, final_terms, k_dk, t0, r, t, valid, last, p, n, h, H, K, kk,
                      PER_CHANNEL: tl.constexpr):
     """d_gate [tokens, H] ([tokens, H, K] with PER_CHANNEL) fp32 holds q.dq on the chunk's rows (the dq kernel's):
-    store x = q.dq - k.dk (+ final_terms[n] [N, H(, K)], the final states' term, on the sequence's last row
-    ``last``) back into d_gate's rows and the chunk's sum of x into totals [NC, H(, K)] fp32 (row p)."""
+    store x = q.dq - k.dk (k_dk: head h's k.dk [C], or k * dk [C, BK] with PER_CHANNEL; + final_terms[n]
+    [N, H(, K)], the final states' term, on the sequence's last row ``last``) back into d_gate's rows and the
+    chunk's sum of x into totals [NC, H(, K)] fp32 (row p)."""
     on_last = (t == last) & valid
-    x = load_gate_rows(d_gate, t0, r, t, valid, h, H, K, kk, PER_CHANNEL) - gate_term(d_k, kc, PER_CHANNEL)
+    x = load_gate_rows(d_gate, t0, r, t, valid, h, H, K, kk, PER_CHANNEL) - k_dk
     if PER_CHANNEL:
         term = tl.load(final_terms + (n * H + h) * K + kk, mask=kk < K, other=0.0)
         x += tl.where(on_last[:, None], term[None, :], 0.0)
@@ -333,21 +342,21 @@ def mamba2_deposit_kernel(
 
 
 @triton.jit
-def intra_block(qc, kc, vc, doc, scores, lam, t0, r, t, valid, h, H, L, Gc, scale,
+def intra_block(qc, kc, vc, doc, acc, scores, lam, t0, r, t, valid, h, H, L, Gc, scale,
                 C: tl.constexpr, LOG_C: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
                 PER_CHANNEL: tl.constexpr, DQ: tl.constexpr, DK: tl.constexpr):
     """The in-chunk block, [C, C] fp32 each: the raw scores P (Q K^T * Gamma), Lambda, and with DQ or DK
-    (the backward; doc = dO) dA = scale * dO V^T and the in-chunk dQ = (dA * Gamma * Lambda) K or
-    dK = (dA * Gamma * Lambda)^T Q ([C, BK] fp32). Without DQ / DK, dA and the gradient are 0. Recomputed in
-    each kernel instead of passed (two C x C x K/V GEMMs), so each fits 4 warps (at K = 128, V = 64 in bf16 the dk / dv
-    kernel spills 16 B with a scalar gate; shared/launch.py has the per-channel numbers).
+    (the backward; doc = dO) dA = scale * dO V^T and acc [C, BK] fp32 plus the in-chunk dQ = (dA * Gamma * Lambda) K
+    or dK = (dA * Gamma * Lambda)^T Q (accumulated in the product: a kernel summing heads holds no second
+    [C, BK] tile). Without DQ / DK, dA is 0 and acc comes back as it is. Recomputed in each kernel instead of passed
+    (two C x C x K/V GEMMs), so each fits 4 warps (at K = 128, V = 64 in bf16 the dk / dv kernel spills 16 B with a
+    scalar gate; shared/launch.py has the per-channel numbers).
     PER_CHANNEL: P is read from scores [tokens, H, C] (intra_channel.channel_scores_kernel's), dA is formed with DQ
-    only (for dlambda's in-chunk columns) and the gradient is 0 (the intra_channel kernels give the in-chunk
+    only (for dlambda's in-chunk columns) and acc comes back as it is (the intra_channel kernels give the in-chunk
     dQ / dK, which the caller reads)."""
     causal = r[:, None] >= r[None, :]
     weights = level_weights(lam, t, valid, h, H, L, intra_levels(r, r, LOG_C), causal, LOG_C, PLAIN)
     d_a = tl.zeros([C, C], dtype=tl.float32)
-    d_x = tl.zeros(qc.shape, dtype=tl.float32)
     if PER_CHANNEL:
         p = load_tile(scores, t0, r, valid, h, H, C, r).to(tl.float32)
         if DQ:
@@ -356,11 +365,12 @@ def intra_block(qc, kc, vc, doc, scores, lam, t0, r, t, valid, h, H, L, Gc, scal
         if DQ or DK:
             d_a = intra_score_grads(doc, vc, causal, scale, PRECISION)
         p, gamma = intra_scores(qc, kc, Gc, causal, PRECISION)
+        d_s = (d_a * gamma * weights).to(qc.dtype)
         if DQ:
-            d_x = tl.dot((d_a * gamma * weights).to(qc.dtype), kc, input_precision=PRECISION)
+            acc = tl.dot(d_s, kc, acc, input_precision=PRECISION)
         if DK:
-            d_x = tl.dot(tl.trans((d_a * gamma * weights).to(qc.dtype)), qc, input_precision=PRECISION)
-    return p, weights, d_a, d_x
+            acc = tl.dot(tl.trans(d_s), qc, acc, input_precision=PRECISION)
+    return p, weights, d_a * p, acc
 
 
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
@@ -398,8 +408,8 @@ def mamba2_chunk_fwd_kernel(
                         PER_CHANNEL)
     if not PER_CHANNEL:
         read *= tl.exp(Gc)[:, None]
-    p, _, _, _ = intra_block(qc, kc, vc, vc, scores, lam, t0, r, t, valid, h, H, L, Gc, scale, C, LOG_C, PRECISION,
-                             PLAIN, PER_CHANNEL, False, False)
+    p, _, _, _ = intra_block(qc, kc, vc, vc, read, scores, lam, t0, r, t, valid, h, H, L, Gc, scale, C, LOG_C,
+                             PRECISION, PLAIN, PER_CHANNEL, False, False)
     acc = intra_output(p, vc, lam, t, valid, h, H, L, intra_levels(r, r, LOG_C), r[:, None] >= r[None, :], LOG_C,
                        PRECISION, PLAIN)
     store_tile(o, (acc + read) * scale, t0, r, valid, h, H, V, vv)
@@ -417,55 +427,70 @@ def mamba2_chunk_bwd_dq_kernel(
     q, k, v, g, lam, do, h0, h0_held, buckets, decays, scores, dq_in, starts, ends, seqs, chunks, chunk0, scale,
     dq, dlam, qdq, q_dec,
     H, G, K, V, L, J,
-    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
+    HP: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
     BJ: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
     PER_CHANNEL: tl.constexpr,
 ):
-    """dQ (in-chunk + readout) and dlambda (every level; not when PLAIN), complete:
+    """dQ (in-chunk + readout) summed over HP value heads of one q/k group, and per head dlambda (every level; not
+    when PLAIN) and q.dQ, complete:
 
-        dQ = dS K + diag(scale * exp(G)) sum_j lambda_j exp(decay_j) dO B_j^T,   q.dQ per row
+        dQ_h = dS K + diag(scale * exp(G)) sum_j lambda_j exp(decay_j) dO B_j^T
+        q.dQ_h = rowsum(dA * P * Lambda) + sum_j lambda_j dlambda_j      (dlambda_j: the chunk level's column)
 
-    (per channel: exp(G) and exp(decay_j) scale dO B_j^T's columns, exp(G) once for the sum over levels; the in-chunk
-    dQ comes from dq_in; q * dQ). Inputs as the forward, do: [tokens, H, V]. Out: dq: [tokens, H, K] (q's dtype, per
-    value head), dlam: [tokens, H, L] (lam's dtype), qdq: [tokens, H] ([tokens, H, K] with PER_CHANNEL) fp32, the
-    gate gradient's q term (for the dk / dv kernel); with PER_CHANNEL q_dec = Q * exp(G) [tokens, H, K] (q's
-    dtype, per value head), the level gradient's queries (not written for a scalar gate).
-    Grid (NC * H,) (heads_fastest)."""
-    ci, h = heads_fastest(H)
+    (the second line is q.dQ_h term by term, so the heads' dQ are summed as they are formed and no head's dQ is
+    held; per channel: exp(G) and exp(decay_j) scale dO B_j^T's columns, exp(G) once for the sum over levels, the
+    in-chunk dQ comes from dq_in, the gate term is q * dQ_h and HP must be 1). Inputs as the forward, do:
+    [tokens, H, V]. Out: dq: [tokens, H / HP, K], program u's sum over the heads u HP .. u HP + HP - 1 (fp32, or
+    q's dtype when it is one head or the whole group); dlam: [tokens, H, L] (lam's dtype), qdq: [tokens, H]
+    ([tokens, H, K] with PER_CHANNEL) fp32, the gate gradient's q term (for the dk / dv kernel); with PER_CHANNEL
+    q_dec = Q * exp(G) [tokens, H, K] (q's dtype, per value head), the level gradient's queries (not written for a
+    scalar gate). Grid (NC * H / HP,) (heads_fastest over H / HP)."""
+    ci, u = heads_fastest(H // HP)
     t0, r, t, valid = chunk_rows(ci, starts, ends, C)
     n, chunk, c0 = chunk_position(ci, seqs, chunks, chunk0)
     kk, vv, ll, jj = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BL), tl.arange(0, BJ)
-    offs = kk[:, None] * V + vv[None, :]
-    lmask = (kk[:, None] < K) & (vv[None, :] < V)
-    qc, kc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk), load_tile(k, t0, r, valid, h // (H // G), G, K, kk)
-    doc = load_tile(do, t0, r, valid, h, H, V, vv)
-    Gc, _ = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
-    p, _, d_a, d_q = intra_block(qc, kc, load_tile(v, t0, r, valid, h, H, V, vv), doc, scores, lam, t0, r, t, valid,
-                                 h, H, L, Gc, scale, C, LOG_C, PRECISION, PLAIN, PER_CHANNEL, True, False)
-    if not PLAIN:  # in-chunk columns and zeros; the columns of the live chunk levels are the loop's (one writer each)
-        skip = read_columns(ll, chunk, c0, n, J, h0_held, LOG_C, HAS_INIT)
-        store_level_sums(dlam, d_a * p, t, valid, h, H, L, LOG_C)
-        zeros = tl.zeros([C, BL], dtype=tl.float32)
-        store_tile(dlam, zeros, t0, r, valid, h, H, L, tl.where(skip | (ll <= LOG_C), L, ll))
-    row_scale = scale * tl.exp(Gc)
-    q_read = qc
-    if PER_CHANNEL:  # the sum over levels gets its factor scale * exp(G) after the loops
-        q_read = qc.to(tl.float32) * tl.exp(Gc)
-        store_tile(q_dec, q_read, t0, r, valid, h, H, K, kk)
-        q_read = (q_read * scale).to(qc.dtype)
     live, rank, count = read_levels(chunk, c0, n, jj, J, h0_held, HAS_INIT, PLAIN)
-    for i in range(count):
-        j = nth_level(live, rank, jj, i)
-        state, to_now = read_level(buckets, h0, decays, ci, n, h, H, J, K, V, chunk, c0, j, kk, offs, lmask, HAS_INIT,
-                                   PLAIN, PER_CHANNEL)
-        d_q += readout_grad(doc, q_read, state, to_now, row_scale, lam, dlam, t, valid, h, H, L, LOG_C + 1 + j,
-                            PRECISION, PLAIN, PER_CHANNEL)
-    if PER_CHANNEL:  # the levels' factor, then the in-chunk dQ (both read again rather than held through the loops)
-        d_q = d_q * scale * tl.exp(gates(g, t, valid, h, H, K, kk, PER_CHANNEL)[0])
-        d_q += load_tile(dq_in, t0, r, valid, h, H, K, kk)
-        qc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk)  # read again: not held through the loops
-    store_tile(dq, d_q, t0, r, valid, h, H, K, kk)
-    store_gate_rows(qdq, gate_term(d_q, qc, PER_CHANNEL), t0, r, t, valid, h, H, K, kk, PER_CHANNEL)
+    d_q = tl.zeros([C, BK], dtype=tl.float32)
+    for e in tl.range(HP, disable_licm=True):  # no tile of the loop body lives across heads
+        h = u * HP + e
+        grp = h // (H // G)  # (computed from h in the loop: its tiles are not held across heads)
+        qc, kc = load_tile(q, t0, r, valid, grp, G, K, kk), load_tile(k, t0, r, valid, grp, G, K, kk)
+        doc = load_tile(do, t0, r, valid, h, H, V, vv)
+        Gc, _ = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
+        p, weights, d_ap, d_q = intra_block(qc, kc, load_tile(v, t0, r, valid, h, H, V, vv), doc, d_q, scores, lam,
+                                           t0, r, t, valid, h, H, L, Gc, scale, C, LOG_C, PRECISION, PLAIN,
+                                           PER_CHANNEL, True, False)
+        q_dq = tl.sum(d_ap * weights, 1)  # a scalar gate's in-chunk q . dQ
+        if not PLAIN:  # in-chunk columns and zeros; the columns of the live chunk levels are the loop's (one writer)
+            skip = read_columns(ll, chunk, c0, n, J, h0_held, LOG_C, HAS_INIT)
+            store_level_sums(dlam, d_ap, t, valid, h, H, L, LOG_C)
+            zeros = tl.zeros([C, BL], dtype=tl.float32)
+            store_tile(dlam, zeros, t0, r, valid, h, H, L, tl.where(skip | (ll <= LOG_C), L, ll))
+        row_scale = scale * tl.exp(Gc)
+        offs = kk[:, None] * V + vv[None, :]
+        lmask = (kk[:, None] < K) & (vv[None, :] < V)
+        q_read = qc
+        if PER_CHANNEL:  # the sum over levels gets its factor scale * exp(G) after the loops
+            q_read = qc.to(tl.float32) * tl.exp(Gc)
+            store_tile(q_dec, q_read, t0, r, valid, h, H, K, kk)
+            q_read = (q_read * scale).to(qc.dtype)
+        for i in range(count):
+            j = nth_level(live, rank, jj, i)
+            state, to_now = read_level(buckets, h0, decays, ci, n, h, H, J, K, V, chunk, c0, j, kk, offs, lmask,
+                                       HAS_INIT, PLAIN, PER_CHANNEL)
+            share, term = readout_grad(doc, q_read, state, to_now, row_scale, lam, dlam, t, valid, h, H, L,
+                                       LOG_C + 1 + j, PRECISION, PLAIN, PER_CHANNEL)
+            d_q += share
+            q_dq += term
+        if PER_CHANNEL:  # HP = 1: d_q is this head's; the levels' factor, then the in-chunk dQ (both read again
+            # rather than held through the loops)
+            d_q = d_q * scale * tl.exp(gates(g, t, valid, h, H, K, kk, PER_CHANNEL)[0])
+            d_q += load_tile(dq_in, t0, r, valid, h, H, K, kk)
+            store_tile(qdq, gate_term(d_q, load_tile(q, t0, r, valid, grp, G, K, kk), PER_CHANNEL), t0, r, valid,
+                       h, H, K, kk)
+        else:
+            tl.store(qdq + t * H + h, q_dq, mask=valid)
+    store_tile(dq, d_q, t0, r, valid, u, H // HP, K, kk)
 
 
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
@@ -473,46 +498,60 @@ def mamba2_chunk_bwd_dkv_kernel(
     q, k, v, g, lam, do, d_deposits, scores, dk_in, starts, ends, seqs, eos_ptr, final_terms, scale,
     dk, dv, d_gate, totals,
     H, G, K, V, L,
-    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HP: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
-    """dK and dV (in-chunk + deposit), complete:
+    """dK summed over HP value heads of one q/k group, and per head dV, complete:
 
-        dK = dS^T Q + diag(exp(Gl - G)) V dD^T,   dV = scale * A^T dO + diag(exp(Gl - G)) K dD
+        dK_h = dS^T Q + diag(exp(Gl - G)) V dD^T,   dV = scale * A^T dO + diag(exp(Gl - G)) K dD
 
-    (per channel: exp(Gl - G) [C, K] scales V dD^T and K elementwise), dD = d_deposits [NC, H, K, V] (q's dtype;
-    the backward scan's; not read for a sequence's last chunk, which deposits nothing), and the gate gradient's
-    chunk part (chunk_gate_grads: d_gate in/out, totals out; seqs: [NC] the chunk table's, eos: [N] the
-    sequences' ends, final_terms: [N, H(, K)] fp32). Out: dk: [tokens, H, K] (k's dtype, per value head),
-    dv: [tokens, H, V] (v's dtype).  Grid (NC * H,) (heads_fastest)."""
-    ci, h = heads_fastest(H)
+    (per channel: exp(Gl - G) [C, K] scales V dD^T and K elementwise; HP must be 1), dD = d_deposits [NC, H, K, V]
+    (q's dtype; the backward scan's; not read for a sequence's last chunk, which deposits nothing), and the gate
+    gradient's chunk part (chunk_gate_grads: d_gate in/out, totals out; seqs: [NC] the chunk table's, eos: [N] the
+    sequences' ends, final_terms: [N, H(, K)] fp32) from k.dK_h formed term by term, so that no head's dK is held:
+
+        k.dK_h = colsum(dA * P * Lambda) + rowsum(V * diag(exp(Gl - G)) K dD)
+
+    (the in-chunk sum is the dq kernel's q.dQ terms by column, so the two cancel in the gate's sums as the exact
+    ones do; the deposit's is its v.dV; per channel k * dK_h). Out: dk: [tokens, H / HP, K] as the dq
+    kernel's dq, dv: [tokens, H, V] (v's dtype). Grid (NC * H / HP,) (heads_fastest over H / HP)."""
+    ci, u = heads_fastest(H // HP)
     t0, r, t, valid = chunk_rows(ci, starts, ends, C)
     kk, vv = tl.arange(0, BK), tl.arange(0, BV)
-    qc, kc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk), load_tile(k, t0, r, valid, h // (H // G), G, K, kk)
-    vc = load_tile(v, t0, r, valid, h, H, V, vv)
-    doc = load_tile(do, t0, r, valid, h, H, V, vv)
-    Gc, Gl = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
-    p, weights, _, d_k = intra_block(qc, kc, vc, doc, scores, lam, t0, r, t, valid, h, H, L, Gc, scale, C, LOG_C,
-                                     PRECISION, PLAIN, PER_CHANNEL, False, True)
-    d_v = tl.dot(tl.trans((p * weights).to(doc.dtype)), doc, input_precision=PRECISION) * scale
-    if PLAIN or t0 + C < tl.load(ends + ci):
-        offs = kk[:, None] * V + vv[None, :]
-        d_d = tl.load(d_deposits + (ci * H + h) * K * V + offs,
-                      mask=(kk[:, None] < K) & (vv[None, :] < V), other=0.0).to(vc.dtype)
-        if PER_CHANNEL:
-            to_end = tl.exp(Gl[None, :] - Gc)
-            d_v += tl.dot((kc.to(tl.float32) * to_end).to(kc.dtype), d_d, input_precision=PRECISION)
-        else:
-            to_end = tl.exp(Gl - Gc)[:, None]
-            d_v += to_end * tl.dot(kc, d_d, input_precision=PRECISION)
-        d_k += to_end * tl.dot(vc, tl.trans(d_d), input_precision=PRECISION)
-    if PER_CHANNEL:
-        d_k += load_tile(dk_in, t0, r, valid, h, H, K, kk)
-    store_tile(dk, d_k, t0, r, valid, h, H, K, kk)
-    store_tile(dv, d_v, t0, r, valid, h, H, V, vv)
+    deposits = PLAIN or t0 + C < tl.load(ends + ci)
     n = tl.load(seqs + ci)
-    chunk_gate_grads(d_gate, totals, final_terms, d_k, kc, t0, r, t, valid, tl.load(eos_ptr + n).to(tl.int64) - 1,
-                     ci, n, h, H, K, kk, PER_CHANNEL)
+    last = tl.load(eos_ptr + n).to(tl.int64) - 1
+    d_k = tl.zeros([C, BK], dtype=tl.float32)
+    for e in tl.range(HP, disable_licm=True):  # no tile of the loop body lives across heads
+        h = u * HP + e
+        grp = h // (H // G)  # (computed from h in the loop: its tiles are not held across heads)
+        qc, kc = load_tile(q, t0, r, valid, grp, G, K, kk), load_tile(k, t0, r, valid, grp, G, K, kk)
+        vc = load_tile(v, t0, r, valid, h, H, V, vv)
+        doc = load_tile(do, t0, r, valid, h, H, V, vv)
+        Gc, Gl = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
+        p, weights, d_ap, d_k = intra_block(qc, kc, vc, doc, d_k, scores, lam, t0, r, t, valid, h, H, L, Gc, scale,
+                                            C, LOG_C, PRECISION, PLAIN, PER_CHANNEL, False, True)
+        k_dk = tl.sum(d_ap * weights, 0)  # a scalar gate's in-chunk k . dK: the dq kernel's q . dQ terms by column
+        d_v = tl.dot(tl.trans((p * weights).to(doc.dtype)), doc, input_precision=PRECISION) * scale
+        if deposits:
+            offs = kk[:, None] * V + vv[None, :]
+            d_d = tl.load(d_deposits + (ci * H + h) * K * V + offs,
+                          mask=(kk[:, None] < K) & (vv[None, :] < V), other=0.0).to(vc.dtype)
+            if PER_CHANNEL:
+                to_end = tl.exp(Gl[None, :] - Gc)
+                d_v += tl.dot((kc.to(tl.float32) * to_end).to(kc.dtype), d_d, input_precision=PRECISION)
+            else:
+                to_end = tl.exp(Gl - Gc)[:, None]
+                d_v_end = to_end * tl.dot(kc, d_d, input_precision=PRECISION)
+                k_dk += gate_term(d_v_end, vc, PER_CHANNEL)  # the deposit's k . dK = v . dV
+                d_v += d_v_end
+            d_k += to_end * tl.dot(vc, tl.trans(d_d), input_precision=PRECISION)
+        store_tile(dv, d_v, t0, r, valid, h, H, V, vv)
+        if PER_CHANNEL:  # HP = 1: d_k is this head's
+            d_k += load_tile(dk_in, t0, r, valid, h, H, K, kk)
+            k_dk = gate_term(d_k, kc, PER_CHANNEL)
+        chunk_gate_grads(d_gate, totals, final_terms, k_dk, t0, r, t, valid, last, ci, n, h, H, K, kk, PER_CHANNEL)
+    store_tile(dk, d_k, t0, r, valid, u, H // HP, K, kk)
 
 
 @triton.jit

@@ -25,6 +25,13 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
   * Gated DeltaNet scan kernels (gated_deltanet/scan.py): 8 warps for the sequential chains' [K, BV] states (at 4
     they spill 1.3-1.8 KB); the chunk-parallel grads kernel takes 4 (254 registers, no spills: 3.1 ms per forward
     + backward at 32K against 4.5 at 8 warps), the readout backward 4, two programs per SM without spills.
+  * Gradients of q and k with G < H (Mamba-2's dk / dv kernel, and its dq kernel on the plain path; a scalar gate):
+    one program loops over ``heads_per_program`` heads of one q/k group and sums their dk / dq in registers, so the
+    per-head gradients ([tokens, H, K], written and summed again in torch: 0.21 ms each at 32K) never reach memory;
+    as many heads per program as keep CHUNK_PROGRAMS programs in flight (about four waves of two programs on an
+    H200's 132 SMs). Measured at 32K on the H200 (per forward + backward): plain Mamba-2 6.61 -> 5.97 ms (dq kernel
+    1.18 -> 1.15, dk / dv 1.80 -> 1.61, no sums in torch); log-linear 10.30 -> 10.13 with the dq kernel per head,
+    whose loop over levels spills when it also carries the heads' sum (255 registers, 272 B; 3.51 ms against 2.76).
   * The decode step (decode.py): the level kernel at 2 warps for a [32, 64] tile (a decay-only transition's row
     block: 10-30% faster than 4 warps, and than 64- or 128-row blocks, at batch 16 and 64K on the H200), 4 for
     whole-column tiles (the delta rule, the plain step); the finish kernel (the readout sum and the log-scales),
@@ -39,6 +46,7 @@ from loglinear.ops.triton.shared.common import interpreting
 
 INTERPRETER = {"num_warps": 1, "num_stages": 1}
 WIDE_STATE_TILE = 128 * 32  # state-tile elements above which a kernel with wide_warps takes them
+CHUNK_PROGRAMS = 1024  # fewest programs a chunk kernel summing a group's heads is cut into (heads_per_program)
 
 
 @dataclass(frozen=True)
@@ -101,3 +109,14 @@ def launch_options(kernel, state_tile: int = 0, per_channel: bool = False) -> di
     if config.wide_warps is not None and state_tile > WIDE_STATE_TILE:
         warps = config.wide_warps
     return {"num_warps": warps, "num_stages": config.num_stages}
+
+
+def heads_per_program(rows: int, heads: int, groups: int, per_head: bool = False) -> int:
+    """How many value heads of one q/k group a program of a group-summing chunk kernel loops over: the largest
+    divisor of heads // groups that leaves rows * heads / it >= CHUNK_PROGRAMS programs (1 if none does, or when
+    ``per_head``: a gradient that must stay per head). rows: the kernel's chunk rows."""
+    group = heads // groups
+    if per_head:
+        return 1
+    fits = [d for d in range(1, group + 1) if group % d == 0 and rows * heads // d >= CHUNK_PROGRAMS]
+    return max(fits, default=1)
