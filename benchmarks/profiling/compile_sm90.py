@@ -138,6 +138,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     base = dict(C=C, LOG_C=C.bit_length() - 1, BK=BK, BV=BV, PRECISION=prec, HAS_INIT=args.has_init, PLAIN=args.plain,
                 PER_CHANNEL=per_channel, S=intra_channel.SUB_CHUNK, KB=min(intra_channel.KEY_BLOCK, BK),
                 FLOOR=LOG_DECAY_FLOOR[torch.float32], HP=1 if per_channel else args.heads_per_program)
+    dq_heads = base["HP"] if args.plain else 1  # the log-linear dq kernel runs per head (backend._dq_grads)
     ints = dict(K=args.K, V=args.V)
     ptrs = dict(g=f32, lam=P, scale="fp32", starts=i32, ends=i32, bos_ptr=i32, eos_ptr=i32, chunk0_ptr=i32)
 
@@ -154,7 +155,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
          dict(scan_const, BKS=fwd_rows), fwd_rows * BV),
         (mamba2_chunk.mamba2_chunk_fwd_kernel, chunk.format("o", "", "", ""), dict(base, BJ=MAX_CHUNK_LEVELS), 0),
         (mamba2_chunk.mamba2_chunk_bwd_dq_kernel, chunk.format("do", "dq_in ", "dq dlam qdq q_dec ", ""),
-         dict(base, BL=32, BJ=MAX_CHUNK_LEVELS), 0),
+         dict(base, BL=32, BJ=MAX_CHUNK_LEVELS, HP=dq_heads), 0),
         (mamba2_chunk.mamba2_level_grad_kernel,
          "q g lam do decays starts ends chunks by_level d_buckets scale H G K V L J",
          dict(base, BJ=MAX_CHUNK_LEVELS), 0),
@@ -260,8 +261,8 @@ def main() -> None:
     ap.add_argument("--V", type=int, default=64)
     ap.add_argument("--has-init", action="store_true", help="mamba2, gla: the build for calls with initial states")
     ap.add_argument("--plain", action="store_true", help="mamba2, gla: the plain path's build (level_scales=None)")
-    ap.add_argument("--heads-per-program", type=int, default=24,
-                    help="mamba2: value heads the dq and dk / dv kernels sum per program (24: paper setting, 32K)")
+    ap.add_argument("--heads-per-program", type=int, default=48,
+                    help="mamba2: heads the dk / dv (plain: and dq) kernel sums per program (48: paper setting, 32K)")
     ap.add_argument("--l2norm", action="store_true", help="gdn: the chunk-local kernels with NORM (use_qk_l2norm)")
     ap.add_argument("--sass", type=Path, default=None, help="write each kernel's SASS listing into this folder")
     args = ap.parse_args()

@@ -15,12 +15,12 @@ Composition (all sequences of a call in one launch per kernel):
      dlambda (complete) and q.dq; a second one each merged level's gradient from its readers; the reverse
      scan (bwd.py) only the transposed cascade, giving every deposit's gradient; a last chunk
      kernel dk and dv (in-chunk + deposit terms) and the gate gradient's chunk parts (q.dq - k.dk per row and
-     chunk totals; _gate_grad sums each row's later rows and chunks). dq / dk per value head in the
-     operand dtype, summed over the group's heads in fp32 here. Memory: the backward drops the buckets after the dq
-     kernel (their only reader there; a second backward recomputes them) and each per-head dq / dk and
-     the deposits' gradients once summed / read: at most one [NC, H, K, V] buffer and one per-head
-     [tokens, H, K] gradient are alive at a time (the peak: dD, per-head dk and dv during the dk / dv
-     kernel; docs/kernels.md);
+     chunk totals; _gate_grad sums each row's later rows and chunks). The dk / dv kernel (and the plain path's dq
+     kernel) sums a q/k group's heads in registers, several heads per program (_group_sums); the log-linear dq kernel
+     and a per-channel gate's kernels write dq / dk per value head in the operand dtype, summed over the group in
+     fp32 here. Memory: the backward drops the buckets after the dq kernel (their only reader there; a second
+     backward recomputes them) and the deposits' gradients once read: at most one [NC, H, K, V] buffer and one
+     [tokens, H, K] gradient are alive at a time (the peak: dD and dv during the dk / dv kernel; docs/kernels.md);
   4. the final state = the last chunk's in-chunk buckets (torch, differentiable) + the scan's chunk levels.
 
 A plain call (level_scales None: plain Mamba-2 / SSD, lambda = 1, a one-level state) runs the same kernels with

@@ -40,9 +40,14 @@ u = end, the final states' factor, so o(q e^d, k e^-d, Gs - d) = o for any per-t
     dGs_u = q_u . dq_u - k_u . dk_u  (+ sum(dS_final * S_final) at the last token),
     dg_u  = sum_{t >= u} dGs_t                                        (g_u enters every Gs_t, t >= u)
 
-with dq, dk the full gradients (in-chunk + chunk levels): the dq kernel stores q.dq, the dk/dv kernel (where
-k.dk is complete) turns each chunk's rows into dGs (the final states' term on the sequence's last row) and
-stores the chunk's total; mamba2_gate_later_kernel sums the totals of each sequence's later chunks (a [chunks, H]
+with dq, dk the full gradients of the value head (in-chunk + chunk levels). With a scalar gate both dot products
+come term by term, without the head's dq or dk: q_t . dq_t = sum_l lambda_t[l] dlambda_t[l] (each term of dQ is
+one of dlambda's, weighted), i.e. the row sums of dA * P * Lambda plus lambda_j times each chunk level's column,
+and k_s . dk_s = the column sums of the same dA * P * Lambda (so the in-chunk terms cancel in the sums as the exact
+ones do) plus the deposit's v_s . dv_s. So the kernels may sum a group's heads of dq / dk as they form them
+(shared.launch.heads_per_program); a per-channel gate's terms q * dq, k * dk need the head's own (one head per
+program). The dq kernel stores q.dq, the dk/dv kernel turns each chunk's rows into dGs (the final states' term on
+the sequence's last row) and stores the chunk's total; mamba2_gate_later_kernel sums the totals of each sequence's later chunks (a [chunks, H]
 suffix sum instead of a [tokens, H] one) and mamba2_gate_grad_kernel adds them to the sums over each chunk's later
 rows.
 
