@@ -53,6 +53,19 @@ def test_kernels_match_reference(B, T, G, H, K, V, chunk):
     _compare(gla_inputs(B, T, G, H, K, V), chunk_size=chunk)
 
 
+@pytest.mark.parametrize("plain", [False, True])
+def test_gradients_stay_per_head_where_the_launch_rule_would_sum_them(plain, monkeypatch):
+    """With every launch asking for whole groups per program (CHUNK_PROGRAMS 1), a per-channel gate's dq / dk still
+    come per head: its gate terms q * dq, k * dk need each head's own."""
+    from loglinear.ops.triton.shared import launch
+
+    monkeypatch.setattr(launch, "CHUNK_PROGRAMS", 1)
+    x = gla_inputs(1, 40, 1, 4, 16, 8)
+    if plain:
+        x.pop("level_scales")
+    _compare(x, state=_state([16], 4, 16, 8, 1 if plain else 7))
+
+
 def test_key_blocks(monkeypatch):
     """K wider than the in-chunk kernels' key block (16 here): their programs take the key channels in blocks."""
     monkeypatch.setattr(backend, "KEY_BLOCK", 16)

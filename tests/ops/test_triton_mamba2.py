@@ -134,6 +134,20 @@ def test_group_heads_summed_in_the_kernels(G, H, heads, plain, monkeypatch, no_t
         _compare(x, cu_seqlens=cu, state=_random_state(2, [48, 21], H, 16, 8))
 
 
+@pytest.mark.parametrize("plain", [False, True])
+def test_group_heads_by_the_launch_rule(plain, monkeypatch, no_torch_path):
+    """The backend's own choice with every launch asking for whole groups (CHUNK_PROGRAMS 1): the dk / dv kernel (and
+    the plain dq kernel) sum a group of 3 heads per program, the log-linear dq kernel stays per head."""
+    from loglinear.ops.triton.shared import launch
+
+    monkeypatch.setattr(launch, "CHUNK_PROGRAMS", 1)
+    x = mamba2_args(make_inputs(2, 45, 2, 6, 16, 8))
+    if plain:
+        _compare_plain(x)
+    else:
+        _compare(x, state=_random_state(2, [32, 32], 6, 16, 8))
+
+
 def test_heads_per_program_keeps_the_programs_in_flight():
     from loglinear.ops.triton.shared import launch
 
