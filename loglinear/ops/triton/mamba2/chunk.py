@@ -47,9 +47,9 @@ and k_s . dk_s = the column sums of the same dA * P * Lambda (so the in-chunk te
 ones do) plus the deposit's v_s . dv_s. So the kernels may sum a group's heads of dq / dk as they form them
 (shared.launch.heads_per_program); a per-channel gate's terms q * dq, k * dk need the head's own (one head per
 program). The dq kernel stores q.dq, the dk/dv kernel turns each chunk's rows into dGs (the final states' term on
-the sequence's last row) and stores the chunk's total; mamba2_gate_later_kernel sums the totals of each sequence's later chunks (a [chunks, H]
-suffix sum instead of a [tokens, H] one) and mamba2_gate_grad_kernel adds them to the sums over each chunk's later
-rows.
+the sequence's last row) and stores the chunk's total; mamba2_gate_later_kernel sums the totals of each sequence's
+later chunks (a [chunks, H] suffix sum instead of a [tokens, H] one) and mamba2_gate_grad_kernel adds them to the
+sums over each chunk's later rows.
 
 The readout's gradient with respect to the merged levels is also chunk-parallel: the level m merged
 after chunk e (m = ctz(e + 1)) is read, as bucket, by exactly the chunks e+1 .. e+2^m (those of the
@@ -427,6 +427,16 @@ def read_columns(ll, chunk, c0, n, J, held, LOG_C: tl.constexpr, HAS_INIT: tl.co
     return (ll > LOG_C) & level_read(chunk, c0, n, tl.maximum(ll - (LOG_C + 1), 0), J, held, HAS_INIT, False)
 
 
+@triton.jit
+def head_tiles(q, k, v, do, g, t0, r, t, valid, h, H, G, K, V, kk, vv, PER_CHANNEL: tl.constexpr):
+    """What the backward chunk kernels read of value head h: q, k [C, BK] (h's group), v, dO [C, BV] and the gates
+    (G, Gl: gates()). Called inside their loops over heads, the loads depend on h: no tile is held across heads."""
+    grp = h // (H // G)
+    qc, kc = load_tile(q, t0, r, valid, grp, G, K, kk), load_tile(k, t0, r, valid, grp, G, K, kk)
+    Gc, Gl = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
+    return qc, kc, load_tile(v, t0, r, valid, h, H, V, vv), load_tile(do, t0, r, valid, h, H, V, vv), Gc, Gl
+
+
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
 def mamba2_chunk_bwd_dq_kernel(
     q, k, v, g, lam, do, h0, h0_held, buckets, decays, scores, dq_in, starts, ends, seqs, chunks, chunk0, scale,
@@ -458,13 +468,9 @@ def mamba2_chunk_bwd_dq_kernel(
     d_q = tl.zeros([C, BK], dtype=tl.float32)
     for e in tl.range(HP, disable_licm=True):  # no tile of the loop body lives across heads
         h = u * HP + e
-        grp = h // (H // G)  # (computed from h in the loop: its tiles are not held across heads)
-        qc, kc = load_tile(q, t0, r, valid, grp, G, K, kk), load_tile(k, t0, r, valid, grp, G, K, kk)
-        doc = load_tile(do, t0, r, valid, h, H, V, vv)
-        Gc, _ = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
-        p, weights, d_ap, d_q = intra_block(qc, kc, load_tile(v, t0, r, valid, h, H, V, vv), doc, d_q, scores, lam,
-                                           t0, r, t, valid, h, H, L, Gc, scale, C, LOG_C, PRECISION, PLAIN,
-                                           PER_CHANNEL, True, False)
+        qc, kc, vc, doc, Gc, _ = head_tiles(q, k, v, do, g, t0, r, t, valid, h, H, G, K, V, kk, vv, PER_CHANNEL)
+        p, weights, d_ap, d_q = intra_block(qc, kc, vc, doc, d_q, scores, lam, t0, r, t, valid, h, H, L, Gc, scale,
+                                            C, LOG_C, PRECISION, PLAIN, PER_CHANNEL, True, False)
         q_dq = tl.sum(d_ap * weights, 1)  # a scalar gate's in-chunk q . dQ
         if not PLAIN:  # in-chunk columns and zeros; the columns of the live chunk levels are the loop's (one writer)
             skip = read_columns(ll, chunk, c0, n, J, h0_held, LOG_C, HAS_INIT)
@@ -491,8 +497,8 @@ def mamba2_chunk_bwd_dq_kernel(
             # rather than held through the loops)
             d_q = d_q * scale * tl.exp(gates(g, t, valid, h, H, K, kk, PER_CHANNEL)[0])
             d_q += load_tile(dq_in, t0, r, valid, h, H, K, kk)
-            store_tile(qdq, gate_term(d_q, load_tile(q, t0, r, valid, grp, G, K, kk), PER_CHANNEL), t0, r, valid,
-                       h, H, K, kk)
+            qc = load_tile(q, t0, r, valid, h // (H // G), G, K, kk)
+            store_tile(qdq, gate_term(d_q, qc, PER_CHANNEL), t0, r, valid, h, H, K, kk)
         else:
             tl.store(qdq + t * H + h, q_dq, mask=valid)
     store_tile(dq, d_q, t0, r, valid, u, H // HP, K, kk)
@@ -529,11 +535,7 @@ def mamba2_chunk_bwd_dkv_kernel(
     d_k = tl.zeros([C, BK], dtype=tl.float32)
     for e in tl.range(HP, disable_licm=True):  # no tile of the loop body lives across heads
         h = u * HP + e
-        grp = h // (H // G)  # (computed from h in the loop: its tiles are not held across heads)
-        qc, kc = load_tile(q, t0, r, valid, grp, G, K, kk), load_tile(k, t0, r, valid, grp, G, K, kk)
-        vc = load_tile(v, t0, r, valid, h, H, V, vv)
-        doc = load_tile(do, t0, r, valid, h, H, V, vv)
-        Gc, Gl = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
+        qc, kc, vc, doc, Gc, Gl = head_tiles(q, k, v, do, g, t0, r, t, valid, h, H, G, K, V, kk, vv, PER_CHANNEL)
         p, weights, d_ap, d_k = intra_block(qc, kc, vc, doc, d_k, scores, lam, t0, r, t, valid, h, H, L, Gc, scale,
                                             C, LOG_C, PRECISION, PLAIN, PER_CHANNEL, False, True)
         k_dk = tl.sum(d_ap * weights, 0)  # a scalar gate's in-chunk k . dK: the dq kernel's q . dQ terms by column
