@@ -151,7 +151,7 @@ def test_group_heads_by_the_launch_rule(plain, monkeypatch, no_torch_path):
 def test_heads_per_program_keeps_the_programs_in_flight():
     from loglinear.ops.triton.shared import launch
 
-    assert launch.heads_per_program(1024, 48, 1) == 48  # 128K at B = 2: a whole group per program
+    assert launch.heads_per_program(1024, 48, 1) == 48  # 32K at B = 2: a whole group per program
     assert launch.heads_per_program(1024, 48, 1, per_head=True) == 1
     assert launch.heads_per_program(128, 48, 1) == 6  # 1024 programs of 6 heads
     assert launch.heads_per_program(16, 48, 1) == 1  # too few chunks: one head each

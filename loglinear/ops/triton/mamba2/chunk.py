@@ -350,12 +350,13 @@ def mamba2_deposit_kernel(
 def intra_block(qc, kc, vc, doc, acc, scores, lam, t0, r, t, valid, h, H, L, Gc, scale,
                 C: tl.constexpr, LOG_C: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr,
                 PER_CHANNEL: tl.constexpr, DQ: tl.constexpr, DK: tl.constexpr):
-    """The in-chunk block, [C, C] fp32 each: the raw scores P (Q K^T * Gamma), Lambda, and with DQ or DK
-    (the backward; doc = dO) dA = scale * dO V^T and acc [C, BK] fp32 plus the in-chunk dQ = (dA * Gamma * Lambda) K
-    or dK = (dA * Gamma * Lambda)^T Q (accumulated in the product: a kernel summing heads holds no second
-    [C, BK] tile). Without DQ / DK, dA is 0 and acc comes back as it is. Recomputed in each kernel instead of passed
-    (two C x C x K/V GEMMs), so each fits 4 warps (at K = 128, V = 64 in bf16 the dk / dv kernel spills 16 B with a
-    scalar gate; shared/launch.py has the per-channel numbers).
+    """The in-chunk block: the raw scores P (Q K^T * Gamma), Lambda and, with DQ or DK (the backward; doc = dO;
+    dA = scale * dO V^T), dA * P (dlambda's in-chunk summand), [C, C] fp32 each; and acc [C, BK] fp32 plus the
+    in-chunk dQ = (dA * Gamma * Lambda) K or dK = (dA * Gamma * Lambda)^T Q (accumulated in the product: a kernel
+    summing heads holds no second [C, BK] tile). Without DQ / DK, dA * P is 0 and acc comes back as it is.
+    Recomputed in each kernel instead of passed (two C x C x K/V GEMMs), so each fits 4 warps (at K = 128, V = 64 in
+    bf16 with a scalar gate the dk / dv kernel spills 200 B summing 48 heads per program; shared/launch.py has the
+    per-channel numbers).
     PER_CHANNEL: P is read from scores [tokens, H, C] (intra_channel.channel_scores_kernel's), dA is formed with DQ
     only (for dlambda's in-chunk columns) and acc comes back as it is (the intra_channel kernels give the in-chunk
     dQ / dK, which the caller reads)."""

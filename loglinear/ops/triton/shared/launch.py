@@ -5,9 +5,9 @@ CPU tensors). On the GPU the table's values were tuned on an H200 (sm_90, triton
 benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_local.py):
 
   * Mamba-2 chunk kernels (mamba2/chunk.py): at bf16, K = 128, V = 64 every one fits 4 warps (the dq and dk / dv
-    kernels at 255 registers, two programs per SM, spilling 8 / 16 B); those with a loop over levels
-    or readers pipeline its loads (num_stages > 1: the next bucket / reader chunk is in flight during the current
-    one's GEMM).
+    kernels at 255 registers, two programs per SM, spilling 16 / 200 B, the latter summing 48 heads); those with a
+    loop over levels or readers pipeline its loads (num_stages > 1: the next bucket / reader chunk is in flight
+    during the current one's GEMM).
   * Mamba-2 scans (mamba2/fwd.py, mamba2/bwd.py): one program per (sequence, head, block of state rows);
     4 warps up to a [128, 32] fp32 state tile, 8 above (``wide_warps``). The gate gradient's sums over later
     chunks (mamba2_gate_later_kernel, one program per (sequence, head)): 4 warps, not tuned (0.07 ms at 32K).
