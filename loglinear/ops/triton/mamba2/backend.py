@@ -415,7 +415,7 @@ def _dq_grads(q, k, v, gate, lam, d_o, ranges, buckets, scores, saved: _Saved, p
     dK for the dk / dv kernel (per channel; else gate) and the level gradient's queries: per channel
     Q * exp(G) [tokens, H, K] (q's dtype, per value head), else q."""
     (tokens, H), K, L, table = v.shape[:2], q.shape[-1], lam.shape[-1], saved.table
-    # per head with a per-channel gate (its gate term), and over the levels (shared.launch: measured slower summed)
+    # per head with a per-channel gate (its gate term), and with levels (shared.launch: measured slower summed)
     HP, dq = _group_sums(table.starts.numel(), q, v, per_head=plan.per_channel or not plan.plain)
     dlam = alloc(tuple(lam.shape), lam.dtype, q.device) if not plan.plain else gate  # never written when plain
     qdq = alloc(_gate_shape(plan, tokens, H, K), torch.float32, q.device)

@@ -31,7 +31,7 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
     as many heads per program as keep CHUNK_PROGRAMS programs in flight (about four waves of two programs on an
     H200's 132 SMs). Measured at 32K on the H200 (per forward + backward): plain Mamba-2 6.61 -> 5.97 ms (dq kernel
     1.18 -> 1.15, dk / dv 1.80 -> 1.61, no sums in torch); log-linear 10.30 -> 10.13 with the dq kernel per head,
-    whose loop over levels spills when it also carries the heads' sum (255 registers, 272 B; 3.51 ms against 2.76).
+    which spills when it also carries the heads' sum (255 registers, 272 B against 16; 3.51 ms against 2.76).
   * The decode step (decode.py): the level kernel at 2 warps for a [32, 64] tile (a decay-only transition's row
     block: 10-30% faster than 4 warps, and than 64- or 128-row blocks, at batch 16 and 64K on the H200), 4 for
     whole-column tiles (the delta rule, the plain step); the finish kernel (the readout sum and the log-scales),
