@@ -41,8 +41,8 @@ class OpInputs:
     initial_state: FenwickState | None
     cu_seqlens: torch.Tensor | None
     bounds: list[int] | None  # cu_seqlens on the host
-    # where a backend that takes the log-decay gates raw reports whether they are finite (a bool scalar on their
-    # device; loglinear.ops.finite.FiniteCheck.report), or None: nobody asks
+    # where a backend that takes the log-decay gates raw reports the peak of a per-channel one (its largest entry,
+    # a scalar on its device; loglinear.ops.finite.FiniteCheck.report), or None: nobody asks
     report_finite: Callable[[torch.Tensor], None] | None = None
 
     @property

@@ -80,7 +80,7 @@ def attention(
     def run(call: OpInputs) -> tuple[torch.Tensor, FenwickState | None]:
         return backend_run(call, output_final_state, chunk_size, use_qk_l2norm)
 
-    finite = finite_check(inp, log_decays=not raw_gates)
+    finite = finite_check(inp, raw_log_decays=raw_gates)
     o, state = run(replace(inp, report_finite=finite.report if finite is not None else None))
     if finite is None or finite():
         return o, state

@@ -7,9 +7,9 @@ A backend runs a validated call (loglinear.inputs.OpInputs) of one variant:
     plain: bool                     run takes plain calls (inputs.level_scales None) itself; otherwise the op
                                     runs them as lambda = 1 over the Fenwick levels (loglinear.ops.api)
     takes_raw_log_decays: bool      run takes the log-decay gates as the caller gave them: it floors them where it
-                                    reads them and checks them for NaN and +inf, reporting the verdict to
-                                    inputs.report_finite when set; otherwise the op floors them in torch first
-                                    and its finite check reads them (loglinear.ops.finite)
+                                    reads them, and checks a per-channel one for NaN and +inf, reporting its peak
+                                    to inputs.report_finite when set (the op's finite check reads the others);
+                                    otherwise the op floors them in torch first (loglinear.ops.finite)
     decode(variant, q, k, v, gates, level_scales, levels, positions, scale, *, fenwick, l2norm_qk, out, log_scales)
                                     its one-token step (loglinear.ops.decode), or None: the torch step
 

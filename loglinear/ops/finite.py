@@ -8,13 +8,14 @@ garbage. The public op (loglinear.ops.api.attention) therefore
   1. floors every log-decay gate (Gate.log_decay) at LOG_DECAY_FLOOR of its compute dtype, where exp underflows
      to exactly 0: g = -inf is a hard reset and very negative gates give the exact result. floor_log_decays does
      it in torch before the backend runs, unless the backend takes the gates raw and floors them itself where it
-     reads them (Backend.takes_raw_log_decays: the Triton GLA kernels), with the same values and gradient (_Floor);
+     reads them (Backend.takes_raw_log_decays: the Triton Mamba-2 and GLA kernels), with the same values and
+     gradient (_Floor);
   2. checks that the inputs are finite (FiniteCheck): one read of them, queued before the op's kernels (a
-     log-decay gate may hold -inf: it is checked unfloored, by its maximum), except the log-decay gates of a
-     backend that takes them raw, which checks them where it reads them and reports its verdict; on CUDA the
-     answer comes back through an event recorded behind the last read, so the host waits for the work queued
-     before it, not for the op. Skipped while a CUDA graph is captured or torch.compile traces the op (the mixers'
-     custom op runs it eagerly, so they are covered);
+     log-decay gate may hold -inf: it is checked unfloored, by its maximum), except a per-channel log-decay gate
+     of a backend that takes it raw, which checks it where it reads it and reports its peak; on CUDA the answer
+     comes back through an event recorded behind the last read, so the host waits for the work queued before it,
+     not for the op. Skipped while a CUDA graph is captured or torch.compile traces the op (the mixers' custom op
+     runs it eagerly, so they are covered);
   3. only if they are not, runs the call again with every non-finite token zeroed, and puts its effect back as NaN:
         a token whose k, v or gate (per variant: the inputs that change the state) has a NaN or an infinity
           -> every output of that head from the token on (to the end of its sequence) and the head's final
@@ -27,6 +28,7 @@ their gradients (zeroed inputs and NaN outputs pass no gradient).
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Callable
 
@@ -36,7 +38,7 @@ from loglinear.inputs import OpInputs, expand_groups
 from loglinear.state import FenwickState
 
 __all__ = ["LOG_DECAY_FLOOR", "FiniteCheck", "floor_log_decay", "floor_log_decays", "finite_check", "contained",
-           "log_decays_finite"]
+           "log_decay_peak"]
 
 # exp(floor) is exactly 0 in the dtype the op computes in (float64 for float64 inputs, else float32)
 LOG_DECAY_FLOOR = {torch.float64: -750.0, torch.float32: -110.0}
@@ -81,68 +83,71 @@ def floor_log_decays(inp: OpInputs) -> OpInputs:
 class FiniteCheck:
     """Whether every input of one op call is finite, read once (finite_check starts it); calling it answers.
 
-    The read of q, k, v, level_scales and the non-log-decay gates is queued when the check starts. The log-decay
-    gates (checked for NaN and +inf only: -inf is a hard reset) are read then too, unless a backend that takes them
-    raw (Backend.takes_raw_log_decays) checks them where it reads them: it passes its verdict to ``report``
-    (OpInputs.report_finite), and if none came, the answer reads them itself. On CUDA the verdict reaches the host
-    through an event recorded behind the last read, so the answer waits for that read and the work queued before
-    it, not for the op's kernels queued after it."""
+    The check queues one peak per input when it starts: max |x| of q, k, v, level_scales and the gates that are not
+    log-decays, and max g of a log-decay gate (NaN or +inf fail; -inf, a hard reset, passes). A backend that takes
+    the log-decay gates raw (Backend.takes_raw_log_decays) checks the per-channel ones where it reads them and passes
+    their peak to ``report`` (OpInputs.report_finite); if none came, the answer reads them itself. The peaks reach
+    the host in one copy; on CUDA behind an event recorded after the last of them, so the answer waits for that read
+    and the work queued before it, not for the op's kernels queued after it."""
 
-    def __init__(self, inp: OpInputs, log_decays: bool) -> None:
-        self._log_decays = [inp.gates[gate.name] for gate in inp.variant.gates if gate.log_decay]
+    def __init__(self, inp: OpInputs, raw_log_decays: bool) -> None:
+        decays = [gate for gate in inp.variant.gates if gate.log_decay]
+        reported = {gate.name for gate in decays if raw_log_decays and gate.per_channel}
+        self._reported = [inp.gates[name] for name in reported]
+        read = [inp.gates[gate.name] for gate in decays if gate.name not in reported]
         others = [inp.gates[gate.name] for gate in inp.variant.gates if not gate.log_decay]
         tensors = [x for x in (inp.q, inp.k, inp.v, inp.level_scales, *others) if x is not None]
         wide = torch.float64 if any(x.dtype == torch.float64 for x in tensors) else torch.float32
-        read_now = log_decays or not self._log_decays
         peaks = [*torch._foreach_norm(tensors, float("inf"), dtype=wide),  # max |x|: NaN or inf if any entry is
-                 *(torch._foreach_max(self._log_decays) if read_now and self._log_decays else ())]  # max g: the same
-        self._verdict = (torch.stack(peaks) < torch.inf).all()  # NaN compares False; max g = -inf passes
+                 *(torch._foreach_max(read) if read else ())]  # max g: the same, and -inf when every g is
+        self._peaks = torch.stack(peaks)
         self._answer: Callable[[], bool] | None = None
-        if read_now:
+        if not self._reported:
             self._post()
 
-    def report(self, finite: torch.Tensor) -> None:
-        """Add the verdict on the log-decay gates: a bool scalar on the inputs' device, True when they hold no NaN
-        and no +inf (queued behind the read it comes from)."""
-        self._verdict = self._verdict & finite
+    def report(self, peak: torch.Tensor) -> None:
+        """Add the peak of the per-channel log-decay gates: a scalar on the inputs' device, their largest entry
+        (NaN if any is NaN; queued behind the read it comes from)."""
+        self._peaks = torch.cat([self._peaks, peak.reshape(1).to(self._peaks.dtype)])
         self._post()
 
     def __call__(self) -> bool:
-        if self._answer is None:  # no verdict on the log-decay gates came: read them here
-            self.report(log_decays_finite(self._log_decays))
+        if self._answer is None:  # no peak of the reported gates came: read them here
+            self.report(log_decay_peak(self._reported))
         return self._answer()
 
     def _post(self) -> None:
-        """Send the verdict so far to the host (on CUDA behind an event, without waiting)."""
-        verdict = self._verdict
-        if not verdict.is_cuda:
-            self._answer = lambda: bool(verdict)
-            return
-        answer = torch.empty((), dtype=torch.bool, pin_memory=True)
-        answer.copy_(verdict, non_blocking=True)
-        arrived = torch.cuda.Event()
-        arrived.record()
+        """Send the peaks so far to the host (on CUDA behind an event, without waiting)."""
+        peaks = self._peaks
+        if peaks.is_cuda:
+            host = torch.empty(peaks.shape, dtype=peaks.dtype, pin_memory=True)
+            host.copy_(peaks, non_blocking=True)
+            arrived = torch.cuda.Event()
+            arrived.record()
+        else:
+            host, arrived = peaks, None
 
-        def wait() -> bool:
-            arrived.synchronize()
-            return bool(answer)
+        def answer() -> bool:
+            if arrived is not None:
+                arrived.synchronize()
+            return all(x < math.inf for x in host.tolist())  # NaN compares False
 
-        self._answer = wait
-
-
-def log_decays_finite(xs: list[torch.Tensor]) -> torch.Tensor:
-    """True (a bool scalar on their device) when no entry of the log-decay tensors xs (non-empty) is NaN or +inf:
-    their max (-inf, a hard reset, passes)."""
-    return (torch.stack(torch._foreach_max(xs)) < torch.inf).all()
+        self._answer = answer
 
 
-def finite_check(inp: OpInputs, log_decays: bool = True) -> FiniteCheck | None:
-    """Start checking that every input of the call is finite (FiniteCheck; log_decays False: the backend checks the
-    log-decay gates and reports to the check's ``report``); calling the check answers. None while a CUDA graph is
-    captured or torch.compile traces: no check there (no host sync)."""
+def log_decay_peak(xs: list[torch.Tensor]) -> torch.Tensor:
+    """The largest entry of the log-decay tensors xs (non-empty), a scalar on their device: NaN if one is NaN, +inf
+    if one is +inf, -inf (a hard reset everywhere, which passes) if all are."""
+    return torch.stack(torch._foreach_max(xs)).amax()
+
+
+def finite_check(inp: OpInputs, raw_log_decays: bool = False) -> FiniteCheck | None:
+    """Start checking that every input of the call is finite (FiniteCheck; raw_log_decays: the backend takes the
+    log-decay gates raw and reports the peak of the per-channel ones to the check's ``report``); calling the check
+    answers. None while a CUDA graph is captured or torch.compile traces: no check there (no host sync)."""
     if torch.compiler.is_compiling() or (inp.q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
-    return FiniteCheck(inp, log_decays)
+    return FiniteCheck(inp, raw_log_decays)
 
 
 def _bad_rows(x: torch.Tensor) -> torch.Tensor:

@@ -178,19 +178,27 @@ def test_finite_check_reads_log_decays_unfloored(variant):
         assert not finite("beta", (0, 5, 1), -torch.inf)
 
 
-def test_a_check_left_without_the_backends_verdict_reads_the_gates_itself():
-    """finite_check(log_decays=False) leaves the log-decay gates to the backend's report: a reported verdict is
-    taken as given, and without one the answer reads the gates itself."""
+def test_a_check_left_without_the_backends_peak_reads_the_gates_itself():
+    """finite_check(raw_log_decays=True) leaves a per-channel log-decay gate to the backend's report: a reported
+    peak is taken as given, and without one the answer reads the gate itself. A scalar log-decay gate is read by
+    the check either way."""
     x = _gla_inputs()
     x["g"][1, 5, 0, 3] = torch.nan
     inp = check_inputs(GLA, x["q"], x["k"], x["v"], {"g": x["g"]}, x["level_scales"], None, None, None)
-    assert not finite_check(inp, log_decays=False)()
-    check = finite_check(inp, log_decays=False)
-    check.report(torch.ones((), dtype=torch.bool, device=DEVICE))
+    assert not finite_check(inp, raw_log_decays=True)()
+    check = finite_check(inp, raw_log_decays=True)
+    check.report(torch.zeros((), device=DEVICE))
     assert check()
-    check = finite_check(inp, log_decays=True)
-    check.report(torch.ones((), dtype=torch.bool, device=DEVICE))
+    check = finite_check(inp, raw_log_decays=True)
+    check.report(torch.tensor(torch.inf, device=DEVICE))
     assert not check()
+    check = finite_check(inp, raw_log_decays=False)
+    check.report(torch.zeros((), device=DEVICE))
+    assert not check()
+    y = _inputs(MAMBA2)
+    y["g"][0, 7, 1] = torch.nan
+    assert not finite_check(check_inputs(MAMBA2, y["q"], y["k"], y["v"], {"g": y["g"]}, y["level_scales"], None,
+                                         None, None), raw_log_decays=True)()
 
 
 @pytest.mark.interpreter
@@ -203,7 +211,8 @@ def test_the_gla_kernels_check_the_gate_they_read(monkeypatch, value, where):
     else; the clean call reports finite."""
     verdicts = []
     report = FiniteCheck.report
-    monkeypatch.setattr(FiniteCheck, "report", lambda check, ok: (verdicts.append(bool(ok)), report(check, ok))[1])
+    monkeypatch.setattr(FiniteCheck, "report",
+                        lambda check, peak: (verdicts.append(bool(peak < torch.inf)), report(check, peak))[1])
     x, state, t_bad = {n: t.float() for n, t in _gla_inputs().items()}, None, T_BAD
     if where == "prefix":  # the state at position 3: tokens 0..4 of the call are the torch prefix
         _, state = _call(GLA, {n: t[:, :3] for n, t in x.items()}, "triton")

@@ -18,7 +18,8 @@ if triton is not None:
     from loglinear.ops.triton.gated_deltanet import backend as gated_deltanet
     from loglinear.ops.triton.mamba2 import backend as mamba2
 
-    register_backend("mamba2", "triton", Backend(mamba2.backend, mamba2.supports, decode_backend, plain=True))
+    register_backend("mamba2", "triton", Backend(mamba2.backend, mamba2.supports, decode_backend, plain=True,
+                                                 takes_raw_log_decays=True))
     register_backend("gated_deltanet", "triton",
                      Backend(gated_deltanet.backend, gated_deltanet.supports, decode_backend, plain=True))
     register_backend("gla", "triton", Backend(mamba2.backend, mamba2.supports, decode_backend, plain=True,

@@ -31,12 +31,13 @@ GLA (a log-decay per key channel, g [B, T, H, K]) is the same algorithm with the
 backend serves every variant whose one gate is a log-decay, scalar (Mamba-2) or per channel (GLA), and reads which
 from the variant (``Gate.per_channel``); the torch prefixes run the variant's own chunk form.
 
-The log-decay gate: a scalar one [B, T, H] (Mamba-2) arrives floored and checked by the op (loglinear.ops.finite);
-GLA registers this backend with Backend.takes_raw_log_decays, so its per-channel gate, the largest input of a call,
-arrives as the caller gave it and is floored and checked where it is read, with no pass over it added: the kernels
-read it only through G, the cumsum of max(g, FLOOR) (_read_gate), whose last row per chunk tells whether the chunk's
-g is finite (_gate_finite), and the gate gradient is 0 where g <= FLOOR (_gate_grad); the torch path's rows (the
-prefixes, the final state's last chunk) floor their few tokens in torch (floor_log_decay).
+The log-decay gate arrives as the caller gave it (the backend is registered with Backend.takes_raw_log_decays) and
+is floored where it is read, with no pass over it added: a scalar one [B, T, H] (Mamba-2) by the kernels' loads of
+g (shared/intra.chunk_gates), checked by the op (loglinear.ops.finite); a per-channel one (GLA), the largest input
+of a call, only through G, the cumsum of max(g, FLOOR) (_read_gate), whose last row per chunk tells whether the
+chunk's g is finite (_gate_peak, reported to the op's check). The gate gradient is 0 where g <= FLOOR (_gate_grad);
+the torch path's rows (the prefixes, the final state's last chunk) floor their few tokens in torch
+(floor_log_decay).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ import triton
 
 from loglinear.fenwick import carry_into, chunk_bits, ctz, last_query_masks, levels_needed, trailing_zeros
 from loglinear.inputs import OpInputs, expand_groups
-from loglinear.ops.finite import LOG_DECAY_FLOOR, floor_log_decay, log_decays_finite
+from loglinear.ops.finite import floor_log_decay, log_decay_peak
 from loglinear.ops.torch_chunk import chunk_levels_past, chunk_scan
 from loglinear.ops.triton.mamba2.bwd import mamba2_bwd_scan_kernel
 from loglinear.ops.triton.mamba2.chunk import (
@@ -72,7 +73,6 @@ from loglinear.tables import cached_table, device_table, table_cache
 __all__ = ["supports", "backend", "LevelScanPlan"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FLOOR = LOG_DECAY_FLOOR[torch.float32]  # every kernel computes in fp32
 FP32_DOT = "ieee"  # fp32 products exact (shared.rules.dot_precision)
 MAX_CHUNK = 64  # the kernels' chunk cap (shared.rules.kernel_chunk_size): tiles fit sm_90's shared memory
 SCAN_ROWS = 16  # K rows per program of a scan whose state tile may be split
@@ -196,8 +196,8 @@ def _gate_grad(d_gate: torch.Tensor, totals: torch.Tensor, g: torch.Tensor, gate
     of its sequence, from the dk / dv kernel's chunk parts: d_gate (fp32) holds dGs on every kernel row, totals
     [NC, H(, K)] fp32 each chunk's sum. mamba2_gate_grad_kernel gives every row the sum over its chunk's rows from
     it on plus the totals of its sequence's later chunks (mamba2_gate_later_kernel, summed per sequence in fp64);
-    per channel 0 where the gate g (the call's, unfloored) is <= FLOOR, which is read only in the chunks whose G
-    (gate, _read_gate) reaches the floor. Rows no kernel chunk covers (the torch prefixes) are 0."""
+    0 where the gate g (the call's, unfloored) is <= FLOOR (per channel g is read only in the chunks whose G, gate
+    from _read_gate, reaches the floor). Rows no kernel chunk covers (the torch prefixes) are 0."""
     NC, H = totals.shape[:2]
     dg = alloc(tuple(d_gate.shape), g.dtype, d_gate.device)
     if NC:
@@ -207,7 +207,7 @@ def _gate_grad(d_gate: torch.Tensor, totals: torch.Tensor, g: torch.Tensor, gate
                                          BK=next_pow2(K), **launch_options(mamba2_gate_later_kernel))
         mamba2_gate_grad_kernel[(NC * H,)](d_gate, later, g, gate, dg, table.starts, table.ends, H=H, K=K,
                                          C=plan.chunk_size, BK=next_pow2(K), PER_CHANNEL=plan.per_channel,
-                                         FLOOR=FLOOR, **launch_options(mamba2_gate_grad_kernel))
+                                         **launch_options(mamba2_gate_grad_kernel))
     _zero_prefixes(plan, dg)
     return dg
 
@@ -330,32 +330,32 @@ def _forward(q, k, v, gate, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> 
 
 
 def _read_gate(g, plan: LevelScanPlan, report: Callable[[torch.Tensor], None] | None) -> torch.Tensor:
-    """What every kernel reads of the gate: g [tokens, H] itself for a scalar gate (floored and checked by the op);
-    per channel G [tokens, H, K] fp32, the chunk-local cumsum of max(g, FLOOR) (intra_channel.channel_cumsum_kernel),
-    formed once per call (kept for the backward) and read by the scans, the chunk kernels, the in-chunk kernels and
-    the gate gradient, and the verdict on g to ``report`` (OpInputs.report_finite) when set (_gate_finite)."""
+    """What every kernel reads of the gate: the raw g [tokens, H] itself for a scalar gate (the kernels floor it,
+    the op checks it); per channel G [tokens, H, K] fp32, the chunk-local cumsum of max(g, FLOOR)
+    (intra_channel.channel_cumsum_kernel), formed once per call (kept for the backward) and read by the scans, the
+    chunk kernels, the in-chunk kernels and the gate gradient, and g's peak to ``report`` (OpInputs.report_finite)
+    when set (_gate_peak)."""
     if not plan.per_channel:
         return g
     (tokens, H, K), table = g.shape, plan.chunk_table(g.device)
     cum = alloc((tokens, H, K), torch.float32, g.device)
     channel_cumsum_kernel[(table.starts.numel(), H)](g, cum, table.starts, table.ends, H=H, K=K, C=plan.chunk_size,
-                                                     BK=next_pow2(K), FLOOR=FLOOR,
-                                                     **launch_options(channel_cumsum_kernel))
+                                                     BK=next_pow2(K), **launch_options(channel_cumsum_kernel))
     if report is not None:
-        report(_gate_finite(g, cum, table, plan))
+        report(_gate_peak(g, cum, table, plan))
     return cum
 
 
-def _gate_finite(g, cum, table: ChunkTable, plan: LevelScanPlan) -> torch.Tensor:
-    """True (a bool scalar on g's device) when the per-channel gate g [tokens, H, K] holds no NaN and no +inf,
-    read from G (cum) at the last token of each kernel chunk, which is NaN or +inf whenever a g of the chunk is (a
-    sum of max(g, FLOOR), NaN kept, no term -inf), and from the torch prefixes' rows of g itself: [NC, H, K] and a
-    few rows per stateful sequence instead of all of g. (A sum that overflows to +inf fails too: the op then reads
-    the inputs again and finds them finite.)"""
+def _gate_peak(g, cum, table: ChunkTable, plan: LevelScanPlan) -> torch.Tensor:
+    """A scalar on g's device that is NaN or +inf when the per-channel gate g [tokens, H, K] holds a NaN or a +inf:
+    the largest entry of G (cum) at the last token of each kernel chunk, which is NaN or +inf whenever a g of the
+    chunk is (a sum of max(g, FLOOR), NaN kept, no term -inf), and of the torch prefixes' rows of g itself:
+    [NC, H, K] and a few rows per stateful sequence instead of all of g. (A sum that overflows to +inf fails too:
+    the op then reads the inputs again and finds them finite.)"""
     rows = [x for x in [cum.index_select(0, table.last), *(g[a:b] for a, b in plan.prefixes)] if x.numel()]
     if not rows:
-        return torch.ones((), dtype=torch.bool, device=g.device)
-    return log_decays_finite(rows)
+        return torch.zeros((), dtype=torch.float32, device=g.device)
+    return log_decay_peak(rows)
 
 
 def _key_blocks(K: int) -> tuple[int, int]:
@@ -501,8 +501,8 @@ def _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, d_gate, final
 class LevelScanMamba2(torch.autograd.Function):
     """(q, k, v, g, gate, lam, h0) -> (o, chunk-level final states) on the kernels.
 
-    q, k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] (floored) or [tokens, H, K] per channel (unfloored:
-    the kernels floor it); gate: what the kernels read of g (_read_gate; no gradient); lam: [tokens, H, L] (plain:
+    q, k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] or [tokens, H, K] per channel, unfloored (the kernels
+    floor it); gate: what the kernels read of g (_read_gate; no gradient); lam: [tokens, H, L] (plain:
     not read, no gradient);
     h0: [N, J, H, K, V] fp32 chunk-level initial states (plain: J = 1, the state). Returns o: [tokens, H, V]
     (rows outside the plan's ranges unwritten) and the final chunk levels [N, J, H, K, V] fp32."""
@@ -594,8 +594,8 @@ def _pad_levels(x: torch.Tensor, n: int, dim: int = 0) -> torch.Tensor:
 class _Flat:
     """The call on one flat token axis: sequence n covers tokens [bounds[n], bounds[n+1]) from positions[n].
 
-    q, k: [tokens, G, K]; v: [tokens, H, V] (kernel dtype); g: [tokens, H] floored, or [tokens, H, K] per channel
-    as the call gives it (unfloored); lam: [tokens, H, L] (a plain call: g in its place, never read)."""
+    q, k: [tokens, G, K]; v: [tokens, H, V] (kernel dtype); g: [tokens, H], or [tokens, H, K] per channel, as the
+    call gives it (unfloored); lam: [tokens, H, L] (a plain call: g in its place, never read)."""
 
     q: torch.Tensor
     k: torch.Tensor

@@ -97,7 +97,7 @@ import triton.language as tl
 
 from loglinear.ops.triton.shared.common import heads_fastest
 from loglinear.ops.triton.shared.intra import (
-    chunk_gates, intra_levels, intra_output, intra_score_grads, intra_scores, level_weights, store_level_sums,
+    FLOOR, chunk_gates, intra_levels, intra_output, intra_score_grads, intra_scores, level_weights, store_level_sums,
 )
 from loglinear.ops.triton.shared.intra_channel import channel_gates
 from loglinear.ops.triton.shared.levels import (
@@ -277,17 +277,16 @@ def chunk_gate_grads(d_gate, totals, final_terms, k_dk, t0, r, t, valid, last, p
 def mamba2_gate_grad_kernel(
     d_gate, later, g, cum, dg, starts, ends,
     H, K,
-    C: tl.constexpr, BK: tl.constexpr, PER_CHANNEL: tl.constexpr, FLOOR: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """The gate's gradient on the rows of every kernel chunk p: dg_u = sum_{rows t >= u of p} x_t + later[p], with
     x = d_gate [tokens, H] ([tokens, H, K] with PER_CHANNEL) fp32, dGs per row (chunk_gate_grads), and later
-    [NC, H(, K)] fp32 the sums over the later chunks of p's sequence; dg: d_gate's shape, in its own dtype. With
-    PER_CHANNEL the kernels ran on max(g, FLOOR) (intra_channel.channel_cumsum_kernel) and g [tokens, H, K] is the
-    raw gate: dg_u is 0 where g_u <= FLOOR (the floor's gradient). g is read only in a chunk whose total
-    Gl = sum of max(g, FLOOR) (cum [tokens, H, K] fp32: G, its last row) is <= FLOOR on some channel, as it is
-    whenever a g of the chunk is (every term is <= 0, and rounding keeps the fp32 partial sums monotone): a gate
-    that stays above the floor costs no read of g. A scalar gate came floored: g and cum are not read.
-    Grid (NC * H,) (heads_fastest)."""
+    [NC, H(, K)] fp32 the sums over the later chunks of p's sequence; dg: d_gate's shape, in its own dtype. The
+    kernels ran on max(g, FLOOR) with g the raw gate: dg_u is 0 where g_u <= FLOOR (the floor's gradient). A scalar
+    g [tokens, H] is read on every row; a per-channel g [tokens, H, K] only in a chunk whose total Gl = sum of
+    max(g, FLOOR) (cum [tokens, H, K] fp32: G, its last row) is <= FLOOR on some channel, as it is whenever a g of
+    the chunk is (every term is <= 0, and rounding keeps the fp32 partial sums monotone): a gate that stays above
+    the floor costs no read of it (cum is not read for a scalar gate). Grid (NC * H,) (heads_fastest)."""
     ci, h = heads_fastest(H)
     t0, r, t, valid = chunk_rows(ci, starts, ends, C)
     kk = tl.arange(0, BK)
@@ -299,6 +298,7 @@ def mamba2_gate_grad_kernel(
             x = tl.where(load_tile(g, t0, r, valid, h, H, K, kk).to(tl.float32) <= FLOOR, 0.0, x)
     else:
         x += tl.load(later + row)
+        x = tl.where(load_gate_rows(g, t0, r, t, valid, h, H, K, kk, False).to(tl.float32) <= FLOOR, 0.0, x)
     store_gate_rows(dg, x, t0, r, t, valid, h, H, K, kk, PER_CHANNEL)
 
 

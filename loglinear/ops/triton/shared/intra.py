@@ -14,8 +14,15 @@ come from intra_channel.py, the rest is shared):
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from loglinear.ops.finite import LOG_DECAY_FLOOR
+
+# the log-decay floor of the kernels, which compute in fp32: g is read as max(g, FLOOR) (NaN stays NaN), whose
+# gradient is 0 where g <= FLOOR (loglinear.ops.finite)
+FLOOR = tl.constexpr(LOG_DECAY_FLOOR[torch.float32])
 
 
 @triton.jit
@@ -48,9 +55,10 @@ def level_weights(lam, t, valid, head, HEADS, L, lev, causal, LOG_C: tl.constexp
 
 @triton.jit
 def chunk_gates(g, t, valid, head, HEADS):
-    """G [C] = chunk-local inclusive cumsum of g[t, head] and Gl = G at the chunk's end (scalar), fp32,
-    from g [tokens, HEADS] (rows past eos read g = 0)."""
-    gc = tl.load(g + t * HEADS + head, mask=valid, other=0.0).to(tl.float32)
+    """G [C] = chunk-local inclusive cumsum of max(g[t, head], FLOOR) and Gl = G at the chunk's end (scalar), fp32,
+    from the raw gate g [tokens, HEADS] (rows past eos read g = 0)."""
+    gc = tl.maximum(tl.load(g + t * HEADS + head, mask=valid, other=0.0).to(tl.float32), FLOOR,
+                    propagate_nan=tl.PropagateNan.ALL)
     return tl.cumsum(gc, 0), tl.sum(gc, 0)
 
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.shared.intra import intra_levels, level_weights
+from loglinear.ops.triton.shared.intra import FLOOR, intra_levels, level_weights
 from loglinear.ops.triton.shared.tiles import load_row, load_tile, store_tile
 
 SUB_CHUNK = 16  # rows per sub-chunk: the smallest tl.dot tile
@@ -112,7 +112,7 @@ def sub_chunk_span(cum, t0, end, i, h, H, K, kk, S: tl.constexpr, DT: tl.constex
 
 
 @triton.jit(do_not_specialize=["H"])
-def channel_cumsum_kernel(g, cum, starts, ends, H, K, C: tl.constexpr, BK: tl.constexpr, FLOOR: tl.constexpr):
+def channel_cumsum_kernel(g, cum, starts, ends, H, K, C: tl.constexpr, BK: tl.constexpr):
     """cum = G, the chunk-local inclusive cumsum of max(g, FLOOR) (NaN stays NaN) per channel of g [tokens, H, K],
     fp32 [tokens, H, K] (rows of every kernel chunk). Grid (NC, H)."""
     h = tl.program_id(1)
