@@ -21,6 +21,7 @@ if triton is not None:
     register_backend("mamba2", "triton", Backend(mamba2.backend, mamba2.supports, decode_backend, plain=True,
                                                  takes_raw_log_decays=True))
     register_backend("gated_deltanet", "triton",
-                     Backend(gated_deltanet.backend, gated_deltanet.supports, decode_backend, plain=True))
+                     Backend(gated_deltanet.backend, gated_deltanet.supports, decode_backend, plain=True,
+                             takes_raw_log_decays=True))
     register_backend("gla", "triton", Backend(mamba2.backend, mamba2.supports, decode_backend, plain=True,
                                               takes_raw_log_decays=True))

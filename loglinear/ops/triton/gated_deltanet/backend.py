@@ -17,7 +17,9 @@ Gradients flow through every stage (the kernels have Triton backwards; the glue 
 q, k, v, g, beta, level_scales and the initial state all get them. A call whose rows all start at one
 position (no varlen) runs on the op's tensors as they are (_run_one_segment: no fp32 copies, no q/k
 expansion; with use_qk_l2norm the chunk-local kernels normalise q/k rows themselves); varlen and rows at
-different positions go through run_segments (one launch set per segment; q/k l2norm'd there in torch).
+different positions go through run_segments (one launch set per segment; q/k l2norm'd there in torch). The
+log-decay g arrives raw (the backend is registered with Backend.takes_raw_log_decays): the kernels floor it where
+they load it (local.py), the final state's torch form floors its last chunk (floor_log_decay).
 
 A plain call (level_scales None: plain Gated DeltaNet, lambda = 1, a one-level state) runs the same kernels on a
 one-level schedule (_plain_core): chunks from each row's first token (a plain state continues at any position),
@@ -34,6 +36,7 @@ import torch
 
 from loglinear.fenwick import carry_target, chunk_bits, ctz, incoming_levels, levels_needed
 from loglinear.inputs import OpInputs, expand_groups, l2norm, run_segments
+from loglinear.ops.finite import floor_log_decay
 from loglinear.ops.torch_chunk import (
     carry_past, chunk_levels_past, chunked, final_levels, level_scales_at, pad_time,
 )
@@ -181,8 +184,8 @@ def _final_state(
     call is one chunk (else None); carried: an incoming state was given (its levels keep their width)."""
     b, H, C, K, V = ch.b, ch.H, ch.C, hN.shape[-2], hN.shape[-1]
     c, c0, end = chunk_bits(C), position // C, position + ch.T
-    last = GatedDeltaNetForm(_last_chunk(q, ch, qk_l2norm), _last_chunk(k, ch, qk_l2norm),
-                             *(_last_chunk(x, ch) for x in (v, g, beta)))
+    last = GatedDeltaNetForm(_last_chunk(q, ch, qk_l2norm), _last_chunk(k, ch, qk_l2norm), _last_chunk(v, ch),
+                             floor_log_decay(_last_chunk(g, ch)), _last_chunk(beta, ch))
     H_levels = list(hN.view(b, H, J, K, V).unbind(2))
     final = final_levels(last, H_levels, partial, position, end, c0 + ch.N - 1, 1, C, c)
     n_final = max(levels_needed(end), c + 1 + J if carried else 0)  # the incoming levels, widened

@@ -1,6 +1,7 @@
 """Chunk-local algebra of log-linear Gated DeltaNet (the WY/UT form, spec section 5), per chunk of C tokens.
 
-Inside a chunk (G = local cumsum of g, Gamma[t, s] = exp(G_t - G_s) for s <= t, e = exp(G)):
+Inside a chunk (G = local cumsum of g, Gamma[t, s] = exp(G_t - G_s) for s <= t, e = exp(G); the kernels take the
+op's raw log-decay g and read it as max(g, FLOOR), giving dg = 0 where g <= FLOOR, loglinear.ops.finite):
 
     A     = strict_lower(beta_t Gamma[t, s] (k_t . k_s))
     T_g   = (I + A)^-1                                   unit lower triangular
@@ -52,7 +53,9 @@ from loglinear.fenwick import chunk_bits, intra_chunk_levels
 from loglinear.inputs import L2NORM_EPS, l2norm_backward
 from loglinear.ops.triton.gated_deltanet.chunking import FP32_DOT, Chunking, FillChunks, chunk_tokens
 from loglinear.ops.triton.shared.common import alloc, group_sum, next_pow2
-from loglinear.ops.triton.shared.intra import decay_matrix, intra_levels, level_weights, store_level_sums
+from loglinear.ops.triton.shared.intra import (
+    FLOOR, chunk_gates, decay_matrix, intra_levels, level_weights, store_level_sums,
+)
 from loglinear.ops.triton.shared.launch import launch_options
 from loglinear.ops.triton.shared.rules import dot_dtype, dot_precision
 from loglinear.ops.triton.shared.tiles import load_tile, store_tile
@@ -166,11 +169,12 @@ def _gram(x, rx, k, rk, t0, valid, grp, NG, K, C: tl.constexpr, BK: tl.constexpr
 
 @triton.jit
 def _chunk_gates(g, beta, tok, valid, h, H, C: tl.constexpr):
-    """beta [C], G [C] (local cumsum of g), Gamma [C, C] and the causal mask [C, C], fp32."""
+    """beta [C], G [C] (local cumsum of max(g, FLOOR), shared/intra.chunk_gates), Gamma [C, C] and the causal mask
+    [C, C], fp32."""
     rc = tl.arange(0, C)
     causal = rc[:, None] >= rc[None, :]
     b_c = tl.load(beta + tok * H + h, mask=valid, other=0.0).to(tl.float32)
-    G = tl.cumsum(tl.load(g + tok * H + h, mask=valid, other=0.0).to(tl.float32), axis=0)
+    G = chunk_gates(g, tok, valid, h, H)[0]
     return b_c, G, decay_matrix(G, causal), causal
 
 
@@ -320,7 +324,7 @@ def _chunk_local_bwd_cc_kernel(
         store_tile(dbk, dbk_b, row0, rc, rc < C, 0, 1, K, kc)
         X += tl.dot(dbk_b, tl.trans(w_b), input_precision=PREC)
     # QK = QKraw * Gamma, A = strict(beta_t Gamma KK): Gamma's factors of dQK and dA (part 2 adds beta_t, KK)
-    G = tl.cumsum(tl.load(g + tok * H + h, mask=valid, other=0.0).to(tl.float32), axis=0)
+    G = chunk_gates(g, tok, valid, h, H)[0]
     gamma = decay_matrix(G, causal)
     dGg = tl.where(causal, dQK * qk.to(tl.float32), 0.0)
     tl.store(dGp + row0 + rc, tl.sum(dGg, axis=1) - tl.sum(dGg, axis=0))
@@ -340,7 +344,8 @@ def _chunk_local_bwd_k_kernel(
     """Backward, part 2, chunk n of head bh: the key-sized gradients and the terms of dG and dbeta with q and
     k, from part 1's scratch (dQK * Gamma, dA * Gamma), dGp, dbp and dbk.  Upstream: dqt, dkt: [BH, Tp, K]
     (operand dtype), ddecay: [BH, N].  Outputs (valid tokens only, any float dtype): dq, dk: [b, T, H, K] (per
-    value head; w.r.t. the row-normalised q_n, k_n when NORM), dg: [b, T, H] (reverse cumsum of dG), dbeta:
+    value head; w.r.t. the row-normalised q_n, k_n when NORM), dg: [b, T, H] (reverse cumsum of dG, 0 where
+    g <= FLOOR), dbeta:
     [b, T, H].  With dKK = beta_t dA * Gamma (A = strict(beta_t Gamma KK), KK = K K^T):
 
         dQ = e dqt + (dQK * Gamma) K;   dK = (dQK * Gamma)^T Q + dKK K + dKK^T K + beta e dbk + f dkt
@@ -354,8 +359,7 @@ def _chunk_local_bwd_k_kernel(
     src = scratch + (bh * N + n) * 2 * C * C
     dQKr = tl.load(_cc_tile(src, 0, rc, C))
     dAG = tl.load(_cc_tile(src, 1, rc, C)).to(tl.float32)
-    G = tl.cumsum(tl.load(g + tok * H + h, mask=valid, other=0.0).to(tl.float32), axis=0)
-    G_last = tl.sum(tl.where(rc == C - 1, G, 0.0), axis=0)
+    G, G_last = chunk_gates(g, tok, valid, h, H)
     e = tl.exp(G)
     f = tl.exp(G_last - G)
     b_c = tl.load(beta + tok * H + h, mask=valid, other=0.0).to(tl.float32)
@@ -401,7 +405,9 @@ def _chunk_local_bwd_k_kernel(
     # K~ = f k, decay = exp(G_last); G = cumsum(g)
     dG_last = tl.sum(skt, axis=0) + tl.load(ddecay + bh * N + n).to(tl.float32) * tl.exp(G_last)
     dG = tl.load(dGp + row0 + rc) + e * de + b_c * rho - kappa * r_k - skt + tl.where(rc == C - 1, dG_last, 0.0)
-    tl.store(dg + tok * H + h, tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG, mask=valid)
+    dg_c = tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG  # the reverse cumsum of dG; 0 where g was floored
+    floored = tl.load(g + tok * H + h, mask=valid, other=0.0).to(tl.float32) <= FLOOR
+    tl.store(dg + tok * H + h, tl.where(floored, 0.0, dg_c), mask=valid)
 
 
 def _meta(ch: Chunking, K: int, V: int, G: int, L: int, dt: torch.dtype, norm: bool) -> dict:
