@@ -7,7 +7,8 @@
 #                                             #   torch path (bf16, fp32), every variant; `checks mamba2` (~7 min),
 #                                             #   `checks gdn`, `checks gla`: one variant's section
 #   bash benchmarks/run_gpu.sh bench-mamba2   # ~6 min: ops-mamba2-<gpu>.* and the profile at 32K
-#   bash benchmarks/run_gpu.sh bench-gdn      # ~8 min: ops-gdn-<gpu>.*, then profile-gdn-<gpu>.md
+#   bash benchmarks/run_gpu.sh bench-gdn      # ~9 min: ops-gdn-<gpu>.*, then profile-gdn-<gpu>.md and
+#                                             #   profile-gdn-plain-<gpu>.md (beside fla's kernels)
 #   bash benchmarks/run_gpu.sh bench-gla      # ~7 min: ops-gla-<gpu>.* (16K-128K, against fla's chunk_gla), the profile at 32K
 #   bash benchmarks/run_gpu.sh state          # ~3 min: ops-{mamba2,gdn}-state-<gpu>.* and profile-state-<gpu>.md
 #                                             #   (calls with an incoming state, and where their cost goes)
@@ -115,6 +116,7 @@ case $PART in
     step 420 bench-gdn python benchmarks/bench_ops.py --variant gdn --impls loglinear loglinear_plain fla_gdn \
       sdpa_flash --T $TS --sdpa-max-T 32768 --out "$R" "${EXTRA[@]}"
     step 150 profile-gdn python benchmarks/profiling/profile_gdn.py --T 32768 131072 --ab --one-stream-ab --out "$R"
+    step 150 profile-gdn-plain python benchmarks/profiling/profile_gdn.py --plain --fla --T 32768 --out "$R"
     ;;
   bench-gla)  # fla's chunk_gla compiles and autotunes for minutes on a fresh machine
     step 480 bench-gla python benchmarks/bench_ops.py --variant gla --impls loglinear loglinear_plain fla_gla \

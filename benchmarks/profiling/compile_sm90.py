@@ -219,10 +219,11 @@ def gdn_scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: s
     return out
 
 
-def gdn_local_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, norm: bool) -> list[str]:
-    """The four chunk-local kernels (q and k in the operand dtype; norm: their rows normalised in the kernels)."""
+def gdn_local_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, norm: bool, plain: bool) -> list[str]:
+    """The four chunk-local kernels (q and k in the operand dtype; norm: their rows normalised in the kernels;
+    plain: the plain path's build, no lambda)."""
     f32 = "*fp32"
-    meta = local._meta(Chunking(b=2, T=8192, H=48, front=0, C=C), K, V, 1, 18, dtype, norm)
+    meta = local._meta(Chunking(b=2, T=8192, H=48, front=0, C=C), K, V, 1, None if plain else 18, dtype, norm)
     runtime = dict(T="i32", front="i32", Tp="i32", N="i32", H="i32", NG="i32", L="i32", eps="fp32", n0="i32",
                    NS="i32")
     pointers = [
@@ -250,7 +251,8 @@ def gdn_reports(args: argparse.Namespace) -> list[str]:
     P, prec = "*" + args.dtype, dot_precision(dtype, chunking.FP32_DOT)
     print(f"triton {triton.__version__}, gated_deltanet, {args.dtype}, K={K}, V={V}, C={C}, precision {prec}"
           + ", q/k l2norm in the kernels" * args.l2norm)
-    return gdn_scan_reports(K, V, C, dtype, P, prec) + gdn_local_reports(K, V, C, dtype, P, args.l2norm)
+    local_reports = gdn_local_reports(K, V, C, dtype, P, args.l2norm, args.plain)
+    return gdn_scan_reports(K, V, C, dtype, P, prec) + local_reports
 
 
 def main() -> None:
@@ -260,7 +262,7 @@ def main() -> None:
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--V", type=int, default=64)
     ap.add_argument("--has-init", action="store_true", help="mamba2, gla: the build for calls with initial states")
-    ap.add_argument("--plain", action="store_true", help="mamba2, gla: the plain path's build (level_scales=None)")
+    ap.add_argument("--plain", action="store_true", help="the plain path's build (level_scales=None; gdn: its chunk-local kernels)")
     ap.add_argument("--heads-per-program", type=int, default=48,
                     help="mamba2: heads the dk / dv (plain: and dq) kernel sums per program (48: paper setting, 32K)")
     ap.add_argument("--l2norm", action="store_true", help="gdn: the chunk-local kernels with NORM (use_qk_l2norm)")

@@ -11,6 +11,8 @@ run beside them on a second stream, so the kernel times add up to more than the 
 the scan grads without Z), so the square forms and the plain ones are compared in one run.
 --one-stream-ab: each T again with the chains and their readers on one stream, one after another.
 --plain: plain Gated DeltaNet (level_scales=None, the one-level schedule); writes profile-gdn-plain-<gpu>.md.
+--fla: each T also fla's linear chunk_gated_delta_rule (the op benchmark's baseline, its Hopper guard lifted as
+bench_ops lifts it for timing), kernel by kernel, in the same file.
 """
 
 from __future__ import annotations
@@ -27,29 +29,36 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: loglinear
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_ops
 
-from bench_ops import PAPER, gdn_inputs  # noqa: E402
+from bench_ops import PAPER, build_gdn, gdn_inputs, lift_fla_guard  # noqa: E402
 from loglinear import log_linear_gated_deltanet  # noqa: E402
 from loglinear.ops.triton.gated_deltanet import scan as gated_deltanet_scan  # noqa: E402
 from loglinear.ops.triton.shared.streams import ChainStreams  # noqa: E402
 
 
-def kernel_times(T: int, plain: bool = False, steps: int = 2) -> tuple[list[tuple[float, int, str]], float, list]:
-    """One forward+backward at the paper setting (bf16, use_qk_l2norm; plain: level_scales=None), after a warm-up
-    step: [(ms per step, calls per step, kernel name)], largest first, the wall ms per step (unprofiled), and the
-    gradients of q, k, v, g, beta and level_scales (not plain)."""
+def kernel_times(T: int, plain: bool = False, steps: int = 2, fla: bool = False
+                 ) -> tuple[list[tuple[float, int, str]], float, list]:
+    """One forward+backward at the paper setting (bf16, use_qk_l2norm; plain: level_scales=None; fla: fla's
+    chunk_gated_delta_rule), after a warm-up step: [(ms per step, calls per step, kernel name)], largest first, the
+    wall ms per step (unprofiled), and the gradients of the leaves (ours: q, k, v, g, beta and level_scales unless
+    plain)."""
     p = PAPER
     x = gdn_inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], torch.bfloat16)
-    if plain:
-        x["level_scales"] = None
-    leaves = [x[n].requires_grad_() if x[n] is not None else None
-              for n in ("q", "k", "v", "g", "beta", "level_scales")]
     gen = torch.Generator(device="cuda").manual_seed(2)  # the same upstream gradient on every call
     grad = torch.randn(p["B"], T, p["H"], p["V"], device="cuda", dtype=torch.bfloat16, generator=gen)
+    if fla:
+        fn, leaves = build_gdn("fla_gdn", x, p["H"], p["G"])
+    else:
+        names = ("q", "k", "v", "g", "beta") + (() if plain else ("level_scales",))
+        leaves = [x[n] for n in names]
+        lam = None if plain else leaves[-1]
+        fn = lambda: log_linear_gated_deltanet(*leaves[:5], lam, use_qk_l2norm=True)[0]  # noqa: E731
+    for t in leaves:
+        t.requires_grad_()
 
     def step():
-        for t in leaves[:5] if plain else leaves:
+        for t in leaves:
             t.grad = None
-        log_linear_gated_deltanet(*leaves, use_qk_l2norm=True)[0].backward(grad)
+        fn().backward(grad)
 
     step()
     torch.cuda.synchronize()
@@ -67,11 +76,11 @@ def kernel_times(T: int, plain: bool = False, steps: int = 2) -> tuple[list[tupl
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if t > 0:
             rows.append((t / 1000 / steps, e.count // steps, e.key))
-    return sorted(rows, reverse=True), wall, [t.grad for t in leaves if t is not None]
+    return sorted(rows, reverse=True), wall, [t.grad for t in leaves]
 
 
-def profile_step(T: int, top: int, label: str = "", plain: bool = False) -> list[str]:
-    rows, wall, _ = kernel_times(T, plain)
+def profile_step(T: int, top: int, label: str = "", plain: bool = False, fla: bool = False) -> list[str]:
+    rows, wall, _ = kernel_times(T, plain, fla=fla)
     total = sum(r[0] for r in rows)
     lines = [f"## T = {T}{label}: {wall:.2f} ms per forward+backward, {total:.2f} ms of kernel time", "",
              "| ms | % | calls | kernel |", "|---|---|---|---|"]
@@ -87,6 +96,7 @@ def main() -> None:
     ap.add_argument("--ab", action="store_true", help="each T also with the square forms off")
     ap.add_argument("--one-stream-ab", action="store_true", help="each T also with the chains' readers after them")
     ap.add_argument("--plain", action="store_true", help="plain Gated DeltaNet (level_scales=None)")
+    ap.add_argument("--fla", action="store_true", help="each T also fla's linear chunk_gated_delta_rule")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
@@ -106,6 +116,11 @@ def main() -> None:
                 lines += profile_step(T, args.top, label, args.plain)
             except Exception as e:  # keep what was measured
                 lines += [f"## T = {T}{label}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", ""]
+            print("\n".join(lines[-25:]), flush=True)
+            torch.cuda.empty_cache()
+        if args.fla:
+            lift_fla_guard()
+            lines += profile_step(T, args.top, ", fla's linear chunk_gated_delta_rule", fla=True)
             print("\n".join(lines[-25:]), flush=True)
             torch.cuda.empty_cache()
     gated_deltanet_scan.square_fits, gated_deltanet_scan.ChainStreams = fits, ChainStreams

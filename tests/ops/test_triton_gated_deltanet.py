@@ -245,22 +245,27 @@ def _chunk_view(x, ch, H):
     return chunked(expand_groups(pad_time(x, ch.front, ch.Tp - ch.front - ch.T), H), ch.C)
 
 
-@pytest.mark.parametrize("K, V, dtype, rtol, norm", [
-    (20, 12, torch.float32, RTOL, False),
-    (72, 80, torch.float32, RTOL, False),  # two K and two V blocks of 64
-    (72, 80, torch.float16, 5e-3, False),  # 16-bit operands: the inverse's Gram from one 128-column K block
-    (20, 12, torch.float32, RTOL, True),  # q/k rows normalised in the kernels
-    (72, 80, torch.float32, RTOL, True),  # ... over two K blocks
-    (72, 80, torch.float16, 5e-3, True),  # ... the inverse's Gram from one 128-column K block
+@pytest.mark.parametrize("K, V, dtype, rtol, norm, plain", [
+    (20, 12, torch.float32, RTOL, False, False),
+    (72, 80, torch.float32, RTOL, False, False),  # two K and two V blocks of 64
+    (72, 80, torch.float16, 5e-3, False, False),  # 16-bit operands: the inverse's Gram from one 128-column K block
+    (20, 12, torch.float32, RTOL, True, False),  # q/k rows normalised in the kernels
+    (72, 80, torch.float32, RTOL, True, False),  # ... over two K blocks
+    (72, 80, torch.float16, 5e-3, True, False),  # ... the inverse's Gram from one 128-column K block
+    (20, 12, torch.float32, RTOL, False, True),  # plain: lam None, the torch form with lambda = 1
+    (72, 80, torch.float16, 5e-3, True, True),
 ])
-def test_chunk_local_kernels_match_torch_form(K, V, dtype, rtol, norm):
+def test_chunk_local_kernels_match_torch_form(K, V, dtype, rtol, norm, plain):
     """The chunk-local forward and backward kernels, reading the op's layouts (front padding, a partial last
     chunk, two value heads per q/k group), against autograd through the float64 torch form; norm: q/k rows
-    spread over six decades and normalised in the kernels (the reference applies l2norm)."""
+    spread over six decades and normalised in the kernels (the reference applies l2norm); plain: the kernels get
+    no lambda (None) and the torch form lambda = 1."""
     b, T, G, H, L = 2, 37, 1, 2, 7
     ch = Chunking(b, T, H, front=5, C=16)  # 3 chunks: 5 padding tokens in front, 6 behind
     xs = [torch.randn(b, T, G, K), torch.randn(b, T, G, K) / K**0.5, torch.randn(b, T, H, V),
           -0.05 - 0.4 * torch.rand(b, T, H), 0.05 + 0.9 * torch.rand(b, T, H), 0.2 + torch.rand(b, T, H, L)]
+    if plain:
+        xs[5] = torch.ones(b, T, H, L)
     if norm:
         xs[0], xs[1] = _spread_rows(xs[0]), _spread_rows(xs[1])
     x64 = [x.double().requires_grad_() for x in xs]
@@ -268,13 +273,14 @@ def test_chunk_local_kernels_match_torch_form(K, V, dtype, rtol, norm):
     qk64 = [l2norm(x) if norm else x for x in x64[:2]]
     want = chunk_local_torch(*[_chunk_view(x, ch, H) for x in qk64 + x64[2:5]], _chunk_view(x64[5], ch, H)[..., :5])
     want = [w.reshape(b * H, -1, *w.shape[4:]) if w.dim() == 5 else w.reshape(b * H, ch.N) for w in want]
-    got, fill = chunk_local_segments(*x32, ch, dtype, norm)
+    got, fill = chunk_local_segments(*x32[:5], None if plain else x32[5], ch, dtype, norm)
     fill(0, ch.N)
     for name, a, e in zip(["o", "qt", "wt", "kt", "u", "decay"], got, want):
         assert_close(a.double(), e, rtol, name)
     cot = [torch.randn_like(w) for w in want]
-    g64 = torch.autograd.grad(sum((w * c).sum() for w, c in zip(want, cot)), x64)
-    g32 = torch.autograd.grad(sum((w * c.to(w.dtype)).sum() for w, c in zip(got, cot)), x32)
+    n = 5 if plain else 6
+    g64 = torch.autograd.grad(sum((w * c).sum() for w, c in zip(want, cot)), x64[:n])
+    g32 = torch.autograd.grad(sum((w * c.to(w.dtype)).sum() for w, c in zip(got, cot)), x32[:n])
     for name, a, e in zip(["q", "k", "v", "g", "beta", "lam"], g32, g64):
         assert_close(a.double(), e, rtol, f"d{name}")
 

@@ -23,9 +23,9 @@ they load it (local.py), the final state's torch form floors its last chunk (flo
 
 A plain call (level_scales None: plain Gated DeltaNet, lambda = 1, a one-level state) runs the same kernels on a
 one-level schedule (_plain_core): chunks from each row's first token (a plain state continues at any position),
-lambda = 1 in the chunks, one chunk level that every chunk, the last one too, cascades into, seeded with the
-incoming state; the scan's final state is the plain state. The kernels are the log-linear ones: the schedule is
-data.
+lambda = 1 in the chunks (the chunk-local kernels' PLAIN switch: no lambda read, no dlambda written), one chunk
+level that every chunk, the last one too, cascades into, seeded with the incoming state; the scan's final state is
+the plain state. The scan is the log-linear one: the schedule is data.
 """
 
 from __future__ import annotations
@@ -166,8 +166,7 @@ def _plain_core(
     C = kernel_chunk_size(chunk_size, chunk_cap(dtype, K))
     ch = Chunking(b, T, H, 0, C)
     one = torch.ones((), dtype=torch.float32, device=q.device)
-    (o_intra, qt, wt, kt, u, decay), produce = chunk_local_segments(
-        q, k, v, g, beta, one.expand(b, T, H, chunk_bits(C) + 1), ch, dtype, qk_l2norm)
+    (o_intra, qt, wt, kt, u, decay), produce = chunk_local_segments(q, k, v, g, beta, None, ch, dtype, qk_l2norm)
     h0 = None if levels is None else levels.transpose(1, 2).reshape(b * H, 1, K, V)
     o, hN = fenwick_delta_scan(qt, wt, kt, u, decay, one.expand(b * H, ch.Tp, 1), h0, o_intra, _plain_targets(ch.N),
                                ch, scale, dtype, final, produce=produce)

@@ -179,9 +179,12 @@ def _chunk_gates(g, beta, tok, valid, h, H, C: tl.constexpr):
 
 
 @triton.jit
-def _chunk_levels(lam, tok, valid, h, H, L, causal, C: tl.constexpr, LOG_C: tl.constexpr):
-    """Lambda [C, C] fp32 (causal) of levels 0..c from lam [tokens, H, L]."""
+def _chunk_levels(lam, tok, valid, h, H, L, causal, C: tl.constexpr, LOG_C: tl.constexpr, PLAIN: tl.constexpr):
+    """Lambda [C, C] fp32 (causal) of levels 0..c from lam [tokens, H, L]; 1 when PLAIN (lambda = 1, lam not read:
+    every product it scales is causal already)."""
     r = tl.arange(0, C)
+    if PLAIN:
+        return tl.full([C, C], 1.0, tl.float32)
     return level_weights(lam, tok, valid, h, H, L, intra_levels(r, r, LOG_C), causal, LOG_C, False)
 
 
@@ -210,7 +213,7 @@ def _chunk_local_kernel(
     q, k, v, g, beta, lam, tg, o, qt, wt, kt, u, qkg, decay,
     T, front, Tp, N, H, NG, L, eps, n0, NS,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
-    BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
+    BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr, PLAIN: tl.constexpr,
 ):
     """Chunk n of head bh (grid NS * BH over the chunks n0 .., _chunk_program).  Inputs in the op's layouts (any
     float dtype; module docstring) and T_g (tg: [BH, Tp, C], _chunk_inverse_kernel); outputs o: [BH, Tp, V] fp32,
@@ -224,7 +227,7 @@ def _chunk_local_kernel(
     r_k = _row_norms(k, t0, valid, grp, NG, K, eps, C, BK, NK, NORM)
     qkd = (_gram(q, r_q, k, r_k, t0, valid, grp, NG, K, C, BK, NK, PREC, dt, NORM) * gamma).to(dt)
     store_tile(qkg, qkd, row0, rc, rc < C, 0, 1, C, rc)
-    lam_c = _chunk_levels(lam, tok, valid, h, H, L, causal, C, LOG_C)
+    lam_c = _chunk_levels(lam, tok, valid, h, H, L, causal, C, LOG_C, PLAIN)
     Tgd = load_tile(tg, row0, rc, rc < C, 0, 1, C, rc)
     G_last = tl.sum(tl.where(rc == C - 1, G, 0.0), axis=0)
     e = tl.exp(G)
@@ -266,7 +269,7 @@ def _chunk_local_bwd_cc_kernel(
     dv, dlam, scratch, dGp, dbp, dbk,
     T, front, Tp, N, H, L,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
-    BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr,
+    BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr, PLAIN: tl.constexpr,
 ):
     """Backward, part 1, chunk n of head bh: everything of [C, C] size from the forward's T_g, QK, W~ and u
     (tg, qkg, wt, u; no q or k: with NORM they carry the row factors already), dV and dLambda.  Upstream:
@@ -292,7 +295,7 @@ def _chunk_local_bwd_cc_kernel(
     Tg = load_tile(tg, row0, rc, rc < C, 0, 1, C, rc)
     qk = load_tile(qkg, row0, rc, rc < C, 0, 1, C, rc)
     M = tl.dot(qk, Tg, input_precision=PREC)
-    P = (M * b_c[None, :] * _chunk_levels(lam, tok, valid, h, H, L, causal, C, LOG_C)).to(dt)
+    P = (M * b_c[None, :] * _chunk_levels(lam, tok, valid, h, H, L, causal, C, LOG_C, PLAIN)).to(dt)
     # values: dP, dV and dbv u^T of dA, from u = T bv
     dP = tl.zeros([C, C], dtype=tl.float32)
     X = tl.zeros([C, C], dtype=tl.float32)  # -dA
@@ -307,8 +310,9 @@ def _chunk_local_bwd_cc_kernel(
         db += tl.sum(dbv * v_b.to(tl.float32), axis=1)
         store_tile(dv, tl.dot(tl.trans(P), do_b, input_precision=PREC) + b_c[:, None] * dbv, t0, rc, valid, h, H, V, vc)
     dPM = tl.where(causal, dP, 0.0) * M
-    store_level_sums(dlam, dPM * b_c[None, :], tok, valid, h, H, L, LOG_C)
-    lam_c = _chunk_levels(lam, tok, valid, h, H, L, causal, C, LOG_C)  # again: not live in the value loop
+    if not PLAIN:
+        store_level_sums(dlam, dPM * b_c[None, :], tok, valid, h, H, L, LOG_C)
+    lam_c = _chunk_levels(lam, tok, valid, h, H, L, causal, C, LOG_C, PLAIN)  # again: not live in the value loop
     db += tl.sum(dPM * lam_c, axis=0)
     dQK = _dot(tl.where(causal, dP, 0.0) * b_c[None, :] * lam_c, tl.trans(Tg), dt, PREC)
     X += _dot(tl.trans(M), dQK, dt, PREC)
@@ -410,13 +414,14 @@ def _chunk_local_bwd_k_kernel(
     tl.store(dg + tok * H + h, tl.where(floored, 0.0, dg_c), mask=valid)
 
 
-def _meta(ch: Chunking, K: int, V: int, G: int, L: int, dt: torch.dtype, norm: bool) -> dict:
+def _meta(ch: Chunking, K: int, V: int, G: int, L: int | None, dt: torch.dtype, norm: bool) -> dict:
     """Runtime sizes and constexprs of the chunk-local kernels: V in blocks of <= 64 columns; K in blocks of
     kernel_meta's choice, at most BK_MAX (64 for fp32 operands: wider fp32 tiles spill KBs); norm: q/k rows
-    normalised in the kernels (NORM, with l2norm's eps)."""
+    normalised in the kernels (NORM, with l2norm's eps); L None: a plain call (PLAIN: lambda = 1, no lambda read,
+    no dlambda written)."""
     BV = min(64, next_pow2(V))
     return dict(
-        T=ch.T, front=ch.front, Tp=ch.Tp, N=ch.N, H=ch.H, NG=G, L=L, eps=L2NORM_EPS,
+        T=ch.T, front=ch.front, Tp=ch.Tp, N=ch.N, H=ch.H, NG=G, L=L or 1, eps=L2NORM_EPS, PLAIN=L is None,
         K=K, V=V, C=ch.C, LOG_C=chunk_bits(ch.C), BV=BV, NV=triton.cdiv(V, BV),
         PREC=dot_precision(dt, FP32_DOT),
         NORM=norm, BK_MAX=64 if dt == torch.float32 else 128,
@@ -451,13 +456,14 @@ class ChunkLocal(torch.autograd.Function):
     two backward kernels (they recompute the other [C, C] blocks from the op's tensors, which the forward
     saves as they are: no copies; q and k in the operand dtype, a cast only where they come in wider: the
     kernels would round them there anyway).  norm: q and k are row-normalised in the kernels (module
-    docstring); the backward applies the norm's gradient to the kernels' group-summed dq_n, dk_n.
+    docstring); the backward applies the norm's gradient to the kernels' group-summed dq_n, dk_n.  lam None: a
+    plain call (lambda = 1; the kernels take g in its place and never read it, and lam gets no gradient).
     The forward allocates the outputs and appends to ``launches`` the function that fills them for the chunks
     i0 .. i1 - 1 of every row (chunk_local_segments): it launches no kernel itself."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, lam, ch: Chunking, dtype: torch.dtype, norm: bool, launches: list[FillChunks]):
-        K, V, G, L = q.shape[-1], v.shape[-1], q.shape[2], lam.shape[-1]
+        K, V, G, L = q.shape[-1], v.shape[-1], q.shape[2], None if lam is None else lam.shape[-1]
         dt, dev, BH, Tp = dot_dtype(dtype), q.device, ch.BH, ch.Tp
         ctx.qk_dtypes = q.dtype, k.dtype
         q, k = q.to(dt), k.to(dt)
@@ -469,8 +475,8 @@ class ChunkLocal(torch.autograd.Function):
 
         def launch(i0: int, i1: int) -> None:
             _launch(_chunk_inverse_kernel, ch, meta, k, g, beta, tg, chunks=(i0, i1))
-            _launch(_chunk_local_kernel, ch, meta, q, k, v, g, beta, lam, tg, o, qt, wt, kt, u, qkg, decay,
-                    chunks=(i0, i1))
+            _launch(_chunk_local_kernel, ch, meta, q, k, v, g, beta, g if lam is None else lam, tg, o, qt, wt, kt, u,
+                    qkg, decay, chunks=(i0, i1))
 
         launches.append(launch)
         ctx.save_for_backward(q, k, v, g, beta, lam, tg, qkg, wt, u)  # wt, u: the scan keeps them anyway
@@ -482,7 +488,7 @@ class ChunkLocal(torch.autograd.Function):
         q, k, v, g, beta, lam, tg, qkg, wt, u = ctx.saved_tensors
         ch, dt = ctx.ch, ctx.dt
         b, T, G, K = q.shape
-        H, V, L, dev = ch.H, v.shape[-1], lam.shape[-1], q.device
+        H, V, L, dev = ch.H, v.shape[-1], None if lam is None else lam.shape[-1], q.device
         like = [((ch.BH, ch.Tp, V), torch.float32), *[((ch.BH, ch.Tp, K), dt)] * 3, ((ch.BH, ch.Tp, V), dt),
                 ((ch.BH, ch.N), torch.float32)]
         up = [torch.zeros(s, dtype=d, device=dev) if x is None else x.contiguous()
@@ -492,22 +498,23 @@ class ChunkLocal(torch.autograd.Function):
         # group in fp32)
         dq, dk = alloc((b, T, H, K), dt, dev), alloc((b, T, H, K), dt, dev)
         dv, dg, dbeta = alloc(v.shape, v.dtype, dev), alloc(g.shape, g.dtype, dev), alloc(beta.shape, beta.dtype, dev)
-        dlam = torch.zeros_like(lam)  # levels > c: the scan's part
+        dlam = None if lam is None else torch.zeros_like(lam)  # levels > c: the scan's part
         scratch = alloc((ch.BH * ch.N, 2, ch.C, ch.C), dt, dev)
         dGp, dbp = alloc((ch.BH, ch.Tp), f32, dev), alloc((ch.BH, ch.Tp), f32, dev)
         dbk = alloc((ch.BH, ch.Tp, K), dt, dev)
         do, dqt, dwt, dkt, du, ddecay = up
         meta = _meta(ch, K, V, G, L, dt, ctx.norm)
-        _launch(_chunk_local_bwd_cc_kernel, ch, meta, v, g, beta, lam, tg, qkg, wt, u, do, dqt, dwt, du, dv, dlam,
-                scratch, dGp, dbp, dbk)
+        plain = lam is None  # the kernel neither reads lam nor writes dlam: g and dv hold their places
+        _launch(_chunk_local_bwd_cc_kernel, ch, meta, v, g, beta, g if plain else lam, tg, qkg, wt, u, do, dqt, dwt,
+                du, dv, dv if plain else dlam, scratch, dGp, dbp, dbk)
         _launch(_chunk_local_bwd_k_kernel, ch, meta, q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbp, dbk, dq, dk,
                 dg, dbeta)
         dq, dk = group_sum(dq, G, 2), group_sum(dk, G, 2)
         if ctx.norm:
             dq, dk = l2norm_backward(q, dq), l2norm_backward(k, dk)
-        grads = [dq, dk, dv, dg, dbeta, dlam]
-        dtypes = (*ctx.qk_dtypes, v.dtype, g.dtype, beta.dtype, lam.dtype)
-        return (*[d.to(x) for d, x in zip(grads, dtypes)], None, None, None, None)
+        dtypes = (*ctx.qk_dtypes, v.dtype, g.dtype, beta.dtype)
+        grads = [d.to(x) for d, x in zip((dq, dk, dv, dg, dbeta), dtypes)]
+        return (*grads, None if lam is None else dlam.to(lam.dtype), None, None, None, None)
 
 
 def chunk_local_segments(
@@ -516,11 +523,12 @@ def chunk_local_segments(
     """The chunk-local stage with gradients (see ChunkLocal), its kernels left to the caller: returns the outputs
     and launch(i0, i1), which fills them for the chunks i0 .. i1 - 1 of every row, on the current stream. The
     outputs are not filled until launch has covered every chunk (fenwick_delta_scan's produce does it, segment by
-    segment beside the chain).  q, k: [b, T, G, K]; v: [b, T, H, V]; g, beta: [b, T, H]; lam: [b, T, H, L] (any
-    float dtypes, contiguous); ch: their chunking; dtype sets the operand dtype (dot_dtype); qk_l2norm: the
+    segment beside the chain).  q, k: [b, T, G, K]; v: [b, T, H, V]; g, beta: [b, T, H]; lam: [b, T, H, L] or None
+    (a plain call: lambda = 1) (any float dtypes, contiguous); ch: their chunking; dtype sets the operand dtype (dot_dtype); qk_l2norm: the
     kernels use l2norm(q), l2norm(k) (gradients w.r.t. q, k). Outputs: o_intra [BH, Tp, V] fp32, qt, wt, kt
     [BH, Tp, K] and u [BH, Tp, V] (operand dtype), decay [BH, N] fp32: chunk_local_torch's outputs of the padded
     chunks, flattened."""
     launches: list[FillChunks] = []
-    out = ChunkLocal.apply(*(x.contiguous() for x in (q, k, v, g, beta, lam)), ch, dtype, qk_l2norm, launches)
+    lam = None if lam is None else lam.contiguous()
+    out = ChunkLocal.apply(*(x.contiguous() for x in (q, k, v, g, beta)), lam, ch, dtype, qk_l2norm, launches)
     return out, launches[0]
