@@ -262,7 +262,8 @@ def main() -> None:
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--V", type=int, default=64)
     ap.add_argument("--has-init", action="store_true", help="mamba2, gla: the build for calls with initial states")
-    ap.add_argument("--plain", action="store_true", help="the plain path's build (level_scales=None; gdn: its chunk-local kernels)")
+    ap.add_argument("--plain", action="store_true",
+                    help="the plain path's build (level_scales=None; gdn: its chunk-local kernels)")
     ap.add_argument("--heads-per-program", type=int, default=48,
                     help="mamba2: heads the dk / dv (plain: and dq) kernel sums per program (48: paper setting, 32K)")
     ap.add_argument("--l2norm", action="store_true", help="gdn: the chunk-local kernels with NORM (use_qk_l2norm)")

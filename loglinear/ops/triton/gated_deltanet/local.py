@@ -523,11 +523,11 @@ def chunk_local_segments(
     """The chunk-local stage with gradients (see ChunkLocal), its kernels left to the caller: returns the outputs
     and launch(i0, i1), which fills them for the chunks i0 .. i1 - 1 of every row, on the current stream. The
     outputs are not filled until launch has covered every chunk (fenwick_delta_scan's produce does it, segment by
-    segment beside the chain).  q, k: [b, T, G, K]; v: [b, T, H, V]; g, beta: [b, T, H]; lam: [b, T, H, L] or None
-    (a plain call: lambda = 1) (any float dtypes, contiguous); ch: their chunking; dtype sets the operand dtype (dot_dtype); qk_l2norm: the
-    kernels use l2norm(q), l2norm(k) (gradients w.r.t. q, k). Outputs: o_intra [BH, Tp, V] fp32, qt, wt, kt
-    [BH, Tp, K] and u [BH, Tp, V] (operand dtype), decay [BH, N] fp32: chunk_local_torch's outputs of the padded
-    chunks, flattened."""
+    segment beside the chain).  q, k: [b, T, G, K]; v: [b, T, H, V]; g, beta: [b, T, H]; lam: [b, T, H, L], or None
+    for a plain call (lambda = 1) (any float dtypes, contiguous); ch: their chunking; dtype sets the operand dtype
+    (dot_dtype); qk_l2norm: the kernels use l2norm(q), l2norm(k) (gradients w.r.t. q, k). Outputs: o_intra
+    [BH, Tp, V] fp32, qt, wt, kt [BH, Tp, K] and u [BH, Tp, V] (operand dtype), decay [BH, N] fp32:
+    chunk_local_torch's outputs of the padded chunks, flattened."""
     launches: list[FillChunks] = []
     lam = None if lam is None else lam.contiguous()
     out = ChunkLocal.apply(*(x.contiguous() for x in (q, k, v, g, beta)), lam, ch, dtype, qk_l2norm, launches)
