@@ -186,8 +186,9 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def gdn_scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: str) -> list[str]:
-    """The five Gated DeltaNet scan kernels (the forward with and without snapshots) at the op's block choices."""
+def gdn_scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: str, plain: bool) -> list[str]:
+    """The five Gated DeltaNet scan kernels (the forward with and without snapshots) at the op's block choices;
+    plain: the chains' build for the plain schedule (ONE)."""
     f32 = "*fp32"
     BK, BV, NV = scan._blocks(K, V, dtype)
     const = dict(K=K, V=V, C=C, BK=BK, BV=BV, PREC=prec)
@@ -195,18 +196,19 @@ def gdn_scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: s
     out = []
     sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", states=f32,
                snap=P, o_intra=f32, o=P, N="i32", J="i32", Tp="i32", S="i32", **rows, i0="i32", i1="i32",
-               **{n: "constexpr" for n in [*const, "SNAP", "TM"]})
+               **{n: "constexpr" for n in [*const, "SNAP", "TM", "ONE"]})
     fits = scan.square_fits(BK, dtype)
     for snap in (True, False):
-        out.append(report(scan._scan_fwd_kernel, sig, dict(const, SNAP=snap, TM=fits),
+        out.append(report(scan._scan_fwd_kernel, sig, dict(const, SNAP=snap, TM=fits, ONE=plain),
                           **launch_options(scan._scan_fwd_kernel)) + f"  (SNAP={snap})")
     sig = dict(qt=P, lam=f32, live="*i32", snap_at="*i32", snap=P, o_intra=f32, o=P, J="i32", Tp="i32", S="i32",
                **rows, i0="i32", **{n: "constexpr" for n in [*const, "NV"]})
     out.append(report(scan._scan_readout_kernel, sig, dict(const, NV=NV), **launch_options(scan._scan_readout_kernel)))
     sig = dict(qt=P, wt=P, kt=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", do=P,
                dstates=f32, dsnap=P, do_intra=f32, N="i32", J="i32", Tp="i32", S="i32", **rows, i0="i32", i1="i32",
-               **{n: "constexpr" for n in [*const, "TM"]})
-    out.append(report(scan._scan_dh_kernel, sig, dict(const, TM=fits), **launch_options(scan._scan_dh_kernel)))
+               **{n: "constexpr" for n in [*const, "TM", "ONE"]})
+    out.append(report(scan._scan_dh_kernel, sig, dict(const, TM=fits, ONE=plain),
+                      **launch_options(scan._scan_dh_kernel)))
     sig = dict(wt=P, kt=P, u=P, merge="*i32", live="*i32", snap_at="*i32", lev="*i32", snap=P, dsnap=P, dwt=P,
                dkt=P, du=P, dd=f32, N="i32", Tp="i32", S="i32", SD="i32", i0="i32",
                **{n: "constexpr" for n in [*const, "NV", "TZ"]})
@@ -252,7 +254,7 @@ def gdn_reports(args: argparse.Namespace) -> list[str]:
     print(f"triton {triton.__version__}, gated_deltanet, {args.dtype}, K={K}, V={V}, C={C}, precision {prec}"
           + ", q/k l2norm in the kernels" * args.l2norm)
     local_reports = gdn_local_reports(K, V, C, dtype, P, args.l2norm, args.plain)
-    return gdn_scan_reports(K, V, C, dtype, P, prec) + local_reports
+    return gdn_scan_reports(K, V, C, dtype, P, prec, args.plain) + local_reports
 
 
 def main() -> None:
@@ -263,7 +265,7 @@ def main() -> None:
     ap.add_argument("--V", type=int, default=64)
     ap.add_argument("--has-init", action="store_true", help="mamba2, gla: the build for calls with initial states")
     ap.add_argument("--plain", action="store_true",
-                    help="the plain path's build (level_scales=None; gdn: its chunk-local kernels)")
+                    help="the plain path's build (level_scales=None; gdn: the chains' ONE, the chunk-local PLAIN)")
     ap.add_argument("--heads-per-program", type=int, default=48,
                     help="mamba2: heads the dk / dv (plain: and dq) kernel sums per program (48: paper setting, 32K)")
     ap.add_argument("--l2norm", action="store_true", help="gdn: the chunk-local kernels with NORM (use_qk_l2norm)")

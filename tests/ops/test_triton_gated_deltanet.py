@@ -303,17 +303,22 @@ def _scan_torch(qt, wt, kt, u, decay, lam, h0, merge):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seeded, segment, K", [(True, 256, 20), (False, 256, 20), (True, 4, 136)])
-def test_scan_kernel_and_its_backward(seeded, segment, K, monkeypatch):
+@pytest.mark.parametrize("seeded, segment, K, one", [
+    (True, 256, 20, False), (False, 256, 20, False), (True, 4, 136, False),
+    (True, 4, 20, True), (False, 4, 136, True),  # the plain schedule across two segments (ONE at K = 20)
+])
+def test_scan_kernel_and_its_backward(seeded, segment, K, one, monkeypatch):
     """Initial states in every level (all live at chunk 0), or none (only the levels the cascade filled);
     o = scale (o_intra + readouts) written for the real tokens of the op's layout, by the readout kernel
     (gradients: snapshots) and by the chain itself (none); the backward in one segment of chunks or two.
     K = 20: the chains' one [BK, BK] transition matrix per chunk and the grads kernel's Z = sum_j h_j dg_j^T;
-    K = 136 (BK = 256): their two products per level and the grads kernel's four."""
+    K = 136 (BK = 256): their two products per level and the grads kernel's four. one: the plain schedule, one
+    level that every chunk cascades into, which the chains keep in registers where the square forms fit."""
     monkeypatch.setattr(scan_module, "SEGMENT", segment)
-    b, H, N, C, V, J = 1, 3, 6, 16, 40, 3  # V = 40: two V blocks of 32 (partial sums); three of 16 at K = 136
+    b, H, N, C, V, J = 1, 3, 6, 16, 40, 1 if one else 3  # V = 40: two V blocks of 32; three of 16 at K = 136
     BH, ch, scale = b * H, Chunking(b, N * C - 8, H, front=5, C=C), 0.7
-    merge = [0, 2, 0, 1, 0, -1]  # chunks 2..7
+    merge = [0] * N if one else [0, 2, 0, 1, 0, -1]  # chunks 2..7
+    assert scan_module.schedule(tuple(merge), J, 0, torch.device("cpu")).one == one
     args = [0.3 * torch.randn(BH, N * C, K, dtype=torch.float64) for _ in range(3)]
     args += [torch.randn(BH, N * C, V, dtype=torch.float64), torch.rand(BH, N, dtype=torch.float64),
              torch.rand(BH, N * C, J, dtype=torch.float64), torch.randn(BH, J, K, V, dtype=torch.float64),

@@ -112,7 +112,7 @@ def _scan_fwd_kernel(
     qt, wt, kt, u, decay, lam, merge, lev, snap_at, states, snap, o_intra, o,
     N, J, Tp, S, T, front, H, scale, i0, i1,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr, SNAP: tl.constexpr, TM: tl.constexpr,
+    PREC: tl.constexpr, SNAP: tl.constexpr, TM: tl.constexpr, ONE: tl.constexpr,
 ):
     """Chunks i0 .. i1-1 of the forward chain.
     qt, wt, kt: [BH, Tp, K]; u: [BH, Tp, V]; decay: [BH, N]; lam: [BH, Tp, J]; merge: [N], snap_at: [N + 1]
@@ -131,11 +131,19 @@ def _scan_fwd_kernel(
         g_j = d_i h_j - Wm_i h_j  (j > m);              h_m = d_i L - Wm_i L + ku_i,  L = sum_{j <= m} h_j
 
     (one product per transition on the chain).  Otherwise two: g_j = d_i h_j - kt_i^T (wt_i h_j),
-    h_m = d_i L + kt_i^T (u_i - wt_i L)."""
+    h_m = d_i L + kt_i^T (u_i - wt_i L).
+
+    ONE (registers_hold: the plain schedule, one level that every chunk transitions and cascades into, with TM): the
+    state stays in registers from chunk i0 to i1 - 1 (read before, written after the segment), h <- d_i h - Wm_i h +
+    ku_i on every chunk; a chunk that enters with the level empty (chunk 0 without initial states) transitions zeros
+    and stores no snapshot."""
+    tl.static_assert(TM or not ONE)
     iv, bh, rc, rk, rv, mk, mv, hoff, hmask = _state_block(C, K, V, BK, BV)
     KV = K * V
     # in place: level j is read, then written (j > m); the cascade target m is written after every read
     src = states + bh * J * KV
+    if ONE:
+        h_one = _ahead(src, 0, KV, hoff, hmask, rk, 0, tl.load(snap_at + i0 + 1) - tl.load(snap_at + i0))
     for i in range(i0, i1):
         row0 = bh * Tp + i * C
         rows = row0 + rc
@@ -148,45 +156,59 @@ def _scan_fwd_kernel(
         m = tl.load(merge + i)
         start = tl.load(snap_at + i)
         count = tl.load(snap_at + i + 1) - start
-        low = tl.zeros([BK, BV], dtype=tl.float32)  # sum of the live states j <= m (they merge into m)
         keep = snap + (bh * S + start) * KV
         if not SNAP:
             acc = load_tile(o_intra, row0, rc, rc < C, 0, 1, V, rv)
-        j = tl.load(lev + start)
-        h = _ahead(src, j, KV, hoff, hmask, rk, 0, count)
         if TM:  # from the chunk's inputs only: w_i, k_i, u_i are dead after these two
             wm = _gram(k_i, w_i, PREC)
             ku = tl.dot(tl.trans(k_i), u_i, input_precision=PREC)
-        for s in range(count):  # the live levels; the next one's state is loaded a level ahead
-            j_next = tl.load(lev + start + s + 1)
-            h_next = _ahead(src, j_next, KV, hoff, hmask, rk, s + 1, count)
-            hd = h.to(w_i.dtype)
+        if ONE:
+            hd = h_one.to(w_i.dtype)
             if SNAP:
-                tl.store(keep + s * KV + hoff, hd.to(snap.dtype.element_ty), mask=hmask, eviction_policy="evict_first")
+                tl.store(keep + hoff, hd.to(snap.dtype.element_ty), mask=hmask & ((rk * 0 + count) > 0)[:, None],
+                         eviction_policy="evict_first")
             else:
-                acc += tl.load(lam + rows * J + j)[:, None] * tl.dot(q_i, hd, input_precision=PREC)
-            if j <= m:
-                low += h
-            else:
-                if TM:
-                    g = d * h - tl.dot(wm, hd, input_precision=PREC)
+                acc += tl.load(lam + rows * J)[:, None] * tl.dot(q_i, hd, input_precision=PREC)
+            h_one = d * h_one - tl.dot(wm, hd, input_precision=PREC) + ku
+        else:
+            low = tl.zeros([BK, BV], dtype=tl.float32)  # sum of the live states j <= m (they merge into m)
+            j = tl.load(lev + start)
+            h = _ahead(src, j, KV, hoff, hmask, rk, 0, count)
+            for s in range(count):  # the live levels; the next one's state is loaded a level ahead
+                j_next = tl.load(lev + start + s + 1)
+                h_next = _ahead(src, j_next, KV, hoff, hmask, rk, s + 1, count)
+                hd = h.to(w_i.dtype)
+                if SNAP:
+                    tl.store(keep + s * KV + hoff, hd.to(snap.dtype.element_ty), mask=hmask,
+                             eviction_policy="evict_first")
                 else:
-                    wh = tl.dot(w_i, hd, input_precision=PREC)
-                    g = d * h - tl.dot(tl.trans(k_i), wh.to(w_i.dtype), input_precision=PREC)
-                tl.store(src + j * KV + hoff, g, mask=hmask)
-            j = j_next
-            h = h_next
-        if m >= 0:  # h_m = sum_{j <= m} g_j + kt^T u: one transition for them all
-            if TM:
-                tl.store(src + m * KV + hoff, d * low - tl.dot(wm, low.to(w_i.dtype), input_precision=PREC) + ku,
-                         mask=hmask)
-            else:
-                x = (u_i - tl.dot(w_i, low.to(w_i.dtype), input_precision=PREC)).to(w_i.dtype)
-                tl.store(src + m * KV + hoff, d * low + tl.dot(tl.trans(k_i), x, input_precision=PREC), mask=hmask)
+                    acc += tl.load(lam + rows * J + j)[:, None] * tl.dot(q_i, hd, input_precision=PREC)
+                if j <= m:
+                    low += h
+                else:
+                    if TM:
+                        g = d * h - tl.dot(wm, hd, input_precision=PREC)
+                    else:
+                        wh = tl.dot(w_i, hd, input_precision=PREC)
+                        g = d * h - tl.dot(tl.trans(k_i), wh.to(w_i.dtype), input_precision=PREC)
+                    tl.store(src + j * KV + hoff, g, mask=hmask)
+                j = j_next
+                h = h_next
+            if m >= 0:  # h_m = sum_{j <= m} g_j + kt^T u: one transition for them all
+                if TM:
+                    tl.store(src + m * KV + hoff, d * low - tl.dot(wm, low.to(w_i.dtype), input_precision=PREC) + ku,
+                             mask=hmask)
+                else:
+                    x = (u_i - tl.dot(w_i, low.to(w_i.dtype), input_precision=PREC)).to(w_i.dtype)
+                    tl.store(src + m * KV + hoff, d * low + tl.dot(tl.trans(k_i), x, input_precision=PREC),
+                             mask=hmask)
         if not SNAP:
             tok0, _, valid, head = chunk_tokens(i, bh, T, front, H, C)
             store_tile(o, scale * acc, tok0, rc, valid, head, H, V, rv)
-        tl.debug_barrier()
+        if not ONE:
+            tl.debug_barrier()
+    if ONE:
+        tl.store(src + hoff, h_one, mask=hmask)
 
 
 @triton.jit
@@ -225,7 +247,7 @@ def _scan_dh_kernel(
     qt, wt, kt, decay, lam, merge, lev, snap_at, do, dstates, dsnap, do_intra,
     N, J, Tp, S, T, front, H, scale, i0, i1,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr, TM: tl.constexpr,
+    PREC: tl.constexpr, TM: tl.constexpr, ONE: tl.constexpr,
 ):
     """Backward, pass 1 (sequential, chunks i1-1 down to i0): the chain dh_j = d_i dg_j - Wm_i^T dg_j + qt_i^T Y_j
     for the live levels only, Wm_i^T = wt_i^T kt_i: [BK, BK] (operand dtype) formed once per chunk (TM, as in
@@ -235,13 +257,19 @@ def _scan_dh_kernel(
     dtype); dstates: [BH, J, K, V] fp32, updated in place (dh entering chunk i1, at the end entering chunk i0:
     after the last segment, dh of the initial states of the levels live at chunk 0); dsnap: [BH, S, K, V]
     (operand dtype): dh entering each chunk of the segment at slot snap_at[i] - snap_at[i0] (the host has filled
-    chunk i1's); do_intra: [BH, Tp, V] fp32 (scale do, 0 on padding); merge, lev, snap_at as in _scan_fwd_kernel."""
+    chunk i1's); do_intra: [BH, Tp, V] fp32 (scale do, 0 on padding); merge, lev, snap_at as in _scan_fwd_kernel.
+    ONE (the plain schedule with TM, as in _scan_fwd_kernel): dh stays in registers over the segment; a chunk entered
+    with the level empty stores no snapshot (its dh, written at the end of the last segment, is the caller's to
+    mask)."""
+    tl.static_assert(TM or not ONE)
     iv, bh, rc, rk, rv, mk, mv, hoff, hmask = _state_block(C, K, V, BK, BV)
     KV = K * V
     # in place: dh_m is read first; a live j > m is read, then written; the levels below m were cleared
     # by the cascade (their dh after the chunk is never read)
     src = dstates + bh * J * KV
     base = tl.load(snap_at + i0)
+    if ONE:
+        dh_one = tl.load(src + hoff, mask=hmask, other=0.0)
     for r in range(i1 - i0):
         i = i1 - 1 - r
         row0 = bh * Tp + i * C
@@ -257,29 +285,40 @@ def _scan_dh_kernel(
         start = tl.load(snap_at + i)
         count = tl.load(snap_at + i + 1) - start
         keep = dsnap + (bh * S + start - base) * KV
-        dh_m = tl.load(src + tl.maximum(m, 0) * KV + hoff, mask=hmask, other=0.0)
-        dh_m = tl.where(m >= 0, dh_m, 0.0)
-        j = tl.load(lev + start)
-        dh_j = _ahead(src, j, KV, hoff, hmask, rk, 0, count)
         if TM:
             wmt = _gram(w_i, k_i, PREC)
-        for s in range(count):  # the live levels; the next one's dh is loaded a level ahead
-            j_next = tl.load(lev + start + s + 1)
-            dh_next = _ahead(src, j_next, KV, hoff, hmask, rk, s + 1, count)
-            dg = tl.where(j <= m, dh_m, dh_j)
-            dgd = dg.to(q_i.dtype)
-            y = (tl.load(lam + rows * J + j)[:, None] * do_i).to(q_i.dtype)
-            if TM:
-                dh = d * dg - tl.dot(wmt, dgd, input_precision=PREC)
-            else:
-                kdg = tl.dot(k_i, dgd, input_precision=PREC).to(q_i.dtype)
-                dh = d * dg - tl.dot(tl.trans(w_i), kdg, input_precision=PREC)
-            dh += tl.dot(tl.trans(q_i), y, input_precision=PREC)
-            tl.store(src + j * KV + hoff, dh, mask=hmask)
-            tl.store(keep + s * KV + hoff, dh.to(dsnap.dtype.element_ty), mask=hmask, eviction_policy="evict_first")
-            j = j_next
-            dh_j = dh_next
-        tl.debug_barrier()
+        if ONE:
+            dgd = dh_one.to(q_i.dtype)
+            y = (tl.load(lam + rows * J)[:, None] * do_i).to(q_i.dtype)
+            dh_one = d * dh_one - tl.dot(wmt, dgd, input_precision=PREC)
+            dh_one += tl.dot(tl.trans(q_i), y, input_precision=PREC)
+            tl.store(keep + hoff, dh_one.to(dsnap.dtype.element_ty), mask=hmask & ((rk * 0 + count) > 0)[:, None],
+                     eviction_policy="evict_first")
+        else:
+            dh_m = tl.load(src + tl.maximum(m, 0) * KV + hoff, mask=hmask, other=0.0)
+            dh_m = tl.where(m >= 0, dh_m, 0.0)
+            j = tl.load(lev + start)
+            dh_j = _ahead(src, j, KV, hoff, hmask, rk, 0, count)
+            for s in range(count):  # the live levels; the next one's dh is loaded a level ahead
+                j_next = tl.load(lev + start + s + 1)
+                dh_next = _ahead(src, j_next, KV, hoff, hmask, rk, s + 1, count)
+                dg = tl.where(j <= m, dh_m, dh_j)
+                dgd = dg.to(q_i.dtype)
+                y = (tl.load(lam + rows * J + j)[:, None] * do_i).to(q_i.dtype)
+                if TM:
+                    dh = d * dg - tl.dot(wmt, dgd, input_precision=PREC)
+                else:
+                    kdg = tl.dot(k_i, dgd, input_precision=PREC).to(q_i.dtype)
+                    dh = d * dg - tl.dot(tl.trans(w_i), kdg, input_precision=PREC)
+                dh += tl.dot(tl.trans(q_i), y, input_precision=PREC)
+                tl.store(src + j * KV + hoff, dh, mask=hmask)
+                tl.store(keep + s * KV + hoff, dh.to(dsnap.dtype.element_ty), mask=hmask,
+                         eviction_policy="evict_first")
+                j = j_next
+                dh_j = dh_next
+            tl.debug_barrier()
+    if ONE:
+        tl.store(src + hoff, dh_one, mask=hmask)
 
 
 @triton.jit
@@ -504,14 +543,22 @@ def square_fits(BK: int, dtype: torch.dtype) -> bool:
     return BK * BK * dtype.itemsize <= 128 * 128 * 2
 
 
+def registers_hold(sched: "Schedule", BK: int, dtype: torch.dtype) -> bool:
+    """ONE of the chains: the plain schedule, with the square forms (the two-product build with the state in
+    registers, fp32 [128, 32] state tiles, computed wrong outputs on the H200 with triton 3.6; those calls take the
+    general level walk)."""
+    return sched.one and square_fits(BK, dtype)
+
+
 @dataclass(frozen=True, eq=False)
 class Schedule:
     """What the scan needs to know about its chunks (the same for every head).  merge: [N], live, snap_at:
     [N + 1] int32 on the device (cascade target, live-level bitmask, first snapshot slot; entry N: the final
     states); lev: the live levels, chunk after chunk (chunk i's from snap_at[i]; one padding entry);
     mask: [N + 1, J] bool on the device, the live levels entering each chunk; bits, at: live and snap_at on
-    the host; slots: snapshot slots of chunks 0..N-1 per head.  Shared by the calls with the same schedule
-    (see schedule): read only."""
+    the host; slots: snapshot slots of chunks 0..N-1 per head; one: the plain schedule (one level, every chunk's
+    cascade target: the chains keep it in registers, ONE).  Shared by the calls with the same schedule (see
+    schedule): read only."""
 
     merge: torch.Tensor
     live: torch.Tensor
@@ -521,6 +568,7 @@ class Schedule:
     bits: tuple[int, ...]
     at: tuple[int, ...]
     slots: int
+    one: bool
 
     def count(self, i: int) -> int:
         """The number of levels live entering chunk i (i = N: the final states)."""
@@ -550,7 +598,7 @@ def schedule(merge: tuple[int, ...], J: int, seeds: int, device: torch.device) -
     mask = [[(bits >> j) & 1 == 1 for j in range(J)] for bits in live]
     as_int = lambda x: device_table(x, torch.int32, device)  # noqa: E731
     return Schedule(as_int(merge), as_int(live), as_int(snap_at), as_int(lev), device_table(mask, torch.bool, device),
-                    tuple(live), tuple(snap_at), snap_at[-1])
+                    tuple(live), tuple(snap_at), snap_at[-1], J == 1 and all(m == 0 for m in merge))
 
 
 def _first_readout(w0: torch.Tensor, qt: torch.Tensor, p0: torch.Tensor, C: int) -> torch.Tensor:
@@ -600,6 +648,7 @@ class FenwickDeltaScan(torch.autograd.Function):
                 qt, wt, kt, u, decay, lam, sched.merge, sched.lev, sched.snap_at, states, snap, o_intra, o,
                 N, J, Tp, sched.slots, ch.T, ch.front, ch.H, scale, i0, i1,
                 K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, SNAP=keep, TM=square_fits(BK, qt.dtype),
+                ONE=registers_hold(sched, BK, qt.dtype),
                 **launch_options(_scan_fwd_kernel),
             )
 
@@ -666,6 +715,7 @@ class FenwickDeltaScan(torch.autograd.Function):
                     qt, wt, kt, decay, lam, sched.merge, sched.lev, sched.snap_at, do, dstates, dsnap, do_intra,
                     N, J, Tp, dsnap.shape[1], ch.T, ch.front, ch.H, ctx.scale, i0, i1,
                     K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, TM=square_fits(BK, dt),
+                    ONE=registers_hold(sched, BK, dt),
                     **launch_options(_scan_dh_kernel),
                 )
                 # the next segment's buffer before the hand-over: the chain's next launch is then ready as
