@@ -303,22 +303,27 @@ def _scan_torch(qt, wt, kt, u, decay, lam, h0, merge):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seeded, segment, K, one", [
-    (True, 256, 20, False), (False, 256, 20, False), (True, 4, 136, False),
-    (True, 4, 20, True), (False, 4, 136, True),  # the plain schedule across two segments (ONE at K = 20)
+@pytest.mark.parametrize("seeded, segment, K, one, dtype", [
+    (True, 256, 20, False, torch.float32), (False, 256, 20, False, torch.float32),
+    (True, 4, 136, False, torch.float32),
+    (True, 4, 20, True, torch.float32), (False, 4, 136, True, torch.float32),  # the plain schedule, two segments
+    (False, 4, 20, True, torch.float16),  # ... with its state in the chains' registers (registers_hold)
 ])
-def test_scan_kernel_and_its_backward(seeded, segment, K, one, monkeypatch):
+def test_scan_kernel_and_its_backward(seeded, segment, K, one, dtype, monkeypatch):
     """Initial states in every level (all live at chunk 0), or none (only the levels the cascade filled);
     o = scale (o_intra + readouts) written for the real tokens of the op's layout, by the readout kernel
     (gradients: snapshots) and by the chain itself (none); the backward in one segment of chunks or two.
     K = 20: the chains' one [BK, BK] transition matrix per chunk and the grads kernel's Z = sum_j h_j dg_j^T;
     K = 136 (BK = 256): their two products per level and the grads kernel's four. one: the plain schedule, one
-    level that every chunk cascades into, which the chains keep in registers where the square forms fit."""
+    level that every chunk cascades into; with 16-bit operands (dtype: qt, wt, kt, u) from position 0 the chains keep
+    it in registers."""
     monkeypatch.setattr(scan_module, "SEGMENT", segment)
     b, H, N, C, V, J = 1, 3, 6, 16, 40, 1 if one else 3  # V = 40: two V blocks of 32; three of 16 at K = 136
     BH, ch, scale = b * H, Chunking(b, N * C - 8, H, front=5, C=C), 0.7
     merge = [0] * N if one else [0, 2, 0, 1, 0, -1]  # chunks 2..7
-    assert scan_module.schedule(tuple(merge), J, 0, torch.device("cpu")).one == one
+    sched = scan_module.schedule(tuple(merge), J, (1 << J) - 1 if seeded else 0, torch.device("cpu"))
+    BK, BV, _ = scan_module._blocks(K, V, dtype)
+    assert scan_module.registers_hold(sched, BK, BV, dtype) == (one and dtype == torch.float16)
     args = [0.3 * torch.randn(BH, N * C, K, dtype=torch.float64) for _ in range(3)]
     args += [torch.randn(BH, N * C, V, dtype=torch.float64), torch.rand(BH, N, dtype=torch.float64),
              torch.rand(BH, N * C, J, dtype=torch.float64), torch.randn(BH, J, K, V, dtype=torch.float64),
@@ -327,23 +332,24 @@ def test_scan_kernel_and_its_backward(seeded, segment, K, one, monkeypatch):
         args[6] = torch.zeros_like(args[6])
     args = [a.requires_grad_() for a in args]
     h0 = args[6].float() if seeded else None
-    o, hN = fenwick_delta_scan(*[a.float() for a in args[:6]], h0, args[7].float(), merge, ch, scale, torch.float32)
-    inter, rh = _scan_torch(*args[:7], merge)
+    rtol = RTOL if dtype == torch.float32 else 2e-3  # fp16 operands: errors up to 7.2e-4 here
+    stage = [a.to(dtype) for a in args[:4]] + [a.float() for a in args[4:6]]  # qt, wt, kt, u in the operand dtype
+    o, hN = fenwick_delta_scan(*stage, h0, args[7].float(), merge, ch, scale, torch.float32)
+    inter, rh = _scan_torch(*[a.to(dtype).double() for a in args[:4]], *args[4:7], merge)
     ro = (scale * (args[7] + inter)).view(b, H, N * C, V).transpose(1, 2)[:, ch.front : ch.front + ch.T]
-    assert_close(o.double(), ro, RTOL, "o")
-    assert_close(hN.double(), rh, RTOL, "hN")
+    assert_close(o.double(), ro, rtol, "o")
+    assert_close(hN.double(), rh, rtol, "hN")
     with torch.no_grad():
-        o_chain, hN_chain = fenwick_delta_scan(*[a.float() for a in args[:6]], h0, args[7].float(), merge, ch, scale,
-                                               torch.float32)
-    assert_close(o_chain.double(), ro, RTOL, "o (the chain's readout)")
-    assert_close(hN_chain.double(), rh, RTOL, "hN (no gradients)")
+        o_chain, hN_chain = fenwick_delta_scan(*stage, h0, args[7].float(), merge, ch, scale, torch.float32)
+    assert_close(o_chain.double(), ro, rtol, "o (the chain's readout)")
+    assert_close(hN_chain.double(), rh, rtol, "hN (no gradients)")
     do, dh = torch.randn_like(ro), torch.randn_like(rh)
     inputs = args if seeded else args[:6] + args[7:]
     got = torch.autograd.grad((o * do.float()).sum() + (hN * dh.float()).sum(), inputs)
     want = torch.autograd.grad((ro * do).sum() + (rh * dh).sum(), inputs)
     names = ["qt", "wt", "kt", "u", "decay", "lam"] + ["h0"] * seeded + ["o_intra"]
     for name, a, e in zip(names, got, want):
-        assert_close(a.double(), e, RTOL, f"d{name}")
+        assert_close(a.double(), e, rtol, f"d{name}")
 
 
 def test_public_op_reaches_the_kernels_when_selected(monkeypatch):

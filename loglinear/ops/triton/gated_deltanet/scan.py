@@ -42,6 +42,8 @@ steps vanish. The kernels:
                         (4 per chunk); wider keys: 4 GEMMs per live level.
   _scan_readout_bwd_kernel  chunk-parallel: dqt, dlam of a chunk from its incoming states and do (2 GEMMs per
                         live level; needs no dh, only the scaled do that the dh chain writes as it passes).
+On the plain schedule (registers_hold: one level, every chunk's cascade target) both chains keep that level's
+state or gradient in registers across their segment (ONE) instead of storing and reloading it every chunk.
 The chunk-parallel kernels walk the chunk's live levels from the live-level list with the next level's
 tiles loaded a step ahead; all V in one program: no partial sums, deterministic, no atomics.
 
@@ -133,7 +135,7 @@ def _scan_fwd_kernel(
     (one product per transition on the chain).  Otherwise two: g_j = d_i h_j - kt_i^T (wt_i h_j),
     h_m = d_i L + kt_i^T (u_i - wt_i L).
 
-    ONE (registers_hold: the plain schedule, one level that every chunk transitions and cascades into, with TM): the
+    ONE (registers_hold: the plain schedule, one level that every chunk transitions and cascades into): the
     state stays in registers from chunk i0 to i1 - 1 (read before, written after the segment), h <- d_i h - Wm_i h +
     ku_i on every chunk; a chunk that enters with the level empty (chunk 0 without initial states) transitions zeros
     and stores no snapshot."""
@@ -543,11 +545,12 @@ def square_fits(BK: int, dtype: torch.dtype) -> bool:
     return BK * BK * dtype.itemsize <= 128 * 128 * 2
 
 
-def registers_hold(sched: "Schedule", BK: int, dtype: torch.dtype) -> bool:
-    """ONE of the chains: the plain schedule, with the square forms (the two-product build with the state in
-    registers, fp32 [128, 32] state tiles, computed wrong outputs on the H200 with triton 3.6; those calls take the
-    general level walk)."""
-    return sched.one and square_fits(BK, dtype)
+def registers_hold(sched: "Schedule", BK: int, BV: int, dtype: torch.dtype) -> bool:
+    """ONE of the chains: the plain schedule from position 0 (no seeded level) with 16-bit operands, the square forms
+    and whole 64-column value blocks: the build checked on the H200 (triton 3.6) against the general walk. An fp32
+    build ([128, 32] state tiles, two products per chunk) with an incoming state computed wrong readouts there; the
+    calls outside these bounds take the general level walk."""
+    return sched.one and sched.bits[0] == 0 and dtype.itemsize == 2 and BV == 64 and square_fits(BK, dtype)
 
 
 @dataclass(frozen=True, eq=False)
@@ -648,7 +651,7 @@ class FenwickDeltaScan(torch.autograd.Function):
                 qt, wt, kt, u, decay, lam, sched.merge, sched.lev, sched.snap_at, states, snap, o_intra, o,
                 N, J, Tp, sched.slots, ch.T, ch.front, ch.H, scale, i0, i1,
                 K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, SNAP=keep, TM=square_fits(BK, qt.dtype),
-                ONE=registers_hold(sched, BK, qt.dtype),
+                ONE=registers_hold(sched, BK, BV, qt.dtype),
                 **launch_options(_scan_fwd_kernel),
             )
 
@@ -715,7 +718,7 @@ class FenwickDeltaScan(torch.autograd.Function):
                     qt, wt, kt, decay, lam, sched.merge, sched.lev, sched.snap_at, do, dstates, dsnap, do_intra,
                     N, J, Tp, dsnap.shape[1], ch.T, ch.front, ch.H, ctx.scale, i0, i1,
                     K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, TM=square_fits(BK, dt),
-                    ONE=registers_hold(sched, BK, dt),
+                    ONE=registers_hold(sched, BK, BV, dt),
                     **launch_options(_scan_dh_kernel),
                 )
                 # the next segment's buffer before the hand-over: the chain's next launch is then ready as
