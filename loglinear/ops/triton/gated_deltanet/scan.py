@@ -545,12 +545,17 @@ def square_fits(BK: int, dtype: torch.dtype) -> bool:
     return BK * BK * dtype.itemsize <= 128 * 128 * 2
 
 
+def one_level_build(BK: int, BV: int, dtype: torch.dtype) -> bool:
+    """Blocks and operands the chains' ONE build takes: 16-bit operands, the square forms and whole 64-column value
+    blocks, the build checked on the H200 (triton 3.6) against the general walk. An fp32 build ([128, 32] state
+    tiles, two products per chunk) with an incoming state computed wrong readouts there."""
+    return dtype.itemsize == 2 and BV == 64 and square_fits(BK, dtype)
+
+
 def registers_hold(sched: "Schedule", BK: int, BV: int, dtype: torch.dtype) -> bool:
-    """ONE of the chains: the plain schedule from position 0 (no seeded level) with 16-bit operands, the square forms
-    and whole 64-column value blocks: the build checked on the H200 (triton 3.6) against the general walk. An fp32
-    build ([128, 32] state tiles, two products per chunk) with an incoming state computed wrong readouts there; the
-    calls outside these bounds take the general level walk."""
-    return sched.one and sched.bits[0] == 0 and dtype.itemsize == 2 and BV == 64 and square_fits(BK, dtype)
+    """ONE of the chains: the plain schedule from position 0 (no seeded level) in a one_level_build; other calls take
+    the general level walk."""
+    return sched.one and sched.bits[0] == 0 and one_level_build(BK, BV, dtype)
 
 
 @dataclass(frozen=True, eq=False)
