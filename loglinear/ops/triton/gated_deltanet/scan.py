@@ -565,8 +565,8 @@ class Schedule:
     states); lev: the live levels, chunk after chunk (chunk i's from snap_at[i]; one padding entry);
     mask: [N + 1, J] bool on the device, the live levels entering each chunk; bits, at: live and snap_at on
     the host; slots: snapshot slots of chunks 0..N-1 per head; one: the plain schedule (one level, every chunk's
-    cascade target; registers_hold decides whether the chains keep it in registers).  Shared by the calls with the same schedule (see
-    schedule): read only."""
+    cascade target; registers_hold decides whether the chains keep it in registers).  Shared by the calls with the
+    same schedule (see schedule): read only."""
 
     merge: torch.Tensor
     live: torch.Tensor
