@@ -104,6 +104,8 @@ def main() -> None:
     lines = [f"# {what}, CUDA time per kernel ({gpu}, torch {torch.__version__})", "",
              "B=2, H=48, G=1, K=128, V=64, bf16, use_qk_l2norm; `python " + " ".join(sys.argv) + "`", ""]
     fits = gated_deltanet_scan.square_fits
+    if args.fla:
+        lift_fla_guard()
     variants = [(fits, ChainStreams, "")]
     if args.ab:
         variants.append((lambda BK, dtype: False, ChainStreams, ", square forms off"))
@@ -119,7 +121,6 @@ def main() -> None:
             print("\n".join(lines[-25:]), flush=True)
             torch.cuda.empty_cache()
         if args.fla:
-            lift_fla_guard()
             lines += profile_step(T, args.top, ", fla's linear chunk_gated_delta_rule", fla=True)
             print("\n".join(lines[-25:]), flush=True)
             torch.cuda.empty_cache()

@@ -8,8 +8,7 @@ garbage. The public op (loglinear.ops.api.attention) therefore
   1. floors every log-decay gate (Gate.log_decay) at LOG_DECAY_FLOOR of its compute dtype, where exp underflows
      to exactly 0: g = -inf is a hard reset and very negative gates give the exact result. floor_log_decays does
      it in torch before the backend runs, unless the backend takes the gates raw and floors them itself where it
-     reads them (Backend.takes_raw_log_decays: every Triton backend), with the same values and gradient
-     (_Floor);
+     reads them (Backend.takes_raw_log_decays: every Triton backend), with the same values and gradient (_Floor);
   2. checks that the inputs are finite (FiniteCheck): one read of them, queued before the op's kernels (a
      log-decay gate may hold -inf: it is checked unfloored, by its maximum), except a per-channel log-decay gate
      of a backend that takes it raw, which checks it where it reads it and reports its peak; on CUDA the answer

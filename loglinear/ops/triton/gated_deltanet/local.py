@@ -182,9 +182,9 @@ def _chunk_gates(g, beta, tok, valid, h, H, C: tl.constexpr):
 def _chunk_levels(lam, tok, valid, h, H, L, causal, C: tl.constexpr, LOG_C: tl.constexpr, PLAIN: tl.constexpr):
     """Lambda [C, C] fp32 (causal) of levels 0..c from lam [tokens, H, L]; 1 when PLAIN (lambda = 1, lam not read:
     every product it scales is causal already)."""
-    r = tl.arange(0, C)
     if PLAIN:
         return tl.full([C, C], 1.0, tl.float32)
+    r = tl.arange(0, C)
     return level_weights(lam, tok, valid, h, H, L, intra_levels(r, r, LOG_C), causal, LOG_C, False)
 
 
@@ -349,8 +349,7 @@ def _chunk_local_bwd_k_kernel(
     k, from part 1's scratch (dQK * Gamma, dA * Gamma), dGp, dbp and dbk.  Upstream: dqt, dkt: [BH, Tp, K]
     (operand dtype), ddecay: [BH, N].  Outputs (valid tokens only, any float dtype): dq, dk: [b, T, H, K] (per
     value head; w.r.t. the row-normalised q_n, k_n when NORM), dg: [b, T, H] (reverse cumsum of dG, 0 where
-    g <= FLOOR), dbeta:
-    [b, T, H].  With dKK = beta_t dA * Gamma (A = strict(beta_t Gamma KK), KK = K K^T):
+    g <= FLOOR), dbeta: [b, T, H].  With dKK = beta_t dA * Gamma (A = strict(beta_t Gamma KK), KK = K K^T):
 
         dQ = e dqt + (dQK * Gamma) K;   dK = (dQK * Gamma)^T Q + dKK K + dKK^T K + beta e dbk + f dkt
         rho = rowsum(K * (dA * Gamma) K) = rowsum(dA * Gamma * KK),  kappa = rowsum(K * dKK^T K) = colsum(dKK * KK)
