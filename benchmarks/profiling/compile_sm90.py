@@ -198,18 +198,17 @@ def gdn_scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: s
                snap=P, o_intra=f32, o=P, N="i32", J="i32", Tp="i32", S="i32", **rows, i0="i32", i1="i32",
                **{n: "constexpr" for n in [*const, "SNAP", "TM", "ONE"]})
     fits = scan.square_fits(BK, dtype)
-    one = plain and scan.one_level_build(BK, BV, dtype)  # registers_hold for a plain call from position 0
     for snap in (True, False):
-        out.append(report(scan._scan_fwd_kernel, sig, dict(const, SNAP=snap, TM=fits, ONE=one),
-                          **launch_options(scan._scan_fwd_kernel)) + f"  (SNAP={snap})")
+        out.append(report(scan._scan_fwd_kernel, sig, dict(const, SNAP=snap, TM=fits, ONE=plain),
+                          **launch_options(scan._scan_fwd_kernel, plain=plain)) + f"  (SNAP={snap})")
     sig = dict(qt=P, lam=f32, live="*i32", snap_at="*i32", snap=P, o_intra=f32, o=P, J="i32", Tp="i32", S="i32",
                **rows, i0="i32", **{n: "constexpr" for n in [*const, "NV"]})
     out.append(report(scan._scan_readout_kernel, sig, dict(const, NV=NV), **launch_options(scan._scan_readout_kernel)))
     sig = dict(qt=P, wt=P, kt=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", do=P,
                dstates=f32, dsnap=P, do_intra=f32, N="i32", J="i32", Tp="i32", S="i32", **rows, i0="i32", i1="i32",
                **{n: "constexpr" for n in [*const, "TM", "ONE"]})
-    out.append(report(scan._scan_dh_kernel, sig, dict(const, TM=fits, ONE=one),
-                      **launch_options(scan._scan_dh_kernel)))
+    out.append(report(scan._scan_dh_kernel, sig, dict(const, TM=fits, ONE=plain),
+                      **launch_options(scan._scan_dh_kernel, plain=plain)))
     sig = dict(wt=P, kt=P, u=P, merge="*i32", live="*i32", snap_at="*i32", lev="*i32", snap=P, dsnap=P, dwt=P,
                dkt=P, du=P, dd=f32, N="i32", Tp="i32", S="i32", SD="i32", i0="i32",
                **{n: "constexpr" for n in [*const, "NV", "TZ"]})

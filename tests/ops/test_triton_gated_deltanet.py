@@ -307,7 +307,7 @@ def _scan_torch(qt, wt, kt, u, decay, lam, h0, merge):
     (True, 256, 20, False, torch.float32), (False, 256, 20, False, torch.float32),
     (True, 4, 136, False, torch.float32),
     (True, 4, 20, True, torch.float32), (False, 4, 136, True, torch.float32),  # the plain schedule, two segments
-    (False, 4, 20, True, torch.float16),  # ... with its state in the chains' registers (registers_hold)
+    (False, 4, 20, True, torch.float16), (True, 4, 20, True, torch.float16),
 ])
 def test_scan_kernel_and_its_backward(seeded, segment, K, one, dtype, monkeypatch):
     """Initial states in every level (all live at chunk 0), or none (only the levels the cascade filled);
@@ -315,15 +315,14 @@ def test_scan_kernel_and_its_backward(seeded, segment, K, one, dtype, monkeypatc
     (gradients: snapshots) and by the chain itself (none); the backward in one segment of chunks or two.
     K = 20: the chains' one [BK, BK] transition matrix per chunk and the grads kernel's Z = sum_j h_j dg_j^T;
     K = 136 (BK = 256): their two products per level and the grads kernel's four. one: the plain schedule, one
-    level that every chunk cascades into; with 16-bit operands (dtype: qt, wt, kt, u) from position 0 the chains keep
-    it in registers."""
+    level that every chunk cascades into (the chains' ONE build: the state in registers, two products per chunk),
+    seeded or not, with fp32 or fp16 operands (dtype: qt, wt, kt, u)."""
     monkeypatch.setattr(scan_module, "SEGMENT", segment)
     b, H, N, C, V, J = 1, 3, 6, 16, 40, 1 if one else 3  # V = 40: two V blocks of 32; three of 16 at K = 136
     BH, ch, scale = b * H, Chunking(b, N * C - 8, H, front=5, C=C), 0.7
     merge = [0] * N if one else [0, 2, 0, 1, 0, -1]  # chunks 2..7
     sched = scan_module.schedule(tuple(merge), J, (1 << J) - 1 if seeded else 0, torch.device("cpu"))
-    BK, BV, _ = scan_module._blocks(K, V, dtype)
-    assert scan_module.registers_hold(sched, BK, BV, dtype) == (one and dtype == torch.float16)
+    assert sched.one == one
     args = [0.3 * torch.randn(BH, N * C, K, dtype=torch.float64) for _ in range(3)]
     args += [torch.randn(BH, N * C, V, dtype=torch.float64), torch.rand(BH, N, dtype=torch.float64),
              torch.rand(BH, N * C, J, dtype=torch.float64), torch.randn(BH, J, K, V, dtype=torch.float64),

@@ -42,15 +42,19 @@ steps vanish. The kernels:
                         (4 per chunk); wider keys: 4 GEMMs per live level.
   _scan_readout_bwd_kernel  chunk-parallel: dqt, dlam of a chunk from its incoming states and do (2 GEMMs per
                         live level; needs no dh, only the scaled do that the dh chain writes as it passes).
-On the plain schedule (registers_hold: one level, every chunk's cascade target) both chains keep that level's
-state or gradient in registers across their segment (ONE) instead of storing and reloading it every chunk.
+On the plain schedule (Schedule.one: one level, every chunk's cascade target) both chains keep that level's
+state or gradient in registers across their segment (ONE) instead of storing and reloading it every chunk, and
+transition it with two products in the value-correction order (h <- d h + kt^T (u - wt h)), not through Wm: with
+one level there is nothing to share Wm's formation with, and at 4 warps (launch.py) the [K, V] state tile leaves
+room on the chain's SMs for the chunk-parallel kernels beside it.
 The chunk-parallel kernels walk the chunk's live levels from the live-level list with the next level's
 tiles loaded a step ahead; all V in one program: no partial sums, deterministic, no atomics.
 
 Both chains run in segments of SEGMENT chunks on a side stream (shared/streams.py): while a chain walks
 segment s, the chunk-parallel kernels of segment s - 1 (forward: the readouts; backward: the grads and readout
 backward) run on the SMs that the chain's one program per head leaves idle, and in the forward the producers of
-the chain's inputs for segment s + 1 too (``produce``: the chunk-local stage, local.chunk_local_segments). The
+the chain's inputs for segment s + 1 too (``produce``: the chunk-local stage, local.chunk_local_segments; with or
+without gradients: without, the chain reads out itself and only the producers run beside it). The
 backward's dh snapshots exist for two segments at a time (the one the chain writes, the one the grads kernel
 reads).
 """
@@ -135,11 +139,10 @@ def _scan_fwd_kernel(
     (one product per transition on the chain).  Otherwise two: g_j = d_i h_j - kt_i^T (wt_i h_j),
     h_m = d_i L + kt_i^T (u_i - wt_i L).
 
-    ONE (registers_hold: the plain schedule, one level that every chunk transitions and cascades into): the
-    state stays in registers from chunk i0 to i1 - 1 (read before, written after the segment), h <- d_i h - Wm_i h +
-    ku_i on every chunk; a chunk that enters with the level empty (chunk 0 without initial states) transitions zeros
-    and stores no snapshot."""
-    tl.static_assert(TM or not ONE)
+    ONE (Schedule.one: the plain schedule, one level that every chunk transitions and cascades into): the
+    state stays in registers from chunk i0 to i1 - 1 (read before, written after the segment),
+    h <- d_i h + kt_i^T (u_i - wt_i h) on every chunk (two products; no Wm); a chunk that enters with the level
+    empty (chunk 0 without initial states) transitions zeros and stores no snapshot."""
     iv, bh, rc, rk, rv, mk, mv, hoff, hmask = _state_block(C, K, V, BK, BV)
     KV = K * V
     # in place: level j is read, then written (j > m); the cascade target m is written after every read
@@ -161,7 +164,7 @@ def _scan_fwd_kernel(
         keep = snap + (bh * S + start) * KV
         if not SNAP:
             acc = load_tile(o_intra, row0, rc, rc < C, 0, 1, V, rv)
-        if TM:  # from the chunk's inputs only: w_i, k_i, u_i are dead after these two
+        if TM and not ONE:  # from the chunk's inputs only: w_i, k_i, u_i are dead after these two
             wm = _gram(k_i, w_i, PREC)
             ku = tl.dot(tl.trans(k_i), u_i, input_precision=PREC)
         if ONE:
@@ -171,7 +174,8 @@ def _scan_fwd_kernel(
                          eviction_policy="evict_first")
             else:
                 acc += tl.load(lam + rows * J)[:, None] * tl.dot(q_i, hd, input_precision=PREC)
-            h_one = d * h_one - tl.dot(wm, hd, input_precision=PREC) + ku
+            x = (u_i - tl.dot(w_i, hd, input_precision=PREC)).to(w_i.dtype)
+            h_one = d * h_one + tl.dot(tl.trans(k_i), x, input_precision=PREC)
         else:
             low = tl.zeros([BK, BV], dtype=tl.float32)  # sum of the live states j <= m (they merge into m)
             j = tl.load(lev + start)
@@ -260,10 +264,9 @@ def _scan_dh_kernel(
     after the last segment, dh of the initial states of the levels live at chunk 0); dsnap: [BH, S, K, V]
     (operand dtype): dh entering each chunk of the segment at slot snap_at[i] - snap_at[i0] (the host has filled
     chunk i1's); do_intra: [BH, Tp, V] fp32 (scale do, 0 on padding); merge, lev, snap_at as in _scan_fwd_kernel.
-    ONE (the plain schedule with TM, as in _scan_fwd_kernel): dh stays in registers over the segment; a chunk entered
-    with the level empty stores no snapshot (its dh, written at the end of the last segment, is the caller's to
-    mask)."""
-    tl.static_assert(TM or not ONE)
+    ONE (the plain schedule, as in _scan_fwd_kernel): dh stays in registers over the segment,
+    dh <- d_i dh - wt_i^T (kt_i dh) + qt_i^T Y (no Wm^T); a chunk entered with the level empty stores no snapshot
+    (its dh, written at the end of the last segment, is the caller's to mask)."""
     iv, bh, rc, rk, rv, mk, mv, hoff, hmask = _state_block(C, K, V, BK, BV)
     KV = K * V
     # in place: dh_m is read first; a live j > m is read, then written; the levels below m were cleared
@@ -287,12 +290,13 @@ def _scan_dh_kernel(
         start = tl.load(snap_at + i)
         count = tl.load(snap_at + i + 1) - start
         keep = dsnap + (bh * S + start - base) * KV
-        if TM:
+        if TM and not ONE:
             wmt = _gram(w_i, k_i, PREC)
         if ONE:
             dgd = dh_one.to(q_i.dtype)
             y = (tl.load(lam + rows * J)[:, None] * do_i).to(q_i.dtype)
-            dh_one = d * dh_one - tl.dot(wmt, dgd, input_precision=PREC)
+            kdg = tl.dot(k_i, dgd, input_precision=PREC).to(q_i.dtype)
+            dh_one = d * dh_one - tl.dot(tl.trans(w_i), kdg, input_precision=PREC)
             dh_one += tl.dot(tl.trans(q_i), y, input_precision=PREC)
             tl.store(keep + hoff, dh_one.to(dsnap.dtype.element_ty), mask=hmask & ((rk * 0 + count) > 0)[:, None],
                      eviction_policy="evict_first")
@@ -545,19 +549,6 @@ def square_fits(BK: int, dtype: torch.dtype) -> bool:
     return BK * BK * dtype.itemsize <= 128 * 128 * 2
 
 
-def one_level_build(BK: int, BV: int, dtype: torch.dtype) -> bool:
-    """Blocks and operands the chains' ONE build takes: 16-bit operands, the square forms and whole 64-column value
-    blocks, the build checked on the H200 (triton 3.6) against the general walk. An fp32 build ([128, 32] state
-    tiles, two products per chunk) with an incoming state computed wrong readouts there."""
-    return dtype.itemsize == 2 and BV == 64 and square_fits(BK, dtype)
-
-
-def registers_hold(sched: "Schedule", BK: int, BV: int, dtype: torch.dtype) -> bool:
-    """ONE of the chains: the plain schedule from position 0 (no seeded level) in a one_level_build; other calls take
-    the general level walk."""
-    return sched.one and sched.bits[0] == 0 and one_level_build(BK, BV, dtype)
-
-
 @dataclass(frozen=True, eq=False)
 class Schedule:
     """What the scan needs to know about its chunks (the same for every head).  merge: [N], live, snap_at:
@@ -565,7 +556,7 @@ class Schedule:
     states); lev: the live levels, chunk after chunk (chunk i's from snap_at[i]; one padding entry);
     mask: [N + 1, J] bool on the device, the live levels entering each chunk; bits, at: live and snap_at on
     the host; slots: snapshot slots of chunks 0..N-1 per head; one: the plain schedule (one level, every chunk's
-    cascade target; registers_hold decides whether the chains keep it in registers).  Shared by the calls with the
+    cascade target: the chains' ONE build).  Shared by the calls with the
     same schedule (see schedule): read only."""
 
     merge: torch.Tensor
@@ -656,34 +647,32 @@ class FenwickDeltaScan(torch.autograd.Function):
                 qt, wt, kt, u, decay, lam, sched.merge, sched.lev, sched.snap_at, states, snap, o_intra, o,
                 N, J, Tp, sched.slots, ch.T, ch.front, ch.H, scale, i0, i1,
                 K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, SNAP=keep, TM=square_fits(BK, qt.dtype),
-                ONE=registers_hold(sched, BK, BV, qt.dtype),
-                **launch_options(_scan_fwd_kernel),
+                ONE=sched.one, **launch_options(_scan_fwd_kernel, plain=sched.one),
             )
 
         produce = produce or (lambda i0, i1: None)
-        if keep:  # the producers of segment s + 1 and the readouts of segment s - 1 beside the chain's segment s
-            streams = ChainStreams(qt.device)
-            segments = _segments(N)
+        # the producers of segment s + 1 and (with gradients) the readouts of segment s - 1 beside the chain's
+        # segment s; without gradients the chain reads out itself
+        streams = ChainStreams(qt.device)
+        segments = _segments(N)
 
-            def start(n: int) -> None:
-                produce(*segments[n])
-                streams.feed()
-                with streams.chain():
-                    chain(*segments[n])
+        def start(n: int) -> None:
+            produce(*segments[n])
+            streams.feed()
+            with streams.chain():
+                chain(*segments[n])
 
-            start(0)
-            for n, (i0, i1) in enumerate(segments):
-                if n + 1 < len(segments):
-                    start(n + 1)
+        start(0)
+        for n, (i0, i1) in enumerate(segments):
+            if n + 1 < len(segments):
+                start(n + 1)
+            if keep:
                 streams.hand_over(upto=n)
                 _scan_readout_kernel[(i1 - i0, BH)](
                     qt, lam, sched.live, sched.snap_at, snap, o_intra, o, J, Tp, sched.slots, ch.T, ch.front, ch.H,
                     scale, i0, K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec, **launch_options(_scan_readout_kernel),
                 )
-            streams.hand_over()
-        else:  # the chain reads out itself
-            produce(0, N)
-            chain(0, N)
+        streams.hand_over()
         if w0 is not None:
             _add_first_chunk(o, scale * _first_readout(w0, qt, p0, ch.C), ch)
         ctx.save_for_backward(qt, wt, kt, u, decay, lam, snap if keep else None, w0, p0)
@@ -723,8 +712,7 @@ class FenwickDeltaScan(torch.autograd.Function):
                     qt, wt, kt, decay, lam, sched.merge, sched.lev, sched.snap_at, do, dstates, dsnap, do_intra,
                     N, J, Tp, dsnap.shape[1], ch.T, ch.front, ch.H, ctx.scale, i0, i1,
                     K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, TM=square_fits(BK, dt),
-                    ONE=registers_hold(sched, BK, BV, dt),
-                    **launch_options(_scan_dh_kernel),
+                    ONE=sched.one, **launch_options(_scan_dh_kernel, plain=sched.one),
                 )
                 # the next segment's buffer before the hand-over: the chain's next launch is then ready as
                 # soon as the segment's readers below are

@@ -23,7 +23,10 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
     which hide each other's products. The [C, C] backward spills 8 B at 4 warps and none at 8 (one program per
     SM), yet runs 4.0 ms per forward + backward at 32K at 4 warps against 7.2 at 8 on the H200.
   * Gated DeltaNet scan kernels (gated_deltanet/scan.py): 8 warps for the sequential chains' [K, BV] states (at 4
-    they spill 1.3-1.8 KB); the chunk-parallel grads kernel takes 4 (254 registers, no spills: 3.1 ms per forward
+    they spill 1.3-1.8 KB); on the plain schedule (``plain``: the state in registers, two products per chunk) 4
+    warps and three stages: plain Gated DeltaNet 16.73 -> 16.30 ms per forward + backward at 32K, 66.2 -> 64.6 at
+    128K against the Wm form at 8 warps (chains 1.61 + 1.76 -> 1.46 + 1.49 ms at 32K; 2 warps spill and run 9x
+    slower, one stage 3% slower); the chunk-parallel grads kernel takes 4 (254 registers, no spills: 3.1 ms per forward
     + backward at 32K against 4.5 at 8 warps), the readout backward 4, two programs per SM without spills.
   * Gradients of q and k with G < H (Mamba-2's dk / dv kernel, and its dq kernel on the plain path; a scalar gate):
     one program loops over ``heads_per_program`` heads of one q/k group and sums their dk / dq in registers, so the
@@ -52,13 +55,15 @@ CHUNK_PROGRAMS = 1024  # fewest programs a chunk kernel summing a group's heads 
 @dataclass(frozen=True)
 class Launch:
     """A kernel's GPU launch config: num_warps, num_stages, (scans over state tiles) the warps for a state tile
-    of more than WIDE_STATE_TILE elements, and (chunk kernels with a PER_CHANNEL switch) (num_warps, num_stages)
-    with a per-channel gate (None: the same as a scalar gate's)."""
+    of more than WIDE_STATE_TILE elements, (chunk kernels with a PER_CHANNEL switch) (num_warps, num_stages)
+    with a per-channel gate and (the delta-rule chains) on the plain schedule (None: the same as the general
+    build's)."""
 
     num_warps: int
     num_stages: int
     wide_warps: int | None = None
     channel: tuple[int, int] | None = None
+    plain: tuple[int, int] | None = None
 
 
 LAUNCH: dict[str, Launch] = {
@@ -84,9 +89,9 @@ LAUNCH: dict[str, Launch] = {
     "_chunk_local_bwd_cc_kernel": Launch(4, 1),
     "_chunk_local_bwd_k_kernel": Launch(4, 2),
     # Gated DeltaNet, Fenwick delta scan
-    "_scan_fwd_kernel": Launch(8, 2),
+    "_scan_fwd_kernel": Launch(8, 2, plain=(4, 3)),
     "_scan_readout_kernel": Launch(8, 2),
-    "_scan_dh_kernel": Launch(8, 2),
+    "_scan_dh_kernel": Launch(8, 2, plain=(4, 3)),
     "_scan_grads_kernel": Launch(4, 2),
     "_scan_readout_bwd_kernel": Launch(4, 2),
     # the fused decode step: its levels, then the readout sum and the lazy levels' log-scales
@@ -95,16 +100,17 @@ LAUNCH: dict[str, Launch] = {
 }
 
 
-def launch_options(kernel, state_tile: int = 0, per_channel: bool = False) -> dict[str, int]:
+def launch_options(kernel, state_tile: int = 0, per_channel: bool = False, plain: bool = False) -> dict[str, int]:
     """num_warps / num_stages for launching ``kernel`` (a @triton.jit function, looked up in LAUNCH by name);
     state_tile: the elements of the state tile one program holds (kernels with wide_warps); per_channel: the
-    kernel runs with a per-channel gate (kernels with a ``channel`` config). The fixed INTERPRETER config under
-    TRITON_INTERPRET=1."""
+    kernel runs with a per-channel gate (kernels with a ``channel`` config); plain: the kernel's build for the plain
+    schedule (kernels with a ``plain`` config). The fixed INTERPRETER config under TRITON_INTERPRET=1."""
     config = LAUNCH[kernel.__name__]
     if interpreting():
         return dict(INTERPRETER)
-    if config.channel is not None and per_channel:
-        return {"num_warps": config.channel[0], "num_stages": config.channel[1]}
+    special = config.channel if per_channel else config.plain if plain else None
+    if special is not None:
+        return {"num_warps": special[0], "num_stages": special[1]}
     warps = config.num_warps
     if config.wide_warps is not None and state_tile > WIDE_STATE_TILE:
         warps = config.wide_warps
