@@ -45,8 +45,7 @@ steps vanish. The kernels:
 On the plain schedule (Schedule.one: one level, every chunk's cascade target) both chains keep that level's
 state or gradient in registers across their segment (ONE) instead of storing and reloading it every chunk, and
 transition it with two products in the value-correction order (h <- d h + kt^T (u - wt h)), not through Wm: with
-one level there is nothing to share Wm's formation with, and at 4 warps (launch.py) the [K, V] state tile leaves
-room on the chain's SMs for the chunk-parallel kernels beside it.
+one level there is nothing to share Wm's formation with (launch.py: this build's warps and what it measured).
 The chunk-parallel kernels walk the chunk's live levels from the live-level list with the next level's
 tiles loaded a step ahead; all V in one program: no partial sums, deterministic, no atomics.
 
