@@ -625,8 +625,7 @@ class FenwickDeltaScan(torch.autograd.Function):
     Returns o: [b, T, H, V] in dtype (scale (o_intra + readouts) of the real tokens) and hN: [BH, J, K, V] fp32
     (None unless final).  Only the live levels of each chunk are touched.  produce(i0, i1), when given, fills qt,
     wt, kt, u, decay and o_intra for the chunks i0 .. i1 - 1 on the current stream: called for each chain segment
-    before it (the producers of segment s + 1 then run beside the chain's segment s), or for all chunks before the
-    chain without gradients.
+    before it (the producers of segment s + 1 then run beside the chain's segment s), with or without gradients.
     """
 
     @staticmethod
