@@ -113,6 +113,14 @@ def _gram(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
+def _transition(h, w, k, u, d, PREC: tl.constexpr):
+    """The chunk's delta-rule transition of h [BK, BV] fp32 through two products, d h + k^T (u - w h); w, k:
+    [C, BK], u: [C, BV] in the operand dtype; u - w h is rounded to it."""
+    x = (u - tl.dot(w, h.to(w.dtype), input_precision=PREC)).to(w.dtype)
+    return d * h + tl.dot(tl.trans(k), x, input_precision=PREC)
+
+
+@triton.jit
 def _scan_fwd_kernel(
     qt, wt, kt, u, decay, lam, merge, lev, snap_at, states, snap, o_intra, o,
     N, J, Tp, S, T, front, H, scale, i0, i1,
@@ -173,8 +181,7 @@ def _scan_fwd_kernel(
                          eviction_policy="evict_first")
             else:
                 acc += tl.load(lam + rows * J)[:, None] * tl.dot(q_i, hd, input_precision=PREC)
-            x = (u_i - tl.dot(w_i, hd, input_precision=PREC)).to(w_i.dtype)
-            h_one = d * h_one + tl.dot(tl.trans(k_i), x, input_precision=PREC)
+            h_one = _transition(h_one, w_i, k_i, u_i, d, PREC)
         else:
             low = tl.zeros([BK, BV], dtype=tl.float32)  # sum of the live states j <= m (they merge into m)
             j = tl.load(lev + start)
@@ -204,9 +211,7 @@ def _scan_fwd_kernel(
                     tl.store(src + m * KV + hoff, d * low - tl.dot(wm, low.to(w_i.dtype), input_precision=PREC) + ku,
                              mask=hmask)
                 else:
-                    x = (u_i - tl.dot(w_i, low.to(w_i.dtype), input_precision=PREC)).to(w_i.dtype)
-                    tl.store(src + m * KV + hoff, d * low + tl.dot(tl.trans(k_i), x, input_precision=PREC),
-                             mask=hmask)
+                    tl.store(src + m * KV + hoff, _transition(low, w_i, k_i, u_i, d, PREC), mask=hmask)
         if not SNAP:
             tok0, _, valid, head = chunk_tokens(i, bh, T, front, H, C)
             store_tile(o, scale * acc, tok0, rc, valid, head, H, V, rv)
@@ -555,8 +560,7 @@ class Schedule:
     states); lev: the live levels, chunk after chunk (chunk i's from snap_at[i]; one padding entry);
     mask: [N + 1, J] bool on the device, the live levels entering each chunk; bits, at: live and snap_at on
     the host; slots: snapshot slots of chunks 0..N-1 per head; one: the plain schedule (one level, every chunk's
-    cascade target: the chains' ONE build).  Shared by the calls with the
-    same schedule (see schedule): read only."""
+    cascade target: the chains' ONE build).  Shared by the calls with the same schedule (see schedule): read only."""
 
     merge: torch.Tensor
     live: torch.Tensor
