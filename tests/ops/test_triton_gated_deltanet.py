@@ -190,6 +190,7 @@ def test_chunk_local_stage_launched_by_segments(plain, monkeypatch):
     segment (the outputs are poisoned until then), 100 tokens from a state at position 5 in chunks of 16 (7 chunks:
     segments of 2, 2, 2 and 1); o, the final state and every gradient against the float64 reference."""
     monkeypatch.setattr(scan_module, "SEGMENT", 2)
+    monkeypatch.setattr(scan_module, "PLAIN_SEGMENT", 2)
     launched, local = [], gdn.chunk_local_segments
 
     def spy(*args):
@@ -318,6 +319,7 @@ def test_scan_kernel_and_its_backward(seeded, segment, K, one, dtype, monkeypatc
     level that every chunk cascades into (the chains' ONE build: the state in registers, two products per chunk),
     seeded or not, with fp32 or fp16 operands (dtype: qt, wt, kt, u)."""
     monkeypatch.setattr(scan_module, "SEGMENT", segment)
+    monkeypatch.setattr(scan_module, "PLAIN_SEGMENT", segment)
     b, H, N, C, V, J = 1, 3, 6, 16, 40, 1 if one else 3  # V = 40: two V blocks of 32; three of 16 at K = 136
     BH, ch, scale = b * H, Chunking(b, N * C - 8, H, front=5, C=C), 0.7
     merge = [0] * N if one else [0, 2, 0, 1, 0, -1]  # chunks 2..7

@@ -49,13 +49,13 @@ one level there is nothing to share Wm's formation with (launch.py: this build's
 The chunk-parallel kernels walk the chunk's live levels from the live-level list with the next level's
 tiles loaded a step ahead; all V in one program: no partial sums, deterministic, no atomics.
 
-Both chains run in segments of SEGMENT chunks on a side stream (shared/streams.py): while a chain walks
-segment s, the chunk-parallel kernels of segment s - 1 (forward: the readouts; backward: the grads and readout
-backward) run on the SMs that the chain's one program per head leaves idle, and in the forward the producers of
-the chain's inputs for segment s + 1 too (``produce``: the chunk-local stage, local.chunk_local_segments; with or
-without gradients: without, the chain reads out itself and only the producers run beside it). The
-backward's dh snapshots exist for two segments at a time (the one the chain writes, the one the grads kernel
-reads).
+Both chains run in segments of SEGMENT chunks (PLAIN_SEGMENT: the plain schedule with gradients) on a side stream
+(shared/streams.py): while a chain walks segment s, the chunk-parallel kernels of segment s - 1 (forward: the
+readouts; backward: the grads and readout backward) run on the SMs that the chain's one program per head leaves
+idle, and in the forward the producers of the chain's inputs for segment s + 1 too (``produce``: the chunk-local
+stage, local.chunk_local_segments; with or without gradients: without, the chain reads out itself and only the
+producers run beside it). The backward's dh snapshots exist for two segments at a time (the one the chain writes,
+the one the grads kernel reads).
 """
 
 from __future__ import annotations
@@ -529,12 +529,19 @@ def _scan_grads_kernel(
     tl.store(dd + bh * N + i, dd_acc)
 
 
-SEGMENT = 64  # chunks per chain segment (a shorter last segment: less of the readers runs alone after the chain)
+# chunks per chain segment (a shorter last segment: less of the readers runs alone after the chain); the plain
+# schedule's chains take a fraction of a log-linear chain's time per chunk, and with gradients its calls run
+# faster in longer segments (fewer launches and hand-overs); without, the forward keeps SEGMENT, whose second
+# segment lets the producers run beside the chain from 8K (docs/kernels.md, "plain Gated DeltaNet")
+SEGMENT = 64
+PLAIN_SEGMENT = 128
 
 
-def _segments(N: int) -> list[tuple[int, int]]:
-    """The chains' segments (i0, i1) of N chunks, in order."""
-    return [(i0, min(i0 + SEGMENT, N)) for i0 in range(0, N, SEGMENT)]
+def _segments(N: int, sched: Schedule, grads: bool) -> list[tuple[int, int]]:
+    """The chains' segments (i0, i1) of N chunks, in order: PLAIN_SEGMENT chunks on the plain schedule with
+    gradients, else SEGMENT."""
+    n = PLAIN_SEGMENT if sched.one and grads else SEGMENT
+    return [(i0, min(i0 + n, N)) for i0 in range(0, N, n)]
 
 
 def _blocks(K: int, V: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -656,7 +663,7 @@ class FenwickDeltaScan(torch.autograd.Function):
         # the producers of segment s + 1 and (with gradients) the readouts of segment s - 1 beside the chain's
         # segment s; without gradients the chain reads out itself
         streams = ChainStreams(qt.device)
-        segments = _segments(N)
+        segments = _segments(N, sched, keep)
 
         def start(n: int) -> None:
             produce(*segments[n])
@@ -705,7 +712,7 @@ class FenwickDeltaScan(torch.autograd.Function):
             return dsnap
 
         streams = ChainStreams(dev)
-        segments = _segments(N)[::-1]  # last first
+        segments = _segments(N, sched, True)[::-1]  # last first
         with streams.chain():
             dsnap = dh_snapshots(*segments[0])
         for n, (i0, i1) in enumerate(segments):
