@@ -204,6 +204,35 @@ def test_chunk_local_stage_launched_by_segments(plain, monkeypatch):
     assert launched == [(0, 2), (2, 4), (4, 6), (6, 7)]
 
 
+def test_plain_segments_with_and_without_gradients(monkeypatch):
+    """The plain schedule's chains in PLAIN_SEGMENT chunks with gradients and SEGMENT without (3 and 2 here: the
+    forward and the backward cut differently from the forward without gradients): o, the final state and every
+    gradient, then o without gradients, against the float64 recurrence; the chunk-local stage launched per segment."""
+    monkeypatch.setattr(scan_module, "SEGMENT", 2)
+    monkeypatch.setattr(scan_module, "PLAIN_SEGMENT", 3)
+    launched, local = [], gdn.chunk_local_segments
+
+    def spy(*args):
+        out, launch = local(*args)
+        return out, lambda i0, i1: launched.append((i0, i1)) or launch(i0, i1)
+
+    monkeypatch.setattr(gdn, "chunk_local_segments", spy)
+    x = make_inputs(1, 100, 1, 2, K=8, V=4, start=5)
+    state = _state(1, 1, 2, 8, 4, [5], torch.float64)
+    _compare_plain(x, state)
+    assert launched == [(0, 3), (3, 6), (6, 7)]
+    launched.clear()
+    with torch.no_grad():
+        x32 = {n: t.float() for n, t in _plain(x).items()}
+        st32 = FenwickState(state.levels.float(), state.positions)
+        o, _ = log_linear_gated_deltanet(**x32, level_scales=None, initial_state=st32, chunk_size=16,
+                                         use_qk_l2norm=True)
+        ref, _ = R.log_linear_gated_deltanet_recurrent(**_plain(x), level_scales=None, initial_state=state,
+                                                       use_qk_l2norm=True)
+    assert_close(o, ref, RTOL)
+    assert launched == [(0, 2), (2, 4), (4, 6), (6, 7)]
+
+
 def test_varlen_with_states():
     lengths, positions = [7, 30, 1], [0, 19, 64]
     x = make_inputs(1, sum(lengths), 1, 2, K=8, V=4, start=64)
