@@ -184,13 +184,11 @@ def test_continuation_seeds_only_the_levels_the_carry_left(position, seeds, monk
     assert {sched.bits[0] for sched in seen} == {seeds}
 
 
-@pytest.mark.parametrize("plain", [False, True])
-def test_chunk_local_stage_launched_by_segments(plain, monkeypatch):
-    """Chain segments of 2 chunks: the scan launches the chunk-local stage of each segment before the chain's
-    segment (the outputs are poisoned until then), 100 tokens from a state at position 5 in chunks of 16 (7 chunks:
-    segments of 2, 2, 2 and 1); o, the final state and every gradient against the float64 reference."""
-    monkeypatch.setattr(scan_module, "SEGMENT", 2)
-    monkeypatch.setattr(scan_module, "PLAIN_SEGMENT", 2)
+def _segments_launched(monkeypatch, segment: int, plain_segment: int) -> list[tuple[int, int]]:
+    """Chain segments of ``segment`` chunks (``plain_segment`` on the plain schedule with gradients); returns the
+    list that the chunk-local stage's launches append their chunk ranges (i0, i1) to."""
+    monkeypatch.setattr(scan_module, "SEGMENT", segment)
+    monkeypatch.setattr(scan_module, "PLAIN_SEGMENT", plain_segment)
     launched, local = [], gdn.chunk_local_segments
 
     def spy(*args):
@@ -198,6 +196,15 @@ def test_chunk_local_stage_launched_by_segments(plain, monkeypatch):
         return out, lambda i0, i1: launched.append((i0, i1)) or launch(i0, i1)
 
     monkeypatch.setattr(gdn, "chunk_local_segments", spy)
+    return launched
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_chunk_local_stage_launched_by_segments(plain, monkeypatch):
+    """Chain segments of 2 chunks: the scan launches the chunk-local stage of each segment before the chain's
+    segment (the outputs are poisoned until then), 100 tokens from a state at position 5 in chunks of 16 (7 chunks:
+    segments of 2, 2, 2 and 1); o, the final state and every gradient against the float64 reference."""
+    launched = _segments_launched(monkeypatch, 2, 2)
     x = make_inputs(1, 100, 1, 2, K=8, V=4, start=5)
     L = 1 if plain else 4
     (_compare_plain if plain else _compare)(x, _state(1, L, 2, 8, 4, [5], torch.float64))
@@ -208,15 +215,7 @@ def test_plain_segments_with_and_without_gradients(monkeypatch):
     """The plain schedule's chains in PLAIN_SEGMENT chunks with gradients and SEGMENT without (3 and 2 here: the
     forward and the backward cut differently from the forward without gradients): o, the final state and every
     gradient, then o without gradients, against the float64 recurrence; the chunk-local stage launched per segment."""
-    monkeypatch.setattr(scan_module, "SEGMENT", 2)
-    monkeypatch.setattr(scan_module, "PLAIN_SEGMENT", 3)
-    launched, local = [], gdn.chunk_local_segments
-
-    def spy(*args):
-        out, launch = local(*args)
-        return out, lambda i0, i1: launched.append((i0, i1)) or launch(i0, i1)
-
-    monkeypatch.setattr(gdn, "chunk_local_segments", spy)
+    launched = _segments_launched(monkeypatch, 2, 3)
     x = make_inputs(1, 100, 1, 2, K=8, V=4, start=5)
     state = _state(1, 1, 2, 8, 4, [5], torch.float64)
     _compare_plain(x, state)
