@@ -487,7 +487,8 @@ class ChunkLocal(torch.autograd.Function):
         q, k, v, g, beta, lam, tg, qkg, wt, u = ctx.saved_tensors
         ch, dt = ctx.ch, ctx.dt
         b, T, G, K = q.shape
-        H, V, L, dev = ch.H, v.shape[-1], None if lam is None else lam.shape[-1], q.device
+        plain = lam is None  # the [C, C] kernel neither reads lam nor writes dlam: g and dv hold their places
+        H, V, L, dev = ch.H, v.shape[-1], None if plain else lam.shape[-1], q.device
         like = [((ch.BH, ch.Tp, V), torch.float32), *[((ch.BH, ch.Tp, K), dt)] * 3, ((ch.BH, ch.Tp, V), dt),
                 ((ch.BH, ch.N), torch.float32)]
         up = [torch.zeros(s, dtype=d, device=dev) if x is None else x.contiguous()
@@ -497,13 +498,12 @@ class ChunkLocal(torch.autograd.Function):
         # group in fp32)
         dq, dk = alloc((b, T, H, K), dt, dev), alloc((b, T, H, K), dt, dev)
         dv, dg, dbeta = alloc(v.shape, v.dtype, dev), alloc(g.shape, g.dtype, dev), alloc(beta.shape, beta.dtype, dev)
-        dlam = None if lam is None else torch.zeros_like(lam)  # levels > c: the scan's part
+        dlam = None if plain else torch.zeros_like(lam)  # levels > c: the scan's part
         scratch = alloc((ch.BH * ch.N, 2, ch.C, ch.C), dt, dev)
         dGp, dbp = alloc((ch.BH, ch.Tp), f32, dev), alloc((ch.BH, ch.Tp), f32, dev)
         dbk = alloc((ch.BH, ch.Tp, K), dt, dev)
         do, dqt, dwt, dkt, du, ddecay = up
         meta = _meta(ch, K, V, G, L, dt, ctx.norm)
-        plain = lam is None  # the kernel neither reads lam nor writes dlam: g and dv hold their places
         _launch(_chunk_local_bwd_cc_kernel, ch, meta, v, g, beta, g if plain else lam, tg, qkg, wt, u, do, dqt, dwt,
                 du, dv, dv if plain else dlam, scratch, dGp, dbp, dbk)
         _launch(_chunk_local_bwd_k_kernel, ch, meta, q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbp, dbk, dq, dk,
@@ -513,7 +513,7 @@ class ChunkLocal(torch.autograd.Function):
             dq, dk = l2norm_backward(q, dq), l2norm_backward(k, dk)
         dtypes = (*ctx.qk_dtypes, v.dtype, g.dtype, beta.dtype)
         grads = [d.to(x) for d, x in zip((dq, dk, dv, dg, dbeta), dtypes)]
-        return (*grads, None if lam is None else dlam.to(lam.dtype), None, None, None, None)
+        return (*grads, None if plain else dlam.to(lam.dtype), None, None, None, None)
 
 
 def chunk_local_segments(
