@@ -46,7 +46,7 @@ from loglinear.ops.triton.mamba2 import chunk as mamba2_chunk  # noqa: E402
 from loglinear.ops.triton.mamba2 import fwd as mamba2_fwd  # noqa: E402
 from loglinear.ops.triton.shared import intra_channel  # noqa: E402
 from loglinear.ops.triton.shared.common import MAX_CHUNK_LEVELS  # noqa: E402
-from loglinear.ops.triton.shared.launch import launch_options  # noqa: E402
+from loglinear.ops.triton.shared.launch import heads_per_program, launch_options  # noqa: E402
 from loglinear.ops.triton.shared.rules import dot_precision, kernel_chunk_size  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -235,11 +235,11 @@ def gdn_local_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, norm: 
         (local._chunk_local_bwd_cc_kernel, dict(v=P, g=P, beta=P, lam=P, tg=P, qkg=P, wt=P, u=P, do=f32, dqt=P,
                                                 dwt=P, du=P, dv=P, dlam=P, scratch=P, dGp=f32, dbp=f32, dbk=P)),
         (local._chunk_local_bwd_k_kernel, dict(q=P, k=P, g=P, beta=P, dqt=P, dkt=P, ddecay=f32, scratch=P, dGp=f32,
-                                               dbp=f32, dbk=P, dq=P, dk=P, dg=P, dbeta=P)),
+                                               dbp=f32, dbk=P, sums=f32, dq=P, dk=P, dg=P, dbeta=P)),
     ]
     out = []
     for kernel, sig in pointers:
-        args = local.kernel_meta(kernel, dict(meta, n0=0, NS=meta["N"]))
+        args = local.kernel_meta(kernel, dict(meta, n0=0, NS=meta["N"], HP=heads_per_program(2 * meta["N"], 48, 1)))
         sig = dict(sig, **{n: runtime.get(n, "constexpr") for n in args})
         const = {n: x for n, x in args.items() if n not in runtime}
         out.append(report(kernel, sig, const, **launch_options(kernel)))

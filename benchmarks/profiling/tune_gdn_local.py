@@ -30,8 +30,8 @@ from loglinear.ops.triton.gated_deltanet import local  # noqa: E402
 from loglinear.ops.triton.shared import launch  # noqa: E402
 
 CANDIDATES = {
+    "_chunk_local_bwd_k_kernel": [(4, 32, 2), (8, 64, 2), (8, 128, 1), (8, 128, 3)],
     "_chunk_local_bwd_cc_kernel": [(8, 128, 2), (4, 128, 2), (4, 64, 2)],
-    "_chunk_local_bwd_k_kernel": [(8, 32, 2), (8, 64, 2), (4, 32, 1), (4, 32, 3)],
     "_chunk_local_kernel": [(8, 64, 2), (4, 64, 1), (4, 64, 3)],
     "_chunk_inverse_kernel": [(8, 128, 2), (4, 128, 1)],
 }

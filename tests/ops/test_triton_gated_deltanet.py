@@ -239,6 +239,22 @@ def test_varlen_with_states():
     _compare(x, _state(3, 8, 2, 8, 4, positions, torch.float64), cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("plain", [False, True])
+def test_group_heads_by_the_launch_rule(plain, monkeypatch):
+    """The op with every launch asking for whole groups (CHUNK_PROGRAMS 1): the key backward sums a group of 3
+    value heads per program (the one-segment path keeps G < H up to the kernels); q/k normalised in the kernels,
+    states (plain: at different positions), against the float64 reference."""
+    from loglinear.ops.triton.shared import launch
+
+    monkeypatch.setattr(launch, "CHUNK_PROGRAMS", 1)
+    monkeypatch.setattr(api, "torch_chunk_backend", _no_fallback)
+    x = make_inputs(2, 40, 2, 6, K=8, V=4, start=48)
+    if plain:
+        _compare_plain(x, _state(2, 1, 6, 8, 4, [5, 48], torch.float64))
+    else:
+        _compare(x, _state(2, 7, 6, 8, 4, [48, 48], torch.float64), l2norm=True)
+
+
 def test_state_roundtrip_equals_one_pass():
     """Prefill, a chunk, then single tokens, each continuing the previous state, equal one pass."""
     x = {n: t.float() for n, t in make_inputs(1, 45, 1, 2, K=8, V=4).items()}
@@ -289,7 +305,24 @@ def test_chunk_local_kernels_match_torch_form(K, V, dtype, rtol, norm, plain):
     chunk, two value heads per q/k group), against autograd through the float64 torch form; norm: q/k rows
     spread over six decades and normalised in the kernels (the reference applies l2norm); plain: the kernels get
     no lambda (None) and the torch form lambda = 1."""
-    b, T, G, H, L = 2, 37, 1, 2, 7
+    _check_chunk_local(K, V, dtype, rtol, norm, plain, G=1, H=2)
+
+
+@pytest.mark.parametrize("K, G, H, heads, norm, plain", [
+    (72, 2, 8, 4, True, False),  # a whole group per program (its sum in the operand dtype), three key blocks
+    (20, 2, 8, 2, False, False),  # half a group per program: fp32 parts, summed per group after the kernel
+    (20, 1, 6, 3, True, True),
+])
+def test_key_backward_sums_a_groups_heads(K, G, H, heads, norm, plain, monkeypatch):
+    """The key backward with ``heads`` value heads per program: dq / dk summed over them, dg / dbeta per head."""
+    from loglinear.ops.triton.gated_deltanet import local
+
+    monkeypatch.setattr(local, "heads_per_program", lambda rows, H, G: heads)
+    _check_chunk_local(K, 12, torch.float32, RTOL, norm, plain, G=G, H=H)
+
+
+def _check_chunk_local(K, V, dtype, rtol, norm, plain, G, H):
+    b, T, L = 2, 37, 7
     ch = Chunking(b, T, H, front=5, C=16)  # 3 chunks: 5 padding tokens in front, 6 behind
     xs = [torch.randn(b, T, G, K), torch.randn(b, T, G, K) / K**0.5, torch.randn(b, T, H, V),
           -0.05 - 0.4 * torch.rand(b, T, H), 0.05 + 0.9 * torch.rand(b, T, H), 0.2 + torch.rand(b, T, H, L)]

@@ -14,14 +14,15 @@ op's raw log-decay g and read it as max(g, FLOOR), giving dg = 0 where g <= FLOO
 
 This is what loglinear.ops.torch_chunk.forms.GatedDeltaNetForm computes, arranged for the kernels:
 ``chunk_local_torch`` is the differentiable torch form (the tests' reference), ``chunk_local_segments`` the kernels
-inside one autograd.Function, one program per chunk and head each:
+inside one autograd.Function, one program per chunk and head each (the last: per chunk and HP heads of a group):
 
     _chunk_inverse_kernel        T_g (unit_lower_inverse: doubling solved diagonal blocks, fp32)
     _chunk_local_kernel          qt, W~, K~, u, o, decay from T_g; keeps QK for the backward
     _chunk_local_bwd_cc_kernel   the [C, C] gradients from T_g, QK, W~ and u read back (no q, k: dA through
                                  W~ = T bk and u = T bv instead of dT), dV, dLambda; hands dQK, dA, dbk = T^T dW
                                  and the q/k-free parts of dG, dbeta to
-    _chunk_local_bwd_k_kernel    dQ, dK, the terms of dg and dbeta with q and k (K K^T through dA K), dg, dbeta.
+    _chunk_local_bwd_k_kernel    dQ, dK summed over the program's heads, the terms of dg and dbeta with q and k
+                                 (through K K^T, formed once per program), dg, dbeta.
 
 The kernels
 read the op's layouts (q, k: [b, T, G, K] of group h // (H / G); v: [b, T, H, V]; g, beta: [b, T, H];
@@ -56,7 +57,7 @@ from loglinear.ops.triton.shared.common import alloc, group_sum, next_pow2
 from loglinear.ops.triton.shared.intra import (
     FLOOR, chunk_gates, decay_matrix, intra_levels, level_weights, store_level_sums,
 )
-from loglinear.ops.triton.shared.launch import launch_options
+from loglinear.ops.triton.shared.launch import heads_per_program, launch_options
 from loglinear.ops.triton.shared.rules import dot_dtype, dot_precision
 from loglinear.ops.triton.shared.tiles import load_tile, store_tile
 
@@ -119,14 +120,15 @@ def unit_lower_inverse(A, C: tl.constexpr, PREC: tl.constexpr = "tf32x3"):
 
 
 @triton.jit
-def _chunk_program(T, front, Tp, H, NG, n0, NS, C: tl.constexpr):
-    """A chunk-local program's chunk n and head row bh (= batch row * H + head) on a grid (NS * BH,) over the
-    chunks n0 .. n0 + NS - 1 of every row: program (row * NS + n - n0) * H + head, heads_fastest's order (decoded in
-    int32 here: the int64 row costs the [C, C] backward ~25 B more spills). Returns n, bh, its first token t0 and
-    valid [C] (chunk_tokens), head h, q/k group, chunk rows rc [C] and the first row of the chunk in the [BH, Tp, *]
+def _chunk_program(T, front, Tp, H, NG, n0, NS, C: tl.constexpr, HP: tl.constexpr = 1):
+    """A chunk-local program's chunk n and head row bh (= batch row * H + head) on a grid (NS * BH / HP,) over the
+    chunks n0 .. n0 + NS - 1 of every row and the heads in units of HP (HP consecutive heads of one q/k group):
+    program (row * NS + n - n0) * (H / HP) + unit, heads_fastest's order (decoded in int32 here: the int64 row
+    costs the [C, C] backward ~25 B more spills). Returns n, bh, its first token t0 and valid [C] (chunk_tokens),
+    head h (the unit's first), q/k group, chunk rows rc [C] and the first row of the chunk in the [BH, Tp, *]
     stage tensors (tiles of those: load_tile(x, row0, rc, rc < C, 0, 1, D, cols))."""
     pid = tl.program_id(0)
-    i, head = pid // H, pid % H
+    i, head = pid // (H // HP), pid % (H // HP) * HP
     n = n0 + i % NS
     bh = (i // NS * H + head).to(tl.int64)
     t0, rc, valid, h = chunk_tokens(n, bh, T, front, H, C)
@@ -340,77 +342,105 @@ def _chunk_local_bwd_cc_kernel(
 
 @triton.jit
 def _chunk_local_bwd_k_kernel(
-    q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbp, dbk,
+    q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbp, dbk, sums,
     dq, dk, dg, dbeta,
     T, front, Tp, N, H, NG, eps,
-    K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
+    K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, HP: tl.constexpr, PREC: tl.constexpr,
+    NORM: tl.constexpr,
 ):
-    """Backward, part 2, chunk n of head bh: the key-sized gradients and the terms of dG and dbeta with q and
-    k, from part 1's scratch (dQK * Gamma, dA * Gamma), dGp, dbp and dbk.  Upstream: dqt, dkt: [BH, Tp, K]
-    (operand dtype), ddecay: [BH, N].  Outputs (valid tokens only, any float dtype): dq, dk: [b, T, H, K] (per
-    value head; w.r.t. the row-normalised q_n, k_n when NORM), dg: [b, T, H] (reverse cumsum of dG, 0 where
-    g <= FLOOR), dbeta: [b, T, H].  With dKK = beta_t dA * Gamma (A = strict(beta_t Gamma KK), KK = K K^T):
+    """Backward, part 2, chunk n of the HP value heads h0 .. h0 + HP - 1 of one q/k group: dQ and dK summed over
+    those heads, and per head the terms of dG and dbeta with q and k, from part 1's scratch (dQK * Gamma,
+    dA * Gamma), dGp, dbp and dbk.  Upstream: dqt, dkt: [BH, Tp, K] (operand dtype), ddecay: [BH, N].  Outputs
+    (valid tokens only, any float dtype): dq, dk: [b, T, H / HP, K] (the program's sums; w.r.t. the
+    row-normalised q_n, k_n when NORM), dg: [b, T, H] (reverse cumsum of dG, 0 where g <= FLOOR), dbeta:
+    [b, T, H].  dGp and dbp are updated in place; sums: [BH, NK, 3, Tp] fp32 scratch (per key block, each head's
+    row sums of dqt * q, dbk * k, dkt * k).  Per head (Q, K: q_n, k_n with NORM; DQ = dQK * Gamma, DA = dA * Gamma,
+    KK = K K^T):
 
-        dQ = e dqt + (dQK * Gamma) K;   dK = (dQK * Gamma)^T Q + dKK K + dKK^T K + beta e dbk + f dkt
-        rho = rowsum(K * (dA * Gamma) K) = rowsum(dA * Gamma * KK),  kappa = rowsum(K * dKK^T K) = colsum(dKK * KK)
-        de = rowsum(dqt * Q) + beta sbk,  sbk = rowsum(dbk * K);   dbeta = dbp + rho + e sbk
-        dG = dGp + e de + beta rho - kappa - f rowsum(dkt * K) + [last] dG_last
+        dQ_h = e dqt + DQ K;   dK_h = DQ^T Q + (beta_t DA) K + (beta_t DA)^T K + beta e dbk + f dkt
+        rho = rowsum(DA * KK),  kappa = colsum(beta_t DA * KK);  sbk = rowsum(dbk * K),  de = rowsum(dqt * Q) + beta sbk
+        dbeta = dbp + rho + e sbk;   dG = dGp + e de + beta rho - kappa - f rowsum(dkt * K) + [last] dG_last
+
+    The [C, C] factors of the products are the same for every head of a group, so they are summed over the heads
+    first (SQ = sum DQ, SA = sum beta_t DA) and each key block takes three products per program, not four per head:
+
+        sum_h dQ_h = sum_h e dqt + SQ K;   sum_h dK_h = SQ^T Q + (SA + SA^T) K + sum_h (beta e dbk + f dkt)
+
+    Three passes: the heads' [C, C] tiles (SQ, SA, rho and kappa into dbp, dGp); the key blocks (each head's [C, BK]
+    tiles of dqt, dbk, dkt, their row sums into sums, then the products); the heads' dbeta and dg.
     """
-    n, bh, t0, valid, h, grp, rc, row0 = _chunk_program(T, front, Tp, H, NG, 0, N, C)
+    n, bh0, t0, valid, h0, grp, rc, row0 = _chunk_program(T, front, Tp, H, NG, 0, N, C, HP)
     tok = t0 + rc
     dt = dqt.dtype.element_ty
-    src = scratch + (bh * N + n) * 2 * C * C
-    dQKr = tl.load(_cc_tile(src, 0, rc, C))
-    dAG = tl.load(_cc_tile(src, 1, rc, C)).to(tl.float32)
-    G, G_last = chunk_gates(g, tok, valid, h, H)
-    e = tl.exp(G)
-    f = tl.exp(G_last - G)
-    b_c = tl.load(beta + tok * H + h, mask=valid, other=0.0).to(tl.float32)
-    be = b_c * e
     # q_n = r_q q, k_n = r_k k: the row factors scale the [C, C] factors' columns / rows and the row sums
     r_q = _row_norms(q, t0, valid, grp, NG, K, eps, C, BK, NK, NORM)
     r_k = _row_norms(k, t0, valid, grp, NG, K, eps, C, BK, NK, NORM)
-    dQKq = (dQKr.to(tl.float32) * r_q[:, None]).to(dt)
-    dQKr = (dQKr.to(tl.float32) * r_k[None, :]).to(dt)
-    dKKt = ((b_c * r_k)[:, None] * dAG).to(dt)  # dKK^T K_n = trans(dKKt) K
-    dAG = (dAG * r_k[None, :]).to(dt)
-    skt = tl.zeros([C], dtype=tl.float32)
-    sbk = tl.zeros([C], dtype=tl.float32)
-    rho = tl.zeros([C], dtype=tl.float32)
-    kappa = tl.zeros([C], dtype=tl.float32)
-    de = tl.zeros([C], dtype=tl.float32)
+    kk = _gram(k, r_k, k, r_k, t0, valid, grp, NG, K, C, BK, NK, PREC, dt, NORM)
+    SQ = tl.zeros([C, C], dtype=tl.float32)
+    SA = tl.zeros([C, C], dtype=tl.float32)
+    for e in tl.range(HP, disable_licm=True):  # no tile of the loop body lives across heads
+        h = h0 + e
+        at = row0 + e * Tp + rc
+        src = scratch + ((bh0 + e) * N + n) * 2 * C * C
+        b_c = tl.load(beta + tok * H + h, mask=valid, other=0.0).to(tl.float32)
+        DA = tl.load(_cc_tile(src, 1, rc, C)).to(tl.float32)
+        bDA = b_c[:, None] * DA
+        SQ += tl.load(_cc_tile(src, 0, rc, C)).to(tl.float32)
+        SA += bDA
+        rho = tl.sum(DA * kk, axis=1)
+        tl.store(dbp + at, tl.load(dbp + at) + rho)
+        tl.store(dGp + at, tl.load(dGp + at) + b_c * rho - tl.sum(bDA * kk, axis=0))
+    pq = (SQ * r_k[None, :]).to(dt)  # DQ K_n
+    pqt = (SQ * r_q[:, None]).to(dt)  # DQ^T Q_n
+    pa = ((SA + tl.trans(SA)) * r_k[None, :]).to(dt)  # (beta_t DA + (beta_t DA)^T) K_n
     for kb in range(NK):
         kc = kb * BK + tl.arange(0, BK)
         q_b = load_tile(q, t0, rc, valid, grp, NG, K, kc).to(dt)
         k_b = load_tile(k, t0, rc, valid, grp, NG, K, kc).to(dt)
-        kf_b = k_b.to(tl.float32)
-        dqt_b = load_tile(dqt, row0, rc, rc < C, 0, 1, K, kc)
-        dkt_b = load_tile(dkt, row0, rc, rc < C, 0, 1, K, kc).to(tl.float32)
-        dbk_b = load_tile(dbk, row0, rc, rc < C, 0, 1, K, kc).to(tl.float32)
-        dq_b = e[:, None] * dqt_b.to(tl.float32) + tl.dot(dQKr, k_b, input_precision=PREC)
-        store_tile(dq, dq_b, t0, rc, valid, h, H, K, kc)
-        de += tl.sum(dqt_b.to(tl.float32) * q_b.to(tl.float32), axis=1)
-        ak_b = tl.dot(dAG, k_b, input_precision=PREC)
-        akt_b = tl.dot(tl.trans(dKKt), k_b, input_precision=PREC)
-        rho += tl.sum(ak_b * kf_b, axis=1)
-        kappa += tl.sum(akt_b * kf_b, axis=1)
-        dk_b = tl.dot(tl.trans(dQKq), q_b, input_precision=PREC) + b_c[:, None] * ak_b + akt_b
-        dk_b += be[:, None] * dbk_b + f[:, None] * dkt_b
-        store_tile(dk, dk_b, t0, rc, valid, h, H, K, kc)
-        skt += tl.sum(dkt_b * kf_b, axis=1)
-        sbk += tl.sum(dbk_b * kf_b, axis=1)
-    rho *= r_k
-    sbk *= r_k
-    skt *= f * r_k
-    # (q_n: r_q of the row sum)
-    de = de * r_q + b_c * sbk
-    tl.store(dbeta + tok * H + h, tl.load(dbp + row0 + rc) + rho + e * sbk, mask=valid)
-    # K~ = f k, decay = exp(G_last); G = cumsum(g)
-    dG_last = tl.sum(skt, axis=0) + tl.load(ddecay + bh * N + n).to(tl.float32) * tl.exp(G_last)
-    dG = tl.load(dGp + row0 + rc) + e * de + b_c * rho - kappa * r_k - skt + tl.where(rc == C - 1, dG_last, 0.0)
-    dg_c = tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG  # the reverse cumsum of dG; 0 where g was floored
-    floored = tl.load(g + tok * H + h, mask=valid, other=0.0).to(tl.float32) <= FLOOR
-    tl.store(dg + tok * H + h, tl.where(floored, 0.0, dg_c), mask=valid)
+        dq_b = tl.dot(pq, k_b, input_precision=PREC)
+        dk_b = tl.dot(tl.trans(pqt), q_b, input_precision=PREC) + tl.dot(pa, k_b, input_precision=PREC)
+        for e in tl.range(HP, disable_licm=True):
+            h = h0 + e
+            at = row0 + e * Tp
+            G, G_last = chunk_gates(g, tok, valid, h, H)
+            ev = tl.exp(G)
+            b_c = tl.load(beta + tok * H + h, mask=valid, other=0.0).to(tl.float32)
+            dqt_b = load_tile(dqt, at, rc, rc < C, 0, 1, K, kc).to(tl.float32)
+            dkt_b = load_tile(dkt, at, rc, rc < C, 0, 1, K, kc).to(tl.float32)
+            dbk_b = load_tile(dbk, at, rc, rc < C, 0, 1, K, kc).to(tl.float32)
+            dq_b += ev[:, None] * dqt_b
+            dk_b += (b_c * ev)[:, None] * dbk_b + tl.exp(G_last - G)[:, None] * dkt_b
+            out = sums + (((bh0 + e) * NK + kb) * 3 * Tp + n * C) + rc
+            tl.store(out, tl.sum(dqt_b * q_b.to(tl.float32), axis=1))
+            tl.store(out + Tp, tl.sum(dbk_b * k_b.to(tl.float32), axis=1))
+            tl.store(out + 2 * Tp, tl.sum(dkt_b * k_b.to(tl.float32), axis=1))
+        store_tile(dq, dq_b, t0, rc, valid, h0 // HP, H // HP, K, kc)
+        store_tile(dk, dk_b, t0, rc, valid, h0 // HP, H // HP, K, kc)
+    tl.debug_barrier()  # the row sums and the updated dGp, dbp were stored by other threads of the program
+    for e in tl.range(HP, disable_licm=True):
+        h = h0 + e
+        at = row0 + e * Tp + rc
+        de = tl.zeros([C], dtype=tl.float32)
+        sbk = tl.zeros([C], dtype=tl.float32)
+        skt = tl.zeros([C], dtype=tl.float32)
+        for kb in range(NK):
+            part = sums + (((bh0 + e) * NK + kb) * 3 * Tp + n * C) + rc
+            de += tl.load(part)
+            sbk += tl.load(part + Tp)
+            skt += tl.load(part + 2 * Tp)
+        G, G_last = chunk_gates(g, tok, valid, h, H)
+        ev = tl.exp(G)
+        b_c = tl.load(beta + tok * H + h, mask=valid, other=0.0).to(tl.float32)
+        sbk *= r_k
+        skt *= tl.exp(G_last - G) * r_k
+        de = de * r_q + b_c * sbk
+        tl.store(dbeta + tok * H + h, tl.load(dbp + at) + ev * sbk, mask=valid)
+        # K~ = f k, decay = exp(G_last); G = cumsum(g)
+        dG_last = tl.sum(skt, axis=0) + tl.load(ddecay + (bh0 + e) * N + n).to(tl.float32) * tl.exp(G_last)
+        dG = tl.load(dGp + at) + ev * de - skt + tl.where(rc == C - 1, dG_last, 0.0)
+        dg_c = tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG  # the reverse cumsum of dG; 0 where g was floored
+        floored = tl.load(g + tok * H + h, mask=valid, other=0.0).to(tl.float32) <= FLOOR
+        tl.store(dg + tok * H + h, tl.where(floored, 0.0, dg_c), mask=valid)
 
 
 def _meta(ch: Chunking, K: int, V: int, G: int, L: int | None, dt: torch.dtype, norm: bool) -> dict:
@@ -430,10 +460,11 @@ def _meta(ch: Chunking, K: int, V: int, G: int, L: int | None, dt: torch.dtype, 
 # per kernel: the widest key block (sm_90, triton 3.6, benchmarks/profiling/compile_sm90.py; warps and stages:
 # shared/launch.py). Whole 128-column key blocks halve the inverse's Gram products (16-bit operands only); the
 # forward and the [C, C] backward take 64 (at 128 the forward spills 256 B at 4 warps; the [C, C] backward at 4
-# warps ran 4.0 ms at 64 against 4.4 at 128 on the H200 at 32K) and the key backward 32 (its four [C, C] x [C, BK]
-# products per block spill 260-300 B at 64) (benchmarks/profiling/tune_gdn_local.py times other choices on a GPU).
+# warps ran 4.0 ms at 64 against 4.4 at 128 on the H200 at 32K); the key backward 128 at 8 warps (plain GDN at 32K on
+# the H200: 15.6 ms forward + backward against 15.9 at 32 with 4 warps and 16.5 at 64 with 8; fp32's 64 spills 800 B)
+# (benchmarks/profiling/tune_gdn_local.py times other choices on a GPU).
 KEY_BLOCK = {"_chunk_inverse_kernel": 128, "_chunk_local_kernel": 64, "_chunk_local_bwd_cc_kernel": 64,
-             "_chunk_local_bwd_k_kernel": 32}
+             "_chunk_local_bwd_k_kernel": 128}
 
 
 def kernel_meta(kernel, meta: dict) -> dict:
@@ -442,12 +473,13 @@ def kernel_meta(kernel, meta: dict) -> dict:
     return {n: x for n, x in dict(meta, BK=BK, NK=triton.cdiv(meta["K"], BK)).items() if n in kernel.arg_names}
 
 
-def _launch(kernel, ch: Chunking, meta: dict, *tensors: torch.Tensor, chunks: tuple[int, int] | None = None) -> None:
-    """kernel over the chunks i0 .. i1 - 1 (chunks; None: all) of every head row, heads varying fastest
-    (_chunk_program)."""
+def _launch(kernel, ch: Chunking, meta: dict, *tensors: torch.Tensor, chunks: tuple[int, int] | None = None,
+            HP: int = 1) -> None:
+    """kernel over the chunks i0 .. i1 - 1 (chunks; None: all) of every head row, heads varying fastest in units of
+    HP (_chunk_program)."""
     i0, i1 = chunks or (0, ch.N)
-    kernel[((i1 - i0) * ch.BH,)](*tensors, **kernel_meta(kernel, dict(meta, n0=i0, NS=i1 - i0)),
-                                 **launch_options(kernel))
+    kernel[((i1 - i0) * ch.BH // HP,)](*tensors, **kernel_meta(kernel, dict(meta, n0=i0, NS=i1 - i0, HP=HP)),
+                                       **launch_options(kernel))
 
 
 class ChunkLocal(torch.autograd.Function):
@@ -494,9 +526,11 @@ class ChunkLocal(torch.autograd.Function):
         up = [torch.zeros(s, dtype=d, device=dev) if x is None else x.contiguous()
               for x, (s, d) in zip((do, dqt, dwt, dkt, du, ddecay), like)]
         f32 = torch.float32
-        # written once, in the inputs' dtypes; dq, dk per value head in the operand dtype (summed over each q/k
-        # group in fp32)
-        dq, dk = alloc((b, T, H, K), dt, dev), alloc((b, T, H, K), dt, dev)
+        # written once, in the inputs' dtypes; dq, dk as the key backward's sums over HP heads of a q/k group (in
+        # the operand dtype when that is a whole group, else fp32 and summed over each group here)
+        HP = heads_per_program(ch.BH // H * ch.N, H, G)
+        part = (b, T, H // HP, K), dt if HP == H // G else torch.float32
+        dq, dk = alloc(*part, dev), alloc(*part, dev)
         dv, dg, dbeta = alloc(v.shape, v.dtype, dev), alloc(g.shape, g.dtype, dev), alloc(beta.shape, beta.dtype, dev)
         dlam = None if plain else torch.zeros_like(lam)  # levels > c: the scan's part
         scratch = alloc((ch.BH * ch.N, 2, ch.C, ch.C), dt, dev)
@@ -506,8 +540,9 @@ class ChunkLocal(torch.autograd.Function):
         meta = _meta(ch, K, V, G, L, dt, ctx.norm)
         _launch(_chunk_local_bwd_cc_kernel, ch, meta, v, g, beta, g if plain else lam, tg, qkg, wt, u, do, dqt, dwt,
                 du, dv, dv if plain else dlam, scratch, dGp, dbp, dbk)
-        _launch(_chunk_local_bwd_k_kernel, ch, meta, q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbp, dbk, dq, dk,
-                dg, dbeta)
+        sums = alloc((ch.BH, kernel_meta(_chunk_local_bwd_k_kernel, meta)["NK"], 3, ch.Tp), f32, dev)
+        _launch(_chunk_local_bwd_k_kernel, ch, meta, q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbp, dbk, sums, dq,
+                dk, dg, dbeta, HP=HP)
         dq, dk = group_sum(dq, G, 2), group_sum(dk, G, 2)
         if ctx.norm:
             dq, dk = l2norm_backward(q, dq), l2norm_backward(k, dk)

@@ -87,7 +87,7 @@ LAUNCH: dict[str, Launch] = {
     "_chunk_inverse_kernel": Launch(4, 2),
     "_chunk_local_kernel": Launch(4, 2),
     "_chunk_local_bwd_cc_kernel": Launch(4, 1),
-    "_chunk_local_bwd_k_kernel": Launch(4, 2),
+    "_chunk_local_bwd_k_kernel": Launch(8, 2),
     # Gated DeltaNet, Fenwick delta scan
     "_scan_fwd_kernel": Launch(8, 2, plain=(4, 3)),
     "_scan_readout_kernel": Launch(8, 2),
