@@ -80,8 +80,11 @@ def _compare_plain(x64, state64=None, cu_seqlens=None):
         _plain(x64), state64, tol=RTOL, grad_tol=10 * RTOL)
 
 
+# One token: every output is a single q.k, which random inputs now and then make cancel (|q.k| << sum |q_i k_i|),
+# so that fp32 misses the relative tolerance on the kernels' correct result; with B = 2 and G = 2 four independent
+# products share the norm-wise error (a B = 1, G = 1 draw fails about once in several hundred).
 @pytest.mark.parametrize("B, T, G, H, K, V, start", [
-    (1, 1, 1, 2, 8, 4, 0),  # one token
+    (2, 1, 2, 4, 8, 4, 0),  # one token (B = 2, G = 2: above)
     (2, 21, 1, 2, 16, 16, 0),  # T not a multiple of the chunk, B > 1, G < H
     (1, 40, 1, 2, 20, 24, 13),  # a state at an unaligned position; K, V not powers of two
 ])
@@ -105,7 +108,7 @@ def _no_fallback(*args, **kwargs):
     "B, T, G, H, K, V, chunk",
     [
         (2, 37, 1, 2, 8, 5, 16),  # T not a multiple of the chunk, B > 1
-        (1, 1, 1, 2, 8, 4, 16),  # one token
+        (2, 1, 2, 4, 8, 4, 16),  # one token (B = 2, G = 2: see the plain calls' cases)
         (1, 70, 2, 4, 20, 24, 16),  # GQA, K and V not powers of two, 5 chunks
         (1, 40, 1, 1, 16, 16, 4),  # chunk sizes below 16 run at 16: same result
         (1, 19, 1, 1, 256, 8, 16),  # K = 256: four K blocks in the chunk-local kernels, [256, 16] scan tiles

@@ -47,10 +47,13 @@ def _compare(x, *, dtype=torch.float32, state=None, cu_seqlens=None, chunk_size=
     )
 
 
+# One token: every output is a single q.k, which random inputs now and then make cancel (|q.k| << sum |q_i k_i|),
+# so that fp32 misses the relative tolerance on the kernels' correct result; with B = 2 and G = 2 four independent
+# products share the norm-wise error (a B = 1, G = 1 draw fails about once in several hundred).
 @pytest.mark.parametrize(
     "B, T, G, H, K, V",
     [
-        (1, 1, 1, 2, 8, 5),  # one token
+        (2, 1, 2, 4, 8, 5),  # one token (B = 2, G = 2: above)
         (2, 37, 1, 2, 16, 16),  # T not a multiple of the chunk, B > 1
         (1, 64, 2, 4, 8, 5),  # aligned T, GQA (G < H), K/V not powers of two
         (1, 100, 1, 3, 16, 8),  # more chunk levels
@@ -80,7 +83,7 @@ def _compare_plain(x, *, state=None, cu_seqlens=None, dtype=torch.float32, tol=F
 @pytest.mark.parametrize(
     "B, T, G, H, K, V, start",
     [
-        (1, 1, 1, 2, 8, 5, 0),  # one token
+        (2, 1, 2, 4, 8, 5, 0),  # one token (B = 2, G = 2: see test_kernels_match_reference)
         (2, 37, 2, 4, 16, 16, 0),  # T not a multiple of the chunk, B > 1, G < H
         (2, 50, 1, 2, 40, 24, 13),  # a state at an unaligned position; K, V split over programs
     ],
