@@ -318,9 +318,9 @@ def test_chunk_local_kernels_match_torch_form(K, V, dtype, rtol, norm, plain):
 ])
 def test_key_backward_sums_a_groups_heads(K, G, H, heads, norm, plain, monkeypatch):
     """The key backward with ``heads`` value heads per program: dq / dk summed over them, dg / dbeta per head."""
-    from loglinear.ops.triton.gated_deltanet import local
+    from loglinear.ops.triton.shared import launch
 
-    monkeypatch.setattr(local, "heads_per_program", lambda rows, H, G: heads)
+    monkeypatch.setattr(launch, "heads_per_program", lambda rows, H, G, per_head=False: heads)
     _check_chunk_local(K, 12, torch.float32, RTOL, norm, plain, G=G, H=H)
 
 

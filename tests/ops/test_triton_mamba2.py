@@ -127,7 +127,9 @@ def test_group_heads_summed_in_the_kernels(G, H, heads, plain, monkeypatch, no_t
     """dq / dk summed over ``heads`` value heads per program inside the dq and dk / dv kernels: a whole group per
     program (its sum in q's dtype) or part of one (fp32 parts summed after), with the gate's gradient from the
     per-head terms (q.dQ from dlambda's columns, k.dK = v.dV); varlen, states at aligned and unaligned positions."""
-    monkeypatch.setattr(M, "heads_per_program", lambda rows, H, G, per_head=False: 1 if per_head else heads)
+    from loglinear.ops.triton.shared import launch
+
+    monkeypatch.setattr(launch, "heads_per_program", lambda rows, H, G, per_head=False: 1 if per_head else heads)
     cu = torch.tensor([0, 37, 100])
     x = mamba2_args(make_inputs(1, 100, G, H, 16, 8))
     if plain:

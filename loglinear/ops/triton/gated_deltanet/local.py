@@ -57,7 +57,7 @@ from loglinear.ops.triton.shared.common import alloc, group_sum, next_pow2
 from loglinear.ops.triton.shared.intra import (
     FLOOR, chunk_gates, decay_matrix, intra_levels, level_weights, store_level_sums,
 )
-from loglinear.ops.triton.shared.launch import heads_per_program, launch_options
+from loglinear.ops.triton.shared.launch import group_parts, launch_options
 from loglinear.ops.triton.shared.rules import dot_dtype, dot_precision
 from loglinear.ops.triton.shared.tiles import load_tile, store_tile
 
@@ -526,11 +526,10 @@ class ChunkLocal(torch.autograd.Function):
         up = [torch.zeros(s, dtype=d, device=dev) if x is None else x.contiguous()
               for x, (s, d) in zip((do, dqt, dwt, dkt, du, ddecay), like)]
         f32 = torch.float32
-        # written once, in the inputs' dtypes; dq, dk as the key backward's sums over HP heads of a q/k group (in
-        # the operand dtype when that is a whole group, else fp32 and summed over each group here)
-        HP = heads_per_program(ch.BH // H * ch.N, H, G)
-        part = (b, T, H // HP, K), dt if HP == H // G else torch.float32
-        dq, dk = alloc(*part, dev), alloc(*part, dev)
+        # written once, in the inputs' dtypes; dq, dk as the key backward's sums over HP heads of a q/k group
+        # (group_parts; summed over each group below)
+        HP, dq = group_parts(ch.BH // H * ch.N, (b, T), H, G, K, dt, dev)
+        _, dk = group_parts(ch.BH // H * ch.N, (b, T), H, G, K, dt, dev)
         dv, dg, dbeta = alloc(v.shape, v.dtype, dev), alloc(g.shape, g.dtype, dev), alloc(beta.shape, beta.dtype, dev)
         dlam = None if plain else torch.zeros_like(lam)  # levels > c: the scan's part
         scratch = alloc((ch.BH * ch.N, 2, ch.C, ch.C), dt, dev)

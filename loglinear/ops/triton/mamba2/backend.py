@@ -16,11 +16,12 @@ Composition (all sequences of a call in one launch per kernel):
      scan (bwd.py) only the transposed cascade, giving every deposit's gradient; a last chunk
      kernel dk and dv (in-chunk + deposit terms) and the gate gradient's chunk parts (q.dq - k.dk per row and
      chunk totals; _gate_grad sums each row's later rows and chunks). The dk / dv kernel (and the plain path's dq
-     kernel) sums a q/k group's heads in registers, several heads per program (_group_sums); the log-linear dq kernel
-     and a per-channel gate's kernels write dq / dk per value head in the operand dtype, summed over the group in
-     fp32 here. Memory: the backward drops the buckets after the dq kernel (their only reader there; a second
-     backward recomputes them) and the deposits' gradients once read: at most one [NC, H, K, V] buffer and one
-     [tokens, H, K] gradient are alive at a time (the peak: dD and dv during the dk / dv kernel; docs/kernels.md);
+     kernel) sums a q/k group's heads in registers, several heads per program (shared.launch.group_parts); the
+     log-linear dq kernel and a per-channel gate's kernels write dq / dk per value head in the operand dtype, summed
+     over the group in fp32 here. Memory: the backward drops the buckets after the dq kernel (their only reader
+     there; a second backward recomputes them) and the deposits' gradients once read: at most one [NC, H, K, V]
+     buffer and one [tokens, H, K] gradient are alive at a time (the peak: dD and dv during the dk / dv kernel;
+     docs/kernels.md);
   4. the final state = the last chunk's in-chunk buckets (torch, differentiable) + the scan's chunk levels.
 
 A plain call (level_scales None: plain Mamba-2 / SSD, lambda = 1, a one-level state) runs the same kernels with
@@ -65,7 +66,7 @@ from loglinear.ops.triton.shared.heads import min_head_dim, run_padded
 from loglinear.ops.triton.shared.intra_channel import (
     KEY_BLOCK, SUB_CHUNK, channel_cumsum_kernel, channel_dk_kernel, channel_dq_kernel, channel_scores_kernel,
 )
-from loglinear.ops.triton.shared.launch import heads_per_program, launch_options
+from loglinear.ops.triton.shared.launch import group_parts, launch_options
 from loglinear.ops.triton.shared.rules import dot_precision, kernel_chunk_size
 from loglinear.state import FenwickState
 from loglinear.tables import cached_table, device_table, table_cache
@@ -218,18 +219,8 @@ def _zero_prefixes(plan: LevelScanPlan, *xs: torch.Tensor) -> None:
             x[a:b] = 0
 
 
-def _group_sums(rows: int, q: torch.Tensor, v: torch.Tensor, per_head: bool) -> tuple[int, torch.Tensor]:
-    """The heads per program HP of the dq or dk / dv kernel (shared.launch.heads_per_program; per_head: HP = 1) and
-    its output [tokens, H / HP, K], each program's sum over its heads: in q's dtype when that is one head or a whole
-    group, else fp32 (summed again per group by _group_grad)."""
-    (tokens, H), G = v.shape[:2], q.shape[1]
-    HP = heads_per_program(rows, H, G, per_head=per_head)
-    dtype = q.dtype if HP in (1, H // G) else torch.float32
-    return HP, alloc((tokens, H // HP, q.shape[-1]), dtype, q.device)
-
-
 def _group_grad(x: torch.Tensor, groups: int, plan: LevelScanPlan, dtype: torch.dtype) -> torch.Tensor:
-    """The kernels' sums over parts of each group x [tokens, S * groups, K] (_group_sums) -> [tokens, groups, K] in
+    """The kernels' sums over parts of each group x [tokens, S * groups, K] (group_parts) -> [tokens, groups, K] in
     ``dtype``: the torch prefixes' rows zeroed, a group's S parts summed in fp32 (x itself when S = 1)."""
     _zero_prefixes(plan, x)
     return group_sum(x, groups, 1).to(dtype)
@@ -416,7 +407,8 @@ def _dq_grads(q, k, v, gate, lam, d_o, ranges, buckets, scores, saved: _Saved, p
     Q * exp(G) [tokens, H, K] (q's dtype, per value head), else q."""
     (tokens, H), K, L, table = v.shape[:2], q.shape[-1], lam.shape[-1], saved.table
     # per head with a per-channel gate (its gate term), and with levels (shared.launch: measured slower summed)
-    HP, dq = _group_sums(table.starts.numel(), q, v, per_head=plan.per_channel or not plan.plain)
+    HP, dq = group_parts(table.starts.numel(), (tokens,), H, q.shape[1], K, q.dtype, q.device,
+                         per_head=plan.per_channel or not plan.plain)
     dlam = alloc(tuple(lam.shape), lam.dtype, q.device) if not plan.plain else gate  # never written when plain
     qdq = alloc(_gate_shape(plan, tokens, H, K), torch.float32, q.device)
     q_dec = alloc((tokens, H, K), q.dtype, q.device) if plan.per_channel else q  # a scalar gate: never written
@@ -486,7 +478,8 @@ def _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, d_gate, final
     dv [tokens, H, V] (v's dtype), dg [tokens, H] ([tokens, H, K] per channel) in g's dtype (_gate_grad; g: the
     call's gate)."""
     H, K, NC = v.shape[1], k.shape[-1], table.starts.numel()
-    (HP, dk), dv = _group_sums(NC, k, v, per_head=plan.per_channel), alloc(tuple(v.shape), v.dtype, v.device)
+    HP, dk = group_parts(NC, v.shape[:1], H, k.shape[1], K, k.dtype, k.device, per_head=plan.per_channel)
+    dv = alloc(tuple(v.shape), v.dtype, v.device)
     totals = alloc(_gate_shape(plan, NC, H, K), torch.float32, k.device)
     if NC:
         mamba2_chunk_bwd_dkv_kernel[(NC * H // HP,)](

@@ -45,7 +45,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loglinear.ops.triton.shared.common import interpreting
+import torch
+
+from loglinear.ops.triton.shared.common import alloc, interpreting
 
 INTERPRETER = {"num_warps": 1, "num_stages": 1}
 WIDE_STATE_TILE = 128 * 32  # state-tile elements above which a kernel with wide_warps takes them
@@ -126,3 +128,12 @@ def heads_per_program(rows: int, heads: int, groups: int, per_head: bool = False
         return 1
     fits = [d for d in range(1, group + 1) if group % d == 0 and rows * heads // d >= CHUNK_PROGRAMS]
     return max(fits, default=1)
+
+
+def group_parts(rows: int, lead: tuple[int, ...], heads: int, groups: int, K: int, dtype: torch.dtype,
+                device: torch.device, per_head: bool = False) -> tuple[int, torch.Tensor]:
+    """The heads per program HP of a group-summing chunk kernel (heads_per_program) and its output
+    [*lead, heads / HP, K], each program's sum over its heads: in dtype when that is one head or a whole group, else
+    fp32 (summed again per group after the kernel, common.group_sum)."""
+    HP = heads_per_program(rows, heads, groups, per_head)
+    return HP, alloc((*lead, heads // HP, K), dtype if HP in (1, heads // groups) else torch.float32, device)
