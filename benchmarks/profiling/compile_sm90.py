@@ -227,7 +227,7 @@ def gdn_local_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, norm: 
     f32 = "*fp32"
     meta = local._meta(Chunking(b=2, T=8192, H=48, front=0, C=C), K, V, 1, None if plain else 18, dtype, norm)
     HP = heads_per_program(2 * meta["N"], 48, 1)  # the key backward's heads per program (fp32 sums below a group)
-    sums = P if HP == 48 else f32
+    parts = P if HP == 48 else f32
     runtime = dict(T="i32", front="i32", Tp="i32", N="i32", H="i32", NG="i32", L="i32", eps="fp32", n0="i32",
                    NS="i32")
     pointers = [
@@ -235,16 +235,17 @@ def gdn_local_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, norm: 
         (local._chunk_local_kernel, dict(q=P, k=P, v=P, g=P, beta=P, lam=P, tg=P, o=f32, qt=P, wt=P, kt=P, u=P,
                                          qkg=P, decay=f32)),
         (local._chunk_local_bwd_cc_kernel, dict(v=P, g=P, beta=P, lam=P, tg=P, qkg=P, wt=P, u=P, do=f32, dqt=P,
-                                                dwt=P, du=P, dv=P, dlam=P, scratch=P, dGp=f32, dbp=f32, dbk=P)),
+                                                dwt=P, du=P, dv=P, dlam=P, scratch=P, dGp=f32, dbp=f32, dbk=P,
+                                                Gs=f32)),
         (local._chunk_local_bwd_k_kernel, dict(q=P, k=P, g=P, beta=P, dqt=P, dkt=P, ddecay=f32, scratch=P, dGp=f32,
-                                               dbp=f32, dbk=P, sums=f32, dq=sums, dk=sums, dg=P, dbeta=P)),
+                                               dbp=f32, dbk=P, Gs=f32, dq=parts, dk=parts, dg=P, dbeta=P)),
     ]
     out = []
     for kernel, sig in pointers:
         args = local.kernel_meta(kernel, dict(meta, n0=0, NS=meta["N"], HP=HP))
         sig = dict(sig, **{n: runtime.get(n, "constexpr") for n in args})
         const = {n: x for n, x in args.items() if n not in runtime}
-        out.append(report(kernel, sig, const, **launch_options(kernel)))
+        out.append(report(kernel, sig, const, **launch_options(kernel, heads=HP)))
     return out
 
 

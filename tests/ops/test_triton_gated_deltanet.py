@@ -324,6 +324,24 @@ def test_key_backward_sums_a_groups_heads(K, G, H, heads, norm, plain, monkeypat
     _check_chunk_local(K, 12, torch.float32, RTOL, norm, plain, G=G, H=H)
 
 
+def test_key_backward_launch_follows_heads_per_program(monkeypatch):
+    """On a GPU the key backward takes its one-head launch when a program has one head (G = H), the group launch
+    otherwise; a kernel without a one-head launch keeps its own at one head."""
+    from loglinear.ops.triton.gated_deltanet import local
+    from loglinear.ops.triton.shared import launch
+
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    config = launch.LAUNCH["_chunk_local_bwd_k_kernel"]
+    one = {"num_warps": config.one_head[0], "num_stages": config.one_head[1]}
+    group = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    assert one != group
+    assert launch.launch_options(local._chunk_local_bwd_k_kernel, heads=1) == one
+    assert launch.launch_options(local._chunk_local_bwd_k_kernel, heads=48) == group
+    inverse = launch.LAUNCH["_chunk_inverse_kernel"]
+    assert launch.launch_options(local._chunk_inverse_kernel, heads=1) == {"num_warps": inverse.num_warps,
+                                                                           "num_stages": inverse.num_stages}
+
+
 def _check_chunk_local(K, V, dtype, rtol, norm, plain, G, H):
     b, T, L = 2, 37, 7
     ch = Chunking(b, T, H, front=5, C=16)  # 3 chunks: 5 padding tokens in front, 6 behind

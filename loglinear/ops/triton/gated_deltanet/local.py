@@ -268,7 +268,7 @@ def _cc_tile(ptr, i, rc, C: tl.constexpr):
 @triton.jit
 def _chunk_local_bwd_cc_kernel(
     v, g, beta, lam, tg, qkg, wt, u, do, dqt, dwt, du,
-    dv, dlam, scratch, dGp, dbp, dbk,
+    dv, dlam, scratch, dGp, dbp, dbk, Gs,
     T, front, Tp, N, H, L,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
     BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr, PLAIN: tl.constexpr,
@@ -278,7 +278,8 @@ def _chunk_local_bwd_cc_kernel(
     do: [BH, Tp, V] fp32, du: [BH, Tp, V], dqt, dwt: [BH, Tp, K] (operand dtype).  Outputs (valid tokens
     only, any float dtype): dv: [b, T, H, V], dlam: [b, T, H, L] (levels 0..c); for part 2: scratch
     [BH N, 2, C, C] (operand dtype) = dQK * Gamma, dA * Gamma, dGp and dbp [BH, Tp] fp32 (the parts of dG
-    and dbeta without q and k) and dbk = T^T dW [BH, Tp, K] (operand dtype; the gradient of bk).
+    and dbeta without q and k), dbk = T^T dW [BH, Tp, K] (operand dtype; the gradient of bk) and the chunk-local
+    cumsum G [BH, Tp] fp32.
     With P = (QK T) * beta_s * Lambda, M = QK T, QK = (Q K^T) * Gamma, bk = beta e K, bv = beta V, so that
     W~ = T bk and u = T bv:
 
@@ -331,6 +332,7 @@ def _chunk_local_bwd_cc_kernel(
         X += tl.dot(dbk_b, tl.trans(w_b), input_precision=PREC)
     # QK = QKraw * Gamma, A = strict(beta_t Gamma KK): Gamma's factors of dQK and dA (part 2 adds beta_t, KK)
     G = chunk_gates(g, tok, valid, h, H)[0]
+    tl.store(Gs + row0 + rc, G)
     gamma = decay_matrix(G, causal)
     dGg = tl.where(causal, dQK * qk.to(tl.float32), 0.0)
     tl.store(dGp + row0 + rc, tl.sum(dGg, axis=1) - tl.sum(dGg, axis=0))
@@ -342,7 +344,7 @@ def _chunk_local_bwd_cc_kernel(
 
 @triton.jit
 def _chunk_local_bwd_k_kernel(
-    q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbp, dbk, sums,
+    q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbp, dbk, Gs,
     dq, dk, dg, dbeta,
     T, front, Tp, N, H, NG, eps,
     K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, HP: tl.constexpr, PREC: tl.constexpr,
@@ -350,12 +352,11 @@ def _chunk_local_bwd_k_kernel(
 ):
     """Backward, part 2, chunk n of the HP value heads h0 .. h0 + HP - 1 of one q/k group: dQ and dK summed over
     those heads, and per head the terms of dG and dbeta with q and k, from part 1's scratch (dQK * Gamma,
-    dA * Gamma), dGp, dbp and dbk.  Upstream: dqt, dkt: [BH, Tp, K] (operand dtype), ddecay: [BH, N].  Outputs
+    dA * Gamma), dGp, dbp, dbk and G (Gs).  Upstream: dqt, dkt: [BH, Tp, K] (operand dtype), ddecay: [BH, N].  Outputs
     (valid tokens only, any float dtype): dq, dk: [b, T, H / HP, K] (the program's sums; w.r.t. the
     row-normalised q_n, k_n when NORM), dg: [b, T, H] (reverse cumsum of dG, 0 where g <= FLOOR), dbeta:
-    [b, T, H].  dGp and dbp are updated in place; sums: [BH, NK, 3, Tp] fp32 scratch (per key block, each head's
-    row sums of dqt * q, dbk * k, dkt * k).  Per head (Q, K: q_n, k_n with NORM; DQ = dQK * Gamma, DA = dA * Gamma,
-    KK = K K^T):
+    [b, T, H].  With more than one key block, dGp and dbp carry each head's sums from one block to the next (in
+    place).  Per head (Q, K: q_n, k_n with NORM; DQ = dQK * Gamma, DA = dA * Gamma, KK = K K^T):
 
         dQ_h = e dqt + DQ K;   dK_h = DQ^T Q + (beta_t DA) K + (beta_t DA)^T K + beta e dbk + f dkt
         rho = rowsum(DA * KK),  kappa = colsum(beta_t DA * KK);  sbk = rowsum(dbk * K),  de = rowsum(dqt * Q) + beta sbk
@@ -366,8 +367,9 @@ def _chunk_local_bwd_k_kernel(
 
         sum_h dQ_h = sum_h e dqt + SQ K;   sum_h dK_h = SQ^T Q + (SA + SA^T) K + sum_h (beta e dbk + f dkt)
 
-    Three passes: the heads' [C, C] tiles (SQ, SA, rho and kappa into dbp, dGp); the key blocks (each head's [C, BK]
-    tiles of dqt, dbk, dkt, their row sums into sums, then the products); the heads' dbeta and dg.
+    One pass over the heads per key block: each head's tiles (its [C, C] factors in the first block, its [C, BK]
+    tiles of dqt, dbk, dkt) are loaded together, its elementwise terms go into the block's sums, and its row sums
+    (linear in every block's part) into dbeta and dG, finished in the last block; the products follow the pass.
     """
     n, bh0, t0, valid, h0, grp, rc, row0 = _chunk_program(T, front, Tp, H, NG, 0, N, C, HP)
     tok = t0 + rc
@@ -379,10 +381,9 @@ def _chunk_local_bwd_k_kernel(
     SQ = tl.zeros([C, C], dtype=tl.float32)
     SA = tl.zeros([C, C], dtype=tl.float32)
     for e in tl.range(HP, disable_licm=True):  # no tile of the loop body lives across heads
-        h = h0 + e
         at = row0 + e * Tp + rc
         src = scratch + ((bh0 + e) * N + n) * 2 * C * C
-        b_c = tl.load(beta + tok * H + h, mask=valid, other=0.0).to(tl.float32)
+        b_c = tl.load(beta + tok * H + h0 + e, mask=valid, other=0.0).to(tl.float32)
         DA = tl.load(_cc_tile(src, 1, rc, C)).to(tl.float32)
         bDA = b_c[:, None] * DA
         SQ += tl.load(_cc_tile(src, 0, rc, C)).to(tl.float32)
@@ -393,54 +394,49 @@ def _chunk_local_bwd_k_kernel(
     pq = (SQ * r_k[None, :]).to(dt)  # DQ K_n
     pqt = (SQ * r_q[:, None]).to(dt)  # DQ^T Q_n
     pa = ((SA + tl.trans(SA)) * r_k[None, :]).to(dt)  # (beta_t DA + (beta_t DA)^T) K_n
-    for kb in range(NK):
+    tl.debug_barrier()  # the key blocks read the dGp, dbp rows that other threads of the program stored
+    for kb in tl.static_range(NK):
         kc = kb * BK + tl.arange(0, BK)
         q_b = load_tile(q, t0, rc, valid, grp, NG, K, kc).to(dt)
         k_b = load_tile(k, t0, rc, valid, grp, NG, K, kc).to(dt)
-        dq_b = tl.dot(pq, k_b, input_precision=PREC)
-        dk_b = tl.dot(tl.trans(pqt), q_b, input_precision=PREC) + tl.dot(pa, k_b, input_precision=PREC)
+        dq_b = tl.zeros([C, BK], dtype=tl.float32)  # the heads' elementwise terms (the products follow the loop)
+        dk_b = tl.zeros([C, BK], dtype=tl.float32)
         for e in tl.range(HP, disable_licm=True):
             h = h0 + e
-            at = row0 + e * Tp
-            G, G_last = chunk_gates(g, tok, valid, h, H)
-            ev = tl.exp(G)
+            first = row0 + e * Tp  # the head's chunk in the [BH, Tp, *] stage tensors
+            at = first + rc
+            G, G_last = tl.load(Gs + at), tl.load(Gs + first + C - 1)
+            ev, f = tl.exp(G), tl.exp(G_last - G)
             b_c = tl.load(beta + tok * H + h, mask=valid, other=0.0).to(tl.float32)
-            dqt_b = load_tile(dqt, at, rc, rc < C, 0, 1, K, kc).to(tl.float32)
-            dkt_b = load_tile(dkt, at, rc, rc < C, 0, 1, K, kc).to(tl.float32)
-            dbk_b = load_tile(dbk, at, rc, rc < C, 0, 1, K, kc).to(tl.float32)
+            dqt_b = load_tile(dqt, first, rc, rc < C, 0, 1, K, kc).to(tl.float32)
+            dkt_b = load_tile(dkt, first, rc, rc < C, 0, 1, K, kc).to(tl.float32)
+            dbk_b = load_tile(dbk, first, rc, rc < C, 0, 1, K, kc).to(tl.float32)
+            db = tl.load(dbp + at)
+            dG = tl.load(dGp + at)
             dq_b += ev[:, None] * dqt_b
-            dk_b += (b_c * ev)[:, None] * dbk_b + tl.exp(G_last - G)[:, None] * dkt_b
-            out = sums + (((bh0 + e) * NK + kb) * 3 * Tp + n * C) + rc
-            tl.store(out, tl.sum(dqt_b * q_b.to(tl.float32), axis=1))
-            tl.store(out + Tp, tl.sum(dbk_b * k_b.to(tl.float32), axis=1))
-            tl.store(out + 2 * Tp, tl.sum(dkt_b * k_b.to(tl.float32), axis=1))
+            dk_b += (b_c * ev)[:, None] * dbk_b + f[:, None] * dkt_b
+            # this block's share of the row sums (each a sum over key channels)
+            sbk = tl.sum(dbk_b * k_b.to(tl.float32), axis=1) * r_k
+            skt = tl.sum(dkt_b * k_b.to(tl.float32), axis=1) * f * r_k
+            de = tl.sum(dqt_b * q_b.to(tl.float32), axis=1) * r_q + b_c * sbk
+            db += ev * sbk
+            # K~ = f k and the cascade's decay exp(G_last): row C - 1 of dG takes the sum over K~'s rows
+            dG += ev * de - skt + tl.where(rc == C - 1, tl.sum(skt, axis=0), 0.0)
+            if kb < NK - 1:  # carried to the next key block
+                tl.store(dbp + at, db)
+                tl.store(dGp + at, dG)
+            else:
+                tl.store(dbeta + tok * H + h, db, mask=valid)
+                dG += tl.where(rc == C - 1, tl.load(ddecay + (bh0 + e) * N + n).to(tl.float32) * tl.exp(G_last), 0.0)
+                dg_c = tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG  # reverse cumsum of dG; 0 where g was floored
+                floored = tl.load(g + tok * H + h, mask=valid, other=0.0).to(tl.float32) <= FLOOR
+                tl.store(dg + tok * H + h, tl.where(floored, 0.0, dg_c), mask=valid)
+        dq_b += tl.dot(pq, k_b, input_precision=PREC)
+        dk_b += tl.dot(tl.trans(pqt), q_b, input_precision=PREC) + tl.dot(pa, k_b, input_precision=PREC)
         store_tile(dq, dq_b, t0, rc, valid, h0 // HP, H // HP, K, kc)
         store_tile(dk, dk_b, t0, rc, valid, h0 // HP, H // HP, K, kc)
-    tl.debug_barrier()  # the row sums and the updated dGp, dbp were stored by other threads of the program
-    for e in tl.range(HP, disable_licm=True):
-        h = h0 + e
-        at = row0 + e * Tp + rc
-        de = tl.zeros([C], dtype=tl.float32)
-        sbk = tl.zeros([C], dtype=tl.float32)
-        skt = tl.zeros([C], dtype=tl.float32)
-        for kb in range(NK):
-            part = sums + (((bh0 + e) * NK + kb) * 3 * Tp + n * C) + rc
-            de += tl.load(part)
-            sbk += tl.load(part + Tp)
-            skt += tl.load(part + 2 * Tp)
-        G, G_last = chunk_gates(g, tok, valid, h, H)
-        ev = tl.exp(G)
-        b_c = tl.load(beta + tok * H + h, mask=valid, other=0.0).to(tl.float32)
-        sbk *= r_k
-        skt *= tl.exp(G_last - G) * r_k
-        de = de * r_q + b_c * sbk
-        tl.store(dbeta + tok * H + h, tl.load(dbp + at) + ev * sbk, mask=valid)
-        # K~ = f k, decay = exp(G_last); G = cumsum(g)
-        dG_last = tl.sum(skt, axis=0) + tl.load(ddecay + (bh0 + e) * N + n).to(tl.float32) * tl.exp(G_last)
-        dG = tl.load(dGp + at) + ev * de - skt + tl.where(rc == C - 1, dG_last, 0.0)
-        dg_c = tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG  # the reverse cumsum of dG; 0 where g was floored
-        floored = tl.load(g + tok * H + h, mask=valid, other=0.0).to(tl.float32) <= FLOOR
-        tl.store(dg + tok * H + h, tl.where(floored, 0.0, dg_c), mask=valid)
+        if kb < NK - 1:
+            tl.debug_barrier()  # the next block reads the dGp, dbp rows that other threads of the program stored
 
 
 def _meta(ch: Chunking, K: int, V: int, G: int, L: int | None, dt: torch.dtype, norm: bool) -> dict:
@@ -479,7 +475,7 @@ def _launch(kernel, ch: Chunking, meta: dict, *tensors: torch.Tensor, chunks: tu
     HP (_chunk_program)."""
     i0, i1 = chunks or (0, ch.N)
     kernel[((i1 - i0) * ch.BH // HP,)](*tensors, **kernel_meta(kernel, dict(meta, n0=i0, NS=i1 - i0, HP=HP)),
-                                       **launch_options(kernel))
+                                       **launch_options(kernel, heads=HP))
 
 
 class ChunkLocal(torch.autograd.Function):
@@ -533,14 +529,13 @@ class ChunkLocal(torch.autograd.Function):
         dv, dg, dbeta = alloc(v.shape, v.dtype, dev), alloc(g.shape, g.dtype, dev), alloc(beta.shape, beta.dtype, dev)
         dlam = None if plain else torch.zeros_like(lam)  # levels > c: the scan's part
         scratch = alloc((ch.BH * ch.N, 2, ch.C, ch.C), dt, dev)
-        dGp, dbp = alloc((ch.BH, ch.Tp), f32, dev), alloc((ch.BH, ch.Tp), f32, dev)
+        dGp, dbp, Gs = (alloc((ch.BH, ch.Tp), f32, dev) for _ in range(3))
         dbk = alloc((ch.BH, ch.Tp, K), dt, dev)
         do, dqt, dwt, dkt, du, ddecay = up
         meta = _meta(ch, K, V, G, L, dt, ctx.norm)
         _launch(_chunk_local_bwd_cc_kernel, ch, meta, v, g, beta, g if plain else lam, tg, qkg, wt, u, do, dqt, dwt,
-                du, dv, dv if plain else dlam, scratch, dGp, dbp, dbk)
-        sums = alloc((ch.BH, kernel_meta(_chunk_local_bwd_k_kernel, meta)["NK"], 3, ch.Tp), f32, dev)
-        _launch(_chunk_local_bwd_k_kernel, ch, meta, q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbp, dbk, sums, dq,
+                du, dv, dv if plain else dlam, scratch, dGp, dbp, dbk, Gs)
+        _launch(_chunk_local_bwd_k_kernel, ch, meta, q, k, g, beta, dqt, dkt, ddecay, scratch, dGp, dbp, dbk, Gs, dq,
                 dk, dg, dbeta, HP=HP)
         dq, dk = group_sum(dq, G, 2), group_sum(dk, G, 2)
         if ctx.norm:
