@@ -317,11 +317,21 @@ def test_chunk_local_kernels_match_torch_form(K, V, dtype, rtol, norm, plain):
     (20, 1, 6, 3, True, True),
 ])
 def test_key_backward_sums_a_groups_heads(K, G, H, heads, norm, plain, monkeypatch):
-    """The key backward with ``heads`` value heads per program: dq / dk summed over them, dg / dbeta per head."""
+    """The key backward with ``heads`` value heads per program: dq / dk summed over them, dg / dbeta per head; its
+    launch config is asked for that many heads (the one-head launch is only for one)."""
+    from loglinear.ops.triton.gated_deltanet import local
     from loglinear.ops.triton.shared import launch
 
     monkeypatch.setattr(launch, "heads_per_program", lambda rows, H, G, per_head=False: heads)
+    asked = []
+
+    def options(kernel, **kw):
+        asked.append((kernel.__name__, kw.get("heads")))
+        return launch.launch_options(kernel, **kw)
+
+    monkeypatch.setattr(local, "launch_options", options)
     _check_chunk_local(K, 12, torch.float32, RTOL, norm, plain, G=G, H=H)
+    assert ("_chunk_local_bwd_k_kernel", heads) in asked
 
 
 def test_key_backward_launch_follows_heads_per_program(monkeypatch):

@@ -367,9 +367,10 @@ def _chunk_local_bwd_k_kernel(
 
         sum_h dQ_h = sum_h e dqt + SQ K;   sum_h dK_h = SQ^T Q + (SA + SA^T) K + sum_h (beta e dbk + f dkt)
 
-    One pass over the heads per key block: each head's tiles (its [C, C] factors in the first block, its [C, BK]
-    tiles of dqt, dbk, dkt) are loaded together, its elementwise terms go into the block's sums, and its row sums
-    (linear in every block's part) into dbeta and dG, finished in the last block; the products follow the pass.
+    Two loops over the heads: their [C, C] tiles (SQ, SA; rho and kappa into dbp, dGp in place), then per key
+    block one pass in which each head's [C, BK] tiles of dqt, dbk, dkt are loaded together, their elementwise
+    terms go into the block's dQ, dK sums and their row sums (linear in each block's part) into that head's dbeta
+    and dG, finished in the last block (dbp, dGp carry them between blocks); the block's products follow the pass.
     """
     n, bh0, t0, valid, h0, grp, rc, row0 = _chunk_program(T, front, Tp, H, NG, 0, N, C, HP)
     tok = t0 + rc

@@ -22,9 +22,10 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
     the forward and the [C, C] backward (255 registers each) run 3, 2 and 2 programs per SM, which hide each
     other's products. The [C, C] backward spills 8 B at 4 warps and none at 8 (one program per SM), yet runs
     4.0 ms per forward + backward at 32K at 4 warps against 7.2 at 8 on the H200. The key backward, summing a
-    group's heads, takes 8 warps (plain Gated DeltaNet at 32K: 15.55 ms per forward + backward against 16.30 at
-    4), but 4 with one head per program (``one_head``; G = H, as in the training models: the op at 12 heads of
-    K = 64, 4 x 16K tokens, 6.32 ms plain and 9.41 log-linear against 6.66 and 9.81 at 8 warps).
+    group's heads, takes 8 warps at key block 128 (plain Gated DeltaNet at 32K: 15.55 ms per forward + backward
+    against 16.30 at 4 warps; 4 warps at key block 32 measured faster, docs/kernels.md's levers), but 4 with one
+    head per program (``one_head``; G = H, as in the training models: the op at 12 heads of K = 64, 4 x 16K
+    tokens, 6.24-6.32 ms plain and 9.33-9.41 log-linear against 6.66-6.68 and 9.81 at 8 warps).
   * Gated DeltaNet scan kernels (gated_deltanet/scan.py): 8 warps for the sequential chains' [K, BV] states (at 4
     they spill 1.3-1.8 KB); on the plain schedule (``plain``: the state in registers, two products per chunk) 4
     warps and three stages: plain Gated DeltaNet 16.73 -> 16.30 ms per forward + backward at 32K, 66.2 -> 64.6 at
