@@ -526,7 +526,7 @@ class ChunkLocal(torch.autograd.Function):
         # written once, in the inputs' dtypes; dq, dk as the key backward's sums over HP heads of a q/k group
         # (group_parts; summed over each group below)
         HP, dq = group_parts(ch.BH // H * ch.N, (b, T), H, G, K, dt, dev)
-        _, dk = group_parts(ch.BH // H * ch.N, (b, T), H, G, K, dt, dev)
+        dk = alloc(dq.shape, dq.dtype, dev)
         dv, dg, dbeta = alloc(v.shape, v.dtype, dev), alloc(g.shape, g.dtype, dev), alloc(beta.shape, beta.dtype, dev)
         dlam = None if plain else torch.zeros_like(lam)  # levels > c: the scan's part
         scratch = alloc((ch.BH * ch.N, 2, ch.C, ch.C), dt, dev)
