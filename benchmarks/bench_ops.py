@@ -9,6 +9,7 @@ named), fla_log_linear, fla_mamba2 / fla_gdn, sdpa_flash.
     python benchmarks/bench_ops.py --T 4096 8192 --impls loglinear fla_mamba2
     python benchmarks/bench_ops.py --check               # also: kernels vs the torch chunk path (fp32), 2^20 tokens
     python benchmarks/bench_ops.py --impls loglinear loglinear_state --name ops-mamba2-state   # incoming-state cost
+    python benchmarks/bench_ops.py --T 4096 2048 --merge   # re-measure two T, keep the file's other rows
 
 Paper setting: B = 2, 48 value heads, one q/k group, K = 128, V = 64, bf16. Forward and forward+backward
 medians (triton.testing.do_bench) and the peak memory of one forward+backward, all impls in one process
@@ -268,9 +269,12 @@ def write_results(rows: list[dict], meta: dict, out: Path, variant: str = "mamba
     name, linear = bench.title, bench.linear
     ratios = [("loglinear", linear), ("loglinear_plain", linear), ("loglinear", "loglinear_plain"),
               ("loglinear_state", "loglinear"), ("loglinear", "fla_log_linear"), ("loglinear", "sdpa_flash")]
-    lines = [f"# Op benchmark, {name} ({meta['gpu']})", "",
-             f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; `{meta['command']}`", "",
-             meta["setting"], "", meta["notes"], ""]
+    runs = meta.get("runs", [])
+    when = (f"{meta['date']}; `{meta['command']}`" if len(runs) < 2 else
+            "; ".join(f"rows at {', '.join(f'{t // 1024}K' for t in r['T'])}: {r['date']}, `{r['command']}`"
+                      for r in runs))
+    lines = [f"# Op benchmark, {name} ({meta['gpu']})", "", f"torch {meta['torch']}, triton {meta['triton']}, {when}",
+             "", meta["setting"], "", meta["notes"], ""]
     for key, title in (("fwdbwd_ms", "forward+backward, ms (median)"), ("fwd_ms", "forward, ms (median)"),
                        ("peak_gib", "peak memory of one forward+backward, GiB")):
         lines += [f"## {title}", "", "| impl | " + " | ".join(f"{t // 1024}K" for t in Ts) + " |",
@@ -294,7 +298,7 @@ def write_results(rows: list[dict], meta: dict, out: Path, variant: str = "mamba
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key in zip(axes, ("fwd_ms", "fwdbwd_ms")):
         for i in impls:
-            pts = [(r["T"], r[key]) for r in rows if r["impl"] == i and r.get(key)]
+            pts = sorted((r["T"], r[key]) for r in rows if r["impl"] == i and r.get(key))
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=i)
         ax.set_xscale("log", base=2)
@@ -307,6 +311,29 @@ def write_results(rows: list[dict], meta: dict, out: Path, variant: str = "mamba
     fig.suptitle(f"{name} ops, B=2 H=48 K=128 V=64 bf16, {meta['gpu']}")
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)
+
+
+def merge_previous(path: Path, meta: dict, Ts: list[int]) -> list[dict]:
+    """--merge: the rows of the result file ``path`` (.json) at the T this run does not measure, so that each T's
+    rows come from one run (its ratios compare impls measured together); meta["runs"] gets the runs they came from
+    and this one ({date, command, T}). Raises ValueError when the file was measured on another GPU, software or
+    setting."""
+    runs = [{"date": meta["date"], "command": meta["command"], "T": sorted(Ts)}]
+    if not path.exists():
+        meta["runs"] = runs
+        return []
+    old = json.loads(path.read_text())
+    differ = [key for key in ("gpu", "torch", "triton", "setting", "notes") if old.get(key) != meta[key]]
+    if differ:
+        raise ValueError(f"--merge: {path} was measured with another {', '.join(differ)} "
+                         f"({'; '.join(str(old.get(key)) for key in differ)})")
+    kept = [r for r in old["rows"] if r["T"] not in Ts]
+    kept_T = {r["T"] for r in kept}
+    earlier = old.get("runs") or [{"date": old["date"], "command": old["command"],
+                                   "T": sorted({r["T"] for r in old["rows"]})}]
+    earlier = [dict(r, T=[t for t in r["T"] if t in kept_T]) for r in earlier]
+    meta["runs"] = [r for r in earlier if r["T"]] + runs
+    return kept
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -513,6 +540,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--name", default=None, help="result file stem (default ops-<variant>; e.g. ops-mamba2-state "
                     "for --impls loglinear loglinear_state)")
+    ap.add_argument("--merge", action="store_true", help="keep the result file's rows at the T this run does not "
+                    "measure (same GPU, versions and setting; the file names each run)")
     ap.add_argument("--profile-T", type=int, default=0, help="profile our kernels at this T (0: no)")
     ap.add_argument("--shape", type=int, nargs=5, metavar=("B", "H", "G", "K", "V"), default=None,
                     help="override the paper setting (B=2, H=48, G=1, K=128, V=64); sdpa_flash uses H x V")
@@ -584,6 +613,12 @@ def main(argv: list[str] | None = None) -> None:
                    + "Median of triton.testing.do_bench.",
         "notes": notes,
     }
+    result = out_dir / f"{args.name or 'ops-' + args.variant}-{gpu}"
+    try:
+        kept = merge_previous(result.with_suffix(".json"), meta, args.T) if args.merge else []
+    except ValueError as e:
+        print(f"bench_ops.py: {e}", file=sys.stderr)
+        sys.exit(2)
     rows = []
     for T in args.T:
         for impl in args.impls:
@@ -598,7 +633,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
             # after every row: a crash or a time limit later keeps what was measured
-            write_results(rows, meta, out_dir / f"{args.name or 'ops-' + args.variant}-{gpu}", args.variant)
+            write_results(kept + rows, meta, result, args.variant)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@
 #                                             #   torch path (bf16, fp32), every variant; `checks mamba2` (~7 min),
 #                                             #   `checks gdn`, `checks gla`: one variant's section
 #   bash benchmarks/run_gpu.sh bench-mamba2   # ~6 min: ops-mamba2-<gpu>.* and the profile at 32K
-#   bash benchmarks/run_gpu.sh bench-gdn      # ~9 min: ops-gdn-<gpu>.*, then profile-gdn-<gpu>.md and
-#                                             #   profile-gdn-plain-<gpu>.md (beside fla's kernels)
+#   bash benchmarks/run_gpu.sh bench-gdn      # ~8 min: ops-gdn-<gpu>.* (8K-128K, then 2K-4K merged in)
+#   bash benchmarks/run_gpu.sh profile-gdn    # ~4 min: profile-gdn-<gpu>.md and profile-gdn-plain-<gpu>.md
+#                                             #   (beside fla's kernels)
 #   bash benchmarks/run_gpu.sh bench-gla      # ~7 min: ops-gla-<gpu>.* (16K-128K, against fla's chunk_gla), the profile at 32K
 #   bash benchmarks/run_gpu.sh state          # ~3 min: ops-{mamba2,gdn}-state-<gpu>.* and profile-state-<gpu>.md
 #                                             #   (calls with an incoming state, and where their cost goes)
@@ -39,7 +40,7 @@
 # /tmp/triton-cache (TRITON_CACHE_DIR; the cache records absolute paths, so the folder is fixed) before the part,
 # and the cache is packed back into it after the part. Unchanged kernels then load instead of compiling.
 set -u
-PART=${1:?usage: run_gpu.sh checks|bench-mamba2|bench-gdn|bench-gla|state|train|convert-fla|decode|mqar|lm|cp-profile|multigpu [extra options]}
+PART=${1:?usage: run_gpu.sh checks|bench-mamba2|bench-gdn|profile-gdn|bench-gla|state|train|convert-fla|decode|mqar|lm|cp-profile|multigpu [extra options]}
 shift
 EXTRA=("$@")
 R=${RESULTS:-/tmp/gpu-results}
@@ -112,9 +113,13 @@ case $PART in
     step 400 bench-mamba2 python benchmarks/bench_ops.py --impls loglinear loglinear_plain fla_mamba2 fla_log_linear \
       sdpa_flash --T $TS --sdpa-max-T 32768 --profile-T 32768 --out "$R" "${EXTRA[@]}"
     ;;
-  bench-gdn)  # fla_gdn compiles for ~2 min on a fresh machine
-    step 420 bench-gdn python benchmarks/bench_ops.py --variant gdn --impls loglinear loglinear_plain fla_gdn \
-      sdpa_flash --T $TS --sdpa-max-T 32768 --out "$R" "${EXTRA[@]}"
+  bench-gdn)  # fla_gdn compiles for ~2 min on a fresh machine: the large T first, the small ones merged in after
+    gdn=(python benchmarks/bench_ops.py --variant gdn --impls loglinear loglinear_plain fla_gdn sdpa_flash
+      --sdpa-max-T 32768 --out "$R")
+    step 400 bench-gdn "${gdn[@]}" --T 131072 65536 32768 16384 8192 "${EXTRA[@]}"
+    step 100 bench-gdn-small "${gdn[@]}" --T 4096 2048 --merge "${EXTRA[@]}"
+    ;;
+  profile-gdn)
     step 150 profile-gdn python benchmarks/profiling/profile_gdn.py --T 32768 131072 --ab --one-stream-ab --out "$R"
     step 150 profile-gdn-plain python benchmarks/profiling/profile_gdn.py --plain --fla --T 32768 --out "$R"
     ;;
@@ -161,7 +166,7 @@ case $PART in
       --long-seq-lens 131072 262144 524288 1048576 --budget 470 --out "$R" "${EXTRA[@]}"
     ;;
   *)
-    echo "unknown part $PART (checks|bench-mamba2|bench-gdn|bench-gla|state|train|convert-fla|decode|mqar|lm|cp-profile|multigpu)" >&2
+    echo "unknown part $PART (checks|bench-mamba2|bench-gdn|profile-gdn|bench-gla|state|train|convert-fla|decode|mqar|lm|cp-profile|multigpu)" >&2
     exit 2
     ;;
 esac

@@ -50,3 +50,31 @@ def test_refusals_are_one_line_and_status_2(bench, capsys, argv, message):
         bench.main(argv)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err and err.count("\n") == 1
+
+
+def test_merge_keeps_the_other_runs_rows_and_names_each_run(bench, tmp_path):
+    """--merge: a re-measured T replaces that T's rows (all of them: each T from one run), the file's other rows
+    stay, and the header names the run behind each T; a file from other software is refused."""
+    meta = {"gpu": "cpu", "torch": torch.__version__, "triton": "-", "setting": "-", "notes": "-"}
+    row = lambda impl, T, ms: {"impl": impl, "T": T, "fwd_ms": ms / 3, "fwdbwd_ms": ms, "peak_gib": 1.0}  # noqa: E731
+    path = tmp_path / "ops-gla-cpu"
+    first = dict(meta, date="d1", command="python bench_ops.py --T 8192 4096 2048")
+    bench.write_results([row(i, T, 2.0) for T in (8192, 4096, 2048) for i in ("loglinear", "fla_gla")], first, path,
+                        "gla")
+    second = dict(meta, date="d2", command="python bench_ops.py --T 4096 2048 --merge")
+    kept = bench.merge_previous(path.with_suffix(".json"), second, [4096, 2048])
+    assert {(r["impl"], r["T"]) for r in kept} == {("loglinear", 8192), ("fla_gla", 8192)}
+    assert second["runs"] == [{"date": "d1", "command": first["command"], "T": [8192]},
+                              {"date": "d2", "command": second["command"], "T": [2048, 4096]}]
+    new = [row(i, T, ms) for T in (4096, 2048) for i, ms in (("loglinear", 3.0), ("fla_gla", 4.0))]
+    bench.write_results(kept + new, second, path, "gla")
+    md = path.with_suffix(".md").read_text()
+    assert (f"rows at 8K: d1, `{first['command']}`; rows at 2K, 4K: d2, `{second['command']}`" in md
+            and "| 2K | 0.75 |" in md and "| 8K | 1.00 |" in md)
+    third = dict(meta, date="d3", command="python bench_ops.py --T 8192 --merge")
+    bench.merge_previous(path.with_suffix(".json"), third, [8192])
+    assert [(r["date"], r["T"]) for r in third["runs"]] == [("d2", [2048, 4096]), ("d3", [8192])]
+    with pytest.raises(ValueError, match="another triton"):
+        bench.merge_previous(path.with_suffix(".json"), dict(third, triton="3.6.0"), [8192])
+    fresh = dict(third)
+    assert bench.merge_previous(tmp_path / "none.json", fresh, [8192]) == [] and len(fresh["runs"]) == 1
