@@ -7,7 +7,7 @@
 #                                             #   torch path (bf16, fp32), every variant; `checks mamba2` (~7 min),
 #                                             #   `checks gdn`, `checks gla`: one variant's section
 #   bash benchmarks/run_gpu.sh bench-mamba2   # ~6 min: ops-mamba2-<gpu>.* and the profile at 32K
-#   bash benchmarks/run_gpu.sh bench-gdn      # ~8 min: ops-gdn-<gpu>.* (8K-128K, then 2K-4K merged in)
+#   bash benchmarks/run_gpu.sh bench-gdn      # ~8-9 min: ops-gdn-<gpu>.* (8K-128K, then 2K-4K merged in)
 #   bash benchmarks/run_gpu.sh profile-gdn    # ~4 min: profile-gdn-<gpu>.md and profile-gdn-plain-<gpu>.md
 #                                             #   (beside fla's kernels)
 #   bash benchmarks/run_gpu.sh bench-gla      # ~7 min: ops-gla-<gpu>.* (16K-128K, against fla's chunk_gla), the profile at 32K
@@ -116,7 +116,7 @@ case $PART in
   bench-gdn)  # fla_gdn compiles for ~2 min on a fresh machine: the large T first, the small ones merged in after
     gdn=(python benchmarks/bench_ops.py --variant gdn --impls loglinear loglinear_plain fla_gdn sdpa_flash
       --sdpa-max-T 32768 --out "$R")
-    step 400 bench-gdn "${gdn[@]}" --T 131072 65536 32768 16384 8192 "${EXTRA[@]}"
+    step 440 bench-gdn "${gdn[@]}" --T 131072 65536 32768 16384 8192 "${EXTRA[@]}"
     step 100 bench-gdn-small "${gdn[@]}" --T 4096 2048 --merge "${EXTRA[@]}"
     ;;
   profile-gdn)
