@@ -15,9 +15,10 @@ from triton.runtime.interpreter import InterpretedFunction
 from helpers import assert_close, compare_with_reference, make_inputs, mamba2_args
 from loglinear import FenwickState, log_linear_mamba2
 from loglinear import reference as R
+from loglinear.ops.api import attention
 from loglinear.ops.backends import select_backend
 from loglinear.ops.triton.mamba2 import backend as M
-from loglinear.variants import MAMBA2
+from loglinear.variants import GLA, MAMBA2
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("triton_kernels")]
 FP32_TOL = 3e-5
@@ -227,6 +228,24 @@ def test_single_token_steps_continue_exactly():
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
 def test_half_precision_inputs(no_torch_path, dtype, tol):
     _compare(mamba2_args(make_inputs(1, 40, 1, 2, 16, 16)), dtype=dtype, tol=tol)
+
+
+@pytest.mark.parametrize("name, plain", [("mamba2", False), ("mamba2", True), ("gla", False)])
+def test_qk_l2norm_through_the_generic_op(no_torch_path, name, plain):
+    """attention(..., use_qk_l2norm=True) on these kernels normalises q and k as the reference does (q, k scaled
+    x3 so that the normalisation shows), from a state and with every gradient."""
+    gen = torch.Generator().manual_seed(0)
+    x = make_inputs(2, 37, 1, 2, 16, 8, generator=gen, start=21)
+    x = {"q": 3 * x["q"], "k": 3 * x["k"], "v": x["v"], **({} if plain else {"level_scales": x["level_scales"]}),
+         "g": (MAMBA2 if name == "mamba2" else GLA).sample_gates(2, 37, 2, 16, dtype=torch.float64, generator=gen)["g"]}
+    state = FenwickState(0.3 * torch.randn(2, 1 if plain else 6, 2, 16, 8, dtype=torch.float64, generator=gen),
+                         torch.tensor([21, 21]))
+
+    def runner(op):
+        return lambda xs, st: op(name, xs["q"], xs["k"], xs["v"], {"g": xs["g"]}, xs.get("level_scales"),
+                                 initial_state=st, output_final_state=True, use_qk_l2norm=True)
+
+    compare_with_reference(runner(attention), runner(R.recurrent), x, state, tol=FP32_TOL, grad_close=_close_or_tiny)
 
 
 def test_chunk_sizes_agree():

@@ -44,7 +44,7 @@ the torch path's rows (the prefixes, the final state's last chunk) floor their f
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -52,7 +52,7 @@ import torch.nn.functional as F
 import triton
 
 from loglinear.fenwick import carry_into, chunk_bits, ctz, last_query_masks, levels_needed, trailing_zeros
-from loglinear.inputs import OpInputs, expand_groups
+from loglinear.inputs import OpInputs, expand_groups, l2norm
 from loglinear.ops.finite import floor_log_decay, log_decay_peak
 from loglinear.ops.torch_chunk import chunk_levels_past, chunk_scan
 from loglinear.ops.triton.mamba2.bwd import mamba2_bwd_scan_kernel
@@ -746,7 +746,10 @@ def supports(inp: OpInputs) -> bool:
 def backend(inp: OpInputs, output_final_state: bool, chunk_size: int,
             use_qk_l2norm: bool = False) -> tuple[torch.Tensor, FenwickState | None]:
     """Backend "triton" of Mamba-2 and GLA (see loglinear.ops.backends) on inputs it supports, their log-decay
-    gate as the module docstring says; heads narrower than min_head_dim run zero-padded."""
+    gate as the module docstring says; heads narrower than min_head_dim run zero-padded. use_qk_l2norm: q and k
+    are normalised here (in fp32, back to their dtype; the kernels read them as given)."""
+    if use_qk_l2norm:
+        inp = replace(inp, q=l2norm(inp.q.float()).to(inp.q.dtype), k=l2norm(inp.k.float()).to(inp.k.dtype))
     minimum = min_head_dim(_kernel_dtype(inp), inp.q.device)
     return run_padded(inp, minimum, lambda x: _run_kernels(x, output_final_state, chunk_size))
 
