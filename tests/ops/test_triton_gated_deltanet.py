@@ -172,6 +172,15 @@ def test_continuation_from_a_state(positions):
     _compare(x, _state(2, L, 2, 8, 4, positions, torch.float64))
 
 
+@pytest.mark.parametrize("position, T, levels", [(1, 2, 1), (0, 2, 1), (5, 3, 3), (40, 30, 6)])
+def test_final_state_from_a_short_state_keeps_its_width(position, T, levels):
+    """A call from a state of few levels returns max(levels_needed(end), the state's levels) levels, as the
+    reference and the torch path do, not the chunk levels the kernels carried (compare_with_reference checks
+    the shape)."""
+    x = make_inputs(1, T, 1, 2, K=8, V=4, start=position)
+    _compare(x, _state(1, levels, 2, 8, 4, [position], torch.float64))
+
+
 @pytest.mark.parametrize("position, seeds", [(256, 0b10000), (128, 0b1000), (64, 0b1100), (80, 0b1111)])
 def test_continuation_seeds_only_the_levels_the_carry_left(position, seeds, monkeypatch):
     """A state at an aligned position, 100 tokens in chunks of 16 (c = 4; J = 4 chunk levels, 5 at 256): the carry

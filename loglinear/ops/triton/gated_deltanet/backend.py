@@ -128,6 +128,7 @@ def gated_deltanet_core(
     c = chunk_bits(C)
     ch = Chunking(b, T, H, position % C, C)
     N, c0, end = ch.N, position // C, position + T
+    n_in = levels.shape[1] if levels is not None else 0
     (o_intra, qt, wt, kt, u, decay), produce = chunk_local_segments(q, k, v, g, beta, lam, ch, dtype, qk_l2norm)
 
     J = max((end - 1) // C, 1).bit_length()
@@ -151,8 +152,7 @@ def gated_deltanet_core(
     )
     if not final:
         return o, None
-    return o, _final_state(q, k, v, g, beta, hN, partial if N == 1 else None, ch, position, J, qk_l2norm,
-                           levels is not None)
+    return o, _final_state(q, k, v, g, beta, hN, partial if N == 1 else None, ch, position, J, qk_l2norm, n_in)
 
 
 def _plain_core(
@@ -175,19 +175,20 @@ def _plain_core(
 
 def _final_state(
     q, k, v, g, beta, hN: torch.Tensor, partial: torch.Tensor | None, ch: Chunking, position: int, J: int,
-    qk_l2norm: bool, carried: bool,
+    qk_l2norm: bool, n_in: int,
 ) -> torch.Tensor:
-    """The final levels [b, max(levels_needed(end), c + 1 + J if carried), H, K, V] fp32: the last chunk split
-    into token-level buckets (the torch path's form; q, k, v, g, beta as in gated_deltanet_core) and the
-    chunk-level states hN [b H, J, K, V]; partial [b, H, c+1, K, V]: the incoming in-chunk buckets when the
-    call is one chunk (else None); carried: an incoming state was given (its levels keep their width)."""
+    """The final levels [b, max(levels_needed(end), n_in), H, K, V] fp32, the width every backend returns: the last
+    chunk split into token-level buckets (the torch path's form; q, k, v, g, beta as in gated_deltanet_core) and
+    the chunk-level states hN [b H, J, K, V]; partial [b, H, c+1, K, V]: the incoming in-chunk buckets when the
+    call is one chunk (else None); n_in: the incoming state's levels (0 without one: a state keeps its width).
+    The chunk levels above that width hold no token (zeros) and are dropped."""
     b, H, C, K, V = ch.b, ch.H, ch.C, hN.shape[-2], hN.shape[-1]
     c, c0, end = chunk_bits(C), position // C, position + ch.T
     last = GatedDeltaNetForm(_last_chunk(q, ch, qk_l2norm), _last_chunk(k, ch, qk_l2norm), _last_chunk(v, ch),
                              floor_log_decay(_last_chunk(g, ch)), _last_chunk(beta, ch))
     H_levels = list(hN.view(b, H, J, K, V).unbind(2))
     final = final_levels(last, H_levels, partial, position, end, c0 + ch.N - 1, 1, C, c)
-    n_final = max(levels_needed(end), c + 1 + J if carried else 0)  # the incoming levels, widened
+    n_final = max(levels_needed(end), n_in)
     return torch.nn.functional.pad(final, (0, 0, 0, 0, 0, 0, 0, max(0, n_final - final.shape[1])))[:, :n_final]
 
 
