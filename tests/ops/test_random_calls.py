@@ -1,0 +1,110 @@
+"""Randomly drawn calls of every variant on the Triton kernels (CPU: the interpreter) against the float64
+recurrent reference: the variant, plain or log-linear, batch or packed sequences (cu_seqlens), lengths, heads and
+groups, head dims, chunk size, incoming states at drawn positions (one position for all rows or one per sequence),
+use_qk_l2norm, the final state or none; outputs, final states and every gradient, the initial state's too.
+
+The parametrized kernel tests pin the cases each path was built for; these draws cross them in combinations
+nobody listed. Each run draws new calls (hypothesis prints a failing one, to be pinned as an @example)."""
+
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from loglinear import FenwickState
+from loglinear import reference as R
+from loglinear.fenwick import levels_needed
+from loglinear.ops.api import attention
+from loglinear.ops.backends import select_backend
+from loglinear.variants import REGISTRY, get
+
+RTOL = 1e-4  # fp32 kernels against float64
+
+
+def _has_kernels(name: str) -> bool:
+    try:
+        return select_backend(REGISTRY[name], torch.device("cpu"), "triton") == "triton"
+    except ValueError:
+        return False
+
+
+VARIANTS = sorted(name for name in REGISTRY if _has_kernels(name))  # every registered variant with Triton kernels
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Norm-wise relative error below RTOL, relative to at least 1% of a unit-sized tensor's norm: a gradient that
+    is exactly 0 in float64 (a gate at position 0 that nothing before it carries) is compared absolutely there."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    assert not torch.isnan(actual).any(), f"{what}: NaN"
+    floor = 1e-2 * expected.numel() ** 0.5
+    err = ((actual.double() - expected).norm() / expected.norm().clamp_min(floor)).item()
+    assert err <= RTOL, f"{what}: relative error {err:.2e} > {RTOL:.0e}"
+
+
+@st.composite
+def calls(draw):
+    """One call: (variant name, inputs {q, k, v, gates, level_scales} float64, initial FenwickState or None,
+    cu_seqlens or None, kwargs of the op)."""
+    name = draw(st.sampled_from(VARIANTS))
+    plain = draw(st.booleans())
+    G, H = draw(st.sampled_from([(1, 1), (1, 2), (2, 2), (2, 4)]))
+    K, V = draw(st.sampled_from([4, 8, 16])), draw(st.sampled_from([3, 8, 16]))
+    chunk = draw(st.sampled_from([16, 32, 64]))
+    if draw(st.booleans()):  # packed sequences
+        lengths = draw(st.lists(st.integers(1, 40), min_size=1, max_size=3))
+        B, T, N = 1, sum(lengths), len(lengths)
+        cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    else:
+        B, T = draw(st.integers(1, 2)), draw(st.integers(1, 70))
+        N, cu_seqlens = B, None
+    position = st.sampled_from([0, 1, chunk - 1, chunk, 2 * chunk, 4 * chunk]) | st.integers(0, 300)
+    positions = None
+    if draw(st.booleans()):  # an incoming state
+        positions = [draw(position)] * N if draw(st.booleans()) else [draw(position) for _ in range(N)]
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    kw = dict(dtype=torch.float64, generator=gen)
+    end = max(positions or [0]) + T
+    x = {"q": torch.randn(B, T, G, K, **kw), "k": torch.randn(B, T, G, K, **kw) / K**0.5,
+         "v": torch.randn(B, T, H, V, **kw), "gates": get(name).sample_gates(B, T, H, K, **kw),
+         "level_scales": None if plain else 0.2 + torch.rand(B, T, H, levels_needed(end) + 1, **kw)}
+    state = None
+    if positions is not None:
+        L = 1 if plain else levels_needed(max(max(positions), 1))
+        state = FenwickState(0.3 * torch.randn(N, L, H, K, V, **kw), torch.tensor(positions))
+    options = {"output_final_state": draw(st.booleans()), "chunk_size": chunk}
+    options["use_qk_l2norm"] = draw(st.booleans())
+    return name, x, state, cu_seqlens, options
+
+
+def _run(op, name, x, state, cu_seqlens, options, dtype):
+    """op on leaves of x (and of the state's levels) in dtype: (o, final levels or None, leaves)."""
+    leaves = {n: t.detach().to(dtype).requires_grad_() for n, t in x.items() if n != "gates" and t is not None}
+    gates = {n: t.detach().to(dtype).requires_grad_() for n, t in x["gates"].items()}
+    init = None
+    if state is not None:
+        levels = state.levels.detach().to(dtype).requires_grad_()
+        init, leaves["initial_state"] = FenwickState(levels, state.positions), levels
+    o, final = op(name, leaves["q"], leaves["k"], leaves["v"], gates, leaves.get("level_scales"),
+                  initial_state=init, cu_seqlens=cu_seqlens, **options)
+    return o, None if final is None else final.levels, {**leaves, **gates}
+
+
+@settings(max_examples=10, deadline=None, phases=[Phase.explicit, Phase.generate],  # no shrinking: report the draw
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(call=calls())
+def test_random_call_matches_reference(triton_kernels, no_torch_path, call):
+    name, x, state, cu_seqlens, options = call
+    o, final, leaves = _run(attention, name, x, state, cu_seqlens, options, torch.float32)
+    reference = {n: v for n, v in options.items() if n != "chunk_size"}
+    o_ref, final_ref, leaves_ref = _run(R.recurrent, name, x, state, cu_seqlens, reference, torch.float64)
+    _close(o, o_ref, "o")
+    assert (final is None) == (final_ref is None)
+    if final is not None:
+        _close(final, final_ref, "final state")
+    d_o = torch.randn_like(o_ref)
+    d_final = None if final is None else torch.randn_like(final_ref)
+    loss_ref = (o_ref * d_o).sum() + (0 if final is None else (final_ref * d_final).sum())
+    loss = (o.double() * d_o).sum() + (0 if final is None else (final.double() * d_final).sum())
+    grads_ref = torch.autograd.grad(loss_ref, list(leaves_ref.values()))
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    for n, a, e in zip(leaves, grads, grads_ref):
+        _close(a, e, f"d{n}")
