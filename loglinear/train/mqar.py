@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from loglinear.data.mqar import IGNORE_INDEX, mqar_batch, query_targets
+from loglinear.inputs import check_positive_ints, check_power_of_two
 from loglinear.report import ARCH_LABELS, ARCH_STYLE, markdown_table, pyplot, write_json
 from loglinear.train.factory import ARCHS, build_model, count_parameters, family, is_log_linear
 from loglinear.train.loop import bf16_autocast, cosine_schedule
@@ -523,6 +524,33 @@ def base_run(args: argparse.Namespace) -> MQARRun:
                    early_stop=args.early_stop, chunk_size=args.chunk_size, device=args.device)
 
 
+def check_runs(runs: list[MQARRun]) -> None:
+    """ValueError naming the first setting of the sweep that would fail every run that has it (checked before any
+    run starts: inside the sweep a failed run is only a row of the results): sizes, the schedule, the data (each
+    training segment and each test set of the examples' generator), and each (arch, width)'s model config."""
+    for run in runs:
+        check_positive_ints(width=run.d_model, seq_len=run.seq_len, vocab_size=run.vocab_size, layers=run.n_layers,
+                            test_examples=run.test_examples, epochs=run.epochs, batch_size=run.batch_size,
+                            chunk_size=run.chunk_size, train_examples=run.train_examples,
+                            **{f"train_mix examples ({t}:{kv})": n for t, kv, n in run.train_mix})
+        check_power_of_two(chunk_size=run.chunk_size)
+        for name in ("max_steps", "eval_every"):
+            if not isinstance(getattr(run, name), int) or getattr(run, name) < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {getattr(run, name)!r}")
+        ranges = {"lr": (run.lr, 0, math.inf, False), "weight_decay": (run.weight_decay, 0, math.inf, True),
+                  "warmup": (run.warmup, 0, 1, True), "early_stop": (run.early_stop, 0, 1, False)}
+        for name, (value, low, high, closed) in ranges.items():
+            if not (math.isfinite(value) and (value > low or closed and value == low) and value <= high):
+                raise ValueError(f"{name} must be a finite number in {'[' if closed else '('}{low}, {high}], "
+                                 f"got {value!r}")
+        if not run.kv_pairs:
+            raise ValueError("kv_pairs must name at least one KV-pair count")
+        for t, kv in {(t, kv) for t, kv, _ in train_segments(run)} | {(run.seq_len, kv) for kv in run.kv_pairs}:
+            mqar_batch(1, t, kv, run.vocab_size, seed=0)  # the generator's own checks, on one example
+    for run in {(r.arch, r.d_model): r for r in runs}.values():
+        _build(replace(run, device="cpu"))
+
+
 def kept_rows(path: Path, runs: list[MQARRun]) -> list[dict]:
     """The rows of an earlier sweep's json at path whose (arch, d_model, seed, lr) `runs` do not redo."""
     if not path.exists():
@@ -536,6 +564,7 @@ def run(args: argparse.Namespace) -> int:
     # seed-major order: a time limit leaves whole seeds, every model and width covered
     runs = [replace(base, arch=a, d_model=d, seed=s, lr=lr)
             for s, lr, d, a in itertools.product(args.seeds, args.lrs, args.widths, args.archs)]
+    check_runs(runs)
     t0 = time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -544,12 +573,16 @@ def run(args: argparse.Namespace) -> int:
                   f"{os.cpu_count()} CPUs; `{shlex.join(['loglinear', *sys.argv[1:]])}`")
     workers = args.workers or default_workers(args.device)
     earlier = kept_rows(out.with_suffix(".json"), runs) if args.merge else []
-    rows = sweep(runs, workers=workers, threads=args.threads, budget=args.budget, grace=args.grace,
+    done = sweep(runs, workers=workers, threads=args.threads, budget=args.budget, grace=args.grace,
                  on_row=lambda rows: report(_ordered(earlier + rows), out, title, provenance))  # survives a cut
-    rows = _ordered(earlier + rows)
+    rows = _ordered(earlier + done)
     if not rows:
         raise SystemExit("mqar: no run finished")
     md = report(rows, out, title, provenance)
     print(md)
     print(f"{len(runs)} runs in {time.perf_counter() - t0:.0f} s; wrote {out}.json/.md/.png")
+    failed = sum("error" in r for r in done)
+    if failed:  # reported in the results; the exit status says so too
+        print(f"loglinear mqar: {failed} of {len(runs)} runs failed (their errors: {out}.md)", file=sys.stderr)
+        return 1
     return 0

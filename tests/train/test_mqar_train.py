@@ -169,3 +169,40 @@ def test_merge_keeps_the_earlier_rows_this_call_does_not_redo(tmp_path):
     runs = [replace(TINY, seed=1), replace(TINY, seed=2)]
     assert mqar.kept_rows(tmp_path / "m.json", runs) == earlier[:1]
     assert mqar.kept_rows(tmp_path / "none.json", runs) == []
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--seq-len", "-4"], "seq_len must be a positive int"),
+    (["--seq-len", "15"], "seq_len must be even"),
+    (["--kv-pairs", "9"], "num_kv_pairs must be in [1, seq_len / 4]"),
+    (["--train-mix", "16:2:0"], "train_mix examples (16:2) must be a positive int"),
+    (["--widths", "0"], "width must be a positive int"),
+    (["--lrs", "nan"], "lr must be a finite number in (0, inf]"),
+    (["--warmup", "1.5"], "warmup must be a finite number in [0, 1]"),
+    (["--chunk-size", "6"], "chunk_size must be a power of two"),
+])
+def test_a_setting_that_fails_every_run_stops_the_command(tmp_path, capsys, options, message):
+    """Before any run: one line on stderr and exit status 2 (the CLI), no results written."""
+    from loglinear.cli import main
+
+    out = tmp_path / "m"
+    assert main(["mqar", "--archs", "transformer", "--seq-len", "16", "--vocab-size", "32", "--device", "cpu",
+                 *options, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not out.with_suffix(".json").exists()
+
+
+def test_a_failed_run_sets_the_exit_status(tmp_path, monkeypatch, capsys):
+    """A run that fails inside the sweep is a row of the results, and the command exits 1."""
+    def failing(run, stop_at=None):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(mqar, "train_mqar", failing)
+    parser = argparse.ArgumentParser()
+    mqar.add_arguments(parser)
+    args = parser.parse_args(["--archs", "transformer", "--widths", "16", "--seq-len", "16", "--vocab-size", "32",
+                              "--device", "cpu", "--workers", "1", "--out", str(tmp_path / "m")])
+    assert mqar.run(args) == 1
+    assert "1 of 1 runs failed" in capsys.readouterr().err
+    assert "out of memory" in (tmp_path / "m.md").read_text()
