@@ -97,6 +97,20 @@ def check_positive_ints(**sizes: object) -> None:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def check_device(name: str, device: object) -> torch.device:
+    """``device`` as a torch.device, or a ValueError naming ``name``: not a device string, or a CUDA device this
+    machine does not have (no CUDA, or an index past its GPUs)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{name} must be a torch device such as cpu or cuda:0, got {device!r}") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (dev.index is not None and dev.index >= count):
+            raise ValueError(f"{name} is {device!r}, but this machine has {count} CUDA device(s)")
+    return dev
+
+
 def check_power_of_two(**sizes: int) -> None:
     """Raise a ValueError naming the first positive int size that is not a power of two (chunk sizes)."""
     for name, value in sizes.items():

@@ -57,7 +57,23 @@ def test_a_missing_extra_is_named_before_anything_runs(monkeypatch, capsys):
 def test_training_values_that_cannot_work_are_refused(tmp_path, capsys):
     for option, value, message in [("--seq-len", "0", "seq_len must be a positive int, got 0"),
                                    ("--steps", "-5", "steps must be a positive int, got -5"),
-                                   ("--lr", "nan", "lr must be a finite number in (0, inf], got nan")]:
+                                   ("--lr", "nan", "lr must be a finite number in (0, inf], got nan"),
+                                   ("--device", "gpu0", "device must be a torch device such as cpu or cuda:0, got "
+                                                        "'gpu0'")]:
         assert main(["train", "--out-dir", str(tmp_path), option, value]) == 2
         assert capsys.readouterr().err.strip() == f"loglinear train: error: {message}"
     assert not any(tmp_path.iterdir()), "nothing is written for a refused run"
+
+
+def test_a_cuda_device_this_machine_lacks_is_refused(monkeypatch):
+    """check_device: a CUDA device past the machine's GPUs (none here: CUDA reported unavailable) is a ValueError
+    naming the option, not a crash inside torch."""
+    import torch
+
+    from loglinear.inputs import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(ValueError, match=r"--device is 'cuda.*', but this machine has 0 CUDA device\(s\)"):
+            check_device("--device", device)
+    assert check_device("--device", "cpu") == torch.device("cpu")

@@ -27,6 +27,7 @@ from loglinear.data.tokenizer import load_tokenizer
 from loglinear.eval.harness import lm_eval_record, lm_eval_report, require_lm_eval, run_lm_eval, task_manager
 from loglinear.eval.lm import evaluate_lm
 from loglinear.eval.niah import evaluate_niah
+from loglinear.inputs import check_device, check_positive_ints
 from loglinear.report import ARCH_LABELS, ARCH_STYLE, markdown_table, pyplot, smooth, write_json
 from loglinear.train.checkpoint import load_model_weights
 from loglinear.train.loop import TRAIN_CONFIG, TrainConfig, model_from_config
@@ -184,6 +185,23 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """ValueError naming the first option that cannot work, before any run is loaded or evaluated."""
+    check_positive_ints(**{"--windows": args.windows, "--batch-size": args.batch_size, "--smooth": args.smooth,
+                           "--niah-samples": args.niah_samples})
+    if args.eval_len is not None:
+        check_positive_ints(**{"--eval-len": args.eval_len})
+    for option in ("niah_lengths", "niah_keys"):
+        for value in getattr(args, option):
+            check_positive_ints(**{f"--{option.replace('_', '-')}": value})
+    for depth in args.niah_depths:
+        if not 0.0 <= depth <= 1.0:
+            raise ValueError(f"--niah-depths must be in [0, 1], got {depth}")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    check_device("--device", args.device)
+
+
 def _lm_eval_manager(args: argparse.Namespace) -> TaskManager | None:
     """The lm-eval TaskManager for --lm-eval (None without it), built before any run is evaluated: a missing
     lm-eval or an unknown task name fails at once."""
@@ -201,6 +219,7 @@ def _lm_eval_manager(args: argparse.Namespace) -> TaskManager | None:
 
 def run(args: argparse.Namespace) -> int:
     args = _defaults(args)
+    _check_args(args)
     manager = _lm_eval_manager(args)
     tag = args.tag or torch.device(args.device).type
     out = Path(args.out)

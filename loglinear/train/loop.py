@@ -31,7 +31,7 @@ from loglinear.data.text import PackedTokens, prepare_corpus, window_order
 from loglinear.data.tokenizer import load_tokenizer
 from loglinear.distributed import apply_context_parallel
 from loglinear.distributed.training import ContextParallelPlan, plan_context_parallel
-from loglinear.inputs import check_positive_ints
+from loglinear.inputs import check_device, check_positive_ints
 from loglinear.train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
 from loglinear.train.export import export_pretrained
 from loglinear.train.factory import build_model, count_parameters
@@ -262,6 +262,8 @@ def check_config(cfg: TrainConfig) -> None:
             raise ValueError(f"{name} must be a finite number in {'[' if closed else '('}{low}, {high}], got {value!r}")
     if cfg.max_seconds is not None and not cfg.max_seconds >= 0:
         raise ValueError(f"max_seconds must be >= 0, got {cfg.max_seconds!r}")
+    if cfg.device is not None:
+        check_device("device", cfg.device)
 
 
 def _check_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> None:

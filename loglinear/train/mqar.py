@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from loglinear.data.mqar import IGNORE_INDEX, mqar_batch, query_targets
-from loglinear.inputs import check_positive_ints, check_power_of_two
+from loglinear.inputs import check_device, check_positive_ints, check_power_of_two
 from loglinear.report import ARCH_LABELS, ARCH_STYLE, markdown_table, pyplot, write_json
 from loglinear.train.factory import ARCHS, build_model, count_parameters, family, is_log_linear
 from loglinear.train.loop import bf16_autocast, cosine_schedule
@@ -534,6 +534,7 @@ def check_runs(runs: list[MQARRun]) -> None:
                             chunk_size=run.chunk_size, train_examples=run.train_examples,
                             **{f"train_mix examples ({t}:{kv})": n for t, kv, n in run.train_mix})
         check_power_of_two(chunk_size=run.chunk_size)
+        check_device("device", run.device)
         for name in ("max_steps", "eval_every"):
             if not isinstance(getattr(run, name), int) or getattr(run, name) < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {getattr(run, name)!r}")

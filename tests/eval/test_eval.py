@@ -99,3 +99,29 @@ def test_eval_defaults_come_from_the_run(tiny_data, tmp_path, capsys):
     assert json.loads((run / "eval" / "lm-t.json").read_text())[0]["eval_len"] == 256
     assert cli_main(["eval", str(run), "--windows", "1", "--niah-lengths", "--device", "cpu", "--tag", "u"]) == 0
     assert capsys.readouterr().out.strip().endswith(f"wrote {run / 'eval'}/lm-u.*")  # no NIAH, none claimed
+
+
+def test_eval_options_that_cannot_work_are_refused_before_any_run(tiny_data, tmp_path, capsys, monkeypatch):
+    """One line on stderr naming the option, status 2, before a model is loaded (the run folder need only hold its
+    config: the check comes first)."""
+    run = tmp_path / "run"
+    train(TrainConfig(arch="transformer", d_model=16, n_layers=1, n_heads=2, data_dir=str(tiny_data),
+                      tokenizer="bytes", seq_len=64, steps=1, global_batch=2, warmup=1, out_dir=str(run),
+                      progress=False, device="cpu"))
+    import loglinear.eval.command as command
+
+    capsys.readouterr()  # the training's own output
+    monkeypatch.setattr(command, "evaluate_run", lambda *a: pytest.fail("a run was evaluated"))
+    for option, value, message in [("--windows", "0", "--windows must be a positive int, got 0"),
+                                   ("--batch-size", "-1", "--batch-size must be a positive int, got -1"),
+                                   ("--smooth", "0", "--smooth must be a positive int, got 0"),
+                                   ("--eval-len", "0", "--eval-len must be a positive int, got 0"),
+                                   ("--niah-samples", "0", "--niah-samples must be a positive int, got 0"),
+                                   ("--niah-keys", "0", "--niah-keys must be a positive int, got 0"),
+                                   ("--niah-lengths", "-8", "--niah-lengths must be a positive int, got -8"),
+                                   ("--niah-depths", "1.5", "--niah-depths must be in [0, 1], got 1.5"),
+                                   ("--seed", "-1", "--seed must be >= 0, got -1"),
+                                   ("--device", "gpu0", "--device must be a torch device such as cpu or cuda:0")]:
+        assert cli_main(["eval", str(run), "--out", str(tmp_path / "eval"), option, value]) == 2, option
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"loglinear eval: error: {message}"), err

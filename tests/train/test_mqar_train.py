@@ -180,6 +180,7 @@ def test_merge_keeps_the_earlier_rows_this_call_does_not_redo(tmp_path):
     (["--lrs", "nan"], "lr must be a finite number in (0, inf]"),
     (["--warmup", "1.5"], "warmup must be a finite number in [0, 1]"),
     (["--chunk-size", "6"], "chunk_size must be a power of two"),
+    (["--device", "gpu0"], "device must be a torch device such as cpu or cuda:0"),
 ])
 def test_a_setting_that_fails_every_run_stops_the_command(tmp_path, capsys, options, message):
     """Before any run: one line on stderr and exit status 2 (the CLI), no results written."""
