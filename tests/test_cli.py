@@ -77,3 +77,15 @@ def test_a_cuda_device_this_machine_lacks_is_refused(monkeypatch):
         with pytest.raises(ValueError, match=r"--device is 'cuda.*', but this machine has 0 CUDA device\(s\)"):
             check_device("--device", device)
     assert check_device("--device", "cpu") == torch.device("cpu")
+
+
+def test_demo_runs_and_refuses_sizes_that_cannot_work(capsys):
+    """`loglinear demo` at small sizes: every variant's three forms agree (exit 0); a size that cannot work is one
+    line naming the option, exit 2."""
+    small = ["--seq-len", "40", "--heads", "2", "--key-dim", "4", "--value-dim", "3", "--chunk-size", "8",
+             "--table-key-dim", "8", "--table-value-dim", "4"]
+    assert main(["demo", *small]) == 0
+    assert "-> all three forms agree" in capsys.readouterr().out
+    for option in ("--seq-len", "--heads", "--value-dim", "--table-value-dim"):
+        assert main(["demo", *small, option, "-1"]) == 2
+        assert capsys.readouterr().err.strip() == f"loglinear demo: error: {option} must be a positive int, got -1"

@@ -14,6 +14,7 @@ import torch
 
 from loglinear import reference as R
 from loglinear.fenwick import levels_needed
+from loglinear.inputs import check_positive_ints
 from loglinear.ops import attention
 from loglinear.variants import MAMBA2, REGISTRY, Variant
 
@@ -103,6 +104,8 @@ def _state_growth(K: int, V: int, gen_steps: int = 64) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_positive_ints(**{f"--{name.replace('_', '-')}": getattr(args, name) for name in (
+        "seq_len", "heads", "key_dim", "value_dim", "table_key_dim", "table_value_dim")})
     ok = _agreement(args)
     _state_growth(args.table_key_dim, args.table_value_dim)
     return 0 if ok else 1
