@@ -59,9 +59,13 @@ def test_training_values_that_cannot_work_are_refused(tmp_path, capsys):
                                    ("--steps", "-5", "steps must be a positive int, got -5"),
                                    ("--lr", "nan", "lr must be a finite number in (0, inf], got nan"),
                                    ("--device", "gpu0", "device must be a torch device such as cpu or cuda:0, got "
-                                                        "'gpu0'")]:
+                                                        "'gpu0'"),
+                                   ("--profile-step", "0", "profile_step must be a step in [1, steps = 300], got 0")]:
         assert main(["train", "--out-dir", str(tmp_path), option, value]) == 2
         assert capsys.readouterr().err.strip() == f"loglinear train: error: {message}"
+    assert main(["train", "--out-dir", str(tmp_path), "--tokenizer", "bytes", "--vocab-size", "100"]) == 2
+    assert capsys.readouterr().err.strip() == ("loglinear train: error: --vocab-size sets the BPE tokenizer's "
+                                               "vocabulary; --tokenizer bytes has 257 tokens")
     assert not any(tmp_path.iterdir()), "nothing is written for a refused run"
 
 

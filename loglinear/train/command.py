@@ -120,6 +120,8 @@ def resumed_config(cfg: TrainConfig, given: set[str]) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tokenizer == "bytes" and "vocab_size" in getattr(args, "given", set()):
+        raise ValueError("--vocab-size sets the BPE tokenizer's vocabulary; --tokenizer bytes has 257 tokens")
     cfg = config_from_args(args)
     if args.resume:
         cfg = resumed_config(cfg, getattr(args, "given", set()))

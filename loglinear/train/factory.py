@@ -40,6 +40,9 @@ def _llama(vocab_size: int, d_model: int, n_layers: int, n_heads: int, max_seq_l
         tie_word_embeddings=True, attn_implementation="sdpa", use_cache=False,
     )
     kw.update(overrides)
+    if kw["hidden_size"] % kw["num_attention_heads"]:  # transformers' own check raises no ValueError
+        raise ValueError(f"d_model = {kw['hidden_size']} must be a multiple of the Transformer's heads "
+                         f"n_heads = {kw['num_attention_heads']}")
     return LlamaForCausalLM(LlamaConfig(**kw))
 
 

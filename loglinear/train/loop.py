@@ -264,6 +264,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"max_seconds must be >= 0, got {cfg.max_seconds!r}")
     if cfg.device is not None:
         check_device("device", cfg.device)
+    if cfg.profile_step is not None and not (isinstance(cfg.profile_step, int) and 1 <= cfg.profile_step <= cfg.steps):
+        raise ValueError(f"profile_step must be a step in [1, steps = {cfg.steps}], got {cfg.profile_step!r}")
 
 
 def _check_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> None:

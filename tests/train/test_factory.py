@@ -26,6 +26,8 @@ def test_names_and_errors():
     assert [family(a) for a in ARCHS] == ["transformer"] + [name for name in REGISTRY for _ in range(2)]
     with pytest.raises(ValueError, match="arch must be one of"):
         build_model("rwkv", vocab_size=10, d_model=8, n_layers=1)
+    with pytest.raises(ValueError, match="d_model = 30 must be a multiple of the Transformer's heads n_heads = 4"):
+        build_model("transformer", vocab_size=10, d_model=30, n_layers=1, n_heads=4)
 
 
 def test_log_linear_and_plain_differ_only_by_levels():
