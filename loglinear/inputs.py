@@ -6,6 +6,8 @@ expected, before any kernel runs.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
@@ -232,6 +234,8 @@ def check_inputs(
         scale = K ** -0.5
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    elif not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
     bounds = check_cu_seqlens(cu_seqlens, B, T, q.device) if cu_seqlens is not None else None
     n_seq = len(bounds) - 1 if bounds is not None else B
     state = None

@@ -30,6 +30,8 @@ with backend "triton" under TRITON_INTERPRET=1) and this file's PyTorch step oth
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from loglinear.fenwick import carry, carry_target, held_levels, levels_needed
@@ -132,6 +134,8 @@ def decode_step(
     """
     variant = get(variant)
     check_decode_inputs(variant, q, k, v, gates, level_scales, levels, positions, fenwick=fenwick)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float, got {scale!r}")
     if out is not None and (out.shape != levels.shape or out.dtype != levels.dtype or out.device != levels.device):
         raise ValueError(f"out must be like levels ({tuple(levels.shape)}, {levels.dtype}, {levels.device}), "
                          f"got {tuple(out.shape)}, {out.dtype}, {out.device}")

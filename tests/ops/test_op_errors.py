@@ -122,6 +122,9 @@ def test_bad_chunk_size_and_scale():
         log_linear_mamba2(**mamba2_args(base()), chunk_size=48)
     with pytest.raises(TypeError, match="scale must be a float"):
         log_linear_mamba2(**mamba2_args(base()), scale="big")
+    for bad in (float("nan"), float("inf")):  # every output would be NaN / inf
+        with pytest.raises(ValueError, match="scale must be finite"):
+            log_linear_mamba2(**mamba2_args(base()), scale=bad)
 
 
 def test_bad_backend_env(monkeypatch):
@@ -220,6 +223,8 @@ def test_decode_step_accepts_valid_arguments():
      "positions must be an int32/int64 tensor .* dtype torch.float32"),
     ({"positions": torch.tensor([8, 2])}, ValueError, "levels has L = 3 levels .* position 8 needs L >= 5"),
     ({"v": f64(2, 2, 3).to("meta")}, ValueError, "v is on meta but levels is on cpu"),
+    ({"scale": float("nan")}, ValueError, "scale must be a finite float, got nan"),
+    ({"scale": "0.5"}, ValueError, "scale must be a finite float, got '0.5'"),
 ])
 def test_decode_step_bad_arguments(changes, error, match):
     with pytest.raises(error, match=match):
