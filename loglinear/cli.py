@@ -2,8 +2,8 @@
 ``add_arguments`` and ``run``.
 
 Every option's default is shown in ``--help``. A user error (a ValueError or TypeError naming the bad value,
-a missing file) ends the command with one line on stderr and exit status 2; LOGLINEAR_DEBUG=1 shows the
-traceback instead.
+a missing file) ends the command with one line on stderr and exit status 2, a training run that diverged (a
+non-finite loss) with one line and status 1; LOGLINEAR_DEBUG=1 shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -82,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"loglinear {chosen}: error: {e}".splitlines()[0], file=sys.stderr)
         return 2
+    except FloatingPointError as e:  # a run that diverged: not a usage error, but one line all the same
+        if os.environ.get("LOGLINEAR_DEBUG"):
+            raise
+        print(f"loglinear {chosen}: {e}".splitlines()[0], file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -376,7 +376,13 @@ def _train(cfg: TrainConfig, par: Parallel, resume: bool, interrupt: _Interrupt)
             loss, grad_norm = profiled_call(run_step, par, out / f"profile-rank{par.rank}.txt", title)
         else:
             loss, grad_norm = run_step()
-        losses.append(float(loss))
+        losses.append(float(loss))  # the same value on every process (all-reduced): they all stop together
+        if not math.isfinite(losses[-1]):
+            if par.is_main:
+                _log(metrics, {"step": step + 1, "loss": losses[-1], "stopped": "non-finite loss"})
+            raise FloatingPointError(
+                f"the training loss is {losses[-1]} at step {step + 1}: the run diverged (try a lower --lr, a longer "
+                f"--warmup or a smaller --grad-clip); {out} keeps its last checkpoint, not this step's weights")
         tokens += cfg.global_batch * cfg.seq_len
         log_now = (step + 1) % cfg.log_every == 0 or step + 1 == end
         peak = peak_memory_gib(par) if log_now else None

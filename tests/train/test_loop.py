@@ -61,6 +61,34 @@ def test_max_seconds_ends_the_run_with_a_checkpoint_and_validation(tiny_data, tm
     assert read_checkpoint(tmp_path / CHECKPOINT)["step"] == 1
 
 
+def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(tiny_data, tmp_path, monkeypatch, capsys):
+    """A diverged step (NaN loss) ends the run with FloatingPointError (CLI: one line, status 1): no NaN weights are
+    saved or exported, metrics.jsonl says where it stopped."""
+    import loglinear.train.loop as loop
+    from loglinear.cli import main
+
+    real, calls = loop._train_step, []
+
+    def diverging(*args):
+        calls.append(1)
+        loss = real(*args)
+        return loss * float("nan") if len(calls) == 3 else loss
+
+    monkeypatch.setattr(loop, "_train_step", diverging)
+    with pytest.raises(FloatingPointError, match="the training loss is nan at step 3: the run diverged"):
+        train(_cfg(tiny_data, tmp_path / "a", save_every=2))
+    assert read_checkpoint(tmp_path / "a" / CHECKPOINT)["step"] == 2
+    assert not (tmp_path / "a" / "model.safetensors").exists()
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 3 and rows[-1]["stopped"] == "non-finite loss"
+    calls.clear()
+    assert main(["train", "--arch", "transformer", "--d-model", "32", "--layers", "1", "--data-dir", str(tiny_data),
+                 "--tokenizer", "bytes", "--seq-len", "32", "--steps", "4", "--global-batch", "2", "--warmup", "1",
+                 "--device", "cpu", "--no-progress", "--out-dir", str(tmp_path / "b")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("loglinear train: the training loss is nan at step 3"), err
+
+
 def test_micro_batches_match_full_batch(tiny_data, tmp_path):
     full = train(_cfg(tiny_data, tmp_path / "full", steps=3))
     micro = train(_cfg(tiny_data, tmp_path / "micro", steps=3, micro_batch=1))
