@@ -7,7 +7,6 @@ expected, before any kernel runs.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
@@ -97,6 +96,22 @@ def check_positive_ints(**sizes: object) -> None:
     for name, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_nonnegative_ints(**counts: object) -> None:
+    """Raise a ValueError naming the first count that is not an int >= 0 (step counts where 0 means "off")."""
+    for name, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
+def check_in_range(name: str, value: object, low: float, high: float, *, low_closed: bool) -> None:
+    """Raise a ValueError naming ``name`` unless value is a finite number in [low, high] (low_closed) or
+    (low, high] (hyper-parameters: learning rates, fractions, decays)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not (low <= value <= high) or (value == low and not low_closed):
+        raise ValueError(f"{name} must be a finite number in {'[' if low_closed else '('}{low}, {high}], "
+                         f"got {value!r}")
 
 
 def check_device(name: str, device: object) -> torch.device:

@@ -27,7 +27,7 @@ from loglinear.data.tokenizer import load_tokenizer
 from loglinear.eval.harness import lm_eval_record, lm_eval_report, require_lm_eval, run_lm_eval, task_manager
 from loglinear.eval.lm import evaluate_lm
 from loglinear.eval.niah import evaluate_niah
-from loglinear.inputs import check_device, check_positive_ints
+from loglinear.inputs import check_device, check_in_range, check_nonnegative_ints, check_positive_ints
 from loglinear.report import ARCH_LABELS, ARCH_STYLE, markdown_table, pyplot, smooth, write_json
 from loglinear.train.checkpoint import load_model_weights
 from loglinear.train.loop import TRAIN_CONFIG, TrainConfig, model_from_config
@@ -195,10 +195,8 @@ def _check_args(args: argparse.Namespace) -> None:
         for value in getattr(args, option):
             check_positive_ints(**{f"--{option.replace('_', '-')}": value})
     for depth in args.niah_depths:
-        if not 0.0 <= depth <= 1.0:
-            raise ValueError(f"--niah-depths must be in [0, 1], got {depth}")
-    if args.seed < 0:
-        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+        check_in_range("--niah-depths", depth, 0, 1, low_closed=True)
+    check_nonnegative_ints(**{"--seed": args.seed})
     check_device("--device", args.device)
 
 

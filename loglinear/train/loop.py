@@ -31,7 +31,7 @@ from loglinear.data.text import PackedTokens, prepare_corpus, window_order
 from loglinear.data.tokenizer import load_tokenizer
 from loglinear.distributed import apply_context_parallel
 from loglinear.distributed.training import ContextParallelPlan, plan_context_parallel
-from loglinear.inputs import check_device, check_positive_ints
+from loglinear.inputs import check_device, check_in_range, check_nonnegative_ints, check_positive_ints
 from loglinear.train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
 from loglinear.train.export import export_pretrained
 from loglinear.train.factory import build_model, count_parameters
@@ -250,16 +250,11 @@ def check_config(cfg: TrainConfig) -> None:
     optional = ("n_heads", "micro_batch", "stop_after")  # None: the default rule
     check_positive_ints(**{name: getattr(cfg, name) for name in positive
                            + tuple(n for n in optional if getattr(cfg, n) is not None)})
-    for name in ("warmup", "save_every", "eval_every"):
-        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {getattr(cfg, name)!r}")
+    check_nonnegative_ints(**{name: getattr(cfg, name) for name in ("warmup", "save_every", "eval_every")})
     ranges = {"lr": (0, math.inf, False), "grad_clip": (0, math.inf, False), "weight_decay": (0, math.inf, True),
               "min_lr_ratio": (0, 1, True), "needle_rate": (0, 1, True)}
     for name, (low, high, closed) in ranges.items():
-        value = getattr(cfg, name)
-        ok = isinstance(value, (int, float)) and math.isfinite(value) and value <= high
-        if not ok or value < low or (value == low and not closed):
-            raise ValueError(f"{name} must be a finite number in {'[' if closed else '('}{low}, {high}], got {value!r}")
+        check_in_range(name, getattr(cfg, name), low, high, low_closed=closed)
     if cfg.max_seconds is not None and not cfg.max_seconds >= 0:
         raise ValueError(f"max_seconds must be >= 0, got {cfg.max_seconds!r}")
     if cfg.device is not None:

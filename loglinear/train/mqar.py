@@ -38,7 +38,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from loglinear.data.mqar import IGNORE_INDEX, mqar_batch, query_targets
-from loglinear.inputs import check_device, check_positive_ints, check_power_of_two
+from loglinear.inputs import (
+    check_device, check_in_range, check_nonnegative_ints, check_positive_ints, check_power_of_two,
+)
 from loglinear.report import ARCH_LABELS, ARCH_STYLE, markdown_table, pyplot, write_json
 from loglinear.train.factory import ARCHS, build_model, count_parameters, family, is_log_linear
 from loglinear.train.loop import bf16_autocast, cosine_schedule
@@ -528,28 +530,26 @@ def check_runs(runs: list[MQARRun]) -> None:
     """ValueError naming the first setting of the sweep that would fail every run that has it (checked before any
     run starts: inside the sweep a failed run is only a row of the results): sizes, the schedule, the data (each
     training segment and each test set of the examples' generator), and each (arch, width)'s model config."""
-    for run in runs:
-        check_positive_ints(width=run.d_model, seq_len=run.seq_len, vocab_size=run.vocab_size, layers=run.n_layers,
-                            test_examples=run.test_examples, epochs=run.epochs, batch_size=run.batch_size,
-                            chunk_size=run.chunk_size, train_examples=run.train_examples,
-                            **{f"train_mix examples ({t}:{kv})": n for t, kv, n in run.train_mix})
-        check_power_of_two(chunk_size=run.chunk_size)
-        check_device("device", run.device)
-        for name in ("max_steps", "eval_every"):
-            if not isinstance(getattr(run, name), int) or getattr(run, name) < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {getattr(run, name)!r}")
-        ranges = {"lr": (run.lr, 0, math.inf, False), "weight_decay": (run.weight_decay, 0, math.inf, True),
-                  "warmup": (run.warmup, 0, 1, True), "early_stop": (run.early_stop, 0, 1, False)}
-        for name, (value, low, high, closed) in ranges.items():
-            if not (math.isfinite(value) and (value > low or closed and value == low) and value <= high):
-                raise ValueError(f"{name} must be a finite number in {'[' if closed else '('}{low}, {high}], "
-                                 f"got {value!r}")
-        if not run.kv_pairs:
-            raise ValueError("kv_pairs must name at least one KV-pair count")
-        for t, kv in {(t, kv) for t, kv, _ in train_segments(run)} | {(run.seq_len, kv) for kv in run.kv_pairs}:
-            mqar_batch(1, t, kv, run.vocab_size, seed=0)  # the generator's own checks, on one example
-    for run in {(r.arch, r.d_model): r for r in runs}.values():
-        _build(replace(run, device="cpu"))
+    for run in runs:  # what differs between the runs
+        check_positive_ints(width=run.d_model)
+        check_in_range("lr", run.lr, 0, math.inf, low_closed=False)
+    run = runs[0]  # what they share
+    check_positive_ints(seq_len=run.seq_len, vocab_size=run.vocab_size, layers=run.n_layers,
+                        train_examples=run.train_examples, test_examples=run.test_examples, epochs=run.epochs,
+                        batch_size=run.batch_size, chunk_size=run.chunk_size,
+                        **{f"train_mix examples ({t}:{kv})": n for t, kv, n in run.train_mix})
+    check_power_of_two(chunk_size=run.chunk_size)
+    check_nonnegative_ints(max_steps=run.max_steps, eval_every=run.eval_every)
+    check_in_range("weight_decay", run.weight_decay, 0, math.inf, low_closed=True)
+    check_in_range("warmup", run.warmup, 0, 1, low_closed=True)
+    check_in_range("early_stop", run.early_stop, 0, 1, low_closed=False)
+    check_device("device", run.device)
+    if not run.kv_pairs:
+        raise ValueError("kv_pairs must name at least one KV-pair count")
+    for t, kv in {(t, kv) for t, kv, _ in train_segments(run)} | {(run.seq_len, kv) for kv in run.kv_pairs}:
+        mqar_batch(1, t, kv, run.vocab_size, seed=0)  # the generator's own checks, on one example
+    for model in {(r.arch, r.d_model): r for r in runs}.values():
+        _build(replace(model, device="cpu"))
 
 
 def kept_rows(path: Path, runs: list[MQARRun]) -> list[dict]:
