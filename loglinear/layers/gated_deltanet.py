@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from loglinear.inputs import check_positive_ints, check_value_head_dim
-from loglinear.layers.mixer import DEFAULT_MAX_LEVELS, FenwickMixer, MixerInputs, dt_bias_init
+from loglinear.layers.mixer import DEFAULT_MAX_LEVELS, FenwickMixer, MixerInputs, check_dt_range, dt_bias_init
 from loglinear.layers.norm import GatedRMSNorm, wide
 from loglinear.variants import GATED_DELTANET
 
@@ -38,7 +38,7 @@ class LogLinearGatedDeltaNet(FenwickMixer):
         check_positive_ints(head_dim=head_dim)
         self.head_k_dim, self.head_v_dim = head_dim, check_value_head_dim(head_dim, expand_v)
         self.key_dim, self.value_dim = num_heads * head_dim, num_heads * self.head_v_dim
-        self.dt_range = (dt_min, dt_max, dt_init_floor)
+        self.dt_range = check_dt_range(dt_min, dt_max, dt_init_floor)
         super().__init__(
             hidden_size, num_heads, 2 * self.key_dim + self.value_dim, conv_kernel=conv_kernel, conv_bias=False,
             use_log_linear=use_log_linear, max_levels=max_levels, chunk_size=chunk_size,

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from loglinear.inputs import check_multiple, check_positive_ints
-from loglinear.layers.mixer import DEFAULT_MAX_LEVELS, FenwickMixer, MixerInputs, dt_bias_init
+from loglinear.layers.mixer import DEFAULT_MAX_LEVELS, FenwickMixer, MixerInputs, check_dt_range, dt_bias_init
 from loglinear.layers.norm import GatedRMSNorm, wide
 from loglinear.variants import MAMBA2
 
@@ -41,7 +41,7 @@ class LogLinearMamba2(FenwickMixer):
         check_multiple("num_heads", num_heads, "n_groups", n_groups)
         self.head_dim, self.state_size, self.n_groups = head_dim, state_size, n_groups
         self.d_inner = num_heads * head_dim
-        self.dt_range = (dt_min, dt_max, dt_init_floor)
+        self.dt_range = check_dt_range(dt_min, dt_max, dt_init_floor)
         super().__init__(
             hidden_size, num_heads, self.d_inner + 2 * n_groups * state_size, conv_kernel=conv_kernel,
             conv_bias=True, use_log_linear=use_log_linear, max_levels=max_levels, chunk_size=chunk_size,
@@ -68,7 +68,7 @@ class LogLinearMamba2(FenwickMixer):
         }
 
     def conv_inputs(self, x):
-        z, xbc, dt = self.in_proj(x).split([self.d_inner, self.conv.in_channels, self.num_heads], dim=-1)
+        z, xbc, dt = self.in_proj(x).split([self.d_inner, self.conv_channels, self.num_heads], dim=-1)
         return xbc, {"z": z, "dt": dt}
 
     def op_inputs(self, conv_out, rest):

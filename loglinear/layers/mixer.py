@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loglinear.inputs import check_positive_ints, check_power_of_two
+from loglinear.inputs import check_in_range, check_nonnegative_ints, check_positive_ints, check_power_of_two
 from loglinear.layers.conv import ShortConvolution
 from loglinear.layers.levels import LevelScales
 from loglinear.layers.sequence import TokenLayout
@@ -26,9 +26,18 @@ from loglinear.ops.stateful import fenwick_attention
 from loglinear.state import FenwickState, LevelsView
 from loglinear.variants import Variant
 
-__all__ = ["MixerState", "StaticState", "MixerInputs", "FenwickMixer", "dt_bias_init"]
+__all__ = ["MixerState", "StaticState", "MixerInputs", "FenwickMixer", "check_dt_range", "dt_bias_init"]
 
 DEFAULT_MAX_LEVELS = 21  # 2^20 tokens
+
+
+def check_dt_range(dt_min: float, dt_max: float, dt_init_floor: float) -> tuple[float, float, float]:
+    """The time-step initialisation range of dt_bias_init: 0 < dt_min <= dt_max, dt_init_floor >= 0 (finite), or a
+    ValueError naming the bad value."""
+    check_in_range("dt_min", dt_min, 0, math.inf, low_closed=False)
+    check_in_range("dt_max", dt_max, dt_min, math.inf, low_closed=True)
+    check_in_range("dt_init_floor", dt_init_floor, 0, math.inf, low_closed=True)
+    return dt_min, dt_max, dt_init_floor
 
 
 def dt_bias_init(num_heads: int, dt_min: float = 1e-3, dt_max: float = 0.1, dt_floor: float = 1e-4) -> torch.Tensor:
@@ -132,8 +141,10 @@ class FenwickMixer(nn.Module):
         if not isinstance(conv_kernel, int) or isinstance(conv_kernel, bool) or conv_kernel < 0:
             raise ValueError(f"conv_kernel must be an int >= 0 (0: no short convolution), got {conv_kernel!r}")
         check_power_of_two(chunk_size=chunk_size)
+        if layer_idx is not None:
+            check_nonnegative_ints(layer_idx=layer_idx)
         super().__init__()
-        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.hidden_size, self.num_heads, self.conv_channels = hidden_size, num_heads, conv_channels
         self.use_log_linear, self.max_levels, self.chunk_size = use_log_linear, max_levels, chunk_size
         self.layer_idx = layer_idx
         self.conv = ShortConvolution(conv_channels, conv_kernel, bias=conv_bias) if conv_kernel else None

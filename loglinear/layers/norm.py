@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from loglinear.inputs import check_in_range
 
 __all__ = ["RMSNorm", "GatedRMSNorm", "wide"]
 
@@ -18,6 +22,7 @@ class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight over the last dim.  x: [*, D]."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
+        check_in_range("norm_eps", eps, 0, math.inf, low_closed=False)
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))

@@ -18,13 +18,13 @@ def make_layer(variant: str, use_log_linear: bool, max_levels: int = 21, **kwarg
     torch.manual_seed(len(variant) + 100 * use_log_linear)
     if variant == "mamba2":
         layer = LogLinearMamba2(D, 4, head_dim=3, state_size=5, n_groups=2, use_log_linear=use_log_linear,
-                                chunk_size=4, max_levels=max_levels)
+                                chunk_size=4, max_levels=max_levels, **kwargs)
     elif variant == "gla":
         layer = LogLinearGLA(D, 2, gate_low_rank_dim=4, use_log_linear=use_log_linear, chunk_size=4,
                              max_levels=max_levels, **kwargs)
     else:
         layer = LogLinearGatedDeltaNet(D, 2, head_dim=4, expand_v=1.5, use_log_linear=use_log_linear, chunk_size=4,
-                                       max_levels=max_levels)
+                                       max_levels=max_levels, **kwargs)
     with torch.no_grad():  # random, non-default parameters everywhere (never the all-ones init)
         for p in layer.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -49,18 +49,19 @@ def test_prefill_then_steps_match_full_forward(variant, ll):
     assert state.num_levels == (6 if ll else 1)  # ceil(log2 19) + 1
 
 
-def test_short_convolution_is_optional():
-    """GLA's block has none (conv_kernel = 0: q, k, v are the projections themselves, no conv state); with
-    conv_kernel = 3 it has the library's conv, and either way steps equal the full forward."""
+@pytest.mark.parametrize("variant", ["gla", "mamba2", "gated_deltanet"])
+def test_short_convolution_is_optional(variant):
+    """Every mixer runs without one (conv_kernel = 0, GLA's default: the projections go to the op as they are, no
+    conv state) or with one, and either way steps equal the full forward."""
     x = torch.randn(2, 11, D, dtype=torch.float64)
     for kernel in (0, 3):
-        layer = make_layer("gla", True, conv_kernel=kernel)
+        layer = make_layer(variant, True, conv_kernel=kernel)
         assert (layer.conv is None) == (kernel == 0)
         full, _ = layer(x)
         y1, state = layer(x[:, :5], output_state=True)
         y2, state = layer(x[:, 5:], state=state, output_state=True)
         assert_close(torch.cat([y1, y2], 1), full, 1e-12, f"conv_kernel {kernel}")
-        assert state.conv.shape == (2, max(kernel - 1, 0), layer.qkv_proj.out_features)
+        assert state.conv.shape == (2, max(kernel - 1, 0), layer.conv_channels)
 
 
 @pytest.mark.parametrize("variant,ll", VARIANTS)
@@ -254,6 +255,11 @@ def test_bad_state_mask_and_cu_seqlens():
     ({"chunk_size": 16.0}, "chunk_size must be a positive int, got 16.0"),
     ({"head_dim": 0}, "head_dim must be a positive int, got 0"),
     ({"expand_v": 0.1}, r"expand_v must give a value head dim int\(head_dim \* expand_v\) >= 1, got expand_v = 0.1"),
+    ({"norm_eps": 0.0}, r"norm_eps must be a finite number in \(0, inf\], got 0.0"),
+    ({"dt_min": float("nan")}, r"dt_min must be a finite number in \(0, inf\], got nan"),
+    ({"dt_max": 1e-4}, r"dt_max must be a finite number in \[0.001, inf\], got 0.0001"),
+    ({"dt_init_floor": -1.0}, r"dt_init_floor must be a finite number in \[0, inf\], got -1.0"),
+    ({"layer_idx": -1}, "layer_idx must be an int >= 0, got -1"),
 ])
 def test_bad_gated_deltanet_sizes(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -266,6 +272,8 @@ def test_bad_gated_deltanet_sizes(kwargs, match):
     ({"head_dim": 0}, "head_dim must be a positive int, got 0"),
     ({"n_groups": 3}, "num_heads = 2 must be a multiple of n_groups = 3"),
     ({"norm_groups": 3}, "groups must be a positive int dividing dim = 8, got 3"),
+    ({"norm_eps": -1.0}, r"norm_eps must be a finite number in \(0, inf\], got -1.0"),
+    ({"dt_min": 0.5, "dt_max": 0.1}, r"dt_max must be a finite number in \[0.5, inf\], got 0.1"),
 ])
 def test_bad_mamba2_sizes(kwargs, match):
     with pytest.raises(ValueError, match=match):
