@@ -53,8 +53,8 @@ class _FenwickConfig(PretrainedConfig):
             raise ValueError(f"level_activation must be one of {sorted(LEVEL_ACTIVATIONS)}, got {level_activation!r}")
         if intermediate_size is not None and (not isinstance(intermediate_size, int) or intermediate_size < 0):
             raise ValueError(f"intermediate_size must be an int >= 0 (0: no MLP) or None, got {intermediate_size!r}")
-        if not isinstance(norm_eps, (int, float)) or not math.isfinite(norm_eps) or norm_eps < 0:
-            raise ValueError(f"norm_eps must be a finite number >= 0, got {norm_eps!r}")
+        if not isinstance(norm_eps, (int, float)) or not math.isfinite(norm_eps) or norm_eps <= 0:
+            raise ValueError(f"norm_eps must be a finite number > 0, got {norm_eps!r}")
         if pad_token_id is not None and not 0 <= pad_token_id < vocab_size:
             raise ValueError(f"pad_token_id must be None or in [0, vocab_size = {vocab_size}), got {pad_token_id!r}")
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
