@@ -70,8 +70,7 @@ def calls(draw):
     if positions is not None:
         L = 1 if plain else levels_needed(max(max(positions), 1))
         state = FenwickState(0.3 * torch.randn(N, L, H, K, V, **kw), torch.tensor(positions))
-    options = {"output_final_state": draw(st.booleans()), "chunk_size": chunk}
-    options["use_qk_l2norm"] = draw(st.booleans())
+    options = {"output_final_state": draw(st.booleans()), "chunk_size": chunk, "use_qk_l2norm": draw(st.booleans())}
     return name, x, state, cu_seqlens, options
 
 
