@@ -14,6 +14,7 @@ parts run as without it (--niah-lengths with no value turns NIAH off).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -23,7 +24,8 @@ import numpy as np
 import torch
 
 from loglinear.data.text import PackedTokens
-from loglinear.data.tokenizer import load_tokenizer
+from loglinear.data.niah import make_niah_case
+from loglinear.data.tokenizer import Tokenizer, load_tokenizer
 from loglinear.eval.harness import lm_eval_record, lm_eval_report, require_lm_eval, run_lm_eval, task_manager
 from loglinear.eval.lm import evaluate_lm
 from loglinear.eval.niah import evaluate_niah
@@ -53,6 +55,25 @@ def _ranges(T: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
+def _niah_data(data_dir: str | Path) -> tuple[np.ndarray, Tokenizer]:
+    """The NIAH haystack (the validation tokens) and the tokenizer of a corpus."""
+    haystack = np.asarray(PackedTokens.from_dir(data_dir, "val", 1).tokens)
+    return haystack, load_tokenizer(Path(data_dir) / "tokenizer.json")
+
+
+def _check_niah_lengths(args: argparse.Namespace) -> None:
+    """Every --niah-lengths x --niah-keys case fits each run's corpus (needles and query within the length, the
+    haystack long enough): one case of each is built before any run is evaluated (ValueError naming the length)."""
+    for run_dir in args.runs if args.niah_lengths else []:
+        data_dir = args.data_dir or json.loads((Path(run_dir) / TRAIN_CONFIG).read_text())["data_dir"]
+        haystack, tok = _niah_data(data_dir)
+        for length, keys in itertools.product(args.niah_lengths, args.niah_keys):
+            try:
+                make_niah_case(haystack, tok, length, 0.0, keys, np.random.default_rng(0))
+            except ValueError as e:
+                raise ValueError(f"--niah-lengths {length} with {keys} keys does not fit {data_dir}: {e}") from None
+
+
 def evaluate_run(run_dir: str | Path, args: argparse.Namespace) -> tuple[dict, list[dict]]:
     """One run's LM record and NIAH rows."""
     device = torch.device(args.device)
@@ -74,9 +95,8 @@ def evaluate_run(run_dir: str | Path, args: argparse.Namespace) -> tuple[dict, l
     }
     niah = []
     if args.niah_lengths:
-        haystack = PackedTokens.from_dir(data_dir, "val", 1).tokens
-        niah = evaluate_niah(model, np.asarray(haystack), load_tokenizer(Path(data_dir) / "tokenizer.json"),
-                             lengths=args.niah_lengths, depths=args.niah_depths, keys=args.niah_keys,
+        niah = evaluate_niah(model, *_niah_data(data_dir), lengths=args.niah_lengths, depths=args.niah_depths,
+                             keys=args.niah_keys,
                              samples=args.niah_samples, seed=args.seed, device=device, bf16=bf16,
                              batch_size=args.batch_size)
         for row in niah:
@@ -218,6 +238,7 @@ def _lm_eval_manager(args: argparse.Namespace) -> TaskManager | None:
 def run(args: argparse.Namespace) -> int:
     args = _defaults(args)
     _check_args(args)
+    _check_niah_lengths(args)
     manager = _lm_eval_manager(args)
     tag = args.tag or torch.device(args.device).type
     out = Path(args.out)

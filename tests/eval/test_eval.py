@@ -121,7 +121,8 @@ def test_eval_options_that_cannot_work_are_refused_before_any_run(tiny_data, tmp
                                    ("--niah-lengths", "-8", "--niah-lengths must be a positive int, got -8"),
                                    ("--niah-depths", "1.5", "--niah-depths must be a finite number in [0, 1], got 1.5"),
                                    ("--seed", "-1", "--seed must be an int >= 0, got -1"),
-                                   ("--device", "gpu0", "--device must be a torch device such as cpu or cuda:0")]:
+                                   ("--device", "gpu0", "--device must be a torch device such as cpu or cuda:0"),
+                                   ("--niah-lengths", "10", "--niah-lengths 10 with 1 keys does not fit")]:
         assert cli_main(["eval", str(run), "--out", str(tmp_path / "eval"), option, value]) == 2, option
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"loglinear eval: error: {message}"), err
