@@ -44,8 +44,12 @@ def test_results_table_has_the_ratios(bench, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--variant", "gla", "--impls", "fla_gdn"], "--impls fla_gdn: not rows of --variant gla"),
     (["--variant", "mamba2", "--impls", "fla_gla"], "--impls fla_gla: not rows of --variant mamba2"),
+    (["--T", "2048", "0"], "--T must be >= 1, got 2048 0"),
+    (["--rep", "0"], "--rep must be >= 1, got 0"),
+    (["--T", "2048"], "needs a CUDA GPU"),
 ])
-def test_refusals_are_one_line_and_status_2(bench, capsys, argv, message):
+def test_refusals_are_one_line_and_status_2(bench, capsys, monkeypatch, argv, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a GPU machine: no benchmark starts
     with pytest.raises(SystemExit) as exit_:
         bench.main(argv)
     err = capsys.readouterr().err
