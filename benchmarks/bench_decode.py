@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from loglinear.cli import refuse
 from loglinear.fenwick import held_levels, levels_needed
 from loglinear.inputs import check_device
 from loglinear.layers.mixer import MixerState
@@ -630,12 +631,6 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def refuse(message: str) -> None:
-    """A command-line value that cannot work: one line on stderr, exit status 2 (before anything is written)."""
-    print(f"bench_decode.py: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
@@ -651,11 +646,11 @@ def main(argv: list[str] | None = None) -> None:
     for name, values, least in (("--steps", [args.steps], 1), ("--warmup", [args.warmup], 0),
                                 ("--contexts", args.contexts, 1), ("--batches", args.batches, 1)):
         if any(v < least for v in values):
-            refuse(f"{name} must be >= {least}, got {' '.join(map(str, values))}")
+            refuse("bench_decode.py", f"{name} must be >= {least}, got {' '.join(map(str, values))}")
     try:
         check_device("--device", args.device)
     except ValueError as e:
-        refuse(str(e))
+        refuse("bench_decode.py", str(e))
     torch.manual_seed(0)
     os.makedirs(args.out, exist_ok=True)
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-") if args.device == "cuda" else "cpu"

@@ -47,6 +47,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loglinear import FenwickState, log_linear_gated_deltanet, log_linear_gla, log_linear_mamba2  # noqa: E402
+from loglinear.cli import refuse  # noqa: E402
 from loglinear.fenwick import levels_needed  # noqa: E402
 from loglinear.report import pyplot  # noqa: E402
 
@@ -522,12 +523,6 @@ def profile(T: int, variant: str, impls: list[str], log: Callable[[str], None]) 
         log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=60))
 
 
-def refuse(message: str) -> None:
-    """A command-line value that cannot work: one line on stderr, exit status 2."""
-    print(f"bench_ops.py: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, nargs="+", default=[2048 * 2**i for i in range(7)])
@@ -559,13 +554,14 @@ def main(argv: list[str] | None = None) -> None:
     args.impls = args.impls or [i for i in bench.impls if i != "loglinear_torch"]
     unknown = [i for i in args.impls if i not in bench.impls]
     if unknown:
-        refuse(f"--impls {' '.join(unknown)}: not rows of --variant {args.variant} ({', '.join(bench.impls)})")
+        refuse("bench_ops.py", f"--impls {' '.join(unknown)}: not rows of --variant {args.variant} "
+                               f"({', '.join(bench.impls)})")
     for name, values, least in (("--T", args.T, 1), ("--warmup", [args.warmup], 1), ("--rep", [args.rep], 1),
                                 ("--long-T", [args.long_T], 1), ("--profile-T", [args.profile_T], 0)):
         if any(v < least for v in values):
-            refuse(f"{name} must be >= {least}, got {' '.join(map(str, values))}")
+            refuse("bench_ops.py", f"{name} must be >= {least}, got {' '.join(map(str, values))}")
     if not torch.cuda.is_available():
-        refuse("needs a CUDA GPU (it times the kernels and fla's on one); none is visible")
+        refuse("bench_ops.py", "needs a CUDA GPU (it times the kernels and fla's on one); none is visible")
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
     out_dir = Path(args.out)
     command = "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:]))
@@ -627,7 +623,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         kept = merge_previous(result.with_suffix(".json"), meta, args.T) if args.merge else []
     except ValueError as e:
-        refuse(str(e))
+        refuse("bench_ops.py", str(e))
     rows = []
     for T in args.T:
         for impl in args.impls:

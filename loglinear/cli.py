@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import os
 import sys
+from typing import NoReturn
 
 from loglinear import __version__
 
@@ -46,6 +47,13 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.help is None and action.default not in (None, argparse.SUPPRESS) and action.option_strings:
             action.help = self._get_help_string(action)
         return super()._format_action(action)
+
+
+def refuse(prog: str, message: str) -> NoReturn:
+    """A command-line value that cannot work, for the benchmark scripts as for the commands: one line on stderr
+    (``<prog>: <message>``), exit status 2, before anything runs or is written."""
+    print(f"{prog}: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def _given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
