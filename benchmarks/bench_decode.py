@@ -35,9 +35,8 @@ import time
 
 import torch
 
-from loglinear.cli import refuse
+from loglinear.cli import check_script_options
 from loglinear.fenwick import held_levels, levels_needed
-from loglinear.inputs import check_device
 from loglinear.layers.mixer import MixerState
 from loglinear.models import (
     FenwickCache,
@@ -643,14 +642,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="tiny models (CPU smoke run)")
     args = parser.parse_args(argv)
-    for name, values, least in (("--steps", [args.steps], 1), ("--warmup", [args.warmup], 0),
-                                ("--contexts", args.contexts, 1), ("--batches", args.batches, 1)):
-        if any(v < least for v in values):
-            refuse("bench_decode.py", f"{name} must be >= {least}, got {' '.join(map(str, values))}")
-    try:
-        check_device("--device", args.device)
-    except ValueError as e:
-        refuse("bench_decode.py", str(e))
+    check_script_options("bench_decode.py", {"--steps": (args.steps, 1), "--warmup": (args.warmup, 0),
+                                             "--contexts": (args.contexts, 1), "--batches": (args.batches, 1)},
+                         args.device)
     torch.manual_seed(0)
     os.makedirs(args.out, exist_ok=True)
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-") if args.device == "cuda" else "cpu"

@@ -47,7 +47,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loglinear import FenwickState, log_linear_gated_deltanet, log_linear_gla, log_linear_mamba2  # noqa: E402
-from loglinear.cli import refuse  # noqa: E402
+from loglinear.cli import check_script_options, refuse  # noqa: E402
 from loglinear.fenwick import levels_needed  # noqa: E402
 from loglinear.report import pyplot  # noqa: E402
 
@@ -556,10 +556,8 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         refuse("bench_ops.py", f"--impls {' '.join(unknown)}: not rows of --variant {args.variant} "
                                f"({', '.join(bench.impls)})")
-    for name, values, least in (("--T", args.T, 1), ("--warmup", [args.warmup], 1), ("--rep", [args.rep], 1),
-                                ("--long-T", [args.long_T], 1), ("--profile-T", [args.profile_T], 0)):
-        if any(v < least for v in values):
-            refuse("bench_ops.py", f"{name} must be >= {least}, got {' '.join(map(str, values))}")
+    check_script_options("bench_ops.py", {"--T": (args.T, 1), "--warmup": (args.warmup, 1), "--rep": (args.rep, 1),
+                                          "--long-T": (args.long_T, 1), "--profile-T": (args.profile_T, 0)})
     if not torch.cuda.is_available():
         refuse("bench_ops.py", "needs a CUDA GPU (it times the kernels and fla's on one); none is visible")
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")

@@ -25,8 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loglinear.cli import refuse  # noqa: E402
-from loglinear.inputs import check_device  # noqa: E402
+from loglinear.cli import check_script_options  # noqa: E402
 from loglinear.report import ARCH_LABELS, markdown_table, pyplot, write_json  # noqa: E402
 from loglinear.train.factory import ARCHS, build_model  # noqa: E402
 from loglinear.train.loop import bf16_autocast, enable_activation_checkpointing, lm_loss  # noqa: E402
@@ -124,14 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.tiny:
         args.d_model, args.layers, args.batch, args.seq_len, args.steps, args.warmup = 64, 2, 2, 256, 2, 1
-    for name, least in (("d_model", 1), ("layers", 1), ("batch", 1), ("seq_len", 1), ("vocab_size", 1),
-                        ("steps", 1), ("warmup", 0)):
-        if getattr(args, name) < least:
-            refuse("bench_train.py", f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")
-    try:
-        check_device("--device", args.device)
-    except ValueError as e:
-        refuse("bench_train.py", str(e))
+    least = {"d_model": 1, "layers": 1, "batch": 1, "seq_len": 1, "vocab_size": 1, "steps": 1, "warmup": 0}
+    check_script_options("bench_train.py", {f"--{name.replace('_', '-')}": (getattr(args, name), low)
+                                            for name, low in least.items()}, args.device)
     cuda = args.device == "cuda"
     name = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-") if cuda else "cpu"
     import transformers

@@ -16,6 +16,7 @@ import sys
 from typing import NoReturn
 
 from loglinear import __version__
+from loglinear.inputs import check_device
 
 # name -> (module, one-line help). A module defines add_arguments(parser) and run(args) -> int | None.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -54,6 +55,23 @@ def refuse(prog: str, message: str) -> NoReturn:
     (``<prog>: <message>``), exit status 2, before anything runs or is written."""
     print(f"{prog}: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def check_script_options(prog: str, at_least: dict[str, tuple[int | list[int], int]],
+                         device: str | None = None) -> None:
+    """A benchmark script's options: every value of each option in ``at_least`` ({option: (value or values,
+    least)}) >= its least, and ``device`` (if given) one this machine has; else refuse(prog, ...) naming the
+    option."""
+    for option, (values, least) in at_least.items():
+        values = values if isinstance(values, list) else [values]
+        if any(v < least for v in values):
+            refuse(prog, f"{option} must be >= {least}, got {' '.join(map(str, values))}")
+    if device is None:
+        return
+    try:
+        check_device("--device", device)
+    except ValueError as e:
+        refuse(prog, str(e))
 
 
 def _given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
