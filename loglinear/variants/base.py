@@ -37,7 +37,11 @@ class Gate:
     per_channel one value per key channel: [B, T, H, K] ([N, H, K] in a decode step).
 
     log_decay: the gate is a log-decay g <= 0 (A_t = exp(g_t) ...): -inf is allowed (a hard reset) and the op floors
-    it where exp underflows to 0 (loglinear.ops.finite); any other gate must be finite."""
+    it where exp underflows to 0 (loglinear.ops.finite); any other gate must be finite.
+
+    The range in doc is the one the models produce; the op computes its formula for any finite value (a log-decay
+    g > 0 grows the state, a beta outside (0, 1) is the delta rule with negative eigenvalues for beta in (1, 2)),
+    as it does for a negative lambda."""
 
     name: str
     doc: str

@@ -1,7 +1,8 @@
 """Randomly drawn calls of every variant on the Triton kernels (CPU: the interpreter) against the float64
 recurrent reference: the variant, plain or log-linear, batch or packed sequences (cu_seqlens), lengths, heads and
 groups, head dims, chunk size, incoming states at drawn positions (one position for all rows or one per sequence),
-use_qk_l2norm, the final state or none; outputs, final states and every gradient, the initial state's too.
+use_qk_l2norm, the final state or none, values beyond the models' ranges (negative lambda, a growing log-decay,
+other gates outside (0, 1)); outputs, final states and every gradient, the initial state's too.
 
 The parametrized kernel tests pin the cases each path was built for; these draws cross them in combinations
 nobody listed. Each run draws new calls (hypothesis prints a failing one, to be pinned as an @example)."""
@@ -63,9 +64,15 @@ def calls(draw):
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     kw = dict(dtype=torch.float64, generator=gen)
     end = max(positions or [0]) + T
+    gates = get(name).sample_gates(B, T, H, K, **kw)
+    lam_low = 0.2
+    if draw(st.booleans()):  # beyond the models' ranges: the op computes the formula for any finite value
+        lam_low = -0.6
+        gates = {gate.name: gates[gate.name] * (-0.02 if gate.log_decay else 2.0) - (0 if gate.log_decay else 0.2)
+                 for gate in get(name).gates}
     x = {"q": torch.randn(B, T, G, K, **kw), "k": torch.randn(B, T, G, K, **kw) / K**0.5,
-         "v": torch.randn(B, T, H, V, **kw), "gates": get(name).sample_gates(B, T, H, K, **kw),
-         "level_scales": None if plain else 0.2 + torch.rand(B, T, H, levels_needed(end) + 1, **kw)}
+         "v": torch.randn(B, T, H, V, **kw), "gates": gates,
+         "level_scales": None if plain else lam_low + torch.rand(B, T, H, levels_needed(end) + 1, **kw)}
     state = None
     if positions is not None:
         L = 1 if plain else levels_needed(max(max(positions), 1))
