@@ -371,6 +371,16 @@ def segments(inp: OpInputs) -> list[Segment]:
 Core = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
+def split_rows(x: torch.Tensor, groups: list[list[int]]) -> tuple[torch.Tensor, ...]:
+    """x [R, *] -> (x[groups[0]], x[groups[1]], ...) by one gather (none if the groups list the rows in order) and
+    one split: one autograd node for all groups, where a gather per group would each write a gradient of x's whole
+    size."""
+    order = [row for group in groups for row in group]
+    if order != list(range(x.shape[0])):
+        x = x.index_select(0, device_table(order, torch.int64, x.device))
+    return x.split([len(group) for group in groups], dim=0)
+
+
 def run_segments(
     inp: OpInputs, core: Core, output_final_state: bool, *, l2norm_qk: bool = False,
 ) -> tuple[torch.Tensor, FenwickState | None]:
@@ -388,17 +398,20 @@ def run_segments(
     q, k = expand_groups(q, H), expand_groups(k, H)
     v, lam = inp.v.to(dtype), (inp.level_scales.to(dtype) if inp.level_scales is not None else None)
     gates = {name: x.to(dtype) for name, x in inp.gates.items()}
+    segs = segments(inp)
+    if inp.bounds is not None:
+        cut = lambda x: x.split([seg.t1 - seg.t0 for seg in segs], dim=1)  # noqa: E731
+    else:
+        cut = lambda x: split_rows(x, [seg.rows for seg in segs])  # noqa: E731
+    parts = {"q": cut(q), "k": cut(k), "v": cut(v), "lam": cut(lam) if lam is not None else [None] * len(segs)}
+    gate_parts = {name: cut(x) for name, x in gates.items()}
+    states = [None] * len(segs)
+    if inp.initial_state is not None:
+        states = split_rows(inp.initial_state.levels.to(dtype), [seg.state_rows for seg in segs])
     outs, finals, order, positions = [], [], [], []
-    for seg in segments(inp):
-        rows = device_table(seg.rows, torch.int64, q.device)
-        pick = lambda x: x.index_select(0, rows)[:, seg.t0 : seg.t1]  # noqa: E731
-        levels = None
-        if inp.initial_state is not None:
-            idx = device_table(seg.state_rows, torch.int64, q.device)
-            levels = inp.initial_state.levels.index_select(0, idx).to(dtype)
-        picked = {name: pick(x) for name, x in gates.items()}
-        o, lv = core(pick(q), pick(k), pick(v), picked, pick(lam) if lam is not None else None, inp.scale, levels,
-                     seg.position)
+    for i, seg in enumerate(segs):
+        o, lv = core(parts["q"][i], parts["k"][i], parts["v"][i], {name: x[i] for name, x in gate_parts.items()},
+                     parts["lam"][i], inp.scale, states[i], seg.position)
         outs.append(o)
         finals.append(lv)
         order.extend(seg.state_rows)

@@ -12,10 +12,13 @@ from typing import Callable
 
 import torch
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from loglinear.fenwick import levels_needed
+from loglinear.ops.api import attention
 from loglinear.state import FenwickState
-from loglinear.variants import GLA
+from loglinear.variants import GLA, get
 
 
 def make_inputs(
@@ -154,3 +157,40 @@ def save_perturbed(model: torch.nn.Module, path) -> torch.nn.Module:
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||a||."""
     return ((a - b).norm() / a.norm()).item()
+
+
+class _LargeWrites(TorchDispatchMode):
+    """Counts the ops whose output has at least `numel` elements."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.count += sum(t.numel() >= self.numel for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        return out
+
+
+def large_backward_writes(name: str, lengths: list[int], chunk_size: int, state: bool, backend: str) -> int:
+    """How many ops of a backward on ``backend`` write a tensor at least as large as v (the packed sequences of
+    ``lengths``, from a state at position 5 or none): a count that grows with the number of chunks or sequences
+    means a whole-size gradient written per chunk or sequence."""
+    variant, T, H, K = get(name), sum(lengths), 2, 4
+    gen = torch.Generator().manual_seed(0)
+    x = {"q": torch.randn(1, T, 1, K, generator=gen), "k": torch.randn(1, T, 1, K, generator=gen),
+         "v": torch.randn(1, T, H, K, generator=gen), "level_scales": torch.rand(1, T, H, 12, generator=gen)}
+    gates = variant.sample_gates(1, T, H, K, generator=gen)
+    leaves = [*x.values(), *gates.values()]
+    initial = None
+    if state:
+        levels = torch.randn(len(lengths), 4, H, K, K, generator=gen, requires_grad=True)
+        initial, leaves = FenwickState(levels, torch.full((len(lengths),), 5)), leaves + [levels]
+    for t in leaves:
+        t.requires_grad_()
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    o, _ = attention(variant, x["q"], x["k"], x["v"], gates, x["level_scales"], initial_state=initial,
+                     cu_seqlens=cu_seqlens, chunk_size=chunk_size, backend=backend)
+    with _LargeWrites(x["v"].numel()) as count:
+        o.sum().backward()
+    return count.count

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Gate", "Variant", "decays"]
+__all__ = ["Gate", "Variant", "by_chunk", "decays"]
 
 Gates = dict[str, torch.Tensor]
 
@@ -86,6 +86,15 @@ class Variant:
 
     def __repr__(self) -> str:
         return f"Variant({self.name!r})"
+
+
+def by_chunk(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The chunks of a chunked tensor x: [b, H, N, ...] -> N views [b, H, ...], for a loop over chunks.
+
+    One autograd node serves all N views: its backward writes x's gradient once. Indexing x[:, :, i] in the loop
+    instead adds a node per chunk whose backward writes a zero tensor of x's whole size, which makes a backward
+    through N chunks cost O(N^2) in memory traffic."""
+    return x.unbind(2)
 
 
 def decays(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

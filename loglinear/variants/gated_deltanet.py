@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from loglinear.inputs import expand_groups
-from loglinear.variants.base import Gate, Gates, Variant, decays
+from loglinear.variants.base import Gate, Gates, Variant, by_chunk, decays
 
 __all__ = ["GATED_DELTANET", "GatedDeltaNetForm"]
 
@@ -45,10 +45,12 @@ class GatedDeltaNetForm:
         self.kt = to_end[..., None] * k
         self.chunk_decay = torch.exp(G[..., -1])
         self.deposit = torch.einsum("bhnck,bhncv->bhnkv", self.kt, u)
+        self._at = list(zip(by_chunk(self.chunk_decay), by_chunk(self.wt), by_chunk(self.kt)))
 
     def transition(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        wh = torch.einsum("bhck,bhkx->bhcx", self.wt[:, :, i], h)
-        return self.chunk_decay[:, :, i, None, None] * h - torch.einsum("bhck,bhcx->bhkx", self.kt[:, :, i], wh)
+        decay, wt, kt = self._at[i]
+        wh = torch.einsum("bhck,bhkx->bhcx", wt, h)
+        return decay[:, :, None, None] * h - torch.einsum("bhck,bhcx->bhkx", kt, wh)
 
     def bucket_states(self, i: int, masks: torch.Tensor) -> torch.Tensor:
         u = torch.einsum("bhcs,ms,bhsv->bmhcv", self.Tg[:, :, i], masks, self.bv[:, :, i])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loglinear.variants.base import Gate, Gates, Variant
+from loglinear.variants.base import Gate, Gates, Variant, by_chunk
 from loglinear.variants.mamba2 import level_sums, suffix_sum
 
 __all__ = ["GLA", "GLAForm", "intra_chunk_scores", "sub_chunk_size"]
@@ -79,9 +79,10 @@ class GLAForm:
         self.kt = torch.exp(G[..., -1:, :] - G) * k
         self.chunk_decay = torch.exp(G[..., -1, :])  # [b, H, N, K]
         self.deposit = torch.einsum("bhnck,bhncv->bhnkv", self.kt, v)
+        self._decay_at = by_chunk(self.chunk_decay)
 
     def transition(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        return self.chunk_decay[:, :, i, :, None] * h
+        return self._decay_at[i][..., None] * h
 
     def bucket_states(self, i: int, masks: torch.Tensor) -> torch.Tensor:
         return torch.einsum("mc,bhck,bhcv->bmhkv", masks, self.kt[:, :, i], self.v[:, :, i])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from loglinear.fenwick import bit_length
-from loglinear.variants.base import Gate, Gates, Variant, decay_matrix, decays
+from loglinear.variants.base import Gate, Gates, Variant, by_chunk, decay_matrix, decays
 
 __all__ = ["MAMBA2", "Mamba2Form", "suffix_sum", "level_sums"]
 
@@ -36,9 +36,10 @@ class Mamba2Form:
         self.kt = to_end[..., None] * k  # exp(G_last - G_s) k_s
         self.chunk_decay = torch.exp(G[..., -1])  # [b, H, N]
         self.deposit = torch.einsum("bhnck,bhncv->bhnkv", self.kt, v)
+        self._decay_at = by_chunk(self.chunk_decay)
 
     def transition(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        return self.chunk_decay[:, :, i, None, None] * h
+        return self._decay_at[i][:, :, None, None] * h
 
     def bucket_states(self, i: int, masks: torch.Tensor) -> torch.Tensor:
         return torch.einsum("mc,bhck,bhcv->bmhkv", masks, self.kt[:, :, i], self.v[:, :, i])

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from helpers import assert_close, make_inputs, mamba2_args
+from helpers import assert_close, large_backward_writes, make_inputs, mamba2_args
 from loglinear import log_linear_gated_deltanet, log_linear_mamba2
 from loglinear import reference as R
+from loglinear.variants import REGISTRY
 from loglinear.variants.mamba2 import suffix_sum
 
 SHAPES = [(1, 1, 1, 1), (2, 2, 1, 2), (2, 63, 1, 2), (1, 64, 2, 2), (2, 65, 1, 3), (1, 100, 2, 4), (1, 257, 1, 1)]
@@ -125,3 +126,17 @@ def test_chunk_levels_past_rejects_in_chunk_targets_and_wide_states(target, widt
 
     with pytest.raises(ValueError, match="carry target"):
         chunk_levels_past(torch.zeros(1, width, 1, 2, 2), target, 8, 4)
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("state", [False, True])
+def test_backward_writes_whole_size_tensors_a_fixed_number_of_times(name, state):
+    """Chunks and packed sequences are cut into views with one autograd node each, so the backward writes fewer than
+    one more whole-size tensor per added chunk or sequence (a node per chunk or sequence writes a zero tensor of the
+    whole size each: O(N^2))."""
+    few_chunks = large_backward_writes(name, [64], 16, state, "torch")  # 4 chunks
+    many_chunks = large_backward_writes(name, [64], 2, state, "torch")  # 32 chunks
+    assert many_chunks - few_chunks < 32 - 4, (few_chunks, many_chunks)
+    few_sequences = large_backward_writes(name, [64, 64], 16, state, "torch")
+    many_sequences = large_backward_writes(name, [8] * 16, 16, state, "torch")
+    assert many_sequences - few_sequences < 16 - 2, (few_sequences, many_sequences)

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from triton.runtime.interpreter import InterpretedFunction
 
-from helpers import assert_close, compare_with_reference, make_inputs, mamba2_args
+from helpers import assert_close, compare_with_reference, large_backward_writes, make_inputs, mamba2_args
 from loglinear import FenwickState, log_linear_mamba2
 from loglinear import reference as R
 from loglinear.ops.api import attention
@@ -410,3 +410,13 @@ def test_kernels_are_the_default_on_cuda(monkeypatch):
     assert select_backend(MAMBA2, torch.device("cuda")) == "triton"
     assert select_backend(MAMBA2, torch.device("cpu")) == "torch"
     assert select_backend(MAMBA2, torch.device("cuda"), "torch") == "torch"
+
+
+@pytest.mark.parametrize("name", ["mamba2", "gla"])
+def test_torch_prefixes_of_many_sequences_write_whole_gradients_a_fixed_number_of_times(name):
+    """Sequences from states inside a chunk run their first tokens on the torch path: their inputs and states are
+    cut with one autograd node each, so the backward writes fewer than one more whole-size tensor per added
+    sequence."""
+    few = large_backward_writes(name, [8] * 16, 16, True, "triton")
+    many = large_backward_writes(name, [4] * 32, 16, True, "triton")
+    assert many - few < 32 - 16, (few, many)

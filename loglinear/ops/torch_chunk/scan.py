@@ -22,7 +22,8 @@ C tokens; padding tokens have k = v = gates = 0, so their transition is the iden
 local inclusive cumsum of g and Gamma[t, s] = exp(G_t - G_s) for s <= t. A form provides
     intra:  [b, H, N, C, C]  beta_s q_t^T P_{t,s} k_s inside the chunk (before the level mask)
     qt:     [b, H, N, C, K]  readout queries:  q_t^T P_{t, chunk start - 1} h  ==  (qt_t) h
-    transition(i, h):        the chunk's whole transition applied to states h: [b, H, K, X]
+    transition(i, h):        the chunk's whole transition applied to states h: [b, H, K, X] (its per-chunk
+                             tensors taken with variants.base.by_chunk: the scan calls it for every chunk)
     bucket_states(i, masks): state at the chunk's end of the tokens selected by masks [M, C] -> [b, M, H, K, V]
     deposit:                 [b, H, N, K, V]  the chunk's own state at its end (all tokens)
 """
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from loglinear.fenwick import chunk_bits, ctz, incoming_levels, intra_chunk_levels, last_query_masks, levels_needed
+from loglinear.variants.base import by_chunk
 
 
 def pad_time(x: torch.Tensor, front: int, back: int) -> torch.Tensor:
@@ -143,17 +145,17 @@ def chunk_scan(
         H_levels = [q.new_zeros(b, H, K, V) for _ in range(n_chunk_levels)]
 
     outs = []
+    intra_outs, queries, lams, deposits = by_chunk(o), by_chunk(form.qt), by_chunk(lc), by_chunk(form.deposit)
     for i in range(N):
         chunk = c0 + i
-        oi = o[:, :, i]
-        qt = form.qt[:, :, i]  # [b, H, C, K]
+        oi, qt = intra_outs[i], queries[i]  # [b, H, C, V], [b, H, C, K]
         if i == 0 and partial is not None:
-            w = level_scales_at(lc[:, :, 0], incoming_levels(position, C, device))  # [b, H, C, c+1]
+            w = level_scales_at(lams[0], incoming_levels(position, C, device))  # [b, H, C, c+1]
             oi = oi + torch.einsum("bhtm,bhtk,bhmkv->bhtv", w, qt, partial)
         if H_levels:
             stacked = torch.stack(H_levels, dim=2)  # [b, H, J, K, V]
             idx = (c + 1 + torch.arange(len(H_levels), device=device)).expand(C, -1)
-            w = level_scales_at(lc[:, :, i], idx)  # [b, H, C, J]
+            w = level_scales_at(lams[i], idx)  # [b, H, C, J]
             oi = oi + torch.einsum("bhtj,bhtk,bhjkv->bhtv", w, qt, stacked)
         outs.append(oi)
         if H_levels:
@@ -161,7 +163,7 @@ def chunk_scan(
             H_levels = list(form.transition(i, flat).reshape(b, H, K, len(H_levels), V).unbind(3))
         if i == N - 1:
             break
-        deposit = form.deposit[:, :, i]
+        deposit = deposits[i]
         if i == 0 and partial is not None:
             deposit = deposit + form.transition(i, partial.sum(2))
         m = ctz(chunk + 1)

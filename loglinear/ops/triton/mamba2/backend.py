@@ -598,13 +598,16 @@ class _Flat:
     bounds: list[int]
     positions: list[int]
 
-    def rows(self, a: int, b: int) -> dict[str, torch.Tensor]:
-        """Tokens [a, b) as the torch path's [1, b-a, H, *] fp32 inputs (q/k expanded to the value heads, g
-        floored)."""
+    def pieces(self, ranges: list[tuple[int, int]]) -> list[dict[str, torch.Tensor]]:
+        """Token ranges [a, b) (disjoint, in order) as the torch path's [1, b-a, H, *] fp32 inputs (q/k expanded to
+        the value heads, g floored). Each tensor is cut by one split, one autograd node for all ranges (a slice per
+        range would write a gradient of the whole tensor per range)."""
+        edges = [0, *(e for a, b in ranges for e in (a, b)), self.v.shape[0]]
+        sizes = [b - a for a, b in zip(edges, edges[1:])]
+        cut = lambda x: [piece[None].float() for piece in x.split(sizes)[1::2]]  # noqa: E731
         H = self.v.shape[1]
-        pick = lambda x: x[None, a:b].float()  # noqa: E731
-        return dict(q=expand_groups(pick(self.q), H), k=expand_groups(pick(self.k), H), v=pick(self.v),
-                    g=floor_log_decay(pick(self.g)), lam=pick(self.lam))
+        return [dict(q=expand_groups(q, H), k=expand_groups(k, H), v=v, g=floor_log_decay(g), lam=lam)
+                for q, k, v, g, lam in zip(*map(cut, (self.q, self.k, self.v, self.g, self.lam)))]
 
 
 def _kernel_dtype(inp: OpInputs) -> torch.dtype:
@@ -655,19 +658,19 @@ def _align(flat: _Flat, state: FenwickState | None, C: int, scale: float, form: 
     if state is None:
         return _Aligned(flat.bounds[:-1], [p // C for p in flat.positions], None, [], [], [], {})
     levels, prefixed = state.levels.float(), {}
+    rows = levels.split(1)  # one autograd node for every sequence's state (a slice each: a whole gradient each)
     out = _Aligned([], [], levels, [], [], [], {})
-    for n, (a, b, p) in enumerate(spans):
-        pre = 0
-        if p % C or p == 0:
-            pre = min(b - a, C - p % C)
-            x = flat.rows(a, a + pre)
-            o_pre, lv = chunk_scan(form, x["q"], x["k"], x["v"], {"g": x["g"]}, x["lam"], scale, levels[n : n + 1],
-                                   p, C)
+    prefix = [min(b - a, C - p % C) if p % C or p == 0 else 0 for a, b, p in spans]
+    inputs = iter(flat.pieces([(a, a + pre) for (a, _, _), pre in zip(spans, prefix) if pre]))
+    for n, ((a, b, p), pre) in enumerate(zip(spans, prefix)):
+        if pre:
+            x = next(inputs)
+            o_pre, lv = chunk_scan(form, x["q"], x["k"], x["v"], {"g": x["g"]}, x["lam"], scale, rows[n], p, C)
             out.prefix_out.append(o_pre[0])
             out.prefixes.append((a, a + pre))
             prefixed[n] = lv[0]
         if a + pre == b:
-            out.done[n] = prefixed.pop(n, levels[n])
+            out.done[n] = prefixed.pop(n, rows[n][0])
         out.bos.append(a + pre)
         out.chunk0.append((p + pre) // C)
         out.targets.append(ctz(p + pre) + 1 if a + pre < b else 0)  # fenwick.carry_target, on the host
