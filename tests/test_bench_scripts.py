@@ -1,5 +1,8 @@
-"""The command lines of benchmarks/bench_decode.py and bench_train.py: values that cannot work are refused (one line,
-exit status 2) before anything is measured or written (bench_ops.py's: tests/test_bench_ops.py)."""
+"""The command lines of benchmarks/bench_decode.py, bench_train.py and bench_torch_path.py: values that cannot work are
+refused (one line, exit status 2) before anything is measured or written (bench_ops.py's: tests/test_bench_ops.py);
+bench_torch_path.py at a tiny size writes its result files."""
+
+import json
 
 import pytest
 
@@ -15,6 +18,10 @@ from helpers import load_benchmark
     ("bench_train", ["--steps", "0"], "--steps must be >= 1, got 0"),
     ("bench_train", ["--seq-len", "-1"], "--seq-len must be >= 1, got -1"),
     ("bench_train", ["--device", "gpu0"], "--device must be a torch device such as cpu or cuda:0"),
+    ("bench_torch_path", ["--lengths", "64", "0"], "--lengths must be >= 1, got 64 0"),
+    ("bench_torch_path", ["--packed", "0"], "--packed must be >= 1, got 0"),
+    ("bench_torch_path", ["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    ("bench_torch_path", ["--device", "gpu0"], "--device must be a torch device such as cpu or cuda:0"),
 ])
 def test_refusals_are_one_line_and_status_2(tmp_path, capsys, script, argv, message):
     bench = load_benchmark(script)
@@ -23,3 +30,14 @@ def test_refusals_are_one_line_and_status_2(tmp_path, capsys, script, argv, mess
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and f"{script}.py: {message}" in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_torch_path_benchmark_writes_its_results(tmp_path):
+    bench = load_benchmark("bench_torch_path")
+    bench.main(["--variants", "mamba2", "gla", "--lengths", "64", "128", "--packed", "32", "--heads", "2",
+                "--head-dim", "8", "--repeats", "1", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "torch-path-cpu.json").read_text())["rows"]
+    assert len(rows) == 2 * 2 * 3 and all(r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 for r in rows)
+    md = (tmp_path / "torch-path-cpu.md").read_text()
+    assert "## Mamba-2" in md and "## GLA" in md and "| 128 as 4 x 32 |" in md
+    assert (tmp_path / "torch-path-cpu.png").stat().st_size > 0

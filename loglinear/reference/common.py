@@ -60,12 +60,14 @@ def recurrent(
         S = S + torch.nn.functional.pad(levels.to(q.dtype), (0, 0, 0, 0, 0, 0, 0, n_levels - levels.shape[1]))
     level0 = (torch.arange(n_levels, device=q.device) == 0).to(q.dtype).view(1, n_levels, 1, 1, 1)
     outs = []
+    # the tokens as views with one autograd node per tensor (x[:, t] in the loop: a whole-size gradient per token)
+    qs, ks, vs, lams = q.unbind(1), k.unbind(1), v.unbind(1), level_scales[..., :n_levels].unbind(1)
+    gate_steps = {name: x.unbind(1) for name, x in gates.items()}
     for t in range(T):
         S = carry(S, positions + t)
-        gates_t = {name: x[:, t] for name, x in gates.items()}
-        S = variant.transition(S, k[:, t], gates_t)
-        deposit = torch.einsum("bhk,bhv->bhkv", variant.deposit_key(k[:, t], gates_t), v[:, t])
+        gates_t = {name: xs[t] for name, xs in gate_steps.items()}
+        S = variant.transition(S, ks[t], gates_t)
+        deposit = torch.einsum("bhk,bhv->bhkv", variant.deposit_key(ks[t], gates_t), vs[t])
         S = S + level0 * deposit[:, None]
-        lam = level_scales[:, t, :, :n_levels]  # [B, H, L]
-        outs.append(scale * torch.einsum("blhkv,bhk,bhl->bhv", S, q[:, t], lam))
+        outs.append(scale * torch.einsum("blhkv,bhk,bhl->bhv", S, qs[t], lams[t]))  # lams[t]: [B, H, L]
     return torch.stack(outs, dim=1), S, positions + T
