@@ -382,22 +382,28 @@ def split_rows(x: torch.Tensor, groups: list[list[int]]) -> tuple[torch.Tensor, 
 
 
 def run_segments(
-    inp: OpInputs, core: Core, output_final_state: bool, *, l2norm_qk: bool = False,
+    inp: OpInputs, core: Core, output_final_state: bool, *, l2norm_qk: bool = False, as_given: bool = False,
 ) -> tuple[torch.Tensor, FenwickState | None]:
     """Run ``core`` on every segment, in the compute dtype, with q/k expanded to the value heads.
 
     core(q, k, v, gates, level_scales, scale, levels, position) -> (o, levels_out), with
     q, k: [b, t, H, K]; v: [b, t, H, V]; gates: {name: [b, t, H] or [b, t, H, K]}; level_scales: [b, t, H, L]
     (None: a plain call); levels: [b, Ls, H, K, V] or None; position: int shared by the rows.
+    as_given: the core takes the op's tensors as they are (their dtypes, q / k per group [b, t, G, K]) and the
+    incoming levels in fp32, and normalises q and k itself: core(..., qk_l2norm=l2norm_qk).
     """
-    H = inp.num_heads
-    dtype = torch.float64 if inp.v.dtype == torch.float64 or inp.q.dtype == torch.float64 else torch.float32
-    q, k = inp.q.to(dtype), inp.k.to(dtype)
-    if l2norm_qk:
-        q, k = l2norm(q), l2norm(k)
-    q, k = expand_groups(q, H), expand_groups(k, H)
-    v, lam = inp.v.to(dtype), (inp.level_scales.to(dtype) if inp.level_scales is not None else None)
-    gates = {name: x.to(dtype) for name, x in inp.gates.items()}
+    extra = {}
+    if as_given:
+        q, k, v, lam, gates, dtype = inp.q, inp.k, inp.v, inp.level_scales, inp.gates, torch.float32
+        extra = {"qk_l2norm": l2norm_qk}
+    else:
+        dtype = torch.float64 if inp.v.dtype == torch.float64 or inp.q.dtype == torch.float64 else torch.float32
+        q, k = inp.q.to(dtype), inp.k.to(dtype)
+        if l2norm_qk:
+            q, k = l2norm(q), l2norm(k)
+        q, k = expand_groups(q, inp.num_heads), expand_groups(k, inp.num_heads)
+        v, lam = inp.v.to(dtype), (inp.level_scales.to(dtype) if inp.level_scales is not None else None)
+        gates = {name: x.to(dtype) for name, x in inp.gates.items()}
     segs = segments(inp)
     if inp.bounds is not None:
         cut = lambda x: x.split([seg.t1 - seg.t0 for seg in segs], dim=1)  # noqa: E731
@@ -411,21 +417,20 @@ def run_segments(
     outs, finals, order, positions = [], [], [], []
     for i, seg in enumerate(segs):
         o, lv = core(parts["q"][i], parts["k"][i], parts["v"][i], {name: x[i] for name, x in gate_parts.items()},
-                     parts["lam"][i], inp.scale, states[i], seg.position)
+                     parts["lam"][i], inp.scale, states[i], seg.position, **extra)
         outs.append(o)
         finals.append(lv)
         order.extend(seg.state_rows)
         positions.extend([seg.position + seg.t1 - seg.t0] * len(seg.rows))
-    inverse = torch.argsort(torch.tensor(order)).to(q.device)
-    if inp.bounds is not None:
-        o = torch.cat(outs, dim=1)
-    else:
-        o = torch.cat(outs, dim=0).index_select(0, inverse)
+    inverse = None if order == list(range(len(order))) else torch.argsort(torch.tensor(order))
+    reorder = lambda x: x if inverse is None else x.index_select(0, inverse.to(x.device))  # noqa: E731
+    join = lambda xs, dim: xs[0] if len(xs) == 1 else torch.cat(xs, dim)  # noqa: E731
+    o = join(outs, 1) if inp.bounds is not None else reorder(join(outs, 0))
     o = o.to(inp.v.dtype)
     if not output_final_state:
         return o, None
     n_levels = max(f.shape[1] for f in finals)
     pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, 0, 0, 0, 0, n_levels - x.shape[1]))  # noqa: E731
-    levels = torch.cat([pad(f) for f in finals], dim=0).index_select(0, inverse)
-    pos = torch.tensor(positions)[inverse.cpu()]
+    levels = reorder(join([pad(f) for f in finals], 0))
+    pos = torch.tensor(positions) if inverse is None else torch.tensor(positions)[inverse]
     return o, FenwickState(levels, pos)

@@ -536,3 +536,19 @@ def test_schedule_is_cached_per_shape(monkeypatch):
     assert seen[0].lev is seen[1].lev and seen[0].merge is seen[3].merge
     assert seen[2].bits != seen[0].bits
     assert built[1] == built[3] == 0, built  # repeated shapes: no tensor built from host values
+
+
+@pytest.mark.parametrize("layout", ["packed", "rows at two positions"])
+def test_segments_run_on_the_op_tensors(monkeypatch, layout):
+    """Packed sequences and rows at different positions reach the kernels as the op's tensors (their dtype, q / k
+    per group, q / k normalised by the kernels), one launch set per segment, and match the reference."""
+    seen = []
+    core = gdn.gated_deltanet_core
+    monkeypatch.setattr(gdn, "gated_deltanet_core", lambda q, k, *a, **kw: seen.append((q.dtype, k.shape[2])) or
+                        core(q, k, *a, **kw))
+    B, cu_seqlens, state = (1, torch.tensor([0, 20, 29, 70]), None) if layout == "packed" else (2, None, None)
+    x = make_inputs(B, 70, 1, 2, K=8, V=4)
+    if layout != "packed":
+        state = FenwickState(torch.randn(2, 7, 2, 8, 4, dtype=torch.float64), torch.tensor([37, 64]))
+    _compare(x, state, cu_seqlens, l2norm=True)
+    assert seen and all(s == (torch.float32, 1) for s in seen), seen  # never expanded to the 2 value heads

@@ -14,10 +14,10 @@ Composition, per group of rows that start at the same absolute position p0 (spec
   5. the final state splits the last chunk into token-level buckets.
 
 Gradients flow through every stage (the kernels have Triton backwards; the glue is torch autograd), so
-q, k, v, g, beta, level_scales and the initial state all get them. A call whose rows all start at one
-position (no varlen) runs on the op's tensors as they are (_run_one_segment: no fp32 copies, no q/k
-expansion; with use_qk_l2norm the chunk-local kernels normalise q/k rows themselves); varlen and rows at
-different positions go through run_segments (one launch set per segment; q/k l2norm'd there in torch). The
+q, k, v, g, beta, level_scales and the initial state all get them. Every call runs on the op's tensors as
+they are (run_segments with as_given: no fp32 copies, no q/k expansion; with use_qk_l2norm the chunk-local
+kernels normalise q/k rows themselves), one launch set per segment: the whole call when its rows start at one
+position, else per packed sequence or per group of rows at one position. The
 log-decay g arrives raw (the backend is registered with Backend.takes_raw_log_decays): the kernels floor it where
 they load it (local.py), the final state's torch form floors its last chunk (floor_log_decay).
 
@@ -30,7 +30,6 @@ the plain state. The scan is the log-linear one: the schedule is data.
 
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
 
@@ -192,24 +191,6 @@ def _final_state(
     return torch.nn.functional.pad(final, (0, 0, 0, 0, 0, 0, 0, max(0, n_final - final.shape[1])))[:, :n_final]
 
 
-def _run_one_segment(
-    inp: OpInputs, core: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], output_final_state: bool,
-    l2norm_qk: bool,
-) -> tuple[torch.Tensor, FenwickState | None]:
-    """run_segments for the common call (no varlen, every row at one position) without its fp32 copies and
-    q/k expansion: the kernels read the op's tensors (and normalise q/k themselves).  Returns (o, state) like
-    run_segments."""
-    q, k = inp.q, inp.k
-    state = inp.initial_state
-    positions = state.positions if state is not None else torch.zeros(q.shape[0], dtype=torch.int64)
-    levels = state.levels.float() if state is not None else None
-    o, final = core(q, k, inp.v, inp.gates, inp.level_scales, inp.scale, levels, int(positions[0]),
-                    qk_l2norm=l2norm_qk)
-    if not output_final_state:
-        return o, None
-    return o, FenwickState(final, positions + q.shape[1])
-
-
 def supports(inp: OpInputs) -> bool:
     """Do the kernels take this call? bf16/fp16/fp32 q and v, K <= MAX_K, on CUDA (CPU tensors under the
     interpreter). The dispatcher (loglinear.ops.backends) sends the others (float64, K > 256, CPU without
@@ -240,8 +221,4 @@ def _run_kernels(
         return gated_deltanet_core(q, k, v, gates["g"], gates["beta"], lam, scale, levels, position, chunk_size,
                                    dtype, qk_l2norm, output_final_state)
 
-    one = inp.bounds is None and (inp.plain or inp.initial_state is None
-                                  or len(set(inp.initial_state.positions.tolist())) == 1)
-    if one:
-        return _run_one_segment(inp, core, output_final_state, use_qk_l2norm)
-    return run_segments(inp, core, output_final_state, l2norm_qk=use_qk_l2norm)
+    return run_segments(inp, core, output_final_state, l2norm_qk=use_qk_l2norm, as_given=True)
