@@ -384,7 +384,8 @@ def split_rows(x: torch.Tensor, groups: list[list[int]]) -> tuple[torch.Tensor, 
 def run_segments(
     inp: OpInputs, core: Core, output_final_state: bool, *, l2norm_qk: bool = False, as_given: bool = False,
 ) -> tuple[torch.Tensor, FenwickState | None]:
-    """Run ``core`` on every segment, in the compute dtype, with q/k expanded to the value heads.
+    """Run ``core`` on every segment, in the compute dtype (fp32, or float64 for float64 inputs) with q/k expanded
+    to the value heads, or on the op's tensors as they are (as_given).
 
     core(q, k, v, gates, level_scales, scale, levels, position) -> (o, levels_out), with
     q, k: [b, t, H, K]; v: [b, t, H, V]; gates: {name: [b, t, H] or [b, t, H, K]}; level_scales: [b, t, H, L]

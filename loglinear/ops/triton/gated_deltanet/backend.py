@@ -30,7 +30,6 @@ the plain state. The scan is the log-linear one: the schedule is data.
 
 from __future__ import annotations
 
-
 import torch
 
 from loglinear.fenwick import carry_target, chunk_bits, ctz, incoming_levels, levels_needed
