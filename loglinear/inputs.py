@@ -427,11 +427,11 @@ def run_segments(
     reorder = lambda x: x if inverse is None else x.index_select(0, inverse.to(x.device))  # noqa: E731
     join = lambda xs, dim: xs[0] if len(xs) == 1 else torch.cat(xs, dim)  # noqa: E731
     o = join(outs, 1) if inp.bounds is not None else reorder(join(outs, 0))
-    o = o.to(inp.v.dtype)
+    o = o.to(inp.v.dtype).contiguous()  # (a core may return a view; the op's output is contiguous)
     if not output_final_state:
         return o, None
     n_levels = max(f.shape[1] for f in finals)
     pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, 0, 0, 0, 0, n_levels - x.shape[1]))  # noqa: E731
-    levels = reorder(join([pad(f) for f in finals], 0))
+    levels = reorder(join([pad(f) for f in finals], 0)).contiguous()
     pos = torch.tensor(positions) if inverse is None else torch.tensor(positions)[inverse]
     return o, FenwickState(levels, pos)
