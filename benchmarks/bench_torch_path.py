@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from loglinear.cli import check_script_options  # noqa: E402
+from loglinear.cli import check_script_options, refuse  # noqa: E402
 from loglinear.fenwick import levels_needed  # noqa: E402
 from loglinear.ops.api import attention  # noqa: E402
 from loglinear.report import ARCH_LABELS, ARCH_STYLE, markdown_table, pyplot, write_json  # noqa: E402
@@ -144,6 +144,9 @@ def main(argv: list[str] | None = None) -> None:
     check_script_options("bench_torch_path.py", {
         "--lengths": (args.lengths, 1), "--packed": (args.packed, 1), "--heads": (args.heads, 1),
         "--head-dim": (args.head_dim, 1), "--repeats": (args.repeats, 1)}, args.device)
+    if max(args.lengths) % args.packed:
+        refuse("bench_torch_path.py", f"--packed must divide the longest of --lengths ({max(args.lengths)}), got "
+                                      f"{args.packed}")
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     name = torch.cuda.get_device_name(device).replace("NVIDIA ", "").replace(" ", "-") if cuda else "cpu"

@@ -20,6 +20,8 @@ from helpers import load_benchmark
     ("bench_train", ["--device", "gpu0"], "--device must be a torch device such as cpu or cuda:0"),
     ("bench_torch_path", ["--lengths", "64", "0"], "--lengths must be >= 1, got 64 0"),
     ("bench_torch_path", ["--packed", "0"], "--packed must be >= 1, got 0"),
+    ("bench_torch_path", ["--lengths", "1000", "--packed", "256"],
+     "--packed must divide the longest of --lengths (1000), got 256"),
     ("bench_torch_path", ["--repeats", "0"], "--repeats must be >= 1, got 0"),
     ("bench_torch_path", ["--device", "gpu0"], "--device must be a torch device such as cpu or cuda:0"),
 ])
