@@ -20,6 +20,20 @@ level l >= 1 the carry empties keeps its tile and takes log-scale -inf (state 0)
 the carry's target (their log-scales reset to 0), so it reads the held levels once and writes two. CUDA-graph
 decoding keeps its buffers this way.
 
+Lazy levels of the delta rule (GDN: A_t = exp(g_t) (I - beta_t k_t k_t^T)) add a ``KeyWindow``: the keys and betas
+of the last W tokens (token i in slot i % W). Level l's state is exp(log_scales[:, l]) R T_l, T_l its stored tile
+and R = (I - beta_{p-1} k_{p-1} k_{p-1}^T) ... (I - beta_{w+1} k_{w+1} k_{w+1}^T) the projections of the tokens
+after the one whose step last wrote it, w. A level is rewritten when it is level 0, the carry's target, or when
+p is a multiple of W (the window's turn: every held level is brought up to date), so p - 1 - w < W and
+
+    w = ((p - 1) >> m) << m,   m = min(max(l - 1, 0), log2 W)        (``window_written``)
+
+(the last carry into level l, or the window's last turn). The readout of a level the token only decays applies the
+projections to the query instead of the tile, q' = R^T A_p^T q: the step reads the held levels once and writes two,
+as for a decay-only transition, with W K-vectors per level in the query's path. A merged level's tile takes its
+projections before the carry sums it. Zero betas are identities: a window of zeros beside exact levels (log-scales
+0) is a valid lazy state at any position.
+
 The plain recurrence (use_log_linear=False models) is the same step on one level without the carry and
 with lambda = 1. The GDN update is rank-1: O(K V) per level, never a K x K matrix.
 
@@ -31,6 +45,7 @@ with backend "triton" under TRITON_INTERPRET=1) and this file's PyTorch step oth
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -40,8 +55,39 @@ from loglinear.ops.backends import backend_for, select_backend
 from loglinear.state import FenwickState
 from loglinear.variants import Variant, get
 
-__all__ = ["decode_step", "decode_step_torch", "decayed_only", "emptied_levels", "fused_decode_applies",
-           "lazy_level_states", "op_decode_step"]
+__all__ = ["KeyWindow", "decode_step", "decode_step_torch", "decayed_only", "emptied_levels",
+           "fused_decode_applies", "lazy_level_states", "op_decode_step", "window_written"]
+
+
+@dataclass
+class KeyWindow:
+    """The delta rule's factors of the last W tokens of N sequences, beside lazy levels (module docstring).
+
+    keys:  [N, W, G, K], as the step uses them (normalised with l2norm_qk), in the step's compute dtype
+    betas: [N, W, H], the same dtype
+    Token i sits in slot i % W; each step writes its own. W is a power of two >= 2.
+    """
+
+    keys: torch.Tensor
+    betas: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.keys.shape[1]
+
+    @classmethod
+    def zeros(cls, N: int, size: int, G: int, H: int, K: int, dtype: torch.dtype,
+              device: torch.device | str) -> "KeyWindow":
+        """An empty window (zero betas: identities), valid beside exact levels at any position."""
+        return cls(torch.zeros(N, size, G, K, dtype=dtype, device=device),
+                   torch.zeros(N, size, H, dtype=dtype, device=device))
+
+    def zero_(self) -> None:
+        self.keys.zero_()
+        self.betas.zero_()
+
+    def nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in (self.keys, self.betas))
 
 
 def _compute_dtype(levels_dtype: torch.dtype) -> torch.dtype:
@@ -49,11 +95,14 @@ def _compute_dtype(levels_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if levels_dtype == torch.float64 else torch.float32
 
 
-def lazy_level_states(levels: torch.Tensor, log_scales: torch.Tensor) -> torch.Tensor:
+def lazy_level_states(levels: torch.Tensor, log_scales: torch.Tensor, window: KeyWindow | None = None,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
     """The states of lazy levels: levels [N, L, H, K, V] times exp(log_scales), [N, L, H] (one per head) or
-    [N, L, H, K] (one per key channel)  -> [N, L, H, K, V] in the promoted dtype (a new tensor)."""
+    [N, L, H, K] (one per key channel), and with the delta rule's window the pending projections of its tokens
+    (positions: [N], each sequence's tokens so far)  -> [N, L, H, K, V] in the promoted dtype (a new tensor)."""
     scales = torch.exp(log_scales)
-    return levels * (scales[..., None] if log_scales.dim() == 4 else scales[..., None, None])
+    states = levels * (scales[..., None] if log_scales.dim() == 4 else scales[..., None, None])
+    return states if window is None else _project_levels(states, window, positions.to(levels.device))
 
 
 def decayed_only(positions: torch.Tensor, num_levels: int) -> torch.Tensor:
@@ -70,20 +119,49 @@ def emptied_levels(positions: torch.Tensor, num_levels: int) -> torch.Tensor:
     return (lev[None, :] >= 1) & (lev[None, :] < carry_target(positions).to(positions.device)[:, None])
 
 
+def window_written(positions: torch.Tensor, num_levels: int, size: int) -> torch.Tensor:
+    """The position whose step last wrote each level held before the token at ``positions[n]``, with a key window of
+    ``size`` tokens (module docstring): ((p - 1) >> m) << m, m = min(max(l - 1, 0), log2 size); meaningless for a
+    level not held.  positions: [N] -> [N, num_levels] int64."""
+    lev = torch.arange(num_levels, device=positions.device)
+    m = torch.clamp(lev - 1, min=0, max=size.bit_length() - 1)[None, :]
+    return ((positions[:, None] - 1) >> m) << m
+
+
+def _project_levels(S: torch.Tensor, window: KeyWindow, positions: torch.Tensor) -> torch.Tensor:
+    """Lazy levels' pending projections: each level l of S [N, L, H, K, V] (its tile times exp(log-scale)) takes
+    (I - beta_i k_i k_i^T) for the tokens i = w_l + 1 .. p - 1 of the window, oldest first (module docstring)."""
+    N, L, H = S.shape[:3]
+    size = window.size
+    written = window_written(positions, L, size)
+    keys = expand_groups(window.keys.to(S.dtype), H)  # [N, W, H, K]
+    rows = torch.arange(N, device=S.device)
+    for age in range(size - 1, 0, -1):
+        i = positions - age
+        slot = i % size
+        k, beta = keys[rows, slot], window.betas[rows, slot].to(S.dtype)  # [N, H, K], [N, H]
+        pending = ((i[:, None] > written) & (i[:, None] >= 0)).to(S.dtype)  # [N, L]
+        kS = torch.einsum("nhk,nlhkv->nlhv", k, S)
+        S = S - (pending[:, :, None] * beta[:, None])[..., None, None] * k[:, None, :, :, None] * kS[:, :, :, None]
+    return S
+
+
 def decode_step_torch(
     variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
     level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
     *, fenwick: bool = True, l2norm_qk: bool = False, out: torch.Tensor | None = None,
-    log_scales: torch.Tensor | None = None,
+    log_scales: torch.Tensor | None = None, window: KeyWindow | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The PyTorch step; arguments as in ``decode_step``."""
     dtype, H = _compute_dtype(levels.dtype), v.shape[1]
-    q, k = expand_groups(q[:, None].to(dtype), H)[:, 0], expand_groups(k[:, None].to(dtype), H)[:, 0]
+    q, k = q.to(dtype), k.to(dtype)
     if l2norm_qk:
         q, k = l2norm(q), l2norm(k)
+    group_keys = k
+    q, k = expand_groups(q[:, None], H)[:, 0], expand_groups(k[:, None], H)[:, 0]
     gates = {name: x.to(dtype) for name, x in gates.items()}
     stored = levels.to(dtype)
-    state = stored if log_scales is None else lazy_level_states(stored, log_scales)
+    state = stored if log_scales is None else lazy_level_states(stored, log_scales, window, positions)
     S = carry(state, positions) if fenwick else state
     S = variant.transition(S, k, gates)
     deposit = variant.deposit_key(k, gates)[..., None] * v.to(dtype)[:, :, None, :]
@@ -94,6 +172,11 @@ def decode_step_torch(
     o = (scale * readout.sum(1)).to(v.dtype)
     if log_scales is not None:  # held levels keep their tiles: decayed ones add g, emptied ones take -inf
         kept, emptied = decayed_only(positions, levels.shape[1]), emptied_levels(positions, levels.shape[1])
+        if window is not None:  # the window's turn rewrites the held levels; the token takes its slot
+            kept = kept & ~((positions % window.size == 0) & (positions > 0))[:, None]
+            rows, slot = torch.arange(len(positions), device=positions.device), positions % window.size
+            window.keys[rows, slot] = group_keys.to(window.keys.dtype)
+            window.betas[rows, slot] = gates["beta"].to(window.betas.dtype)
         g = gates[variant.gates[0].name][:, None]  # [N, 1, H] or [N, 1, H, K]
         per_scale = (*kept.shape, *(1,) * (log_scales.dim() - 2))
         reset = torch.where(emptied.view(per_scale), float("-inf"), 0.0)
@@ -115,7 +198,7 @@ def decode_step(
     variant: Variant | str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
     level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
     *, fenwick: bool = True, l2norm_qk: bool = False, backend: str | None = None, out: torch.Tensor | None = None,
-    log_scales: torch.Tensor | None = None,
+    log_scales: torch.Tensor | None = None, window: KeyWindow | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per sequence.
 
@@ -125,9 +208,10 @@ def decode_step(
     positions (fenwick: L >= levels_needed(p + 1)); positions: [N] int64, the token's absolute position;
     backend: as in the public ops; out: where the new levels go, [N, L, H, K, V] like levels (``levels`` itself:
     in place; the levels positions[n] does not hold must then be zero), else a new tensor; log_scales: lazy levels
-    (module docstring), in place only and for a variant whose transition only scales (``variant.scales_levels``):
-    [N, L, H], or [N, L, H, K] for a per-channel gate, float32 (float64 for float64 levels), updated in place; the
-    levels may then be bfloat16 (rounded once when written). Returns o: [N, H, V]
+    (module docstring), in place only and for a variant with lazy levels (``variant.lazy_levels``): [N, L, H], or
+    [N, L, H, K] for a per-channel gate, float32 (float64 for float64 levels), updated in place; the levels may then
+    be bfloat16 (rounded when written); window: the delta rule's KeyWindow beside lazy levels (required with
+    log_scales for it, else None), updated in place. Returns o: [N, H, V]
     in v's dtype and the new levels [N, L, H, K, V] in levels' dtype (stored lazily with log_scales). Nothing here
     reads a device tensor on the host: with positions on the levels' device and ``out`` given, the step can be
     captured in a CUDA graph (loglinear.models.graphs).
@@ -141,19 +225,40 @@ def decode_step(
                          f"got {tuple(out.shape)}, {out.dtype}, {out.device}")
     if log_scales is not None:
         _check_log_scales(variant, levels, out, fenwick, log_scales)
+    _check_window(variant, q, levels, log_scales, window)
     positions = _on_device(positions, levels.device)
     step = backend_for(variant, select_backend(variant, levels.device, backend)).decode or decode_step_torch
     return step(variant, q, k, v, gates, level_scales, levels, positions, scale, fenwick=fenwick, l2norm_qk=l2norm_qk,
-                out=out, log_scales=log_scales)
+                out=out, log_scales=log_scales, window=window)
+
+
+def _check_window(variant: Variant, q: torch.Tensor, levels: torch.Tensor, log_scales: torch.Tensor | None,
+                  window: object) -> None:
+    if window is None:
+        if log_scales is not None and variant.delta_rule:
+            raise ValueError(f"log_scales: {variant.title}'s lazy levels need their KeyWindow (window=...)")
+        return
+    if not isinstance(window, KeyWindow):
+        raise TypeError(f"window must be a KeyWindow or None, got {type(window).__name__}")
+    if not variant.delta_rule or log_scales is None:
+        raise ValueError(f"window: only the delta rule's lazy levels (with log_scales) take a KeyWindow; "
+                         f"{variant.title} {'has none' if not variant.delta_rule else 'got log_scales=None'}")
+    (N, G, K), H, size = q.shape, levels.shape[2], window.size
+    dtype = _compute_dtype(levels.dtype)
+    for name, x, shape in (("keys", window.keys, (N, size, G, K)), ("betas", window.betas, (N, size, H))):
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != dtype or x.device != levels.device:
+            got = f"{list(x.shape)} {x.dtype} {x.device}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"window.{name} must be {list(shape)}, {dtype}, on {levels.device}; got {got}")
+    if size < 2 or size & (size - 1):
+        raise ValueError(f"window size W must be a power of two >= 2, got {size}")
 
 
 def _check_log_scales(variant: Variant, levels: torch.Tensor, out: torch.Tensor | None, fenwick: bool,
                       log_scales: object) -> None:
     if not isinstance(log_scales, torch.Tensor):
         raise TypeError(f"log_scales must be a tensor or None, got {type(log_scales).__name__}")
-    if not variant.scales_levels:
-        raise ValueError(f"log_scales: {variant.title}'s transition does more than scale a state; its levels are "
-                         "rewritten every token (pass log_scales=None)")
+    if not variant.lazy_levels:
+        raise ValueError(f"log_scales: {variant.title}'s levels are rewritten every token (pass log_scales=None)")
     if out is not levels or not fenwick:
         raise ValueError("log_scales needs an in-place log-linear step (out=levels, fenwick=True)")
     N, L, H, K = levels.shape[:4]

@@ -68,6 +68,7 @@ class Variant:
     matrix_transition: bool  # shard_transition is K x K per head (else a scalar per head: [.., 1, 1])
     sample_gates: Callable[..., Gates]  # (B, T, H, K, *, dtype, generator) -> valid random gates
     local_state: Callable[..., torch.Tensor] | None = None
+    delta_rule: bool = False  # A_t = exp(g_t) (I - beta_t k_t k_t^T), gates g (a log-decay per head) and beta
 
     @property
     def gate_names(self) -> tuple[str, ...]:
@@ -79,6 +80,12 @@ class Variant:
         or per key channel. A decoding cache may then keep each level's accumulated log-decay beside it instead of
         rewriting the level every token (loglinear.ops.decode)."""
         return len(self.gates) == 1 and self.gates[0].log_decay
+
+    @property
+    def lazy_levels(self) -> bool:
+        """Whether a decoding cache may keep levels lazily (loglinear.ops.decode): beside each level its accumulated
+        log-decay, and for the delta rule the last tokens' keys and betas in a window."""
+        return self.scales_levels or self.delta_rule
 
     def transition_shape(self, K: int) -> tuple[int, int]:
         """Trailing shape of shard_transition's result: (K, K) or (1, 1)."""

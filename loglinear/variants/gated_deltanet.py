@@ -137,5 +137,5 @@ GATED_DELTANET = Variant(
     name="gated_deltanet", title="Gated DeltaNet",
     gates=(Gate("g", "log-decay <= 0", log_decay=True), Gate("beta", "in (0, 1)")),
     form=GatedDeltaNetForm, transfer_matrix=transfer_matrix, transition=transition, deposit_key=deposit_key,
-    shard_transition=shard_transition, matrix_transition=True, sample_gates=sample_gates,
+    shard_transition=shard_transition, matrix_transition=True, sample_gates=sample_gates, delta_rule=True,
 )

@@ -288,6 +288,58 @@ def test_lazy_levels_over_consecutive_steps(impl, variant, dtype, tiling):
         assert not log_scales[rewritten].any(), "a rewritten level's log-scale did not restart at 0"
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
+@pytest.mark.parametrize("size", [2, 8])
+def test_lazy_delta_rule_over_consecutive_steps(impl, dtype, size):
+    """The delta rule's lazy levels (log_scales and a KeyWindow of ``size`` tokens, in place) against the step that
+    rewrites every level, over consecutive steps across carries and the window's turns, from exact states at three
+    positions (a window of zeros, log-scales 0), GQA, l2norm. Between turns the step writes only level 0 and the
+    carry's target: every other held level keeps its tile bit for bit (log-scale + g, or -inf when emptied); at a
+    turn it rewrites the held levels (log-scale 0). The token's key (normalised) and beta take slot p mod size.
+    bfloat16 levels (float32 compute): the same within bf16 rounding."""
+    gen = torch.Generator().manual_seed(size)
+    N, G, H, K, V, L, steps = 3, 1, 2, 8, 5, 7, 16
+    pos = torch.tensor([0, 6, 29])
+    held = _held_mask(pos, L)[:, :, None, None, None]
+    exact = torch.randn(N, L, H, K, V, dtype=torch.float64, generator=gen) * held
+    levels = exact.to(dtype)
+    exact = levels.double()  # the reference starts where the rounded levels do
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    log_scales, window = torch.zeros(N, L, H, dtype=compute), D.KeyWindow.zeros(N, size, G, H, K, compute, "cpu")
+    tol = 1e-12 if dtype == torch.float64 else 2e-2
+    turns = 0
+    for i in range(steps):
+        q, k = torch.randn(N, G, K, dtype=torch.float64, generator=gen), torch.randn(N, G, K, dtype=torch.float64,
+                                                                                     generator=gen)
+        v = torch.randn(N, H, V, dtype=torch.float64, generator=gen)
+        gates = {"g": -0.3 * torch.rand(N, H, dtype=torch.float64, generator=gen),
+                 "beta": torch.rand(N, H, dtype=torch.float64, generator=gen)}
+        lam = torch.rand(N, H, L, dtype=torch.float64, generator=gen)
+        o_ref, exact = D.decode_step_torch(GATED_DELTANET, q, k, v, gates, lam, exact, pos, 0.3, l2norm_qk=True)
+        before, ls_before = levels.clone(), log_scales.clone()
+        o, out = STEPS[impl](GATED_DELTANET, q, k, v, gates, lam, levels, pos, 0.3, l2norm_qk=True, out=levels,
+                             log_scales=log_scales, window=window)
+        assert out is levels and levels.dtype == dtype
+        assert_close(o.double(), o_ref, tol, f"o at step {i}")
+        assert_close(D.lazy_level_states(levels.double(), log_scales.double(), window, pos + 1), exact, tol,
+                     f"levels at step {i}")
+        turn = ((pos % size == 0) & (pos > 0))[:, None].expand(N, L)
+        turns += int(turn[:, 0].sum())
+        kept, emptied = D.decayed_only(pos, L), D.emptied_levels(pos, L)
+        assert torch.equal(levels[kept & ~turn], before[kept & ~turn]), "a lazily decayed level was rewritten"
+        assert torch.equal(levels[emptied], before[emptied]), "a level the carry empties was rewritten"
+        g = gates["g"][:, None].to(compute).expand_as(ls_before)
+        assert_close(log_scales[kept & ~turn], ls_before[kept & ~turn] + g[kept & ~turn], 1e-6, "kept")
+        assert not log_scales[kept & turn].any(), "a level the window's turn rewrote kept its log-scale"
+        assert (log_scales[emptied] == float("-inf")).all(), "an emptied level's log-scale is not -inf"
+        slot = pos % size
+        assert_close(window.keys[torch.arange(N), slot].double(), k / k.norm(dim=-1, keepdim=True), 1e-6, "window key")
+        assert torch.equal(window.betas[torch.arange(N), slot], gates["beta"].to(compute)), "window beta"
+        pos = pos + 1
+    assert turns >= 3
+
+
 def _held_mask(positions: torch.Tensor, L: int) -> torch.Tensor:
     return torch.tensor([[l in _held(p) for l in range(L)] for p in positions.tolist()])
 
@@ -298,9 +350,25 @@ def test_lazy_levels_reject_what_they_cannot_serve():
     levels, pos = torch.zeros(2, 3, 2, 4, 3, dtype=torch.float64), torch.tensor([1, 2])
     args = (tok["q"], tok["k"], tok["v"])
     ls = torch.zeros(2, 3, 2, dtype=torch.float64)
-    with pytest.raises(ValueError, match="Gated DeltaNet's transition does more than scale"):
+    window = D.KeyWindow.zeros(2, 4, 1, 2, 4, torch.float64, "cpu")
+    with pytest.raises(ValueError, match="Gated DeltaNet's lazy levels need their KeyWindow"):
         D.decode_step(GATED_DELTANET, *args, _gates(tok, True), tok["level_scales"], levels, pos, 1.0, out=levels,
                       log_scales=ls)
+    with pytest.raises(ValueError, match="Mamba-2 has none"):
+        D.decode_step(MAMBA2, *args, {"g": tok["g"]}, tok["level_scales"], levels, pos, 1.0, out=levels,
+                      log_scales=ls, window=window)
+    with pytest.raises(ValueError, match="got log_scales=None"):
+        D.decode_step(GATED_DELTANET, *args, _gates(tok, True), tok["level_scales"], levels, pos, 1.0, out=levels,
+                      window=window)
+    with pytest.raises(TypeError, match="window must be a KeyWindow"):
+        D.decode_step(GATED_DELTANET, *args, _gates(tok, True), tok["level_scales"], levels, pos, 1.0, out=levels,
+                      log_scales=ls, window=(window.keys, window.betas))
+    with pytest.raises(ValueError, match=r"window.betas must be \[2, 4, 2\], torch.float64"):
+        D.decode_step(GATED_DELTANET, *args, _gates(tok, True), tok["level_scales"], levels, pos, 1.0, out=levels,
+                      log_scales=ls, window=D.KeyWindow(window.keys, window.betas.float()))
+    with pytest.raises(ValueError, match="power of two >= 2, got 3"):
+        D.decode_step(GATED_DELTANET, *args, _gates(tok, True), tok["level_scales"], levels, pos, 1.0, out=levels,
+                      log_scales=ls, window=D.KeyWindow.zeros(2, 3, 1, 2, 4, torch.float64, "cpu"))
     with pytest.raises(ValueError, match="in-place"):
         D.decode_step(MAMBA2, *args, {"g": tok["g"]}, tok["level_scales"], levels, pos, 1.0, log_scales=ls)
     with pytest.raises(ValueError, match=r"log_scales must be \[2, 3, 2, 4\]"):

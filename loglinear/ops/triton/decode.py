@@ -42,12 +42,17 @@ The state is read and written once, (levels touched) * K * V * (bytes per elemen
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from loglinear.ops.triton.shared.launch import launch_options
 from loglinear.variants import Variant
+
+if TYPE_CHECKING:
+    from loglinear.ops.decode import KeyWindow
 
 __all__ = ["fused_decode_step", "decode_backend"]
 
@@ -107,6 +112,42 @@ def _transition(S, k, decay, beta, HAS_BETA: tl.constexpr):
 
 
 @triton.jit
+def _written(p, l, WS_BITS):
+    """The position whose step last wrote level l (held before the token at p) with a key window of 2^WS_BITS
+    tokens (loglinear.ops.decode.window_written)."""
+    m = tl.minimum(tl.maximum(l - 1, 0), WS_BITS)
+    return ((p - 1) >> m) << m
+
+
+@triton.jit
+def _window_factor(wk_ptr, wb_ptr, n, i, h, H, G, grp, K, WS_BITS, rk, mk, ACC: tl.constexpr):
+    """The key [BK] and beta of token i in the window (slot i mod 2^WS_BITS)."""
+    slot = i & ((1 << WS_BITS) - 1)
+    k = tl.load(wk_ptr + (((n << WS_BITS) + slot) * G + grp) * K + rk, mask=mk, other=0.0).to(ACC)
+    return k, tl.load(wb_ptr + ((n << WS_BITS) + slot) * H + h).to(ACC)
+
+
+@triton.jit
+def _project_tile(S, first, last, wk_ptr, wb_ptr, n, h, H, G, grp, K, WS_BITS, rk, mk, ACC: tl.constexpr):
+    """A lazy level's pending projections on its tile: S <- (I - beta_i k_i k_i^T) S for the window's tokens
+    i = first .. last, oldest first."""
+    for i in range(first, last + 1):
+        k, beta = _window_factor(wk_ptr, wb_ptr, n, i, h, H, G, grp, K, WS_BITS, rk, mk, ACC)
+        S = S - beta * k[:, None] * tl.sum(k[:, None] * S, 0)[None, :]
+    return S
+
+
+@triton.jit
+def _project_query(x, first, last, wk_ptr, wb_ptr, n, h, H, G, grp, K, WS_BITS, rk, mk, ACC: tl.constexpr):
+    """The same projections on the query's side: x <- (I - beta_i k_i k_i^T) x for i = last .. first (newest
+    first), so that x^T T = q^T R T for R the product of the tokens' projections."""
+    for j in range(0, last - first + 1):
+        k, beta = _window_factor(wk_ptr, wb_ptr, n, last - j, h, H, G, grp, K, WS_BITS, rk, mk, ACC)
+        x = x - beta * k * tl.sum(k * x, 0)
+    return x
+
+
+@triton.jit
 def _readout(part_ptr, o_ptr, q, S, w, scale, n, l, h, kb, H, V, L, KB, rv, mv, DIRECT: tl.constexpr):
     """Level l's readout w S^T q over the program's rows: its row of the partial readouts [N, H, L, KB, V], or
     (DIRECT: one level, one row block) o itself."""
@@ -118,22 +159,27 @@ def _readout(part_ptr, o_ptr, q, S, w, scale, n, l, h, kb, H, V, L, KB, rv, mv, 
 
 
 @triton.jit
-def _carry(k, decay, beta, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, part_ptr, o_ptr, q, p, scale,
-           n, h, kb, H, K, V, L, KB, lam_sn, lam_sh, rk, rv, mk, mv, tile,
+def _carry(k, decay, beta, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr, part_ptr, o_ptr, q, p, scale,
+           n, h, kb, H, G, grp, K, V, L, KB, WS_BITS, lam_sn, lam_sh, rk, rv, mk, mv, tile,
            BKR: tl.constexpr, BV: tl.constexpr, HAS_BETA: tl.constexpr,
-           PER_CHANNEL: tl.constexpr, IN_PLACE: tl.constexpr, LAZY: tl.constexpr, DIRECT: tl.constexpr,
-           ACC: tl.constexpr, NARROW: tl.constexpr):
+           PER_CHANNEL: tl.constexpr, IN_PLACE: tl.constexpr, LAZY: tl.constexpr, WINDOW: tl.constexpr,
+           DIRECT: tl.constexpr, ACC: tl.constexpr, NARROW: tl.constexpr):
     """The carry of the token at position p > 0 (run by level 0's programs, before they rewrite level 0): the sum
-    of levels 0..ctz(p) (all held), emptied (lazy: by their log-scale, set in the finish kernel), goes into level
-    c = ctz(p) + 1, which then takes the token's transition and its readout."""
+    of levels 0..ctz(p) (all held; WINDOW: each after its pending projections), emptied (lazy: by their log-scale,
+    set in the finish kernel), goes into level c = ctz(p) + 1, which then takes the token's transition and its
+    readout."""
     # levels 0..c-1 merge; counted over 64 levels whatever L (with 16 the carry ran 1.3-2.7x slower on the H200)
     _, _, merge, _ = _level_roles(p, tl.arange(0, 64))
     c = tl.sum((merge & (tl.arange(0, 64) < L)).to(tl.int32), 0)
     acc = tl.zeros((BKR, BV), dtype=ACC)
     held = tl.full((), 1, tl.int1)  # every merged level is held
     for j in range(0, c):
-        acc += _load_level(s_in_ptr, ls_ptr, n, j, h, H, K, V, L, rk, rv, mk, tile, held, LAZY, PER_CHANNEL, ACC,
-                           NARROW)
+        S = _load_level(s_in_ptr, ls_ptr, n, j, h, H, K, V, L, rk, rv, mk, tile, held, LAZY, PER_CHANNEL, ACC,
+                        NARROW)
+        if WINDOW:
+            S = _project_tile(S, _written(p, j, WS_BITS) + 1, p - 1, wk_ptr, wb_ptr, n, h, H, G, grp, K, WS_BITS,
+                              rk, mk, ACC)
+        acc += S
         if not LAZY:
             if j > 0:
                 _store_level(s_out_ptr, tl.zeros((BKR, BV), dtype=ACC), n, j, h, H, K, V, L, rk, rv, tile, NARROW)
@@ -172,11 +218,11 @@ def _runs(p, l, L, FENWICK: tl.constexpr, IN_PLACE: tl.constexpr):
 
 @triton.jit
 def _decode_level_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, pos_ptr, part_ptr, o_ptr,
-    scale, H, G, K, V, L, lam_sn, lam_sh,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr, pos_ptr, part_ptr,
+    o_ptr, scale, H, G, K, V, L, WS_BITS, lam_sn, lam_sh,
     BK: tl.constexpr, BKR: tl.constexpr, BV: tl.constexpr, LG: tl.constexpr, FENWICK: tl.constexpr,
     HAS_BETA: tl.constexpr, PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr, IN_PLACE: tl.constexpr,
-    LAZY: tl.constexpr, DIRECT: tl.constexpr, ACC: tl.constexpr,
+    LAZY: tl.constexpr, WINDOW: tl.constexpr, DIRECT: tl.constexpr, ACC: tl.constexpr,
 ):
     """Program (n * H + h, vb * KB + kb, j): levels j * LG .. j * LG + LG - 1, their tiles of rows kb * BKR.. and
     value columns vb * BV.. of sequence n, head h (the module docstring)."""
@@ -208,24 +254,27 @@ def _decode_level_kernel(
     NARROW: tl.constexpr = FENWICK and not HAS_BETA  # row blocks: int32 offsets within a level (_tile_ptr)
     if FENWICK:
         if (l0 == 0) & (p > 0):  # the carry, before level 0 is rewritten: levels 0..ctz(p) move into ctz(p) + 1
-            _carry(k, decay, beta, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, part_ptr, o_ptr, q, p, scale,
-                   n, h, kb, H, K, V, L, KB, lam_sn, lam_sh, rk, rv, mk, mv, tile,
-                   BKR, BV, HAS_BETA, PER_CHANNEL, IN_PLACE, LAZY, DIRECT, ACC, NARROW)
+            _carry(k, decay, beta, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr, part_ptr, o_ptr, q, p,
+                   scale, n, h, kb, H, G, grp, K, V, L, KB, WS_BITS, lam_sn, lam_sh, rk, rv, mk, mv, tile,
+                   BKR, BV, HAS_BETA, PER_CHANNEL, IN_PLACE, LAZY, WINDOW, DIRECT, ACC, NARROW)
     for i in tl.static_range(LG):
         l = l0 + i
         if _runs(p, l, L, FENWICK, IN_PLACE):
-            _own_level(k, decay, beta, lam_ptr, v_ptr, s_in_ptr, s_out_ptr, ls_ptr, part_ptr, o_ptr, q, p, scale,
-                       n, l, h, kb, H, K, V, L, KB, lam_sn, lam_sh, rk, rv, mk, mv, tile,
-                       FENWICK, HAS_BETA, PER_CHANNEL, IN_PLACE, LAZY, DIRECT, ACC, NARROW)
+            _own_level(k, decay, beta, lam_ptr, v_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr, part_ptr, o_ptr,
+                       q, p, scale, n, l, h, kb, H, G, grp, K, V, L, KB, WS_BITS, lam_sn, lam_sh, rk, rv, mk, mv,
+                       tile, FENWICK, HAS_BETA, PER_CHANNEL, IN_PLACE, LAZY, WINDOW, DIRECT, ACC, NARROW)
 
 
 @triton.jit
-def _own_level(k, decay, beta, lam_ptr, v_ptr, s_in_ptr, s_out_ptr, ls_ptr, part_ptr, o_ptr, q, p, scale,
-               n, l, h, kb, H, K, V, L, KB, lam_sn, lam_sh, rk, rv, mk, mv, tile,
+def _own_level(k, decay, beta, lam_ptr, v_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr, part_ptr, o_ptr,
+               q, p, scale, n, l, h, kb, H, G, grp, K, V, L, KB, WS_BITS, lam_sn, lam_sh, rk, rv, mk, mv, tile,
                FENWICK: tl.constexpr, HAS_BETA: tl.constexpr, PER_CHANNEL: tl.constexpr, IN_PLACE: tl.constexpr,
-               LAZY: tl.constexpr, DIRECT: tl.constexpr, ACC: tl.constexpr, NARROW: tl.constexpr):
+               LAZY: tl.constexpr, WINDOW: tl.constexpr, DIRECT: tl.constexpr, ACC: tl.constexpr,
+               NARROW: tl.constexpr):
     """Level l's own step: read, transition, (l = 0) deposit, write, readout; level 0 of a carrying token starts
-    empty (its state moved into the target)."""
+    empty (its state moved into the target). Lazy, a level l >= 1 the token only decays keeps its tile; WINDOW:
+    its readout takes the pending projections and the token's on the query's side, except at the window's turn
+    (p a multiple of its size), when the tile takes them and is rewritten."""
     held_in, _, merge, _ = _level_roles(p, l)
     if FENWICK:
         w = tl.load(lam_ptr + n * lam_sn + h * lam_sh + l).to(ACC)
@@ -233,25 +282,41 @@ def _own_level(k, decay, beta, lam_ptr, v_ptr, s_in_ptr, s_out_ptr, ls_ptr, part
         w = 1.0
     read = ((not IN_PLACE) | (not FENWICK) | held_in) & ((not FENWICK) | (merge == 0))
     S = _load_level(s_in_ptr, ls_ptr, n, l, h, H, K, V, L, rk, rv, mk, tile, read, LAZY, PER_CHANNEL, ACC, NARROW)
-    S = _transition(S, k, decay, beta, HAS_BETA)
-    if l == 0:
-        v = tl.load(v_ptr + (n * H + h) * V + rv, mask=mv, other=0.0).to(ACC)
-        S = S + (beta * k)[:, None] * v[None, :]
-    if (not LAZY) | (l == 0):  # lazy: a level the token only decays keeps its tile (its log-scale adds g)
-        _store_level(s_out_ptr, S, n, l, h, H, K, V, L, rk, rv, tile, NARROW)
-    _readout(part_ptr, o_ptr, q, S, w, scale, n, l, h, kb, H, V, L, KB, rv, mv, DIRECT)
+    if WINDOW:  # the window's turn: p a multiple of its size
+        keep = (l > 0) & ((p & ((1 << WS_BITS) - 1)) != 0)
+    else:
+        keep = l < 0
+    if keep:
+        x = q - beta * k * tl.sum(k * q, 0)
+        x = _project_query(x, _written(p, l, WS_BITS) + 1, p - 1, wk_ptr, wb_ptr, n, h, H, G, grp, K, WS_BITS, rk,
+                           mk, ACC)
+        _readout(part_ptr, o_ptr, x, decay * S, w, scale, n, l, h, kb, H, V, L, KB, rv, mv, DIRECT)
+    else:
+        if WINDOW:
+            S = _project_tile(S, _written(p, l, WS_BITS) + 1, p - 1, wk_ptr, wb_ptr, n, h, H, G, grp, K, WS_BITS,
+                              rk, mk, ACC)
+        S = _transition(S, k, decay, beta, HAS_BETA)
+        if l == 0:
+            v = tl.load(v_ptr + (n * H + h) * V + rv, mask=mv, other=0.0).to(ACC)
+            S = S + (beta * k)[:, None] * v[None, :]
+        if (not LAZY) | (l == 0) | WINDOW:  # lazy: a level the token only decays keeps its tile (log-scale + g)
+            _store_level(s_out_ptr, S, n, l, h, H, K, V, L, rk, rv, tile, NARROW)
+        _readout(part_ptr, o_ptr, q, S, w, scale, n, l, h, kb, H, V, L, KB, rv, mv, DIRECT)
 
 
 @triton.jit
 def _decode_finish_kernel(
-    part_ptr, o_ptr, g_ptr, ls_ptr, pos_ptr, scale, H, K, V, L, KB,
+    part_ptr, o_ptr, g_ptr, ls_ptr, k_ptr, beta_ptr, wk_ptr, wb_ptr, pos_ptr, scale, H, G, K, V, L, KB, WS_BITS,
     BL: tl.constexpr, BKB: tl.constexpr, BVO: tl.constexpr, BK: tl.constexpr, FENWICK: tl.constexpr,
-    IN_PLACE: tl.constexpr, LAZY: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    IN_PLACE: tl.constexpr, LAZY: tl.constexpr, PER_CHANNEL: tl.constexpr, WINDOW: tl.constexpr,
+    L2NORM: tl.constexpr, ACC: tl.constexpr,
 ):
     """One program per (sequence, head): o = scale * the sum of the partial readouts [L, KB, V] over the levels the
     step wrote (in place: those held after the token); lazy levels' log-scales after the step: a level the token
-    only decays adds g, a level l >= 1 the carry empties takes -inf, level 0 and the carry's target restart at 0
-    (their tiles were rewritten). Runs after the level kernel, whose programs read the old log-scales."""
+    only decays adds g (restarts at 0 at the window's turn, which rewrote it), a level l >= 1 the carry empties
+    takes -inf, level 0 and the carry's target restart at 0 (their tiles were rewritten); WINDOW: the token's beta
+    and (the group's first head) its key into slot p mod 2^WS_BITS. Runs after the level kernel, whose programs read
+    the old log-scales and the window's other slots."""
     pid = tl.program_id(0)
     n = (pid // H).to(tl.int64)
     h = pid % H
@@ -286,7 +351,17 @@ def _decode_finish_kernel(
             g = tl.load(g_ptr + n * H + h).to(ls_ptr.dtype.element_ty)
             offs = (n * L + rl) * H + h
             ls = tl.load(ls_ptr + offs, mask=moved, other=0.0)
+            if WINDOW:
+                kept = kept & ((p & ((1 << WS_BITS) - 1)) != 0)
             tl.store(ls_ptr + offs, tl.where(kept, ls + g, reset), mask=moved)
+    if WINDOW:
+        slot = p & ((1 << WS_BITS) - 1)
+        tl.store(wb_ptr + ((n << WS_BITS) + slot) * H + h, tl.load(beta_ptr + n * H + h).to(ACC))
+        if h % (H // G) == 0:
+            grp = h // (H // G)
+            rk = tl.arange(0, BK)
+            key = _head_vector(k_ptr, (n * G + grp) * K, rk, rk < K, K, BK, L2NORM, ACC)
+            tl.store(wk_ptr + (((n << WS_BITS) + slot) * G + grp) * K + rk, key, mask=rk < K)
 
 
 def _tile(K: int, V: int, rows: int, itemsize: int, split_rows: bool) -> tuple[int, int]:
@@ -322,11 +397,12 @@ def fused_decode_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor | None,
     level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
     *, fenwick: bool = True, l2norm_qk: bool = False, out: torch.Tensor | None = None,
-    log_scales: torch.Tensor | None = None,
+    log_scales: torch.Tensor | None = None, window: "KeyWindow | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per sequence (see loglinear.ops.decode.decode_step for the contract): the level kernel, then the
     finish kernel (unless one level in whole tiles), which sums the readouts and, with log_scales (lazy levels:
-    [N, L, H] or [N, L, H, K], float32 or float64; in place), updates them.
+    [N, L, H] or [N, L, H, K], float32 or float64; in place), updates them, and the delta rule's window (keys
+    [N, W, G, K], betas [N, W, H] in the compute dtype, W a power of two) with the token.
 
     q, k: [N, G, K]; v: [N, H, V]; g: [N, H] (a decay per head) or [N, H, K] (per key channel: GLA); beta: [N, H]
     (the delta rule) or None; level_scales: [N, H, >= L]; levels: [N, L, H, K, V]; positions: [N] int64.
@@ -359,8 +435,13 @@ def fused_decode_step(
     out = torch.empty_like(levels) if out is None else out
     o = torch.empty(N, H, V, dtype=v.dtype, device=device)
     lazy = log_scales is not None
-    if lazy and (out is not levels or not fenwick or beta is not None or not log_scales.is_contiguous()):
-        raise ValueError("log_scales needs a contiguous in-place log-linear step with a decay-only transition")
+    if lazy and (out is not levels or not fenwick or (beta is not None) != (window is not None)
+                 or not log_scales.is_contiguous()):
+        raise ValueError("log_scales needs a contiguous in-place log-linear step, and a window with the delta rule")
+    if window is not None and not (window.keys.is_contiguous() and window.betas.is_contiguous()):
+        raise ValueError("the window's keys and betas must be contiguous")
+    wk, wb = (window.keys, window.betas) if window is not None else (g, g)
+    ws_bits = window.size.bit_length() - 1 if window is not None else 0
     acc = torch.float64 if levels.dtype == torch.float64 else torch.float32
     BK, per_channel = triton.next_power_of_2(K), g.dim() == 3
     BKR, BV = _tile(K, V, N * H, levels.element_size(), split_rows=fenwick and beta is None)
@@ -370,18 +451,20 @@ def fused_decode_step(
     BL = triton.next_power_of_2(L)
     LG = _levels_per_program(BKR * BV * levels.element_size(), BL, delta=beta is not None)
     _decode_level_kernel[(N * H, triton.cdiv(V, BV) * KB, triton.cdiv(L, LG))](
-        q, k, v, g, beta_arg, lam, levels, out, log_scales if lazy else g, positions, partial, o,
-        float(scale), H, G, K, V, L, lam_sn, lam_sh,
+        q, k, v, g, beta_arg, lam, levels, out, log_scales if lazy else g, wk, wb, positions, partial, o,
+        float(scale), H, G, K, V, L, ws_bits, lam_sn, lam_sh,
         BK=BK, BKR=BKR, BV=BV, LG=LG, FENWICK=fenwick, HAS_BETA=beta is not None, PER_CHANNEL=per_channel,
-        L2NORM=l2norm_qk, IN_PLACE=out is levels, LAZY=lazy, DIRECT=direct,
+        L2NORM=l2norm_qk, IN_PLACE=out is levels, LAZY=lazy, WINDOW=window is not None, DIRECT=direct,
         ACC=tl.float64 if acc == torch.float64 else tl.float32,
         **launch_options(_decode_level_kernel, state_tile=BKR * BV),
     )
     if not direct:
         _decode_finish_kernel[(N * H,)](
-            partial, o, g, log_scales if lazy else partial, positions, float(scale), H, K, V, L, KB,
-            BL=BL, BKB=triton.next_power_of_2(KB), BVO=triton.next_power_of_2(V), BK=BK, FENWICK=fenwick,
-            IN_PLACE=out is levels, LAZY=lazy, PER_CHANNEL=per_channel, **launch_options(_decode_finish_kernel),
+            partial, o, g, log_scales if lazy else partial, k, beta_arg, wk, wb, positions, float(scale), H, G, K, V,
+            L, KB, ws_bits, BL=BL, BKB=triton.next_power_of_2(KB), BVO=triton.next_power_of_2(V), BK=BK,
+            FENWICK=fenwick, IN_PLACE=out is levels, LAZY=lazy, PER_CHANNEL=per_channel, WINDOW=window is not None,
+            L2NORM=l2norm_qk, ACC=tl.float64 if acc == torch.float64 else tl.float32,
+            **launch_options(_decode_finish_kernel),
         )
     return o, out
 
@@ -390,10 +473,10 @@ def decode_backend(
     variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
     level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
     *, fenwick: bool = True, l2norm_qk: bool = False, out: torch.Tensor | None = None,
-    log_scales: torch.Tensor | None = None,
+    log_scales: torch.Tensor | None = None, window: "KeyWindow | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode step the variants register (loglinear.ops.backends.Backend.decode). The kernel's compile-time
     switches come from the variant's gates: g [N, H] a scalar decay (Mamba-2) or [N, H, K] one per key channel
     (GLA), and a beta gate makes it the gated delta rule (Gated DeltaNet)."""
     return fused_decode_step(q, k, v, gates["g"], gates.get("beta"), level_scales, levels, positions, scale,
-                             fenwick=fenwick, l2norm_qk=l2norm_qk, out=out, log_scales=log_scales)
+                             fenwick=fenwick, l2norm_qk=l2norm_qk, out=out, log_scales=log_scales, window=window)
