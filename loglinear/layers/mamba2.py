@@ -56,6 +56,10 @@ class LogLinearMamba2(FenwickMixer):
         self.init_special_parameters()
 
     @property
+    def key_groups(self) -> int:
+        return self.n_groups
+
+    @property
     def scale(self) -> float:
         return 1.0
 

@@ -21,7 +21,7 @@ from loglinear.inputs import check_in_range, check_nonnegative_ints, check_posit
 from loglinear.layers.conv import ShortConvolution
 from loglinear.layers.levels import LevelScales
 from loglinear.layers.sequence import TokenLayout
-from loglinear.ops.decode import decode_step, lazy_level_states
+from loglinear.ops.decode import KEY_WINDOW, KeyWindow, decode_step, lazy_level_states
 from loglinear.ops.stateful import fenwick_attention
 from loglinear.state import FenwickState, LevelsView
 from loglinear.variants import Variant
@@ -84,34 +84,43 @@ class StaticState:
     ``FenwickMixer.step_`` updates in place.
 
     levels:     [N, L, H, K, V] (L = max_levels log-linear, 1 plain; a level a position does not hold is zero);
-                with log_scales stored lazily: level l's state is levels[:, l] * exp(log_scales[:, l])
-                (loglinear.ops.decode; an emptied level may keep its tile at log-scale -inf), and may then be
-                bfloat16 (FenwickCache's level_dtype)
+                with log_scales stored lazily: level l's state is levels[:, l] * exp(log_scales[:, l]), for the
+                delta rule after the window's pending projections (loglinear.ops.decode; an emptied level may keep
+                its tile at log-scale -inf), and may then be bfloat16 (FenwickCache's level_dtype)
     log_scales: [N, L, H] ([N, L, H, K] for a per-channel gate), float32 (float64 with float64 levels), for a
-                log-linear layer whose transition only scales (``Variant.scales_levels``: Mamba-2, GLA), else None
+                log-linear layer with lazy levels (``Variant.lazy_levels``: Mamba-2, GLA, Gated DeltaNet), else None
+    window:     the delta rule's KeyWindow of the last KEY_WINDOW tokens beside lazy levels (Gated DeltaNet), else
+                None
     conv:       [N, W-1, C]
     """
 
     levels: torch.Tensor
     log_scales: torch.Tensor | None
+    window: KeyWindow | None
     conv: torch.Tensor
 
     def load(self, state: MixerState) -> None:
-        """Copy ``state`` in: its levels zero-padded to L, log-scales 0."""
+        """Copy ``state`` in: its levels zero-padded to L, log-scales 0, an empty window."""
         levels = state.levels
         self.levels[:, : levels.shape[1]].copy_(levels)
         self.levels[:, levels.shape[1] :].zero_()
         if self.log_scales is not None:
             self.log_scales.zero_()
+        if self.window is not None:
+            self.window.zero_()
         self.conv.copy_(state.conv)
 
-    def level_states(self) -> torch.Tensor:
-        """The level states [N, L, H, K, V]: ``levels`` itself, or with log_scales levels x exp(log_scales), new
-        (in the log-scales' dtype)."""
-        return self.levels if self.log_scales is None else lazy_level_states(self.levels, self.log_scales)
+    def level_states(self, positions: torch.Tensor) -> torch.Tensor:
+        """The level states [N, L, H, K, V] after ``positions`` [N] tokens: ``levels`` itself, or lazily stored
+        ones multiplied out, new (in the log-scales' dtype)."""
+        if self.log_scales is None:
+            return self.levels
+        return lazy_level_states(self.levels, self.log_scales, self.window, positions)
 
     def nbytes(self) -> int:
-        return sum(x.numel() * x.element_size() for x in (self.levels, self.log_scales, self.conv) if x is not None)
+        parts = (self.levels, self.log_scales, self.conv)
+        return sum(x.numel() * x.element_size() for x in parts if x is not None) + (
+            self.window.nbytes() if self.window is not None else 0)
 
 
 @dataclass
@@ -168,6 +177,11 @@ class FenwickMixer(nn.Module):
     def scale(self) -> float:
         raise NotImplementedError
 
+    @property
+    def key_groups(self) -> int:
+        """G, the q/k groups of ``op_inputs`` (one per head unless the variant's layer shares them)."""
+        return self.num_heads
+
     def special_parameters(self) -> dict[str, torch.Tensor]:
         """Initial values of the parameters that are not plain Linear/Conv weights: {name: tensor}."""
         if self.level_scales is None:
@@ -217,16 +231,18 @@ class FenwickMixer(nn.Module):
         levels = state.levels
         L = self.max_levels if self.level_scales is not None else 1
         dtype = level_dtype or levels.dtype
-        log_scales = None
-        if self.level_scales is not None and self.variant.scales_levels:
-            channels = (levels.shape[3],) if self.variant.gates[0].per_channel else ()
-            log_scales = levels.new_zeros(levels.shape[0], L, levels.shape[2], *channels,
-                                          dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        log_scales, window = None, None
+        N, H, K = levels.shape[0], levels.shape[2], levels.shape[3]
+        if self.level_scales is not None and self.variant.lazy_levels:
+            compute = torch.float64 if dtype == torch.float64 else torch.float32
+            channels = (K,) if self.variant.gates[0].per_channel else ()
+            log_scales = levels.new_zeros(N, L, H, *channels, dtype=compute)
+            if self.variant.delta_rule:
+                window = KeyWindow.zeros(N, KEY_WINDOW, self.key_groups, H, K, compute, levels.device)
         elif dtype != levels.dtype:
-            what = "a plain layer" if self.level_scales is None else f"{self.variant.title}'s layer"
-            raise ValueError(f"level_dtype={level_dtype} needs lazy levels (log-linear Mamba-2, GLA): {what} "
-                             "rewrites its levels every token, and would round them every token")
-        return StaticState(levels.new_empty(levels.shape[0], L, *levels.shape[2:], dtype=dtype), log_scales,
+            raise ValueError(f"level_dtype={level_dtype} needs lazy levels (log-linear layers): a plain layer "
+                             "rewrites its level every token, and would round it every token")
+        return StaticState(levels.new_empty(N, L, *levels.shape[2:], dtype=dtype), log_scales, window,
                            torch.empty_like(state.conv))
 
     @torch.no_grad()
@@ -245,7 +261,7 @@ class FenwickMixer(nn.Module):
         o, _ = decode_step(
             self.variant, inputs.q, inputs.k, inputs.v, inputs.gates, lam, state.levels, positions, self.scale,
             fenwick=self.level_scales is not None, l2norm_qk=self.l2norm_qk, out=state.levels,
-            log_scales=state.log_scales,
+            log_scales=state.log_scales, window=state.window,
         )
         return layout.unflatten(self.output(o, inputs))
 

@@ -31,8 +31,9 @@ class FenwickCache(Cache):
         """num_layers: the model's num_hidden_layers; cuda_graph: run one-token steps as a CUDA graph
         (loglinear.models.graphs; the states then live in static buffers of max_levels levels); level_dtype: the
         dtype the static buffers keep the level states in (cuda_graph only; None: the states' own, float32).
-        torch.bfloat16 halves the bytes a step reads; it needs lazy levels (Mamba-2, GLA: each level is rounded
-        once when it is written, not on every token)."""
+        torch.bfloat16 halves the bytes a step reads; it needs lazy levels (log-linear layers: each level is
+        rounded when it is written, not on every token; Gated DeltaNet's also at each turn of its key window, every
+        loglinear.ops.decode.KEY_WINDOW tokens)."""
         if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
             raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
         if not isinstance(cuda_graph, bool):

@@ -55,8 +55,11 @@ from loglinear.ops.backends import backend_for, select_backend
 from loglinear.state import FenwickState
 from loglinear.variants import Variant, get
 
-__all__ = ["KeyWindow", "decode_step", "decode_step_torch", "decayed_only", "emptied_levels",
+__all__ = ["KEY_WINDOW", "KeyWindow", "decode_step", "decode_step_torch", "decayed_only", "emptied_levels",
            "fused_decode_applies", "lazy_level_states", "op_decode_step", "window_written"]
+
+
+KEY_WINDOW = 16  # tokens of the delta rule's window in CUDA-graph decoding's buffers (loglinear.layers.mixer)
 
 
 @dataclass

@@ -8,6 +8,7 @@ import torch
 
 from helpers import assert_close
 from loglinear.models import FenwickCache
+from loglinear.layers import mixer as mixer_module
 from loglinear.layers.mixer import StaticState
 from loglinear.models.graphs import DecodeGraph
 from loglinear.models.modeling import CACHE_KEY
@@ -27,7 +28,10 @@ def _decode(model, ids, mask, cache, steps: int) -> tuple[torch.Tensor, FenwickC
 
 
 @pytest.mark.parametrize("variant,ll", VARIANTS)
-def test_static_steps_equal_the_cached_forward(variant, ll):
+def test_static_steps_equal_the_cached_forward(variant, ll, monkeypatch):
+    """Static (graphed) steps give the ordinary cache's logits and states; log-linear layers keep their levels
+    lazily, Gated DeltaNet's with a key window (of 4 tokens here: the steps cross its turns at 8, 12, 16 and 20)."""
+    monkeypatch.setattr(mixer_module, "KEY_WINDOW", 4)
     model = make_model(variant, ll)
     ids, mask = left_padded([9, 5, 7], 9)
     expected, plain = _decode(model, ids, mask, FenwickCache(2), 11)  # crosses positions 16 (a 5-level carry)
@@ -40,10 +44,11 @@ def test_static_steps_equal_the_cached_forward(variant, ll):
         assert_close(a.levels[:, : b.num_levels], b.levels, 1e-12, "levels")
         assert not a.levels[:, b.num_levels :].any()
         assert_close(a.conv, b.conv, 1e-12, "conv state")
-    lazy = ll and model.model.layers[0].mixer.variant.scales_levels  # Mamba-2, GLA: levels beside their log-decays
-    for buf in static.graph.buffers:
-        assert (buf.log_scales is not None) == lazy
-        assert not lazy or buf.log_scales.any(), "no level was kept lazily"
+    delta_rule = model.model.layers[0].mixer.variant.delta_rule
+    for buf in static.graph.buffers:  # log-linear layers: levels beside their log-decays
+        assert (buf.log_scales is not None) == ll and (buf.window is not None) == (ll and delta_rule)
+        assert not ll or buf.log_scales.any(), "no level was kept lazily"
+        assert buf.window is None or buf.window.betas.shape[1] == 4 and buf.window.betas.all()
 
 
 @pytest.mark.parametrize("variant", NAMES)
@@ -56,7 +61,8 @@ def test_generate_with_static_steps(variant, monkeypatch):
     cache = FenwickCache(2, cuda_graph=True)
     multiplied = []
     real = StaticState.level_states
-    monkeypatch.setattr(StaticState, "level_states", lambda self: multiplied.append(1) or real(self))
+    monkeypatch.setattr(StaticState, "level_states",
+                        lambda self, positions: multiplied.append(1) or real(self, positions))
     assert torch.equal(model.generate(ids, **{CACHE_KEY: cache}, **kw), model.generate(ids, **kw))
     assert cache.graph is not None and cache.positions.tolist() == [13, 10]
     assert not multiplied, "a graphed step multiplied the levels out"
@@ -135,14 +141,15 @@ def test_level_cap_and_bad_arguments():
 
 @torch.no_grad()
 @pytest.mark.parametrize("variant,ll", VARIANTS)
-def test_bfloat16_static_levels(variant, ll):
-    """level_dtype=torch.bfloat16 keeps lazy layers' static levels in bf16 (rounded when written): logits within
-    bf16 rounding of the float32 cache's over steps across carries. Layers that rewrite their levels every token
-    (Gated DeltaNet, plain layers) refuse it."""
+def test_bfloat16_static_levels(variant, ll, monkeypatch):
+    """level_dtype=torch.bfloat16 keeps lazy layers' static levels in bf16 (rounded when written; Gated DeltaNet's
+    also at the turns of a 4-token key window here): logits within bf16 rounding of the float32 cache's over steps
+    across carries. Plain layers, which rewrite their level every token, refuse it."""
+    monkeypatch.setattr(mixer_module, "KEY_WINDOW", 4)
     model = make_model(variant, ll)
     ids, mask = left_padded([9, 5, 7], 9)
     cache = FenwickCache(2, cuda_graph=True, level_dtype=torch.bfloat16)
-    if not (ll and model.model.layers[0].mixer.variant.scales_levels):
+    if not ll:
         with pytest.raises(ValueError, match="needs lazy levels"):
             _decode(model, ids, mask, cache, 2)
         return
