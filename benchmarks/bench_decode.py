@@ -192,11 +192,12 @@ def kernel_us(fn, device, kernels: tuple[str, ...], iters: int = 20) -> float:
 
 def kernel_times(configs: dict, contexts: list[int], batches: list[int], device, draws: int = 8) -> list[dict]:
     """The fused step of one layer alone (its kernels' GPU time, kernel_us), in place as CUDA-graph decoding runs it:
-    log-linear (a buffer of
-    L = levels_needed(T + 1) levels; Mamba-2 and GLA with lazy levels, their log-scales beside them) vs plain (one
-    level). The log-linear step touches the levels its position holds, so it is timed at positions drawn uniformly
-    from [T/2, T) for every sequence (the mean over ``draws`` draws: a context of about T) and at p = T (a power of
-    two: every level is touched, the worst case)."""
+    log-linear (a buffer of L = levels_needed(T + 1) lazy levels, their log-scales beside them, and for Gated
+    DeltaNet a key window of KEY_WINDOW tokens) vs plain (one level). The log-linear step touches the levels its
+    position holds, so it is timed at positions drawn uniformly from [T/2, T) for every sequence (the mean over
+    ``draws`` draws: a context of about T) and at p = T (a power of two: every level is touched, and Gated
+    DeltaNet's window turns, the worst case)."""
+    from loglinear.ops.decode import KEY_WINDOW, KeyWindow
     from loglinear.ops.triton.decode import fused_decode_step
 
     rows = []
@@ -217,13 +218,15 @@ def kernel_times(configs: dict, contexts: list[int], batches: list[int], device,
                 beta = torch.rand(batch, H, device=device)
                 lam = torch.rand(batch, H, L, device=device)
 
-                log_scales = None if gdn else torch.zeros(batch, L, H, *g.shape[2:], device=device)
+                log_scales = torch.zeros(batch, L, H, *g.shape[2:], device=device)
+                window = KeyWindow.zeros(batch, KEY_WINDOW, G, H, K, torch.float32, device) if gdn else None
 
                 def step_us(levels: torch.Tensor, pos: torch.Tensor, fenwick: bool) -> float:
                     pos = pos.to(device)  # on the device, as in graphed decoding: no copy in the timed call
                     fn = lambda: fused_decode_step(q, k, v, g, beta if gdn else None, lam, levels,  # noqa: E731
                                                    pos, 0.1, fenwick=fenwick, l2norm_qk=gdn, out=levels,
-                                                   log_scales=log_scales if fenwick else None)
+                                                   log_scales=log_scales if fenwick else None,
+                                                   window=window if fenwick else None)
                     return kernel_us(fn, device, ("_decode_level_kernel", "_decode_finish_kernel"))
 
                 levels = torch.randn(batch, L, H, K, V, device=device)  # the cost depends on positions, not values
@@ -232,7 +235,7 @@ def kernel_times(configs: dict, contexts: list[int], batches: list[int], device,
                     "variant": variant, "batch": batch, "context": context, "levels": L,
                     "log_linear_us": sum(step_us(levels, pos, True) for pos in drawn) / draws,
                     # lazy levels kept in bf16 (FenwickCache's level_dtype), the same positions
-                    "log_linear_bf16_us": None if gdn else sum(
+                    "log_linear_bf16_us": sum(
                         step_us(levels.to(torch.bfloat16), pos, True) for pos in drawn) / draws,
                     "log_linear_worst_us": step_us(levels, torch.full((batch,), context), True),
                     "plain_us": step_us(torch.randn(batch, 1, H, K, V, device=device), torch.full((batch,), context),
@@ -244,9 +247,9 @@ def kernel_times(configs: dict, contexts: list[int], batches: list[int], device,
 
 def check_kernel(device) -> dict:
     """Fused kernel vs the PyTorch step on the device, every variant with a fused decode kernel (fp32, GQA, rows
-    at different positions; random levels), and the lazy levels of Mamba-2 and GLA over three in-place steps (random
-    levels where the positions hold them, zero elsewhere)."""
-    from loglinear.ops.decode import decode_step, lazy_level_states
+    at different positions; random levels), and every variant's lazy levels over six in-place steps (random levels
+    where the positions hold them, zero elsewhere; Gated DeltaNet with a window of 4 tokens)."""
+    from loglinear.ops.decode import KeyWindow, decode_step, lazy_level_states
     from loglinear.variants import GATED_DELTANET, GLA, MAMBA2
 
     errors = {}
@@ -261,22 +264,25 @@ def check_kernel(device) -> dict:
         errors[variant.name] = {
             "o_rel_err": float((o1 - o2).norm() / o2.norm()), "state_rel_err": float((s1 - s2).norm() / s2.norm()),
         }
-    for variant in (MAMBA2, GLA):  # lazy levels in place (graphed decoding's), three consecutive steps
+    for variant in (MAMBA2, GLA, GATED_DELTANET):  # lazy levels in place (graphed decoding's), consecutive steps
         N, G, H, K, V, L = 5, 2, 4, 64, 96, 12
         gen = torch.Generator(device=device).manual_seed(1)
-        pos = torch.tensor([0, 1, 8, 1023, 2045], device=device)
+        pos = torch.tensor([0, 1, 8, 1023, 2041], device=device)
         held = held_levels(pos, L)[:, :, None, None, None]
         states = [torch.randn(N, L, H, K, V, device=device, generator=gen) * held for _ in range(2)]
         states[1] = states[0].clone()
         scales = [torch.zeros(N, L, H, *((K,) if variant is GLA else ()), device=device) for _ in range(2)]
+        windows = [KeyWindow.zeros(N, 4, G, H, K, torch.float32, device) if variant.delta_rule else None
+                   for _ in range(2)]
         err = {"o_rel_err": 0.0, "state_rel_err": 0.0}
-        for step in range(3):
+        for step in range(6):  # the delta rule's window of 4 turns at 4, 8, 1024 and 2044
             gates = {n: x[:, 0].to(device) for n, x in variant.sample_gates(N, 1, H, K).items()}
             args = (variant, torch.randn(N, G, K, device=device), torch.randn(N, G, K, device=device) / 8,
                     torch.randn(N, H, V, device=device), gates, torch.rand(N, H, L, device=device))
-            o = [decode_step(*args, states[i], pos + step, 0.125, out=states[i], log_scales=scales[i], backend=b)[0]
+            o = [decode_step(*args, states[i], pos + step, 0.125, out=states[i], log_scales=scales[i],
+                             window=windows[i], l2norm_qk=variant.delta_rule, backend=b)[0]
                  for i, b in enumerate(("triton", "torch"))]
-            full = [lazy_level_states(x, ls) for x, ls in zip(states, scales)]
+            full = [lazy_level_states(x, ls, w, pos + step + 1) for x, ls, w in zip(states, scales, windows)]
             err["o_rel_err"] = max(err["o_rel_err"], float((o[0] - o[1]).norm() / o[1].norm()))
             err["state_rel_err"] = max(err["state_rel_err"], float((full[0] - full[1]).norm() / full[1].norm()))
         errors[f"{variant.name}_lazy"] = err
@@ -588,7 +594,8 @@ def write_markdown(results: dict, path: str) -> None:
         lines += ["", "## Fused decode kernel alone (one layer, in place; GPU time of its kernels, cold L2, us)", "",
                   "Log-linear: the mean over draws of every sequence's position from [T/2, T), and at p = T (a power "
                   "of two: every level held before the token merges into a new one, the most a step touches); "
-                  "Mamba-2 and GLA with lazy levels (log-scales), as graphed decoding keeps them; bf16 levels: the "
+                  "lazy levels (log-scales; Gated DeltaNet also a key window, turning at p = T), as graphed "
+                  "decoding keeps them; bf16 levels: the "
                   "same positions with the lazy levels in bf16 (level_dtype). Plain: one level.",
                   "",
                   "| variant | batch | T | levels | log-linear us | at p = T | bf16 levels us | plain us | ratio "
