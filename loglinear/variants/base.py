@@ -13,6 +13,7 @@ between variants:
     deposit_key      k~_t, the key a token writes into level 0
     shard_transition the whole-shard product A_{T-1} ... A_0 (context parallelism's boundary map)
     local_state      optionally, a closed form of the state a shard leaves when entered with zeros
+    delta_rule       whether A_t = exp(g_t) (I - beta_t k_t k_t^T): decoding keeps lazy levels with a key window
     sample_gates     valid random gates (tests, the demo)
 
 Backends (torch, Triton) register per variant name in loglinear.ops.api; layers, models, the training
