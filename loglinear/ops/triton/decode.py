@@ -33,6 +33,13 @@ above the carry's target) keeps T_l and s_l <- s_l + g; a level l >= 1 the carry
 s_l <- -inf (S_l = 0; the level is not held, so no step reads T_l before it is written again as a carry's target).
 The step writes T only for level 0 and the carry's target (their s restart at 0): two tiles per token. The s
 updates run in the finish kernel, after every program of the level kernel has read the old ones.
+WINDOW (LAZY with the delta rule: Gated DeltaNet) adds the key window of the last 2^WS_BITS tokens (keys [N, W, G, K],
+betas [N, W, H]): level l's state is exp(s_l) R T_l, R the projections (I - beta_i k_i k_i^T) of the window's tokens
+after w_l, the step that last wrote it (``_written``; loglinear.ops.decode has the math). A level the token only
+decays is read out as (R^T A_p^T q)^T exp(s_l + g) T_l (``_project_query``, no write); a merged level takes R on its
+tile before the carry sums it, and at the window's turn (p a multiple of W) every held level takes R and the
+token's transition and is rewritten (``_project_tile``). The finish kernel writes the token's key and beta into
+slot p mod W.
 FENWICK=False is the plain recurrence (no carry, lambda = 1) of use_log_linear=False models: one level, whole
 [K, BV] tiles, and (DIRECT) its programs write o themselves, with no finish kernel.
 q, k are read from group h // (H // G); L2NORM normalises them in the kernel (x / sqrt(|x|^2 + 1e-6)).
@@ -368,11 +375,14 @@ def _tile(K: int, V: int, rows: int, itemsize: int, split_rows: bool) -> tuple[i
     """(BKR, BV): the rows and value columns of one program's tile of a level. split_rows (a transition that keeps
     the rows independent: not the delta rule) cuts the K rows into blocks of ROW_BLOCK, so that more, smaller
     programs are in flight. The [K, BV] column block stays within 32 KB of stored levels (8K fp32 or 16K 16-bit
-    elements; more spilled on the H200), and narrower blocks (down to 16 columns) spread a small batch over more
-    programs (~256 per level) to keep the SMs streaming."""
+    elements; more spilled on the H200), the delta rule's within 8K elements whatever the levels' dtype (its tile
+    is projected in fp32 registers: 16K bf16 elements spilled 756 bytes under triton 3.6 for sm_90), and narrower
+    blocks (down to 16 columns) spread a small batch over more programs (~256 per level) to keep the SMs
+    streaming."""
     BK = triton.next_power_of_2(K)
     bkr = min(BK, ROW_BLOCK) if split_rows else BK
-    bv = max(1, min(triton.next_power_of_2(V), 32768 // (BK * itemsize), 64))
+    held = itemsize if split_rows else max(itemsize, 4)  # bytes per element of the tile a program holds
+    bv = max(1, min(triton.next_power_of_2(V), 32768 // (BK * held), 64))
     while bv > 16 and rows * triton.cdiv(K, bkr) * triton.cdiv(V, bv) < 256:
         bv //= 2
     return bkr, bv
