@@ -240,8 +240,9 @@ class FenwickMixer(nn.Module):
             if self.variant.delta_rule:
                 window = KeyWindow.zeros(N, KEY_WINDOW, self.key_groups, H, K, compute, levels.device)
         elif dtype != levels.dtype:
-            raise ValueError(f"level_dtype={level_dtype} needs lazy levels (log-linear layers): a plain layer "
-                             "rewrites its level every token, and would round it every token")
+            what = "a plain layer" if self.level_scales is None else f"{self.variant.title}'s layer"
+            raise ValueError(f"level_dtype={level_dtype} needs lazy levels (Variant.lazy_levels): {what} rewrites "
+                             "its levels every token, and would round them every token")
         return StaticState(levels.new_empty(N, L, *levels.shape[2:], dtype=dtype), log_scales, window,
                            torch.empty_like(state.conv))
 

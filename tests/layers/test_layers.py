@@ -49,6 +49,17 @@ def test_prefill_then_steps_match_full_forward(variant, ll):
     assert state.num_levels == (6 if ll else 1)  # ceil(log2 19) + 1
 
 
+@pytest.mark.parametrize("variant", NAMES)
+def test_key_groups_are_the_op_inputs_groups(variant):
+    """FenwickMixer.key_groups (what a decoding cache's key window is sized by) is the G of the op's q and k."""
+    layer = make_layer(variant, True)
+    x = torch.randn(5, D, dtype=torch.float64)
+    conv_in, rest = layer.conv_inputs(x)
+    inputs = layer.op_inputs(conv_in, rest)
+    assert inputs.q.shape[1] == inputs.k.shape[1] == layer.key_groups
+    assert layer.key_groups == (2 if variant == "mamba2" else layer.num_heads)
+
+
 @pytest.mark.parametrize("variant", ["gla", "mamba2", "gated_deltanet"])
 def test_short_convolution_is_optional(variant):
     """Every mixer runs without one (conv_kernel = 0, GLA's default: the projections go to the op as they are, no
