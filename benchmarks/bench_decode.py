@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from loglinear.cli import check_script_options
+from loglinear.cli import check_script_options, refuse
 from loglinear.fenwick import held_levels, levels_needed
 from loglinear.layers.mixer import MixerState
 from loglinear.models import (
@@ -46,6 +46,7 @@ from loglinear.models import (
     LogLinearMamba2ForCausalLM,
 )
 from loglinear.models.modeling import CACHE_KEY
+from loglinear.ops.decode import KEY_WINDOW
 from loglinear.report import pyplot
 
 MODELS = ("ll_mamba2", "mamba2", "ll_gdn", "gdn", "llama_sdpa",
@@ -85,10 +86,11 @@ def build(name: str, configs: dict, device, dtype):
     return model.to(device, dtype).eval()
 
 
-def fenwick_cache_at(model, batch: int, context: int, device, cuda_graph: bool = False) -> FenwickCache:
+def fenwick_cache_at(model, batch: int, context: int, device, cuda_graph: bool = False,
+                     key_window: int | None = None) -> FenwickCache:
     """A FenwickCache of ``batch`` sequences that have seen ``context`` tokens (random contents in the levels that
-    position holds, zeros in the others, as in a real state)."""
-    cache = FenwickCache(len(model.model.layers), cuda_graph=cuda_graph)
+    position holds, zeros in the others, as in a real state); graphed with Gated DeltaNet's key_window."""
+    cache = FenwickCache(len(model.model.layers), cuda_graph=cuda_graph, key_window=key_window if cuda_graph else None)
     for i, block in enumerate(model.model.layers):
         mixer = block.mixer
         H = mixer.num_heads
@@ -190,14 +192,15 @@ def kernel_us(fn, device, kernels: tuple[str, ...], iters: int = 20) -> float:
     return total / iters
 
 
-def kernel_times(configs: dict, contexts: list[int], batches: list[int], device, draws: int = 8) -> list[dict]:
+def kernel_times(configs: dict, contexts: list[int], batches: list[int], device, key_window: int,
+                 draws: int = 8) -> list[dict]:
     """The fused step of one layer alone (its kernels' GPU time, kernel_us), in place as CUDA-graph decoding runs it:
     log-linear (a buffer of L = levels_needed(T + 1) lazy levels, their log-scales beside them, and for Gated
-    DeltaNet a key window of KEY_WINDOW tokens) vs plain (one level). The log-linear step touches the levels its
+    DeltaNet a key window of ``key_window`` tokens) vs plain (one level). The log-linear step touches the levels its
     position holds, so it is timed at positions drawn uniformly from [T/2, T) for every sequence (the mean over
     ``draws`` draws: a context of about T) and at p = T (a power of two: every level is touched, and Gated
     DeltaNet's window turns, the worst case)."""
-    from loglinear.ops.decode import KEY_WINDOW, KeyWindow
+    from loglinear.ops.decode import KeyWindow
     from loglinear.ops.triton.decode import fused_decode_step
 
     rows = []
@@ -219,7 +222,7 @@ def kernel_times(configs: dict, contexts: list[int], batches: list[int], device,
                 lam = torch.rand(batch, H, L, device=device)
 
                 log_scales = torch.zeros(batch, L, H, *g.shape[2:], device=device)
-                window = KeyWindow.zeros(batch, KEY_WINDOW, G, H, K, torch.float32, device) if gdn else None
+                window = KeyWindow.zeros(batch, key_window, G, H, K, torch.float32, device) if gdn else None
 
                 def step_us(levels: torch.Tensor, pos: torch.Tensor, fenwick: bool) -> float:
                     pos = pos.to(device)  # on the device, as in graphed decoding: no copy in the timed call
@@ -418,7 +421,8 @@ def run(args, save) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     configs = model_configs(args.tiny)
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-               "torch": torch.__version__, "configs": configs, "steps": args.steps, "rows": []}
+               "torch": torch.__version__, "configs": configs, "steps": args.steps, "key_window": args.key_window,
+               "rows": []}
     free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else 8 << 30
     for name in args.models:
         model = build(name, configs, device, dtype)
@@ -434,7 +438,8 @@ def run(args, save) -> dict:
                         continue
                     cache = kv_cache_at(model, batch, context, device, dtype)
                 else:
-                    cache = fenwick_cache_at(model, batch, context, device, cuda_graph=name.endswith(GRAPH))
+                    cache = fenwick_cache_at(model, batch, context, device, cuda_graph=name.endswith(GRAPH),
+                                             key_window=args.key_window)
                 row["cache_bytes"] = cache_bytes(name, cache)
                 timed = guarded(time_steps, name, model, cache, batch, context, args.steps, args.warmup, device)
                 row["ms_per_token" if isinstance(timed, float) else "failed"] = timed
@@ -448,7 +453,7 @@ def run(args, save) -> dict:
         del model
         save(results)
     if device.type == "cuda" or args.tiny and os.environ.get("TRITON_INTERPRET") == "1":
-        kernel = guarded(kernel_times, configs, args.contexts, args.batches, device)
+        kernel = guarded(kernel_times, configs, args.contexts, args.batches, device, args.key_window)
         results["kernel" if isinstance(kernel, list) else "kernel_failed"] = kernel
         print(kernel, flush=True)
         save(results)
@@ -594,7 +599,8 @@ def write_markdown(results: dict, path: str) -> None:
         lines += ["", "## Fused decode kernel alone (one layer, in place; GPU time of its kernels, cold L2, us)", "",
                   "Log-linear: the mean over draws of every sequence's position from [T/2, T), and at p = T (a power "
                   "of two: every level held before the token merges into a new one, the most a step touches); "
-                  "lazy levels (log-scales; Gated DeltaNet also a key window, turning at p = T), as graphed "
+                  f"lazy levels (log-scales; Gated DeltaNet also a key window of {results.get('key_window')} tokens, "
+                  "turning at p = T), as graphed "
                   "decoding keeps them; bf16 levels: the "
                   "same positions with the lazy levels in bf16 (level_dtype). Plain: one level.",
                   "",
@@ -648,10 +654,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="tiny models (CPU smoke run)")
+    parser.add_argument("--key-window", type=int, default=KEY_WINDOW,
+                        help="tokens of Gated DeltaNet's key window (graphed models and the kernel rows; a power of "
+                             "two >= 2)")
     args = parser.parse_args(argv)
     check_script_options("bench_decode.py", {"--steps": (args.steps, 1), "--warmup": (args.warmup, 0),
-                                             "--contexts": (args.contexts, 1), "--batches": (args.batches, 1)},
-                         args.device)
+                                             "--contexts": (args.contexts, 1), "--batches": (args.batches, 1),
+                                             "--key-window": (args.key_window, 2)}, args.device)
+    if args.key_window & (args.key_window - 1):
+        refuse("bench_decode.py", f"--key-window must be a power of two, got {args.key_window}")
     torch.manual_seed(0)
     os.makedirs(args.out, exist_ok=True)
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-") if args.device == "cuda" else "cpu"

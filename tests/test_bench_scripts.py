@@ -14,6 +14,8 @@ from helpers import load_benchmark
     ("bench_decode", ["--warmup", "-1"], "--warmup must be >= 0, got -1"),
     ("bench_decode", ["--contexts", "1024", "0"], "--contexts must be >= 1, got 1024 0"),
     ("bench_decode", ["--batches", "-2"], "--batches must be >= 1, got -2"),
+    ("bench_decode", ["--key-window", "1"], "--key-window must be >= 2, got 1"),
+    ("bench_decode", ["--key-window", "12"], "--key-window must be a power of two, got 12"),
     ("bench_decode", ["--device", "gpu0"], "--device must be a torch device such as cpu or cuda:0"),
     ("bench_train", ["--steps", "0"], "--steps must be >= 1, got 0"),
     ("bench_train", ["--seq-len", "-1"], "--seq-len must be >= 1, got -1"),

@@ -89,8 +89,8 @@ class StaticState:
                 its tile at log-scale -inf), and may then be bfloat16 (FenwickCache's level_dtype)
     log_scales: [N, L, H] ([N, L, H, K] for a per-channel gate), float32 (float64 with float64 levels), for a
                 log-linear layer with lazy levels (``Variant.lazy_levels``: Mamba-2, GLA, Gated DeltaNet), else None
-    window:     the delta rule's KeyWindow of the last KEY_WINDOW tokens beside lazy levels (Gated DeltaNet), else
-                None
+    window:     the delta rule's KeyWindow of the last W tokens beside lazy levels (Gated DeltaNet; FenwickCache's
+                key_window, default KEY_WINDOW), else None
     conv:       [N, W-1, C]
     """
 
@@ -223,11 +223,12 @@ class FenwickMixer(nn.Module):
             return y, None
         return y, MixerState(levels, positions, conv_state)
 
-    def static_state(self, state: MixerState, level_dtype: torch.dtype | None = None) -> StaticState:
+    def static_state(self, state: MixerState, level_dtype: torch.dtype | None = None,
+                     key_window: int | None = None) -> StaticState:
         """Static buffers for ``step_`` shaped like ``state`` with the levels this layer can reach (max_levels
-        log-linear, 1 plain), lazy (log-scales in the step's compute dtype) where the variant's transition only
-        scales; the levels in ``level_dtype`` (None: the states' own; another one needs lazy levels). Not yet
-        loaded."""
+        log-linear, 1 plain), lazy where the variant allows it (log-scales in the step's compute dtype; the delta
+        rule's key window of ``key_window`` tokens, None: KEY_WINDOW); the levels in ``level_dtype`` (None: the
+        states' own; another one needs lazy levels). Not yet loaded."""
         levels = state.levels
         L = self.max_levels if self.level_scales is not None else 1
         dtype = level_dtype or levels.dtype
@@ -238,7 +239,7 @@ class FenwickMixer(nn.Module):
             channels = (K,) if self.variant.gates[0].per_channel else ()
             log_scales = levels.new_zeros(N, L, H, *channels, dtype=compute)
             if self.variant.delta_rule:
-                window = KeyWindow.zeros(N, KEY_WINDOW, self.key_groups, H, K, compute, levels.device)
+                window = KeyWindow.zeros(N, key_window or KEY_WINDOW, self.key_groups, H, K, compute, levels.device)
         elif dtype != levels.dtype:
             what = "a plain layer" if self.level_scales is None else f"{self.variant.title}'s layer"
             raise ValueError(f"level_dtype={level_dtype} needs lazy levels (Variant.lazy_levels): {what} rewrites "

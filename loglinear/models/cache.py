@@ -27,13 +27,16 @@ class FenwickCache(Cache):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, num_layers: int, *, cuda_graph: bool = False, level_dtype: torch.dtype | None = None):
+    def __init__(self, num_layers: int, *, cuda_graph: bool = False, level_dtype: torch.dtype | None = None,
+                 key_window: int | None = None):
         """num_layers: the model's num_hidden_layers; cuda_graph: run one-token steps as a CUDA graph
         (loglinear.models.graphs; the states then live in static buffers of max_levels levels); level_dtype: the
         dtype the static buffers keep the level states in (cuda_graph only; None: the states' own, float32).
         torch.bfloat16 halves the bytes a step reads; it needs lazy levels (log-linear layers: each level is
-        rounded when it is written, not on every token; Gated DeltaNet's also at each turn of its key window, every
-        loglinear.ops.decode.KEY_WINDOW tokens)."""
+        rounded when it is written, not on every token; Gated DeltaNet's also at each turn of its key window);
+        key_window: the tokens of Gated DeltaNet's key window in the static buffers (cuda_graph only; a power of
+        two >= 2; None: loglinear.ops.decode.KEY_WINDOW). A longer window rewrites the held levels less often
+        and takes more key projections per readout (loglinear.ops.decode)."""
         if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
             raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
         if not isinstance(cuda_graph, bool):
@@ -42,10 +45,17 @@ class FenwickCache(Cache):
             raise ValueError(f"level_dtype must be None, torch.float32 or torch.bfloat16, got {level_dtype!r}")
         if level_dtype is not None and not cuda_graph:
             raise ValueError("level_dtype sets the static buffers of CUDA-graph decoding: pass cuda_graph=True")
+        if key_window is not None:
+            if (not isinstance(key_window, int) or isinstance(key_window, bool) or key_window < 2
+                    or key_window & (key_window - 1)):
+                raise ValueError(f"key_window must be None or a power of two >= 2, got {key_window!r}")
+            if not cuda_graph:
+                raise ValueError("key_window sets the static buffers of CUDA-graph decoding: pass cuda_graph=True")
         # transformers' Cache.__init__ wants layer objects; this cache stores MixerStates itself.
         self.states: list[MixerState | None] = [None] * num_layers
         self.cuda_graph = cuda_graph
         self.level_dtype = level_dtype
+        self.key_window = key_window
         self.graph = None  # the DecodeGraph of the current batch size (loglinear.models.graphs)
         self.layers: list = []
         self.layer_class_to_replicate = None

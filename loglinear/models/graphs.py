@@ -69,7 +69,7 @@ class DecodeGraph:
         device = states[0].conv.device  # not levels: reading a lazy view multiplies it out
         self.max_levels = [block.mixer.max_levels if block.mixer.level_scales is not None else 1
                            for block in model.model.layers]
-        self.buffers = [block.mixer.static_state(s, cache.level_dtype)
+        self.buffers = [block.mixer.static_state(s, cache.level_dtype, cache.key_window)
                         for block, s in zip(model.model.layers, states, strict=True)]
         self.ids = torch.zeros(self.batch, 1, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.batch, dtype=torch.int64, device=device)

@@ -8,7 +8,6 @@ import torch
 
 from helpers import assert_close
 from loglinear.models import FenwickCache
-from loglinear.layers import mixer as mixer_module
 from loglinear.layers.mixer import StaticState
 from loglinear.models.graphs import DecodeGraph
 from loglinear.models.modeling import CACHE_KEY
@@ -28,14 +27,13 @@ def _decode(model, ids, mask, cache, steps: int) -> tuple[torch.Tensor, FenwickC
 
 
 @pytest.mark.parametrize("variant,ll", VARIANTS)
-def test_static_steps_equal_the_cached_forward(variant, ll, monkeypatch):
+def test_static_steps_equal_the_cached_forward(variant, ll):
     """Static (graphed) steps give the ordinary cache's logits and states; log-linear layers keep their levels
     lazily, Gated DeltaNet's with a key window (of 4 tokens here: the steps cross its turns at 8, 12, 16 and 20)."""
-    monkeypatch.setattr(mixer_module, "KEY_WINDOW", 4)
     model = make_model(variant, ll)
     ids, mask = left_padded([9, 5, 7], 9)
     expected, plain = _decode(model, ids, mask, FenwickCache(2), 11)  # crosses positions 16 (a 5-level carry)
-    got, static = _decode(model, ids, mask, FenwickCache(2, cuda_graph=True), 11)
+    got, static = _decode(model, ids, mask, FenwickCache(2, cuda_graph=True, key_window=4), 11)
     assert_close(got, expected, 1e-12, "static-step logits")
     assert isinstance(static.graph, DecodeGraph)
     assert static.positions.tolist() == plain.positions.tolist() == [20, 16, 18]
@@ -137,18 +135,22 @@ def test_level_cap_and_bad_arguments():
         FenwickCache(2, cuda_graph=True, level_dtype=torch.float16)
     with pytest.raises(ValueError, match="pass cuda_graph=True"):
         FenwickCache(2, level_dtype=torch.bfloat16)
+    for bad in (3, 1, 0, 4.0, True):
+        with pytest.raises(ValueError, match="key_window must be None or a power of two >= 2"):
+            FenwickCache(2, cuda_graph=True, key_window=bad)
+    with pytest.raises(ValueError, match="key_window sets the static buffers"):
+        FenwickCache(2, key_window=8)
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("variant,ll", VARIANTS)
-def test_bfloat16_static_levels(variant, ll, monkeypatch):
+def test_bfloat16_static_levels(variant, ll):
     """level_dtype=torch.bfloat16 keeps lazy layers' static levels in bf16 (rounded when written; Gated DeltaNet's
     also at the turns of a 4-token key window here): logits within bf16 rounding of the float32 cache's over steps
     across carries. Plain layers, which rewrite their level every token, refuse it."""
-    monkeypatch.setattr(mixer_module, "KEY_WINDOW", 4)
     model = make_model(variant, ll)
     ids, mask = left_padded([9, 5, 7], 9)
-    cache = FenwickCache(2, cuda_graph=True, level_dtype=torch.bfloat16)
+    cache = FenwickCache(2, cuda_graph=True, level_dtype=torch.bfloat16, key_window=4)
     if not ll:
         with pytest.raises(ValueError, match="needs lazy levels"):
             _decode(model, ids, mask, cache, 2)
