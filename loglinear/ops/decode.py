@@ -176,8 +176,8 @@ def decode_step_torch(
     if log_scales is not None:  # held levels keep their tiles: decayed ones add g, emptied ones take -inf
         kept, emptied = decayed_only(positions, levels.shape[1]), emptied_levels(positions, levels.shape[1])
         if window is not None:  # the window's turn rewrites the held levels; the token takes its slot
-            kept = kept & ~((positions % window.size == 0) & (positions > 0))[:, None]
             rows, slot = torch.arange(len(positions), device=positions.device), positions % window.size
+            kept = kept & ~((slot == 0) & (positions > 0))[:, None]
             window.keys[rows, slot] = group_keys.to(window.keys.dtype)
             window.betas[rows, slot] = gates["beta"].to(window.betas.dtype)
         g = gates[variant.gates[0].name][:, None]  # [N, 1, H] or [N, 1, H, K]

@@ -127,9 +127,15 @@ def _written(p, l, WS_BITS):
 
 
 @triton.jit
+def _slot(i, WS_BITS):
+    """Token i's slot in a key window of 2^WS_BITS tokens, i mod 2^WS_BITS (0 at the window's turns)."""
+    return i & ((1 << WS_BITS) - 1)
+
+
+@triton.jit
 def _window_factor(wk_ptr, wb_ptr, n, i, h, H, G, grp, K, WS_BITS, rk, mk, ACC: tl.constexpr):
     """The key [BK] and beta of token i in the window (slot i mod 2^WS_BITS)."""
-    slot = i & ((1 << WS_BITS) - 1)
+    slot = _slot(i, WS_BITS)
     k = tl.load(wk_ptr + (((n << WS_BITS) + slot) * G + grp) * K + rk, mask=mk, other=0.0).to(ACC)
     return k, tl.load(wb_ptr + ((n << WS_BITS) + slot) * H + h).to(ACC)
 
@@ -290,7 +296,7 @@ def _own_level(k, decay, beta, lam_ptr, v_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_p
     read = ((not IN_PLACE) | (not FENWICK) | held_in) & ((not FENWICK) | (merge == 0))
     S = _load_level(s_in_ptr, ls_ptr, n, l, h, H, K, V, L, rk, rv, mk, tile, read, LAZY, PER_CHANNEL, ACC, NARROW)
     if WINDOW:  # the window's turn: p a multiple of its size
-        keep = (l > 0) & ((p & ((1 << WS_BITS) - 1)) != 0)
+        keep = (l > 0) & (_slot(p, WS_BITS) != 0)
     else:
         keep = l < 0
     if keep:
@@ -359,10 +365,10 @@ def _decode_finish_kernel(
             offs = (n * L + rl) * H + h
             ls = tl.load(ls_ptr + offs, mask=moved, other=0.0)
             if WINDOW:
-                kept = kept & ((p & ((1 << WS_BITS) - 1)) != 0)
+                kept = kept & (_slot(p, WS_BITS) != 0)
             tl.store(ls_ptr + offs, tl.where(kept, ls + g, reset), mask=moved)
     if WINDOW:
-        slot = p & ((1 << WS_BITS) - 1)
+        slot = _slot(p, WS_BITS)
         tl.store(wb_ptr + ((n << WS_BITS) + slot) * H + h, tl.load(beta_ptr + n * H + h).to(ACC))
         if h % (H // G) == 0:
             grp = h // (H // G)
