@@ -170,6 +170,9 @@ def median_us(fn, device) -> float:
     return sorted(times)[1]
 
 
+STEP_KERNELS = ("_decode_query_kernel", "_decode_level_kernel", "_decode_finish_kernel")  # the fused step's launches
+
+
 def kernel_us(fn, device, kernels: tuple[str, ...], iters: int = 20) -> float:
     """GPU microseconds of one call of fn, its ``kernels`` (names) only, as the profiler records them: each call
     after a 256 MB write that evicts L2 (the states come from HBM, as in a model whose other layers ran in between),
@@ -230,7 +233,7 @@ def kernel_times(configs: dict, contexts: list[int], batches: list[int], device,
                                                    pos, 0.1, fenwick=fenwick, l2norm_qk=gdn, out=levels,
                                                    log_scales=log_scales if fenwick else None,
                                                    window=window if fenwick else None)
-                    return kernel_us(fn, device, ("_decode_level_kernel", "_decode_finish_kernel"))
+                    return kernel_us(fn, device, STEP_KERNELS)
 
                 levels = torch.randn(batch, L, H, K, V, device=device)  # the cost depends on positions, not values
                 drawn = [torch.randint(context // 2, context, (batch,), generator=gen) for _ in range(draws)]

@@ -10,16 +10,16 @@ For the token at absolute position p (spec section 4), on each level l of a (seq
     deposit     S_0 <- S_0 + beta k v^T                                    (beta = 1 for Mamba-2)
     readout     o <- scale sum_l lambda_l S_l^T q
 
-Two launches. _decode_level_kernel: one program per (n, h, tile, group of LG levels), the tile a [BKR, BV] block
-of the K x V state (the columns are independent, also under the delta rule; the rows too for a decay-only
-transition, which takes blocks of ROW_BLOCK rows; the delta rule's k^T S needs all K rows). For each level l of its
-group that takes a step of its own, a program moves the level's tile once: read, transition, (l = 0) deposit,
-write, and its partial readout lambda_l S_l^T q over its rows into partial [N, H, L, KB, V]. The carry belongs to
-the programs of level 0: they sum levels 0..ctz(p) (all held) into the target ctz(p) + 1 before rewriting level 0;
-the merged levels and the target take no step of their own, and a program none of whose levels does returns at
-once. _decode_finish_kernel: one program per (n, h) sums the partial readouts of the levels written into o. The
-groups are independent programs, so the loads of different levels are in flight together rather than one after
-another.
+Two launches (four with a key window, below). _decode_level_kernel: one program per (n, h, tile, group of LG
+levels), the tile a [BKR, BV] block of the K x V state (the columns are independent, also under the delta rule; the
+rows too for a decay-only transition, which takes blocks of ROW_BLOCK rows; the delta rule's k^T S needs all K
+rows). For each level l of its group that takes a step of its own, a program moves the level's tile once: read,
+transition, (l = 0) deposit, write, and its partial readout lambda_l S_l^T q over its rows into partial [N, H, L,
+KB, V]. The carry belongs to the programs of level 0: they sum levels 0..ctz(p) (all held) into the target ctz(p) +
+1 before rewriting level 0; the merged levels and the target take no step of their own, and a program none of whose
+levels does returns at once. _decode_finish_kernel: one program per (n, h) sums the partial readouts of the levels
+written into o. The groups are independent programs, so the loads of different levels are in flight together rather
+than one after another.
 
 IN_PLACE (s_out is s_in) touches only the levels the position holds, as the state's definition has them (spec
 section 4; loglinear.state.FenwickState): before the token, level 0 (p > 0) and each level l >= 1 with bit l - 1 of
@@ -36,10 +36,13 @@ updates run in the finish kernel, after every program of the level kernel has re
 WINDOW (LAZY with the delta rule: Gated DeltaNet) adds the key window of the last 2^WS_BITS tokens (keys [N, W, G, K],
 betas [N, W, H]): level l's state is exp(s_l) R T_l, R the projections (I - beta_i k_i k_i^T) of the window's tokens
 after w_l, the step that last wrote it (``_written``; loglinear.ops.decode has the math). A level the token only
-decays is read out as (R^T A_p^T q)^T exp(s_l + g) T_l (``_project_query``, no write); a merged level takes R on its
+decays (``_kept``) is read out as (R^T A_p^T q)^T exp(s_l + g) T_l, with no write; a merged level takes R on its
 tile before the carry sums it, and at the window's turn (p a multiple of W) every held level takes R and the
-token's transition and is rewritten (``_project_tile``). The finish kernel writes the token's key and beta into
-slot p mod W.
+token's transition and is rewritten (``_project_tile``). Such a step runs four launches: _decode_query_kernel forms
+the projected queries R^T A_p^T q once per (sequence, head); the level kernel reads out the kept levels (KEPT) in
+row blocks, as a decay-only step does, since their readout needs no k^T S; the level kernel again, in whole
+columns, steps every other level (level 0 with the carry, and at a turn every held level); the finish kernel sums
+the readouts and writes the token's key and beta into slot p mod W.
 FENWICK=False is the plain recurrence (no carry, lambda = 1) of use_log_linear=False models: one level, whole
 [K, BV] tiles, and (DIRECT) its programs write o themselves, with no finish kernel.
 q, k are read from group h // (H // G); L2NORM normalises them in the kernel (x / sqrt(|x|^2 + 1e-6)).
@@ -144,20 +147,44 @@ def _window_factor(wk_ptr, wb_ptr, n, i, h, H, G, grp, K, WS_BITS, rk, mk, ACC: 
 def _project_tile(S, first, last, wk_ptr, wb_ptr, n, h, H, G, grp, K, WS_BITS, rk, mk, ACC: tl.constexpr):
     """A lazy level's pending projections on its tile: S <- (I - beta_i k_i k_i^T) S for the window's tokens
     i = first .. last, oldest first."""
+    k_next, beta_next = _window_factor(wk_ptr, wb_ptr, n, first, h, H, G, grp, K, WS_BITS, rk, mk, ACC)
     for i in range(first, last + 1):
-        k, beta = _window_factor(wk_ptr, wb_ptr, n, i, h, H, G, grp, K, WS_BITS, rk, mk, ACC)
+        k, beta = k_next, beta_next  # the next token's factors load during this one's (every slot is in bounds)
+        k_next, beta_next = _window_factor(wk_ptr, wb_ptr, n, i + 1, h, H, G, grp, K, WS_BITS, rk, mk, ACC)
         S = S - beta * k[:, None] * tl.sum(k[:, None] * S, 0)[None, :]
     return S
 
 
 @triton.jit
-def _project_query(x, first, last, wk_ptr, wb_ptr, n, h, H, G, grp, K, WS_BITS, rk, mk, ACC: tl.constexpr):
-    """The same projections on the query's side: x <- (I - beta_i k_i k_i^T) x for i = last .. first (newest
-    first), so that x^T T = q^T R T for R the product of the tokens' projections."""
-    for j in range(0, last - first + 1):
-        k, beta = _window_factor(wk_ptr, wb_ptr, n, last - j, h, H, G, grp, K, WS_BITS, rk, mk, ACC)
-        x = x - beta * k * tl.sum(k * x, 0)
-    return x
+def _decode_query_kernel(q_ptr, k_ptr, beta_ptr, wk_ptr, wb_ptr, pos_ptr, xq_ptr, H, G, K, WS_BITS,
+                         BK: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr):
+    """One program per (sequence n, head h), before the level kernel, between the window's turns: the projected
+    queries that the levels the token only decays read out with, xq[n, h, m] = R_m^T A_p^T q ([N, H, WS_BITS + 1,
+    K]): A_p = I - beta k k^T the token's projection, R_m the product of the window's tokens w_m + 1 .. p - 1,
+    w_m = ((p - 1) >> m) << m (``_written`` of the levels l with min(l - 1, WS_BITS) = m). One walk over the
+    window, newest token first: x <- (I - beta_i k_i k_i^T) x for i = p - 1, p - 2, .., stored as xq[m] on
+    reaching w_m + 1, so that x^T T_l = q^T A_p R_m T_l. A level program reads its row instead of walking the
+    window itself (once per value block)."""
+    n = (tl.program_id(0) // H).to(tl.int64)
+    h = tl.program_id(0) % H
+    p = tl.load(pos_ptr + n)
+    if (p == 0) | (_slot(p, WS_BITS) == 0):  # no level is kept (the turn rewrites every level)
+        return
+    grp = h // (H // G)
+    rk = tl.arange(0, BK)
+    mk = rk < K
+    q = _head_vector(q_ptr, (n * G + grp) * K, rk, mk, K, BK, L2NORM, ACC)
+    k = _head_vector(k_ptr, (n * G + grp) * K, rk, mk, K, BK, L2NORM, ACC)
+    x = q - tl.load(beta_ptr + n * H + h).to(ACC) * k * tl.sum(k * q, 0)
+    i = p - 1  # the next token to apply
+    k_next, beta_next = _window_factor(wk_ptr, wb_ptr, n, i, h, H, G, grp, K, WS_BITS, rk, mk, ACC)
+    for m in range(0, WS_BITS + 1):
+        for _ in range(0, i - (((p - 1) >> m) << m)):
+            k, beta = k_next, beta_next  # the next token's factors load during this one's (every slot is in bounds)
+            k_next, beta_next = _window_factor(wk_ptr, wb_ptr, n, i - 1, h, H, G, grp, K, WS_BITS, rk, mk, ACC)
+            x = x - beta * k * tl.sum(k * x, 0)
+            i -= 1
+        tl.store(xq_ptr + ((n * H + h) * (WS_BITS + 1) + m) * K + rk, x, mask=mk)
 
 
 @triton.jit
@@ -217,36 +244,47 @@ def _head_vector(x_ptr, base, rk, mk, K, BK: tl.constexpr, L2NORM: tl.constexpr,
 
 
 @triton.jit
-def _runs(p, l, L, FENWICK: tl.constexpr, IN_PLACE: tl.constexpr):
+def _kept(p, l, WS_BITS):
+    """Whether level l (taking a step of its own, in place, beside a key window of 2^WS_BITS tokens) keeps its tile:
+    l >= 1 and p not at the window's turn."""
+    return (l > 0) & ((_slot(p, WS_BITS) + 0 * l) != 0)  # in l's shape (as _level_roles' started)
+
+
+@triton.jit
+def _runs(p, l, L, WS_BITS, FENWICK: tl.constexpr, IN_PLACE: tl.constexpr, WINDOW: tl.constexpr,
+          KEPT: tl.constexpr):
     """Whether level l (a scalar or a vector of levels) takes a step of its own: not the carry's merged levels or
-    its target (level 0's step runs the carry), and in place not a level held neither before nor after."""
+    its target (level 0's step runs the carry), and in place not a level held neither before nor after. WINDOW:
+    of those, the kept levels (KEPT) or the others."""
     held_in, _, merge, into = _level_roles(p, l)
     runs = l < L
     if FENWICK:
         runs = runs & ((l == 0) | ((merge == 0) & (into == 0)))
         if IN_PLACE:
             runs = runs & ((l == 0) | held_in)
+    if WINDOW:
+        runs = runs & (_kept(p, l, WS_BITS) == KEPT)
     return runs
 
 
 @triton.jit
 def _decode_level_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr, pos_ptr, part_ptr,
-    o_ptr, scale, H, G, K, V, L, WS_BITS, lam_sn, lam_sh,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr, xq_ptr, pos_ptr,
+    part_ptr, o_ptr, scale, H, G, K, V, L, KB, WS_BITS, lam_sn, lam_sh,
     BK: tl.constexpr, BKR: tl.constexpr, BV: tl.constexpr, LG: tl.constexpr, FENWICK: tl.constexpr,
     HAS_BETA: tl.constexpr, PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr, IN_PLACE: tl.constexpr,
-    LAZY: tl.constexpr, WINDOW: tl.constexpr, DIRECT: tl.constexpr, ACC: tl.constexpr,
+    LAZY: tl.constexpr, WINDOW: tl.constexpr, KEPT: tl.constexpr, DIRECT: tl.constexpr, ACC: tl.constexpr,
 ):
-    """Program (n * H + h, vb * KB + kb, j): levels j * LG .. j * LG + LG - 1, their tiles of rows kb * BKR.. and
-    value columns vb * BV.. of sequence n, head h (the module docstring)."""
+    """Program (n * H + h, vb * (K / BKR) + kb, j): levels j * LG .. j * LG + LG - 1, their tiles of rows kb * BKR..
+    and value columns vb * BV.. of sequence n, head h (the module docstring). KB: the row blocks of the partial
+    readouts. WINDOW: KEPT selects the levels the token only decays (their readouts), else every other level."""
     n = (tl.program_id(0) // H).to(tl.int64)
     h = tl.program_id(0) % H
-    KB = tl.cdiv(K, BKR)
-    vb = tl.program_id(1) // KB
-    kb = tl.program_id(1) % KB
+    vb = tl.program_id(1) // tl.cdiv(K, BKR)
+    kb = tl.program_id(1) % tl.cdiv(K, BKR)
     l0 = tl.program_id(2) * LG
     p = tl.load(pos_ptr + n)  # int64
-    if tl.sum(_runs(p, l0 + tl.arange(0, LG), L, FENWICK, IN_PLACE).to(tl.int32), 0) == 0:
+    if tl.sum(_runs(p, l0 + tl.arange(0, LG), L, WS_BITS, FENWICK, IN_PLACE, WINDOW, KEPT).to(tl.int32), 0) == 0:
         return
     grp = h // (H // G)
     rk = kb * BKR + tl.arange(0, BKR)
@@ -264,30 +302,30 @@ def _decode_level_kernel(
         beta = tl.load(beta_ptr + n * H + h).to(ACC)
     else:
         beta = 1.0
-    NARROW: tl.constexpr = FENWICK and not HAS_BETA  # row blocks: int32 offsets within a level (_tile_ptr)
-    if FENWICK:
+    NARROW: tl.constexpr = FENWICK and (KEPT or not HAS_BETA)  # row blocks: int32 offsets in a level (_tile_ptr)
+    if FENWICK and not KEPT:
         if (l0 == 0) & (p > 0):  # the carry, before level 0 is rewritten: levels 0..ctz(p) move into ctz(p) + 1
             _carry(k, decay, beta, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr, part_ptr, o_ptr, q, p,
                    scale, n, h, kb, H, G, grp, K, V, L, KB, WS_BITS, lam_sn, lam_sh, rk, rv, mk, mv, tile,
                    BKR, BV, HAS_BETA, PER_CHANNEL, IN_PLACE, LAZY, WINDOW, DIRECT, ACC, NARROW)
     for i in tl.static_range(LG):
         l = l0 + i
-        if _runs(p, l, L, FENWICK, IN_PLACE):
-            _own_level(k, decay, beta, lam_ptr, v_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr, part_ptr, o_ptr,
-                       q, p, scale, n, l, h, kb, H, G, grp, K, V, L, KB, WS_BITS, lam_sn, lam_sh, rk, rv, mk, mv,
-                       tile, FENWICK, HAS_BETA, PER_CHANNEL, IN_PLACE, LAZY, WINDOW, DIRECT, ACC, NARROW)
+        if _runs(p, l, L, WS_BITS, FENWICK, IN_PLACE, WINDOW, KEPT):
+            _own_level(k, decay, beta, lam_ptr, v_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr, xq_ptr, part_ptr,
+                       o_ptr, q, p, scale, n, l, h, kb, H, G, grp, K, V, L, KB, WS_BITS, lam_sn, lam_sh, rk, rv, mk,
+                       mv, tile, FENWICK, HAS_BETA, PER_CHANNEL, IN_PLACE, LAZY, WINDOW, KEPT, DIRECT, ACC, NARROW)
 
 
 @triton.jit
-def _own_level(k, decay, beta, lam_ptr, v_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr, part_ptr, o_ptr,
+def _own_level(k, decay, beta, lam_ptr, v_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr, xq_ptr, part_ptr, o_ptr,
                q, p, scale, n, l, h, kb, H, G, grp, K, V, L, KB, WS_BITS, lam_sn, lam_sh, rk, rv, mk, mv, tile,
                FENWICK: tl.constexpr, HAS_BETA: tl.constexpr, PER_CHANNEL: tl.constexpr, IN_PLACE: tl.constexpr,
-               LAZY: tl.constexpr, WINDOW: tl.constexpr, DIRECT: tl.constexpr, ACC: tl.constexpr,
-               NARROW: tl.constexpr):
+               LAZY: tl.constexpr, WINDOW: tl.constexpr, KEPT: tl.constexpr, DIRECT: tl.constexpr,
+               ACC: tl.constexpr, NARROW: tl.constexpr):
     """Level l's own step: read, transition, (l = 0) deposit, write, readout; level 0 of a carrying token starts
-    empty (its state moved into the target). Lazy, a level l >= 1 the token only decays keeps its tile; WINDOW:
-    its readout takes the pending projections and the token's on the query's side, except at the window's turn
-    (p a multiple of its size), when the tile takes them and is rewritten."""
+    empty (its state moved into the target). Lazy, a level l >= 1 the token only decays keeps its tile; KEPT (such a
+    level beside a key window): only its readout, with the projected query of _decode_query_kernel; WINDOW without
+    KEPT (level 0, and every held level at the window's turn): the tile takes its pending projections first."""
     held_in, _, merge, _ = _level_roles(p, l)
     if FENWICK:
         w = tl.load(lam_ptr + n * lam_sn + h * lam_sh + l).to(ACC)
@@ -295,14 +333,8 @@ def _own_level(k, decay, beta, lam_ptr, v_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_p
         w = 1.0
     read = ((not IN_PLACE) | (not FENWICK) | held_in) & ((not FENWICK) | (merge == 0))
     S = _load_level(s_in_ptr, ls_ptr, n, l, h, H, K, V, L, rk, rv, mk, tile, read, LAZY, PER_CHANNEL, ACC, NARROW)
-    if WINDOW:  # the window's turn: p a multiple of its size
-        keep = (l > 0) & (_slot(p, WS_BITS) != 0)
-    else:
-        keep = l < 0
-    if keep:
-        x = q - beta * k * tl.sum(k * q, 0)
-        x = _project_query(x, _written(p, l, WS_BITS) + 1, p - 1, wk_ptr, wb_ptr, n, h, H, G, grp, K, WS_BITS, rk,
-                           mk, ACC)
+    if KEPT:
+        x = tl.load(xq_ptr + ((n * H + h) * (WS_BITS + 1) + tl.minimum(l - 1, WS_BITS)) * K + rk, mask=mk, other=0.0)
         _readout(part_ptr, o_ptr, x, decay * S, w, scale, n, l, h, kb, H, V, L, KB, rv, mv, DIRECT)
     else:
         if WINDOW:
@@ -344,6 +376,8 @@ def _decode_finish_kernel(
     else:  # the levels 1..ctz(p) the carry empties have no readout
         wrote = ((merge == 0) | (rr // BKB == 0)) & (rr // BKB < L)
     wrote = wrote & (rr % BKB < KB)
+    if WINDOW:  # the levels not kept were stepped in whole columns: their readouts are in row block 0
+        wrote = wrote & ((rr % BKB == 0) | (_kept(p, rr // BKB, WS_BITS) & held_in & held_out))
     part = tl.load(part_ptr + (((n * H + h) * L + rr // BKB) * KB + rr % BKB)[:, None] * V + rv[None, :],
                    mask=wrote[:, None] & (rv < V)[None, :], other=0.0)
     tl.store(o_ptr + (n * H + h) * V + rv, (scale * tl.sum(part, 0)).to(o_ptr.dtype.element_ty), mask=rv < V)
@@ -460,26 +494,45 @@ def fused_decode_step(
     ws_bits = window.size.bit_length() - 1 if window is not None else 0
     acc = torch.float64 if levels.dtype == torch.float64 else torch.float32
     BK, per_channel = triton.next_power_of_2(K), g.dim() == 3
-    BKR, BV = _tile(K, V, N * H, levels.element_size(), split_rows=fenwick and beta is None)
-    KB = triton.cdiv(K, BKR)
-    direct = L == 1 and KB == 1 and not lazy  # one level, one row block: its program writes o, no second launch
-    partial = o if direct else torch.empty(N, H, L, KB, V, dtype=acc, device=device)
+    acc_tl = tl.float64 if acc == torch.float64 else tl.float32
     BL = triton.next_power_of_2(L)
-    LG = _levels_per_program(BKR * BV * levels.element_size(), BL, delta=beta is not None)
-    _decode_level_kernel[(N * H, triton.cdiv(V, BV) * KB, triton.cdiv(L, LG))](
-        q, k, v, g, beta_arg, lam, levels, out, log_scales if lazy else g, wk, wb, positions, partial, o,
-        float(scale), H, G, K, V, L, ws_bits, lam_sn, lam_sh,
-        BK=BK, BKR=BKR, BV=BV, LG=LG, FENWICK=fenwick, HAS_BETA=beta is not None, PER_CHANNEL=per_channel,
-        L2NORM=l2norm_qk, IN_PLACE=out is levels, LAZY=lazy, WINDOW=window is not None, DIRECT=direct,
-        ACC=tl.float64 if acc == torch.float64 else tl.float32,
-        **launch_options(_decode_level_kernel, state_tile=BKR * BV),
-    )
-    if not direct:
+
+    def tile(split_rows: bool) -> tuple[int, int]:
+        return _tile(K, V, N * H, levels.element_size(), split_rows=split_rows)
+
+    def levels_pass(BKR: int, BV: int, delta: bool, kept: bool, KB: int, partial: torch.Tensor) -> None:
+        LG = _levels_per_program(BKR * BV * levels.element_size(), BL, delta=delta)
+        _decode_level_kernel[(N * H, triton.cdiv(V, BV) * triton.cdiv(K, BKR), triton.cdiv(L, LG))](
+            q, k, v, g, beta_arg, lam, levels, out, log_scales if lazy else g, wk, wb, xq, positions, partial, o,
+            float(scale), H, G, K, V, L, KB, ws_bits, lam_sn, lam_sh,
+            BK=BK, BKR=BKR, BV=BV, LG=LG, FENWICK=fenwick, HAS_BETA=beta is not None, PER_CHANNEL=per_channel,
+            L2NORM=l2norm_qk, IN_PLACE=out is levels, LAZY=lazy, WINDOW=window is not None, KEPT=kept,
+            DIRECT=partial is o, ACC=acc_tl, **launch_options(_decode_level_kernel, state_tile=BKR * BV),
+        )
+
+    delta = beta is not None
+    if window is None:  # one pass; a decay-only transition keeps the rows independent: row blocks
+        BKR, BV = tile(fenwick and not delta)
+        KB = triton.cdiv(K, BKR)
+        direct = L == 1 and KB == 1 and not lazy  # one level, one row block: its program writes o, no second launch
+        partial = o if direct else torch.empty(N, H, L, KB, V, dtype=acc, device=device)
+        xq = g
+        levels_pass(BKR, BV, delta, False, KB, partial)
+    else:  # the kept levels' readouts in row blocks (no k^T S), then the delta rule's steps in whole columns
+        BKR, BV = tile(True)
+        KB = triton.cdiv(K, BKR)
+        partial = torch.empty(N, H, L, KB, V, dtype=acc, device=device)
+        xq = torch.empty(N, H, ws_bits + 1, K, dtype=acc, device=device)  # the kept levels' projected queries
+        _decode_query_kernel[(N * H,)](q, k, beta_arg, wk, wb, positions, xq, H, G, K, ws_bits, BK=BK,
+                                       L2NORM=l2norm_qk, ACC=acc_tl, **launch_options(_decode_query_kernel))
+        levels_pass(BKR, BV, False, True, KB, partial)
+        levels_pass(*tile(False), True, False, KB, partial)
+    if partial is not o:
         _decode_finish_kernel[(N * H,)](
             partial, o, g, log_scales if lazy else partial, k, beta_arg, wk, wb, positions, float(scale), H, G, K, V,
             L, KB, ws_bits, BL=BL, BKB=triton.next_power_of_2(KB), BVO=triton.next_power_of_2(V), BK=BK,
             FENWICK=fenwick, IN_PLACE=out is levels, LAZY=lazy, PER_CHANNEL=per_channel, WINDOW=window is not None,
-            L2NORM=l2norm_qk, ACC=tl.float64 if acc == torch.float64 else tl.float32,
+            L2NORM=l2norm_qk, ACC=acc_tl,
             **launch_options(_decode_finish_kernel),
         )
     return o, out

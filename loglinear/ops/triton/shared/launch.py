@@ -101,9 +101,11 @@ LAUNCH: dict[str, Launch] = {
     "_scan_dh_kernel": Launch(8, 2, plain=(4, 3)),
     "_scan_grads_kernel": Launch(4, 2),
     "_scan_readout_bwd_kernel": Launch(4, 2),
-    # the fused decode step: its levels, then the readout sum and the lazy levels' log-scales
+    # the fused decode step: its levels, then the readout sum and the lazy levels' log-scales; the key window's
+    # projected queries before them
     "_decode_level_kernel": Launch(2, 3, wide_warps=4),
     "_decode_finish_kernel": Launch(4, 1),
+    "_decode_query_kernel": Launch(4, 1),
 }
 
 
