@@ -122,11 +122,16 @@ def _transition(S, k, decay, beta, HAS_BETA: tl.constexpr):
 
 
 @triton.jit
+def _window_start(p, m):
+    """((p - 1) >> m) << m: the last step before the token at p whose position is a multiple of 2^m."""
+    return ((p - 1) >> m) << m
+
+
+@triton.jit
 def _written(p, l, WS_BITS):
     """The position whose step last wrote level l (held before the token at p) with a key window of 2^WS_BITS
     tokens (loglinear.ops.decode.window_written)."""
-    m = tl.minimum(tl.maximum(l - 1, 0), WS_BITS)
-    return ((p - 1) >> m) << m
+    return _window_start(p, tl.minimum(tl.maximum(l - 1, 0), WS_BITS))
 
 
 @triton.jit
@@ -161,7 +166,7 @@ def _decode_query_kernel(q_ptr, k_ptr, beta_ptr, wk_ptr, wb_ptr, pos_ptr, xq_ptr
     """One program per (sequence n, head h), before the level kernel, between the window's turns: the projected
     queries that the levels the token only decays read out with, xq[n, h, m] = R_m^T A_p^T q ([N, H, WS_BITS + 1,
     K]): A_p = I - beta k k^T the token's projection, R_m the product of the window's tokens w_m + 1 .. p - 1,
-    w_m = ((p - 1) >> m) << m (``_written`` of the levels l with min(l - 1, WS_BITS) = m). One walk over the
+    w_m = _window_start(p, m) (``_written`` of the levels l with min(l - 1, WS_BITS) = m). One walk over the
     window, newest token first: x <- (I - beta_i k_i k_i^T) x for i = p - 1, p - 2, .., stored as xq[m] on
     reaching w_m + 1, so that x^T T_l = q^T A_p R_m T_l. A level program reads its row instead of walking the
     window itself (once per value block)."""
@@ -179,7 +184,7 @@ def _decode_query_kernel(q_ptr, k_ptr, beta_ptr, wk_ptr, wb_ptr, pos_ptr, xq_ptr
     i = p - 1  # the next token to apply
     k_next, beta_next = _window_factor(wk_ptr, wb_ptr, n, i, h, H, G, grp, K, WS_BITS, rk, mk, ACC)
     for m in range(0, WS_BITS + 1):
-        for _ in range(0, i - (((p - 1) >> m) << m)):
+        for _ in range(0, i - _window_start(p, m)):
             k, beta = k_next, beta_next  # the next token's factors load during this one's (every slot is in bounds)
             k_next, beta_next = _window_factor(wk_ptr, wb_ptr, n, i - 1, h, H, G, grp, K, WS_BITS, rk, mk, ACC)
             x = x - beta * k * tl.sum(k * x, 0)
@@ -398,8 +403,8 @@ def _decode_finish_kernel(
             g = tl.load(g_ptr + n * H + h).to(ls_ptr.dtype.element_ty)
             offs = (n * L + rl) * H + h
             ls = tl.load(ls_ptr + offs, mask=moved, other=0.0)
-            if WINDOW:
-                kept = kept & (_slot(p, WS_BITS) != 0)
+            if WINDOW:  # the window's turn rewrote every level
+                kept = kept & _kept(p, rl, WS_BITS)
             tl.store(ls_ptr + offs, tl.where(kept, ls + g, reset), mask=moved)
     if WINDOW:
         slot = _slot(p, WS_BITS)
