@@ -170,7 +170,8 @@ def median_us(fn, device) -> float:
     return sorted(times)[1]
 
 
-STEP_KERNELS = ("_decode_query_kernel", "_decode_level_kernel", "_decode_finish_kernel")  # the fused step's launches
+# the fused step's launches
+STEP_KERNELS = ("_decode_query_kernel", "_decode_level_kernel", "_decode_turn_kernel", "_decode_finish_kernel")
 
 
 def kernel_us(fn, device, kernels: tuple[str, ...], iters: int = 20) -> float:

@@ -17,6 +17,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from loglinear.layers.mixer import MixerState
+from loglinear.ops.decode import MAX_KEY_WINDOW
 
 __all__ = ["FenwickCache"]
 
@@ -35,8 +36,8 @@ class FenwickCache(Cache):
         torch.bfloat16 halves the bytes a step reads; it needs lazy levels (log-linear layers: each level is
         rounded when it is written, not on every token; Gated DeltaNet's also at each turn of its key window);
         key_window: the tokens of Gated DeltaNet's key window in the static buffers (cuda_graph only; a power of
-        two >= 2; None: loglinear.ops.decode.KEY_WINDOW). A longer window rewrites the held levels less often
-        and takes more key projections per readout (loglinear.ops.decode)."""
+        two in [2, loglinear.ops.decode.MAX_KEY_WINDOW]; None: loglinear.ops.decode.KEY_WINDOW). A longer window
+        rewrites the held levels less often and takes more key projections per readout (loglinear.ops.decode)."""
         if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
             raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
         if not isinstance(cuda_graph, bool):
@@ -47,8 +48,9 @@ class FenwickCache(Cache):
             raise ValueError("level_dtype sets the static buffers of CUDA-graph decoding: pass cuda_graph=True")
         if key_window is not None:
             if (not isinstance(key_window, int) or isinstance(key_window, bool) or key_window < 2
-                    or key_window & (key_window - 1)):
-                raise ValueError(f"key_window must be None or a power of two >= 2, got {key_window!r}")
+                    or key_window & (key_window - 1) or key_window > MAX_KEY_WINDOW):
+                raise ValueError(f"key_window must be None or a power of two in [2, {MAX_KEY_WINDOW}], "
+                                 f"got {key_window!r}")
             if not cuda_graph:
                 raise ValueError("key_window sets the static buffers of CUDA-graph decoding: pass cuda_graph=True")
         # transformers' Cache.__init__ wants layer objects; this cache stores MixerStates itself.

@@ -55,11 +55,12 @@ from loglinear.ops.backends import backend_for, select_backend
 from loglinear.state import FenwickState
 from loglinear.variants import Variant, get
 
-__all__ = ["KEY_WINDOW", "KeyWindow", "decode_step", "decode_step_torch", "decayed_only", "emptied_levels",
-           "fused_decode_applies", "lazy_level_states", "op_decode_step", "window_written"]
+__all__ = ["KEY_WINDOW", "MAX_KEY_WINDOW", "KeyWindow", "decode_step", "decode_step_torch", "decayed_only",
+           "emptied_levels", "fused_decode_applies", "lazy_level_states", "op_decode_step", "window_written"]
 
 
 KEY_WINDOW = 16  # tokens of the delta rule's window in CUDA-graph decoding's buffers (loglinear.layers.mixer)
+MAX_KEY_WINDOW = 32  # the fused step holds the window's keys in registers: 64 spilled (compiled for sm_90)
 
 
 @dataclass
@@ -68,7 +69,7 @@ class KeyWindow:
 
     keys:  [N, W, G, K], as the step uses them (normalised with l2norm_qk), in the step's compute dtype
     betas: [N, W, H], the same dtype
-    Token i sits in slot i % W; each step writes its own. W is a power of two >= 2.
+    Token i sits in slot i % W; each step writes its own. W is a power of two in [2, MAX_KEY_WINDOW].
     """
 
     keys: torch.Tensor
@@ -252,8 +253,8 @@ def _check_window(variant: Variant, q: torch.Tensor, levels: torch.Tensor, log_s
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != dtype or x.device != levels.device:
             got = f"{list(x.shape)} {x.dtype} {x.device}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"window.{name} must be {list(shape)}, {dtype}, on {levels.device}; got {got}")
-    if size < 2 or size & (size - 1):
-        raise ValueError(f"window size W must be a power of two >= 2, got {size}")
+    if size < 2 or size & (size - 1) or size > MAX_KEY_WINDOW:
+        raise ValueError(f"window size W must be a power of two in [2, {MAX_KEY_WINDOW}], got {size}")
 
 
 def _check_log_scales(variant: Variant, levels: torch.Tensor, out: torch.Tensor | None, fenwick: bool,

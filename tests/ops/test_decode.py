@@ -288,18 +288,24 @@ def test_lazy_levels_over_consecutive_steps(impl, variant, dtype, tiling):
         assert not log_scales[rewritten].any(), "a rewritten level's log-scale did not restart at 0"
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
+@pytest.mark.parametrize("impl,rows,dtype", [
+    ("torch", None, torch.float64), ("torch", None, torch.bfloat16), ("triton", 32, torch.float64),
+    ("triton", 32, torch.bfloat16), ("triton", 4, torch.float64),
+], ids=["torch-float64", "torch-bfloat16", "triton-rows32-float64", "triton-rows32-bfloat16", "triton-rows4-float64"])
 @pytest.mark.parametrize("size", [2, 8])
-def test_lazy_delta_rule_over_consecutive_steps(impl, dtype, size):
+def test_lazy_delta_rule_over_consecutive_steps(monkeypatch, impl, rows, dtype, size):
     """The delta rule's lazy levels (log_scales and a KeyWindow of ``size`` tokens, in place) against the step that
     rewrites every level, over consecutive steps across carries and the window's turns, from exact states at three
     positions (a window of zeros, log-scales 0), GQA, l2norm. Between turns the step writes only level 0 and the
     carry's target: every other held level keeps its tile bit for bit (log-scale + g, or -inf when emptied); at a
     turn it rewrites the held levels (log-scale 0). The token's key (normalised) and beta take slot p mod size.
-    bfloat16 levels (float32 compute): the same within bf16 rounding."""
+    bfloat16 levels (float32 compute): the same within bf16 rounding. The fused step's kept levels in row blocks of
+    ``rows`` (K = 20: a partial last block), its turn in blocks of max(rows, 16) rows (two, the last partial, at
+    rows = 4) over value columns padded to 16."""
+    if rows is not None:
+        monkeypatch.setattr(triton_decode, "ROW_BLOCK", rows)
     gen = torch.Generator().manual_seed(size)
-    N, G, H, K, V, L, steps = 3, 1, 2, 8, 5, 7, 16
+    N, G, H, K, V, L, steps = 3, 1, 2, 20, 5, 7, 16
     pos = torch.tensor([0, 6, 29])
     held = _held_mask(pos, L)[:, :, None, None, None]
     exact = torch.randn(N, L, H, K, V, dtype=torch.float64, generator=gen) * held
@@ -366,9 +372,10 @@ def test_lazy_levels_reject_what_they_cannot_serve():
     with pytest.raises(ValueError, match=r"window.betas must be \[2, 4, 2\], torch.float64"):
         D.decode_step(GATED_DELTANET, *args, _gates(tok, True), tok["level_scales"], levels, pos, 1.0, out=levels,
                       log_scales=ls, window=D.KeyWindow(window.keys, window.betas.float()))
-    with pytest.raises(ValueError, match="power of two >= 2, got 3"):
-        D.decode_step(GATED_DELTANET, *args, _gates(tok, True), tok["level_scales"], levels, pos, 1.0, out=levels,
-                      log_scales=ls, window=D.KeyWindow.zeros(2, 3, 1, 2, 4, torch.float64, "cpu"))
+    for size in (3, 64):
+        with pytest.raises(ValueError, match=rf"power of two in \[2, 32\], got {size}"):
+            D.decode_step(GATED_DELTANET, *args, _gates(tok, True), tok["level_scales"], levels, pos, 1.0, out=levels,
+                          log_scales=ls, window=D.KeyWindow.zeros(2, size, 1, 2, 4, torch.float64, "cpu"))
     with pytest.raises(ValueError, match="in-place"):
         D.decode_step(MAMBA2, *args, {"g": tok["g"]}, tok["level_scales"], levels, pos, 1.0, log_scales=ls)
     with pytest.raises(ValueError, match=r"log_scales must be \[2, 3, 2, 4\]"):

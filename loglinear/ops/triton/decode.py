@@ -10,16 +10,16 @@ For the token at absolute position p (spec section 4), on each level l of a (seq
     deposit     S_0 <- S_0 + beta k v^T                                    (beta = 1 for Mamba-2)
     readout     o <- scale sum_l lambda_l S_l^T q
 
-Two launches (four with a key window, below). _decode_level_kernel: one program per (n, h, tile, group of LG
+Two launches (five with a key window, below). _decode_level_kernel: one program per (n, h, tile, group of LG
 levels), the tile a [BKR, BV] block of the K x V state (the columns are independent, also under the delta rule; the
 rows too for a decay-only transition, which takes blocks of ROW_BLOCK rows; the delta rule's k^T S needs all K
 rows). For each level l of its group that takes a step of its own, a program moves the level's tile once: read,
 transition, (l = 0) deposit, write, and its partial readout lambda_l S_l^T q over its rows into partial [N, H, L,
 KB, V]. The carry belongs to the programs of level 0: they sum levels 0..ctz(p) (all held) into the target ctz(p) +
 1 before rewriting level 0; the merged levels and the target take no step of their own, and a program none of whose
-levels does returns at once. _decode_finish_kernel: one program per (n, h) sums the partial readouts of the levels
-written into o. The groups are independent programs, so the loads of different levels are in flight together rather
-than one after another.
+levels does returns at once. _decode_finish_kernel: one program per (n, h, FINISH_COLUMNS value columns) sums the
+partial readouts of the levels written into o. The groups are independent programs, so the loads of different
+levels are in flight together rather than one after another.
 
 IN_PLACE (s_out is s_in) touches only the levels the position holds, as the state's definition has them (spec
 section 4; loglinear.state.FenwickState): before the token, level 0 (p > 0) and each level l >= 1 with bit l - 1 of
@@ -36,13 +36,15 @@ updates run in the finish kernel, after every program of the level kernel has re
 WINDOW (LAZY with the delta rule: Gated DeltaNet) adds the key window of the last 2^WS_BITS tokens (keys [N, W, G, K],
 betas [N, W, H]): level l's state is exp(s_l) R T_l, R the projections (I - beta_i k_i k_i^T) of the window's tokens
 after w_l, the step that last wrote it (``_written``; loglinear.ops.decode has the math). A level the token only
-decays (``_kept``) is read out as (R^T A_p^T q)^T exp(s_l + g) T_l, with no write; a merged level takes R on its
-tile before the carry sums it, and at the window's turn (p a multiple of W) every held level takes R and the
-token's transition and is rewritten (``_project_tile``). Such a step runs four launches: _decode_query_kernel forms
-the projected queries R^T A_p^T q once per (sequence, head); the level kernel reads out the kept levels (KEPT) in
-row blocks, as a decay-only step does, since their readout needs no k^T S; the level kernel again, in whole
-columns, steps every other level (level 0 with the carry, and at a turn every held level); the finish kernel sums
-the readouts and writes the token's key and beta into slot p mod W.
+decays (``_kept``) is read out as (R^T A_p^T q)^T exp(s_l + g) T_l, with no write; the merged levels take their R
+before the carry sums them (``_project_tile``, Horner-wise: each token once), and at the window's turn (p a multiple
+of W) every held level above the carry takes R and the token's transition in WY form and is rewritten
+(``_turn_level``). Such a step runs five launches: _decode_query_kernel writes the token's key and beta into slot
+p mod W and forms the projected queries R^T A_p^T q once per (sequence, head), or at a turn the window's WY factor;
+the level kernel reads out the kept levels (KEPT) in row blocks, as a decay-only step does, since their readout
+needs no k^T S; the level kernel again, in whole columns, steps level 0 with the carry; _decode_turn_kernel, whose
+programs return at once between turns, rewrites the levels above the carry at a turn, in two passes over row
+blocks; the finish kernel sums the readouts.
 FENWICK=False is the plain recurrence (no carry, lambda = 1) of use_log_linear=False models: one level, whole
 [K, BV] tiles, and (DIRECT) its programs write o themselves, with no finish kernel.
 q, k are read from group h // (H // G); L2NORM normalises them in the kernel (x / sqrt(|x|^2 + 1e-6)).
@@ -161,26 +163,38 @@ def _project_tile(S, first, last, wk_ptr, wb_ptr, n, h, H, G, grp, K, WS_BITS, r
 
 
 @triton.jit
-def _decode_query_kernel(q_ptr, k_ptr, beta_ptr, wk_ptr, wb_ptr, pos_ptr, xq_ptr, H, G, K, WS_BITS,
-                         BK: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr):
-    """One program per (sequence n, head h), before the level kernel, between the window's turns: the projected
-    queries that the levels the token only decays read out with, xq[n, h, m] = R_m^T A_p^T q ([N, H, WS_BITS + 1,
-    K]): A_p = I - beta k k^T the token's projection, R_m the product of the window's tokens w_m + 1 .. p - 1,
-    w_m = _window_start(p, m) (``_written`` of the levels l with min(l - 1, WS_BITS) = m). One walk over the
-    window, newest token first: x <- (I - beta_i k_i k_i^T) x for i = p - 1, p - 2, .., stored as xq[m] on
-    reaching w_m + 1, so that x^T T_l = q^T A_p R_m T_l. A level program reads its row instead of walking the
-    window itself (once per value block)."""
+def _decode_query_kernel(q_ptr, k_ptr, beta_ptr, wk_ptr, wb_ptr, pos_ptr, xq_ptr, wy_ptr, H, G, K, WS_BITS,
+                         BK: tl.constexpr, WP: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr):
+    """One program per (sequence n, head h), before the level kernel. It first writes the token's beta and (the
+    group's first head) its key into slot p mod W of the window, which then holds the tokens p - W + 1 .. p for the
+    launches after it (no program of this step reads the token p - W that the slot held).
+    Between the window's turns it forms the projected queries that the levels the token only decays read out with,
+    xq[n, h, m] = R_m^T A_p^T q ([N, H, WS_BITS + 1, K]): A_p = I - beta k k^T the token's projection, R_m the
+    product of the window's tokens w_m + 1 .. p - 1, w_m = _window_start(p, m) (``_written`` of the levels l with
+    min(l - 1, WS_BITS) = m). One walk over the window, newest token first: x <- (I - beta_i k_i k_i^T) x for
+    i = p - 1, p - 2, .., stored as xq[m] on reaching w_m + 1, so that x^T T_l = q^T A_p R_m T_l. A level program
+    reads its row instead of walking the window itself (once per value block).
+    At a turn it forms the window's WY factor instead (``_wy_factor``, wy [N, H, W, W]), with which the level
+    kernel rewrites the held levels."""
     n = (tl.program_id(0) // H).to(tl.int64)
     h = tl.program_id(0) % H
     p = tl.load(pos_ptr + n)
-    if (p == 0) | (_slot(p, WS_BITS) == 0):  # no level is kept (the turn rewrites every level)
-        return
     grp = h // (H // G)
     rk = tl.arange(0, BK)
     mk = rk < K
-    q = _head_vector(q_ptr, (n * G + grp) * K, rk, mk, K, BK, L2NORM, ACC)
     k = _head_vector(k_ptr, (n * G + grp) * K, rk, mk, K, BK, L2NORM, ACC)
-    x = q - tl.load(beta_ptr + n * H + h).to(ACC) * k * tl.sum(k * q, 0)
+    beta = tl.load(beta_ptr + n * H + h).to(ACC)
+    slot = _slot(p, WS_BITS)
+    tl.store(wb_ptr + ((n << WS_BITS) + slot) * H + h, beta)
+    if h % (H // G) == 0:
+        tl.store(wk_ptr + (((n << WS_BITS) + slot) * G + grp) * K + rk, k, mask=mk)
+    if p == 0:  # no level is held before the first token
+        return
+    if slot == 0:  # the turn: every held level above the carry is rewritten with the window's WY factor
+        _wy_factor(k, beta, wk_ptr, wb_ptr, wy_ptr, n, p, h, H, G, grp, K, WS_BITS, rk, mk, WP, ACC)
+        return
+    q = _head_vector(q_ptr, (n * G + grp) * K, rk, mk, K, BK, L2NORM, ACC)
+    x = q - beta * k * tl.sum(k * q, 0)
     i = p - 1  # the next token to apply
     k_next, beta_next = _window_factor(wk_ptr, wb_ptr, n, i, h, H, G, grp, K, WS_BITS, rk, mk, ACC)
     for m in range(0, WS_BITS + 1):
@@ -190,6 +204,75 @@ def _decode_query_kernel(q_ptr, k_ptr, beta_ptr, wk_ptr, wb_ptr, pos_ptr, xq_ptr
             x = x - beta * k * tl.sum(k * x, 0)
             i -= 1
         tl.store(xq_ptr + ((n * H + h) * (WS_BITS + 1) + m) * K + rk, x, mask=mk)
+
+
+@triton.jit
+def _wy_factor(k, beta, wk_ptr, wb_ptr, wy_ptr, n, p, h, H, G, grp, K, WS_BITS, rk, mk, WP: tl.constexpr,
+               ACC: tl.constexpr):
+    """The window's WY factor at a turn, for the product of the W tokens' projections in position order (rows
+    r = 0 .. W - 1: the tokens p - W + 1 + r, the last the token at p, whose key k and beta the caller has):
+
+        A_{W-1} .. A_1 A_0 = I - K^T T K,   A_r = I - b_r k_r k_r^T,   T = (I + N)^{-1} diag(b),
+        N = strictly lower part of diag(b) K K^T                         K: [W, K] the keys as rows
+
+    (by induction over r: the r-th row of T K S is b_r k_r^T of the state after the tokens before r). T is lower
+    triangular, formed row by row: row i of (I + N)^{-1} is e_i - sum_{j < i} N_ij (row j). Stored to wy
+    [N, H, W, W]; WP >= W rows in registers."""
+    rows = tl.arange(0, WP)
+    W = 1 << WS_BITS
+    slots = _slot(p + 1 + rows, WS_BITS)
+    earlier = rows < W - 1  # the window's tokens; row W - 1 is the token at p
+    kw = tl.load(wk_ptr + (((n << WS_BITS) + slots[:, None]) * G + grp) * K + rk[None, :],
+                 mask=earlier[:, None] & mk[None, :], other=0.0).to(ACC)
+    kw = tl.where((rows == W - 1)[:, None], k[None, :], kw)
+    bw = tl.where(rows == W - 1, beta, tl.load(wb_ptr + ((n << WS_BITS) + slots) * H + h, mask=earlier,
+                                               other=0.0).to(ACC))
+    inv = tl.zeros((WP, WP), dtype=ACC)
+    for i in range(0, W):
+        ki = tl.sum(tl.where((rows == i)[:, None], kw, 0.0), 0)
+        bi = tl.sum(tl.where(rows == i, bw, 0.0), 0)
+        ni = tl.where(rows < i, bi * tl.sum(kw * ki[None, :], 1), 0.0)  # row i of N
+        inv = tl.where((rows == i)[:, None], ((rows == i).to(ACC) - tl.sum(ni[:, None] * inv, 0))[None, :], inv)
+    inside = (rows < W)[:, None] & (rows < W)[None, :]
+    tl.store(wy_ptr + ((n * H + h) * W + rows[:, None]) * W + rows[None, :], inv * bw[None, :], mask=inside)
+
+
+@triton.jit
+def _turn_level(s_ptr, ls_ptr, wk_ptr, wy_ptr, q_ptr, lam_ptr, part_ptr, decay, n, l, h, p, vb, H, G, grp, K, V, L,
+                KB, WS_BITS, lam_sn, lam_sh, BK: tl.constexpr, RB: tl.constexpr, BV: tl.constexpr, WP: tl.constexpr,
+                L2NORM: tl.constexpr, ACC: tl.constexpr):
+    """At the window's turn, held level l above the carry (its state exp(s_l) R T_l, R the tokens p - W + 1 .. p - 1)
+    takes them and the token's own transition, S <- exp(g) (I - K^T T K) exp(s_l) T_l (``_wy_factor``: the W
+    tokens' projections), is rewritten and read out, over the program's value columns vb * BV .. vb * BV + BV - 1
+    in two passes over blocks of RB rows: Y = T sum_b K_b S_b, then S_b <- exp(g) (S_b - K_b^T Y),
+    stored, and its readout lambda_l S^T q summed into the partial readouts' row block 0. Three products instead of
+    W - 1 rank-1 projections one after another, each a reduction across the program's warps."""
+    rows = tl.arange(0, WP)
+    W = 1 << WS_BITS
+    keys = wk_ptr + (((n << WS_BITS) + _slot(p + 1 + rows, WS_BITS)) * G + grp) * K  # row r: the token p - W + 1 + r
+    rv = vb * BV + tl.arange(0, BV)
+    mv = rv < V
+    Y = tl.zeros((WP, BV), dtype=ACC)
+    for b in range(0, tl.cdiv(K, RB)):
+        rk = b * RB + tl.arange(0, RB)
+        S = _load_level(s_ptr, ls_ptr, n, l, h, H, K, V, L, rk, rv, rk < K, (rk < K)[:, None] & mv[None, :], True,
+                        True, False, ACC, True)
+        kb = tl.load(keys[:, None] + rk[None, :], mask=(rows < W)[:, None] & (rk < K)[None, :], other=0.0)
+        Y += tl.dot(kb, S, input_precision="ieee")
+    T = tl.load(wy_ptr + ((n * H + h) * W + rows[:, None]) * W + rows[None, :],
+                mask=(rows < W)[:, None] & (rows < W)[None, :], other=0.0)
+    Y = tl.dot(T, Y, input_precision="ieee")
+    r = tl.zeros((BV,), dtype=ACC)
+    for b in range(0, tl.cdiv(K, RB)):
+        rk = b * RB + tl.arange(0, RB)
+        tile = (rk < K)[:, None] & mv[None, :]
+        S = _load_level(s_ptr, ls_ptr, n, l, h, H, K, V, L, rk, rv, rk < K, tile, True, True, False, ACC, True)
+        kb = tl.load(keys[:, None] + rk[None, :], mask=(rows < W)[:, None] & (rk < K)[None, :], other=0.0)
+        S = decay * (S - tl.dot(tl.trans(kb), Y, input_precision="ieee"))
+        _store_level(s_ptr, S, n, l, h, H, K, V, L, rk, rv, tile, True)
+        r += tl.sum(_head_vector(q_ptr, (n * G + grp) * K, rk, rk < K, K, BK, L2NORM, ACC)[:, None] * S, 0)
+    w = tl.load(lam_ptr + n * lam_sn + h * lam_sh + l).to(ACC)
+    tl.store(part_ptr + ((n * H + h) * L + l) * KB * V + rv, w * r, mask=mv)
 
 
 @triton.jit
@@ -210,21 +293,25 @@ def _carry(k, decay, beta, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr,
            PER_CHANNEL: tl.constexpr, IN_PLACE: tl.constexpr, LAZY: tl.constexpr, WINDOW: tl.constexpr,
            DIRECT: tl.constexpr, ACC: tl.constexpr, NARROW: tl.constexpr):
     """The carry of the token at position p > 0 (run by level 0's programs, before they rewrite level 0): the sum
-    of levels 0..ctz(p) (all held; WINDOW: each after its pending projections), emptied (lazy: by their log-scale,
-    set in the finish kernel), goes into level c = ctz(p) + 1, which then takes the token's transition and its
-    readout."""
+    of levels 0..ctz(p) (all held; WINDOW: each after its pending projections R_j, the tokens w_j + 1 .. p - 1,
+    summed Horner-wise from the highest level down so that each of the window's tokens projects the running sum
+    once: up to W - 1 projections, not one run per merged level), emptied (lazy: by their log-scale, set in the
+    finish kernel), goes into level c = ctz(p) + 1, which then takes the token's transition and its readout."""
     # levels 0..c-1 merge; counted over 64 levels whatever L (with 16 the carry ran 1.3-2.7x slower on the H200)
     _, _, merge, _ = _level_roles(p, tl.arange(0, 64))
     c = tl.sum((merge & (tl.arange(0, 64) < L)).to(tl.int32), 0)
     acc = tl.zeros((BKR, BV), dtype=ACC)
     held = tl.full((), 1, tl.int1)  # every merged level is held
-    for j in range(0, c):
+    for i in range(0, c):
+        j = i
+        if WINDOW:  # Horner from the highest merged level down: each pending token projects the sum once
+            j = c - 1 - i
         S = _load_level(s_in_ptr, ls_ptr, n, j, h, H, K, V, L, rk, rv, mk, tile, held, LAZY, PER_CHANNEL, ACC,
                         NARROW)
-        if WINDOW:
-            S = _project_tile(S, _written(p, j, WS_BITS) + 1, p - 1, wk_ptr, wb_ptr, n, h, H, G, grp, K, WS_BITS,
-                              rk, mk, ACC)
         acc += S
+        if WINDOW:  # sum_j R_j S_j, R_j = tokens w_j + 1 .. p - 1: acc <- tokens w_j + 1 .. w_{j-1} of (acc + S_j)
+            acc = _project_tile(acc, _written(p, j, WS_BITS) + 1, _written(p, j - 1, WS_BITS), wk_ptr, wb_ptr, n, h,
+                                H, G, grp, K, WS_BITS, rk, mk, ACC)
         if not LAZY:
             if j > 0:
                 _store_level(s_out_ptr, tl.zeros((BKR, BV), dtype=ACC), n, j, h, H, K, V, L, rk, rv, tile, NARROW)
@@ -260,7 +347,8 @@ def _runs(p, l, L, WS_BITS, FENWICK: tl.constexpr, IN_PLACE: tl.constexpr, WINDO
           KEPT: tl.constexpr):
     """Whether level l (a scalar or a vector of levels) takes a step of its own: not the carry's merged levels or
     its target (level 0's step runs the carry), and in place not a level held neither before nor after. WINDOW:
-    of those, the kept levels (KEPT) or the others."""
+    of those, the kept levels (KEPT) or level 0 (the levels above the carry at the window's turn are the turn
+    kernel's)."""
     held_in, _, merge, into = _level_roles(p, l)
     runs = l < L
     if FENWICK:
@@ -268,7 +356,10 @@ def _runs(p, l, L, WS_BITS, FENWICK: tl.constexpr, IN_PLACE: tl.constexpr, WINDO
         if IN_PLACE:
             runs = runs & ((l == 0) | held_in)
     if WINDOW:
-        runs = runs & (_kept(p, l, WS_BITS) == KEPT)
+        if KEPT:
+            runs = runs & _kept(p, l, WS_BITS)
+        else:
+            runs = runs & (l == 0)
     return runs
 
 
@@ -282,7 +373,7 @@ def _decode_level_kernel(
 ):
     """Program (n * H + h, vb * (K / BKR) + kb, j): levels j * LG .. j * LG + LG - 1, their tiles of rows kb * BKR..
     and value columns vb * BV.. of sequence n, head h (the module docstring). KB: the row blocks of the partial
-    readouts. WINDOW: KEPT selects the levels the token only decays (their readouts), else every other level."""
+    readouts. WINDOW: KEPT selects the levels the token only decays (their readouts), else level 0 with the carry."""
     n = (tl.program_id(0) // H).to(tl.int64)
     h = tl.program_id(0) % H
     vb = tl.program_id(1) // tl.cdiv(K, BKR)
@@ -316,21 +407,46 @@ def _decode_level_kernel(
     for i in tl.static_range(LG):
         l = l0 + i
         if _runs(p, l, L, WS_BITS, FENWICK, IN_PLACE, WINDOW, KEPT):
-            _own_level(k, decay, beta, lam_ptr, v_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr, xq_ptr, part_ptr,
-                       o_ptr, q, p, scale, n, l, h, kb, H, G, grp, K, V, L, KB, WS_BITS, lam_sn, lam_sh, rk, rv, mk,
-                       mv, tile, FENWICK, HAS_BETA, PER_CHANNEL, IN_PLACE, LAZY, WINDOW, KEPT, DIRECT, ACC, NARROW)
+            if KEPT:
+                _kept_readout(lam_ptr, s_in_ptr, ls_ptr, xq_ptr, part_ptr, o_ptr, decay, scale, n, l, h, kb, H, K,
+                              V, L, KB, WS_BITS, lam_sn, lam_sh, rk, rv, mk, mv, tile, DIRECT, ACC, NARROW)
+            else:
+                _own_level(k, decay, beta, lam_ptr, v_ptr, s_in_ptr, s_out_ptr, ls_ptr, part_ptr, o_ptr, q, p,
+                           scale, n, l, h, kb, H, K, V, L, KB, lam_sn, lam_sh, rk, rv, mk, mv, tile, FENWICK,
+                           HAS_BETA, PER_CHANNEL, IN_PLACE, LAZY, DIRECT, ACC, NARROW)
 
 
 @triton.jit
-def _own_level(k, decay, beta, lam_ptr, v_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr, xq_ptr, part_ptr, o_ptr,
-               q, p, scale, n, l, h, kb, H, G, grp, K, V, L, KB, WS_BITS, lam_sn, lam_sh, rk, rv, mk, mv, tile,
-               FENWICK: tl.constexpr, HAS_BETA: tl.constexpr, PER_CHANNEL: tl.constexpr, IN_PLACE: tl.constexpr,
-               LAZY: tl.constexpr, WINDOW: tl.constexpr, KEPT: tl.constexpr, DIRECT: tl.constexpr,
-               ACC: tl.constexpr, NARROW: tl.constexpr):
+def _decode_turn_kernel(q_ptr, g_ptr, lam_ptr, s_ptr, ls_ptr, wk_ptr, wy_ptr, pos_ptr, part_ptr, H, G, K, V, L, KB,
+                        WS_BITS, lam_sn, lam_sh, BK: tl.constexpr, RB: tl.constexpr, BV: tl.constexpr,
+                        LT: tl.constexpr, WP: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr):
+    """Program (n * H + h, vb, j), beside the level kernel's passes, only at the window's turn (p a multiple of W):
+    of the levels j * LT .. j * LT + LT - 1, those held above the carry (every level l >= 1 with a step of its own),
+    each brought up to date and rewritten by ``_turn_level`` over value columns vb * BV .. vb * BV + BV - 1."""
+    n = (tl.program_id(0) // H).to(tl.int64)
+    h = tl.program_id(0) % H
+    vb = tl.program_id(1)
+    l0 = tl.program_id(2) * LT
+    p = tl.load(pos_ptr + n)
+    rl = l0 + tl.arange(0, LT)
+    upper = _runs(p, rl, L, WS_BITS, True, True, False, False) & (rl > 0)
+    if (p == 0) | (_slot(p, WS_BITS) != 0) | (tl.sum(upper.to(tl.int32), 0) == 0):
+        return
+    decay = tl.exp(tl.load(g_ptr + n * H + h).to(ACC))
+    for i in tl.static_range(LT):
+        l = l0 + i
+        if _runs(p, l, L, WS_BITS, True, True, False, False) & (l > 0):
+            _turn_level(s_ptr, ls_ptr, wk_ptr, wy_ptr, q_ptr, lam_ptr, part_ptr, decay, n, l, h, p, vb, H, G,
+                        h // (H // G), K, V, L, KB, WS_BITS, lam_sn, lam_sh, BK, RB, BV, WP, L2NORM, ACC)
+
+
+@triton.jit
+def _own_level(k, decay, beta, lam_ptr, v_ptr, s_in_ptr, s_out_ptr, ls_ptr, part_ptr, o_ptr, q, p, scale, n, l, h,
+               kb, H, K, V, L, KB, lam_sn, lam_sh, rk, rv, mk, mv, tile, FENWICK: tl.constexpr,
+               HAS_BETA: tl.constexpr, PER_CHANNEL: tl.constexpr, IN_PLACE: tl.constexpr, LAZY: tl.constexpr,
+               DIRECT: tl.constexpr, ACC: tl.constexpr, NARROW: tl.constexpr):
     """Level l's own step: read, transition, (l = 0) deposit, write, readout; level 0 of a carrying token starts
-    empty (its state moved into the target). Lazy, a level l >= 1 the token only decays keeps its tile; KEPT (such a
-    level beside a key window): only its readout, with the projected query of _decode_query_kernel; WINDOW without
-    KEPT (level 0, and every held level at the window's turn): the tile takes its pending projections first."""
+    empty (its state moved into the target). Lazy, a level l >= 1 the token only decays keeps its tile."""
     held_in, _, merge, _ = _level_roles(p, l)
     if FENWICK:
         w = tl.load(lam_ptr + n * lam_sn + h * lam_sh + l).to(ACC)
@@ -338,82 +454,91 @@ def _own_level(k, decay, beta, lam_ptr, v_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_p
         w = 1.0
     read = ((not IN_PLACE) | (not FENWICK) | held_in) & ((not FENWICK) | (merge == 0))
     S = _load_level(s_in_ptr, ls_ptr, n, l, h, H, K, V, L, rk, rv, mk, tile, read, LAZY, PER_CHANNEL, ACC, NARROW)
-    if KEPT:
-        x = tl.load(xq_ptr + ((n * H + h) * (WS_BITS + 1) + tl.minimum(l - 1, WS_BITS)) * K + rk, mask=mk, other=0.0)
-        _readout(part_ptr, o_ptr, x, decay * S, w, scale, n, l, h, kb, H, V, L, KB, rv, mv, DIRECT)
-    else:
-        if WINDOW:
-            S = _project_tile(S, _written(p, l, WS_BITS) + 1, p - 1, wk_ptr, wb_ptr, n, h, H, G, grp, K, WS_BITS,
-                              rk, mk, ACC)
-        S = _transition(S, k, decay, beta, HAS_BETA)
-        if l == 0:
-            v = tl.load(v_ptr + (n * H + h) * V + rv, mask=mv, other=0.0).to(ACC)
-            S = S + (beta * k)[:, None] * v[None, :]
-        if (not LAZY) | (l == 0) | WINDOW:  # lazy: a level the token only decays keeps its tile (log-scale + g)
-            _store_level(s_out_ptr, S, n, l, h, H, K, V, L, rk, rv, tile, NARROW)
-        _readout(part_ptr, o_ptr, q, S, w, scale, n, l, h, kb, H, V, L, KB, rv, mv, DIRECT)
+    S = _transition(S, k, decay, beta, HAS_BETA)
+    if l == 0:
+        v = tl.load(v_ptr + (n * H + h) * V + rv, mask=mv, other=0.0).to(ACC)
+        S = S + (beta * k)[:, None] * v[None, :]
+    if (not LAZY) | (l == 0):  # lazy: a level the token only decays keeps its tile (log-scale + g)
+        _store_level(s_out_ptr, S, n, l, h, H, K, V, L, rk, rv, tile, NARROW)
+    _readout(part_ptr, o_ptr, q, S, w, scale, n, l, h, kb, H, V, L, KB, rv, mv, DIRECT)
+
+
+@triton.jit
+def _kept_readout(lam_ptr, s_ptr, ls_ptr, xq_ptr, part_ptr, o_ptr, decay, scale, n, l, h, kb, H, K, V, L, KB, WS_BITS,
+                  lam_sn, lam_sh, rk, rv, mk, mv, tile, DIRECT: tl.constexpr, ACC: tl.constexpr,
+                  NARROW: tl.constexpr):
+    """Between the window's turns, held level l above the carry keeps its tile: only its readout over the program's
+    rows, with the projected query of _decode_query_kernel (x^T exp(s_l + g) T_l = q^T A_p R T_l exp(s_l + g))."""
+    w = tl.load(lam_ptr + n * lam_sn + h * lam_sh + l).to(ACC)
+    S = _load_level(s_ptr, ls_ptr, n, l, h, H, K, V, L, rk, rv, mk, tile, True, True, False, ACC, NARROW)
+    x = tl.load(xq_ptr + ((n * H + h) * (WS_BITS + 1) + tl.minimum(l - 1, WS_BITS)) * K + rk, mask=mk, other=0.0)
+    _readout(part_ptr, o_ptr, x, decay * S, w, scale, n, l, h, kb, H, V, L, KB, rv, mv, DIRECT)
 
 
 @triton.jit
 def _decode_finish_kernel(
-    part_ptr, o_ptr, g_ptr, ls_ptr, k_ptr, beta_ptr, wk_ptr, wb_ptr, pos_ptr, scale, H, G, K, V, L, KB, WS_BITS,
-    BL: tl.constexpr, BKB: tl.constexpr, BVO: tl.constexpr, BK: tl.constexpr, FENWICK: tl.constexpr,
-    IN_PLACE: tl.constexpr, LAZY: tl.constexpr, PER_CHANNEL: tl.constexpr, WINDOW: tl.constexpr,
-    L2NORM: tl.constexpr, ACC: tl.constexpr,
+    part_ptr, o_ptr, g_ptr, ls_ptr, pos_ptr, scale, H, K, V, L, KB, WS_BITS,
+    BL: tl.constexpr, LC: tl.constexpr, BKB: tl.constexpr, BVO: tl.constexpr, BK: tl.constexpr,
+    FENWICK: tl.constexpr, IN_PLACE: tl.constexpr, LAZY: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
-    """One program per (sequence, head): o = scale * the sum of the partial readouts [L, KB, V] over the levels the
-    step wrote (in place: those held after the token); lazy levels' log-scales after the step: a level the token
-    only decays adds g (restarts at 0 at the window's turn, which rewrote it), a level l >= 1 the carry empties
-    takes -inf, level 0 and the carry's target restart at 0 (their tiles were rewritten); WINDOW: the token's beta
-    and (the group's first head) its key into slot p mod 2^WS_BITS. Runs after the level kernel, whose programs read
-    the old log-scales and the window's other slots."""
-    pid = tl.program_id(0)
-    n = (pid // H).to(tl.int64)
-    h = pid % H
+    """Program (sequence n * H + head h, value block): o over columns vb * BVO .. = scale * the sum of the partial
+    readouts [L, KB, V] over the levels the step wrote (in place: those held after the token), LC levels' [KB, BVO]
+    blocks at a time; lazy levels' log-scales after the step (value block 0's program): a level the token only
+    decays adds g (restarts at 0 at the window's turn, which rewrote it), a level l >= 1 the carry empties takes
+    -inf, level 0 and the carry's target restart at 0 (their tiles were rewritten). Runs after the level kernel,
+    whose programs read the old log-scales."""
+    n = (tl.program_id(0) // H).to(tl.int64)
+    h = tl.program_id(0) % H
     p = tl.load(pos_ptr + n)
-    rr = tl.arange(0, BL * BKB)  # (level, row block) pairs
-    rv = tl.arange(0, BVO)
-    held_in, held_out, merge, into = _level_roles(p, rr // BKB)
-    if not FENWICK:
-        wrote = rr // BKB < L
-    elif IN_PLACE:
-        wrote = held_out & (rr // BKB < L)
-    else:  # the levels 1..ctz(p) the carry empties have no readout
-        wrote = ((merge == 0) | (rr // BKB == 0)) & (rr // BKB < L)
-    wrote = wrote & (rr % BKB < KB)
-    if WINDOW:  # the levels not kept were stepped in whole columns: their readouts are in row block 0
-        wrote = wrote & ((rr % BKB == 0) | (_kept(p, rr // BKB, WS_BITS) & held_in & held_out))
-    part = tl.load(part_ptr + (((n * H + h) * L + rr // BKB) * KB + rr % BKB)[:, None] * V + rv[None, :],
-                   mask=wrote[:, None] & (rv < V)[None, :], other=0.0)
-    tl.store(o_ptr + (n * H + h) * V + rv, (scale * tl.sum(part, 0)).to(o_ptr.dtype.element_ty), mask=rv < V)
+    rv = tl.program_id(1) * BVO + tl.arange(0, BVO)
+    o = tl.zeros((BVO,), dtype=part_ptr.dtype.element_ty)
+    for l0 in range(0, L, LC):
+        rr = tl.arange(0, LC * BKB)  # (level, row block) pairs
+        rl = l0 + rr // BKB
+        held_in, held_out, merge, into = _level_roles(p, rl)
+        if not FENWICK:
+            wrote = rl < L
+        elif IN_PLACE:
+            wrote = held_out & (rl < L)
+        else:  # the levels 1..ctz(p) the carry empties have no readout
+            wrote = ((merge == 0) | (rl == 0)) & (rl < L)
+        wrote = wrote & (rr % BKB < KB)
+        if WINDOW:  # level 0, the carry's target and the turn's levels were stepped in whole columns: row block 0
+            wrote = wrote & ((rr % BKB == 0) | (_kept(p, rl, WS_BITS) & held_in & held_out))
+        part = tl.load(part_ptr + (((n * H + h) * L + rl) * KB + rr % BKB)[:, None] * V + rv[None, :],
+                       mask=wrote[:, None] & (rv < V)[None, :], other=0.0)
+        o += tl.sum(part, 0)
+    tl.store(o_ptr + (n * H + h) * V + rv, (scale * o).to(o_ptr.dtype.element_ty), mask=rv < V)
     if LAZY:
-        rl = tl.arange(0, BL)
-        l_in, l_out, l_merge, _ = _level_roles(p, rl)
-        kept = l_in & (l_merge == 0)  # level 0 merges (p > 0) or is empty (p = 0)
-        reset = tl.where(l_merge & (rl > 0), float("-inf"), 0.0)
-        moved = (l_in | l_out) & (rl < L)
-        if PER_CHANNEL:
-            rk = tl.arange(0, BK)
-            g = tl.load(g_ptr + (n * H + h) * K + rk, mask=rk < K, other=0.0).to(ls_ptr.dtype.element_ty)
-            offs = ((n * L + rl[:, None]) * H + h) * K + rk[None, :]
-            mask = moved[:, None] & (rk < K)[None, :]
-            ls = tl.load(ls_ptr + offs, mask=mask, other=0.0)
-            tl.store(ls_ptr + offs, tl.where(kept[:, None], ls + g[None, :], reset[:, None]), mask=mask)
-        else:
-            g = tl.load(g_ptr + n * H + h).to(ls_ptr.dtype.element_ty)
-            offs = (n * L + rl) * H + h
-            ls = tl.load(ls_ptr + offs, mask=moved, other=0.0)
-            if WINDOW:  # the window's turn rewrote every level
-                kept = kept & _kept(p, rl, WS_BITS)
-            tl.store(ls_ptr + offs, tl.where(kept, ls + g, reset), mask=moved)
-    if WINDOW:
-        slot = _slot(p, WS_BITS)
-        tl.store(wb_ptr + ((n << WS_BITS) + slot) * H + h, tl.load(beta_ptr + n * H + h).to(ACC))
-        if h % (H // G) == 0:
-            grp = h // (H // G)
-            rk = tl.arange(0, BK)
-            key = _head_vector(k_ptr, (n * G + grp) * K, rk, rk < K, K, BK, L2NORM, ACC)
-            tl.store(wk_ptr + (((n << WS_BITS) + slot) * G + grp) * K + rk, key, mask=rk < K)
+        if tl.program_id(1) == 0:
+            _log_scales_after(g_ptr, ls_ptr, n, h, p, H, K, L, WS_BITS, BL, BK, PER_CHANNEL, WINDOW)
+
+
+@triton.jit
+def _log_scales_after(g_ptr, ls_ptr, n, h, p, H, K, L, WS_BITS, BL: tl.constexpr, BK: tl.constexpr,
+                      PER_CHANNEL: tl.constexpr, WINDOW: tl.constexpr):
+    """The lazy levels' log-scales [N, L, H] or [N, L, H, K] of (sequence n, head h) after the token at p (the finish
+    kernel's docstring)."""
+    rl = tl.arange(0, BL)
+    l_in, l_out, l_merge, _ = _level_roles(p, rl)
+    kept = l_in & (l_merge == 0)  # level 0 merges (p > 0) or is empty (p = 0)
+    reset = tl.where(l_merge & (rl > 0), float("-inf"), 0.0)
+    moved = (l_in | l_out) & (rl < L)
+    if PER_CHANNEL:
+        rk = tl.arange(0, BK)
+        g = tl.load(g_ptr + (n * H + h) * K + rk, mask=rk < K, other=0.0).to(ls_ptr.dtype.element_ty)
+        offs = ((n * L + rl[:, None]) * H + h) * K + rk[None, :]
+        mask = moved[:, None] & (rk < K)[None, :]
+        ls = tl.load(ls_ptr + offs, mask=mask, other=0.0)
+        tl.store(ls_ptr + offs, tl.where(kept[:, None], ls + g[None, :], reset[:, None]), mask=mask)
+    else:
+        g = tl.load(g_ptr + n * H + h).to(ls_ptr.dtype.element_ty)
+        offs = (n * L + rl) * H + h
+        ls = tl.load(ls_ptr + offs, mask=moved, other=0.0)
+        if WINDOW:  # the window's turn rewrote every level
+            kept = kept & _kept(p, rl, WS_BITS)
+        tl.store(ls_ptr + offs, tl.where(kept, ls + g, reset), mask=moved)
 
 
 def _tile(K: int, V: int, rows: int, itemsize: int, split_rows: bool) -> tuple[int, int]:
@@ -434,6 +559,9 @@ def _tile(K: int, V: int, rows: int, itemsize: int, split_rows: bool) -> tuple[i
 
 
 ROW_BLOCK = 32  # rows of a program's tile where the transition keeps the rows independent
+DOT_MIN = 16  # tl.dot's smallest tile side: the turn's products pad their row blocks, columns and window to it
+FINISH_COLUMNS = 128  # value columns of one finish program (a wider V takes several)
+FINISH_TILE = 8192  # partial readouts a finish program sums per step of its loop over levels (more spilled)
 PROGRAM_BYTES = 16384  # stored level bytes one program of the level kernel steps, at least one tile
 
 
@@ -505,9 +633,10 @@ def fused_decode_step(
     def tile(split_rows: bool) -> tuple[int, int]:
         return _tile(K, V, N * H, levels.element_size(), split_rows=split_rows)
 
-    def levels_pass(BKR: int, BV: int, delta: bool, kept: bool, KB: int, partial: torch.Tensor) -> None:
+    def levels_pass(BKR: int, BV: int, delta: bool, kept: bool, KB: int, partial: torch.Tensor,
+                    num_levels: int) -> None:
         LG = _levels_per_program(BKR * BV * levels.element_size(), BL, delta=delta)
-        _decode_level_kernel[(N * H, triton.cdiv(V, BV) * triton.cdiv(K, BKR), triton.cdiv(L, LG))](
+        _decode_level_kernel[(N * H, triton.cdiv(V, BV) * triton.cdiv(K, BKR), triton.cdiv(num_levels, LG))](
             q, k, v, g, beta_arg, lam, levels, out, log_scales if lazy else g, wk, wb, xq, positions, partial, o,
             float(scale), H, G, K, V, L, KB, ws_bits, lam_sn, lam_sh,
             BK=BK, BKR=BKR, BV=BV, LG=LG, FENWICK=fenwick, HAS_BETA=beta is not None, PER_CHANNEL=per_channel,
@@ -522,22 +651,30 @@ def fused_decode_step(
         direct = L == 1 and KB == 1 and not lazy  # one level, one row block: its program writes o, no second launch
         partial = o if direct else torch.empty(N, H, L, KB, V, dtype=acc, device=device)
         xq = g
-        levels_pass(BKR, BV, delta, False, KB, partial)
-    else:  # the kept levels' readouts in row blocks (no k^T S), then the delta rule's steps in whole columns
+        levels_pass(BKR, BV, delta, False, KB, partial, L)
+    else:  # the kept levels' readouts in row blocks (no k^T S), level 0 and the carry in whole columns, the turn
         BKR, BV = tile(True)
         KB = triton.cdiv(K, BKR)
         partial = torch.empty(N, H, L, KB, V, dtype=acc, device=device)
         xq = torch.empty(N, H, ws_bits + 1, K, dtype=acc, device=device)  # the kept levels' projected queries
-        _decode_query_kernel[(N * H,)](q, k, beta_arg, wk, wb, positions, xq, H, G, K, ws_bits, BK=BK,
+        wy = torch.empty(N, H, window.size, window.size, dtype=acc, device=device)  # the turn's WY factor
+        WP = max(window.size, DOT_MIN)
+        _decode_query_kernel[(N * H,)](q, k, beta_arg, wk, wb, positions, xq, wy, H, G, K, ws_bits, BK=BK, WP=WP,
                                        L2NORM=l2norm_qk, ACC=acc_tl, **launch_options(_decode_query_kernel))
-        levels_pass(BKR, BV, False, True, KB, partial)
-        levels_pass(*tile(False), True, False, KB, partial)
+        levels_pass(BKR, BV, False, True, KB, partial, L)
+        levels_pass(*tile(False), True, False, KB, partial, 1)  # level 0's programs only
+        BVT, LT = max(BV, DOT_MIN), _levels_per_program(BKR * BV * levels.element_size(), BL, delta=False)
+        _decode_turn_kernel[(N * H, triton.cdiv(V, BVT), triton.cdiv(L, LT))](
+            q, g, lam, levels, log_scales, wk, wy, positions, partial, H, G, K, V, L, KB, ws_bits, lam_sn, lam_sh,
+            BK=BK, RB=max(BKR, DOT_MIN), BV=BVT, LT=LT, WP=WP, L2NORM=l2norm_qk, ACC=acc_tl,
+            **launch_options(_decode_turn_kernel),
+        )
     if partial is not o:
-        _decode_finish_kernel[(N * H,)](
-            partial, o, g, log_scales if lazy else partial, k, beta_arg, wk, wb, positions, float(scale), H, G, K, V,
-            L, KB, ws_bits, BL=BL, BKB=triton.next_power_of_2(KB), BVO=triton.next_power_of_2(V), BK=BK,
-            FENWICK=fenwick, IN_PLACE=out is levels, LAZY=lazy, PER_CHANNEL=per_channel, WINDOW=window is not None,
-            L2NORM=l2norm_qk, ACC=acc_tl,
+        BKB, BVO = triton.next_power_of_2(KB), min(triton.next_power_of_2(V), FINISH_COLUMNS)
+        _decode_finish_kernel[(N * H, triton.cdiv(V, BVO))](
+            partial, o, g, log_scales if lazy else partial, positions, float(scale), H, K, V, L, KB, ws_bits,
+            BL=BL, LC=max(1, min(BL, FINISH_TILE // (BKB * BVO))), BKB=BKB, BVO=BVO, BK=BK, FENWICK=fenwick,
+            IN_PLACE=out is levels, LAZY=lazy, PER_CHANNEL=per_channel, WINDOW=window is not None,
             **launch_options(_decode_finish_kernel),
         )
     return o, out

@@ -42,7 +42,8 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
   * The decode step (decode.py): the level kernel at 2 warps for a [32, 64] tile (a decay-only transition's row
     block: 10-30% faster than 4 warps, and than 64- or 128-row blocks, at batch 16 and 64K on the H200), 4 for
     whole-column tiles (the delta rule, the plain step); the finish kernel (the readout sum and the log-scales),
-    4 warps.
+    the key window's query kernel and its turn kernel, 4 warps (the turn at 1 stage: 96-117 registers compiled for
+    sm_90 at K = 192, 168 at 2 stages).
 """
 
 from __future__ import annotations
@@ -102,10 +103,11 @@ LAUNCH: dict[str, Launch] = {
     "_scan_grads_kernel": Launch(4, 2),
     "_scan_readout_bwd_kernel": Launch(4, 2),
     # the fused decode step: its levels, then the readout sum and the lazy levels' log-scales; the key window's
-    # projected queries before them
+    # projected queries before them and its turn beside them
     "_decode_level_kernel": Launch(2, 3, wide_warps=4),
     "_decode_finish_kernel": Launch(4, 1),
     "_decode_query_kernel": Launch(4, 1),
+    "_decode_turn_kernel": Launch(4, 1),
 }
 
 
