@@ -174,7 +174,7 @@ def _decode_query_kernel(q_ptr, k_ptr, beta_ptr, wk_ptr, wb_ptr, pos_ptr, xq_ptr
     min(l - 1, WS_BITS) = m). One walk over the window, newest token first: x <- (I - beta_i k_i k_i^T) x for
     i = p - 1, p - 2, .., stored as xq[m] on reaching w_m + 1, so that x^T T_l = q^T A_p R_m T_l. A level program
     reads its row instead of walking the window itself (once per value block).
-    At a turn it forms the window's WY factor instead (``_wy_factor``, wy [N, H, W, W]), with which the level
+    At a turn it forms the window's WY factor instead (``_wy_factor``, wy [N, H, W, W]), with which the turn
     kernel rewrites the held levels."""
     n = (tl.program_id(0) // H).to(tl.int64)
     h = tl.program_id(0) % H
@@ -241,12 +241,13 @@ def _wy_factor(k, beta, wk_ptr, wb_ptr, wy_ptr, n, p, h, H, G, grp, K, WS_BITS, 
 def _turn_level(s_ptr, ls_ptr, wk_ptr, wy_ptr, q_ptr, lam_ptr, part_ptr, decay, n, l, h, p, vb, H, G, grp, K, V, L,
                 KB, WS_BITS, lam_sn, lam_sh, BK: tl.constexpr, RB: tl.constexpr, BV: tl.constexpr, WP: tl.constexpr,
                 L2NORM: tl.constexpr, ACC: tl.constexpr):
-    """At the window's turn, held level l above the carry (its state exp(s_l) R T_l, R the tokens p - W + 1 .. p - 1)
-    takes them and the token's own transition, S <- exp(g) (I - K^T T K) exp(s_l) T_l (``_wy_factor``: the W
-    tokens' projections), is rewritten and read out, over the program's value columns vb * BV .. vb * BV + BV - 1
-    in two passes over blocks of RB rows: Y = T sum_b K_b S_b, then S_b <- exp(g) (S_b - K_b^T Y),
-    stored, and its readout lambda_l S^T q summed into the partial readouts' row block 0. Three products instead of
-    W - 1 rank-1 projections one after another, each a reduction across the program's warps."""
+    """At the window's turn, held level l above the carry (its state exp(s_l) R T_l, R the tokens p - W + 1 .. p - 1:
+    the step at p - W, the previous turn, last wrote it; the levels l <= log2 W merge at a turn) takes them and the
+    token's own transition, S <- exp(g) (I - K^T T K) exp(s_l) T_l (``_wy_factor``: the W tokens' projections), is
+    rewritten and read out, over the program's value columns vb * BV .. vb * BV + BV - 1 in two passes over blocks of
+    RB rows: Y = T sum_b K_b S_b, then S_b <- exp(g) (S_b - K_b^T Y), stored, and its readout lambda_l S^T q summed
+    into the partial readouts' row block 0. Three products instead of W - 1 rank-1 projections one after another,
+    each a reduction across the program's warps."""
     rows = tl.arange(0, WP)
     W = 1 << WS_BITS
     keys = wk_ptr + (((n << WS_BITS) + _slot(p + 1 + rows, WS_BITS)) * G + grp) * K  # row r: the token p - W + 1 + r
@@ -504,7 +505,7 @@ def _decode_finish_kernel(
         else:  # the levels 1..ctz(p) the carry empties have no readout
             wrote = ((merge == 0) | (rl == 0)) & (rl < L)
         wrote = wrote & (rr % BKB < KB)
-        if WINDOW:  # level 0, the carry's target and the turn's levels were stepped in whole columns: row block 0
+        if WINDOW:  # level 0, the carry's target and the turn's levels: their readouts are in row block 0
             wrote = wrote & ((rr % BKB == 0) | (_kept(p, rl, WS_BITS) & held_in & held_out))
         part = tl.load(part_ptr + (((n * H + h) * L + rl) * KB + rr % BKB)[:, None] * V + rv[None, :],
                        mask=wrote[:, None] & (rv < V)[None, :], other=0.0)
@@ -663,6 +664,7 @@ def fused_decode_step(
                                        L2NORM=l2norm_qk, ACC=acc_tl, **launch_options(_decode_query_kernel))
         levels_pass(BKR, BV, False, True, KB, partial, L)
         levels_pass(*tile(False), True, False, KB, partial, 1)  # level 0's programs only
+        # the kept pass's levels per program: few programs, which return at once between turns
         BVT, LT = max(BV, DOT_MIN), _levels_per_program(BKR * BV * levels.element_size(), BL, delta=False)
         _decode_turn_kernel[(N * H, triton.cdiv(V, BVT), triton.cdiv(L, LT))](
             q, g, lam, levels, log_scales, wk, wy, positions, partial, H, G, K, V, L, KB, ws_bits, lam_sn, lam_sh,
