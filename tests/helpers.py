@@ -160,7 +160,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class _LargeWrites(TorchDispatchMode):
-    """Counts the ops whose output has at least `numel` elements."""
+    """Counts the ops whose output has at least `numel` elements, views (which write nothing) aside."""
 
     def __init__(self, numel: int):
         super().__init__()
@@ -168,7 +168,8 @@ class _LargeWrites(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.count += sum(t.numel() >= self.numel for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        if not func.is_view:
+            self.count += sum(t.numel() >= self.numel for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         return out
 
 

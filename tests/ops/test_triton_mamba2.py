@@ -197,6 +197,19 @@ def test_varlen_with_states():
     _compare(x, cu_seqlens=cu, state=_random_state(3, [17, 0, 48], 2, 8, 5))
 
 
+def test_torch_prefixes_share_a_call_per_position_and_length(monkeypatch):
+    """Sequences continuing from states inside a chunk at the same position with prefixes of the same length run
+    their prefixes in one torch call: here (37, 11 tokens) twice, (37, 5: the whole sequence) and (5, 11), three
+    calls for four prefixes; outputs, final states and gradients against the reference."""
+    calls = []
+    scan = M.chunk_scan
+    monkeypatch.setattr(M, "chunk_scan", lambda *a: calls.append((a[1].shape[0], a[-2])) or scan(*a))
+    cu = torch.tensor([0, 20, 40, 45, 70])
+    x = mamba2_args(make_inputs(1, 70, 1, 2, 8, 5, start=37))
+    _compare(x, cu_seqlens=cu, state=_random_state(4, [37, 37, 37, 5], 2, 8, 5))
+    assert sorted(calls) == [(1, 5), (1, 37), (2, 37)], calls
+
+
 @pytest.mark.slow
 def test_many_chunk_levels_varlen_with_states():
     """Deeper cascades (up to 2^5 chunks of 16): merged levels read by many later chunks, an initial state
@@ -414,9 +427,9 @@ def test_kernels_are_the_default_on_cuda(monkeypatch):
 
 @pytest.mark.parametrize("name", ["mamba2", "gla"])
 def test_torch_prefixes_of_many_sequences_write_whole_gradients_a_fixed_number_of_times(name):
-    """Sequences from states inside a chunk run their first tokens on the torch path: their inputs and states are
-    cut with one autograd node each, so the backward writes fewer than one more whole-size tensor per added
-    sequence."""
+    """Sequences from states inside a chunk run their first tokens on the torch path (one call for all of them
+    here: one position, one prefix length): their inputs, states and the call's outputs are cut with one autograd
+    node each, so the backward writes fewer than one more whole-size tensor per added sequence."""
     few = large_backward_writes(name, [8] * 16, 16, True, "triton")
     many = large_backward_writes(name, [4] * 32, 16, True, "triton")
     assert many - few < 32 - 16, (few, many)

@@ -4,7 +4,8 @@ Composition (all sequences of a call in one launch per kernel):
   1. flatten the batch to one token axis; sequence n covers tokens [start_n, end_n) and starts at
      absolute position p_n (0, or its initial state's position);
   2. a sequence whose state is not at a chunk boundary (or a state at position 0) first runs its
-     first C - p_n mod C tokens through the torch chunk path (exact, differentiable), so the kernels
+     first C - p_n mod C tokens through the torch chunk path (exact, differentiable; one call for the
+     sequences at one position with prefixes of one length), so the kernels
      always start chunk-aligned: after the carry past an aligned position, every incoming level is a
      chunk level (token level > c), and those below the carry's target are 0 (LevelScanPlan.first_level: not
      read, no gradient);
@@ -653,33 +654,58 @@ class _Aligned:
 def _align(flat: _Flat, state: FenwickState | None, C: int, scale: float, form: type) -> _Aligned:
     """Run each stateful sequence through the torch path (the variant's chunk form) up to its first chunk
     boundary (a state at position 0 included: its junk in-chunk levels are read by the first chunk); the carry past
-    every sequence's aligned start is _chunk_levels'."""
+    every sequence's aligned start is _chunk_levels'. Sequences at the same position with prefixes of the same
+    length share one torch call (a batch continuing from one position: one call's ops, not one call's per row)."""
     spans = list(zip(flat.bounds, flat.bounds[1:], flat.positions))
     if state is None:
         return _Aligned(flat.bounds[:-1], [p // C for p in flat.positions], None, [], [], [], {})
-    levels, prefixed = state.levels.float(), {}
+    levels = state.levels.float()
     rows = levels.split(1)  # one autograd node for every sequence's state (a slice each: a whole gradient each)
     out = _Aligned([], [], levels, [], [], [], {})
     prefix = [min(b - a, C - p % C) if p % C or p == 0 else 0 for a, b, p in spans]
-    inputs = iter(flat.pieces([(a, a + pre) for (a, _, _), pre in zip(spans, prefix) if pre]))
+    prefixed = _prefixes(flat, rows, spans, prefix, C, scale, form)  # n: (output, final levels)
     for n, ((a, b, p), pre) in enumerate(zip(spans, prefix)):
         if pre:
-            x = next(inputs)
-            o_pre, lv = chunk_scan(form, x["q"], x["k"], x["v"], {"g": x["g"]}, x["lam"], scale, rows[n], p, C)
-            out.prefix_out.append(o_pre[0])
+            out.prefix_out.append(prefixed[n][0])
             out.prefixes.append((a, a + pre))
-            prefixed[n] = lv[0]
         if a + pre == b:
-            out.done[n] = prefixed.pop(n, rows[n][0])
+            out.done[n] = prefixed.pop(n)[1] if pre else rows[n][0]
         out.bos.append(a + pre)
         out.chunk0.append((p + pre) // C)
         out.targets.append(ctz(p + pre) + 1 if a + pre < b else 0)  # fenwick.carry_target, on the host
     if prefixed:  # rows as wide as the widest (_chunk_levels widens past the carry targets)
-        width = max([levels.shape[1]] + [lv.shape[0] for lv in prefixed.values()])
+        width = max([levels.shape[1]] + [lv.shape[0] for _, lv in prefixed.values()])
         index = cached_table(tuple(prefixed), torch.int64, levels.device)
         out.levels = _pad_levels(levels, width, dim=1).index_copy(
-            0, index, torch.stack([_pad_levels(lv, width) for lv in prefixed.values()]))
+            0, index, torch.stack([_pad_levels(lv, width) for _, lv in prefixed.values()]))
     return out
+
+
+def _rows(xs: list[torch.Tensor]) -> torch.Tensor:
+    """Tensors of one row each [1, ...] as one batch [len(xs), ...] (no op for one)."""
+    return xs[0] if len(xs) == 1 else torch.cat(xs)
+
+
+def _prefixes(flat: _Flat, rows: tuple[torch.Tensor, ...], spans: list[tuple[int, int, int]], prefix: list[int],
+              C: int, scale: float, form: type) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The torch path over each sequence's prefix (prefix[n] tokens from position spans[n][2] = (start, end,
+    position); 0: none) from its state rows[n] [1, L, H, K, V], one call per (position, length) group:
+    {n: (o [prefix[n], H, V], final levels [L', H, K, V])}, in n's order."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for n, ((_, _, p), pre) in enumerate(zip(spans, prefix)):
+        if pre:
+            groups.setdefault((p, pre), []).append(n)
+    if not groups:
+        return {}
+    pieces = dict(zip([n for n, pre in enumerate(prefix) if pre],
+                      flat.pieces([(a, a + pre) for (a, _, _), pre in zip(spans, prefix) if pre])))
+    done = {}
+    for (p, _), members in groups.items():
+        x = {name: _rows([pieces[n][name] for n in members]) for name in ("q", "k", "v", "g", "lam")}
+        state = _rows([rows[n] for n in members])
+        o_pre, lv = chunk_scan(form, x["q"], x["k"], x["v"], {"g": x["g"]}, x["lam"], scale, state, p, C)
+        done.update(zip(members, zip(o_pre.unbind(), lv.unbind())))  # one autograd node each, not one per row
+    return {n: done[n] for n in sorted(done)}
 
 
 def _chunk_levels(flat: _Flat, aligned: _Aligned, C: int) -> tuple[int, torch.Tensor, bool, int]:
