@@ -688,8 +688,8 @@ def _rows(xs: list[torch.Tensor]) -> torch.Tensor:
 
 def _prefixes(flat: _Flat, rows: tuple[torch.Tensor, ...], spans: list[tuple[int, int, int]], prefix: list[int],
               C: int, scale: float, form: type) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """The torch path over each sequence's prefix (prefix[n] tokens from position spans[n][2] = (start, end,
-    position); 0: none) from its state rows[n] [1, L, H, K, V], one call per (position, length) group:
+    """The torch path over each sequence's prefix (its first prefix[n] tokens, 0: none; spans[n] = (start, end,
+    position)) from its state rows[n] [1, L, H, K, V], one call per (position, length) group:
     {n: (o [prefix[n], H, V], final levels [L', H, K, V])}, in n's order."""
     groups: dict[tuple[int, int], list[int]] = {}
     for n, ((_, _, p), pre) in enumerate(zip(spans, prefix)):
