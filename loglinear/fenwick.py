@@ -87,10 +87,11 @@ def chunk_bits(chunk_size: int) -> int:
     return chunk_size.bit_length() - 1
 
 
-def intra_chunk_levels(chunk_size: int, device: torch.device | None = None) -> torch.Tensor:
-    """Levels inside an aligned chunk: ``[C, C]`` int64, bit_length(tl XOR sl) below the diagonal, 0 above."""
+def intra_chunk_levels(chunk_size: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Levels inside an aligned chunk: ``[C, C]`` int64, bit_length(tl XOR sl) below the diagonal, 0 above (None:
+    on the CPU). Cached (read-only): every chunk-path call reads it, and forming it takes some fifty device ops."""
     chunk_bits(chunk_size)
-    return level_matrix(chunk_size, device=device)
+    return _INTRA((chunk_size,), torch.int64, torch.device("cpu" if device is None else device))
 
 
 def chunk_level_to_token_level(j: int, chunk_size: int) -> int:
@@ -170,6 +171,7 @@ def held_levels(positions: torch.Tensor, num_levels: int) -> torch.Tensor:
     return (p > 0) & ((lev == 0) | (bit == 1))
 
 
+_INTRA = keyed_tables(lambda C: [[(t ^ s).bit_length() if s <= t else 0 for s in range(C)] for t in range(C)], 64)
 _LAST_QUERY = keyed_tables(lambda e, C: [[float(s <= e and (s ^ e).bit_length() == l) for s in range(C)]
                                           for l in range(chunk_bits(C) + 1)], 512)
 _INCOMING = keyed_tables(lambda position, C: [[max(m, ((position // C * C + t) ^ position).bit_length())

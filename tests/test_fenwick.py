@@ -61,6 +61,15 @@ def test_levels_needed_rejects_zero():
         fenwick.levels_needed(0)
 
 
+def test_intra_chunk_levels_are_one_cached_table():
+    """The chunk path reads the in-chunk levels on every call: built once per chunk size and device (the same
+    tensor again), equal to the level matrix of one aligned chunk, int64 on the device asked for."""
+    for C in (1, 16, 64):
+        table = fenwick.intra_chunk_levels(C, device="cpu")
+        assert table is fenwick.intra_chunk_levels(C) and table.device.type == "cpu"
+        assert table.dtype == torch.int64 and torch.equal(table, fenwick.level_matrix(C))
+
+
 @pytest.mark.parametrize("C", [1, 2, 4, 8, 16])
 def test_chunk_decomposition(C):
     """Inside a chunk: the CxC pattern; across chunks: a single level c+1+floor(log2(tc^sc)) per chunk pair,
