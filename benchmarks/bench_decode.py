@@ -46,7 +46,7 @@ from loglinear.models import (
     LogLinearMamba2ForCausalLM,
 )
 from loglinear.models.modeling import CACHE_KEY
-from loglinear.ops.decode import KEY_WINDOW
+from loglinear.ops.decode import KEY_WINDOW, MAX_KEY_WINDOW
 from loglinear.report import pyplot
 
 MODELS = ("ll_mamba2", "mamba2", "ll_gdn", "gdn", "llama_sdpa",
@@ -660,13 +660,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny models (CPU smoke run)")
     parser.add_argument("--key-window", type=int, default=KEY_WINDOW,
                         help="tokens of Gated DeltaNet's key window (graphed models and the kernel rows; a power of "
-                             "two >= 2)")
+                             f"two from 2 to {MAX_KEY_WINDOW})")
     args = parser.parse_args(argv)
     check_script_options("bench_decode.py", {"--steps": (args.steps, 1), "--warmup": (args.warmup, 0),
                                              "--contexts": (args.contexts, 1), "--batches": (args.batches, 1),
                                              "--key-window": (args.key_window, 2)}, args.device)
     if args.key_window & (args.key_window - 1):
         refuse("bench_decode.py", f"--key-window must be a power of two, got {args.key_window}")
+    if args.key_window > MAX_KEY_WINDOW:
+        refuse("bench_decode.py", f"--key-window must be <= {MAX_KEY_WINDOW}, got {args.key_window}")
     torch.manual_seed(0)
     os.makedirs(args.out, exist_ok=True)
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-") if args.device == "cuda" else "cpu"

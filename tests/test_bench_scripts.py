@@ -16,6 +16,7 @@ from helpers import load_benchmark
     ("bench_decode", ["--batches", "-2"], "--batches must be >= 1, got -2"),
     ("bench_decode", ["--key-window", "1"], "--key-window must be >= 2, got 1"),
     ("bench_decode", ["--key-window", "12"], "--key-window must be a power of two, got 12"),
+    ("bench_decode", ["--key-window", "64"], "--key-window must be <= 32, got 64"),
     ("bench_decode", ["--device", "gpu0"], "--device must be a torch device such as cpu or cuda:0"),
     ("bench_train", ["--steps", "0"], "--steps must be >= 1, got 0"),
     ("bench_train", ["--seq-len", "-1"], "--seq-len must be >= 1, got -1"),
@@ -45,3 +46,11 @@ def test_torch_path_benchmark_writes_its_results(tmp_path):
     md = (tmp_path / "torch-path-cpu.md").read_text()
     assert "## Mamba-2" in md and "## GLA" in md and "| 128 as 4 x 32 |" in md
     assert (tmp_path / "torch-path-cpu.png").stat().st_size > 0
+
+
+def test_decode_benchmark_times_every_kernel_of_the_step():
+    """The fused step's kernel rows sum the GPU time of STEP_KERNELS: every kernel the decode module launches."""
+    from loglinear.ops.triton import decode
+
+    kernels = {name for name in vars(decode) if name.startswith("_decode_") and name.endswith("_kernel")}
+    assert len(kernels) >= 4 and set(load_benchmark("bench_decode").STEP_KERNELS) == kernels
