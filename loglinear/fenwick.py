@@ -171,7 +171,7 @@ def held_levels(positions: torch.Tensor, num_levels: int) -> torch.Tensor:
     return (p > 0) & ((lev == 0) | (bit == 1))
 
 
-_INTRA = keyed_tables(lambda C: [[(t ^ s).bit_length() if s <= t else 0 for s in range(C)] for t in range(C)], 64)
+_INTRA = keyed_tables(lambda C: level_matrix(C).tolist(), 64)
 _LAST_QUERY = keyed_tables(lambda e, C: [[float(s <= e and (s ^ e).bit_length() == l) for s in range(C)]
                                           for l in range(chunk_bits(C) + 1)], 512)
 _INCOMING = keyed_tables(lambda position, C: [[max(m, ((position // C * C + t) ^ position).bit_length())

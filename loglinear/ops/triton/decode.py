@@ -151,6 +151,21 @@ def _window_factor(wk_ptr, wb_ptr, n, i, h, H, G, grp, K, WS_BITS, rk, mk, ACC: 
 
 
 @triton.jit
+def _window_rows(wk_ptr, n, p, rows, G, grp, K, WS_BITS):
+    """Where the keys of the window's tokens p - W + 1 + rows start (row r of the WY factor at the turn p): [WP]
+    pointers into keys [N, W, G, K]."""
+    return wk_ptr + (((n << WS_BITS) + _slot(p + 1 + rows, WS_BITS)) * G + grp) * K
+
+
+@triton.jit
+def _wy_tile(wy_ptr, n, h, H, WS_BITS, rows):
+    """Pointers to (sequence n, head h)'s WY factor [W, W] in wy [N, H, W, W], as a [WP, WP] tile, and its mask."""
+    W = 1 << WS_BITS
+    inside = (rows < W)[:, None] & (rows < W)[None, :]
+    return wy_ptr + ((n * H + h) * W + rows[:, None]) * W + rows[None, :], inside
+
+
+@triton.jit
 def _project_tile(S, first, last, wk_ptr, wb_ptr, n, h, H, G, grp, K, WS_BITS, rk, mk, ACC: tl.constexpr):
     """A lazy level's pending projections on its tile: S <- (I - beta_i k_i k_i^T) S for the window's tokens
     i = first .. last, oldest first."""
@@ -220,11 +235,11 @@ def _wy_factor(k, beta, wk_ptr, wb_ptr, wy_ptr, n, p, h, H, G, grp, K, WS_BITS, 
     [N, H, W, W]; WP >= W rows in registers."""
     rows = tl.arange(0, WP)
     W = 1 << WS_BITS
-    slots = _slot(p + 1 + rows, WS_BITS)
     earlier = rows < W - 1  # the window's tokens; row W - 1 is the token at p
-    kw = tl.load(wk_ptr + (((n << WS_BITS) + slots[:, None]) * G + grp) * K + rk[None, :],
+    kw = tl.load(_window_rows(wk_ptr, n, p, rows, G, grp, K, WS_BITS)[:, None] + rk[None, :],
                  mask=earlier[:, None] & mk[None, :], other=0.0).to(ACC)
     kw = tl.where((rows == W - 1)[:, None], k[None, :], kw)
+    slots = _slot(p + 1 + rows, WS_BITS)
     bw = tl.where(rows == W - 1, beta, tl.load(wb_ptr + ((n << WS_BITS) + slots) * H + h, mask=earlier,
                                                other=0.0).to(ACC))
     inv = tl.zeros((WP, WP), dtype=ACC)
@@ -233,8 +248,8 @@ def _wy_factor(k, beta, wk_ptr, wb_ptr, wy_ptr, n, p, h, H, G, grp, K, WS_BITS, 
         bi = tl.sum(tl.where(rows == i, bw, 0.0), 0)
         ni = tl.where(rows < i, bi * tl.sum(kw * ki[None, :], 1), 0.0)  # row i of N
         inv = tl.where((rows == i)[:, None], ((rows == i).to(ACC) - tl.sum(ni[:, None] * inv, 0))[None, :], inv)
-    inside = (rows < W)[:, None] & (rows < W)[None, :]
-    tl.store(wy_ptr + ((n * H + h) * W + rows[:, None]) * W + rows[None, :], inv * bw[None, :], mask=inside)
+    wy, inside = _wy_tile(wy_ptr, n, h, H, WS_BITS, rows)
+    tl.store(wy, inv * bw[None, :], mask=inside)
 
 
 @triton.jit
@@ -250,18 +265,18 @@ def _turn_level(s_ptr, ls_ptr, wk_ptr, wy_ptr, q_ptr, lam_ptr, part_ptr, decay, 
     each a reduction across the program's warps."""
     rows = tl.arange(0, WP)
     W = 1 << WS_BITS
-    keys = wk_ptr + (((n << WS_BITS) + _slot(p + 1 + rows, WS_BITS)) * G + grp) * K  # row r: the token p - W + 1 + r
+    keys = _window_rows(wk_ptr, n, p, rows, G, grp, K, WS_BITS)
     rv = vb * BV + tl.arange(0, BV)
     mv = rv < V
     Y = tl.zeros((WP, BV), dtype=ACC)
     for b in range(0, tl.cdiv(K, RB)):
         rk = b * RB + tl.arange(0, RB)
-        S = _load_level(s_ptr, ls_ptr, n, l, h, H, K, V, L, rk, rv, rk < K, (rk < K)[:, None] & mv[None, :], True,
-                        True, False, ACC, True)
+        tile = (rk < K)[:, None] & mv[None, :]
+        S = _load_level(s_ptr, ls_ptr, n, l, h, H, K, V, L, rk, rv, rk < K, tile, True, True, False, ACC, True)
         kb = tl.load(keys[:, None] + rk[None, :], mask=(rows < W)[:, None] & (rk < K)[None, :], other=0.0)
         Y += tl.dot(kb, S, input_precision="ieee")
-    T = tl.load(wy_ptr + ((n * H + h) * W + rows[:, None]) * W + rows[None, :],
-                mask=(rows < W)[:, None] & (rows < W)[None, :], other=0.0)
+    wy, inside = _wy_tile(wy_ptr, n, h, H, WS_BITS, rows)
+    T = tl.load(wy, mask=inside, other=0.0)
     Y = tl.dot(T, Y, input_precision="ieee")
     r = tl.zeros((BV,), dtype=ACC)
     for b in range(0, tl.cdiv(K, RB)):
