@@ -75,4 +75,6 @@ class LevelScales(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.proj(x).reshape(*x.shape[:-1], self.num_heads, self.max_levels)
-        return _Recomputed.apply(logits, self.level_scale, self.activation)
+        if torch.is_grad_enabled() and (logits.requires_grad or self.level_scale.requires_grad):
+            return _Recomputed.apply(logits, self.level_scale, self.activation)
+        return _Recomputed.forward(logits, self.level_scale, self.activation)  # no gradient: no autograd node

@@ -67,7 +67,10 @@ class _Floor(torch.autograd.Function):
 def floor_log_decay(g: torch.Tensor) -> torch.Tensor:
     """max(g, floor) of one log-decay gate g (any shape; the floor of its compute dtype; NaN stays NaN, the
     gradient is 0 where g <= floor)."""
-    return _Floor.apply(g, LOG_DECAY_FLOOR[torch.float64 if g.dtype == torch.float64 else torch.float32])
+    floor = LOG_DECAY_FLOOR[torch.float64 if g.dtype == torch.float64 else torch.float32]
+    if torch.is_grad_enabled() and g.requires_grad:
+        return _Floor.apply(g, floor)
+    return _Floor.forward(g, floor)  # no gradient: no autograd node (its bookkeeping is a decoding step's host time)
 
 
 def floor_log_decays(inp: OpInputs) -> OpInputs:
