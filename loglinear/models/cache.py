@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from loglinear.layers.mixer import MixerState
-from loglinear.ops.decode import MAX_KEY_WINDOW
+from loglinear.ops.decode import MAX_KEY_WINDOW, key_window_size_ok
 
 __all__ = ["FenwickCache"]
 
@@ -47,8 +47,7 @@ class FenwickCache(Cache):
         if level_dtype is not None and not cuda_graph:
             raise ValueError("level_dtype sets the static buffers of CUDA-graph decoding: pass cuda_graph=True")
         if key_window is not None:
-            if (not isinstance(key_window, int) or isinstance(key_window, bool) or key_window < 2
-                    or key_window & (key_window - 1) or key_window > MAX_KEY_WINDOW):
+            if not key_window_size_ok(key_window):
                 raise ValueError(f"key_window must be None or a power of two in [2, {MAX_KEY_WINDOW}], "
                                  f"got {key_window!r}")
             if not cuda_graph:

@@ -56,11 +56,18 @@ from loglinear.state import FenwickState
 from loglinear.variants import Variant, get
 
 __all__ = ["KEY_WINDOW", "MAX_KEY_WINDOW", "KeyWindow", "decode_step", "decode_step_torch", "decayed_only",
-           "emptied_levels", "fused_decode_applies", "lazy_level_states", "op_decode_step", "window_written"]
+           "emptied_levels", "fused_decode_applies", "key_window_size_ok", "lazy_level_states", "op_decode_step",
+           "window_written"]
 
 
 KEY_WINDOW = 16  # tokens of the delta rule's window in CUDA-graph decoding's buffers (loglinear.layers.mixer)
 MAX_KEY_WINDOW = 32  # the fused step holds the window's keys in registers: 64 spilled (compiled for sm_90)
+
+
+def key_window_size_ok(size: object) -> bool:
+    """Is ``size`` a key window's length: an int, a power of two in [2, MAX_KEY_WINDOW]?"""
+    return (isinstance(size, int) and not isinstance(size, bool) and 2 <= size <= MAX_KEY_WINDOW
+            and not size & (size - 1))
 
 
 @dataclass
@@ -253,7 +260,7 @@ def _check_window(variant: Variant, q: torch.Tensor, levels: torch.Tensor, log_s
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != dtype or x.device != levels.device:
             got = f"{list(x.shape)} {x.dtype} {x.device}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"window.{name} must be {list(shape)}, {dtype}, on {levels.device}; got {got}")
-    if size < 2 or size & (size - 1) or size > MAX_KEY_WINDOW:
+    if not key_window_size_ok(size):
         raise ValueError(f"window size W must be a power of two in [2, {MAX_KEY_WINDOW}], got {size}")
 
 

@@ -264,31 +264,34 @@ def _turn_level(s_ptr, ls_ptr, wk_ptr, wy_ptr, q_ptr, lam_ptr, part_ptr, decay, 
     into the partial readouts' row block 0. Three products instead of W - 1 rank-1 projections one after another,
     each a reduction across the program's warps."""
     rows = tl.arange(0, WP)
-    W = 1 << WS_BITS
     keys = _window_rows(wk_ptr, n, p, rows, G, grp, K, WS_BITS)
     rv = vb * BV + tl.arange(0, BV)
-    mv = rv < V
     Y = tl.zeros((WP, BV), dtype=ACC)
     for b in range(0, tl.cdiv(K, RB)):
-        rk = b * RB + tl.arange(0, RB)
-        tile = (rk < K)[:, None] & mv[None, :]
-        S = _load_level(s_ptr, ls_ptr, n, l, h, H, K, V, L, rk, rv, rk < K, tile, True, True, False, ACC, True)
-        kb = tl.load(keys[:, None] + rk[None, :], mask=(rows < W)[:, None] & (rk < K)[None, :], other=0.0)
+        _, _, S, kb = _turn_block(s_ptr, ls_ptr, keys, n, l, h, H, K, V, L, WS_BITS, b, rows, rv, RB, ACC)
         Y += tl.dot(kb, S, input_precision="ieee")
     wy, inside = _wy_tile(wy_ptr, n, h, H, WS_BITS, rows)
     T = tl.load(wy, mask=inside, other=0.0)
     Y = tl.dot(T, Y, input_precision="ieee")
     r = tl.zeros((BV,), dtype=ACC)
     for b in range(0, tl.cdiv(K, RB)):
-        rk = b * RB + tl.arange(0, RB)
-        tile = (rk < K)[:, None] & mv[None, :]
-        S = _load_level(s_ptr, ls_ptr, n, l, h, H, K, V, L, rk, rv, rk < K, tile, True, True, False, ACC, True)
-        kb = tl.load(keys[:, None] + rk[None, :], mask=(rows < W)[:, None] & (rk < K)[None, :], other=0.0)
+        rk, tile, S, kb = _turn_block(s_ptr, ls_ptr, keys, n, l, h, H, K, V, L, WS_BITS, b, rows, rv, RB, ACC)
         S = decay * (S - tl.dot(tl.trans(kb), Y, input_precision="ieee"))
         _store_level(s_ptr, S, n, l, h, H, K, V, L, rk, rv, tile, True)
         r += tl.sum(_head_vector(q_ptr, (n * G + grp) * K, rk, rk < K, K, BK, L2NORM, ACC)[:, None] * S, 0)
     w = tl.load(lam_ptr + n * lam_sn + h * lam_sh + l).to(ACC)
-    tl.store(part_ptr + ((n * H + h) * L + l) * KB * V + rv, w * r, mask=mv)
+    tl.store(part_ptr + ((n * H + h) * L + l) * KB * V + rv, w * r, mask=rv < V)
+
+
+@triton.jit
+def _turn_block(s_ptr, ls_ptr, keys, n, l, h, H, K, V, L, WS_BITS, b, rows, rv, RB: tl.constexpr, ACC: tl.constexpr):
+    """Row block b of the turn: its rows rk [RB] and [RB, BV] mask, level l's lazy state over them and the value
+    columns rv, and the window's keys over them [WP, RB] (rows past the window's W tokens 0)."""
+    rk = b * RB + tl.arange(0, RB)
+    tile = (rk < K)[:, None] & (rv < V)[None, :]
+    S = _load_level(s_ptr, ls_ptr, n, l, h, H, K, V, L, rk, rv, rk < K, tile, True, True, False, ACC, True)
+    kb = tl.load(keys[:, None] + rk[None, :], mask=(rows < (1 << WS_BITS))[:, None] & (rk < K)[None, :], other=0.0)
+    return rk, tile, S, kb
 
 
 @triton.jit
