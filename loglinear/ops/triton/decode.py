@@ -438,20 +438,23 @@ def _decode_level_kernel(
 @triton.jit
 def _decode_turn_kernel(q_ptr, g_ptr, lam_ptr, s_ptr, ls_ptr, wk_ptr, wy_ptr, pos_ptr, part_ptr, H, G, K, V, L, KB,
                         WS_BITS, lam_sn, lam_sh, BK: tl.constexpr, RB: tl.constexpr, BV: tl.constexpr,
-                        WP: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr):
-    """Program (n * H + h, vb), beside the level kernel's passes, only at the window's turn (p a multiple of W): the
-    levels held above the carry (every level l >= 1 with a step of its own), one after another, each brought up to
-    date and rewritten by ``_turn_level`` over value columns vb * BV .. vb * BV + BV - 1. Between turns each program
-    loads p and returns: as few programs as that allows, since the empty ones cost a load's latency per wave."""
+                        LT: tl.constexpr, WP: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr):
+    """Program (n * H + h, vb, j), beside the level kernel's passes, only at the window's turn (p a multiple of W):
+    of the levels j * LT .. j * LT + LT - 1, those held above the carry (every level l >= 1 with a step of its own),
+    each brought up to date and rewritten by ``_turn_level`` over value columns vb * BV .. vb * BV + BV - 1."""
     n = (tl.program_id(0) // H).to(tl.int64)
     h = tl.program_id(0) % H
     vb = tl.program_id(1)
+    l0 = tl.program_id(2) * LT
     p = tl.load(pos_ptr + n)
-    if (p == 0) | (_slot(p, WS_BITS) != 0):
+    rl = l0 + tl.arange(0, LT)
+    upper = _runs(p, rl, L, WS_BITS, True, True, False, False) & (rl > 0)
+    if (p == 0) | (_slot(p, WS_BITS) != 0) | (tl.sum(upper.to(tl.int32), 0) == 0):
         return
     decay = tl.exp(tl.load(g_ptr + n * H + h).to(ACC))
-    for l in range(1, L):
-        if _runs(p, l, L, WS_BITS, True, True, False, False):
+    for i in tl.static_range(LT):
+        l = l0 + i
+        if _runs(p, l, L, WS_BITS, True, True, False, False) & (l > 0):
             _turn_level(s_ptr, ls_ptr, wk_ptr, wy_ptr, q_ptr, lam_ptr, part_ptr, decay, n, l, h, p, vb, H, G,
                         h // (H // G), K, V, L, KB, WS_BITS, lam_sn, lam_sh, BK, RB, BV, WP, L2NORM, ACC)
 
@@ -679,10 +682,11 @@ def fused_decode_step(
                                        L2NORM=l2norm_qk, ACC=acc_tl, **launch_options(_decode_query_kernel))
         levels_pass(BKR, BV, False, True, KB, partial, L)
         levels_pass(*tile(False), True, False, KB, partial, 1)  # level 0's programs only
-        BVT = max(BV, DOT_MIN)
-        _decode_turn_kernel[(N * H, triton.cdiv(V, BVT))](
+        # the kept pass's levels per program: few programs, which return at once between turns
+        BVT, LT = max(BV, DOT_MIN), _levels_per_program(BKR * BV * levels.element_size(), BL, delta=False)
+        _decode_turn_kernel[(N * H, triton.cdiv(V, BVT), triton.cdiv(L, LT))](
             q, g, lam, levels, log_scales, wk, wy, positions, partial, H, G, K, V, L, KB, ws_bits, lam_sn, lam_sh,
-            BK=BK, RB=max(BKR, DOT_MIN), BV=BVT, WP=WP, L2NORM=l2norm_qk, ACC=acc_tl,
+            BK=BK, RB=max(BKR, DOT_MIN), BV=BVT, LT=LT, WP=WP, L2NORM=l2norm_qk, ACC=acc_tl,
             **launch_options(_decode_turn_kernel),
         )
     if partial is not o:

@@ -42,8 +42,8 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
   * The decode step (decode.py): the level kernel at 2 warps for a [32, 64] tile (a decay-only transition's row
     block: 10-30% faster than 4 warps, and than 64- or 128-row blocks, at batch 16 and 64K on the H200), 4 for
     whole-column tiles (the delta rule, the plain step); the finish kernel (the readout sum and the log-scales),
-    the key window's query kernel and its turn kernel, 4 warps (the turn at 1 stage: 125-128 registers compiled
-    for sm_90 at K = 192; its earlier build, unrolled over a group of levels, took 96-117 at 1 stage, 168 at 2).
+    the key window's query kernel and its turn kernel, 4 warps (the turn at 1 stage: 96-117 registers compiled for
+    sm_90 at K = 192, 168 at 2 stages).
 """
 
 from __future__ import annotations
