@@ -1,6 +1,6 @@
 """The command lines of benchmarks/bench_decode.py, bench_train.py and bench_torch_path.py: values that cannot work are
 refused (one line, exit status 2) before anything is measured or written (bench_ops.py's: tests/test_bench_ops.py);
-bench_torch_path.py at a tiny size writes its result files."""
+bench_torch_path.py at a tiny size writes its result files; profiling/ncu_kernels.py summarises an ncu details page."""
 
 import json
 
@@ -54,3 +54,40 @@ def test_decode_benchmark_times_every_kernel_of_the_step():
 
     kernels = {name for name in vars(decode) if name.startswith("_decode_") and name.endswith("_kernel")}
     assert len(kernels) >= 4 and set(load_benchmark("bench_decode").STEP_KERNELS) == kernels
+
+
+NCU_HEADER = ('"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value","Rule Name","Rule Type",'
+              '"Rule Description","Estimated Speedup Type","Estimated Speedup"\n')
+
+
+def test_ncu_summary_tables_each_kernel_and_its_findings(tmp_path):
+    ncu = load_benchmark("profiling/ncu_kernels")
+    rows = [
+        '"0","k_a","Speed","Duration","ms","1.24","","","","",""',
+        '"0","k_a","Launch","Registers Per Thread","register/thread","168","","","","",""',
+        '"0","k_a","Warps","","","","Stall","WRN","waits on L1TEX","local","34.1"',
+        '"0","k_a","Memory","","","","Comp","INF","compression","global","2.5"',
+        '"1","k_b","Speed","Duration","ms","2.73","","","","",""',
+        '"2","k_a","Speed","Duration","ms","9.99","","","","",""',  # a second launch of k_a: not read
+    ]
+    path = tmp_path / "details.csv"
+    path.write_text(NCU_HEADER + "\n".join(rows) + "\n")
+    md = ncu.summary(path, "mamba2", "H100", "torch x, triton y", tmp_path / "out").read_text()
+    assert "| `k_a` | 1.24 ms | 168 register/thread | — |" in md and "| `k_b` | 2.73 ms | — |" in md
+    assert "9.99" not in md
+    assert "- `k_a`, Warps, 34.1%: waits on L1TEX" in md and "compression" not in md  # below the 10% shown
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--T", "0"], "--T and --calls must be >= 1, got 0 and 3"),
+    (["summary", "missing.csv", "--gpu", "H100", "--versions", "v"], "no such file missing.csv"),
+    (["summary", "empty.csv", "--gpu", "H100", "--versions", "v"], "empty.csv holds no kernel metrics"),
+])
+def test_ncu_refusals_are_one_line_and_status_2(tmp_path, monkeypatch, capsys, argv, message):
+    ncu = load_benchmark("profiling/ncu_kernels")
+    (tmp_path / "empty.csv").write_text(NCU_HEADER)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        ncu.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"ncu_kernels.py: {message}" in err and err.count("\n") == 1
