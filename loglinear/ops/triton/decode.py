@@ -441,7 +441,10 @@ def _decode_turn_kernel(q_ptr, g_ptr, lam_ptr, s_ptr, ls_ptr, wk_ptr, wy_ptr, po
                         LT: tl.constexpr, WP: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr):
     """Program (n * H + h, vb, j), beside the level kernel's passes, only at the window's turn (p a multiple of W):
     of the levels j * LT .. j * LT + LT - 1, those held above the carry (every level l >= 1 with a step of its own),
-    each brought up to date and rewritten by ``_turn_level`` over value columns vb * BV .. vb * BV + BV - 1."""
+    each brought up to date and rewritten by ``_turn_level`` over value columns vb * BV .. vb * BV + BV - 1. The
+    groups split a turning sequence's rewrite over programs: at random positions a batch of 16 has a sequence at its
+    turn in most steps, and one program walking all its levels made that rewrite the step's longest chain
+    (docs/kernels.md, Decoding)."""
     n = (tl.program_id(0) // H).to(tl.int64)
     h = tl.program_id(0) % H
     vb = tl.program_id(1)
@@ -682,7 +685,7 @@ def fused_decode_step(
                                        L2NORM=l2norm_qk, ACC=acc_tl, **launch_options(_decode_query_kernel))
         levels_pass(BKR, BV, False, True, KB, partial, L)
         levels_pass(*tile(False), True, False, KB, partial, 1)  # level 0's programs only
-        # the kept pass's levels per program: few programs, which return at once between turns
+        # groups of levels as the kept pass's: short chains at a turn, few programs returning at once between turns
         BVT, LT = max(BV, DOT_MIN), _levels_per_program(BKR * BV * levels.element_size(), BL, delta=False)
         _decode_turn_kernel[(N * H, triton.cdiv(V, BVT), triton.cdiv(L, LT))](
             q, g, lam, levels, log_scales, wk, wy, positions, partial, H, G, K, V, L, KB, ws_bits, lam_sn, lam_sh,
