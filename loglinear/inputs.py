@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = [
     "OpInputs", "check_inputs", "check_decode_inputs", "check_cu_seqlens", "check_positive_ints", "check_power_of_two",
     "check_multiple", "check_value_head_dim", "check_expanded_head_dim", "Segment", "segments", "run_segments",
-    "l2norm", "expand_groups", "plain_over_levels",
+    "l2norm", "expand_groups", "plain_over_levels", "needs_grad",
 ]
 
 
@@ -64,6 +64,11 @@ class OpInputs:
         start = self.initial_state.max_position if self.initial_state is not None else 0
         ones = torch.ones((), dtype=self.v.dtype, device=self.v.device)
         return replace(self, level_scales=ones.expand(*self.v.shape[:3], levels_needed(start + max(lengths))))
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Does a gradient flow here: grad mode on and one of the tensors (None skipped) requiring it."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def plain_over_levels(run: Callable[..., tuple[torch.Tensor, FenwickState | None]]):

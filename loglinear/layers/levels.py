@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from loglinear.inputs import needs_grad
 from loglinear.layers.norm import wide
 
 __all__ = ["LevelScales", "LEVEL_ACTIVATIONS"]
@@ -75,6 +76,6 @@ class LevelScales(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.proj(x).reshape(*x.shape[:-1], self.num_heads, self.max_levels)
-        if torch.is_grad_enabled() and (logits.requires_grad or self.level_scale.requires_grad):
+        if needs_grad(logits, self.level_scale):
             return _Recomputed.apply(logits, self.level_scale, self.activation)
         return _Recomputed.forward(logits, self.level_scale, self.activation)  # no gradient: no autograd node

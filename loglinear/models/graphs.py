@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from loglinear.inputs import needs_grad
 from loglinear.layers.mixer import MixerState, StaticState
 from loglinear.models.cache import FenwickCache
 from loglinear.ops.stateful import check_capacity
@@ -144,7 +145,7 @@ def graph_step(model, cache: FenwickCache, input_ids: torch.Tensor | None,
     padded row, or more than one token."""
     if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1 or not cache.is_initialized:
         return None
-    if torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()):
+    if needs_grad(*model.parameters()):
         return None
     if input_ids.shape[0] != cache.states[0].num_sequences:
         return None  # the ordinary forward names the mismatch

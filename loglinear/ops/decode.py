@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from loglinear.fenwick import carry, carry_target, held_levels, levels_needed
-from loglinear.inputs import OpInputs, check_decode_inputs, expand_groups, l2norm
+from loglinear.inputs import OpInputs, check_decode_inputs, expand_groups, l2norm, needs_grad
 from loglinear.ops.backends import backend_for, select_backend
 from loglinear.state import FenwickState
 from loglinear.variants import Variant, get
@@ -288,10 +288,8 @@ def fused_decode_applies(inp: OpInputs) -> bool:
     if inp.initial_state is None:
         return False
     one_each = inp.q.shape[1] == 1 if inp.bounds is None else inp.q.shape[1] == len(inp.bounds) - 1
-    tensors = [x for x in (inp.q, inp.k, inp.v, *inp.gates.values(), inp.level_scales, inp.initial_state.levels)
-               if x is not None]
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return one_each and not grad
+    return one_each and not needs_grad(inp.q, inp.k, inp.v, *inp.gates.values(), inp.level_scales,
+                                       inp.initial_state.levels)
 
 
 def op_decode_step(inp: OpInputs, output_final_state: bool, use_qk_l2norm: bool,

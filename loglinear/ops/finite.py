@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from loglinear.inputs import OpInputs, expand_groups
+from loglinear.inputs import OpInputs, expand_groups, needs_grad
 from loglinear.state import FenwickState
 
 __all__ = ["LOG_DECAY_FLOOR", "FiniteCheck", "floor_log_decay", "floor_log_decays", "finite_check", "contained",
@@ -68,7 +68,7 @@ def floor_log_decay(g: torch.Tensor) -> torch.Tensor:
     """max(g, floor) of one log-decay gate g (any shape; the floor of its compute dtype; NaN stays NaN, the
     gradient is 0 where g <= floor)."""
     floor = LOG_DECAY_FLOOR[torch.float64 if g.dtype == torch.float64 else torch.float32]
-    if torch.is_grad_enabled() and g.requires_grad:
+    if needs_grad(g):
         return _Floor.apply(g, floor)
     return _Floor.forward(g, floor)  # no gradient: no autograd node (its bookkeeping is a decoding step's host time)
 
