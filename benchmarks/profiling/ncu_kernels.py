@@ -24,8 +24,7 @@ import datetime
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_ops
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: loglinear
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/profiling/: profile_state
 
 # (ncu metric name, column title), in the table's order
 METRICS = [
@@ -45,21 +44,15 @@ MIN_SPEEDUP = 10.0  # findings listed: ncu's estimated speedup at least this (%)
 
 
 def run(variant: str, T: int, calls: int) -> None:
-    """calls forward+backward calls of bench_ops' loglinear row (the kernels ncu profiles)."""
+    """calls forward+backward calls of bench_ops' loglinear row (the kernels ncu profiles; profile_state.py's
+    closure)."""
     import torch
 
-    import bench_ops
+    from profile_state import fwd_bwd
 
-    bench = bench_ops.BENCHES[variant]
-    p = bench_ops.PAPER
-    x = bench.inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], torch.bfloat16, seed=1)
-    fn, leaves = bench.build("loglinear", x, p["H"], p["G"])
-    for t in leaves:
-        t.requires_grad_(True)
-    out = fn()
-    d_out = torch.randn_like(out)
+    step = fwd_bwd(variant, T, with_state=False)
     for _ in range(calls):
-        torch.autograd.grad(fn(), leaves, d_out)
+        step()
     torch.cuda.synchronize()
     print(f"{calls} forward+backward calls of {variant} at T = {T}")
 
