@@ -145,7 +145,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     scan_const = dict(base, BJ=MAX_CHUNK_LEVELS)
     bufs = dict(levels=f32, buckets=P, decays=f32, h0=P, h0_held="*i8", dq=P, dk=P, dv=P, dlam=P, qdq=f32, q_dec=P,
                 d_levels=f32, d_buckets=P, d_deposits=P, d_init=f32, d_gate=f32, totals=f32, final_terms=f32,
-                later=f32, dg=f32, chunks=i32, by_level=i32, seqs=i32, chunk0=i32, base_ptr=i32)
+                later=f32, dg=f32, chunks=i32, order=i32, seqs=i32, chunk0=i32, base_ptr=i32)
     bufs.update(scores=P, dq_in=P, dk_in=P, cum=f32)
     chunk = "q k v g lam {} h0 h0_held buckets decays scores {}starts ends seqs chunks chunk0 scale {}H G K V L J{}"
     kernels = [  # (kernel, its arguments, constexprs, state tile of one program: launch_options)
@@ -157,7 +157,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
         (mamba2_chunk.mamba2_chunk_bwd_dq_kernel, chunk.format("do", "dq_in ", "dq dlam qdq q_dec ", ""),
          dict(base, BL=32, BJ=MAX_CHUNK_LEVELS, HP=dq_heads), 0),
         (mamba2_chunk.mamba2_level_grad_kernel,
-         "q g lam do decays starts ends chunks by_level d_buckets scale H G K V L J",
+         "q g lam do decays starts ends chunks order d_buckets scale H G K V L J",
          dict(base, BJ=MAX_CHUNK_LEVELS), 0),
         (mamba2_chunk.mamba2_initial_grad_kernel,
          "q g lam do decays bos_ptr eos_ptr chunk0_ptr base_ptr d_init scale N S J0 H G K V L J", base, 0),

@@ -322,6 +322,22 @@ def test_index_tables_are_cached_per_plan():
     assert M._tables.cache_info().misses == 2  # one build per layout (T = 50 twice, T = 37)
 
 
+def test_level_gradient_launch_order(no_torch_path, monkeypatch):
+    """grad_order holds every kernel chunk once: those whose merged level is LONG_READS or higher first, highest
+    level first, then the rest in position order; the gradients match the reference under a mixed order."""
+    _, table = M._tables((0, 600), (600, 800), (0, 60), 16, torch.device("cpu"))  # chunks 0..37, 60..72
+    order = table.grad_order.tolist()
+    merged = [(int(c) + 1 & -(int(c) + 1)).bit_length() - 1 for c in table.chunks.tolist()]
+    assert sorted(order) == list(range(len(merged)))
+    long = [p for p in order if merged[p] >= M.LONG_READS]
+    assert long == order[: len(long)] and [merged[p] for p in long] == [6, 5]
+    assert order[len(long):] == sorted(order[len(long):])
+    monkeypatch.setattr(M, "LONG_READS", 2)
+    M._tables.cache_clear()
+    _compare(mamba2_args(make_inputs(1, 130, 1, 2, 16, 16)))
+    M._tables.cache_clear()
+
+
 class _CountOps(TorchDispatchMode):
     """Counts the torch ops dispatched while active (``ops``), those that are no view and touch a tensor of 5 or
     more dims, state-sized [N, levels, H, K, V] (``state_ops``), and the tensors made from host values

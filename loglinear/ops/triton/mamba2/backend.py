@@ -81,20 +81,25 @@ SCAN_ROWS = 16  # K rows per program of a scan whose state tile may be split
 INITIAL_READERS = 32  # reader chunks per program of the initial levels' gradient (fewer: more segments)
 INITIAL_GRAD_BYTES = 256 << 20  # at most this much for its segments' partial sums (more readers per program)
 GATE_LATER_BLOCK = 16  # chunks per load of the gate gradient's sums over later chunks (mamba2_gate_later_kernel)
+LONG_READS = 5  # level-gradient programs of buckets at this level or higher (2^5+ readers) start first (ChunkTable)
 
 
 @dataclass
 class ChunkTable:
     """The kernel chunks of all sequences, int32 [NC] each: first token, the sequence's end, the sequence,
-    the absolute chunk index, ``by_level``: the kernel chunks by the level merged after them,
-    highest first (the level-gradient kernel's longest loops start first), and ``last``: each one's last token;
-    ``base`` [N]: each sequence's first row."""
+    the absolute chunk index, ``grad_order``: the level-gradient kernel's launch order, and ``last``: each one's last
+    token; ``base`` [N]: each sequence's first row.
+
+    ``grad_order`` puts the chunks whose merged level is LONG_READS or higher first, highest first (the longest
+    reader loops start first and do not trail at the end), then the rest in position order, so that programs
+    running side by side read the same dO rows while L2 holds them (levels strictly by height: each level's pass
+    streamed dO from DRAM again)."""
 
     starts: torch.Tensor
     ends: torch.Tensor
     seqs: torch.Tensor
     chunks: torch.Tensor
-    by_level: torch.Tensor
+    grad_order: torch.Tensor
     last: torch.Tensor
     base: torch.Tensor
 
@@ -143,11 +148,11 @@ def _tables(bos: tuple[int, ...], eos: tuple[int, ...], chunk0: tuple[int, ...],
     starts = torch.tensor(bos, dtype=torch.long)[seqs] + local * C
     chunks = torch.tensor(chunk0, dtype=torch.long)[seqs] + local
     merged = trailing_zeros(chunks + 1)  # the level merged after each chunk
-    by_level = torch.argsort(merged, descending=True, stable=True)
+    grad_order = torch.argsort(torch.where(merged >= LONG_READS, merged, -1), descending=True, stable=True)
     N, NC = len(bos), len(seqs)
     ends = torch.tensor(eos, dtype=torch.long)[seqs]
     packed = torch.cat([torch.tensor([bos, eos, chunk0], dtype=torch.long).flatten(), starts, ends, seqs, chunks,
-                        by_level, torch.minimum(starts + C, ends) - 1, base])
+                        grad_order, torch.minimum(starts + C, ends) - 1, base])
     packed = device_table(packed, torch.int32, device)
     ranges, rows = packed[: 3 * N].view(3, N), packed[3 * N :]
     return (ranges[0], ranges[1], ranges[2]), ChunkTable(*rows[: 6 * NC].view(6, NC), rows[6 * NC :])
@@ -458,7 +463,7 @@ def _deposit_grads(q, readers, gate, lam, d_o, d_levels, ranges, saved: _Saved, 
     d_buckets = alloc((NC, H, q.shape[-1], d_o.shape[-1]), q.dtype, q.device)
     if NC:
         mamba2_level_grad_kernel[(NC * H,)](
-            readers, gate, lam, d_o, saved.decays, table.starts, table.ends, table.chunks, table.by_level, d_buckets,
+            readers, gate, lam, d_o, saved.decays, table.starts, table.ends, table.chunks, table.grad_order, d_buckets,
             plan.scale, J=J, BJ=MAX_CHUNK_LEVELS, **chunk, **_launch(mamba2_level_grad_kernel, plan),
         )
     BKS = _scan_rows(q, False)

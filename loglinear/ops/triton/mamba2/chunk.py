@@ -592,17 +592,17 @@ def reader_grads(q, g, lam, do, decays, row0, first, lo, hi, end, h, H, G, K, V,
 
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
 def mamba2_level_grad_kernel(
-    q, g, lam, do, decays, starts, ends, chunks, by_level, d_buckets, scale,
+    q, g, lam, do, decays, starts, ends, chunks, order, d_buckets, scale,
     H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
     PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """d_buckets: [NC, H, K, V] out (q's dtype, summed in fp32), dB of the level merged after each kernel chunk
-    (0 when nothing reads it); by_level: [NC] int32, the kernel chunks in launch order (backend.ChunkTable:
-    longest reader loops first); other arguments as mamba2_chunk_bwd_dq_kernel, but with PER_CHANNEL q = its q_dec
-    [tokens, H, K] (reader_grads).
-    Grid (NC * H,): program i * H + h does head h of chunk by_level[i] (heads vary fastest)."""
-    h, p = tl.program_id(0) % H, tl.load(by_level + tl.program_id(0) // H)
+    (0 when nothing reads it); order: [NC] int32, the kernel chunks in launch order (backend.ChunkTable's
+    grad_order: the longest reader loops first, then position order); other arguments as
+    mamba2_chunk_bwd_dq_kernel, but with PER_CHANNEL q = its q_dec [tokens, H, K] (reader_grads).
+    Grid (NC * H,): program i * H + h does head h of chunk order[i] (heads vary fastest)."""
+    h, p = tl.program_id(0) % H, tl.load(order + tl.program_id(0) // H)
     r, kk, vv = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV)
     first = tl.load(starts + p).to(tl.int64)
     end = tl.load(ends + p).to(tl.int64)
