@@ -10,6 +10,7 @@ named), fla_log_linear, fla_mamba2 / fla_gdn, sdpa_flash.
     python benchmarks/bench_ops.py --check               # also: kernels vs the torch chunk path (fp32), 2^20 tokens
     python benchmarks/bench_ops.py --impls loglinear loglinear_state --name ops-mamba2-state   # incoming-state cost
     python benchmarks/bench_ops.py --T 4096 2048 --merge   # re-measure two T, keep the file's other rows
+    python benchmarks/bench_ops.py --impls loglinear --chunk-size 32 --name ops-mamba2-c32   # another chunk size
 
 Paper setting: B = 2, 48 value heads, one q/k group, K = 128, V = 64, bf16. Forward and forward+backward
 medians (triton.testing.do_bench) and the peak memory of one forward+backward, all impls in one process
@@ -59,6 +60,7 @@ OUR_BACKENDS = {"loglinear": "triton", "loglinear_plain": "triton", "loglinear_s
                 "loglinear_torch": "torch"}  # -> backend=
 PAPER = dict(B=2, H=48, G=1, K=128, V=64)
 SHAPE = dict(PAPER)  # what measure() runs: the paper setting unless --shape
+OURS_KW: dict = {}  # options of our ops from the command line (--chunk-size), on every row of ours
 
 
 def make_inputs(T: int, B: int, H: int, G: int, K: int, V: int, dtype: torch.dtype, seed: int = 0,
@@ -99,7 +101,9 @@ Built = tuple[Callable[[], torch.Tensor], list[torch.Tensor]]  # the forward clo
 
 def ours(impl: str, op: Callable, x: dict, names: tuple[str, ...], **kw) -> Built:
     """Our op on x's tensors ``names`` and level_scales (None for loglinear_plain) on the impl's backend;
-    loglinear_state continues the state the op leaves after x (``continued``), whose levels are a leaf too."""
+    loglinear_state continues the state the op leaves after x (``continued``), whose levels are a leaf too.
+    kw: the op's options, with OURS_KW's."""
+    kw = {**kw, **OURS_KW}
     x, state = continued(x, op, **kw) if impl == "loglinear_state" else (x, None)
     args = [x[n] for n in names]
     lam = x["level_scales"] if impl != "loglinear_plain" else None
@@ -546,6 +550,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile-T", type=int, default=0, help="profile our kernels at this T (0: no)")
     ap.add_argument("--shape", type=int, nargs=5, metavar=("B", "H", "G", "K", "V"), default=None,
                     help="override the paper setting (B=2, H=48, G=1, K=128, V=64); sdpa_flash uses H x V")
+    ap.add_argument("--chunk-size", type=int, default=None,
+                    help="our ops' chunk_size, a power of two (default: the op's, 64; the Mamba-2 / GLA kernels "
+                         "take 16 to 64)")
     args = ap.parse_args(argv)
     if args.shape:
         SHAPE.update(zip("BHGKV", args.shape))
@@ -558,6 +565,10 @@ def main(argv: list[str] | None = None) -> None:
                                f"({', '.join(bench.impls)})")
     check_script_options("bench_ops.py", {"--T": (args.T, 1), "--warmup": (args.warmup, 1), "--rep": (args.rep, 1),
                                           "--long-T": (args.long_T, 1), "--profile-T": (args.profile_T, 0)})
+    if args.chunk_size is not None:
+        if args.chunk_size < 1 or args.chunk_size & (args.chunk_size - 1):
+            refuse("bench_ops.py", f"--chunk-size must be a power of two >= 1, got {args.chunk_size}")
+        OURS_KW["chunk_size"] = args.chunk_size
     if not torch.cuda.is_available():
         refuse("bench_ops.py", "needs a CUDA GPU (it times the kernels and fla's on one); none is visible")
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
@@ -614,6 +625,7 @@ def main(argv: list[str] | None = None) -> None:
                    + ("loglinear_state: the same call continuing the state left by T tokens of the same kind (at "
                       "position T, as context-parallel rank 1 of 2), the state's gradient taken too. "
                       if "loglinear_state" in args.impls else "")
+                   + (f"Our ops at chunk_size {args.chunk_size}. " if args.chunk_size is not None else "")
                    + "Median of triton.testing.do_bench.",
         "notes": notes,
     }

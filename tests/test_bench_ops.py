@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers import load_benchmark
+from loglinear import FenwickState
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +29,22 @@ def test_our_rows_run_forward_and_backward(bench, variant):
     assert len(leaves) == len(ops.build("loglinear", x, 2, 1)[1]) + 1  # the state's levels take a gradient too
 
 
+def test_chunk_size_reaches_every_call_of_ours(bench, monkeypatch):
+    """--chunk-size goes to our op on every row of ours, the state's call of loglinear_state included."""
+    calls = []
+
+    def op(*args, **kw):
+        calls.append(kw.get("chunk_size"))
+        return torch.zeros(1), FenwickState(torch.zeros(2, 6, 2, 16, 16), torch.tensor([20, 20]))
+
+    monkeypatch.setitem(bench.OURS_KW, "chunk_size", 32)
+    x = bench.make_inputs(20, 2, 2, 1, 16, 16, torch.float32, device="cpu")
+    for impl in ("loglinear", "loglinear_plain", "loglinear_state"):
+        fn, _ = bench.ours(impl, op, x, ("q", "k", "v", "g"))
+        fn()
+    assert calls == [32] * len(calls) and len(calls) == 4
+
+
 def test_results_table_has_the_ratios(bench, tmp_path):
     rows = [{"impl": impl, "T": T, "fwd_ms": ms / 3, "fwdbwd_ms": ms, "peak_gib": 1.0}
             for T in (2048, 4096) for impl, ms in (("loglinear", 3.0), ("loglinear_plain", 2.0), ("fla_gla", 4.0))]
@@ -46,6 +63,7 @@ def test_results_table_has_the_ratios(bench, tmp_path):
     (["--variant", "mamba2", "--impls", "fla_gla"], "--impls fla_gla: not rows of --variant mamba2"),
     (["--T", "2048", "0"], "--T must be >= 1, got 2048 0"),
     (["--rep", "0"], "--rep must be >= 1, got 0"),
+    (["--chunk-size", "48"], "--chunk-size must be a power of two >= 1, got 48"),
     (["--T", "2048"], "needs a CUDA GPU"),
 ])
 def test_refusals_are_one_line_and_status_2(bench, capsys, monkeypatch, argv, message):

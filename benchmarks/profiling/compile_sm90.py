@@ -9,6 +9,7 @@ reader chunks: what each of its iterations issues), per kernel at the op's block
     python benchmarks/profiling/compile_sm90.py gdn --dtype fp32 --K 256
     python benchmarks/profiling/compile_sm90.py gdn --l2norm       # the chunk-local kernels normalising q/k rows
     python benchmarks/profiling/compile_sm90.py mamba2 --sass /tmp/sass   # and each kernel's SASS listing
+    python benchmarks/profiling/compile_sm90.py mamba2 --chunk 32         # at chunk_size 32
 
 Paper setting by default (K = 128, V = 64, the op's chunk: 64 for Mamba-2 and GLA, Gated DeltaNet's rule).
 Mamba-2 / GLA: the chunk-level scans mamba2/fwd.py, mamba2/bwd.py and the chunk-parallel mamba2/chunk.py (GLA:
@@ -36,6 +37,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from loglinear.cli import refuse  # noqa: E402
 from loglinear.ops.finite import LOG_DECAY_FLOOR  # noqa: E402
 from loglinear.ops.triton.gated_deltanet import local, scan  # noqa: E402
 from loglinear.ops.triton.gated_deltanet import chunking  # noqa: E402
@@ -130,7 +132,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     prec = dot_precision(dtype, mamba2.FP32_DOT)
     per_channel = args.variant == "gla"
     BK, BV = triton.next_power_of_2(args.K), triton.next_power_of_2(args.V)
-    C = mamba2.MAX_CHUNK
+    C = args.chunk
     fwd_rows = BK if args.plain and dtype != torch.float32 else mamba2.SCAN_ROWS  # _scan_rows(k, plan.plain)
     print(f"triton {triton.__version__}, {args.variant}, {args.dtype}, K={args.K}, V={args.V}, C={C}, "
           f"plain={args.plain}, "
@@ -271,9 +273,13 @@ def main() -> None:
                     help="the plain path's build (level_scales=None; gdn: the chains' ONE, the chunk-local PLAIN)")
     ap.add_argument("--heads-per-program", type=int, default=48,
                     help="mamba2: heads the dk / dv (plain: and dq) kernel sums per program (48: paper setting, 32K)")
+    ap.add_argument("--chunk", type=int, default=mamba2.MAX_CHUNK,
+                    help="mamba2, gla: the kernels' chunk (the op's chunk_size, 16 to 64; default 64)")
     ap.add_argument("--l2norm", action="store_true", help="gdn: the chunk-local kernels with NORM (use_qk_l2norm)")
     ap.add_argument("--sass", type=Path, default=None, help="write each kernel's SASS listing into this folder")
     args = ap.parse_args()
+    if args.chunk & (args.chunk - 1) or not 16 <= args.chunk <= mamba2.MAX_CHUNK:
+        refuse("compile_sm90.py", f"--chunk must be a power of two from 16 to {mamba2.MAX_CHUNK}, got {args.chunk}")
     if args.sass is not None:
         global SASS_DIR
         SASS_DIR = args.sass
