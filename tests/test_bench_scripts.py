@@ -1,8 +1,12 @@
 """The command lines of benchmarks/bench_decode.py, bench_train.py and bench_torch_path.py: values that cannot work are
 refused (one line, exit status 2) before anything is measured or written (bench_ops.py's: tests/test_bench_ops.py);
-bench_torch_path.py at a tiny size writes its result files; profiling/ncu_kernels.py summarises an ncu details page."""
+bench_torch_path.py at a tiny size writes its result files; profiling/ncu_kernels.py summarises an ncu details page;
+profiling/compile_sm90.py refuses a chunk the kernels do not take."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +95,11 @@ def test_ncu_refusals_are_one_line_and_status_2(tmp_path, monkeypatch, capsys, a
         ncu.main(argv)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and f"ncu_kernels.py: {message}" in err and err.count("\n") == 1
+
+
+def test_sm90_compile_refuses_a_chunk_the_kernels_do_not_take():
+    """In a subprocess: compile_sm90.py turns the interpreter off when imported."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "profiling" / "compile_sm90.py"
+    run = subprocess.run([sys.executable, str(script), "mamba2", "--chunk", "48"], capture_output=True, text=True)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1
+    assert "compile_sm90.py: --chunk must be a power of two from 16 to 64, got 48" in run.stderr
