@@ -58,7 +58,8 @@ sequence), so
     dB_e = sum_{i = e+1 .. e+2^m} exp(decay_{i,m}) Q_i^T (scale * lambda_i[c+1+m] * exp(G_i) * dO_i)
 
 (mamba2_level_grad_kernel, one program per (chunk e, head) looping over its readers, pipelined; the
-chunks with the highest m, the longest loops, launch first); the reverse scan (bwd.py) turns
+chunks with m >= 5, the longest loops, launch first, highest m first, the others in position order:
+backend.ChunkTable's grad_order); the reverse scan (bwd.py) turns
 them into the deposits' gradients dD. The initial levels' gradients from their readers are the same sums:
 level j of a sequence starting at chunk c0 is read, as initial state, by the chunks c0 .. ((c0 >> j) + 1) 2^j - 1
 (levels.level_source kind 2), with exp(decay_j) its decay since c0 (mamba2_initial_grad_kernel, the readers cut
