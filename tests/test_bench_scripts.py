@@ -69,7 +69,7 @@ def test_ncu_summary_tables_each_kernel_and_its_findings(tmp_path):
     rows = [
         '"0","k_a","Speed","Duration","ms","1.24","","","","",""',
         '"0","k_a","Launch","Registers Per Thread","register/thread","168","","","","",""',
-        '"0","k_a","Warps","","","","Stall","WRN","waits on L1TEX","local","34.1"',
+        '"0","k_a","Warps","","","","Stall","WRN","Warps wait. Each waits 4.9 cycles. Consider x.","local","34.1"',
         '"0","k_a","Memory","","","","Comp","INF","compression","global","2.5"',
         '"1","k_b","Speed","Duration","ms","2.73","","","","",""',
         '"2","k_a","Speed","Duration","ms","9.99","","","","",""',  # a second launch of k_a: not read
@@ -79,7 +79,8 @@ def test_ncu_summary_tables_each_kernel_and_its_findings(tmp_path):
     md = ncu.summary(path, "mamba2", "H100", "torch x, triton y", tmp_path / "out").read_text()
     assert "| `k_a` | 1.24 ms | 168 register/thread | — |" in md and "| `k_b` | 2.73 ms | — |" in md
     assert "9.99" not in md
-    assert "- `k_a`, Warps, 34.1%: waits on L1TEX" in md and "compression" not in md  # below the 10% shown
+    assert "- `k_a`, Warps, 34.1%: Warps wait. Each waits 4.9 cycles.\n" in md  # two sentences of each
+    assert "compression" not in md  # below the 10% shown
 
 
 @pytest.mark.parametrize("argv, message", [

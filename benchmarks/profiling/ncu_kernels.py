@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import re
 import sys
 from pathlib import Path
 
@@ -41,6 +42,7 @@ METRICS = [
     ("L2 Cache Throughput", "L2 throughput"),
 ]
 MIN_SPEEDUP = 10.0  # findings listed: ncu's estimated speedup at least this (%)
+FINDING_SENTENCES = 2  # of each finding's text: what it found and its number (the rest is ncu's general advice)
 
 
 def run(variant: str, T: int, calls: int) -> None:
@@ -55,6 +57,11 @@ def run(variant: str, T: int, calls: int) -> None:
         step()
     torch.cuda.synchronize()
     print(f"{calls} forward+backward calls of {variant} at T = {T}")
+
+
+def first_sentences(text: str, n: int) -> str:
+    """The first n sentences of text, whitespace collapsed (a sentence ends at . ! or ? before a capital)."""
+    return " ".join(re.split(r"(?<=[.!?])\s+(?=[A-Z])", " ".join(text.split()))[:n])
 
 
 def read_details(path: Path) -> tuple[dict[str, dict[str, str]], dict[str, list[tuple[float, str, str]]]]:
@@ -73,7 +80,7 @@ def read_details(path: Path) -> tuple[dict[str, dict[str, str]], dict[str, list[
                 metrics.setdefault(kernel, {})[row["Metric Name"]] = value
             text, speedup = row.get("Rule Description") or "", row.get("Estimated Speedup") or ""
             if text and speedup:
-                entry = (float(speedup), row["Section Name"], " ".join(text.split()))
+                entry = (float(speedup), row["Section Name"], first_sentences(text, FINDING_SENTENCES))
                 if entry not in findings.setdefault(kernel, []):
                     findings[kernel].append(entry)
     if not metrics:
