@@ -551,8 +551,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", type=int, nargs=5, metavar=("B", "H", "G", "K", "V"), default=None,
                     help="override the paper setting (B=2, H=48, G=1, K=128, V=64); sdpa_flash uses H x V")
     ap.add_argument("--chunk-size", type=int, default=None,
-                    help="our ops' chunk_size, a power of two (default: the op's, 64; the Mamba-2 / GLA kernels "
-                         "take 16 to 64)")
+                    help="our ops' chunk_size: 16, 32 or 64, the kernels' chunks for bf16 (default: the op's, 64)")
     args = ap.parse_args(argv)
     if args.shape:
         SHAPE.update(zip("BHGKV", args.shape))
@@ -566,8 +565,12 @@ def main(argv: list[str] | None = None) -> None:
     check_script_options("bench_ops.py", {"--T": (args.T, 1), "--warmup": (args.warmup, 1), "--rep": (args.rep, 1),
                                           "--long-T": (args.long_T, 1), "--profile-T": (args.profile_T, 0)})
     if args.chunk_size is not None:
-        if args.chunk_size < 1 or args.chunk_size & (args.chunk_size - 1):
-            refuse("bench_ops.py", f"--chunk-size must be a power of two >= 1, got {args.chunk_size}")
+        if args.chunk_size not in (16, 32, 64):  # the ops clamp others into the kernels' range: not what would run
+            refuse("bench_ops.py", f"--chunk-size must be 16, 32 or 64 (the kernels' chunks for bf16), "
+                                   f"got {args.chunk_size}")
+        if args.check:
+            refuse("bench_ops.py", "--chunk-size times our rows; --check runs at the ops' own chunk sizes: "
+                                   "run them separately")
         OURS_KW["chunk_size"] = args.chunk_size
     if not torch.cuda.is_available():
         refuse("bench_ops.py", "needs a CUDA GPU (it times the kernels and fla's on one); none is visible")

@@ -63,7 +63,9 @@ def test_results_table_has_the_ratios(bench, tmp_path):
     (["--variant", "mamba2", "--impls", "fla_gla"], "--impls fla_gla: not rows of --variant mamba2"),
     (["--T", "2048", "0"], "--T must be >= 1, got 2048 0"),
     (["--rep", "0"], "--rep must be >= 1, got 0"),
-    (["--chunk-size", "48"], "--chunk-size must be a power of two >= 1, got 48"),
+    (["--chunk-size", "48"], "--chunk-size must be 16, 32 or 64 (the kernels' chunks for bf16), got 48"),
+    (["--chunk-size", "128"], "--chunk-size must be 16, 32 or 64 (the kernels' chunks for bf16), got 128"),
+    (["--chunk-size", "32", "--check"], "--chunk-size times our rows; --check runs at the ops' own chunk sizes"),
     (["--T", "2048"], "needs a CUDA GPU"),
 ])
 def test_refusals_are_one_line_and_status_2(bench, capsys, monkeypatch, argv, message):
