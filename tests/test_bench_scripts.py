@@ -1,7 +1,7 @@
 """The command lines of benchmarks/bench_decode.py, bench_train.py and bench_torch_path.py: values that cannot work are
 refused (one line, exit status 2) before anything is measured or written (bench_ops.py's: tests/test_bench_ops.py);
 bench_torch_path.py at a tiny size writes its result files; profiling/ncu_kernels.py summarises an ncu details page;
-profiling/compile_sm90.py refuses a chunk the kernels do not take."""
+profiling/compile_sm90.py refuses a chunk it would not compile."""
 
 import json
 import subprocess
@@ -98,9 +98,12 @@ def test_ncu_refusals_are_one_line_and_status_2(tmp_path, monkeypatch, capsys, a
     assert exit_.value.code == 2 and f"ncu_kernels.py: {message}" in err and err.count("\n") == 1
 
 
-def test_sm90_compile_refuses_a_chunk_the_kernels_do_not_take():
+@pytest.mark.parametrize("argv, message", [
+    (["mamba2", "--chunk", "48"], "--chunk must be a power of two from 16 to 64, got 48"),
+    (["gdn", "--chunk", "32"], "--chunk applies to mamba2 and gla; gdn compiles at its own chunk rule"),
+])
+def test_sm90_compile_refuses_a_chunk_it_would_not_compile(argv, message):
     """In a subprocess: compile_sm90.py turns the interpreter off when imported."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "profiling" / "compile_sm90.py"
-    run = subprocess.run([sys.executable, str(script), "mamba2", "--chunk", "48"], capture_output=True, text=True)
-    assert run.returncode == 2 and run.stderr.count("\n") == 1
-    assert "compile_sm90.py: --chunk must be a power of two from 16 to 64, got 48" in run.stderr
+    run = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and f"compile_sm90.py: {message}" in run.stderr

@@ -132,7 +132,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     prec = dot_precision(dtype, mamba2.FP32_DOT)
     per_channel = args.variant == "gla"
     BK, BV = triton.next_power_of_2(args.K), triton.next_power_of_2(args.V)
-    C = args.chunk
+    C = args.chunk or mamba2.MAX_CHUNK
     fwd_rows = BK if args.plain and dtype != torch.float32 else mamba2.SCAN_ROWS  # _scan_rows(k, plan.plain)
     print(f"triton {triton.__version__}, {args.variant}, {args.dtype}, K={args.K}, V={args.V}, C={C}, "
           f"plain={args.plain}, "
@@ -273,12 +273,14 @@ def main() -> None:
                     help="the plain path's build (level_scales=None; gdn: the chains' ONE, the chunk-local PLAIN)")
     ap.add_argument("--heads-per-program", type=int, default=48,
                     help="mamba2: heads the dk / dv (plain: and dq) kernel sums per program (48: paper setting, 32K)")
-    ap.add_argument("--chunk", type=int, default=mamba2.MAX_CHUNK,
+    ap.add_argument("--chunk", type=int, default=None,
                     help="mamba2, gla: the kernels' chunk (the op's chunk_size, 16 to 64; default 64)")
     ap.add_argument("--l2norm", action="store_true", help="gdn: the chunk-local kernels with NORM (use_qk_l2norm)")
     ap.add_argument("--sass", type=Path, default=None, help="write each kernel's SASS listing into this folder")
     args = ap.parse_args()
-    if args.chunk & (args.chunk - 1) or not 16 <= args.chunk <= mamba2.MAX_CHUNK:
+    if args.chunk is not None and args.variant == "gdn":
+        refuse("compile_sm90.py", "--chunk applies to mamba2 and gla; gdn compiles at its own chunk rule")
+    if args.chunk is not None and (args.chunk & (args.chunk - 1) or not 16 <= args.chunk <= mamba2.MAX_CHUNK):
         refuse("compile_sm90.py", f"--chunk must be a power of two from 16 to {mamba2.MAX_CHUNK}, got {args.chunk}")
     if args.sass is not None:
         global SASS_DIR
