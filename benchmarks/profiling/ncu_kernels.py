@@ -27,6 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/profiling/: profile_state
 
+from loglinear.cli import refuse  # noqa: E402
+
 # (ncu metric name, column title), in the table's order
 METRICS = [
     ("Duration", "duration"),
@@ -131,18 +133,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "run":
         if args.T < 1 or args.calls < 1:
-            print(f"ncu_kernels.py: --T and --calls must be >= 1, got {args.T} and {args.calls}", file=sys.stderr)
-            raise SystemExit(2)
+            refuse("ncu_kernels.py", f"--T and --calls must be >= 1, got {args.T} and {args.calls}")
         run(args.variant, args.T, args.calls)
     else:
         if not args.csv.is_file():
-            print(f"ncu_kernels.py: no such file {args.csv}", file=sys.stderr)
-            raise SystemExit(2)
+            refuse("ncu_kernels.py", f"no such file {args.csv}")
         try:
             print(summary(args.csv, args.variant, args.gpu, args.versions, args.out))
         except ValueError as error:
-            print(f"ncu_kernels.py: {error}", file=sys.stderr)
-            raise SystemExit(2) from None
+            refuse("ncu_kernels.py", str(error))
 
 
 if __name__ == "__main__":

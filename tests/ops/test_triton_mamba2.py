@@ -15,6 +15,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from helpers import assert_close, compare_with_reference, large_backward_writes, make_inputs, mamba2_args
 from loglinear import FenwickState, log_linear_mamba2
 from loglinear import reference as R
+from loglinear.fenwick import ctz
 from loglinear.ops.api import attention
 from loglinear.ops.backends import select_backend
 from loglinear.ops.triton.mamba2 import backend as M
@@ -327,7 +328,7 @@ def test_level_gradient_launch_order(no_torch_path, monkeypatch):
     level first, then the rest in position order; the gradients match the reference under a mixed order."""
     _, table = M._tables((0, 600), (600, 800), (0, 60), 16, torch.device("cpu"))  # chunks 0..37, 60..72
     order = table.grad_order.tolist()
-    merged = [(int(c) + 1 & -(int(c) + 1)).bit_length() - 1 for c in table.chunks.tolist()]
+    merged = [ctz(c + 1) for c in table.chunks.tolist()]
     assert sorted(order) == list(range(len(merged)))
     long = [p for p in order if merged[p] >= M.LONG_READS]
     assert long == order[: len(long)] and [merged[p] for p in long] == [6, 5]
