@@ -155,6 +155,43 @@ def test_group_heads_by_the_launch_rule(plain, monkeypatch, no_torch_path):
         _compare(x, state=_random_state(2, [32, 32], 6, 16, 8))
 
 
+@pytest.mark.parametrize("plain", [False, True])
+def test_dkv_launch_follows_the_path(plain, monkeypatch, no_torch_path):
+    """On a GPU the dk / dv kernel takes its plain-path launch on the plain path only, and the per-channel one with
+    a per-channel gate (launch_options' choice); the backend asks for the plan's path."""
+    from loglinear.ops.triton.shared import launch
+
+    config = launch.LAUNCH["mamba2_chunk_bwd_dkv_kernel"]
+    kernel, keys = M.mamba2_chunk_bwd_dkv_kernel, ("num_warps", "num_stages")
+    with monkeypatch.context() as gpu:
+        gpu.setattr(launch, "interpreting", lambda: False)
+        assert launch.launch_options(kernel) == dict(zip(keys, (config.num_warps, config.num_stages)))
+        assert launch.launch_options(kernel, plain=True) == dict(zip(keys, config.plain))
+        assert launch.launch_options(kernel, per_channel=True, plain=plain) == dict(zip(keys, config.channel))
+        assert config.plain != (config.num_warps, config.num_stages)
+    asked = []
+
+    def options(kernel, state_tile=0, per_channel=False, plain=False, heads=0):
+        asked.append((kernel.__name__, plain))
+        return launch.launch_options(kernel, state_tile, per_channel, plain, heads)
+
+    monkeypatch.setattr(M, "launch_options", options)
+    x = mamba2_args(make_inputs(1, 40, 1, 2, 16, 8))
+    _compare_plain(x) if plain else _compare(x)
+    assert ("mamba2_chunk_bwd_dkv_kernel", plain) in asked
+
+
+def test_kernel_modules_are_importable_by_path():
+    """The backend modules by their dotted paths (the package's registrations do not shadow them)."""
+    import inspect
+
+    import loglinear.ops.triton.gated_deltanet.backend as gdn
+    import loglinear.ops.triton.mamba2.backend as mamba2
+
+    assert inspect.ismodule(mamba2) and inspect.ismodule(gdn)
+    assert mamba2.LONG_READS == M.LONG_READS
+
+
 def test_heads_per_program_keeps_the_programs_in_flight():
     from loglinear.ops.triton.shared import launch
 

@@ -15,13 +15,14 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
 
 if triton is not None:
     from loglinear.ops.triton.decode import decode_backend
-    from loglinear.ops.triton.gated_deltanet import backend as gated_deltanet
-    from loglinear.ops.triton.mamba2 import backend as mamba2
+    # aliases that are not the subpackages' names: `import loglinear.ops.triton.mamba2.backend as m` is the module
+    from loglinear.ops.triton.gated_deltanet import backend as gdn_kernels
+    from loglinear.ops.triton.mamba2 import backend as mamba2_kernels
 
-    register_backend("mamba2", "triton", Backend(mamba2.backend, mamba2.supports, decode_backend, plain=True,
-                                                 takes_raw_log_decays=True))
+    register_backend("mamba2", "triton", Backend(mamba2_kernels.backend, mamba2_kernels.supports, decode_backend,
+                                                 plain=True, takes_raw_log_decays=True))
     register_backend("gated_deltanet", "triton",
-                     Backend(gated_deltanet.backend, gated_deltanet.supports, decode_backend, plain=True,
+                     Backend(gdn_kernels.backend, gdn_kernels.supports, decode_backend, plain=True,
                              takes_raw_log_decays=True))
-    register_backend("gla", "triton", Backend(mamba2.backend, mamba2.supports, decode_backend, plain=True,
-                                              takes_raw_log_decays=True))
+    register_backend("gla", "triton", Backend(mamba2_kernels.backend, mamba2_kernels.supports, decode_backend,
+                                              plain=True, takes_raw_log_decays=True))

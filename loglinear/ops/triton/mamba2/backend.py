@@ -188,8 +188,8 @@ def _sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor) -> dict:
 
 def _launch(kernel, plan: LevelScanPlan, state_tile: int = 0) -> dict[str, int]:
     """The launch config of a Mamba-2 kernel for this plan (shared.launch.launch_options: per-channel gates take
-    the kernels' ``channel`` config)."""
-    return launch_options(kernel, state_tile, plan.per_channel)
+    the kernels' ``channel`` config, the plain path their ``plain`` one)."""
+    return launch_options(kernel, state_tile, plan.per_channel, plan.plain)
 
 
 def _gate_shape(plan: LevelScanPlan, rows: int, H: int, K: int) -> tuple[int, ...]:

@@ -5,9 +5,12 @@ CPU tensors). On the GPU the table's values were tuned on an H200 (sm_90, triton
 benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_local.py):
 
   * Mamba-2 chunk kernels (mamba2/chunk.py): at bf16, K = 128, V = 64 every one fits 4 warps (the dq and dk / dv
-    kernels at 255 registers, two programs per SM, spilling 16 / 200 B, the latter summing 48 heads); those with a
+    kernels at 255 registers, two programs per SM, spilling 16 / 224 B, the latter summing 48 heads); those with a
     loop over levels or readers pipeline its loads (num_stages > 1: the next bucket / reader chunk is in flight
-    during the current one's GEMM).
+    during the current one's GEMM), and so does the dk / dv kernel's loop over a group's heads, but only on the
+    log-linear path (224 B of spills and 107 KB of shared memory against 200 B and 57 KB at one stage; measured on an
+    H100 at 8K / 32K / 128K per forward + backward: 2.62 -> 2.58, 10.48 -> 10.32, 43.21 -> 42.56 ms); plain Mamba-2
+    ran 6% slower with it (6.40 -> 6.79 ms at 32K) and GLA the same (``plain``, ``channel``: one stage).
   * Mamba-2 scans (mamba2/fwd.py, mamba2/bwd.py): one program per (sequence, head, block of state rows);
     4 warps up to a [128, 32] fp32 state tile, 8 above (``wide_warps``). The gate gradient's sums over later
     chunks (mamba2_gate_later_kernel, one program per (sequence, head)): 4 warps, not tuned (0.07 ms at 32K).
@@ -63,8 +66,8 @@ CHUNK_PROGRAMS = 1024  # fewest programs a chunk kernel summing a group's heads 
 class Launch:
     """A kernel's GPU launch config: num_warps, num_stages, (scans over state tiles) the warps for a state tile
     of more than WIDE_STATE_TILE elements, (chunk kernels with a PER_CHANNEL switch) (num_warps, num_stages)
-    with a per-channel gate, (the delta-rule chains) on the plain schedule and (a group-summing kernel) with one
-    head per program (None: the same as the general build's)."""
+    with a per-channel gate, (kernels with a plain build: the delta-rule chains, Mamba-2's dk / dv kernel) on the
+    plain path and (a group-summing kernel) with one head per program (None: the same as the general build's)."""
 
     num_warps: int
     num_stages: int
@@ -83,7 +86,7 @@ LAUNCH: dict[str, Launch] = {
     "mamba2_level_grad_kernel": Launch(4, 3, channel=(8, 1)),
     "mamba2_initial_grad_kernel": Launch(4, 3, channel=(8, 3)),
     "mamba2_bwd_scan_kernel": Launch(4, 2, wide_warps=8),
-    "mamba2_chunk_bwd_dkv_kernel": Launch(4, 1),
+    "mamba2_chunk_bwd_dkv_kernel": Launch(4, 2, channel=(4, 1), plain=(4, 1)),
     "mamba2_gate_grad_kernel": Launch(4, 1),
     "mamba2_gate_later_kernel": Launch(4, 3),
     # the in-chunk block with a per-channel gate (GLA)
@@ -116,7 +119,7 @@ def launch_options(kernel, state_tile: int = 0, per_channel: bool = False, plain
     """num_warps / num_stages for launching ``kernel`` (a @triton.jit function, looked up in LAUNCH by name);
     state_tile: the elements of the state tile one program holds (kernels with wide_warps); per_channel: the
     kernel runs with a per-channel gate (kernels with a ``channel`` config); plain: the kernel's build for the plain
-    schedule (kernels with a ``plain`` config); heads: the value heads one program of a group-summing kernel sums
+    path (kernels with a ``plain`` config); heads: the value heads one program of a group-summing kernel sums
     (kernels with a ``one_head`` config). The fixed INTERPRETER config under TRITON_INTERPRET=1."""
     config = LAUNCH[kernel.__name__]
     if interpreting():
