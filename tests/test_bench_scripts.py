@@ -1,7 +1,8 @@
 """The command lines of benchmarks/bench_decode.py, bench_train.py and bench_torch_path.py: values that cannot work are
 refused (one line, exit status 2) before anything is measured or written (bench_ops.py's: tests/test_bench_ops.py);
 bench_torch_path.py at a tiny size writes its result files; profiling/ncu_kernels.py summarises an ncu details page;
-profiling/compile_sm90.py refuses a chunk it would not compile."""
+profiling/compile_sm90.py refuses a chunk it would not compile; profiling/tune_mamba2.py tries each candidate on the
+path it names and puts the op's choices back."""
 
 import json
 import subprocess
@@ -31,13 +32,15 @@ from helpers import load_benchmark
      "--packed must divide the longest of --lengths (1000), got 256"),
     ("bench_torch_path", ["--repeats", "0"], "--repeats must be >= 1, got 0"),
     ("bench_torch_path", ["--device", "gpu0"], "--device must be a torch device such as cpu or cuda:0"),
+    ("profiling/tune_mamba2", ["--T", "0"], "--T must be >= 1, got 0"),
+    ("profiling/tune_mamba2", ["--budget", "-5"], "--budget must be >= 0, got -5"),
 ])
 def test_refusals_are_one_line_and_status_2(tmp_path, capsys, script, argv, message):
     bench = load_benchmark(script)
     with pytest.raises(SystemExit) as exit_:
         bench.main([*argv, "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and f"{script}.py: {message}" in err and err.count("\n") == 1
+    assert exit_.value.code == 2 and f"{Path(script).name}.py: {message}" in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
 
 
@@ -107,3 +110,60 @@ def test_sm90_compile_refuses_a_chunk_it_would_not_compile(argv, message):
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "profiling" / "compile_sm90.py"
     run = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and f"compile_sm90.py: {message}" in run.stderr
+
+
+@pytest.mark.parametrize("variant, plain", [("mamba2", False), ("mamba2", True), ("gla", False), ("gla", True)])
+def test_mamba2_tuner_tries_each_candidate_on_its_path(variant, plain, monkeypatch):
+    """Every candidate of tune_mamba2.py, set into LAUNCH, is what launch_options gives the kernel as the backend
+    asks for it on that path (the per-channel gate's in-chunk kernels without flags), and differs from the op's own."""
+    from types import SimpleNamespace
+
+    from loglinear.ops.triton.shared import launch
+
+    tune = load_benchmark("profiling/tune_mamba2")
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    cands = tune.candidates(variant, plain)
+    assert len({c[0] for c in cands}) == len(tune.KERNELS) + 4 * (variant == "gla") - 2 * plain
+    for name, field, warps, stages in cands:
+        kernel, config = SimpleNamespace(__name__=name), launch.LAUNCH[name]
+        flags = {} if name in tune.CHANNEL_KERNELS else {"per_channel": variant == "gla", "plain": plain}
+        own = launch.launch_options(kernel, **flags)
+        monkeypatch.setitem(launch.LAUNCH, name, tune.with_config(config, field, warps, stages))
+        assert launch.launch_options(kernel, **flags) == {"num_warps": warps, "num_stages": stages} != own
+        monkeypatch.setitem(launch.LAUNCH, name, config)
+
+
+def test_mamba2_tuner_puts_the_op_choices_back(tmp_path, monkeypatch):
+    """tune_mamba2.py's loop, its timings stubbed on the CPU: a row per candidate (errors and the budget's cut as
+    rows), each with its own baseline, the files written, and LAUNCH as it was."""
+    import torch
+
+    from loglinear.ops.triton.shared import launch
+
+    tune = load_benchmark("profiling/tune_mamba2")
+    table = dict(launch.LAUNCH)
+    x = torch.randn(8, requires_grad=True)
+    calls = []
+
+    def measure(step, leaves, kernel):
+        calls.append(kernel)
+        if kernel == "mamba2_level_grad_kernel" and launch.LAUNCH[kernel] != table[kernel]:
+            raise RuntimeError("out of resources: shared memory")
+        return 2.0, 0.5, [torch.ones(8)]
+
+    monkeypatch.setattr(tune.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tune.torch.cuda, "get_device_name", lambda: "NVIDIA Test GPU")
+    monkeypatch.setattr(tune, "build_step", lambda variant, plain, T: (lambda: (x * 2).sum().backward(), [x]))
+    monkeypatch.setattr(tune, "measure", measure)
+    tune.main(["--T", "64", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "tune-mamba2-Test-GPU.json").read_text())["rows"]
+    assert launch.LAUNCH == table
+    assert len(rows) == 1 + len(tune.candidates("mamba2", False))
+    assert all(r["base_ms"] == 2.0 for r in rows[1:])
+    assert {r["error"] for r in rows if r["kernel"] == "mamba2_level_grad_kernel"} == {
+        "RuntimeError: out of resources: shared memory"}
+    assert "| `mamba2_chunk_bwd_dkv_kernel` | 8 | 2 | 2.0 | 2.0 | 1.000 |" in (
+        tmp_path / "tune-mamba2-Test-GPU.md").read_text()
+    tune.main(["--T", "64", "--budget", "0", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "tune-mamba2-Test-GPU.json").read_text())["rows"]
+    assert all(r["error"] == "budget" for r in rows[1:])

@@ -2,7 +2,7 @@
 
 Under TRITON_INTERPRET=1 every kernel gets one fixed config (no device queries, no autotune benchmarking on
 CPU tensors). On the GPU the table's values were tuned on an H200 (sm_90, triton 3.6; compile with
-benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_local.py):
+benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_local.py and tune_mamba2.py):
 
   * Mamba-2 chunk kernels (mamba2/chunk.py): at bf16, K = 128, V = 64 every one fits 4 warps (the dq and dk / dv
     kernels at 255 registers, two programs per SM, spilling 16 / 224 B, the latter summing 48 heads); those with a
