@@ -184,7 +184,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
         const = {n: c for n, c in const.items() if n in fn.arg_names}
         sig = signature(names, P, **{n: t for n, t in {**bufs, **ptrs}.items() if n in names.split()})
         out.append(report(fn, {**sig, **dict.fromkeys(const, "constexpr")}, const, ints=ints,
-                          **launch_options(fn, tile, per_channel)))
+                          **launch_options(fn, tile, per_channel, args.plain)))
     return out
 
 

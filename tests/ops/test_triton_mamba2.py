@@ -177,7 +177,10 @@ def test_dkv_launch_follows_the_path(plain, monkeypatch, no_torch_path):
 
     monkeypatch.setattr(M, "launch_options", options)
     x = mamba2_args(make_inputs(1, 40, 1, 2, 16, 8))
-    _compare_plain(x) if plain else _compare(x)
+    if plain:
+        _compare_plain(x)
+    else:
+        _compare(x)
     assert ("mamba2_chunk_bwd_dkv_kernel", plain) in asked
 
 
