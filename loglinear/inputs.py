@@ -110,6 +110,13 @@ def check_nonnegative_ints(**counts: object) -> None:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
+def check_bools(**flags: object) -> None:
+    """Raise a TypeError naming the first flag that is not a bool (a string such as "false" would count as true)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
 def check_in_range(name: str, value: object, low: float, high: float, *, low_closed: bool) -> None:
     """Raise a ValueError naming ``name`` unless value is a finite number in [low, high] (low_closed) or
     (low, high] (hyper-parameters: learning rates, fractions, decays)."""

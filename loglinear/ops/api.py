@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from loglinear.inputs import OpInputs, check_inputs, plain_over_levels
+from loglinear.inputs import OpInputs, check_bools, check_inputs, plain_over_levels
 from loglinear.ops.backends import backend_for, select_backend, torch_chunk_backend
 from loglinear.ops.decode import fused_decode_applies, op_decode_step
 from loglinear.ops.finite import contained, finite_check, floor_log_decays
@@ -65,6 +65,7 @@ def attention(
     variant = get(variant)
     inp = check_inputs(variant, q, k, v, gates, level_scales, scale, initial_state, cu_seqlens)
     chunk_size = _check_chunk_size(chunk_size)
+    check_bools(output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
     name = select_backend(variant, q.device, backend)
     if fused_decode_applies(inp):
         return op_decode_step(floor_log_decays(inp), output_final_state, use_qk_l2norm, name)

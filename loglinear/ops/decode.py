@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from loglinear.fenwick import carry, carry_target, held_levels, levels_needed
-from loglinear.inputs import OpInputs, check_decode_inputs, expand_groups, l2norm, needs_grad
+from loglinear.inputs import OpInputs, check_bools, check_decode_inputs, expand_groups, l2norm, needs_grad
 from loglinear.ops.backends import backend_for, select_backend
 from loglinear.state import FenwickState
 from loglinear.variants import Variant, get
@@ -228,6 +228,7 @@ def decode_step(
     captured in a CUDA graph (loglinear.models.graphs).
     """
     variant = get(variant)
+    check_bools(fenwick=fenwick, l2norm_qk=l2norm_qk)
     check_decode_inputs(variant, q, k, v, gates, level_scales, levels, positions, fenwick=fenwick)
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float, got {scale!r}")

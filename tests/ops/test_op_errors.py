@@ -179,6 +179,14 @@ def test_chunk_size_type(chunk_size, error, match):
         call(base(), chunk_size=chunk_size)
 
 
+@pytest.mark.parametrize("flag, value", [("output_final_state", "yes"), ("use_qk_l2norm", "false"),
+                                         ("output_final_state", 1), ("use_qk_l2norm", None)])
+def test_flags_must_be_bools(flag, value):
+    """A flag that is not a bool is refused: the string "false" would otherwise count as true."""
+    with pytest.raises(TypeError, match=f"{flag} must be a bool, got {type(value).__name__}"):
+        call(base(), **{flag: value})
+
+
 def test_chunk_size_checked_on_the_decode_path():
     x = {n: t[:, :1] for n, t in base().items()}
     with pytest.raises(ValueError, match="chunk_size must be a power of two"):
@@ -225,6 +233,8 @@ def test_decode_step_accepts_valid_arguments():
     ({"v": f64(2, 2, 3).to("meta")}, ValueError, "v is on meta but levels is on cpu"),
     ({"scale": float("nan")}, ValueError, "scale must be a finite float, got nan"),
     ({"scale": "0.5"}, ValueError, "scale must be a finite float, got '0.5'"),
+    ({"fenwick": "false"}, TypeError, "fenwick must be a bool, got str 'false'"),
+    ({"l2norm_qk": 1}, TypeError, "l2norm_qk must be a bool, got int 1"),
 ])
 def test_decode_step_bad_arguments(changes, error, match):
     with pytest.raises(error, match=match):
