@@ -17,7 +17,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loglinear.inputs import check_in_range, check_nonnegative_ints, check_positive_ints, check_power_of_two
+from loglinear.inputs import (
+    check_bools, check_in_range, check_nonnegative_ints, check_positive_ints, check_power_of_two,
+)
 from loglinear.layers.conv import ShortConvolution
 from loglinear.layers.levels import LevelScales
 from loglinear.layers.sequence import TokenLayout
@@ -147,6 +149,7 @@ class FenwickMixer(nn.Module):
         level_activation: str = "softplus", layer_idx: int | None = None,
     ):
         check_positive_ints(hidden_size=hidden_size, num_heads=num_heads, chunk_size=chunk_size)
+        check_bools(use_log_linear=use_log_linear, conv_bias=conv_bias)
         if not isinstance(conv_kernel, int) or isinstance(conv_kernel, bool) or conv_kernel < 0:
             raise ValueError(f"conv_kernel must be an int >= 0 (0: no short convolution), got {conv_kernel!r}")
         check_power_of_two(chunk_size=chunk_size)

@@ -15,6 +15,7 @@ import math
 from transformers import PretrainedConfig
 
 from loglinear.inputs import (
+    check_bools,
     check_expanded_head_dim,
     check_multiple,
     check_positive_ints,
@@ -44,6 +45,7 @@ class _FenwickConfig(PretrainedConfig):
     ):
         check_positive_ints(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
                             num_heads=num_heads, chunk_size=chunk_size)
+        check_bools(use_log_linear=use_log_linear)
         if not isinstance(conv_kernel, int) or isinstance(conv_kernel, bool) or conv_kernel < 0:
             raise ValueError(f"conv_kernel must be an int >= 0 (0: no short convolution), got {conv_kernel!r}")
         if not isinstance(max_levels, int) or not 1 <= max_levels <= 62:
@@ -60,7 +62,7 @@ class _FenwickConfig(PretrainedConfig):
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.num_hidden_layers, self.num_heads = num_hidden_layers, num_heads
         self.head_dim = head_dim
-        self.use_log_linear, self.max_levels, self.level_activation = bool(use_log_linear), max_levels, level_activation
+        self.use_log_linear, self.max_levels, self.level_activation = use_log_linear, max_levels, level_activation
         self.conv_kernel, self.chunk_size = conv_kernel, chunk_size
         self.intermediate_size = _default_intermediate(hidden_size) if intermediate_size is None else intermediate_size
         self.norm_eps, self.initializer_range, self.use_cache = norm_eps, initializer_range, use_cache

@@ -278,6 +278,17 @@ def test_bad_gated_deltanet_sizes(kwargs, match):
 
 
 @pytest.mark.parametrize("kwargs,match", [
+    ({"use_log_linear": "false"}, "use_log_linear must be a bool, got str 'false'"),
+    ({"use_log_linear": 0}, "use_log_linear must be a bool, got int 0"),
+])
+def test_flags_of_the_layers_must_be_bools(kwargs, match):
+    """A flag that is not a bool is refused by every layer (the string "false" would count as true)."""
+    for layer in (LogLinearGatedDeltaNet, LogLinearMamba2):
+        with pytest.raises(TypeError, match=match):
+            layer(**({"hidden_size": D, "num_heads": 2, "head_dim": 4} | kwargs))
+
+
+@pytest.mark.parametrize("kwargs,match", [
     ({"state_size": 0}, "state_size must be a positive int, got 0"),
     ({"n_groups": 0}, "n_groups must be a positive int, got 0"),
     ({"head_dim": 0}, "head_dim must be a positive int, got 0"),

@@ -1,5 +1,5 @@
-"""Config values that cannot work are refused with a ValueError naming them (they used to give NaN logits or a
-silently truncated head dim)."""
+"""Config values that cannot work are refused with a ValueError (a TypeError for a flag) naming them (they used to
+give NaN logits or a silently truncated head dim)."""
 
 import pytest
 
@@ -27,3 +27,11 @@ def test_gated_deltanet_heads_must_divide_the_width():
 def test_level_activation_must_be_known():
     with pytest.raises(ValueError, match=r"level_activation must be one of \['sigmoid', 'softplus'\], got 'relu'"):
         LogLinearMamba2Config(hidden_size=64, num_heads=4, level_activation="relu")
+
+
+@pytest.mark.parametrize("cls", [LogLinearMamba2Config, LogLinearGatedDeltaNetConfig])
+def test_use_log_linear_must_be_a_bool(cls):
+    """The string "false" (a hand-edited config) would otherwise make a log-linear model."""
+    with pytest.raises(TypeError, match="use_log_linear must be a bool, got str 'false'"):
+        cls(hidden_size=64, num_heads=4, use_log_linear="false")
+    assert cls(hidden_size=64, num_heads=4, use_log_linear=False).use_log_linear is False
