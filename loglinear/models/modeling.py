@@ -5,10 +5,13 @@
 The forward takes input_ids [B, T], attention_mask [B, T] (left or right padding: padded positions are
 skipped, every row is its own sequence), cu_seqlens [N + 1] (packed sequences, B = 1), labels,
 and a FenwickCache as ``cache`` or ``past_key_values`` with use_cache. Outputs at padded positions are
-those of a zero hidden state; a batch gives exactly the per-sequence results.
+those of a zero hidden state; a batch gives exactly the per-sequence results. Token ids and labels outside the
+vocabulary (labels other than -100) raise a ValueError (checked_tokens).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -25,6 +28,7 @@ from loglinear.layers.norm import GatedRMSNorm, wide
 from loglinear.models.cache import FenwickCache
 from loglinear.models.configuration import LogLinearGatedDeltaNetConfig, LogLinearGLAConfig, LogLinearMamba2Config
 from loglinear.models.graphs import graph_step
+from loglinear.ops.finite import host_later
 
 __all__ = [
     "LogLinearMamba2Model", "LogLinearMamba2ForCausalLM", "LogLinearGatedDeltaNetModel",
@@ -34,6 +38,32 @@ __all__ = [
 
 # transformers' outputs name the cache "cache" from 5.2x on, "past_key_values" before: use the installed name.
 CACHE_KEY = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+IGNORE_INDEX = -100  # labels not predicted
+
+
+def checked_tokens(name: str, x: torch.Tensor, high: int, ignore: int | None = None
+                   ) -> tuple[torch.Tensor, Callable[[], None]]:
+    """Token ids x (any shape) and a check of their range: entries outside [0, high) other than ``ignore`` are
+    replaced (by ``ignore``, else 0) in the tensor returned, so that no lookup or loss kernel reads past its table
+    (on CUDA that is a device-side assert, which ends the process's CUDA context), and the check raises a
+    ValueError naming ``name`` if there were any. Its flag reaches the host behind the work queued so far
+    (ops.finite.host_later): call the check after queueing the forward, so the host does not wait before it.
+    Nothing is checked while torch.compile traces or a CUDA graph is captured (x as given)."""
+    if torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return x, lambda: None
+    bad = (x < 0) | (x >= high)
+    if ignore is not None:
+        bad &= x != ignore
+    flag = host_later(bad.any().reshape(1))
+
+    def check() -> None:
+        if flag()[0]:
+            allowed = f"in [0, {high})" + (f" or {ignore}" if ignore is not None else "")
+            raise ValueError(f"{name} must be {allowed}, got {x[bad][0].item()}")
+
+    return torch.where(bad, 0 if ignore is None else ignore, x), check
 
 
 class GatedMLP(nn.Module):
@@ -128,10 +158,15 @@ class _FenwickModel(_FenwickPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, D]")
         self._check_inputs(input_ids, inputs_embeds)
+        check_ids = lambda: None  # noqa: E731
+        if input_ids is not None:
+            input_ids, check_ids = checked_tokens("input_ids", input_ids, self.config.vocab_size)
         hidden = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = hidden.shape[:2]
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         cache = self._cache(cache if cache is not None else past_key_values, use_cache)
+        if cache is not None:  # before the layers update it: a refused call leaves the cache as it was
+            check_ids()
         layout = TokenLayout.build(B, T, attention_mask, cu_seqlens, hidden.device)
         all_hidden = [] if output_hidden_states else None
         for i, block in enumerate(self.layers):
@@ -142,6 +177,7 @@ class _FenwickModel(_FenwickPreTrainedModel):
             if cache is not None:
                 cache.update_state(i, state)
         hidden = self.norm(hidden)
+        check_ids()  # without a cache, once the forward is queued
         if all_hidden is not None:
             all_hidden.append(hidden)
         hidden_states = tuple(all_hidden) if all_hidden is not None else None
@@ -219,6 +255,9 @@ class _FenwickForCausalLM(_FenwickPreTrainedModel, GenerationMixin):
         FenwickCache(cuda_graph=True), a one-token step of every sequence replays a CUDA graph
         (loglinear.models.graphs)."""
         given = cache if cache is not None else past_key_values
+        check_labels = lambda: None  # noqa: E731
+        if labels is not None:
+            labels, check_labels = checked_tokens("labels", labels, self.config.vocab_size, IGNORE_INDEX)
         if isinstance(given, FenwickCache) and given.cuda_graph and use_cache is not False and labels is None \
                 and inputs_embeds is None and cu_seqlens is None and not output_hidden_states:
             logits = graph_step(self, given, input_ids, attention_mask)
@@ -232,6 +271,7 @@ class _FenwickForCausalLM(_FenwickPreTrainedModel, GenerationMixin):
         hidden = out.last_hidden_state if not logits_to_keep else out.last_hidden_state[:, -logits_to_keep:]
         logits = self.lm_head(hidden)
         loss = self.loss(logits, labels, cu_seqlens) if labels is not None else None
+        check_labels()
         return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
                                       **{CACHE_KEY: out.get(CACHE_KEY)})
 
@@ -244,9 +284,9 @@ class _FenwickForCausalLM(_FenwickPreTrainedModel, GenerationMixin):
         targets = labels[:, 1:].clone()
         if cu_seqlens is not None:
             starts = cu_seqlens[1:-1].to(targets.device)
-            targets[:, starts - 1] = -100  # the first token of a packed sequence is not predicted from the last
+            targets[:, starts - 1] = IGNORE_INDEX  # the first token of a packed sequence is not predicted from the last
         return F.cross_entropy(wide(logits[:, :-1]).reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                               ignore_index=-100)
+                               ignore_index=IGNORE_INDEX)
 
 
 class LogLinearMamba2PreTrainedModel(_FenwickPreTrainedModel):

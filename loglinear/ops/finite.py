@@ -37,7 +37,7 @@ from loglinear.inputs import OpInputs, expand_groups, needs_grad
 from loglinear.state import FenwickState
 
 __all__ = ["LOG_DECAY_FLOOR", "FiniteCheck", "floor_log_decay", "floor_log_decays", "finite_check", "contained",
-           "log_decay_peak"]
+           "log_decay_peak", "host_later"]
 
 # exp(floor) is exactly 0 in the dtype the op computes in (float64 for float64 inputs, else float32)
 LOG_DECAY_FLOOR = {torch.float64: -750.0, torch.float32: -110.0}
@@ -120,21 +120,26 @@ class FiniteCheck:
 
     def _post(self) -> None:
         """Send the peaks so far to the host (on CUDA behind an event, without waiting)."""
-        peaks = self._peaks
-        if peaks.is_cuda:
-            host = torch.empty(peaks.shape, dtype=peaks.dtype, pin_memory=True)
-            host.copy_(peaks, non_blocking=True)
-            arrived = torch.cuda.Event()
-            arrived.record()
-        else:
-            host, arrived = peaks, None
+        peaks = host_later(self._peaks)
+        self._answer = lambda: all(x < math.inf for x in peaks())  # NaN compares False
 
-        def answer() -> bool:
-            if arrived is not None:
-                arrived.synchronize()
-            return all(x < math.inf for x in host.tolist())  # NaN compares False
 
-        self._answer = answer
+def host_later(x: torch.Tensor) -> Callable[[], list]:
+    """Start copying x (a few values) to the host without waiting; the function returned gives x.tolist() once
+    it has arrived. On CUDA the copy goes to pinned memory behind an event, so waiting for it waits for the work
+    queued before it, not for what is queued after."""
+    if not x.is_cuda:
+        return x.tolist
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    arrived = torch.cuda.Event()
+    arrived.record()
+
+    def values() -> list:
+        arrived.synchronize()
+        return host.tolist()
+
+    return values
 
 
 def log_decay_peak(xs: list[torch.Tensor]) -> torch.Tensor:

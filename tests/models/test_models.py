@@ -242,3 +242,30 @@ def test_bad_forward_inputs():
     with pytest.raises(ValueError,
                        match=f"cache holds {layers + 1} layers, the model has num_hidden_layers = {layers}"):
         model(ids, cache=FenwickCache(layers + 1), use_cache=True)
+
+
+@pytest.mark.parametrize("variant", NAMES)
+def test_token_ids_out_of_range_are_refused(variant):
+    """Token ids outside the vocabulary, and labels outside it other than -100, raise a ValueError naming them
+    (the lookup and the loss never read past their tables: on CUDA a device-side assert); a refused call with a
+    cache leaves the cache as it was; -100 labels are ignored as before."""
+    model = make_model(variant, True)
+    ids = torch.randint(1, VOCAB, (2, 5))
+    for bad in (VOCAB, -1):
+        with pytest.raises(ValueError, match=f"input_ids must be in \\[0, {VOCAB}\\), got {bad}"):
+            model(ids.index_put((torch.tensor([1]), torch.tensor([3])), torch.tensor(bad)))
+    labels = ids.clone()
+    labels[0, 2] = VOCAB + 3
+    with pytest.raises(ValueError, match=f"labels must be in \\[0, {VOCAB}\\) or -100, got {VOCAB + 3}"):
+        model(ids, labels=labels)
+    labels[0, 2] = -100
+    assert torch.isfinite(model(ids, labels=labels).loss)
+    out = model(ids, use_cache=True)
+    cache = out[CACHE_KEY]
+    before = [(s.levels.clone(), s.positions.clone()) for s in cache.states]
+    with pytest.raises(ValueError, match="input_ids must be in"):
+        model(torch.full((2, 1), VOCAB), cache=cache, use_cache=True)
+    for (levels, positions), s in zip(before, cache.states):
+        assert torch.equal(levels, s.levels) and torch.equal(positions, s.positions)
+    step = model(ids[:, :1], cache=cache, use_cache=True).logits
+    assert_close(step, model(torch.cat([ids, ids[:, :1]], 1)).logits[:, -1:], 1e-10, "after the refused step")
