@@ -71,6 +71,11 @@ class FenwickState(LevelsView):
         *, num_levels: int = 1, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
     ) -> "FenwickState":
         """An empty state (position 0) for ``num_sequences`` sequences."""
+        sizes = dict(num_sequences=num_sequences, num_heads=num_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
+                     num_levels=num_levels)
+        for name, value in sizes.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"FenwickState.zeros: {name} must be a positive int, got {value!r}")
         levels = torch.zeros(num_sequences, num_levels, num_heads, head_k_dim, head_v_dim, dtype=dtype, device=device)
         return cls(levels, torch.zeros(num_sequences, dtype=torch.int64))
 

@@ -215,7 +215,7 @@ class FenwickMixer(nn.Module):
     ) -> tuple[torch.Tensor, MixerState | None]:
         """hidden_states: [B, T, D]; attention_mask: [B, >= T] (0 = padding, any side); cu_seqlens: [N + 1]
         (packed, B = 1); state: the MixerState of the N sequences (continue them). Returns ([B, T, D], state)."""
-        B, T, _ = self._check_forward(hidden_states, state)
+        B, T, _ = self._check_forward(hidden_states, state, output_state)
         if layout is None:
             layout = TokenLayout.build(B, T, attention_mask, cu_seqlens, hidden_states.device)
         x = layout.flatten(hidden_states)
@@ -277,13 +277,14 @@ class FenwickMixer(nn.Module):
         lam = self.level_scales(x) if self.level_scales is not None else None
         return self.op_inputs(features, rest), lam, conv_state
 
-    def _check_forward(self, x: object, state: object) -> torch.Size:
+    def _check_forward(self, x: object, state: object, output_state: object) -> torch.Size:
         if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
             what = f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise TypeError(f"hidden_states must be a floating-point tensor [B, T, {self.hidden_size}], got {what}")
-        if x.dim() != 3 or x.shape[2] != self.hidden_size:
-            raise ValueError(f"hidden_states must be [B, T, hidden_size = {self.hidden_size}], "
+        if x.dim() != 3 or x.shape[2] != self.hidden_size or not x.shape[0] * x.shape[1]:
+            raise ValueError(f"hidden_states must be [B, T, hidden_size = {self.hidden_size}] with B, T >= 1, "
                              f"got shape {tuple(x.shape)}")
+        check_bools(output_state=output_state)
         if state is not None and not isinstance(state, MixerState):
             raise TypeError(f"state must be a MixerState (from output_state=True), got {type(state).__name__}")
         return x.shape

@@ -231,7 +231,7 @@ def test_bad_inputs_raise():
 @pytest.mark.parametrize("variant", ["mamba2", "gated_deltanet"])
 @pytest.mark.parametrize("x,error,match", [
     (torch.randn(4, D, dtype=torch.float64), ValueError,
-     rf"hidden_states must be \[B, T, hidden_size = {D}\], got shape \(4, {D}\)"),
+     rf"hidden_states must be \[B, T, hidden_size = {D}\] with B, T >= 1, got shape \(4, {D}\)"),
     (torch.randn(2, 4, D + 1, dtype=torch.float64), ValueError,
      rf"hidden_states must be .* got shape \(2, 4, {D + 1}\)"),
     (torch.ones(2, 4, D, dtype=torch.int64), TypeError, "hidden_states must be a floating-point tensor .* torch.int64"),
@@ -325,3 +325,13 @@ def test_gated_norm_groups_normalise_each_part():
     y = x * F.silu(z)
     halves = [h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) for h in y.split(4, -1)]
     assert_close(norm(x, z), torch.cat(halves, -1) * norm.weight, 1e-12, "grouped gated norm")
+
+
+def test_forward_arguments_named_in_errors():
+    """A layer names its own arguments: hidden_states without tokens, an output_state that is not a bool."""
+    layer = LogLinearMamba2(**{"hidden_size": D, "num_heads": 2, "head_dim": 4, "state_size": 4})
+    with pytest.raises(ValueError, match=r"hidden_states must be \[B, T, hidden_size = .*\] with B, T >= 1, "
+                                         r"got shape \(2, 0, "):
+        layer(torch.randn(2, 0, D))
+    with pytest.raises(TypeError, match="output_state must be a bool, got str 'no'"):
+        layer(torch.randn(2, 3, D), output_state="no")

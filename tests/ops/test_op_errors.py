@@ -108,6 +108,10 @@ def test_state_constructor_checks():
         FenwickState(torch.zeros(1, 1, 1, 1, 1), torch.tensor([3.5]))
     with pytest.raises(ValueError, match=r"\[N, L, H, K, V\]"):
         FenwickState(torch.zeros(1, 1, 1, 1), torch.tensor([1]))
+    with pytest.raises(ValueError, match="FenwickState.zeros: num_sequences must be a positive int, got -1"):
+        FenwickState.zeros(-1, 2, 4, 3)
+    with pytest.raises(ValueError, match="FenwickState.zeros: num_levels must be a positive int, got 2.5"):
+        FenwickState.zeros(1, 2, 4, 3, num_levels=2.5)
 
 
 def test_mismatched_devices():
