@@ -63,11 +63,17 @@ class TokenLayout:
                 raise ValueError(
                     f"attention_mask must be [B, >= T] = [{batch}, >= {length}], got {tuple(attention_mask.shape)}"
                 )
-            mask = attention_mask[:, -length:].to(device=device) != 0
-            if not bool(mask.any()):
+            given = attention_mask[:, -length:].to(device=device)
+            mask = given != 0
+            binary = (given == 0) | (given == 1)  # an additive mask (0 keep, -inf pad) would read inverted
+            some, every, valid = torch.stack([mask.any(), mask.all(), binary.all()]).tolist()  # one host read
+            if not valid:
+                raise ValueError(f"attention_mask must hold 0 (padding) and 1 (real token) only, "
+                                 f"got {given[~binary][0].item()}")
+            if not some:
                 raise ValueError(f"attention_mask {tuple(attention_mask.shape)} marks no real token "
                                  f"among the last T = {length}")
-            if not bool(mask.all()):
+            if not every:
                 return cls._from_mask(batch, length, mask)
         seq_id = torch.arange(batch, device=device).repeat_interleave(length)
         pos = torch.arange(length, device=device).repeat(batch)

@@ -250,6 +250,11 @@ def test_bad_state_mask_and_cu_seqlens():
         layer(x, state=state.attn)
     with pytest.raises(ValueError, match=r"attention_mask \(2, 4\) marks no real token"):
         layer(x, attention_mask=torch.zeros(2, 4))
+    additive = torch.tensor([[0.0, 0.0, 0.0, 0.0], [float("-inf"), 0.0, 0.0, 0.0]])  # 0 keep, -inf pad: inverted
+    with pytest.raises(ValueError, match="attention_mask must hold 0 .padding. and 1 .real token. only, got -inf"):
+        layer(x, attention_mask=additive)
+    for mask in (torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]), torch.tensor([[False, True, True, True]] * 2)):
+        assert torch.isfinite(layer(x, attention_mask=mask)[0]).all()
     with pytest.raises(TypeError, match="cu_seqlens must be an int32/int64 tensor .* torch.float32"):
         layer(x[:1], cu_seqlens=torch.tensor([0.0, 2.0, 4.0]))
     with pytest.raises(ValueError, match=r"cu_seqlens must be a 1-D tensor \[N\+1\] with N >= 1, got shape \(0,\)"):
