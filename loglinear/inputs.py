@@ -22,8 +22,10 @@ if TYPE_CHECKING:
 __all__ = [
     "OpInputs", "check_inputs", "check_decode_inputs", "check_cu_seqlens", "check_positive_ints", "check_power_of_two",
     "check_multiple", "check_value_head_dim", "check_expanded_head_dim", "Segment", "segments", "run_segments",
-    "l2norm", "expand_groups", "plain_over_levels", "needs_grad",
+    "l2norm", "expand_groups", "plain_over_levels", "needs_grad", "IGNORE_INDEX",
 ]
+
+IGNORE_INDEX = -100  # a label / target that is not predicted (torch's cross_entropy default)
 
 
 @dataclass

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["mqar_batch", "query_targets", "IGNORE_INDEX"]
+from loglinear.inputs import IGNORE_INDEX
 
-IGNORE_INDEX = -100
+__all__ = ["mqar_batch", "query_targets", "IGNORE_INDEX"]
 
 
 def _check(seq_len: int, num_kv_pairs: int, vocab_size: int) -> None:

@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
+from loglinear.inputs import IGNORE_INDEX
 from loglinear.layers import LogLinearGatedDeltaNet, LogLinearGLA, LogLinearMamba2, MixerState, RMSNorm, TokenLayout
 from loglinear.layers.mixer import FenwickMixer, StaticState
 from loglinear.layers.norm import GatedRMSNorm, wide
@@ -40,18 +41,15 @@ __all__ = [
 CACHE_KEY = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
-IGNORE_INDEX = -100  # labels not predicted
-
-
-def checked_tokens(name: str, x: torch.Tensor, high: int, ignore: int | None = None
-                   ) -> tuple[torch.Tensor, Callable[[], None]]:
-    """Token ids x (any shape) and a check of their range: entries outside [0, high) other than ``ignore`` are
-    replaced (by ``ignore``, else 0) in the tensor returned, so that no lookup or loss kernel reads past its table
-    (on CUDA that is a device-side assert, which ends the process's CUDA context), and the check raises a
-    ValueError naming ``name`` if there were any. Its flag reaches the host behind the work queued so far
+def checked_tokens(name: str, x: torch.Tensor | None, high: int, ignore: int | None = None
+                   ) -> tuple[torch.Tensor | None, Callable[[], None]]:
+    """Token ids x (any shape; None: nothing to check) and a check of their range: entries outside [0, high) other
+    than ``ignore`` are replaced (by ``ignore``, else 0) in the tensor returned, so that no lookup or loss kernel
+    reads past its table (on CUDA that is a device-side assert, which ends the process's CUDA context), and the
+    check raises a ValueError naming ``name`` if there were any. Its flag reaches the host behind the work queued so far
     (ops.finite.host_later): call the check after queueing the forward, so the host does not wait before it.
     Nothing is checked while torch.compile traces or a CUDA graph is captured (x as given)."""
-    if torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if x is None or torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return x, lambda: None
     bad = (x < 0) | (x >= high)
     if ignore is not None:
@@ -158,14 +156,12 @@ class _FenwickModel(_FenwickPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, D]")
         self._check_inputs(input_ids, inputs_embeds)
-        check_ids = lambda: None  # noqa: E731
-        if input_ids is not None:
-            input_ids, check_ids = checked_tokens("input_ids", input_ids, self.config.vocab_size)
+        input_ids, check_ids = checked_tokens("input_ids", input_ids, self.config.vocab_size)
         hidden = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = hidden.shape[:2]
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         cache = self._cache(cache if cache is not None else past_key_values, use_cache)
-        if cache is not None:  # before the layers update it: a refused call leaves the cache as it was
+        if cache is not None:  # checked before the layers update it: a refused call leaves the cache as it was
             check_ids()
         layout = TokenLayout.build(B, T, attention_mask, cu_seqlens, hidden.device)
         all_hidden = [] if output_hidden_states else None
@@ -177,7 +173,8 @@ class _FenwickModel(_FenwickPreTrainedModel):
             if cache is not None:
                 cache.update_state(i, state)
         hidden = self.norm(hidden)
-        check_ids()  # without a cache, once the forward is queued
+        if cache is None:  # checked once the forward is queued
+            check_ids()
         if all_hidden is not None:
             all_hidden.append(hidden)
         hidden_states = tuple(all_hidden) if all_hidden is not None else None
@@ -255,9 +252,6 @@ class _FenwickForCausalLM(_FenwickPreTrainedModel, GenerationMixin):
         FenwickCache(cuda_graph=True), a one-token step of every sequence replays a CUDA graph
         (loglinear.models.graphs)."""
         given = cache if cache is not None else past_key_values
-        check_labels = lambda: None  # noqa: E731
-        if labels is not None:
-            labels, check_labels = checked_tokens("labels", labels, self.config.vocab_size, IGNORE_INDEX)
         if isinstance(given, FenwickCache) and given.cuda_graph and use_cache is not False and labels is None \
                 and inputs_embeds is None and cu_seqlens is None and not output_hidden_states:
             logits = graph_step(self, given, input_ids, attention_mask)
@@ -271,22 +265,25 @@ class _FenwickForCausalLM(_FenwickPreTrainedModel, GenerationMixin):
         hidden = out.last_hidden_state if not logits_to_keep else out.last_hidden_state[:, -logits_to_keep:]
         logits = self.lm_head(hidden)
         loss = self.loss(logits, labels, cu_seqlens) if labels is not None else None
-        check_labels()
         return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
                                       **{CACHE_KEY: out.get(CACHE_KEY)})
 
     @staticmethod
     def loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean cross-entropy of logits[:, t] against labels[:, t + 1].  logits: [B, T, V]; labels: [B, T]."""
+        """Mean cross-entropy of logits[:, t] against labels[:, t + 1].  logits: [B, T, V]; labels: [B, T] in [0, V)
+        or IGNORE_INDEX (checked_tokens)."""
         if labels.shape != logits.shape[:2]:
             raise ValueError(f"labels must be [B, T] = {list(logits.shape[:2])} like the logits, "
                              f"got shape {tuple(labels.shape)}")
+        labels, check_labels = checked_tokens("labels", labels, logits.shape[-1], IGNORE_INDEX)
         targets = labels[:, 1:].clone()
         if cu_seqlens is not None:
             starts = cu_seqlens[1:-1].to(targets.device)
             targets[:, starts - 1] = IGNORE_INDEX  # the first token of a packed sequence is not predicted from the last
-        return F.cross_entropy(wide(logits[:, :-1]).reshape(-1, logits.shape[-1]), targets.reshape(-1),
+        loss = F.cross_entropy(wide(logits[:, :-1]).reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                ignore_index=IGNORE_INDEX)
+        check_labels()  # once the loss is queued
+        return loss
 
 
 class LogLinearMamba2PreTrainedModel(_FenwickPreTrainedModel):
