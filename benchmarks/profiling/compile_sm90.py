@@ -49,6 +49,7 @@ from loglinear.ops.triton.mamba2 import fwd as mamba2_fwd  # noqa: E402
 from loglinear.ops.triton.shared import intra_channel  # noqa: E402
 from loglinear.ops.triton.shared.common import MAX_CHUNK_LEVELS  # noqa: E402
 from loglinear.ops.triton.shared.launch import heads_per_program, launch_options  # noqa: E402
+from loglinear.ops.triton.shared.levels import BLOCK_LEVELS  # noqa: E402
 from loglinear.ops.triton.shared.rules import dot_precision, kernel_chunk_size  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -151,10 +152,11 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     bufs.update(scores=P, dq_in=P, dk_in=P, cum=f32)
     chunk = "q k v g lam {} h0 h0_held buckets decays scores {}starts ends seqs chunks chunk0 scale {}H G K V L J{}"
     kernels = [  # (kernel, its arguments, constexprs, state tile of one program: launch_options)
-        (mamba2_chunk.mamba2_deposit_kernel, "k v g buckets totals starts ends H G K V", base, 0),
+        (mamba2_chunk.mamba2_deposit_kernel, "k v g buckets totals starts ends seqs chunks chunk0 H G K V",
+         dict(base, BB=BLOCK_LEVELS), 0),
         (mamba2_fwd.mamba2_fwd_kernel,
          "k v g levels buckets decays totals bos_ptr eos_ptr chunk0_ptr base_ptr H G K V J",
-         dict(scan_const, BKS=fwd_rows), fwd_rows * BV),
+         dict(scan_const, BKS=fwd_rows, BB=BLOCK_LEVELS), fwd_rows * BV),
         (mamba2_chunk.mamba2_chunk_fwd_kernel, chunk.format("o", "", "", ""), dict(base, BJ=MAX_CHUNK_LEVELS), 0),
         (mamba2_chunk.mamba2_chunk_bwd_dq_kernel, chunk.format("do", "dq_in ", "dq dlam qdq q_dec ", ""),
          dict(base, BL=32, BJ=MAX_CHUNK_LEVELS, HP=dq_heads), 0),

@@ -68,6 +68,7 @@ from loglinear.ops.triton.shared.intra_channel import (
     KEY_BLOCK, SUB_CHUNK, channel_cumsum_kernel, channel_dk_kernel, channel_dq_kernel, channel_scores_kernel,
 )
 from loglinear.ops.triton.shared.launch import group_parts, launch_options
+from loglinear.ops.triton.shared.levels import BLOCK_LEVELS
 from loglinear.ops.triton.shared.rules import dot_precision, kernel_chunk_size
 from loglinear.state import FenwickState
 from loglinear.tables import cached_table, device_table, table_cache
@@ -233,7 +234,8 @@ def _group_grad(x: torch.Tensor, groups: int, plan: LevelScanPlan, dtype: torch.
 
 
 def _merge_levels(k, v, gate, levels, ranges, table: ChunkTable, plan: LevelScanPlan) -> tuple[torch.Tensor, ...]:
-    """The chunks' deposits, then the chunk-level scan merging them (levels [N, J, H, K, V] fp32: the initial
+    """The chunks' deposits (merged inside blocks of 2^BLOCK_LEVELS chunks: levels.block_merged), then the
+    chunk-level scan merging them (levels [N, J, H, K, V] fp32: the initial
     states in, the final ones out; gate: what the kernels read of g, _read_gate). -> buckets [NC, H, K, V]
     (k's dtype), decays [NC, H, J] ([NC, H, J, K] per channel) fp32, the chunks' gate totals [NC, H] ([NC, H, K])
     fp32 (levels.store_total: the scans read them instead of the gate)."""
@@ -245,13 +247,13 @@ def _merge_levels(k, v, gate, levels, ranges, table: ChunkTable, plan: LevelScan
     totals = alloc(_gate_shape(plan, NC, H, k.shape[-1]), torch.float32, k.device)
     if NC and not plan.plain:  # the plain scan forms its deposits and totals itself
         mamba2_deposit_kernel[(NC * H,)](
-            k, v, gate, buckets, totals, table.starts, table.ends, BK=BK, BV=BV, **_sizes(plan, k, v),
-            **_launch(mamba2_deposit_kernel, plan),
+            k, v, gate, buckets, totals, table.starts, table.ends, table.seqs, table.chunks, ranges[2], BK=BK, BV=BV,
+            BB=BLOCK_LEVELS, HAS_INIT=plan.has_init, **_sizes(plan, k, v), **_launch(mamba2_deposit_kernel, plan),
         )
     BKS = _scan_rows(k, plan.plain)  # the plain scan multiplies (its deposits)
     mamba2_fwd_kernel[(N, H, triton.cdiv(k.shape[-1], BKS))](
         k, v, gate, levels, buckets, decays, totals, *ranges, table.base, H=H, G=k.shape[1], K=k.shape[-1],
-        V=v.shape[-1], J=plan.num_levels, C=plan.chunk_size, BKS=BKS, BV=BV, BJ=MAX_CHUNK_LEVELS,
+        V=v.shape[-1], J=plan.num_levels, C=plan.chunk_size, BKS=BKS, BV=BV, BJ=MAX_CHUNK_LEVELS, BB=BLOCK_LEVELS,
         HAS_INIT=plan.has_init, PLAIN=plan.plain, PRECISION=dot_precision(k.dtype, FP32_DOT),
         PER_CHANNEL=plan.per_channel, **_launch(mamba2_fwd_kernel, plan, BKS * BV),
     )

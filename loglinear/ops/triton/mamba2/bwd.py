@@ -47,12 +47,12 @@ def plain_chain(totals, ptrs, lmask, d_buckets, bos, eos, base, h, H, K, V, offs
     n_chunks = tl.cdiv(eos - bos, C)
     slot = ((base + n_chunks - 1) * H + h) * K * V
     reads, Gl = chunk_inputs(d_buckets, totals, slot, base + n_chunks - 1, bos + (n_chunks - 1) * C, r, bos, eos, h,
-                             H, offs, lmask, kk, K, True, PER_CHANNEL)
+                             H, offs, lmask, kk, K, True, True, PER_CHANNEL)
     for back in range(n_chunks):
         i = n_chunks - 1 - back
         t0 = bos + i * C
         next_reads, next_Gl = chunk_inputs(d_buckets, totals, slot - H * K * V, base + i - 1, t0 - C, r, bos, eos, h,
-                                           H, offs, lmask, kk, K, True, PER_CHANNEL)
+                                           H, offs, lmask, kk, K, True, True, PER_CHANNEL)
         d_deposit = d_state + reads
         tl.store(d_buckets + slot + offs, d_deposit.to(d_buckets.dtype.element_ty), mask=lmask)
         d_state = row_decay(Gl, PER_CHANNEL) * d_deposit
@@ -71,12 +71,12 @@ def fenwick_chain(totals, ptrs, stride, lmask, d_buckets, bos, eos, c0, base, h,
     last = c0 + n_chunks - 2  # the last chunk with a split after it
     slot = ((base + n_chunks - 1) * H + h) * K * V
     reads, Gl = chunk_inputs(d_buckets, totals, slot, base + n_chunks - 1, bos + (n_chunks - 1) * C, r, bos, eos, h,
-                             H, offs, lmask, kk, K, False, PER_CHANNEL)
+                             H, offs, lmask, kk, K, True, False, PER_CHANNEL)
     for back in range(n_chunks):
         i = n_chunks - 1 - back
         t0 = bos + i * C
         next_reads, next_Gl = chunk_inputs(d_buckets, totals, slot - H * K * V, base + i - 1, t0 - C, r, bos, eos, h,
-                                           H, offs, lmask, kk, K, False, PER_CHANNEL)
+                                           H, offs, lmask, kk, K, True, False, PER_CHANNEL)
         if i < n_chunks - 1:
             d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, c0 + i, last, reads, BJ, PER_CHANNEL)
             tl.store(d_buckets + slot + offs, d_deposit.to(d_buckets.dtype.element_ty), mask=lmask)

@@ -102,7 +102,8 @@ from loglinear.ops.triton.shared.intra import (
 )
 from loglinear.ops.triton.shared.intra_channel import channel_gates
 from loglinear.ops.triton.shared.levels import (
-    level_read, level_source, merge_target, nth_level, read_levels, sequence_range, store_total,
+    block_merged, level_read, level_source, merge_target, nth_level, read_levels, row_decay, sequence_range,
+    store_total,
 )
 from loglinear.ops.triton.shared.tiles import level_column, load_tile, store_column, store_tile
 
@@ -326,25 +327,43 @@ def mamba2_gate_later_kernel(totals, later, base_ptr, H, K, N, NC, R: tl.constex
 
 @triton.jit(do_not_specialize=["H", "G"])
 def mamba2_deposit_kernel(
-    k, v, g, buckets, totals, starts, ends,
+    k, v, g, buckets, totals, starts, ends, seqs, chunks, chunk0,
     H, G, K, V,
-    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BB: tl.constexpr, HAS_INIT: tl.constexpr,
+    PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
-    """buckets[p] = D_p (chunk_deposit) for every kernel chunk p but its sequence's last (which deposits nothing;
-    the forward scan merges D_p and overwrites the slot with the merged level), and every chunk's gate total for the
-    scans (levels.store_total). Not used by plain calls: their forward scan forms the deposits and totals itself.
+    """What the forward scan merges, in buckets [NC, H, K, V], and every chunk's gate total for the scans
+    (levels.store_total). Kernel chunk p holds D_p (chunk_deposit; nothing for a sequence's last chunk, which deposits
+    nothing), except in the blocks of 2^BB chunks whose merges below level BB this kernel does (levels.block_merged):
+    there the block's first chunk walks the block with the running sum A <- exp(Gl) A + D (A = the decayed sum of the
+    block's deposits so far) and chunk p of the block (u = p - its first chunk) holds
+
+        D_p  (u even: merge target 0, the bucket itself),    A_p  (u odd: u = 1 is the bucket of level 1, u = 3 the
+                                                                   block's sum, which the scan merges with levels >= 2)
+
+    (one running sum serves blocks of up to four chunks: BB <= 2). The forward scan merges the slots and overwrites
+    them with the merged levels. Not used by plain calls: their forward scan forms the deposits and totals itself.
     k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] (G [tokens, H, K] fp32 with PER_CHANNEL, gates()); buckets:
-    [NC, H, K, V]; totals: [NC, H] ([NC, H, K]) fp32.  Grid (NC * H,) (heads_fastest)."""
+    [NC, H, K, V]; totals: [NC, H] ([NC, H, K]) fp32; seqs, chunks: [NC], chunk0: [N] (the chunk table).
+    Grid (NC * H,) (heads_fastest; the programs of a merged block's other chunks return at once)."""
     ci, h = heads_fastest(H)
-    t0, r, t, valid = chunk_rows(ci, starts, ends, C)
+    end = tl.load(ends + ci).to(tl.int64)
+    n, chunk, c0 = chunk_position(ci, seqs, chunks, chunk0)
+    merged = block_merged(chunk, c0, chunk + tl.cdiv(end - tl.load(starts + ci), C) - 1, BB, HAS_INIT)
+    walk = tl.where(merged, tl.where((chunk & ((1 << BB) - 1)) == 0, 1 << BB, 0), 1)
     kk, vv = tl.arange(0, BK), tl.arange(0, BV)
-    Gc, Gl = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
-    store_total(totals, ci, h, H, K, kk, True, Gl, PER_CHANNEL)
-    if t0 + C < tl.load(ends + ci):
+    offs, mask = kk[:, None] * V + vv[None, :], (kk[:, None] < K) & (vv[None, :] < V)
+    running = tl.zeros([BK, BV], dtype=tl.float32)
+    for u in range(walk):
+        t0, r, t, valid = chunk_rows(ci + u, starts, ends, C)
+        Gc, Gl = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
+        store_total(totals, ci + u, h, H, K, kk, True, Gl, PER_CHANNEL)
         deposit = chunk_deposit(load_tile(k, t0, r, valid, h // (H // G), G, K, kk),
                                 load_tile(v, t0, r, valid, h, H, V, vv), Gc, Gl, PRECISION, PER_CHANNEL)
-        tl.store(buckets + (ci * H + h) * K * V + kk[:, None] * V + vv[None, :],
-                 deposit.to(buckets.dtype.element_ty), mask=(kk[:, None] < K) & (vv[None, :] < V))
+        running = row_decay(Gl, PER_CHANNEL) * running + deposit
+        if t0 + C < end:
+            tl.store(buckets + ((ci + u) * H + h) * K * V + offs,
+                     tl.where(u % 2 == 1, running, deposit).to(buckets.dtype.element_ty), mask=mask)
 
 
 @triton.jit

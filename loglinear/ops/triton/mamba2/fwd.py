@@ -10,7 +10,12 @@ Per chunk i (Gl = the chunk's gate total), in order:
 m = ctz(i + 1) (shared/levels.py). With PER_CHANNEL (GLA) the gate total Gl is one per state row and
 so are the lazy decays and the recorded ones ([NC, H, J, K]). The deposits D_i = K^T (exp(Gl - G) * V)
 come chunk-parallel beforehand in the same buffer (chunk.mamba2_deposit_kernel), with every chunk's gate total
-Gl (levels.store_total): the scan reads slot i and overwrites it with the bucket. The readout (every chunk against
+Gl (levels.store_total): the scan reads slot i and overwrites it with the bucket. Inside the aligned blocks of
+2^BB chunks (BB = levels.BLOCK_LEVELS) the deposit kernel has done the merges below level BB already: in such a block
+(every block of a sequence but its last and, with an initial state, its first: levels.block_merged) slot i holds
+the bucket itself where m < BB, and after the block's last chunk the block's decayed sum, so the scan merges tiles
+only there (levels BB..m), and at the block's other chunks only records decays and clears the merged levels' ones.
+The readout (every chunk against
 its live levels) runs chunk-parallel afterwards (chunk.py) from buckets, decays and the initial states. The
 sequential chain per chunk is the amortised O(1) level merge (sum over chunks of the levels merged = 2 NT) and two
 stores, no GEMM, so the state tile is cut into blocks of K rows (contiguous in the [K, V] states) over many
@@ -31,8 +36,8 @@ import triton.language as tl
 
 from loglinear.ops.triton.mamba2.chunk import chunk_deposit, gates
 from loglinear.ops.triton.shared.levels import (
-    add_decay, chunk_inputs, flush_levels, level_tile, merge_levels, no_decays, row_decay, sequence_range, store_decays,
-    store_total,
+    add_decay, block_merged, chunk_inputs, clear_decays, flush_levels, level_tile, merge_levels, merge_target,
+    no_decays, row_decay, sequence_range, store_decays, store_total,
 )
 from loglinear.ops.triton.shared.tiles import load_tile
 
@@ -67,26 +72,44 @@ def plain_chain(k, v, g, ptrs, lmask, buckets, totals, bos, eos, base, grp, h, G
 
 
 @triton.jit
+def merges_tiles(chunk, c0, last, jj, BB: tl.constexpr, BJ: tl.constexpr, HAS_INIT: tl.constexpr):
+    """Does the scan step after chunk ``chunk`` merge tiles? Yes where the deposit kernel did not merge the chunk's
+    block (levels.block_merged), and after a merged block's last chunk (merge target >= BB), where the slot holds the
+    block's sum; the other steps only record decays. -> (merges, lowest level to merge)."""
+    merged = block_merged(chunk, c0, last, BB, HAS_INIT)
+    return tl.where(merged, merge_target(chunk, jj, BJ, False) >= BB, True), tl.where(merged, BB, 0)
+
+
+@triton.jit
 def fenwick_chain(totals, ptrs, stride, lmask, buckets, decays, bos, eos, c0, base, h, H, K, V, J, kb, offs, r, jj, kk,
-                  C: tl.constexpr, BJ: tl.constexpr, BKS: tl.constexpr, HAS_INIT: tl.constexpr,
+                  C: tl.constexpr, BJ: tl.constexpr, BKS: tl.constexpr, BB: tl.constexpr, HAS_INIT: tl.constexpr,
                   PER_CHANNEL: tl.constexpr):
-    """The chunk-level cascade (module docstring) on the level states at ptrs (stride between levels)."""
+    """The chunk-level cascade (module docstring) on the level states at ptrs (stride between levels); the levels
+    below BB of the blocks the deposit kernel merged are not touched (merges_tiles)."""
     decay = no_decays(BJ, BKS, PER_CHANNEL)
     n_chunks = tl.cdiv(eos - bos, C)
+    last = c0 + n_chunks - 1
     deposit, Gl = chunk_inputs(buckets, totals, (base * H + h) * K * V, base, bos, r, bos, eos, h, H, offs, lmask, kk,
-                               K, False, PER_CHANNEL)
+                               K, merges_tiles(c0, c0, last, jj, BB, BJ, HAS_INIT)[0], False, PER_CHANNEL)
     chunk = c0
     for i in range(n_chunks):
         chunk = c0 + i
         slot = ((base + i) * H + h) * K * V
         next_deposit, next_Gl = chunk_inputs(buckets, totals, slot + H * K * V, base + i + 1, bos + (i + 1) * C, r,
-                                             bos, eos, h, H, offs, lmask, kk, K, False, PER_CHANNEL)
+                                             bos, eos, h, H, offs, lmask, kk, K,
+                                             merges_tiles(chunk + 1, c0, last, jj, BB, BJ, HAS_INIT)[0], False,
+                                             PER_CHANNEL)
         store_decays(decays, (base + i) * H + h, J, K, decay, jj, kk, kb, PER_CHANNEL)
         decay = add_decay(decay, Gl, PER_CHANNEL)
         if i < n_chunks - 1:
-            total, decay = merge_levels(ptrs, stride, lmask, deposit, decay, jj, chunk, c0, HAS_INIT, BJ, PER_CHANNEL)
-            tl.store(buckets + slot + offs, total.to(buckets.dtype.element_ty), mask=lmask)
-            tl.debug_barrier()  # levels' stores before the next chunk's loads (shared/levels.py)
+            tiles, lo = merges_tiles(chunk, c0, last, jj, BB, BJ, HAS_INIT)
+            if tiles:
+                total, decay = merge_levels(ptrs, stride, lmask, deposit, decay, jj, chunk, c0, lo, HAS_INIT, BJ,
+                                            PER_CHANNEL)
+                tl.store(buckets + slot + offs, total.to(buckets.dtype.element_ty), mask=lmask)
+                tl.debug_barrier()  # levels' stores before the next chunk's loads (shared/levels.py)
+            else:
+                decay = clear_decays(decay, jj, merge_target(chunk, jj, BJ, False), PER_CHANNEL)
         deposit, Gl = next_deposit, next_Gl
     tl.debug_barrier()
     flush_levels(ptrs, stride, lmask, decay, jj, J, chunk, c0, HAS_INIT, PER_CHANNEL)
@@ -96,7 +119,7 @@ def fenwick_chain(totals, ptrs, stride, lmask, buckets, decays, bos, eos, c0, ba
 def mamba2_fwd_kernel(
     k, v, g, levels, buckets, decays, totals, bos_ptr, eos_ptr, chunk0_ptr, base_ptr,
     H, G, K, V, J,
-    C: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr, HAS_INIT: tl.constexpr,
+    C: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr, BB: tl.constexpr, HAS_INIT: tl.constexpr,
     PLAIN: tl.constexpr, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """g: [tokens, H] (G [tokens, H, K] fp32 with PER_CHANNEL, chunk.gates()); levels: [N, J, H, K, V] fp32,
@@ -118,4 +141,4 @@ def mamba2_fwd_kernel(
                     kk, vv, C, PRECISION, PER_CHANNEL)
     else:
         fenwick_chain(totals, ptrs, stride, lmask, buckets, decays, bos, eos, c0, base, h, H, K, V, J, kb, offs, r, jj,
-                      kk, C, BJ, BKS, HAS_INIT, PER_CHANNEL)
+                      kk, C, BJ, BKS, BB, HAS_INIT, PER_CHANNEL)

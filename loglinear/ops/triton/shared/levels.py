@@ -36,6 +36,8 @@ import triton.language as tl
 
 from loglinear.ops.triton.shared.common import pick
 
+BLOCK_LEVELS = 2  # the chunk levels merged inside the deposit kernel's blocks of 2^BLOCK_LEVELS chunks (block_merged)
+
 
 @triton.jit
 def sequence_range(n, bos_ptr, eos_ptr, chunk0_ptr, base_ptr):
@@ -54,17 +56,18 @@ def level_tile(levels, n, h, H, J, K, V, kk, vv):
 
 
 @triton.jit
-def chunk_inputs(tiles, totals, slot, row, t0, r, bos, eos, h, H, offs, mask, kk, K, PLAIN: tl.constexpr,
+def chunk_inputs(tiles, totals, slot, row, t0, r, bos, eos, h, H, offs, mask, kk, K, need, PLAIN: tl.constexpr,
                  PER_CHANNEL: tl.constexpr):
     """What a scan step needs from memory for the chunk at t0 (kernel chunk ``row``) of the sequence [bos, eos): its
     tile in ``slot`` of a per-chunk buffer (the deposit / its gradient: [BKS, BV] fp32; 0 for the sequence's last
-    chunk, which deposits nothing unless PLAIN, and outside the sequence) and its gate total from totals
-    (store_total; 0 outside): a scalar, or with PER_CHANNEL [BKS] for the state rows kk. Loaded one chunk ahead by
-    the scans, off their dependent chain (the reverse scan's next chunk is before bos at the sequence's start):
-    nothing is reduced here, so no instruction waits for these loads before the chunk is scanned."""
+    chunk, which deposits nothing unless PLAIN, outside the sequence, and where ``need`` is false: a step that merges
+    no tile) and its gate total from totals (store_total; 0 outside): a scalar, or with PER_CHANNEL [BKS] for the
+    state rows kk. Loaded one chunk ahead by the scans, off their dependent chain (the reverse scan's next chunk is
+    before bos at the sequence's start): nothing is reduced here, so no instruction waits for these loads before the
+    chunk is scanned."""
     first = offs * 0 + t0  # the chunk's first token as a tile: the interpreter masks with tensors only
     inside = (first >= bos) & (first < eos) if PLAIN else (first >= bos) & (first + r.shape[0] < eos)
-    tile = tl.load(tiles + slot + offs, mask=mask & inside, other=0.0)
+    tile = tl.load(tiles + slot + offs, mask=mask & inside & need, other=0.0)
     if PER_CHANNEL:
         at = kk * 0 + t0
         total = tl.load(totals + (row * H + h) * K + kk, mask=(kk < K) & (at >= bos) & (at < eos), other=0.0)
@@ -146,6 +149,20 @@ def level_live(chunk, c0, j, HAS_INIT: tl.constexpr, PLAIN: tl.constexpr):
 
 
 @triton.jit
+def block_merged(chunk, c0, last, BB: tl.constexpr, HAS_INIT: tl.constexpr):
+    """Are the chunk levels below BB merged inside chunk ``chunk``'s block (the aligned 2^BB chunks around it) by
+    the deposit kernel (chunk.mamba2_deposit_kernel), so that the forward scan merges only the levels >= BB, after
+    the block's last chunk? Every block of a sequence is but its last (``last``: the sequence's last chunk, which
+    deposits nothing) and, with HAS_INIT, its first (which starts from the initial levels): those two go through the
+    scan chunk by chunk. Without HAS_INIT a sequence starts at chunk 0, so its blocks are whole."""
+    block = chunk >> BB
+    merged = block != (last >> BB)
+    if HAS_INIT:
+        merged = merged & (block != (c0 >> BB))
+    return merged
+
+
+@triton.jit
 def merge_target(chunk, jj, BJ: tl.constexpr, PLAIN: tl.constexpr):
     """m = ctz(chunk + 1) (0 when PLAIN): after chunk ``chunk``, levels 0..m merge into level m
     (jj = arange(BJ))."""
@@ -212,13 +229,13 @@ def nth_level(live, rank, jj, i):
 
 
 @triton.jit
-def merge_levels(ptrs, stride, mask, deposit, decay, jj, chunk, c0, HAS_INIT: tl.constexpr, BJ: tl.constexpr,
+def merge_levels(ptrs, stride, mask, deposit, decay, jj, chunk, c0, lo, HAS_INIT: tl.constexpr, BJ: tl.constexpr,
                  PER_CHANNEL: tl.constexpr):
-    """Forward merge after chunk ``chunk`` (already decayed): H_m = deposit + sum_{j<=m, live} H_j.
-    Returns (H_m, decay)."""
+    """Forward merge after chunk ``chunk`` (already decayed): H_m = deposit + sum_{lo<=j<=m, live} H_j (lo > 0: the
+    levels below lo are in ``deposit`` already, block_merged). Returns (H_m, decay)."""
     m = merge_target(chunk, jj, BJ, False)
     total = deposit
-    for j in range(m + 1):
+    for j in range(lo, m + 1):
         if level_live(chunk, c0, j, HAS_INIT, False):
             total += load_level(ptrs, stride, j, mask, decay, jj, PER_CHANNEL)
     tl.store(ptrs + m * stride, total, mask=mask)
