@@ -153,7 +153,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     chunk = "q k v g lam {} h0 h0_held buckets decays scores {}starts ends seqs chunks chunk0 scale {}H G K V L J{}"
     kernels = [  # (kernel, its arguments, constexprs, state tile of one program: launch_options)
         (mamba2_chunk.mamba2_deposit_kernel, "k v g buckets totals starts ends seqs chunks chunk0 H G K V",
-         dict(base, BB=BLOCK_LEVELS), 0),
+         dict(base, BK=min(mamba2.DEPOSIT_ROWS, BK), BB=BLOCK_LEVELS), 0),
         (mamba2_fwd.mamba2_fwd_kernel,
          "k v g levels buckets decays totals bos_ptr eos_ptr chunk0_ptr base_ptr H G K V J",
          dict(scan_const, BKS=fwd_rows, BB=BLOCK_LEVELS), fwd_rows * BV),

@@ -72,6 +72,14 @@ def test_key_blocks(monkeypatch):
     _compare(gla_inputs(1, 70, 1, 2, 48, 8), chunk_size=32)
 
 
+def test_deposit_blocks(monkeypatch):
+    """The deposit kernel's merged blocks of four chunks with a per-channel gate (chunk 16: 9 and 6 chunks, the
+    second sequence from a state at chunk 3), its K rows in two programs of 16 (per-row gate totals and decays)."""
+    monkeypatch.setattr(backend, "DEPOSIT_ROWS", 16)
+    x = gla_inputs(1, 240, 1, 2, 32, 8)
+    _compare(x, cu_seqlens=torch.tensor([0, 140, 240]), state=_state([0, 48], 2, 32, 8, levels=8))
+
+
 def test_continuation_from_states_varlen():
     """States at an unaligned position, at 0 and at an aligned one (junk in every level, gradients reach them),
     three sequences of one varlen call."""

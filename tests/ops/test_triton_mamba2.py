@@ -123,6 +123,22 @@ def test_split_state_rows_with_state(no_torch_path):
     _compare(x, state=_random_state(1, [21], 2, 40, 24))
 
 
+@pytest.mark.parametrize("rows", [16, 64])
+def test_deposit_blocks(rows, monkeypatch, no_torch_path):
+    """The deposit kernel's merged blocks of four chunks (chunk 16: sequences of 10, 2 and 8 chunks, so two, none and
+    one merged block; each sequence's last block through the scan), its K rows in blocks of ``rows`` (K = 40: three
+    programs, the last partly masked, or one)."""
+    monkeypatch.setattr(M, "DEPOSIT_ROWS", rows)
+    _compare(mamba2_args(make_inputs(1, 300, 1, 2, 40, 24)), cu_seqlens=torch.tensor([0, 150, 181, 300]))
+
+
+def test_deposit_blocks_with_states(no_torch_path):
+    """Merged blocks after a state: the first block through the scan whether the state's chunk (5, 8, 0) is aligned
+    to it or not, the blocks after it merged by the deposit kernel."""
+    x = mamba2_args(make_inputs(1, 420, 1, 2, 16, 8))
+    _compare(x, cu_seqlens=torch.tensor([0, 150, 300, 420]), state=_random_state(3, [80, 128, 0], 2, 16, 8))
+
+
 @pytest.mark.parametrize("G, H, heads, plain", [(1, 4, 4, False), (1, 4, 2, True), (2, 8, 2, False),
                                                  (2, 8, 4, True)])
 def test_group_heads_summed_in_the_kernels(G, H, heads, plain, monkeypatch, no_torch_path):

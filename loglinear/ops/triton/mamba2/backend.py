@@ -79,6 +79,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP32_DOT = "ieee"  # fp32 products exact (shared.rules.dot_precision)
 MAX_CHUNK = 64  # the kernels' chunk cap (shared.rules.kernel_chunk_size): tiles fit sm_90's shared memory
 SCAN_ROWS = 16  # K rows per program of a scan whose state tile may be split
+DEPOSIT_ROWS = 128  # K rows per deposit program (its running sum and the deposit: two fp32 tiles; 64 ran slower)
 INITIAL_READERS = 32  # reader chunks per program of the initial levels' gradient (fewer: more segments)
 INITIAL_GRAD_BYTES = 256 << 20  # at most this much for its segments' partial sums (more readers per program)
 GATE_LATER_BLOCK = 16  # chunks per load of the gate gradient's sums over later chunks (mamba2_gate_later_kernel)
@@ -246,9 +247,11 @@ def _merge_levels(k, v, gate, levels, ranges, table: ChunkTable, plan: LevelScan
     decays = alloc((NC, H, J, k.shape[-1]) if plan.per_channel else (NC, H, J), torch.float32, k.device)
     totals = alloc(_gate_shape(plan, NC, H, k.shape[-1]), torch.float32, k.device)
     if NC and not plan.plain:  # the plain scan forms its deposits and totals itself
-        mamba2_deposit_kernel[(NC * H,)](
-            k, v, gate, buckets, totals, table.starts, table.ends, table.seqs, table.chunks, ranges[2], BK=BK, BV=BV,
-            BB=BLOCK_LEVELS, HAS_INIT=plan.has_init, **_sizes(plan, k, v), **_launch(mamba2_deposit_kernel, plan),
+        rows = min(DEPOSIT_ROWS, BK)
+        mamba2_deposit_kernel[(NC * H, triton.cdiv(k.shape[-1], rows))](
+            k, v, gate, buckets, totals, table.starts, table.ends, table.seqs, table.chunks, ranges[2], BK=rows,
+            BV=BV, BB=BLOCK_LEVELS, HAS_INIT=plan.has_init, **_sizes(plan, k, v),
+            **_launch(mamba2_deposit_kernel, plan),
         )
     BKS = _scan_rows(k, plan.plain)  # the plain scan multiplies (its deposits)
     mamba2_fwd_kernel[(N, H, triton.cdiv(k.shape[-1], BKS))](

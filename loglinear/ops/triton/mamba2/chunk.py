@@ -345,19 +345,21 @@ def mamba2_deposit_kernel(
     them with the merged levels. Not used by plain calls: their forward scan forms the deposits and totals itself.
     k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] (G [tokens, H, K] fp32 with PER_CHANNEL, gates()); buckets:
     [NC, H, K, V]; totals: [NC, H] ([NC, H, K]) fp32; seqs, chunks: [NC], chunk0: [N] (the chunk table).
-    Grid (NC * H,) (heads_fastest; the programs of a merged block's other chunks return at once)."""
+    Grid (NC * H, cdiv(K, BK)): program (p * H + h, b) does rows b BK .. b BK + BK - 1 of the states (heads_fastest;
+    the programs of a merged block's other chunks return at once)."""
     ci, h = heads_fastest(H)
+    kb = tl.program_id(1)
     end = tl.load(ends + ci).to(tl.int64)
     n, chunk, c0 = chunk_position(ci, seqs, chunks, chunk0)
     merged = block_merged(chunk, c0, chunk + tl.cdiv(end - tl.load(starts + ci), C) - 1, BB, HAS_INIT)
     walk = tl.where(merged, tl.where((chunk & ((1 << BB) - 1)) == 0, 1 << BB, 0), 1)
-    kk, vv = tl.arange(0, BK), tl.arange(0, BV)
+    kk, vv = kb * BK + tl.arange(0, BK), tl.arange(0, BV)
     offs, mask = kk[:, None] * V + vv[None, :], (kk[:, None] < K) & (vv[None, :] < V)
     running = tl.zeros([BK, BV], dtype=tl.float32)
     for u in range(walk):
         t0, r, t, valid = chunk_rows(ci + u, starts, ends, C)
         Gc, Gl = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
-        store_total(totals, ci + u, h, H, K, kk, True, Gl, PER_CHANNEL)
+        store_total(totals, ci + u, h, H, K, kk, kb == 0, Gl, PER_CHANNEL)
         deposit = chunk_deposit(load_tile(k, t0, r, valid, h // (H // G), G, K, kk),
                                 load_tile(v, t0, r, valid, h, H, V, vv), Gc, Gl, PRECISION, PER_CHANNEL)
         running = row_decay(Gl, PER_CHANNEL) * running + deposit

@@ -10,7 +10,10 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
     during the current one's GEMM), and so does the dk / dv kernel's loop over a group's heads, but only on the
     log-linear path (224 B of spills and 107 KB of shared memory against 200 B and 57 KB at one stage; measured on an
     H100 at 8K / 32K / 128K per forward + backward: 2.62 -> 2.58, 10.48 -> 10.32, 43.21 -> 42.56 ms); plain Mamba-2
-    ran 6% slower with it (6.40 -> 6.79 ms at 32K) and GLA the same (``plain``, ``channel``: one stage).
+    ran 6% slower with it (6.40 -> 6.79 ms at 32K) and GLA the same (``plain``, ``channel``: one stage). The
+    deposit kernel, whose programs walk a block of four chunks with two fp32 [128, 64] tiles (255 registers, no
+    spills), takes 4 warps and one stage: on an H100 at 32K, 8 warps gave the same for Mamba-2 and GLA 2% slower, 8
+    warps and two stages 3% / 7% slower, rows in two programs of 64 1.6% slower (mamba2/backend.py DEPOSIT_ROWS).
   * Mamba-2 scans (mamba2/fwd.py, mamba2/bwd.py): one program per (sequence, head, block of state rows);
     4 warps up to a [128, 32] fp32 state tile, 8 above (``wide_warps``). The gate gradient's sums over later
     chunks (mamba2_gate_later_kernel, one program per (sequence, head)): 4 warps, not tuned (0.07 ms at 32K).
