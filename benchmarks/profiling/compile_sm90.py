@@ -166,7 +166,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
         (mamba2_chunk.mamba2_initial_grad_kernel,
          "q g lam do decays bos_ptr eos_ptr chunk0_ptr base_ptr d_init scale N S J0 H G K V L J", base, 0),
         (mamba2_bwd.mamba2_bwd_scan_kernel, "totals d_levels d_buckets bos_ptr eos_ptr chunk0_ptr base_ptr H K V J",
-         dict(scan_const, BKS=mamba2.SCAN_ROWS), mamba2.SCAN_ROWS * BV),
+         dict(scan_const, BKS=mamba2.SCAN_ROWS, BB=BLOCK_LEVELS), mamba2.SCAN_ROWS * BV),
         (mamba2_chunk.mamba2_chunk_bwd_dkv_kernel,
          "q k v g lam do d_deposits scores dk_in starts ends seqs eos_ptr final_terms scale dk dv d_gate totals "
          "H G K V L", base, 0),

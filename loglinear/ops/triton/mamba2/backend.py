@@ -474,8 +474,8 @@ def _deposit_grads(q, readers, gate, lam, d_o, d_levels, ranges, saved: _Saved, 
     BKS = _scan_rows(q, False)
     mamba2_bwd_scan_kernel[(N, H, triton.cdiv(q.shape[-1], BKS))](
         saved.totals, d_levels, d_buckets, *ranges, table.base, H=H, K=q.shape[-1], V=d_o.shape[-1], J=J,
-        C=plan.chunk_size, BKS=BKS, BV=chunk["BV"], BJ=MAX_CHUNK_LEVELS, HAS_INIT=plan.has_init, PLAIN=plan.plain,
-        PER_CHANNEL=plan.per_channel, **_launch(mamba2_bwd_scan_kernel, plan, BKS * chunk["BV"]),
+        C=plan.chunk_size, BKS=BKS, BV=chunk["BV"], BJ=MAX_CHUNK_LEVELS, BB=BLOCK_LEVELS, HAS_INIT=plan.has_init,
+        PLAIN=plan.plain, PER_CHANNEL=plan.per_channel, **_launch(mamba2_bwd_scan_kernel, plan, BKS * chunk["BV"]),
     )
     if plan.has_init and NC:
         d_levels[:, plan.first_level :].add_(_initial_read_grads(q, readers, gate, lam, d_o, ranges, saved, plan))

@@ -33,7 +33,8 @@ import triton.language as tl
 
 from loglinear.ops.triton.shared.common import SCAN_RUNTIME_ARGS
 from loglinear.ops.triton.shared.levels import (
-    add_decay, chunk_inputs, flush_splits, level_tile, no_decays, row_decay, sequence_range, split_levels,
+    add_decay, chunk_inputs, clear_decays, flush_splits, level_tile, merge_target, merges_tiles, no_decays, row_decay,
+    sequence_range, split_levels,
 )
 
 
@@ -63,25 +64,35 @@ def plain_chain(totals, ptrs, lmask, d_buckets, bos, eos, base, h, H, K, V, offs
 
 @triton.jit
 def fenwick_chain(totals, ptrs, stride, lmask, d_buckets, bos, eos, c0, base, h, H, K, V, J, offs, r, jj, kk,
-                  C: tl.constexpr, BJ: tl.constexpr, BKS: tl.constexpr, HAS_INIT: tl.constexpr,
+                  C: tl.constexpr, BJ: tl.constexpr, BKS: tl.constexpr, BB: tl.constexpr, HAS_INIT: tl.constexpr,
                   PER_CHANNEL: tl.constexpr):
-    """The transposed cascade (module docstring) on the level gradients at ptrs (stride between levels)."""
+    """The transposed cascade (module docstring) on the level gradients at ptrs (stride between levels); inside the
+    blocks the deposit kernel merged (levels.merges_tiles) the splits below level BB run in registers."""
     decay = no_decays(BJ, BKS, PER_CHANNEL)
     n_chunks = tl.cdiv(eos - bos, C)
     last = c0 + n_chunks - 2  # the last chunk with a split after it
     slot = ((base + n_chunks - 1) * H + h) * K * V
     reads, Gl = chunk_inputs(d_buckets, totals, slot, base + n_chunks - 1, bos + (n_chunks - 1) * C, r, bos, eos, h,
                              H, offs, lmask, kk, K, True, False, PER_CHANNEL)
+    carry = tl.zeros(lmask.shape, dtype=tl.float32)  # a merged block's gradient A (below), at the current chunk's end
     for back in range(n_chunks):
         i = n_chunks - 1 - back
         t0 = bos + i * C
         next_reads, next_Gl = chunk_inputs(d_buckets, totals, slot - H * K * V, base + i - 1, t0 - C, r, bos, eos, h,
                                            H, offs, lmask, kk, K, True, False, PER_CHANNEL)
         if i < n_chunks - 1:
-            d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, c0 + i, last, reads, BJ, PER_CHANNEL)
+            m = merge_target(c0 + i, jj, BJ, False)
+            tiles, _ = merges_tiles(c0 + i, c0, last + 1, jj, BB, BJ, HAS_INIT)
+            if tiles:
+                d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, c0 + i, last, reads, BJ, PER_CHANNEL)
+                tl.debug_barrier()  # levels' stores before the next chunk's loads (shared/levels.py)
+            else:
+                d_deposit = carry + reads
+                decay = clear_decays(decay, jj, m, PER_CHANNEL)
             tl.store(d_buckets + slot + offs, d_deposit.to(d_buckets.dtype.element_ty), mask=lmask)
-            tl.debug_barrier()  # levels' stores before the next chunk's loads (shared/levels.py)
+            carry = tl.where(tiles | (m == 1), d_deposit, carry)
         decay = add_decay(decay, Gl, PER_CHANNEL)
+        carry *= row_decay(Gl, PER_CHANNEL)
         reads, Gl, slot = next_reads, next_Gl, slot - H * K * V
     if HAS_INIT:
         tl.debug_barrier()
@@ -92,7 +103,7 @@ def fenwick_chain(totals, ptrs, stride, lmask, d_buckets, bos, eos, c0, base, h,
 def mamba2_bwd_scan_kernel(
     totals, d_levels, d_buckets, bos_ptr, eos_ptr, chunk0_ptr, base_ptr,
     H, K, V, J,
-    C: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr, HAS_INIT: tl.constexpr,
+    C: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr, BB: tl.constexpr, HAS_INIT: tl.constexpr,
     PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """Grid (N, H, cdiv(K, BKS)). totals: [NC, H] ([NC, H, K] with PER_CHANNEL) fp32, the chunks' gate totals
@@ -109,4 +120,4 @@ def mamba2_bwd_scan_kernel(
         plain_chain(totals, ptrs, lmask, d_buckets, bos, eos, base, h, H, K, V, offs, r, kk, C, HAS_INIT, PER_CHANNEL)
     else:
         fenwick_chain(totals, ptrs, stride, lmask, d_buckets, bos, eos, c0, base, h, H, K, V, J, offs, r, jj, kk, C, BJ,
-                      BKS, HAS_INIT, PER_CHANNEL)
+                      BKS, BB, HAS_INIT, PER_CHANNEL)

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from loglinear.ops.triton.mamba2.chunk import chunk_deposit, gates
 from loglinear.ops.triton.shared.levels import (
-    add_decay, block_merged, chunk_inputs, clear_decays, flush_levels, level_tile, merge_levels, merge_target,
+    add_decay, chunk_inputs, clear_decays, flush_levels, level_tile, merge_levels, merge_target, merges_tiles,
     no_decays, row_decay, sequence_range, store_decays, store_total,
 )
 from loglinear.ops.triton.shared.tiles import load_tile
@@ -69,15 +69,6 @@ def plain_chain(k, v, g, ptrs, lmask, buckets, totals, bos, eos, base, grp, h, G
         tl.store(buckets + ((base + i) * H + h) * K * V + offs, state.to(buckets.dtype.element_ty), mask=lmask)
         deposit, Gl = next_deposit, next_Gl
     tl.store(ptrs, state, mask=lmask)
-
-
-@triton.jit
-def merges_tiles(chunk, c0, last, jj, BB: tl.constexpr, BJ: tl.constexpr, HAS_INIT: tl.constexpr):
-    """Does the scan step after chunk ``chunk`` merge tiles? Yes where the deposit kernel did not merge the chunk's
-    block (levels.block_merged), and after a merged block's last chunk (merge target >= BB), where the slot holds the
-    block's sum; the other steps only record decays. -> (merges, lowest level to merge)."""
-    merged = block_merged(chunk, c0, last, BB, HAS_INIT)
-    return tl.where(merged, merge_target(chunk, jj, BJ, False) >= BB, True), tl.where(merged, BB, 0)
 
 
 @triton.jit

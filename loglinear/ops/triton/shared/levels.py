@@ -163,6 +163,17 @@ def block_merged(chunk, c0, last, BB: tl.constexpr, HAS_INIT: tl.constexpr):
 
 
 @triton.jit
+def merges_tiles(chunk, c0, last, jj, BB: tl.constexpr, BJ: tl.constexpr, HAS_INIT: tl.constexpr):
+    """Does a scan step at chunk ``chunk`` (the merge after it, or its transposed split) touch level tiles? Yes where
+    the deposit kernel did not merge the chunk's block (block_merged), and after a merged block's last chunk (merge
+    target >= BB), where the forward slot holds the block's sum; at the other chunks the forward scan only records
+    decays and the reverse scan carries the block's gradient in registers. -> (touches tiles, lowest level to
+    merge)."""
+    merged = block_merged(chunk, c0, last, BB, HAS_INIT)
+    return tl.where(merged, merge_target(chunk, jj, BJ, False) >= BB, True), tl.where(merged, BB, 0)
+
+
+@triton.jit
 def merge_target(chunk, jj, BJ: tl.constexpr, PLAIN: tl.constexpr):
     """m = ctz(chunk + 1) (0 when PLAIN): after chunk ``chunk``, levels 0..m merge into level m
     (jj = arange(BJ))."""
