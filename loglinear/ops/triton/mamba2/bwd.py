@@ -14,6 +14,14 @@ chunk i's deposit D_i = K^T (exp(Gl - G) * V). The deposit's terms in dK and dV 
 (dB and the gate total are loaded a chunk ahead): no GEMM, so the state tile is cut into blocks of K rows
 (contiguous in the [K, V] states) over many programs. No atomics: every output element has one writer.
 
+In the blocks of 2^BB chunks whose merges below level BB the deposit kernel did (levels.block_merged; BB = 2: one
+running sum A per block, fwd.py), the splits below BB are the transpose of that sum, so they need no level tiles:
+from the split after the block's last chunk (dD = dA, the gradient of the block's sum), walking back,
+
+    A <- exp(Gl) A;   dD_i = A + dB_i;   A <- dD_i where A was the bucket (m = 1: after the block's second chunk)
+
+in registers (``carry``), and only the split after a block's last chunk (levels BB..m) touches the level states.
+
 An initial state's levels are read, as kind-2 levels, by the first chunks; those reads' gradients are the same
 chunk-parallel sums as dB (chunk.mamba2_initial_grad_kernel), which the backend adds to what the scan leaves
 in the initial levels: the transposed merges into them, decayed back to the start. So the chain never
