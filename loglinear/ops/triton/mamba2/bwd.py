@@ -18,7 +18,7 @@ In the blocks of 2^BB chunks whose merges below level BB the deposit kernel did 
 running sum A per block, fwd.py), the splits below BB are the transpose of that sum, so they need no level tiles:
 from the split after the block's last chunk (dD = dA, the gradient of the block's sum), walking back,
 
-    A <- exp(Gl) A;   dD_i = A + dB_i;   A <- dD_i where A was the bucket (m = 1: after the block's second chunk)
+    A <- exp(Gl_{i+1}) A;   dD_i = A + dB_i;   A <- dD_i where A was the bucket (m = 1: after the second chunk)
 
 in registers (``carry``), and only the split after a block's last chunk (levels BB..m) touches the level states.
 
