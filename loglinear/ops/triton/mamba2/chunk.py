@@ -347,10 +347,11 @@ def mamba2_deposit_kernel(
     [NC, H, K, V]; totals: [NC, H] ([NC, H, K]) fp32; seqs, chunks: [NC], chunk0: [N] (the chunk table).
     Grid (NC * H, cdiv(K, BK)): program (p * H + h, b) does rows b BK .. b BK + BK - 1 of the states (heads_fastest;
     the programs of a merged block's other chunks return at once)."""
+    tl.static_assert(BB <= 2, "one running sum merges blocks of up to four chunks")
     ci, h = heads_fastest(H)
     kb = tl.program_id(1)
     end = tl.load(ends + ci).to(tl.int64)
-    n, chunk, c0 = chunk_position(ci, seqs, chunks, chunk0)
+    _, chunk, c0 = chunk_position(ci, seqs, chunks, chunk0)
     merged = block_merged(chunk, c0, chunk + tl.cdiv(end - tl.load(starts + ci), C) - 1, BB, HAS_INIT)
     walk = tl.where(merged, tl.where((chunk & ((1 << BB) - 1)) == 0, 1 << BB, 0), 1)
     kk, vv = kb * BK + tl.arange(0, BK), tl.arange(0, BV)
