@@ -123,12 +123,11 @@ def test_split_state_rows_with_state(no_torch_path):
     _compare(x, state=_random_state(1, [21], 2, 40, 24))
 
 
-@pytest.mark.parametrize("rows", [16, 64])
-def test_deposit_blocks(rows, monkeypatch, no_torch_path):
+def test_deposit_blocks(monkeypatch, no_torch_path):
     """The deposit kernel's merged blocks of four chunks (chunk 16: sequences of 10, 2 and 8 chunks, so two, none and
-    one merged block; each sequence's last block through the scan), its K rows in blocks of ``rows`` (K = 40: three
-    programs, the last partly masked, or one)."""
-    monkeypatch.setattr(M, "DEPOSIT_ROWS", rows)
+    one merged block; each sequence's last block through the scan), its K rows in programs of 16 (K = 40: three, the
+    last partly masked; the other tests run whole rows)."""
+    monkeypatch.setattr(M, "DEPOSIT_ROWS", 16)
     _compare(mamba2_args(make_inputs(1, 300, 1, 2, 40, 24)), cu_seqlens=torch.tensor([0, 150, 181, 300]))
 
 

@@ -90,7 +90,7 @@ def fenwick_chain(totals, ptrs, stride, lmask, d_buckets, bos, eos, c0, base, h,
                                            H, offs, lmask, kk, K, True, False, PER_CHANNEL)
         if i < n_chunks - 1:
             m = merge_target(c0 + i, jj, BJ, False)
-            tiles, _ = merges_tiles(c0 + i, c0, last + 1, jj, BB, BJ, HAS_INIT)
+            tiles, _ = merges_tiles(c0 + i, c0, last + 1, jj, BB, BJ, HAS_INIT)  # last + 1: the sequence's last
             if tiles:
                 d_deposit, decay = split_levels(ptrs, stride, lmask, decay, jj, c0 + i, last, reads, BJ, PER_CHANNEL)
                 tl.debug_barrier()  # levels' stores before the next chunk's loads (shared/levels.py)

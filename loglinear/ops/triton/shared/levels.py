@@ -152,7 +152,7 @@ def level_live(chunk, c0, j, HAS_INIT: tl.constexpr, PLAIN: tl.constexpr):
 def block_merged(chunk, c0, last, BB: tl.constexpr, HAS_INIT: tl.constexpr):
     """Are the chunk levels below BB merged inside chunk ``chunk``'s block (the aligned 2^BB chunks around it) by
     the deposit kernel (chunk.mamba2_deposit_kernel), so that the forward scan merges only the levels >= BB, after
-    the block's last chunk? Every block of a sequence is but its last (``last``: the sequence's last chunk, which
+    the block's last chunk? All blocks of a sequence are except its last (``last``: the sequence's last chunk, which
     deposits nothing) and, with HAS_INIT, its first (which starts from the initial levels): those two go through the
     scan chunk by chunk. Without HAS_INIT a sequence starts at chunk 0, so its blocks are whole."""
     block = chunk >> BB
