@@ -93,10 +93,13 @@ def build_step(variant: str, plain: bool, T: int):
     return step, leaves
 
 
-def measure(step, leaves: list[torch.Tensor], kernel: str) -> tuple[float, float, list[torch.Tensor]]:
-    """(forward + backward ms, the kernel's CUDA ms per step, the gradients of one step)."""
+def measure(step, leaves: list[torch.Tensor], kernel: str | None) -> tuple[float, float, list[torch.Tensor]]:
+    """(forward + backward ms, the kernel's CUDA ms per step, the gradients of one step); kernel None: the time alone
+    (a baseline: 0 and no gradients)."""
     bench_ops.settle(step, 4)
     ms = triton.testing.do_bench(step, warmup=25, rep=150, grad_to_none=leaves, return_mode="median")
+    if kernel is None:
+        return ms, 0.0, []
     for t in leaves:
         t.grad = None
     step()
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
             fields = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
         finally:
             launch.LAUNCH[kernel] = saved
-        fields["base_ms"] = round(measure(step, leaves, kernel)[0], 4)
+        fields["base_ms"] = round(measure(step, leaves, None)[0], 4)
         rows.append(row(kernel, (warps, stages), **fields))
         print(rows[-1], flush=True)
         write(rows, out, name, meta)

@@ -341,13 +341,13 @@ def mamba2_deposit_kernel(
         D_p  (u even: merge target 0, the bucket itself),    A_p  (u odd: u = 1 is the bucket of level 1, u = 3 the
                                                                    block's sum, which the scan merges with levels >= 2)
 
-    (one running sum serves blocks of up to four chunks: BB <= 2). The forward scan merges the slots and overwrites
-    them with the merged levels. Not used by plain calls: their forward scan forms the deposits and totals itself.
+    (one running sum serves blocks of up to four chunks: levels.block_merged takes BB <= 2). The forward scan merges
+    the slots and overwrites them with the merged levels. Not used by plain calls: their forward scan forms the
+    deposits and totals itself.
     k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] (G [tokens, H, K] fp32 with PER_CHANNEL, gates()); buckets:
     [NC, H, K, V]; totals: [NC, H] ([NC, H, K]) fp32; seqs, chunks: [NC], chunk0: [N] (the chunk table).
     Grid (NC * H, cdiv(K, BK)): program (p * H + h, b) does rows b BK .. b BK + BK - 1 of the states (heads_fastest;
     the programs of a merged block's other chunks return at once)."""
-    tl.static_assert(BB <= 2, "one running sum merges blocks of up to four chunks")
     ci, h = heads_fastest(H)
     kb = tl.program_id(1)
     end = tl.load(ends + ci).to(tl.int64)

@@ -154,7 +154,9 @@ def block_merged(chunk, c0, last, BB: tl.constexpr, HAS_INIT: tl.constexpr):
     the deposit kernel (chunk.mamba2_deposit_kernel), so that the forward scan merges only the levels >= BB, after
     the block's last chunk? All blocks of a sequence are except its last (``last``: the sequence's last chunk, which
     deposits nothing) and, with HAS_INIT, its first (which starts from the initial levels): those two go through the
-    scan chunk by chunk. Without HAS_INIT a sequence starts at chunk 0, so its blocks are whole."""
+    scan chunk by chunk. Without HAS_INIT a sequence starts at chunk 0, so its blocks are whole. BB <= 2: the deposit
+    kernel merges a block with one running sum, and the reverse scan transposes that sum in registers."""
+    tl.static_assert(BB <= 2, "one running sum merges blocks of up to four chunks")
     block = chunk >> BB
     merged = block != (last >> BB)
     if HAS_INIT:
