@@ -66,12 +66,13 @@ def aligned(fn, signature: dict, ints: dict) -> dict:
     return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
 
 
-def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, ints: dict | None = None) -> str:
+def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, ints: dict | None = None,
+           maxnreg: int | None = None) -> str:
     """One line: shared memory, then ptxas's registers / stack / spills for the compiled kernel.
     ints: the runtime integer arguments' values (for the JIT's divisibility specialisation)."""
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned(fn, signature, ints or {}))
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps, "num_stages": num_stages})
+                            options={"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg})
     ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(kernel.asm["ptx"])

@@ -170,6 +170,24 @@ def test_group_heads_by_the_launch_rule(plain, monkeypatch, no_torch_path):
         _compare(x, state=_random_state(2, [32, 32], 6, 16, 8))
 
 
+def test_register_cap_on_the_general_build_only(monkeypatch):
+    """On a GPU a kernel with max_registers launches with ptxas's cap (maxnreg) on its general build; its per-channel
+    build (another warp count) and kernels without one get none, and the interpreter's fixed config never does."""
+    from loglinear.ops.triton.shared import launch
+
+    kernel = M.mamba2_initial_grad_kernel
+    config = launch.LAUNCH[kernel.__name__]
+    assert config.max_registers is not None
+    assert "maxnreg" not in launch.launch_options(kernel)  # interpreted
+    with monkeypatch.context() as gpu:
+        gpu.setattr(launch, "interpreting", lambda: False)
+        assert launch.launch_options(kernel) == {"num_warps": config.num_warps, "num_stages": config.num_stages,
+                                                 "maxnreg": config.max_registers}
+        assert launch.launch_options(kernel, per_channel=True) == dict(zip(("num_warps", "num_stages"),
+                                                                           config.channel))
+        assert "maxnreg" not in launch.launch_options(M.mamba2_level_grad_kernel)
+
+
 @pytest.mark.parametrize("plain", [False, True])
 def test_dkv_launch_follows_the_path(plain, monkeypatch, no_torch_path):
     """On a GPU the dk / dv kernel takes its plain-path launch on the plain path only, and the per-channel one with

@@ -1,4 +1,5 @@
-"""The one launch-config rule: num_warps / num_stages of every kernel launch, from one per-kernel table.
+"""The one launch-config rule: num_warps / num_stages (and a register cap where set) of every kernel launch, from
+one per-kernel table.
 
 Under TRITON_INTERPRET=1 every kernel gets one fixed config (no device queries, no autotune benchmarking on
 CPU tensors). On the GPU the table's values were tuned on an H200 (sm_90, triton 3.6; compile with
@@ -11,6 +12,11 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
     log-linear path (224 B of spills and 107 KB of shared memory against 200 B and 57 KB at one stage; measured on an
     H100 at 8K / 32K / 128K per forward + backward: 2.62 -> 2.58, 10.48 -> 10.32, 43.21 -> 42.56 ms); plain Mamba-2
     ran 6% slower with it (6.40 -> 6.79 ms at 32K) and GLA the same (``plain``, ``channel``: one stage). The
+    initial levels' gradient (calls with a state) is capped at 168 registers (``max_registers``: 212-217 by
+    ptxas's choice, two programs per SM; at 168 three, without spills in bf16, and 5.6 KB of spills in fp32
+    against 19 KB uncapped): 0.343 -> 0.270 ms at 32K on an H100 (one process per tree, alternating, two rounds).
+    The level gradient, at 168 already, takes no cap: its lambda column loaded a reader ahead (181 registers,
+    capped to 168) ran 1.373 ms at 32K against 1.364 (GLA's 8-warp build 1.897 against 1.852). The
     deposit kernel, whose programs walk a block of four chunks with two fp32 [128, 64] tiles (255 registers, no
     spills), takes 4 warps and one stage: on an H100 at 32K, 8 warps gave the same for Mamba-2 and GLA 2% slower, 8
     warps and two stages 3% / 7% slower, rows in two programs of 64 1.6% slower (mamba2/backend.py DEPOSIT_ROWS).
@@ -70,7 +76,8 @@ class Launch:
     """A kernel's GPU launch config: num_warps, num_stages, (scans over state tiles) the warps for a state tile
     of more than WIDE_STATE_TILE elements, (chunk kernels with a PER_CHANNEL switch) (num_warps, num_stages)
     with a per-channel gate, (kernels with a plain build: the delta-rule chains, Mamba-2's dk / dv kernel) on the
-    plain path and (a group-summing kernel) with one head per program (None: the same as the general build's)."""
+    plain path and (a group-summing kernel) with one head per program (None: the same as the general build's), and
+    the general build's register cap per thread (ptxas's maxnreg; None: ptxas's own choice)."""
 
     num_warps: int
     num_stages: int
@@ -78,6 +85,7 @@ class Launch:
     channel: tuple[int, int] | None = None
     plain: tuple[int, int] | None = None
     one_head: tuple[int, int] | None = None
+    max_registers: int | None = None
 
 
 LAUNCH: dict[str, Launch] = {
@@ -87,7 +95,7 @@ LAUNCH: dict[str, Launch] = {
     "mamba2_chunk_fwd_kernel": Launch(4, 2),
     "mamba2_chunk_bwd_dq_kernel": Launch(4, 2),
     "mamba2_level_grad_kernel": Launch(4, 3, channel=(8, 1)),
-    "mamba2_initial_grad_kernel": Launch(4, 3, channel=(8, 3)),
+    "mamba2_initial_grad_kernel": Launch(4, 3, channel=(8, 3), max_registers=168),
     "mamba2_bwd_scan_kernel": Launch(4, 2, wide_warps=8),
     "mamba2_chunk_bwd_dkv_kernel": Launch(4, 2, channel=(4, 1), plain=(4, 1)),
     "mamba2_gate_grad_kernel": Launch(4, 1),
@@ -119,11 +127,12 @@ LAUNCH: dict[str, Launch] = {
 
 def launch_options(kernel, state_tile: int = 0, per_channel: bool = False, plain: bool = False,
                    heads: int = 0) -> dict[str, int]:
-    """num_warps / num_stages for launching ``kernel`` (a @triton.jit function, looked up in LAUNCH by name);
-    state_tile: the elements of the state tile one program holds (kernels with wide_warps); per_channel: the
-    kernel runs with a per-channel gate (kernels with a ``channel`` config); plain: the kernel's build for the plain
-    path (kernels with a ``plain`` config); heads: the value heads one program of a group-summing kernel sums
-    (kernels with a ``one_head`` config). The fixed INTERPRETER config under TRITON_INTERPRET=1."""
+    """num_warps / num_stages (and maxnreg: a general build's max_registers) for launching ``kernel`` (a @triton.jit
+    function, looked up in LAUNCH by name); state_tile: the elements of the state tile one program holds (kernels
+    with wide_warps); per_channel: the kernel runs with a per-channel gate (kernels with a ``channel`` config);
+    plain: the kernel's build for the plain path (kernels with a ``plain`` config); heads: the value heads one
+    program of a group-summing kernel sums (kernels with a ``one_head`` config). The fixed INTERPRETER config under
+    TRITON_INTERPRET=1."""
     config = LAUNCH[kernel.__name__]
     if interpreting():
         return dict(INTERPRETER)
@@ -133,7 +142,10 @@ def launch_options(kernel, state_tile: int = 0, per_channel: bool = False, plain
     warps = config.num_warps
     if config.wide_warps is not None and state_tile > WIDE_STATE_TILE:
         warps = config.wide_warps
-    return {"num_warps": warps, "num_stages": config.num_stages}
+    options = {"num_warps": warps, "num_stages": config.num_stages}
+    if config.max_registers is not None:
+        options["maxnreg"] = config.max_registers
+    return options
 
 
 def heads_per_program(rows: int, heads: int, groups: int, per_head: bool = False) -> int:
