@@ -124,12 +124,17 @@ def test_mamba2_tuner_tries_each_candidate_on_its_path(variant, plain, monkeypat
     monkeypatch.setattr(launch, "interpreting", lambda: False)
     cands = tune.candidates(variant, plain)
     assert len({c[0] for c in cands}) == len(tune.KERNELS) + 4 * (variant == "gla") - 2 * plain
-    for name, field, warps, stages in cands:
+    assert len(set(cands)) == len(cands)
+    capped = {c[0] for c in cands if c[4] is not None}
+    general = set(tune.CHANNEL_KERNELS) if variant == "gla" else set() if plain else set(tune.KERNELS)
+    assert capped == general  # caps only on a general build (launch_options' rule)
+    for name, field, warps, stages, registers in cands:
         kernel, config = SimpleNamespace(__name__=name), launch.LAUNCH[name]
         flags = {} if name in tune.CHANNEL_KERNELS else {"per_channel": variant == "gla", "plain": plain}
         own = launch.launch_options(kernel, **flags)
-        monkeypatch.setitem(launch.LAUNCH, name, tune.with_config(config, field, warps, stages))
-        assert launch.launch_options(kernel, **flags) == {"num_warps": warps, "num_stages": stages} != own
+        monkeypatch.setitem(launch.LAUNCH, name, tune.with_config(config, field, warps, stages, registers))
+        want = {"num_warps": warps, "num_stages": stages, **({"maxnreg": registers} if registers else {})}
+        assert launch.launch_options(kernel, **flags) == want != own
         monkeypatch.setitem(launch.LAUNCH, name, config)
 
 
@@ -162,8 +167,9 @@ def test_mamba2_tuner_puts_the_op_choices_back(tmp_path, monkeypatch):
     assert all(r["base_ms"] == 2.0 for r in rows[1:])
     assert {r["error"] for r in rows if r["kernel"] == "mamba2_level_grad_kernel"} == {
         "RuntimeError: out of resources: shared memory"}
-    assert "| `mamba2_chunk_bwd_dkv_kernel` | 8 | 2 | 2.0 | 2.0 | 1.000 |" in (
-        tmp_path / "tune-mamba2-Test-GPU.md").read_text()
+    md = (tmp_path / "tune-mamba2-Test-GPU.md").read_text()
+    assert "| `mamba2_chunk_bwd_dkv_kernel` | 8 | 2 |  | 2.0 | 2.0 | 1.000 |" in md
+    assert "| `mamba2_chunk_bwd_dq_kernel` | 4 | 2 | 168 | 2.0 | 2.0 | 1.000 |" in md
     tune.main(["--T", "64", "--budget", "0", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "tune-mamba2-Test-GPU.json").read_text())["rows"]
     assert all(r["error"] == "budget" for r in rows[1:])

@@ -1,5 +1,6 @@
 """Launch choices of the Mamba-2 chunk kernels, timed on the GPU: warps and pipeline stages, one kernel at a time, for
-log-linear Mamba-2, GLA (its per-channel build) or either one's plain path.
+log-linear Mamba-2, GLA (its per-channel build) or either one's plain path; on the general build also a cap on the
+registers per thread (ptxas's maxnreg: three programs of 4 warps per SM at 168).
 
     python benchmarks/profiling/tune_mamba2.py --T 32768 --out benchmarks/results --budget 240
     python benchmarks/profiling/tune_mamba2.py --variant gla --plain
@@ -7,11 +8,11 @@ log-linear Mamba-2, GLA (its per-channel build) or either one's plain path.
 Paper setting (bf16, B = 2, H = 48, one q/k group, K = 128, V = 64; bench_ops.py's rows `loglinear` /
 `loglinear_plain`). The op's own choices (LAUNCH in loglinear/ops/triton/shared/launch.py, the entry the path takes:
 the general one, ``channel`` with a per-channel gate, ``plain`` on the plain path) run first; then each candidate
-changes one kernel's (warps, stages) on that path. Per candidate the forward + backward is timed (do_bench median),
-then the op's choices again right after it, so each row holds its own baseline from the same minute; beside them the
-kernel's CUDA time (torch.profiler) and the largest relative difference of the gradients from the op's choices (the
-same math: only the accumulation order may differ). Writes tune-<variant>[-plain]-<gpu>.{json,md} after every
-candidate, so a cut keeps what ran.
+changes one kernel's (warps, stages) on that path, or (the general build) its register cap. Per candidate the
+forward + backward is timed (do_bench median), then the op's choices again right after it, so each row holds its own
+baseline from the same minute; beside them the kernel's CUDA time (torch.profiler) and the largest relative
+difference of the gradients from the op's choices (the same math: only the accumulation order may differ). Writes
+tune-<variant>[-plain]-<gpu>.{json,md} after every candidate, so a cut keeps what ran.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ KERNELS = ("mamba2_chunk_bwd_dq_kernel", "mamba2_chunk_bwd_dkv_kernel", "mamba2_
 CHANNEL_KERNELS = ("channel_cumsum_kernel", "channel_scores_kernel", "channel_dq_kernel", "channel_dk_kernel")
 PLAIN_SKIPS = ("mamba2_deposit_kernel", "mamba2_level_grad_kernel")  # not run on the plain path
 CONFIGS = ((4, 1), (4, 2), (4, 3), (8, 1), (8, 2))  # (warps, stages) tried for each kernel, less the op's own
+# register caps tried on a general build at its own (warps, stages), less its own (None: ptxas's choice); 168 runs
+# three programs of 4 warps per SM (65536 registers / 384 threads, in ptxas's steps of 8)
+REGISTER_CAPS = (168, None)
 
 
 def path_field(kernel: str, per_channel: bool, plain: bool) -> str | None:
@@ -53,11 +57,12 @@ def path_field(kernel: str, per_channel: bool, plain: bool) -> str | None:
     return "channel" if per_channel else "plain" if plain else None
 
 
-def with_config(config: launch.Launch, field: str | None, warps: int, stages: int) -> launch.Launch:
-    """config with (warps, stages) for the path whose field is ``field`` (None: the general build's), so that
-    launch.launch_options gives exactly them there."""
+def with_config(config: launch.Launch, field: str | None, warps: int, stages: int,
+                registers: int | None = None) -> launch.Launch:
+    """config with (warps, stages) for the path whose field is ``field`` (None: the general build's, with the
+    register cap ``registers``; a special build takes none), so that launch.launch_options gives exactly them there."""
     if field is None:
-        return dataclasses.replace(config, num_warps=warps, num_stages=stages)
+        return dataclasses.replace(config, num_warps=warps, num_stages=stages, max_registers=registers)
     return dataclasses.replace(config, **{field: (warps, stages)})
 
 
@@ -67,15 +72,19 @@ def taken(config: launch.Launch, field: str | None) -> tuple[int, int]:
     return special if special is not None else (config.num_warps, config.num_stages)
 
 
-def candidates(variant: str, plain: bool) -> list[tuple[str, str | None, int, int]]:
-    """(kernel, its path field, warps, stages) to try: every kernel the path runs (with a per-channel gate the
-    in-chunk ones too; the plain path has no deposit kernel and no level gradient) at each of CONFIGS but its own."""
+def candidates(variant: str, plain: bool) -> list[tuple[str, str | None, int, int, int | None]]:
+    """(kernel, its path field, warps, stages, register cap) to try: every kernel the path runs (with a per-channel
+    gate the in-chunk ones too; the plain path has no deposit kernel and no level gradient) at each of CONFIGS but
+    its own (keeping its cap), and on the general build at each of REGISTER_CAPS but its own."""
     names = [n for n in KERNELS + (CHANNEL_KERNELS if variant == "gla" else ())
              if not (plain and n in PLAIN_SKIPS)]
     out = []
     for n in names:
-        field = path_field(n, variant == "gla", plain)
-        out += [(n, field, w, s) for w, s in CONFIGS if (w, s) != taken(launch.LAUNCH[n], field)]
+        config, field = launch.LAUNCH[n], path_field(n, variant == "gla", plain)
+        own, cap = taken(config, field), config.max_registers if field is None else None
+        if field is None:
+            out += [(n, field, *own, c) for c in REGISTER_CAPS if c != cap]
+        out += [(n, field, w, s, cap) for w, s in CONFIGS if (w, s) != own]
     return out
 
 
@@ -108,23 +117,27 @@ def measure(step, leaves: list[torch.Tensor], kernel: str | None) -> tuple[float
     return ms, sum(v for k, v in times.items() if k.startswith(kernel)), grads
 
 
-def row(kernel: str, cfg: tuple[int, int], **fields) -> dict:
-    return {"kernel": kernel, "warps": cfg[0], "stages": cfg[1], **fields}
+def row(kernel: str, cfg: tuple, **fields) -> dict:
+    """One table row: cfg = (warps, stages, register cap) of the candidate ('' for the op's choices)."""
+    return {"kernel": kernel, "warps": cfg[0], "stages": cfg[1], "registers": cfg[2], **fields}
 
 
 def write(rows: list[dict], out: Path, name: str, meta: dict) -> None:
     (out / f"{name}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     lines = [f"# Launch choices, {meta['title']} ({meta['gpu']}, T = {meta['T']}, {meta['date']})", "",
              f"torch {meta['torch']}, triton {meta['triton']}; `{meta['command']}`", "",
-             "Forward + backward (median) with one kernel's (warps, stages) changed, and right after it with the op's "
-             "choices; the kernel's CUDA time per step; the gradients' largest relative difference from the op's "
-             "choices. The first row is the op's choices alone.", "",
-             "| kernel | warps | stages | ms | op's choices, ms | ratio | kernel ms | grad rel diff | error |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "Forward + backward (median) with one kernel's (warps, stages) or register cap changed (registers: "
+             "ptxas's cap per thread, blank for its own choice), and right after it with the op's choices; the "
+             "kernel's CUDA time per step; the gradients' largest relative difference from the op's choices. The "
+             "first row is the op's choices alone.", "",
+             "| kernel | warps | stages | registers | ms | op's choices, ms | ratio | kernel ms | grad rel diff "
+             "| error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['ms'] / r['base_ms']:.3f}" if "ms" in r and "base_ms" in r else ""
-        lines.append(f"| `{r['kernel']}` | {r['warps']} | {r['stages']} | {r.get('ms', '')} | {r.get('base_ms', '')} | "
-                     f"{ratio} | {r.get('kernel_ms', '')} | {r.get('grad_rel_diff', '')} | {r.get('error', '')} |")
+        lines.append(f"| `{r['kernel']}` | {r['warps']} | {r['stages']} | {r['registers'] or ''} | {r.get('ms', '')} | "
+                     f"{r.get('base_ms', '')} | {ratio} | {r.get('kernel_ms', '')} | {r.get('grad_rel_diff', '')} | "
+                     f"{r.get('error', '')} |")
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 
@@ -149,13 +162,13 @@ def main(argv: list[str] | None = None) -> None:
             "command": "python " + " ".join(["benchmarks/profiling/tune_mamba2.py"] + (argv or sys.argv[1:]))}
     step, leaves = build_step(args.variant, args.plain, args.T)
     base_ms, _, ref = measure(step, leaves, "")
-    rows = [row("(op's choices)", ("", ""), ms=round(base_ms, 4))]
-    for kernel, field, warps, stages in candidates(args.variant, args.plain):
+    rows = [row("(op's choices)", ("", "", None), ms=round(base_ms, 4))]
+    for kernel, field, *cfg in candidates(args.variant, args.plain):
         if time.monotonic() - t0 > args.budget:
-            rows.append(row(kernel, (warps, stages), error="budget"))
+            rows.append(row(kernel, cfg, error="budget"))
             continue
         saved = launch.LAUNCH[kernel]
-        launch.LAUNCH[kernel] = with_config(saved, field, warps, stages)
+        launch.LAUNCH[kernel] = with_config(saved, field, *cfg)
         try:
             ms, kernel_ms, grads = measure(step, leaves, kernel)
             fields = {"ms": round(ms, 4), "kernel_ms": round(kernel_ms, 4), "grad_rel_diff": rel_diff(grads, ref)}
@@ -164,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             launch.LAUNCH[kernel] = saved
         fields["base_ms"] = round(measure(step, leaves, None)[0], 4)
-        rows.append(row(kernel, (warps, stages), **fields))
+        rows.append(row(kernel, cfg, **fields))
         print(rows[-1], flush=True)
         write(rows, out, name, meta)
     write(rows, out, name, meta)
