@@ -15,11 +15,10 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
     initial levels' gradient (calls with a state) is capped at 168 registers (``max_registers``: 212-217 by
     ptxas's choice, two programs per SM; at 168 three, without spills in bf16, and 5.6 KB of spills in fp32
     against 19 KB uncapped): 0.343 -> 0.270 ms at 32K on an H100 (one process per tree, alternating, two rounds).
-    The level gradient, at 168 already, takes no cap: its lambda column loaded a reader ahead (181 registers,
-    capped to 168) ran 1.373 ms at 32K against 1.364 (GLA's 8-warp build 1.897 against 1.852). The
-    deposit kernel, whose programs walk a block of four chunks with two fp32 [128, 64] tiles (255 registers, no
-    spills), takes 4 warps and one stage: on an H100 at 32K, 8 warps gave the same for Mamba-2 and GLA 2% slower, 8
-    warps and two stages 3% / 7% slower, rows in two programs of 64 1.6% slower (mamba2/backend.py DEPOSIT_ROWS).
+    The level gradient compiles to 168 by itself. The deposit kernel, whose programs walk a block of four chunks with
+    two fp32 [128, 64] tiles (255 registers, no spills), takes 4 warps and one stage: on an H100 at 32K, 8 warps gave
+    the same for Mamba-2 and GLA 2% slower, 8 warps and two stages 3% / 7% slower, rows in two programs of 64 1.6%
+    slower (mamba2/backend.py DEPOSIT_ROWS).
   * Mamba-2 scans (mamba2/fwd.py, mamba2/bwd.py): one program per (sequence, head, block of state rows);
     4 warps up to a [128, 32] fp32 state tile, 8 above (``wide_warps``). The gate gradient's sums over later
     chunks (mamba2_gate_later_kernel, one program per (sequence, head)): 4 warps, not tuned (0.07 ms at 32K).
