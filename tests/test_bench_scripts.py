@@ -2,7 +2,7 @@
 refused (one line, exit status 2) before anything is measured or written (bench_ops.py's: tests/test_bench_ops.py);
 bench_torch_path.py at a tiny size writes its result files; profiling/ncu_kernels.py summarises an ncu details page;
 profiling/compile_sm90.py refuses a chunk it would not compile; profiling/tune_mamba2.py tries each candidate on the
-path it names and puts the op's choices back."""
+path it names and puts the op's choices back; profiling/ab_trees.py alternates the two trees' benchmark runs."""
 
 import json
 import subprocess
@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from helpers import load_benchmark
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("script, argv, message", [
@@ -34,6 +36,10 @@ from helpers import load_benchmark
     ("bench_torch_path", ["--device", "gpu0"], "--device must be a torch device such as cpu or cuda:0"),
     ("profiling/tune_mamba2", ["--T", "0"], "--T must be >= 1, got 0"),
     ("profiling/tune_mamba2", ["--budget", "-5"], "--budget must be >= 0, got -5"),
+    ("profiling/ab_trees", ["--base", "/nonexistent", "--rounds", "0"], "--rounds must be >= 1, got 0"),
+    ("profiling/ab_trees", ["--base", "/nonexistent", "--T", "4096", "0"], "--T must be >= 1, got 4096 0"),
+    ("profiling/ab_trees", ["--base", "/nonexistent"], "--base must be a checkout of the repository"),
+    ("profiling/ab_trees", ["--base", str(ROOT)], f"--base must be another checkout than this one ({ROOT})"),
 ])
 def test_refusals_are_one_line_and_status_2(tmp_path, capsys, script, argv, message):
     bench = load_benchmark(script)
@@ -173,3 +179,67 @@ def test_mamba2_tuner_puts_the_op_choices_back(tmp_path, monkeypatch):
     tune.main(["--T", "64", "--budget", "0", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "tune-mamba2-Test-GPU.json").read_text())["rows"]
     assert all(r["error"] == "budget" for r in rows[1:])
+
+
+def _fake_checkout(path: Path) -> Path:
+    (path / "benchmarks").mkdir(parents=True)
+    (path / "benchmarks" / "bench_ops.py").write_text("")
+    (path / "loglinear").mkdir()
+    return path
+
+
+def test_ab_trees_alternates_the_trees_and_tables_their_medians(tmp_path, monkeypatch, capsys):
+    """ab_trees.py, its bench_ops.py runs stubbed on the CPU: per round the base tree's process, then this tree's,
+    each with its tree first on PYTHONPATH and run from it; a table of every round's ms and the medians' ratio,
+    written after every run; a run that fails ends the script with one line and exit status 1."""
+    import subprocess
+
+    ab = load_benchmark("profiling/ab_trees")
+    base = _fake_checkout(tmp_path / "base")
+    calls = []
+
+    def run(cmd, cwd=None, env=None, capture_output=False, text=False):
+        if cmd[0] == "git":
+            return subprocess.CompletedProcess(cmd, 0, stdout="abc1234\n" if "rev-parse" in cmd else "", stderr="")
+        tree = Path(cwd)
+        assert cmd[1] == str(tree / "benchmarks" / "bench_ops.py") and env["PYTHONPATH"].split(":")[0] == str(tree)
+        out = Path(cmd[cmd.index("--out") + 1])
+        calls.append((tree, out.name))
+        ms = {base: 10.0, ROOT: 9.0}[tree] + len(calls) / 100
+        rows = [{"impl": "loglinear", "T": T, "fwd_ms": 1.0, "fwdbwd_ms": ms * T / 4096, "peak_gib": 1.0}
+                for T in (8192, 4096)]
+        out.mkdir(parents=True)
+        (out / "ab-Test-GPU.json").write_text(json.dumps({"gpu": "Test-GPU", "torch": "t", "triton": "tr",
+                                                           "rows": rows}))
+        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+
+    monkeypatch.setattr(ab.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ab.subprocess, "run", run)
+    ab.main(["--base", str(base), "--T", "8192", "4096", "--rounds", "2", "--out", str(tmp_path / "ab")])
+    assert calls == [(base, "base-r1"), (ROOT, "this-r1"), (base, "base-r2"), (ROOT, "this-r2")]
+    md = (tmp_path / "ab" / "ab-mamba2-Test-GPU.md").read_text()
+    assert "| impl | T | base r1 | base r2 | this r1 | this r2 | this / base |" in md
+    assert "| loglinear | 8192 | 20.0200 | 20.0600 | 18.0400 | 18.0800 | 0.901 |" in md
+    assert "| loglinear | 4096 | 10.0100 | 10.0300 | 9.0200 | 9.0400 | 0.901 |" in md
+    assert len(json.loads((tmp_path / "ab" / "ab-mamba2-Test-GPU.json").read_text())["runs"]) == 4
+
+    def failing(cmd, cwd=None, env=None, capture_output=False, text=False):
+        if cmd[0] == "git":
+            return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="Traceback\nRuntimeError: boom\n")
+
+    monkeypatch.setattr(ab.subprocess, "run", failing)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        ab.main(["--base", str(base), "--out", str(tmp_path / "ab2")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and err.count("\n") == 1 and "exited 1: RuntimeError: boom" in err
+
+
+def test_ab_trees_needs_a_gpu(tmp_path, monkeypatch, capsys):
+    ab = load_benchmark("profiling/ab_trees")
+    monkeypatch.setattr(ab.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        ab.main(["--base", str(_fake_checkout(tmp_path / "base")), "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2 and "ab_trees.py: needs a CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
