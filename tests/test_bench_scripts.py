@@ -208,13 +208,15 @@ def test_ab_trees_alternates_the_trees_and_tables_their_medians(tmp_path, monkey
         ms = {base: 10.0, ROOT: 9.0}[tree] + len(calls) / 100
         rows = [{"impl": "loglinear", "T": T, "fwd_ms": 1.0, "fwdbwd_ms": ms * T / 4096, "peak_gib": 1.0}
                 for T in (8192, 4096)]
-        out.mkdir(parents=True)
+        out.mkdir(parents=True, exist_ok=True)
         (out / "ab-Test-GPU.json").write_text(json.dumps({"gpu": "Test-GPU", "torch": "t", "triton": "tr",
                                                            "rows": rows}))
         return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
 
     monkeypatch.setattr(ab.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(ab.subprocess, "run", run)
+    (tmp_path / "ab" / "base-r1").mkdir(parents=True)
+    (tmp_path / "ab" / "base-r1" / "ab-Other-GPU.json").write_text("{}")  # an earlier run's, on another GPU
     ab.main(["--base", str(base), "--T", "8192", "4096", "--rounds", "2", "--out", str(tmp_path / "ab")])
     assert calls == [(base, "base-r1"), (ROOT, "this-r1"), (base, "base-r2"), (ROOT, "this-r2")]
     md = (tmp_path / "ab" / "ab-mamba2-Test-GPU.md").read_text()

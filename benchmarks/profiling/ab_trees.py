@@ -40,8 +40,10 @@ PROG = "ab_trees.py"
 
 def run_tree(tree: Path, variant: str, impls: list[str], Ts: list[int], out: Path) -> dict:
     """bench_ops.py of ``tree`` in a process of its own (the tree first on PYTHONPATH, run from the tree), its
-    results written under ``out`` (ab-<gpu>.*) -> that run's json (gpu, versions, rows of impl, T, fwd_ms,
-    fwdbwd_ms, peak_gib)."""
+    results written under ``out`` (ab-<gpu>.*, an earlier run's removed first) -> that run's json (gpu, versions,
+    rows of impl, T, fwd_ms, fwdbwd_ms, peak_gib)."""
+    for old in out.glob("ab-*"):
+        old.unlink()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]))
     cmd = [sys.executable, str(tree / "benchmarks" / "bench_ops.py"), "--variant", variant, "--impls", *impls,
            "--T", *map(str, Ts), "--name", "ab", "--out", str(out)]
