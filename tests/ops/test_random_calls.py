@@ -8,7 +8,7 @@ The parametrized kernel tests pin the cases each path was built for; these draws
 nobody listed. Each run draws new calls (hypothesis prints a failing one, to be pinned as an @example)."""
 
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from loglinear import FenwickState
@@ -31,12 +31,13 @@ def _has_kernels(name: str) -> bool:
 VARIANTS = sorted(name for name in REGISTRY if _has_kernels(name))  # every registered variant with Triton kernels
 
 
-def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Norm-wise relative error below RTOL, relative to at least 1% of a unit-sized tensor's norm: a gradient that
-    is exactly 0 in float64 (a gate at position 0 that nothing before it carries) is compared absolutely there."""
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, floor: float = 0.0) -> None:
+    """Norm-wise relative error below RTOL, relative to at least 1% of a unit-sized tensor's norm (or ``floor``,
+    if larger): a gradient that is exactly 0 in float64 (a gate at position 0 that nothing before it carries) is
+    compared absolutely there."""
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
     assert not torch.isnan(actual).any(), f"{what}: NaN"
-    floor = 1e-2 * expected.numel() ** 0.5
+    floor = max(floor, 1e-2 * expected.numel() ** 0.5)
     err = ((actual.double() - expected).norm() / expected.norm().clamp_min(floor)).item()
     assert err <= RTOL, f"{what}: relative error {err:.2e} > {RTOL:.0e}"
 
@@ -44,7 +45,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 @st.composite
 def calls(draw):
     """One call: (variant name, inputs {q, k, v, gates, level_scales} float64, initial FenwickState or None,
-    cu_seqlens or None, kwargs of the op)."""
+    cu_seqlens or None, kwargs of the op, the seed of the cotangents the gradients are taken with)."""
     name = draw(st.sampled_from(VARIANTS))
     plain = draw(st.booleans())
     G, H = draw(st.sampled_from([(1, 1), (1, 2), (2, 2), (2, 4)]))
@@ -78,7 +79,7 @@ def calls(draw):
         L = 1 if plain else levels_needed(max(max(positions), 1))
         state = FenwickState(0.3 * torch.randn(N, L, H, K, V, **kw), torch.tensor(positions))
     options = {"output_final_state": draw(st.booleans()), "chunk_size": chunk, "use_qk_l2norm": draw(st.booleans())}
-    return name, x, state, cu_seqlens, options
+    return name, x, state, cu_seqlens, options, draw(st.integers(0, 2**31 - 1))
 
 
 def _run(op, name, x, state, cu_seqlens, options, dtype):
@@ -94,11 +95,26 @@ def _run(op, name, x, state, cu_seqlens, options, dtype):
     return o, None if final is None else final.levels, {**leaves, **gates}
 
 
+def _one_token_sequences():
+    """A drawn call pinned: plain Mamba-2 on two packed sequences of one token each, a growing log-decay,
+    use_qk_l2norm and the final state. The gate's gradient is exactly 0 in float64 (each q.dq cancels its k.dk),
+    and in fp32 the rounding of those terms: 1.01e-4 of a floor of 1% of a unit tensor's norm, which it failed."""
+    gen = torch.Generator().manual_seed(1)
+    kw = dict(dtype=torch.float64, generator=gen)
+    x = {"q": torch.randn(1, 2, 1, 16, **kw), "k": torch.randn(1, 2, 1, 16, **kw) / 4,
+         "v": torch.randn(1, 2, 1, 16, **kw), "gates": {"g": torch.tensor([[[0.0047], [0.0064]]], dtype=torch.float64)},
+         "level_scales": None}
+    options = {"output_final_state": True, "chunk_size": 16, "use_qk_l2norm": True}
+    return "mamba2", x, None, torch.tensor([0, 1, 2]), options, 3
+
+
 @settings(max_examples=10, deadline=None, phases=[Phase.explicit, Phase.generate],  # no shrinking: report the draw
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(call=calls())
+@example(call=_one_token_sequences())
 def test_random_call_matches_reference(triton_kernels, no_torch_path, call):
-    name, x, state, cu_seqlens, options = call
+    name, x, state, cu_seqlens, options, seed = call
+    gen = torch.Generator().manual_seed(seed)  # the output cotangents'
     o, final, leaves = _run(attention, name, x, state, cu_seqlens, options, torch.float32)
     reference = {n: v for n, v in options.items() if n != "chunk_size"}
     o_ref, final_ref, leaves_ref = _run(R.recurrent, name, x, state, cu_seqlens, reference, torch.float64)
@@ -106,11 +122,17 @@ def test_random_call_matches_reference(triton_kernels, no_torch_path, call):
     assert (final is None) == (final_ref is None)
     if final is not None:
         _close(final, final_ref, "final state")
-    d_o = torch.randn_like(o_ref)
-    d_final = None if final is None else torch.randn_like(final_ref)
-    loss_ref = (o_ref * d_o).sum() + (0 if final is None else (final_ref * d_final).sum())
+    d_o = torch.randn(o_ref.shape, dtype=o_ref.dtype, generator=gen)
+    d_final = None if final is None else torch.randn(final_ref.shape, dtype=final_ref.dtype, generator=gen)
+    terms = [o_ref * d_o] + ([] if final is None else [final_ref * d_final])
+    loss_ref = sum(t.sum() for t in terms)
     loss = (o.double() * d_o).sum() + (0 if final is None else (final.double() * d_final).sum())
     grads_ref = torch.autograd.grad(loss_ref, list(leaves_ref.values()))
     grads = torch.autograd.grad(loss, list(leaves.values()))
+    # a log-decay gate's gradient is a difference of sums of the loss's terms (q.dq - k.dk per token, summed over the
+    # later tokens: the telescoping in loglinear/ops/triton/mamba2/chunk.py), which can cancel to exactly 0 in
+    # float64 (a sequence of one token): in fp32 what is left is their rounding, so it is measured against their size
+    decays = {gate.name for gate in get(name).gates if gate.log_decay}
+    cancel = 1e-2 * sum(t.detach().abs().sum().item() for t in terms)
     for n, a, e in zip(leaves, grads, grads_ref):
-        _close(a, e, f"d{n}")
+        _close(a, e, f"d{n}", floor=cancel if n in decays else 0.0)
