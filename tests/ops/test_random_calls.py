@@ -2,7 +2,9 @@
 recurrent reference: the variant, plain or log-linear, batch or packed sequences (cu_seqlens), lengths, heads and
 groups, head dims, chunk size, incoming states at drawn positions (one position for all rows or one per sequence),
 use_qk_l2norm, the final state or none, values beyond the models' ranges (negative lambda, a growing log-decay,
-other gates outside (0, 1)); outputs, final states and every gradient, the initial state's too.
+other gates outside (0, 1)); outputs, final states and every gradient, the initial state's too. The same draws without
+gradients (cut to one token per sequence half the time, which after a state is the fused one-token step): outputs
+and final states.
 
 The parametrized kernel tests pin the cases each path was built for; these draws cross them in combinations
 nobody listed. Each run draws new calls (hypothesis prints a failing one, to be pinned as an @example)."""
@@ -136,3 +138,29 @@ def test_random_call_matches_reference(triton_kernels, no_torch_path, call):
     cancel = 1e-2 * sum(t.detach().abs().sum().item() for t in terms)
     for n, a, e in zip(leaves, grads, grads_ref):
         _close(a, e, f"d{n}", floor=cancel if n in decays else 0.0)
+
+
+def _first_tokens(x: dict, cu_seqlens: torch.Tensor | None) -> tuple[dict, torch.Tensor | None]:
+    """x cut to each sequence's first token ([B, 1, ...]; packed: the sequences' first tokens, cu_seqlens then
+    [0, 1, .., N])."""
+    first = torch.tensor([0]) if cu_seqlens is None else cu_seqlens[:-1]
+    cut = lambda t: None if t is None else t.index_select(1, first)  # noqa: E731
+    x = {n: {g: cut(u) for g, u in t.items()} if n == "gates" else cut(t) for n, t in x.items()}
+    return x, None if cu_seqlens is None else torch.arange(len(cu_seqlens))
+
+
+@settings(max_examples=10, deadline=None, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(call=calls(), one_token=st.booleans())
+def test_random_call_without_gradients_matches_reference(triton_kernels, no_torch_path, call, one_token):
+    name, x, state, cu_seqlens, options, _ = call
+    if one_token:
+        x, cu_seqlens = _first_tokens(x, cu_seqlens)
+    with torch.no_grad():
+        o, final, _ = _run(attention, name, x, state, cu_seqlens, options, torch.float32)
+    reference = {n: v for n, v in options.items() if n != "chunk_size"}
+    o_ref, final_ref, _ = _run(R.recurrent, name, x, state, cu_seqlens, reference, torch.float64)
+    _close(o, o_ref, "o")
+    assert (final is None) == (final_ref is None)
+    if final is not None:
+        _close(final, final_ref, "final state")
