@@ -97,6 +97,20 @@ def _run(op, name, x, state, cu_seqlens, options, dtype):
     return o, None if final is None else final.levels, {**leaves, **gates}
 
 
+def _outputs_match(name, x, state, cu_seqlens, options, grad: bool) -> tuple[tuple, tuple]:
+    """The op (fp32, gradients enabled or not) and the float64 reference on one call, their outputs and final states
+    compared -> (the op's, the reference's) (o, final levels or None, leaves) (_run)."""
+    with torch.set_grad_enabled(grad):
+        ours = _run(attention, name, x, state, cu_seqlens, options, torch.float32)
+    reference = {n: v for n, v in options.items() if n != "chunk_size"}
+    ref = _run(R.recurrent, name, x, state, cu_seqlens, reference, torch.float64)
+    _close(ours[0], ref[0], "o")
+    assert (ours[1] is None) == (ref[1] is None)
+    if ours[1] is not None:
+        _close(ours[1], ref[1], "final state")
+    return ours, ref
+
+
 def _one_token_sequences():
     """A drawn call pinned: plain Mamba-2 on two packed sequences of one token each, a growing log-decay,
     use_qk_l2norm and the final state. The gate's gradient is exactly 0 in float64 (each q.dq cancels its k.dk),
@@ -117,13 +131,7 @@ def _one_token_sequences():
 def test_random_call_matches_reference(triton_kernels, no_torch_path, call):
     name, x, state, cu_seqlens, options, seed = call
     gen = torch.Generator().manual_seed(seed)  # the output cotangents'
-    o, final, leaves = _run(attention, name, x, state, cu_seqlens, options, torch.float32)
-    reference = {n: v for n, v in options.items() if n != "chunk_size"}
-    o_ref, final_ref, leaves_ref = _run(R.recurrent, name, x, state, cu_seqlens, reference, torch.float64)
-    _close(o, o_ref, "o")
-    assert (final is None) == (final_ref is None)
-    if final is not None:
-        _close(final, final_ref, "final state")
+    (o, final, leaves), (o_ref, final_ref, leaves_ref) = _outputs_match(name, x, state, cu_seqlens, options, True)
     d_o = torch.randn(o_ref.shape, dtype=o_ref.dtype, generator=gen)
     d_final = None if final is None else torch.randn(final_ref.shape, dtype=final_ref.dtype, generator=gen)
     terms = [o_ref * d_o] + ([] if final is None else [final_ref * d_final])
@@ -156,11 +164,4 @@ def test_random_call_without_gradients_matches_reference(triton_kernels, no_torc
     name, x, state, cu_seqlens, options, _ = call
     if one_token:
         x, cu_seqlens = _first_tokens(x, cu_seqlens)
-    with torch.no_grad():
-        o, final, _ = _run(attention, name, x, state, cu_seqlens, options, torch.float32)
-    reference = {n: v for n, v in options.items() if n != "chunk_size"}
-    o_ref, final_ref, _ = _run(R.recurrent, name, x, state, cu_seqlens, reference, torch.float64)
-    _close(o, o_ref, "o")
-    assert (final is None) == (final_ref is None)
-    if final is not None:
-        _close(final, final_ref, "final state")
+    _outputs_match(name, x, state, cu_seqlens, options, False)
