@@ -2,13 +2,15 @@
 
 Rows: loglinear (our kernels), loglinear_plain (our plain op, level_scales=None: the one-level path),
 loglinear_state (our kernels continuing an incoming state at position T, as a context-parallel rank does: the
-state from T tokens of the same kind, its gradient taken too), loglinear_torch (our torch chunk path, only when
-named), fla_log_linear, fla_mamba2 / fla_gdn, sdpa_flash.
+state from T tokens of the same kind, its gradient taken too), loglinear_state_inside (the same from a state at
+T - 24, inside a chunk: a split that is not a multiple of the chunk, a chunked prefill; only when named),
+loglinear_torch (our torch chunk path, only when named), fla_log_linear, fla_mamba2 / fla_gdn, sdpa_flash.
 
     python benchmarks/bench_ops.py                       # paper setting, all impls, T = 2K..128K
     python benchmarks/bench_ops.py --T 4096 8192 --impls loglinear fla_mamba2
     python benchmarks/bench_ops.py --check               # also: kernels vs the torch chunk path (fp32), 2^20 tokens
     python benchmarks/bench_ops.py --impls loglinear loglinear_state --name ops-mamba2-state   # incoming-state cost
+    python benchmarks/bench_ops.py --impls loglinear loglinear_state loglinear_state_inside --name ops-mamba2-state
     python benchmarks/bench_ops.py --T 4096 2048 --merge   # re-measure two T, keep the file's other rows
     python benchmarks/bench_ops.py --impls loglinear --chunk-size 32 --name ops-mamba2-c32   # another chunk size
 
@@ -52,12 +54,15 @@ from loglinear.cli import check_script_options, refuse  # noqa: E402
 from loglinear.fenwick import levels_needed  # noqa: E402
 from loglinear.report import pyplot  # noqa: E402
 
-IMPLS = ("loglinear", "loglinear_plain", "loglinear_state", "loglinear_torch", "fla_log_linear", "fla_mamba2",
-         "sdpa_flash")
-IMPLS_GDN = ("loglinear", "loglinear_plain", "loglinear_state", "loglinear_torch", "fla_gdn", "sdpa_flash")
-IMPLS_GLA = ("loglinear", "loglinear_plain", "loglinear_state", "fla_gla", "sdpa_flash")
+IMPLS = ("loglinear", "loglinear_plain", "loglinear_state", "loglinear_state_inside", "loglinear_torch",
+         "fla_log_linear", "fla_mamba2", "sdpa_flash")
+IMPLS_GDN = ("loglinear", "loglinear_plain", "loglinear_state", "loglinear_state_inside", "loglinear_torch", "fla_gdn",
+             "sdpa_flash")
+IMPLS_GLA = ("loglinear", "loglinear_plain", "loglinear_state", "loglinear_state_inside", "fla_gla", "sdpa_flash")
+NAMED_ONLY = ("loglinear_torch", "loglinear_state_inside")  # rows that run only when --impls names them
+INSIDE = 24  # loglinear_state_inside: the state's position T - INSIDE, inside a 64-token chunk
 OUR_BACKENDS = {"loglinear": "triton", "loglinear_plain": "triton", "loglinear_state": "triton",
-                "loglinear_torch": "torch"}  # -> backend=
+                "loglinear_state_inside": "triton", "loglinear_torch": "torch"}  # -> backend=
 PAPER = dict(B=2, H=48, G=1, K=128, V=64)
 SHAPE = dict(PAPER)  # what measure() runs: the paper setting unless --shape
 OURS_KW: dict = {}  # options of our ops from the command line (--chunk-size), on every row of ours
@@ -78,11 +83,12 @@ def make_inputs(T: int, B: int, H: int, G: int, K: int, V: int, dtype: torch.dty
     }
 
 
-def continued(x: dict, op: Callable, **kw) -> tuple[dict, FenwickState]:
-    """x as the continuation of T tokens of its own kind: the state the op leaves after x (positions T, a leaf that
-    takes a gradient) and lambda widened to the levels of positions T..2T (its top level repeated)."""
+def continued(x: dict, op: Callable, short: int = 0, **kw) -> tuple[dict, FenwickState]:
+    """x as the continuation of T - short tokens of its own kind: the state the op leaves after x's first T - short
+    tokens (positions T - short, a leaf that takes a gradient) and lambda widened to the levels of positions up to 2T
+    (its top level repeated)."""
     with torch.no_grad():
-        _, state = op(**x, output_final_state=True, **kw)
+        _, state = op(**{n: t[:, : t.shape[1] - short] for n, t in x.items()}, output_final_state=True, **kw)
         lam = x["level_scales"]
         extra = levels_needed(2 * lam.shape[1]) - lam.shape[-1]
         x = {**x, "level_scales": torch.cat([lam] + [lam[..., -1:]] * extra, -1)}
@@ -101,10 +107,12 @@ Built = tuple[Callable[[], torch.Tensor], list[torch.Tensor]]  # the forward clo
 
 def ours(impl: str, op: Callable, x: dict, names: tuple[str, ...], **kw) -> Built:
     """Our op on x's tensors ``names`` and level_scales (None for loglinear_plain) on the impl's backend;
-    loglinear_state continues the state the op leaves after x (``continued``), whose levels are a leaf too.
-    kw: the op's options, with OURS_KW's."""
+    loglinear_state continues the state the op leaves after x (``continued``), whose levels are a leaf too;
+    loglinear_state_inside the state after x's first T - INSIDE tokens. kw: the op's options, with OURS_KW's."""
     kw = {**kw, **OURS_KW}
-    x, state = continued(x, op, **kw) if impl == "loglinear_state" else (x, None)
+    x, state = (x, None)
+    if impl in ("loglinear_state", "loglinear_state_inside"):
+        x, state = continued(x, op, INSIDE if impl == "loglinear_state_inside" else 0, **kw)
     args = [x[n] for n in names]
     lam = x["level_scales"] if impl != "loglinear_plain" else None
     backend = OUR_BACKENDS[impl]
@@ -273,7 +281,8 @@ def write_results(rows: list[dict], meta: dict, out: Path, variant: str = "mamba
     cell = {(r["impl"], r["T"]): r for r in rows}
     name, linear = bench.title, bench.linear
     ratios = [("loglinear", linear), ("loglinear_plain", linear), ("loglinear", "loglinear_plain"),
-              ("loglinear_state", "loglinear"), ("loglinear", "fla_log_linear"), ("loglinear", "sdpa_flash")]
+              ("loglinear_state", "loglinear"), ("loglinear_state_inside", "loglinear"),
+              ("loglinear", "fla_log_linear"), ("loglinear", "sdpa_flash")]
     runs = meta.get("runs", [])
     when = (f"{meta['date']}; `{meta['command']}`" if len(runs) < 2 else
             "; ".join(f"rows at {', '.join(f'{t // 1024}K' for t in r['T'])}: {r['date']}, `{r['command']}`"
@@ -424,9 +433,10 @@ def check(log: Callable[[str], None], variant: str, long_T: int, dtypes: list[to
         for T, B, H in ((8192, 2, 48), (3000, 1, 8)):
             x = bench.inputs(T, B, H, p["G"], p["K"], p["V"], dtype, seed=T)
             _compare_backends(log, f"{variant} {dtype} T={T} B={B} H={H} G=1 K=128 V=64", x, bench.op)
-            x, state = continued(x, bench.op)
-            _compare_backends(log, f"{variant} {dtype} T={T} B={B} H={H} G=1 K=128 V=64 from a state at T", x, bench.op,
-                              initial_state=state)
+            for short in (0, INSIDE) if T == 3000 else (0,):  # a state at a chunk boundary, and inside a chunk
+                xs, state = continued(x, bench.op, short)
+                _compare_backends(log, f"{variant} {dtype} T={T} B={B} H={H} G=1 K=128 V=64 from a state at "
+                                  f"T{f' - {short}' if short else ''}", xs, bench.op, initial_state=state)
     x = bench.inputs(long_T, 1, 2, 1, 64, 64, torch.float32, seed=1)
     x["g"] = -(0.001 + 0.2 * torch.rand_like(x["g"]))
     o_ref, s_ref, _, _ = _run_backend("torch", x, None, bench.op, chunk_size=512)
@@ -555,9 +565,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.shape:
         SHAPE.update(zip("BHGKV", args.shape))
-    # loglinear_torch (our torch path: minutes per row at long T) runs only when named
+    # loglinear_torch (our torch path: minutes per row at long T) and loglinear_state_inside run only when named
     bench = BENCHES[args.variant]
-    args.impls = args.impls or [i for i in bench.impls if i != "loglinear_torch"]
+    args.impls = args.impls or [i for i in bench.impls if i not in NAMED_ONLY]
     unknown = [i for i in args.impls if i not in bench.impls]
     if unknown:
         refuse("bench_ops.py", f"--impls {' '.join(unknown)}: not rows of --variant {args.variant} "
@@ -628,6 +638,8 @@ def main(argv: list[str] | None = None) -> None:
                    + ("loglinear_state: the same call continuing the state left by T tokens of the same kind (at "
                       "position T, as context-parallel rank 1 of 2), the state's gradient taken too. "
                       if "loglinear_state" in args.impls else "")
+                   + (f"loglinear_state_inside: the same from the state left by T - {INSIDE} tokens (inside a "
+                      "chunk). " if "loglinear_state_inside" in args.impls else "")
                    + (f"Our ops at chunk_size {args.chunk_size}. " if args.chunk_size is not None else "")
                    + "Median of triton.testing.do_bench.",
         "notes": notes,

@@ -11,7 +11,7 @@
 #   bash benchmarks/run_gpu.sh profile-gdn    # ~4 min: profile-gdn-<gpu>.md and profile-gdn-plain-<gpu>.md
 #                                             #   (beside fla's kernels)
 #   bash benchmarks/run_gpu.sh bench-gla      # ~7 min: ops-gla-<gpu>.* (16K-128K, against fla's chunk_gla), the profile at 32K
-#   bash benchmarks/run_gpu.sh state          # ~3 min: ops-{mamba2,gdn}-state-<gpu>.* and profile-state-<gpu>.md
+#   bash benchmarks/run_gpu.sh state          # ~4 min: ops-{mamba2,gdn}-state-<gpu>.* and profile-state-<gpu>.md
 #                                             #   (calls with an incoming state, and where their cost goes)
 #   bash benchmarks/run_gpu.sh tune-mamba2    # ~5 min: tune-mamba2-<gpu>.* (the Mamba-2 chunk kernels' launch
 #                                             #   choices, one kernel at a time; `tune-mamba2 --variant gla --plain`)
@@ -130,10 +130,10 @@ case $PART in
       sdpa_flash --T 131072 65536 32768 16384 --sdpa-max-T 32768 --profile-T 32768 --out "$R" "${EXTRA[@]}"
     ;;
   state)  # the cost of an incoming state (a context-parallel rank's call) against the same call without one
-    step 100 state-mamba2 python benchmarks/bench_ops.py --impls loglinear loglinear_state --T 131072 32768 8192 \
-      --name ops-mamba2-state --out "$R"
-    step 120 state-gdn python benchmarks/bench_ops.py --variant gdn --impls loglinear loglinear_state \
-      --T 131072 32768 8192 --name ops-gdn-state --out "$R"
+    step 140 state-mamba2 python benchmarks/bench_ops.py --impls loglinear loglinear_state loglinear_state_inside \
+      --T 131072 32768 8192 --name ops-mamba2-state --out "$R"
+    step 170 state-gdn python benchmarks/bench_ops.py --variant gdn --impls loglinear loglinear_state \
+      loglinear_state_inside --T 131072 32768 8192 --name ops-gdn-state --out "$R"
     step 120 profile-state python benchmarks/profiling/profile_state.py --out "$R"
     ;;
   tune-mamba2)  # a row per candidate, each with its own baseline: a cut keeps what ran

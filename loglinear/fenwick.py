@@ -172,21 +172,34 @@ def held_levels(positions: torch.Tensor, num_levels: int) -> torch.Tensor:
 
 
 _INTRA = keyed_tables(lambda C: level_matrix(C).tolist(), 64)
-_LAST_QUERY = keyed_tables(lambda e, C: [[float(s <= e and (s ^ e).bit_length() == l) for s in range(C)]
-                                          for l in range(chunk_bits(C) + 1)], 512)
-_INCOMING = keyed_tables(lambda position, C: [[max(m, ((position // C * C + t) ^ position).bit_length())
-                                                for m in range(chunk_bits(C) + 1)] for t in range(C)], 512)
+def _last_query(e: int, C: int) -> list[list[float]]:
+    return [[float(s <= e and (s ^ e).bit_length() == l) for s in range(C)] for l in range(chunk_bits(C) + 1)]
 
 
-def last_query_masks(e: int, C: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def _incoming(position: int, C: int) -> list[list[int]]:
+    return [[max(m, ((position // C * C + t) ^ position).bit_length()) for m in range(chunk_bits(C) + 1)]
+            for t in range(C)]
+
+
+def _per_row(build):
+    """build(x, C) for one int x, or for each x of a tuple (a table per row, stacked)."""
+    return lambda x, C: [build(y, C) for y in x] if isinstance(x, tuple) else build(x, C)
+
+
+_LAST_QUERY = keyed_tables(_per_row(_last_query), 512)
+_INCOMING = keyed_tables(_per_row(_incoming), 512)
+
+
+def last_query_masks(e: int | tuple[int, ...], C: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """The in-chunk buckets of query e of an aligned chunk of C = 2^c tokens: [c + 1, C] in ``dtype``, row l is 1 at
-    the positions s <= e with bit_length(s XOR e) = l, else 0. Cached (read-only): a final state's last chunk would
-    otherwise cost some forty small device ops per sequence."""
+    the positions s <= e with bit_length(s XOR e) = l, else 0; a tuple of queries e: [len(e), c + 1, C], one per row.
+    Cached (read-only): a final state's last chunk would otherwise cost some forty small device ops per sequence."""
     return _LAST_QUERY((e, C), dtype, torch.device(device))
 
 
-def incoming_levels(position: int, C: int, device: torch.device | str) -> torch.Tensor:
+def incoming_levels(position: int | tuple[int, ...], C: int, device: torch.device | str) -> torch.Tensor:
     """Where the first chunk of a call continuing a state at ``position`` reads that state's in-chunk buckets:
     [C, c + 1] int64, entry [t, m] = max(m, bit_length((c0 C + t) XOR position)) for token c0 C + t of the chunk
-    (c0 = position // C), the level at which it reads incoming bucket m. Cached (read-only)."""
+    (c0 = position // C), the level at which it reads incoming bucket m; a tuple of positions: [len(position), C,
+    c + 1], one per row. Cached (read-only)."""
     return _INCOMING((position, C), torch.int64, torch.device(device))

@@ -17,20 +17,20 @@ def bench():
 @pytest.mark.parametrize("variant", ["mamba2", "gdn", "gla"])
 def test_our_rows_run_forward_and_backward(bench, variant):
     ops = bench.BENCHES[variant]
-    for impl in ("loglinear", "loglinear_plain", "loglinear_state"):
-        x = ops.inputs(20, 2, 2, 1, 16, 16, torch.float32, seed=3, device="cpu")
+    for impl in ("loglinear", "loglinear_plain", "loglinear_state", "loglinear_state_inside"):
+        x = ops.inputs(40, 2, 2, 1, 16, 16, torch.float32, seed=3, device="cpu")
         fn, leaves = ops.build(impl, x, 2, 1)
         for t in leaves:
             t.requires_grad_(True)
         o = fn()
         o.square().sum().backward()
-        assert o.shape == (2, 20, 2, 16) and torch.isfinite(o).all(), impl
+        assert o.shape == (2, 40, 2, 16) and torch.isfinite(o).all(), impl
         assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves), impl
     assert len(leaves) == len(ops.build("loglinear", x, 2, 1)[1]) + 1  # the state's levels take a gradient too
 
 
 def test_chunk_size_reaches_every_call_of_ours(bench, monkeypatch):
-    """--chunk-size goes to our op on every row of ours, the state's call of loglinear_state included."""
+    """--chunk-size goes to our op on every row of ours, the state's calls of the state rows included."""
     calls = []
 
     def op(*args, **kw):
@@ -39,10 +39,10 @@ def test_chunk_size_reaches_every_call_of_ours(bench, monkeypatch):
 
     monkeypatch.setitem(bench.OURS_KW, "chunk_size", 32)
     x = bench.make_inputs(20, 2, 2, 1, 16, 16, torch.float32, device="cpu")
-    for impl in ("loglinear", "loglinear_plain", "loglinear_state"):
+    for impl in ("loglinear", "loglinear_plain", "loglinear_state", "loglinear_state_inside"):
         fn, _ = bench.ours(impl, op, x, ("q", "k", "v", "g"))
         fn()
-    assert calls == [32] * len(calls) and len(calls) == 4
+    assert calls == [32] * len(calls) and len(calls) == 6
 
 
 def test_results_table_has_the_ratios(bench, tmp_path):

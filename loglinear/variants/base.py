@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Gate", "Variant", "by_chunk", "decays"]
+__all__ = ["Gate", "Variant", "by_chunk", "decays", "key_value_buckets"]
 
 Gates = dict[str, torch.Tensor]
 
@@ -103,6 +103,13 @@ def by_chunk(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     instead adds a node per chunk whose backward writes a zero tensor of x's whole size, which makes a backward
     through N chunks cost O(N^2) in memory traffic."""
     return x.unbind(2)
+
+
+def key_value_buckets(kt: torch.Tensor, v: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """sum_s masks[m, s] kt_s v_s^T: the states of the selected tokens for a transition that only scales (the
+    keys kt already decayed to the chunk's end).  kt: [b, H, C, K]; v: [b, H, C, V]; masks: [M, C]
+    -> [b, M, H, K, V]."""
+    return torch.einsum("mc,bhck,bhcv->bmhkv", masks, kt, v)
 
 
 def decays(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loglinear.variants.base import Gate, Gates, Variant, by_chunk
+from loglinear.variants.base import Gate, Gates, Variant, by_chunk, key_value_buckets
 from loglinear.variants.mamba2 import level_sums, suffix_sum
 
 __all__ = ["GLA", "GLAForm", "intra_chunk_scores", "sub_chunk_size"]
@@ -85,7 +85,7 @@ class GLAForm:
         return self._decay_at[i][..., None] * h
 
     def bucket_states(self, i: int, masks: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("mc,bhck,bhcv->bmhkv", masks, self.kt[:, :, i], self.v[:, :, i])
+        return key_value_buckets(self.kt[:, :, i], self.v[:, :, i], masks)
 
 
 def transfer_matrix(q: torch.Tensor, k: torch.Tensor, gates: Gates) -> torch.Tensor:

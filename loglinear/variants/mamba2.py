@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from loglinear.fenwick import bit_length
-from loglinear.variants.base import Gate, Gates, Variant, by_chunk, decay_matrix, decays
+from loglinear.variants.base import Gate, Gates, Variant, by_chunk, decay_matrix, decays, key_value_buckets
 
 __all__ = ["MAMBA2", "Mamba2Form", "suffix_sum", "level_sums"]
 
@@ -42,7 +42,7 @@ class Mamba2Form:
         return self._decay_at[i][:, :, None, None] * h
 
     def bucket_states(self, i: int, masks: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("mc,bhck,bhcv->bmhkv", masks, self.kt[:, :, i], self.v[:, :, i])
+        return key_value_buckets(self.kt[:, :, i], self.v[:, :, i], masks)
 
 
 def transfer_matrix(q: torch.Tensor, k: torch.Tensor, gates: Gates) -> torch.Tensor:

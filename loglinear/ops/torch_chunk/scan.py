@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from loglinear.fenwick import chunk_bits, ctz, incoming_levels, intra_chunk_levels, last_query_masks, levels_needed
+from loglinear.tables import cached_table
 from loglinear.variants.base import by_chunk
 
 
@@ -95,12 +96,23 @@ def chunk_levels_past(levels: torch.Tensor, target: int, chunk_size: int, J: int
 
 
 def level_scales_at(lam: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """lam: [..., C, L]; idx: [C, M] level per (query, slot) -> [..., C, M] (levels >= L read as 0).
+    """lam: [..., C, L]; idx: [C, M] level per (query, slot), or per row [b, 1, C, M] (lam [b, H, C, L])
+    -> [..., C, M] (levels >= L read as 0).
 
     Only padding rows ever ask for a level >= L: validation guarantees L covers every real query."""
     inside = idx < lam.shape[-1]
-    picked = torch.gather(lam, -1, torch.where(inside, idx, 0).expand(*lam.shape[:-2], *idx.shape))
+    picked = torch.gather(lam, -1, torch.where(inside, idx, 0).expand(*lam.shape[:-1], idx.shape[-1]))
     return picked * inside
+
+
+def route_buckets(moved: torch.Tensor, floors: tuple[int, ...]) -> torch.Tensor:
+    """Incoming in-chunk buckets moved to the levels of a later query of their chunk: bucket m of row n to level
+    max(m, floors[n]) (floors[n] = bit_length(query XOR the state's position); one floor: every row's).
+    moved: [b, M, H, K, V] -> [b, M, H, K, V]."""
+    M = moved.shape[1]
+    route = cached_table(tuple(tuple(tuple(max(m, f) == d for d in range(M)) for m in range(M)) for f in floors),
+                         moved.dtype, moved.device)  # [rows, src, dst]
+    return torch.einsum("bsd,bshkv->bdhkv", route.expand(moved.shape[0], M, M), moved)
 
 
 def chunk_scan(
@@ -191,9 +203,7 @@ def final_levels(form, H_levels, partial, position, end, c0, N, C, c) -> torch.T
         b, H, M, K, V = partial.shape
         flat = partial.permute(0, 1, 3, 2, 4).reshape(b, H, K, M * V)
         moved = form.transition(N - 1, flat).reshape(b, H, K, M, V).permute(0, 3, 1, 2, 4)  # [b, M, H, K, V]
-        target = torch.arange(c + 1, device=device).clamp(min=(last ^ position).bit_length())
-        route = (target[:, None] == torch.arange(c + 1, device=device)[None, :]).to(moved.dtype)  # [src, dst]
-        buckets = buckets + torch.einsum("sd,bshkv->bdhkv", route, moved)
+        buckets = buckets + route_buckets(moved, ((last ^ position).bit_length(),))
     if H_levels:
         buckets = torch.cat([buckets, torch.stack(H_levels, dim=1)], dim=1)
     return buckets

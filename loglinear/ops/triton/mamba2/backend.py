@@ -3,12 +3,14 @@
 Composition (all sequences of a call in one launch per kernel):
   1. flatten the batch to one token axis; sequence n covers tokens [start_n, end_n) and starts at
      absolute position p_n (0, or its initial state's position);
-  2. a sequence whose state is not at a chunk boundary (or a state at position 0) first runs its
-     first C - p_n mod C tokens through the torch chunk path (exact, differentiable; one call for the
-     sequences at one position with prefixes of one length), so the kernels
-     always start chunk-aligned: after the carry past an aligned position, every incoming level is a
-     chunk level (token level > c), and those below the carry's target are 0 (LevelScanPlan.first_level: not
-     read, no gradient);
+  2. the kernels start every sequence at a chunk boundary. A state at one: after the carry past that aligned
+     position every incoming level is a chunk level (token level > c), and those below the carry's target are 0
+     (LevelScanPlan.first_level: not read, no gradient). A state inside a chunk (or at position 0): the sequence
+     is front-padded to its chunk's start with p_n mod C zero tokens (the identity transition, depositing and
+     reading nothing; one gather per input for all sequences, _Flat.front_padded), its in-chunk buckets are
+     seeded into the chunk level its first chunk's cascade merges them into, and a few torch ops over the first
+     chunk put right what the kernels read of them there, and the final state of a sequence that ends in it
+     (_Seeds; exact, differentiable, one batch of ops whatever the positions);
   3. forward: a chunk-parallel kernel computes every chunk's deposit, a sequential scan merges them
      through the chunk levels (fwd.py: recording each merged level and every chunk's level
      decays; no GEMM, the states cut into K-row blocks), then a chunk-parallel kernel computes the
@@ -31,19 +33,20 @@ every chunk's deposit merged into it, the final state the scan's (shared/levels.
 
 GLA (a log-decay per key channel, g [B, T, H, K]) is the same algorithm with the kernels' PER_CHANNEL switch: the
 backend serves every variant whose one gate is a log-decay, scalar (Mamba-2) or per channel (GLA), and reads which
-from the variant (``Gate.per_channel``); the torch prefixes run the variant's own chunk form.
+from the variant (``Gate.per_channel``).
 
 The log-decay gate arrives as the caller gave it (the backend is registered with Backend.takes_raw_log_decays) and
 is floored where it is read, with no pass over it added: a scalar one [B, T, H] (Mamba-2) by the kernels' loads of
 g (shared/intra.chunk_gates), checked by the op (loglinear.ops.finite); a per-channel one (GLA), the largest input
 of a call, only through G, the cumsum of max(g, FLOOR) (_read_gate), whose last row per chunk tells whether the
 chunk's g is finite (_gate_peak, reported to the op's check). The gate gradient is 0 where g <= FLOOR (_gate_grad);
-the torch path's rows (the prefixes, the final state's last chunk) floor their few tokens in torch
+the torch ops' rows (the seeded first chunks, the final state's last chunk) floor their few tokens in torch
 (floor_log_decay).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -52,10 +55,12 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from loglinear.fenwick import carry_into, chunk_bits, ctz, last_query_masks, levels_needed, trailing_zeros
+from loglinear.fenwick import (
+    carry_into, chunk_bits, ctz, incoming_levels, last_query_masks, levels_needed, trailing_zeros,
+)
 from loglinear.inputs import OpInputs, expand_groups, l2norm
 from loglinear.ops.finite import floor_log_decay, log_decay_peak
-from loglinear.ops.torch_chunk import chunk_levels_past, chunk_scan
+from loglinear.ops.torch_chunk import chunk_levels_past, level_scales_at, route_buckets
 from loglinear.ops.triton.mamba2.bwd import mamba2_bwd_scan_kernel
 from loglinear.ops.triton.mamba2.chunk import (
     mamba2_chunk_bwd_dkv_kernel, mamba2_chunk_bwd_dq_kernel, mamba2_chunk_fwd_kernel, mamba2_deposit_kernel,
@@ -109,12 +114,11 @@ class ChunkTable:
 @dataclass
 class LevelScanPlan:
     """Where the kernels run: sequence n covers tokens [bos[n], eos[n]) of the flat axis, from the
-    absolute chunk chunk0[n]; ``prefixes`` are token ranges done by the torch path (gradients 0 here)."""
+    absolute chunk chunk0[n] (bos[n] its start: a sequence whose state is inside a chunk is front-padded)."""
 
     bos: list[int]
     eos: list[int]
     chunk0: list[int]
-    prefixes: list[tuple[int, int]]
     chunk_size: int
     num_levels: int  # J chunk levels
     has_init: bool
@@ -206,7 +210,7 @@ def _gate_grad(d_gate: torch.Tensor, totals: torch.Tensor, g: torch.Tensor, gate
     [NC, H(, K)] fp32 each chunk's sum. mamba2_gate_grad_kernel gives every row the sum over its chunk's rows from
     it on plus the totals of its sequence's later chunks (mamba2_gate_later_kernel, summed per sequence in fp64);
     0 where the gate g (the call's, unfloored) is <= FLOOR (per channel g is read only in the chunks whose G, gate
-    from _read_gate, reaches the floor). Rows no kernel chunk covers (the torch prefixes) are 0."""
+    from _read_gate, reaches the floor)."""
     NC, H = totals.shape[:2]
     dg = alloc(tuple(d_gate.shape), g.dtype, d_gate.device)
     if NC:
@@ -217,20 +221,12 @@ def _gate_grad(d_gate: torch.Tensor, totals: torch.Tensor, g: torch.Tensor, gate
         mamba2_gate_grad_kernel[(NC * H,)](d_gate, later, g, gate, dg, table.starts, table.ends, H=H, K=K,
                                          C=plan.chunk_size, BK=next_pow2(K), PER_CHANNEL=plan.per_channel,
                                          **launch_options(mamba2_gate_grad_kernel))
-    _zero_prefixes(plan, dg)
     return dg
-
-
-def _zero_prefixes(plan: LevelScanPlan, *xs: torch.Tensor) -> None:
-    for a, b in plan.prefixes:
-        for x in xs:
-            x[a:b] = 0
 
 
 def _group_grad(x: torch.Tensor, groups: int, plan: LevelScanPlan, dtype: torch.dtype) -> torch.Tensor:
     """The kernels' sums over parts of each group x [tokens, S * groups, K] (group_parts) -> [tokens, groups, K] in
-    ``dtype``: the torch prefixes' rows zeroed, a group's S parts summed in fp32 (x itself when S = 1)."""
-    _zero_prefixes(plan, x)
+    ``dtype``: a group's S parts summed in fp32 (x itself when S = 1)."""
     return group_sum(x, groups, 1).to(dtype)
 
 
@@ -351,13 +347,11 @@ def _read_gate(g, plan: LevelScanPlan, report: Callable[[torch.Tensor], None] | 
 def _gate_peak(g, cum, table: ChunkTable, plan: LevelScanPlan) -> torch.Tensor:
     """A scalar on g's device that is NaN or +inf when the per-channel gate g [tokens, H, K] holds a NaN or a +inf:
     the largest entry of G (cum) at the last token of each kernel chunk, which is NaN or +inf whenever a g of the
-    chunk is (a sum of max(g, FLOOR), NaN kept, no term -inf), and of the torch prefixes' rows of g itself:
-    [NC, H, K] and a few rows per stateful sequence instead of all of g. (A sum that overflows to +inf fails too:
-    the op then reads the inputs again and finds them finite.)"""
-    rows = [x for x in [cum.index_select(0, table.last), *(g[a:b] for a, b in plan.prefixes)] if x.numel()]
-    if not rows:
+    chunk is (a sum of max(g, FLOOR), NaN kept, no term -inf): [NC, H, K] instead of all of g. (A sum that
+    overflows to +inf fails too: the op then reads the inputs again and finds them finite.)"""
+    if not table.last.numel():
         return torch.zeros((), dtype=torch.float32, device=g.device)
-    return log_decay_peak(rows)
+    return log_decay_peak([cum.index_select(0, table.last)])
 
 
 def _key_blocks(K: int) -> tuple[int, int]:
@@ -435,7 +429,6 @@ def _dq_grads(q, k, v, gate, lam, d_o, ranges, buckets, scores, saved: _Saved, p
     dq = _group_grad(dq, q.shape[1], plan, q.dtype)
     if plan.plain:
         return dq, None, qdq, dk_in, q_dec
-    _zero_prefixes(plan, dlam)
     return dq, dlam, qdq, dk_in, q_dec
 
 
@@ -498,7 +491,6 @@ def _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, d_gate, final
             final_terms, plan.scale, dk, dv, d_gate, totals, HP=HP, **_chunk_sizes(plan, q, v, lam),
             **_launch(mamba2_chunk_bwd_dkv_kernel, plan),
         )
-    _zero_prefixes(plan, dv)
     return _group_grad(dk, k.shape[1], plan, k.dtype), dv, _gate_grad(d_gate, totals, g, gate, table, plan)
 
 
@@ -568,7 +560,7 @@ def _last_chunks(bos: tuple[int, ...], eos: tuple[int, ...], C: int, device: tor
     starts = [a + ((b - a - 1) // C) * C for a, b in zip(bos, eos)]
     rows = [[min(t + s, b - 1) for s in range(C)] for t, b in zip(starts, eos)]
     with torch.inference_mode(False):
-        masks = torch.stack([last_query_masks(b - 1 - t, C, torch.float32, device) for t, b in zip(starts, eos)])
+        masks = last_query_masks(tuple(b - 1 - t for t, b in zip(starts, eos)), C, torch.float32, device)
         return device_table(rows, torch.int64, device), masks, masks.sum(1)
 
 
@@ -609,16 +601,38 @@ class _Flat:
     bounds: list[int]
     positions: list[int]
 
-    def pieces(self, ranges: list[tuple[int, int]]) -> list[dict[str, torch.Tensor]]:
-        """Token ranges [a, b) (disjoint, in order) as the torch path's [1, b-a, H, *] fp32 inputs (q/k expanded to
-        the value heads, g floored). Each tensor is cut by one split, one autograd node for all ranges (a slice per
-        range would write a gradient of the whole tensor per range)."""
-        edges = [0, *(e for a, b in ranges for e in (a, b)), self.v.shape[0]]
-        sizes = [b - a for a, b in zip(edges, edges[1:])]
-        cut = lambda x: [piece[None].float() for piece in x.split(sizes)[1::2]]  # noqa: E731
-        H = self.v.shape[1]
-        return [dict(q=expand_groups(q, H), k=expand_groups(k, H), v=v, g=floor_log_decay(g), lam=lam)
-                for q, k, v, g, lam in zip(*map(cut, (self.q, self.k, self.v, self.g, self.lam)))]
+    def front_padded(self, fronts: list[int]) -> tuple["_Flat", torch.Tensor]:
+        """The axis with fronts[n] zero tokens before sequence n, which then starts at positions[n] - fronts[n] (a
+        chunk start when fronts[n] = positions[n] mod C; a zero token is the identity transition and deposits and
+        reads nothing), and the rows of the call's tokens in it [tokens] int64. One gather per tensor (one autograd
+        node each; the zero tokens' gradients go nowhere)."""
+        slots, held, rows = _front_slots(tuple(self.bounds), tuple(fronts), self.q.device)
+
+        def place(x: torch.Tensor) -> torch.Tensor:
+            return torch.where(held.view(-1, *(1,) * (x.dim() - 1)), x.index_select(0, slots), 0)
+
+        shift = [0, *itertools.accumulate(fronts)]
+        return _Flat(place(self.q), place(self.k), place(self.v), place(self.g), place(self.lam),
+                     [a + r for a, r in zip(self.bounds, shift)],
+                     [p - r for p, r in zip(self.positions, fronts)]), rows
+
+
+@table_cache()
+def _front_slots(bounds: tuple[int, ...], fronts: tuple[int, ...], device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_Flat.front_padded's tables: for every row of the padded axis the call's token it takes (slots, int64; a
+    zero token names its sequence's first) and whether it takes one (held, bool); the call's tokens' rows in it
+    (rows, int64). Cached per layout (read-only; normal tensors even when first built under inference mode)."""
+    slots: list[int] = []
+    held: list[bool] = []
+    rows: list[int] = []
+    for a, b, r in zip(bounds, bounds[1:], fronts):
+        rows += range(len(slots) + r, len(slots) + r + b - a)
+        slots += [a] * r + list(range(a, b))
+        held += [False] * r + [True] * (b - a)
+    with torch.inference_mode(False):
+        return (device_table(slots, torch.int64, device), device_table(held, torch.bool, device),
+                device_table(rows, torch.int64, device))
 
 
 def _kernel_dtype(inp: OpInputs) -> torch.dtype:
@@ -645,125 +659,134 @@ def _flatten(inp: OpInputs) -> _Flat:
 
 
 @dataclass
-class _Aligned:
-    """After the torch prefixes: per sequence its kernel start, the incoming levels there before the carry past that
-    aligned position ([N, W, H, K, V] fp32: the caller's, a prefixed sequence's row its prefix's final levels; None
-    without a state), its carry target (fenwick.carry_target of the start, > c; 0 for a sequence the prefix
-    finished), and the prefixes' outputs; ``done`` holds the final levels of sequences that the prefix finished
-    (their rows of ``levels`` are not read)."""
+class _Seeds:
+    """The sequences whose state holds in-chunk buckets (a position inside a chunk, or 0): rows [R] int64 of the
+    call, their positions and ends, and their buckets partial [R, c+1, H, K, V] fp32 after the carry past the
+    position. The kernels start such a sequence at its first chunk's start (front-padded) with the buckets' sum
+    seeded into chunk level m0 = ctz(c0 + 1) of h0 (c0 its first chunk), the level the first chunk's cascade
+    merges them into; so the kernels read them in that chunk at level c + 1 + m0, which _first_reads replaces by
+    the levels the buckets are read at (fenwick.incoming_levels), and a sequence that ends in that chunk still holds
+    them as level m0, which _first_levels moves to its in-chunk levels."""
 
-    bos: list[int]
-    chunk0: list[int]
-    levels: torch.Tensor | None
-    targets: list[int]
-    prefixes: list[tuple[int, int]]
-    prefix_out: list[torch.Tensor]
-    done: dict[int, torch.Tensor]
-
-
-def _align(flat: _Flat, state: FenwickState | None, C: int, scale: float, form: type) -> _Aligned:
-    """Run each stateful sequence through the torch path (the variant's chunk form) up to its first chunk
-    boundary (a state at position 0 included: its junk in-chunk levels are read by the first chunk); the carry past
-    every sequence's aligned start is _chunk_levels'. Sequences at the same position with prefixes of the same
-    length share one torch call (a batch continuing from one position: one call's ops, not one call's per row)."""
-    spans = list(zip(flat.bounds, flat.bounds[1:], flat.positions))
-    if state is None:
-        return _Aligned(flat.bounds[:-1], [p // C for p in flat.positions], None, [], [], [], {})
-    levels = state.levels.float()
-    rows = levels.split(1)  # one autograd node for every sequence's state (a slice each: a whole gradient each)
-    out = _Aligned([], [], levels, [], [], [], {})
-    prefix = [min(b - a, C - p % C) if p % C or p == 0 else 0 for a, b, p in spans]
-    prefixed = _prefixes(flat, rows, spans, prefix, C, scale, form)  # n: (output, final levels)
-    for n, ((a, b, p), pre) in enumerate(zip(spans, prefix)):
-        if pre:
-            out.prefix_out.append(prefixed[n][0])
-            out.prefixes.append((a, a + pre))
-        if a + pre == b:
-            out.done[n] = prefixed.pop(n)[1] if pre else rows[n][0]
-        out.bos.append(a + pre)
-        out.chunk0.append((p + pre) // C)
-        out.targets.append(ctz(p + pre) + 1 if a + pre < b else 0)  # fenwick.carry_target, on the host
-    if prefixed:  # rows as wide as the widest (_chunk_levels widens past the carry targets)
-        width = max([levels.shape[1]] + [lv.shape[0] for _, lv in prefixed.values()])
-        index = cached_table(tuple(prefixed), torch.int64, levels.device)
-        out.levels = _pad_levels(levels, width, dim=1).index_copy(
-            0, index, torch.stack([_pad_levels(lv, width) for _, lv in prefixed.values()]))
-    return out
+    rows: list[int]
+    positions: list[int]
+    ends: list[int]
+    partial: torch.Tensor
 
 
-def _rows(xs: list[torch.Tensor]) -> torch.Tensor:
-    """Tensors of one row each [1, ...] as one batch [len(xs), ...] (no op for one)."""
-    return xs[0] if len(xs) == 1 else torch.cat(xs)
-
-
-def _prefixes(flat: _Flat, rows: tuple[torch.Tensor, ...], spans: list[tuple[int, int, int]], prefix: list[int],
-              C: int, scale: float, form: type) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """The torch path over each sequence's prefix (its first prefix[n] tokens, 0: none; spans[n] = (start, end,
-    position)) from its state rows[n] [1, L, H, K, V], one call per (position, length) group:
-    {n: (o [prefix[n], H, V], final levels [L', H, K, V])}, in n's order."""
-    groups: dict[tuple[int, int], list[int]] = {}
-    for n, ((_, _, p), pre) in enumerate(zip(spans, prefix)):
-        if pre:
-            groups.setdefault((p, pre), []).append(n)
-    if not groups:
-        return {}
-    pieces = dict(zip([n for n, pre in enumerate(prefix) if pre],
-                      flat.pieces([(a, a + pre) for (a, _, _), pre in zip(spans, prefix) if pre])))
-    done = {}
-    for (p, _), members in groups.items():
-        x = {name: _rows([pieces[n][name] for n in members]) for name in ("q", "k", "v", "g", "lam")}
-        state = _rows([rows[n] for n in members])
-        o_pre, lv = chunk_scan(form, x["q"], x["k"], x["v"], {"g": x["g"]}, x["lam"], scale, state, p, C)
-        done.update(zip(members, zip(o_pre.unbind(), lv.unbind())))  # one autograd node each, not one per row
-    return {n: done[n] for n in sorted(done)}
-
-
-def _chunk_levels(flat: _Flat, aligned: _Aligned, C: int) -> tuple[int, torch.Tensor, bool, int]:
-    """J (chunk levels the scans carry), the initial chunk levels h0 [N, J, H, K, V] fp32: every sequence's levels
-    carried past its aligned start, those above c (0 for the sequences the prefix finished), whether any sequence
-    has a state (otherwise h0 is zeros and the scans skip it), and the first level h0 may hold (plan.first_level:
-    the carry into target t clears chunk levels below t - c - 1)."""
+def _chunk_levels(flat: _Flat, positions: list[int], state: FenwickState | None, C: int
+                  ) -> tuple[int, torch.Tensor, bool, int, _Seeds | None]:
+    """J (chunk levels the scans carry), the initial chunk levels h0 [N, J, H, K, V] fp32 at every sequence's
+    kernel start (flat: the front-padded axis; positions: the call's, where the state is), whether any sequence
+    has a state (otherwise h0 is zeros and the scans skip it), the first level h0 may hold (plan.first_level: the
+    carry into a target t > c clears the chunk levels below t - c - 1) and the seeded sequences (_Seeds) or None."""
     c, N = chunk_bits(C), len(flat.bounds) - 1
     ends = [p + b - a for a, b, p in zip(flat.bounds, flat.bounds[1:], flat.positions)]
-    stateful = aligned.levels is not None and len(aligned.done) < N
-    width = max(aligned.levels.shape[1], max(aligned.targets) + 1) if stateful else 0  # the carried levels
-    J = max([1] + [max((e - 1) // C, 1).bit_length() for e in ends] + ([width - c - 1] if stateful else []))
+    J = max([1] + [max((e - 1) // C, 1).bit_length() for e in ends])
     H, K, V = flat.v.shape[1], flat.q.shape[2], flat.v.shape[2]
-    if not stateful:
-        return J, flat.v.new_zeros((J, H, K, V), dtype=torch.float32).expand(N, J, H, K, V), False, 0
-    first = min(t for t in aligned.targets if t) - c - 1
-    if len(set(aligned.targets)) == 1:  # one carry target: h0 straight from the levels, no carried copy
-        return J, chunk_levels_past(aligned.levels, aligned.targets[0], C, J), True, first
-    targets = cached_table(tuple(aligned.targets), torch.int64, aligned.levels.device)
-    h0 = _pad_levels(carry_into(_pad_levels(aligned.levels, width, dim=1), targets)[:, c + 1 :], J, dim=1)
-    if aligned.done:
-        ran = cached_table(tuple(n not in aligned.done for n in range(N)), torch.bool, h0.device)
-        h0 = torch.where(ran[:, None, None, None, None], h0, 0.0)
-    return J, h0.contiguous(), True, first
+    if state is None:
+        return J, flat.v.new_zeros((J, H, K, V), dtype=torch.float32).expand(N, J, H, K, V), False, 0, None
+    levels = state.levels.float()
+    targets = [ctz(p) + 1 if p else 0 for p in positions]  # fenwick.carry_target, on the host
+    seeded = [n for n, p in enumerate(positions) if p % C or p == 0]
+    width = max(levels.shape[1], max(targets) + 1, c + 1)
+    J = max([J, width - c - 1] + [ctz(positions[n] // C + 1) + 1 for n in seeded])  # the seeds' level m0 too
+    if not seeded and len(set(targets)) == 1:  # one carry target: h0 straight from the levels, no carried copy
+        return J, chunk_levels_past(levels, targets[0], C, J), True, targets[0] - c - 1, None
+    carried = carry_into(_pad_levels(levels, width, dim=1), cached_table(tuple(targets), torch.int64, levels.device))
+    h0 = _pad_levels(carried[:, c + 1 :], J, dim=1)
+    if not seeded:
+        return J, h0.contiguous(), True, min(targets) - c - 1, None
+    m0 = cached_table(tuple(tuple(n in seeded and j == ctz(p // C + 1) for j in range(J))
+                            for n, p in enumerate(positions)), torch.float32, levels.device)
+    h0 = h0 + m0[:, :, None, None, None] * carried[:, : c + 1].sum(1, keepdim=True)  # 0 but in seeded rows
+    rows = cached_table(tuple(seeded), torch.int64, levels.device)
+    seeds = _Seeds(seeded, [positions[n] for n in seeded], [ends[n] for n in seeded],
+                   carried[:, : c + 1].index_select(0, rows))
+    return J, h0.contiguous(), True, 0, seeds
 
 
-def _final_state(flat: _Flat, aligned: _Aligned, final: torch.Tensor, C: int, n_in: int) -> FenwickState:
-    """Per sequence: the last chunk's in-chunk buckets + the scan's chunk levels (final [N, J, H, K, V]), or the
-    levels of a sequence the torch prefix finished, with max(levels_needed(end), n_in) levels as the torch path
-    (the rest zero, up to the widest). The sequences the kernels ran take one batch of ops, whatever their number."""
-    N, H = len(flat.bounds) - 1, flat.v.shape[1]
+@table_cache()
+def _first_chunks(starts: tuple[int, ...], ends: tuple[int, ...], fronts: tuple[int, ...], C: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first chunk of the padded sequences [starts[i], ends[i]) (chunk-aligned starts): rows [R, C] int64
+    (clamped to the sequence), held [R, C] bool (the call's tokens: from fronts[i] on, within the sequence) and
+    their rows in the flattened [R * C], in order. Cached per layout (read-only; normal tensors)."""
+    rows = [[min(a + s, b - 1) for s in range(C)] for a, b in zip(starts, ends)]
+    held = [[r <= s < b - a for s in range(C)] for a, b, r in zip(starts, ends, fronts)]
+    taken = [i * C + s for i, h in enumerate(held) for s in range(C) if h[s]]
+    with torch.inference_mode(False):
+        return (device_table(rows, torch.int64, device), device_table(held, torch.bool, device),
+                device_table(taken, torch.int64, device))
+
+
+def _first_chunk_decays(flat: _Flat, seeds: _Seeds, C: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The seeded sequences' first chunks (flat: the padded axis): rows [R, C] and taken (_first_chunks), and
+    exp(G) [R, C, H] (per channel [R, C, H, K]), G the cumsum of the floored gate from the chunk's start (0 at the
+    zero tokens and past the sequence)."""
+    starts = tuple(flat.bounds[n] for n in seeds.rows)
+    ends = tuple(flat.bounds[n + 1] for n in seeds.rows)
+    fronts = tuple(p % C for p in seeds.positions)
+    rows, held, taken = _first_chunks(starts, ends, fronts, C, flat.q.device)
+    g = floor_log_decay(flat.g[rows].float())
+    g = torch.where(held.view(*held.shape, *(1,) * (g.dim() - 2)), g, 0.0)
+    return rows, taken, torch.exp(g.cumsum(1))
+
+
+def _first_reads(flat: _Flat, seeds: _Seeds, rows: torch.Tensor, taken: torch.Tensor, decay: torch.Tensor, C: int,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the seeded sequences' first chunks read of their buckets, less what the kernels read there (the
+    buckets' sum at level c + 1 + m0): scale sum_m (lam_t[incoming(t, m)] - lam_t[c + 1 + m0]) (qt_t partial_m),
+    qt_t = exp(G_t) q_t, for the call's tokens of those chunks -> (their rows in the padded axis [n] int64, the
+    terms [n, H, V] fp32)."""
+    H, c = flat.v.shape[1], chunk_bits(C)
+    q = expand_groups(flat.q[rows].float(), H)  # [R, C, H, K]
+    qt = q * (decay if decay.dim() == 4 else decay[..., None])
+    lam = flat.lam[rows].float().transpose(1, 2)  # [R, H, C, L]
+    at = incoming_levels(tuple(seeds.positions), C, lam.device)[:, None]  # [R, 1, C, c+1]
+    kernel = cached_table(tuple(((c + 1 + ctz(p // C + 1),),) for p in seeds.positions), torch.int64, lam.device)
+    w = level_scales_at(lam, at) - level_scales_at(lam, kernel[:, None].expand(-1, 1, C, 1))
+    terms = torch.einsum("bhtm,bthk,bmhkv->bthv", w, qt, seeds.partial) * scale
+    return rows.flatten().index_select(0, taken), terms.flatten(0, 1).index_select(0, taken)
+
+
+def _first_levels(seeds: _Seeds, decay: torch.Tensor, width: int, C: int) -> tuple[list[int], torch.Tensor] | None:
+    """For the seeded sequences that end in their first chunk, what the final levels need besides the kernels':
+    their buckets, which the kernels carried as chunk level m0 (decayed to the last token, exp(G_e)), moved to the
+    in-chunk level the last token e reads them at (max(m, bit_length(e XOR position)), route_buckets) -> (those
+    sequences' rows of the call, the change [R', width, H, K, V]), or None when every seeded sequence goes on."""
+    c = chunk_bits(C)
+    ending = [i for i, (p, e) in enumerate(zip(seeds.positions, seeds.ends)) if e <= (p // C + 1) * C]
+    if not ending:
+        return None
+    pick = cached_table(tuple(ending), torch.int64, decay.device)
+    last = tuple((seeds.ends[i] - 1) % C for i in ending)
+    e = cached_table(tuple((i, t) for i, t in zip(ending, last)), torch.int64, decay.device)
+    at = decay[e[:, 0], e[:, 1]]  # [R', H] or [R', H, K]
+    moved = seeds.partial.index_select(0, pick) * at.view(at.shape[0], 1, at.shape[1], -1, 1)  # rows K scaled
+    positions = [seeds.positions[i] for i in ending]
+    floors = tuple(((seeds.ends[i] - 1) ^ p).bit_length() for i, p in zip(ending, positions))
+    m0 = cached_table(tuple(tuple(j == c + 1 + ctz(p // C + 1) for j in range(width)) for p in positions),
+                      torch.float32, decay.device)
+    change = _pad_levels(route_buckets(moved, floors), width, dim=1) - m0[:, :, None, None, None] * moved.sum(1, True)
+    return [seeds.rows[i] for i in ending], change
+
+
+def _final_state(flat: _Flat, final: torch.Tensor, C: int, n_in: int,
+                 first: tuple[list[int], torch.Tensor] | None) -> FenwickState:
+    """Per sequence (flat: the padded axis): the last chunk's in-chunk buckets + the scan's chunk levels (final
+    [N, J, H, K, V]), plus ``first``'s change to the rows it names (_first_levels), with max(levels_needed(end),
+    n_in) levels as the torch path (the rest zero, up to the widest), in one batch of ops whatever their number."""
+    H = flat.v.shape[1]
     ends = [p + b - a for a, b, p in zip(flat.bounds, flat.bounds[1:], flat.positions)]
     keep = [max(levels_needed(e), n_in) for e in ends]
     width = max(keep)
-    ran = [n for n in range(N) if n not in aligned.done]
-    parts = []
-    if ran:
-        last = _last_chunk_levels(flat.k, flat.v, flat.g, [aligned.bos[n] for n in ran],
-                                  [flat.bounds[n + 1] for n in ran], C, H)
-        if len(ran) < N:
-            final = final.index_select(0, cached_table(tuple(ran), torch.int64, final.device))
-        parts.append(_pad_levels(torch.cat([last, final], 1), width, dim=1))
-    parts += [_pad_levels(aligned.done[n], width)[None] for n in aligned.done]
-    levels = torch.cat(parts) if len(parts) > 1 else parts[0]
-    order = ran + list(aligned.done)
-    if order != list(range(N)):
-        levels = levels.index_select(0, cached_table(tuple(order.index(n) for n in range(N)), torch.int64,
-                                                    levels.device))
+    last = _last_chunk_levels(flat.k, flat.v, flat.g, flat.bounds[:-1], flat.bounds[1:], C, H)
+    levels = _pad_levels(torch.cat([last, final], 1), width, dim=1)
+    if first is not None:
+        rows, change = first
+        levels = levels.index_add(0, cached_table(tuple(rows), torch.int64, levels.device),
+                                  _pad_levels(change, width, dim=1))
     if min(keep) < width:  # rows that keep fewer levels: zero the rest
         kept = cached_table(tuple(tuple(j < k for j in range(width)) for k in keep), torch.bool, levels.device)
         levels = torch.where(kept[:, :, None, None, None], levels, 0.0)
@@ -799,20 +822,26 @@ def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tu
     flat = _flatten(inp)
     if inp.level_scales is None:
         return _run_plain(inp, flat, output_final_state, C)
-    aligned = _align(flat, inp.initial_state, C, inp.scale, inp.variant.form)
-    J, h0, has_init, first = _chunk_levels(flat, aligned, C)
-    plan = LevelScanPlan(aligned.bos, flat.bounds[1:], aligned.chunk0, aligned.prefixes, C, J, has_init, inp.scale,
-                         per_channel=_per_channel(inp), first_level=first)
-    gate = _read_gate(flat.g, plan, inp.report_finite)
-    o, final = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan)
-    if aligned.prefixes:
-        idx = cached_table(tuple(t for a, b in aligned.prefixes for t in range(a, b)), torch.int64, o.device)
-        o = o.index_copy(0, idx, torch.cat(aligned.prefix_out).to(o.dtype))
+    state = inp.initial_state
+    fronts = [p % C if state is not None else 0 for p in flat.positions]
+    padded, rows = flat.front_padded(fronts) if any(fronts) else (flat, None)
+    J, h0, has_init, first, seeds = _chunk_levels(padded, flat.positions, state, C)
+    plan = LevelScanPlan(padded.bounds[:-1], padded.bounds[1:], [p // C for p in padded.positions], C, J, has_init,
+                         inp.scale, per_channel=_per_channel(inp), first_level=first)
+    gate = _read_gate(padded.g, plan, inp.report_finite)
+    o, final = LevelScanMamba2.apply(padded.q, padded.k, padded.v, padded.g, gate, padded.lam, h0, plan)
+    if seeds is not None:
+        chunk_rows, taken, decay = _first_chunk_decays(padded, seeds, C)
+        at, terms = _first_reads(padded, seeds, chunk_rows, taken, decay, C, inp.scale)
+        o = o.index_add(0, at, terms.to(o.dtype))
+    if rows is not None:
+        o = o.index_select(0, rows)
     o = o.reshape(inp.v.shape).to(inp.v.dtype)
     if not output_final_state:
         return o, None
-    n_in = inp.initial_state.num_levels if inp.initial_state is not None else 0
-    return o, _final_state(flat, aligned, final, C, n_in)
+    n_in = state.num_levels if state is not None else 0
+    levels = _first_levels(seeds, decay, final.shape[1] + chunk_bits(C) + 1, C) if seeds is not None else None
+    return o, _final_state(padded, final, C, n_in, levels)
 
 
 def _run_plain(inp: OpInputs, flat: _Flat, output_final_state: bool, C: int
@@ -825,7 +854,7 @@ def _run_plain(inp: OpInputs, flat: _Flat, output_final_state: bool, C: int
         h0 = state.levels.float().contiguous()
     else:
         h0 = flat.v.new_zeros((1, 1, H, K, V), dtype=torch.float32).expand(N, 1, H, K, V)
-    plan = LevelScanPlan(flat.bounds[:-1], flat.bounds[1:], [0] * N, [], C, 1, state is not None, inp.scale, plain=True,
+    plan = LevelScanPlan(flat.bounds[:-1], flat.bounds[1:], [0] * N, C, 1, state is not None, inp.scale, plain=True,
                          per_channel=_per_channel(inp))
     gate = _read_gate(flat.g, plan, inp.report_finite)
     o, final = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan)

@@ -647,17 +647,15 @@ def mamba2_initial_grad_kernel(
 ):
     """The gradients of the initial levels J0 .. J-1 from their readers, in S segments: d_init [S, N, J - J0, H, K, V]
     fp32 out, segment s of the readers of level j of sequence n (the chunks c0 .. ((c0 >> j) + 1) 2^j - 1 of the
-    sequence, cut into S equal runs; 0 where a run is empty, and for the levels below ctz(c0), which the carry
-    cleared). PLAIN: one level, read by the sequence's first chunk. Other arguments as the scans (bos, eos, chunk0,
-    base [N]) and mamba2_level_grad_kernel. Grid (S * N * (J - J0) * H,): program i * H + h (heads_fastest)."""
+    sequence, cut into S equal runs; 0 where a run is empty; a level that the carry past an aligned start cleared
+    gets its readers' terms too, which the caller drops). PLAIN: one level, read by the sequence's first chunk.
+    Other arguments as the scans (bos, eos, chunk0, base [N]) and mamba2_level_grad_kernel. Grid
+    (S * N * (J - J0) * H,): program i * H + h (heads_fastest)."""
     pid, h = heads_fastest(H)
     JR = J - J0
     s, n, j = pid // (N * JR), (pid // JR) % N, J0 + pid % JR
     bos, eos, c0, base = sequence_range(n, bos_ptr, eos_ptr, chunk0_ptr, base_ptr)
     readers = tl.minimum((((c0 >> j) + 1) << j) - c0, tl.cdiv(eos - bos, C))
-    # the carry past the state's aligned position c0 C cleared the chunk levels j < ctz(c0): zeros that nothing
-    # differentiates (their gradient is dropped), so they get no readers
-    readers = tl.where((c0 > 0) & ((c0 & ((2 << j) - 1)) == 0), 0, readers)
     run = tl.cdiv(readers, S)
     lo = tl.minimum(s * run, readers)
     r, kk, vv = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV)
