@@ -141,3 +141,12 @@ def test_incoming_levels_route_each_bucket_by_the_definition():
         for t in range(C):
             for m in range(c + 1):
                 assert idx[t, m] == max(m, int(fenwick.level(c0 * C + t, position))), (C, position, t, m)
+
+
+def test_tables_of_several_rows_stack_the_rows_tables():
+    """A tuple of queries (positions) gives one table per row, each the single query's (position's)."""
+    es, positions = (0, 5, 15, 5), (0, 37, 1000, 16)
+    rows = fenwick.last_query_masks(es, 16, torch.float32, "cpu")
+    assert torch.equal(rows, torch.stack([fenwick.last_query_masks(e, 16, torch.float32, "cpu") for e in es]))
+    rows = fenwick.incoming_levels(positions, 16, "cpu")
+    assert torch.equal(rows, torch.stack([fenwick.incoming_levels(p, 16, "cpu") for p in positions]))

@@ -81,10 +81,11 @@ def test_deposit_blocks(monkeypatch):
 
 
 def test_continuation_from_states_varlen():
-    """States at an unaligned position, at 0 and at an aligned one (junk in every level, gradients reach them),
-    three sequences of one varlen call."""
-    x = gla_inputs(1, 60, 1, 2, 8, 5, start=48)
-    _compare(x, cu_seqlens=torch.tensor([0, 3, 37, 60]), state=_state([21, 0, 48], 2, 8, 5, levels=8))
+    """States inside a chunk (21: chunk 1; 37: chunk 2, whose first cascade merges into chunk level 0, below the
+    levels a state there holds), at 0 and at an aligned one (junk in every level, gradients reach them), four
+    sequences of one varlen call."""
+    x = gla_inputs(1, 90, 1, 2, 8, 5, start=48)
+    _compare(x, cu_seqlens=torch.tensor([0, 3, 37, 60, 90]), state=_state([21, 0, 48, 37], 2, 8, 5, levels=8))
 
 
 def test_all_zero_initial_levels_are_skipped_exactly():
@@ -98,8 +99,9 @@ def test_all_zero_initial_levels_are_skipped_exactly():
 
 
 def test_a_call_inside_one_chunk_from_states():
-    """Every sequence ends before its next chunk boundary: the whole call runs on the torch prefix path, the kernels
-    get no chunk at all, and the gradients (the gate's through its chunk sums too) still reach every input."""
+    """Every sequence ends before its next chunk boundary: each is one front-padded chunk whose final state holds
+    the state's buckets where its last token reads them, and the gradients (the gate's through its chunk sums too)
+    still reach every input."""
     _compare(gla_inputs(2, 3, 1, 2, 8, 5, start=20), state=_state([5, 20], 2, 8, 5, levels=6))
 
 
