@@ -4,6 +4,7 @@ Rows: loglinear (our kernels), loglinear_plain (our plain op, level_scales=None:
 loglinear_state (our kernels continuing an incoming state at position T, as a context-parallel rank does: the
 state from T tokens of the same kind, its gradient taken too), loglinear_state_inside (the same from a state at
 T - 24, inside a chunk: a split that is not a multiple of the chunk, a chunked prefill; only when named),
+loglinear_packed (the same tokens as 8 packed sequences per row, cu_seqlens; only when named),
 loglinear_torch (our torch chunk path, only when named), fla_log_linear, fla_mamba2 / fla_gdn, sdpa_flash.
 
     python benchmarks/bench_ops.py                       # paper setting, all impls, T = 2K..128K
@@ -11,6 +12,7 @@ loglinear_torch (our torch chunk path, only when named), fla_log_linear, fla_mam
     python benchmarks/bench_ops.py --check               # also: kernels vs the torch chunk path (fp32), 2^20 tokens
     python benchmarks/bench_ops.py --impls loglinear loglinear_state --name ops-mamba2-state   # incoming-state cost
     python benchmarks/bench_ops.py --impls loglinear loglinear_state loglinear_state_inside --name ops-mamba2-state
+    python benchmarks/bench_ops.py --variant gdn --impls loglinear loglinear_packed --name ops-gdn-packed
     python benchmarks/bench_ops.py --T 4096 2048 --merge   # re-measure two T, keep the file's other rows
     python benchmarks/bench_ops.py --impls loglinear --chunk-size 32 --name ops-mamba2-c32   # another chunk size
 
@@ -54,15 +56,14 @@ from loglinear.cli import check_script_options, refuse  # noqa: E402
 from loglinear.fenwick import levels_needed  # noqa: E402
 from loglinear.report import pyplot  # noqa: E402
 
-IMPLS = ("loglinear", "loglinear_plain", "loglinear_state", "loglinear_state_inside", "loglinear_torch",
-         "fla_log_linear", "fla_mamba2", "sdpa_flash")
-IMPLS_GDN = ("loglinear", "loglinear_plain", "loglinear_state", "loglinear_state_inside", "loglinear_torch", "fla_gdn",
-             "sdpa_flash")
-IMPLS_GLA = ("loglinear", "loglinear_plain", "loglinear_state", "loglinear_state_inside", "fla_gla", "sdpa_flash")
-NAMED_ONLY = ("loglinear_torch", "loglinear_state_inside")  # rows that run only when --impls names them
+OURS = ("loglinear", "loglinear_plain", "loglinear_state", "loglinear_state_inside", "loglinear_packed")
+IMPLS = (*OURS, "loglinear_torch", "fla_log_linear", "fla_mamba2", "sdpa_flash")
+IMPLS_GDN = (*OURS, "loglinear_torch", "fla_gdn", "sdpa_flash")
+IMPLS_GLA = (*OURS, "fla_gla", "sdpa_flash")
+NAMED_ONLY = ("loglinear_torch", "loglinear_state_inside", "loglinear_packed")  # run only when --impls names them
+PACKED = 8  # loglinear_packed: sequences per row
 INSIDE = 24  # loglinear_state_inside: the state's position T - INSIDE, inside a 64-token chunk
-OUR_BACKENDS = {"loglinear": "triton", "loglinear_plain": "triton", "loglinear_state": "triton",
-                "loglinear_state_inside": "triton", "loglinear_torch": "torch"}  # -> backend=
+OUR_BACKENDS = {**{impl: "triton" for impl in OURS}, "loglinear_torch": "torch"}  # -> backend=
 PAPER = dict(B=2, H=48, G=1, K=128, V=64)
 SHAPE = dict(PAPER)  # what measure() runs: the paper setting unless --shape
 OURS_KW: dict = {}  # options of our ops from the command line (--chunk-size), on every row of ours
@@ -108,11 +109,16 @@ Built = tuple[Callable[[], torch.Tensor], list[torch.Tensor]]  # the forward clo
 def ours(impl: str, op: Callable, x: dict, names: tuple[str, ...], **kw) -> Built:
     """Our op on x's tensors ``names`` and level_scales (None for loglinear_plain) on the impl's backend;
     loglinear_state continues the state the op leaves after x (``continued``), whose levels are a leaf too;
-    loglinear_state_inside the state after x's first T - INSIDE tokens. kw: the op's options, with OURS_KW's."""
+    loglinear_state_inside the state after x's first T - INSIDE tokens; loglinear_packed runs x's rows as PACKED
+    sequences each, packed into one row (cu_seqlens). kw: the op's options, with OURS_KW's."""
     kw = {**kw, **OURS_KW}
     x, state = (x, None)
     if impl in ("loglinear_state", "loglinear_state_inside"):
         x, state = continued(x, op, INSIDE if impl == "loglinear_state_inside" else 0, **kw)
+    if impl == "loglinear_packed":
+        B, T = x["q"].shape[:2]
+        x = {n: t.reshape(1, B * T, *t.shape[2:]) for n, t in x.items()}
+        kw["cu_seqlens"] = torch.linspace(0, B * T, B * PACKED + 1, device=x["q"].device).round().long()
     args = [x[n] for n in names]
     lam = x["level_scales"] if impl != "loglinear_plain" else None
     backend = OUR_BACKENDS[impl]
@@ -282,7 +288,7 @@ def write_results(rows: list[dict], meta: dict, out: Path, variant: str = "mamba
     name, linear = bench.title, bench.linear
     ratios = [("loglinear", linear), ("loglinear_plain", linear), ("loglinear", "loglinear_plain"),
               ("loglinear_state", "loglinear"), ("loglinear_state_inside", "loglinear"),
-              ("loglinear", "fla_log_linear"), ("loglinear", "sdpa_flash")]
+              ("loglinear_packed", "loglinear"), ("loglinear", "fla_log_linear"), ("loglinear", "sdpa_flash")]
     runs = meta.get("runs", [])
     when = (f"{meta['date']}; `{meta['command']}`" if len(runs) < 2 else
             "; ".join(f"rows at {', '.join(f'{t // 1024}K' for t in r['T'])}: {r['date']}, `{r['command']}`"
@@ -640,6 +646,8 @@ def main(argv: list[str] | None = None) -> None:
                       if "loglinear_state" in args.impls else "")
                    + (f"loglinear_state_inside: the same from the state left by T - {INSIDE} tokens (inside a "
                       "chunk). " if "loglinear_state_inside" in args.impls else "")
+                   + (f"loglinear_packed: the same tokens as {PACKED} sequences per row, packed (cu_seqlens). "
+                      if "loglinear_packed" in args.impls else "")
                    + (f"Our ops at chunk_size {args.chunk_size}. " if args.chunk_size is not None else "")
                    + "Median of triton.testing.do_bench.",
         "notes": notes,

@@ -13,6 +13,8 @@
 #   bash benchmarks/run_gpu.sh bench-gla      # ~7 min: ops-gla-<gpu>.* (16K-128K, against fla's chunk_gla), the profile at 32K
 #   bash benchmarks/run_gpu.sh state          # ~4 min: ops-{mamba2,gdn}-state-<gpu>.* and profile-state-<gpu>.md
 #                                             #   (calls with an incoming state, and where their cost goes)
+#   bash benchmarks/run_gpu.sh packed         # ~3 min: ops-{gdn,mamba2}-packed-<gpu>.* (the same tokens as packed
+#                                             #   sequences, cu_seqlens)
 #   bash benchmarks/run_gpu.sh tune-mamba2    # ~5 min: tune-mamba2-<gpu>.* (the Mamba-2 chunk kernels' launch
 #                                             #   choices, one kernel at a time; `tune-mamba2 --variant gla --plain`)
 #   bash benchmarks/run_gpu.sh train          # ~3 min: train-<gpu>.* (12 x d768 training steps, five models)
@@ -42,7 +44,7 @@
 # /tmp/triton-cache (TRITON_CACHE_DIR; the cache records absolute paths, so the folder is fixed) before the part,
 # and the cache is packed back into it after the part. Unchanged kernels then load instead of compiling.
 set -u
-PART=${1:?usage: run_gpu.sh checks|bench-mamba2|bench-gdn|profile-gdn|bench-gla|state|tune-mamba2|train|convert-fla|decode|mqar|lm|cp-profile|multigpu [extra options]}
+PART=${1:?usage: run_gpu.sh checks|bench-mamba2|bench-gdn|profile-gdn|bench-gla|state|packed|tune-mamba2|train|convert-fla|decode|mqar|lm|cp-profile|multigpu [extra options]}
 shift
 EXTRA=("$@")
 R=${RESULTS:-/tmp/gpu-results}
@@ -136,6 +138,12 @@ case $PART in
       loglinear_state_inside --T 131072 32768 8192 --name ops-gdn-state --out "$R"
     step 120 profile-state python benchmarks/profiling/profile_state.py --out "$R"
     ;;
+  packed)  # packed sequences (cu_seqlens) against the same tokens as rows
+    step 120 packed-gdn python benchmarks/bench_ops.py --variant gdn --impls loglinear loglinear_packed \
+      --T 32768 8192 --name ops-gdn-packed --out "$R"
+    step 60 packed-mamba2 python benchmarks/bench_ops.py --impls loglinear loglinear_packed --T 32768 8192 \
+      --name ops-mamba2-packed --out "$R"
+    ;;
   tune-mamba2)  # a row per candidate, each with its own baseline: a cut keeps what ran
     step 330 tune-mamba2 python benchmarks/profiling/tune_mamba2.py --T 32768 --budget 270 --out "$R" "${EXTRA[@]}"
     ;;
@@ -171,7 +179,7 @@ case $PART in
       --long-seq-lens 131072 262144 524288 1048576 --budget 470 --out "$R" "${EXTRA[@]}"
     ;;
   *)
-    echo "unknown part $PART (checks|bench-mamba2|bench-gdn|profile-gdn|bench-gla|state|tune-mamba2|train|convert-fla|decode|mqar|lm|cp-profile|multigpu)" >&2
+    echo "unknown part $PART (checks|bench-mamba2|bench-gdn|profile-gdn|bench-gla|state|packed|tune-mamba2|train|convert-fla|decode|mqar|lm|cp-profile|multigpu)" >&2
     exit 2
     ;;
 esac

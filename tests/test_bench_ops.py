@@ -17,16 +17,19 @@ def bench():
 @pytest.mark.parametrize("variant", ["mamba2", "gdn", "gla"])
 def test_our_rows_run_forward_and_backward(bench, variant):
     ops = bench.BENCHES[variant]
-    for impl in ("loglinear", "loglinear_plain", "loglinear_state", "loglinear_state_inside"):
+    leaves = {}
+    for impl in bench.OURS:
         x = ops.inputs(40, 2, 2, 1, 16, 16, torch.float32, seed=3, device="cpu")
-        fn, leaves = ops.build(impl, x, 2, 1)
-        for t in leaves:
+        fn, leaves[impl] = ops.build(impl, x, 2, 1)
+        for t in leaves[impl]:
             t.requires_grad_(True)
         o = fn()
         o.square().sum().backward()
-        assert o.shape == (2, 40, 2, 16) and torch.isfinite(o).all(), impl
-        assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves), impl
-    assert len(leaves) == len(ops.build("loglinear", x, 2, 1)[1]) + 1  # the state's levels take a gradient too
+        assert o.shape == ((1, 80) if impl == "loglinear_packed" else (2, 40)) + (2, 16), impl
+        assert torch.isfinite(o).all(), impl
+        assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves[impl]), impl
+    for impl in ("loglinear_state", "loglinear_state_inside"):  # the state's levels take a gradient too
+        assert len(leaves[impl]) == len(leaves["loglinear"]) + 1, impl
 
 
 def test_chunk_size_reaches_every_call_of_ours(bench, monkeypatch):
@@ -39,10 +42,10 @@ def test_chunk_size_reaches_every_call_of_ours(bench, monkeypatch):
 
     monkeypatch.setitem(bench.OURS_KW, "chunk_size", 32)
     x = bench.make_inputs(20, 2, 2, 1, 16, 16, torch.float32, device="cpu")
-    for impl in ("loglinear", "loglinear_plain", "loglinear_state", "loglinear_state_inside"):
+    for impl in bench.OURS:
         fn, _ = bench.ours(impl, op, x, ("q", "k", "v", "g"))
         fn()
-    assert calls == [32] * len(calls) and len(calls) == 6
+    assert calls == [32] * len(calls) and len(calls) == 7
 
 
 def test_results_table_has_the_ratios(bench, tmp_path):

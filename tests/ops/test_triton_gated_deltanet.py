@@ -552,3 +552,37 @@ def test_segments_run_on_the_op_tensors(monkeypatch, layout):
         state = FenwickState(torch.randn(2, 7, 2, 8, 4, dtype=torch.float64), torch.tensor([37, 64]))
     _compare(x, state, cu_seqlens, l2norm=True)
     assert seen and all(s == (torch.float32, 1) for s in seen), seen  # never expanded to the 2 value heads
+
+
+def _core_calls(monkeypatch) -> list[int]:
+    """The rows of every gated_deltanet_core call from here on."""
+    calls = []
+    core = gdn.gated_deltanet_core
+    monkeypatch.setattr(gdn, "gated_deltanet_core", lambda q, *a, **kw: calls.append(q.shape[0]) or core(q, *a, **kw))
+    return calls
+
+
+def test_packed_sequences_run_as_padded_rows(monkeypatch):
+    """Packed sequences of similar lengths (30, 25 and 40 tokens: 120 row slots for 95 tokens) run as the rows of one
+    core call, each padded at its end: a log-linear call without states and without a final state (o and every
+    gradient), and a plain one with states at three positions and its final state; lengths 10 and 40 (80 slots for
+    50 tokens) run a core call each."""
+    calls = _core_calls(monkeypatch)
+    cu = torch.tensor([0, 30, 55, 95])
+    x = make_inputs(1, 95, 1, 2, 16, 8)
+    ours = {n: t.float().requires_grad_() for n, t in x.items()}
+    ref = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, state = log_linear_gated_deltanet(**ours, cu_seqlens=cu, chunk_size=16, use_qk_l2norm=True)
+    o_ref, _ = R.log_linear_gated_deltanet_recurrent(**ref, cu_seqlens=cu, use_qk_l2norm=True)
+    assert state is None and calls == [3], calls
+    assert_close(o.double(), o_ref, RTOL, "o")
+    d_o = torch.randn_like(o_ref)
+    for name, a, e in zip(NAMES, torch.autograd.grad((o.double() * d_o).sum(), list(ours.values())),
+                          torch.autograd.grad((o_ref * d_o).sum(), list(ref.values()))):
+        assert_close(a.double(), e, 10 * RTOL, f"d{name}")
+    calls.clear()
+    _compare_plain(x, _state(3, 1, 2, 16, 8, [17, 0, 48], torch.float64), cu)
+    assert calls == [3], calls
+    calls.clear()
+    _compare_plain(make_inputs(1, 50, 1, 2, 16, 8), None, torch.tensor([0, 10, 50]))
+    assert calls == [1, 1], calls

@@ -17,7 +17,8 @@ Gradients flow through every stage (the kernels have Triton backwards; the glue 
 q, k, v, g, beta, level_scales and the initial state all get them. Every call runs on the op's tensors as
 they are (run_segments with as_given: no fp32 copies, no q/k expansion; with use_qk_l2norm the chunk-local
 kernels normalise q/k rows themselves), one launch set per segment: the whole call when its rows start at one
-position, else per packed sequence or per group of rows at one position. The
+position, else per packed sequence or per group of rows at one position; packed sequences of similar lengths run
+as the rows of one call, each padded at its end (_run_rows), where that changes nothing the call returns. The
 log-decay g arrives raw (the backend is registered with Backend.takes_raw_log_decays): the kernels floor it where
 they load it (local.py), the final state's torch form floors its last chunk (floor_log_decay).
 
@@ -45,11 +46,12 @@ from loglinear.ops.triton.shared.common import interpreting
 from loglinear.ops.triton.shared.heads import min_head_dim, run_padded
 from loglinear.ops.triton.shared.rules import dot_dtype, kernel_chunk_size
 from loglinear.state import FenwickState
-from loglinear.tables import table_cache
+from loglinear.tables import device_table, table_cache
 from loglinear.variants.gated_deltanet import GatedDeltaNetForm
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_K = 256  # the scan keeps K whole in a tile
+ROWS_PADDING = 1.5  # packed sequences run as padded rows of one batch while that adds at most this many tokens
 
 
 @table_cache()
@@ -220,4 +222,60 @@ def _run_kernels(
         return gated_deltanet_core(q, k, v, gates["g"], gates["beta"], lam, scale, levels, position, chunk_size,
                                    dtype, qk_l2norm, output_final_state)
 
+    if _as_rows(inp, output_final_state):
+        return _run_rows(inp, core, output_final_state, use_qk_l2norm)
     return run_segments(inp, core, output_final_state, l2norm_qk=use_qk_l2norm, as_given=True)
+
+
+def _as_rows(inp: OpInputs, output_final_state: bool) -> bool:
+    """Do the packed sequences of a varlen call run as rows of one batch, each padded at its end to the longest
+    (_run_rows), instead of a launch set each? When the padding adds at most ROWS_PADDING times the tokens and
+    trailing padding changes nothing the call returns: a plain call (its one-level state stays as it is through
+    identity tokens; any states), or a log-linear one from no state without a final state (padding past a
+    sequence's end would move its final levels through later carries)."""
+    if inp.bounds is None or len(inp.bounds) < 3:
+        return False
+    if not inp.plain and (inp.initial_state is not None or output_final_state):
+        return False
+    lengths = [b - a for a, b in zip(inp.bounds, inp.bounds[1:])]
+    return len(lengths) * max(lengths) <= ROWS_PADDING * sum(lengths)
+
+
+def _run_rows(inp: OpInputs, core, output_final_state: bool, use_qk_l2norm: bool
+              ) -> tuple[torch.Tensor, FenwickState | None]:
+    """The packed sequences of a varlen call as rows [N, T_max] of one core call, each padded at its end with zero
+    tokens (q = k = v = 0, g = beta = lambda = 0: the identity transition, depositing and reading nothing; their
+    outputs dropped): one gather per input for all sequences (one autograd node each) and one for o."""
+    lengths = tuple(b - a for a, b in zip(inp.bounds, inp.bounds[1:]))
+    slots, held, tokens = _row_slots(tuple(inp.bounds), inp.q.device)
+    N, T = held.shape
+
+    def rows(x: torch.Tensor | None) -> torch.Tensor | None:
+        if x is None:
+            return None
+        picked = x[0].index_select(0, slots.flatten()).view(N, T, *x.shape[2:])
+        return torch.where(held.view(N, T, *(1,) * (x.dim() - 2)), picked, 0)
+
+    state = inp.initial_state
+    o, levels = core(rows(inp.q), rows(inp.k), rows(inp.v), {name: rows(x) for name, x in inp.gates.items()},
+                     rows(inp.level_scales), inp.scale, state.levels.float() if state is not None else None, 0,
+                     qk_l2norm=use_qk_l2norm)
+    o = o.flatten(0, 1).index_select(0, tokens)[None].to(inp.v.dtype).contiguous()
+    if not output_final_state:
+        return o, None
+    start = state.positions if state is not None else torch.zeros(N, dtype=torch.int64)
+    return o, FenwickState(levels.contiguous(), start + torch.tensor(lengths))
+
+
+@table_cache()
+def _row_slots(bounds: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_run_rows' tables: slots [N, T_max] int64, the packed token each row slot takes (past its sequence's end:
+    the sequence's last), held [N, T_max] bool, whether it takes one, and tokens [total] int64, the row slot of each
+    packed token. Cached per layout (read-only; normal tensors even when first built under inference mode)."""
+    T = max(b - a for a, b in zip(bounds, bounds[1:]))
+    slots = [[min(a + t, b - 1) for t in range(T)] for a, b in zip(bounds, bounds[1:])]
+    held = [[t < b - a for t in range(T)] for a, b in zip(bounds, bounds[1:])]
+    tokens = [n * T + t for n, (a, b) in enumerate(zip(bounds, bounds[1:])) for t in range(b - a)]
+    with torch.inference_mode(False):
+        return (device_table(slots, torch.int64, device), device_table(held, torch.bool, device),
+                device_table(tokens, torch.int64, device))
