@@ -586,3 +586,17 @@ def test_packed_sequences_run_as_padded_rows(monkeypatch):
     calls.clear()
     _compare_plain(make_inputs(1, 50, 1, 2, 16, 8), None, torch.tensor([0, 10, 50]))
     assert calls == [1, 1], calls
+
+
+def test_packed_sequences_of_one_length_are_a_batch(monkeypatch):
+    """Packed sequences of one length from states at one position (inside a chunk here) run as the rows of one core
+    call, the final state too; at two positions, a core call each. Outputs, final states and every gradient against
+    the reference."""
+    calls = _core_calls(monkeypatch)
+    cu = torch.tensor([0, 30, 60, 90])
+    x = make_inputs(1, 90, 1, 2, 16, 8, start=37)
+    _compare(x, _state(3, 8, 2, 16, 8, [37, 37, 37], torch.float64), cu)
+    assert calls == [3], calls
+    calls.clear()
+    _compare(x, _state(3, 8, 2, 16, 8, [37, 5, 37], torch.float64), cu)
+    assert calls == [1, 1, 1], calls

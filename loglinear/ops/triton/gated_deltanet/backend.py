@@ -229,23 +229,27 @@ def _run_kernels(
 
 def _as_rows(inp: OpInputs, output_final_state: bool) -> bool:
     """Do the packed sequences of a varlen call run as rows of one batch, each padded at its end to the longest
-    (_run_rows), instead of a launch set each? When the padding adds at most ROWS_PADDING times the tokens and
-    trailing padding changes nothing the call returns: a plain call (its one-level state stays as it is through
-    identity tokens; any states), or a log-linear one from no state without a final state (padding past a
-    sequence's end would move its final levels through later carries)."""
+    (_run_rows), instead of a launch set each? Sequences of one length from states at one position (or none): they
+    are a batch. Otherwise, when the padding adds at most ROWS_PADDING times the tokens and changes nothing the call
+    returns: a plain call (its one-level state stays as it is through identity tokens; any states), or a log-linear
+    one from no state without a final state (padding past a sequence's end would move its final levels through
+    later carries)."""
     if inp.bounds is None or len(inp.bounds) < 3:
         return False
-    if not inp.plain and (inp.initial_state is not None or output_final_state):
-        return False
     lengths = [b - a for a, b in zip(inp.bounds, inp.bounds[1:])]
+    state = inp.initial_state
+    if len(set(lengths)) == 1 and (state is None or len(set(state.positions.tolist())) == 1):
+        return True
+    if not inp.plain and (state is not None or output_final_state):
+        return False
     return len(lengths) * max(lengths) <= ROWS_PADDING * sum(lengths)
 
 
 def _run_rows(inp: OpInputs, core, output_final_state: bool, use_qk_l2norm: bool
               ) -> tuple[torch.Tensor, FenwickState | None]:
-    """The packed sequences of a varlen call as rows [N, T_max] of one core call, each padded at its end with zero
-    tokens (q = k = v = 0, g = beta = lambda = 0: the identity transition, depositing and reading nothing; their
-    outputs dropped): one gather per input for all sequences (one autograd node each) and one for o."""
+    """The packed sequences of a varlen call (_as_rows) as rows [N, T_max] of one core call, each padded at its end
+    with zero tokens (q = k = v = 0, g = beta = lambda = 0: the identity transition, depositing and reading
+    nothing; their outputs dropped): one gather per input for all sequences (one autograd node each) and one for o."""
     lengths = tuple(b - a for a, b in zip(inp.bounds, inp.bounds[1:]))
     slots, held, tokens = _row_slots(tuple(inp.bounds), inp.q.device)
     N, T = held.shape
@@ -257,8 +261,9 @@ def _run_rows(inp: OpInputs, core, output_final_state: bool, use_qk_l2norm: bool
         return torch.where(held.view(N, T, *(1,) * (x.dim() - 2)), picked, 0)
 
     state = inp.initial_state
+    position = int(state.positions[0]) if state is not None and not inp.plain else 0  # (one, or a plain call's)
     o, levels = core(rows(inp.q), rows(inp.k), rows(inp.v), {name: rows(x) for name, x in inp.gates.items()},
-                     rows(inp.level_scales), inp.scale, state.levels.float() if state is not None else None, 0,
+                     rows(inp.level_scales), inp.scale, state.levels.float() if state is not None else None, position,
                      qk_l2norm=use_qk_l2norm)
     o = o.flatten(0, 1).index_select(0, tokens)[None].to(inp.v.dtype).contiguous()
     if not output_final_state:
