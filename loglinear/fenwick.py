@@ -20,6 +20,8 @@ position p-1 to p, levels 0..ctz(p) merge into level ctz(p)+1: a binary counter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from loglinear.tables import keyed_tables
@@ -181,7 +183,7 @@ def _incoming(position: int, C: int) -> list[list[int]]:
             for t in range(C)]
 
 
-def _per_row(build):
+def _per_row(build: Callable[[int, int], list]) -> Callable[[int | tuple[int, ...], int], list]:
     """build(x, C) for one int x, or for each x of a tuple (a table per row, stacked)."""
     return lambda x, C: [build(y, C) for y in x] if isinstance(x, tuple) else build(x, C)
 

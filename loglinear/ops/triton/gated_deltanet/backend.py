@@ -261,7 +261,8 @@ def _run_rows(inp: OpInputs, core, output_final_state: bool, use_qk_l2norm: bool
         return torch.where(held.view(N, T, *(1,) * (x.dim() - 2)), picked, 0)
 
     state = inp.initial_state
-    position = int(state.positions[0]) if state is not None and not inp.plain else 0  # (one, or a plain call's)
+    # the rows' one position (a plain call's chunks start at each row's first token, wherever its state is)
+    position = int(state.positions[0]) if state is not None and not inp.plain else 0
     o, levels = core(rows(inp.q), rows(inp.k), rows(inp.v), {name: rows(x) for name, x in inp.gates.items()},
                      rows(inp.level_scales), inp.scale, state.levels.float() if state is not None else None, position,
                      qk_l2norm=use_qk_l2norm)
