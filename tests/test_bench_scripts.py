@@ -1,8 +1,9 @@
-"""The command lines of benchmarks/bench_decode.py, bench_train.py and bench_torch_path.py: values that cannot work are
-refused (one line, exit status 2) before anything is measured or written (bench_ops.py's: tests/test_bench_ops.py);
-bench_torch_path.py at a tiny size writes its result files; profiling/ncu_kernels.py summarises an ncu details page;
-profiling/compile_sm90.py refuses a chunk it would not compile; profiling/tune_mamba2.py tries each candidate on the
-path it names and puts the op's choices back; profiling/ab_trees.py alternates the two trees' benchmark runs."""
+"""The command lines of benchmarks/bench_decode.py, bench_train.py, bench_torch_path.py and bench_host.py: values that
+cannot work are refused (one line, exit status 2) before anything is measured or written (bench_ops.py's:
+tests/test_bench_ops.py); bench_torch_path.py and bench_host.py at a tiny size write their result files;
+profiling/ncu_kernels.py summarises an ncu details page; profiling/compile_sm90.py refuses a chunk it would not
+compile; profiling/tune_mamba2.py tries each candidate on the path it names and puts the op's choices back;
+profiling/ab_trees.py alternates the two trees' benchmark runs."""
 
 import json
 import subprocess
@@ -34,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
      "--packed must divide the longest of --lengths (1000), got 256"),
     ("bench_torch_path", ["--repeats", "0"], "--repeats must be >= 1, got 0"),
     ("bench_torch_path", ["--device", "gpu0"], "--device must be a torch device such as cpu or cuda:0"),
+    ("bench_host", ["--tokens", "100"], "--tokens must be a multiple of 64, got 100"),
+    ("bench_host", ["--repeats", "0"], "--repeats must be >= 1, got 0"),
     ("profiling/tune_mamba2", ["--T", "0"], "--T must be >= 1, got 0"),
     ("profiling/tune_mamba2", ["--budget", "-5"], "--budget must be >= 0, got -5"),
     ("profiling/ab_trees", ["--base", "/nonexistent", "--rounds", "0"], "--rounds must be >= 1, got 0"),
@@ -59,6 +62,24 @@ def test_torch_path_benchmark_writes_its_results(tmp_path):
     md = (tmp_path / "torch-path-cpu.md").read_text()
     assert "## Mamba-2" in md and "## GLA" in md and "| 128 as 4 x 32 |" in md
     assert (tmp_path / "torch-path-cpu.png").stat().st_size > 0
+
+
+def test_host_benchmark_counts_each_layout(tmp_path):
+    """Every layout of two variants is counted (torch ops and launches, both passes); Mamba-2's states inside
+    chunks take about the same host work at two positions as at one (a torch path per position took some 250 ops
+    more each)."""
+    bench = load_benchmark("bench_host")
+    bench.main(["--variants", "mamba2", "gated_deltanet", "--sequences", "2", "--tokens", "64", "--repeats", "1",
+                "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "host-cpu.json").read_text())["rows"]
+    assert len(rows) == 2 * 6 and all(min(r["fwd_ops"], r["bwd_ops"], r["fwd_launches"], r["bwd_launches"]) > 0
+                                      for r in rows)
+    by = {(r["variant"], r["layout"]): r for r in rows}
+    one, two = by["mamba2", "state at 40 (inside a chunk)"], by["mamba2", "states at 2 positions inside chunks"]
+    assert two["fwd_ops"] + two["bwd_ops"] <= one["fwd_ops"] + one["bwd_ops"] + 8, (one, two)
+    md = (tmp_path / "host-cpu.md").read_text()
+    assert "## Mamba-2" in md and "## Gated DeltaNet" in md and "| packed, from position 0 |" in md
+    assert (tmp_path / "host-cpu.png").stat().st_size > 0
 
 
 def test_decode_benchmark_times_every_kernel_of_the_step():
