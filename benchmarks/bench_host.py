@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from loglinear.cli import check_script_options, refuse  # noqa: E402
 from loglinear.fenwick import levels_needed  # noqa: E402
 from loglinear.ops.api import attention  # noqa: E402
-from loglinear.report import markdown_table, pyplot, write_json  # noqa: E402
+from loglinear.report import markdown_table, pyplot, save_figure, write_results  # noqa: E402
 from loglinear.state import FenwickState  # noqa: E402
 from loglinear.variants import get  # noqa: E402
 
@@ -171,9 +171,7 @@ def plot(rows: list[dict], path: str) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("torch ops of a forward + backward (kernels stubbed)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -197,13 +195,7 @@ def main(argv: list[str] | None = None) -> None:
             "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
             "command": "python " + " ".join([os.path.relpath(__file__), *(sys.argv[1:] if argv is None else argv)])}
     rows = run(args)
-    stem = os.path.join(args.out, "host-cpu")
-    os.makedirs(args.out, exist_ok=True)
-    write_json(stem + ".json", {**meta, "rows": rows})
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(rows, meta))
-    plot(rows, stem + ".png")
-    print(f"wrote {stem}.{{json,md,png}}")
+    write_results(os.path.join(args.out, "host-cpu"), meta, rows, markdown(rows, meta), plot)
 
 
 if __name__ == "__main__":

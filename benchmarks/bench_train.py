@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loglinear.cli import check_script_options  # noqa: E402
-from loglinear.report import ARCH_LABELS, markdown_table, pyplot, write_json  # noqa: E402
+from loglinear.report import ARCH_LABELS, markdown_table, pyplot, save_figure, write_json  # noqa: E402
 from loglinear.train.factory import ARCHS, build_model  # noqa: E402
 from loglinear.train.loop import bf16_autocast, enable_activation_checkpointing, lm_loss  # noqa: E402
 
@@ -101,9 +101,7 @@ def plot(results: dict, path: str) -> None:
     s = results["setting"]
     fig.suptitle(f"Training step, {s['layers']} x d{s['d_model']}, {s['batch']} x {s['seq_len']} tokens "
                  f"({results['device']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:

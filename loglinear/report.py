@@ -4,13 +4,15 @@ smoothing, json writing, matplotlib setup, and each architecture's label and plo
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from loglinear.variants import REGISTRY
 
-__all__ = ["markdown_table", "smooth", "write_json", "pyplot", "ARCH_LABELS", "ARCH_STYLE"]
+__all__ = ["markdown_table", "smooth", "write_json", "pyplot", "save_figure", "write_results", "ARCH_LABELS",
+           "ARCH_STYLE"]
 
 _COLORS = ("tab:blue", "tab:red", "tab:green", "tab:purple", "tab:orange", "tab:brown")
 # "transformer", then per registered variant its plain ("mamba2") and log-linear ("ll_mamba2") architecture;
@@ -54,3 +56,21 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, path: str | Path) -> None:
+    """Lay out a matplotlib figure, write it to path (120 dpi) and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+
+
+def write_results(stem: str | Path, meta: dict, rows: list[dict], markdown: str,
+                  plot: Callable[[list[dict], str], None]) -> None:
+    """A benchmark's result files: stem.json (meta and rows), stem.md (markdown) and stem.png (plot(rows, path)),
+    the folder made if needed; says where they went."""
+    stem = str(stem)
+    write_json(stem + ".json", {**meta, "rows": rows})
+    Path(stem + ".md").write_text(markdown)
+    plot(rows, stem + ".png")
+    print(f"wrote {stem}.{{json,md,png}}")
