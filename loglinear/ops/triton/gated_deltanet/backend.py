@@ -44,9 +44,10 @@ from loglinear.ops.triton.gated_deltanet.local import chunk_local_segments
 from loglinear.ops.triton.gated_deltanet.scan import fenwick_delta_scan
 from loglinear.ops.triton.shared.common import interpreting
 from loglinear.ops.triton.shared.heads import min_head_dim, run_padded
+from loglinear.ops.triton.shared.placement import place, placement
 from loglinear.ops.triton.shared.rules import dot_dtype, kernel_chunk_size
 from loglinear.state import FenwickState
-from loglinear.tables import device_table, table_cache
+from loglinear.tables import table_cache
 from loglinear.variants.gated_deltanet import GatedDeltaNetForm
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -251,14 +252,11 @@ def _run_rows(inp: OpInputs, core, output_final_state: bool, use_qk_l2norm: bool
     with zero tokens (q = k = v = 0, g = beta = lambda = 0: the identity transition, depositing and reading
     nothing; their outputs dropped): one gather per input for all sequences (one autograd node each) and one for o."""
     lengths = tuple(b - a for a, b in zip(inp.bounds, inp.bounds[1:]))
-    slots, held, tokens = _row_slots(tuple(inp.bounds), inp.q.device)
-    N, T = held.shape
+    N, T = len(lengths), max(lengths)
+    at = placement(tuple(inp.bounds), (0,) * N, T, inp.q.device)
 
     def rows(x: torch.Tensor | None) -> torch.Tensor | None:
-        if x is None:
-            return None
-        picked = x[0].index_select(0, slots.flatten()).view(N, T, *x.shape[2:])
-        return torch.where(held.view(N, T, *(1,) * (x.dim() - 2)), picked, 0)
+        return None if x is None else place(x[0], at).view(N, T, *x.shape[2:])
 
     state = inp.initial_state
     # the rows' one position (a plain call's chunks start at each row's first token, wherever its state is)
@@ -266,22 +264,8 @@ def _run_rows(inp: OpInputs, core, output_final_state: bool, use_qk_l2norm: bool
     o, levels = core(rows(inp.q), rows(inp.k), rows(inp.v), {name: rows(x) for name, x in inp.gates.items()},
                      rows(inp.level_scales), inp.scale, state.levels.float() if state is not None else None, position,
                      qk_l2norm=use_qk_l2norm)
-    o = o.flatten(0, 1).index_select(0, tokens)[None].to(inp.v.dtype).contiguous()
+    o = o.flatten(0, 1).index_select(0, at.tokens)[None].to(inp.v.dtype).contiguous()
     if not output_final_state:
         return o, None
     start = state.positions if state is not None else torch.zeros(N, dtype=torch.int64)
     return o, FenwickState(levels.contiguous(), start + torch.tensor(lengths))
-
-
-@table_cache()
-def _row_slots(bounds: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_run_rows' tables: slots [N, T_max] int64, the packed token each row slot takes (past its sequence's end:
-    the sequence's last), held [N, T_max] bool, whether it takes one, and tokens [total] int64, the row slot of each
-    packed token. Cached per layout (read-only; normal tensors even when first built under inference mode)."""
-    T = max(b - a for a, b in zip(bounds, bounds[1:]))
-    slots = [[min(a + t, b - 1) for t in range(T)] for a, b in zip(bounds, bounds[1:])]
-    held = [[t < b - a for t in range(T)] for a, b in zip(bounds, bounds[1:])]
-    tokens = [n * T + t for n, (a, b) in enumerate(zip(bounds, bounds[1:])) for t in range(b - a)]
-    with torch.inference_mode(False):
-        return (device_table(slots, torch.int64, device), device_table(held, torch.bool, device),
-                device_table(tokens, torch.int64, device))

@@ -74,6 +74,7 @@ from loglinear.ops.triton.shared.intra_channel import (
 )
 from loglinear.ops.triton.shared.launch import group_parts, launch_options
 from loglinear.ops.triton.shared.levels import BLOCK_LEVELS
+from loglinear.ops.triton.shared.placement import place, placement
 from loglinear.ops.triton.shared.rules import dot_precision, kernel_chunk_size
 from loglinear.state import FenwickState
 from loglinear.tables import cached_table, device_table, table_cache
@@ -603,36 +604,13 @@ class _Flat:
 
     def front_padded(self, fronts: list[int]) -> tuple["_Flat", torch.Tensor]:
         """The axis with fronts[n] zero tokens before sequence n, which then starts at positions[n] - fronts[n] (a
-        chunk start when fronts[n] = positions[n] mod C; a zero token is the identity transition and deposits and
-        reads nothing), and the rows of the call's tokens in it [tokens] int64. One gather per tensor (one autograd
-        node each; the zero tokens' gradients go nowhere)."""
-        slots, held, rows = _front_slots(tuple(self.bounds), tuple(fronts), self.q.device)
-
-        def place(x: torch.Tensor) -> torch.Tensor:
-            return torch.where(held.view(-1, *(1,) * (x.dim() - 1)), x.index_select(0, slots), 0)
-
+        chunk start when fronts[n] = positions[n] mod C; shared.placement), and the rows of the call's tokens in it
+        [tokens] int64. One gather per tensor."""
+        at = placement(tuple(self.bounds), tuple(fronts), None, self.q.device)
         shift = [0, *itertools.accumulate(fronts)]
-        return _Flat(place(self.q), place(self.k), place(self.v), place(self.g), place(self.lam),
+        return _Flat(place(self.q, at), place(self.k, at), place(self.v, at), place(self.g, at), place(self.lam, at),
                      [a + r for a, r in zip(self.bounds, shift)],
-                     [p - r for p, r in zip(self.positions, fronts)]), rows
-
-
-@table_cache()
-def _front_slots(bounds: tuple[int, ...], fronts: tuple[int, ...], device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_Flat.front_padded's tables: for every row of the padded axis the call's token it takes (slots, int64; a
-    zero token names its sequence's first) and whether it takes one (held, bool); the call's tokens' rows in it
-    (rows, int64). Cached per layout (read-only; normal tensors even when first built under inference mode)."""
-    slots: list[int] = []
-    held: list[bool] = []
-    rows: list[int] = []
-    for a, b, r in zip(bounds, bounds[1:], fronts):
-        rows += range(len(slots) + r, len(slots) + r + b - a)
-        slots += [a] * r + list(range(a, b))
-        held += [False] * r + [True] * (b - a)
-    with torch.inference_mode(False):
-        return (device_table(slots, torch.int64, device), device_table(held, torch.bool, device),
-                device_table(rows, torch.int64, device))
+                     [p - r for p, r in zip(self.positions, fronts)]), at.tokens
 
 
 def _kernel_dtype(inp: OpInputs) -> torch.dtype:
