@@ -11,11 +11,11 @@ L = ceil(log2 T) + 1 level states (log-linear), 1 state (plain), T keys/values (
 steps of one token through the HF model are timed end to end (Python included), after warm-up. Llama's
 DynamicCache appends by concatenation (a copy of the cache per step); it is cropped back to T after each step.
 
-Also timed: the fused decode kernel alone (one layer's step in place, its kernels' GPU time; log-linear at
-positions drawn from [T/2, T) and at p = T, where every level is held) vs plain, for Mamba-2, GLA (Mamba-2's
-shape with a decay per key channel) and GDN, and a correctness check of the kernel against the PyTorch step on
-the device (all three), the ms per token through model.generate() (eager and graphed; without a stop token, and
-with the eos token and min_new_tokens), and a check of graphed decoding against the ordinary cached steps.
+Also timed: the fused decode kernel alone (one layer's step in place, the GPU time of its CUDA-graph replay;
+log-linear at positions drawn from [T/2, T) and at p = T, where every level is held) vs plain, for Mamba-2, GLA
+(Mamba-2's shape with a decay per key channel) and GDN, and a correctness check of the kernel against the PyTorch
+step on the device (all three), the ms per token through model.generate() (eager and graphed; without a stop token,
+and with the eos token and min_new_tokens), and a check of graphed decoding against the ordinary cached steps.
 
     python benchmarks/bench_decode.py --out benchmarks/results            # device
     python benchmarks/bench_decode.py --tiny --out /tmp/bench             # CPU smoke run
@@ -170,42 +170,46 @@ def median_us(fn, device) -> float:
     return sorted(times)[1]
 
 
-# the fused step's launches
-STEP_KERNELS = ("_decode_query_kernel", "_decode_level_kernel", "_decode_turn_kernel", "_decode_finish_kernel")
-
-
-def kernel_us(fn, device, kernels: tuple[str, ...], iters: int = 20) -> float:
-    """GPU microseconds of one call of fn, its ``kernels`` (names) only, as the profiler records them: each call
-    after a 256 MB write that evicts L2 (the states come from HBM, as in a model whose other layers ran in between),
-    and no host time (the Python around a launch is longer than a small step's kernel). On the CPU: median_us."""
+def graph_us(fn, device, iters: int = 20) -> float:
+    """GPU microseconds of one call of fn as graphed decoding runs it: fn captured once in a CUDA graph (after
+    warm-up calls on a side stream, as loglinear.models.graphs does), each replay after a 256 MB write that evicts L2
+    (the states come from HBM, as in a model whose other layers ran in between), timed by CUDA events around the
+    replay: from its first kernel to its last, kernels on a second stream included (the step's launches overlap
+    there), no host time. The median over iters. On the CPU: median_us."""
     if device.type != "cuda":
         return median_us(fn, device)
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize(device)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            flush.zero_()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        for _ in range(3):
             fn()
-        torch.cuda.synchronize(device)
-    events = prof.key_averages()
-    total = sum(e.device_time_total for e in events if any(k in e.key for k in kernels))
-    if total <= 0:
-        raise RuntimeError(f"the profiler recorded none of {kernels}: {[e.key for e in events]}")
-    return total / iters
+        with torch.cuda.graph(graph):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1000 * start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def kernel_times(configs: dict, contexts: list[int], batches: list[int], device, key_window: int,
                  draws: int = 8) -> list[dict]:
-    """The fused step of one layer alone (its kernels' GPU time, kernel_us), in place as CUDA-graph decoding runs it:
-    log-linear (a buffer of L = levels_needed(T + 1) lazy levels, their log-scales beside them, and for Gated
-    DeltaNet a key window of ``key_window`` tokens) vs plain (one level). The log-linear step touches the levels its
-    position holds, so it is timed at positions drawn uniformly from [T/2, T) for every sequence (the mean over
-    ``draws`` draws: a context of about T) and at p = T (a power of two: every level is touched, and Gated
-    DeltaNet's window turns, the worst case). Gated DeltaNet's window step also over ``key_window`` consecutive tokens
-    from a turn (its mean: what a token costs, the rewrite at each turn shared out), and its step that rewrites every
-    held level (no lazy levels) at the drawn positions."""
+    """The fused step of one layer alone (the GPU time of its graph replay, graph_us), in place as CUDA-graph
+    decoding runs it: log-linear (a buffer of L = levels_needed(T + 1) lazy levels, their log-scales beside them,
+    and for Gated DeltaNet a key window of ``key_window`` tokens) vs plain (one level). The log-linear step touches
+    the levels its position holds, so it is timed at positions drawn uniformly from [T/2, T) for every sequence (the
+    mean over ``draws`` draws: a context of about T) and at p = T (a power of two: every level is touched, and Gated
+    DeltaNet's window turns, the worst case). Gated DeltaNet's window step also over ``key_window`` consecutive
+    tokens from a turn (its mean: what a token costs, the rewrite at each turn shared out), and its step that
+    rewrites every held level (no lazy levels) at the drawn positions."""
     from loglinear.ops.decode import KeyWindow
     from loglinear.ops.triton.decode import fused_decode_step
 
@@ -236,7 +240,7 @@ def kernel_times(configs: dict, contexts: list[int], batches: list[int], device,
                                                    pos, 0.1, fenwick=fenwick, l2norm_qk=gdn, out=levels,
                                                    log_scales=log_scales if fenwick and lazy else None,
                                                    window=window if fenwick and lazy else None)
-                    return kernel_us(fn, device, STEP_KERNELS)
+                    return graph_us(fn, device)
 
                 def mean_us(levels: torch.Tensor, positions: list[torch.Tensor], lazy: bool = True) -> float:
                     return sum(step_us(levels, pos, True, lazy) for pos in positions) / len(positions)
@@ -615,7 +619,8 @@ def write_markdown(results: dict, path: str) -> None:
     if isinstance(results.get("generate"), list) and results["generate"]:
         lines += generate_markdown(results["generate"])
     if results.get("kernel"):
-        lines += ["", "## Fused decode kernel alone (one layer, in place; GPU time of its kernels, cold L2, us)", "",
+        lines += ["", "## Fused decode kernel alone (one layer, in place; GPU time of one CUDA-graph replay, cold L2, "
+                  "us)", "",
                   "Log-linear: the mean over draws of every sequence's position from [T/2, T), and at p = T (a power "
                   "of two: every level held before the token merges into a new one, the most a step touches); "
                   f"lazy levels (log-scales; Gated DeltaNet also a key window of {results.get('key_window')} tokens, "

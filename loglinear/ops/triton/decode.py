@@ -44,8 +44,8 @@ p mod W and forms the projected queries R^T A_p^T q once per (sequence, head), o
 the level kernel reads out the kept levels (KEPT) in row blocks, as a decay-only step does, since their readout
 needs no k^T S; the level kernel again, in whole columns, steps level 0 with the carry; _decode_turn_kernel, whose
 programs return at once between turns, rewrites the levels above the carry at a turn, in two passes over row
-blocks; the finish kernel sums the readouts. Level 0's pass and the turn run on a side stream (ChainStreams; one
-stream on CPU) beside the kept pass: the three touch disjoint levels, and the finish kernel waits for both streams.
+blocks; the finish kernel sums the readouts. Level 0's pass and the turn each run on a side stream (ChainStreams;
+one stream on CPU) beside the kept pass: the three touch disjoint levels, and the finish kernel waits for all three.
 FENWICK=False is the plain recurrence (no carry, lambda = 1) of use_log_linear=False models: one level, whole
 [K, BV] tiles, and (DIRECT) its programs write o themselves, with no finish kernel.
 q, k are read from group h // (H // G); L2NORM normalises them in the kernel (x / sqrt(|x|^2 + 1e-6)).
@@ -685,22 +685,23 @@ def fused_decode_step(
         WP = max(window.size, DOT_MIN)
         _decode_query_kernel[(N * H,)](q, k, beta_arg, wk, wb, positions, xq, wy, H, G, K, ws_bits, BK=BK, WP=WP,
                                        L2NORM=l2norm_qk, ACC=acc_tl, **launch_options(_decode_query_kernel))
-        # level 0's carry programs (long: up to W - 1 projections of the merged levels one after another) and the
-        # turn on the side stream, the kept levels' short row-block programs beside them on the current one: the
-        # three touch disjoint levels (and the turn's programs return at once between turns, the kept pass's at one)
-        streams = ChainStreams(device)
-        with streams.chain():
+        # three passes over disjoint levels side by side: level 0's carry programs (up to W - 1 projections of the
+        # merged levels one after another) and the turn (whose programs return at once between turns) each on a side
+        # stream, the kept levels' short row-block programs on the current one
+        carry, turn = ChainStreams(device), ChainStreams(device, lane=1)
+        with carry.chain():
             levels_pass(*tile(False), True, False, KB, partial, 1)  # level 0's programs only
-            # groups of levels as the kept pass's: short chains at a turn, few programs returning at once between
-            # turns
-            BVT, LT = max(BV, DOT_MIN), _levels_per_program(BKR * BV * levels.element_size(), BL, delta=False)
+        # groups of levels as the kept pass's: short chains at a turn, few programs returning at once between turns
+        BVT, LT = max(BV, DOT_MIN), _levels_per_program(BKR * BV * levels.element_size(), BL, delta=False)
+        with turn.chain():
             _decode_turn_kernel[(N * H, triton.cdiv(V, BVT), triton.cdiv(L, LT))](
                 q, g, lam, levels, log_scales, wk, wy, positions, partial, H, G, K, V, L, KB, ws_bits, lam_sn,
                 lam_sh, BK=BK, RB=max(BKR, DOT_MIN), BV=BVT, LT=LT, WP=WP, L2NORM=l2norm_qk, ACC=acc_tl,
                 **launch_options(_decode_turn_kernel),
             )
         levels_pass(BKR, BV, False, True, KB, partial, L)
-        streams.hand_over()
+        carry.hand_over()
+        turn.hand_over()
     if partial is not o:
         BKB, BVO = triton.next_power_of_2(KB), min(triton.next_power_of_2(V), FINISH_COLUMNS)
         _decode_finish_kernel[(N * H, triton.cdiv(V, BVO))](

@@ -35,22 +35,23 @@ _HIGHEST = -100  # stream priority: values past the device's range map to its hi
 
 
 @functools.cache
-def _side_stream(index: int) -> torch.cuda.Stream:
-    """One highest-priority stream per CUDA device, made on first use."""
+def _side_stream(index: int, lane: int) -> torch.cuda.Stream:
+    """One highest-priority stream per CUDA device and lane, made on first use."""
     return torch.cuda.Stream(index, priority=_HIGHEST)
 
 
 class ChainStreams:
     """The two streams of one op call (module docstring). Made where the chain starts: the side stream first waits
     for everything launched on the current stream so far (the chain's inputs). side=False (and on CPU): one
-    stream, the chain, its producers and its readers in launch order."""
+    stream, the chain, its producers and its readers in launch order. lane: which side stream of the device;
+    chains that run beside each other take different lanes."""
 
-    def __init__(self, device: torch.device, side: bool = True):
+    def __init__(self, device: torch.device, side: bool = True, lane: int = 0):
         self.two = side and device.type == "cuda"
         self.done: list[torch.cuda.Event] = []  # recorded on the side stream after each chain() block
         if self.two:
             self.main = torch.cuda.current_stream(device)
-            self.side = _side_stream(device.index if device.index is not None else torch.cuda.current_device())
+            self.side = _side_stream(device.index if device.index is not None else torch.cuda.current_device(), lane)
             self.side.wait_stream(self.main)
 
     def feed(self) -> None:
