@@ -44,7 +44,7 @@ from loglinear.ops.triton.gated_deltanet.local import chunk_local_segments
 from loglinear.ops.triton.gated_deltanet.scan import fenwick_delta_scan
 from loglinear.ops.triton.shared.common import interpreting
 from loglinear.ops.triton.shared.heads import min_head_dim, run_padded
-from loglinear.ops.triton.shared.placement import place, placement
+from loglinear.ops.triton.shared.placement import place, placement, take
 from loglinear.ops.triton.shared.rules import dot_dtype, kernel_chunk_size
 from loglinear.state import FenwickState
 from loglinear.tables import table_cache
@@ -250,7 +250,8 @@ def _run_rows(inp: OpInputs, core, output_final_state: bool, use_qk_l2norm: bool
               ) -> tuple[torch.Tensor, FenwickState | None]:
     """The packed sequences of a varlen call (_as_rows) as rows [N, T_max] of one core call, each padded at its end
     with zero tokens (q = k = v = 0, g = beta = lambda = 0: the identity transition, depositing and reading
-    nothing; their outputs dropped): one gather per input for all sequences (one autograd node each) and one for o."""
+    nothing; their outputs dropped): one scatter per input for all sequences (one autograd node each) and one
+    gather for o."""
     lengths = tuple(b - a for a, b in zip(inp.bounds, inp.bounds[1:]))
     N, T = len(lengths), max(lengths)
     at = placement(tuple(inp.bounds), (0,) * N, T, inp.q.device)
@@ -264,7 +265,7 @@ def _run_rows(inp: OpInputs, core, output_final_state: bool, use_qk_l2norm: bool
     o, levels = core(rows(inp.q), rows(inp.k), rows(inp.v), {name: rows(x) for name, x in inp.gates.items()},
                      rows(inp.level_scales), inp.scale, state.levels.float() if state is not None else None, position,
                      qk_l2norm=use_qk_l2norm)
-    o = o.flatten(0, 1).index_select(0, at.tokens)[None].to(inp.v.dtype).contiguous()
+    o = take(o.flatten(0, 1), at)[None].to(inp.v.dtype).contiguous()
     if not output_final_state:
         return o, None
     start = state.positions if state is not None else torch.zeros(N, dtype=torch.int64)

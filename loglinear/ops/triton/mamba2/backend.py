@@ -74,7 +74,7 @@ from loglinear.ops.triton.shared.intra_channel import (
 )
 from loglinear.ops.triton.shared.launch import group_parts, launch_options
 from loglinear.ops.triton.shared.levels import BLOCK_LEVELS
-from loglinear.ops.triton.shared.placement import place, placement
+from loglinear.ops.triton.shared.placement import Placement, place, placement, take
 from loglinear.ops.triton.shared.rules import dot_precision, kernel_chunk_size
 from loglinear.state import FenwickState
 from loglinear.tables import cached_table, device_table, table_cache
@@ -602,15 +602,15 @@ class _Flat:
     bounds: list[int]
     positions: list[int]
 
-    def front_padded(self, fronts: list[int]) -> tuple["_Flat", torch.Tensor]:
+    def front_padded(self, fronts: list[int]) -> tuple["_Flat", Placement]:
         """The axis with fronts[n] zero tokens before sequence n, which then starts at positions[n] - fronts[n] (a
-        chunk start when fronts[n] = positions[n] mod C; shared.placement), and the rows of the call's tokens in it
-        [tokens] int64. One gather per tensor."""
+        chunk start when fronts[n] = positions[n] mod C), and where the call's tokens are in it (shared.placement:
+        take gives them back). One scatter per tensor."""
         at = placement(tuple(self.bounds), tuple(fronts), None, self.q.device)
         shift = [0, *itertools.accumulate(fronts)]
         return _Flat(place(self.q, at), place(self.k, at), place(self.v, at), place(self.g, at), place(self.lam, at),
                      [a + r for a, r in zip(self.bounds, shift)],
-                     [p - r for p, r in zip(self.positions, fronts)]), at.tokens
+                     [p - r for p, r in zip(self.positions, fronts)]), at
 
 
 def _kernel_dtype(inp: OpInputs) -> torch.dtype:
@@ -802,7 +802,7 @@ def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tu
         return _run_plain(inp, flat, output_final_state, C)
     state = inp.initial_state
     fronts = [p % C if state is not None else 0 for p in flat.positions]
-    padded, rows = flat.front_padded(fronts) if any(fronts) else (flat, None)
+    padded, at = flat.front_padded(fronts) if any(fronts) else (flat, None)
     J, h0, has_init, first, seeds = _chunk_levels(padded, flat.positions, state, C)
     plan = LevelScanPlan(padded.bounds[:-1], padded.bounds[1:], [p // C for p in padded.positions], C, J, has_init,
                          inp.scale, per_channel=_per_channel(inp), first_level=first)
@@ -810,10 +810,10 @@ def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tu
     o, final = LevelScanMamba2.apply(padded.q, padded.k, padded.v, padded.g, gate, padded.lam, h0, plan)
     if seeds is not None:
         chunk_rows, taken, decay = _first_chunk_decays(padded, seeds, C)
-        at, terms = _first_reads(padded, seeds, chunk_rows, taken, decay, C, inp.scale)
-        o = o.index_add(0, at, terms.to(o.dtype))
-    if rows is not None:
-        o = o.index_select(0, rows)
+        read_rows, terms = _first_reads(padded, seeds, chunk_rows, taken, decay, C, inp.scale)
+        o = o.index_add(0, read_rows, terms.to(o.dtype))
+    if at is not None:
+        o = take(o, at)
     o = o.reshape(inp.v.shape).to(inp.v.dtype)
     if not output_final_state:
         return o, None

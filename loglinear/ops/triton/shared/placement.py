@@ -1,6 +1,11 @@
 """Packed sequences laid out again with zero tokens around them, for kernels that need each sequence to start at a
 chunk boundary (zero tokens in front) or all sequences as rows of one length (zero tokens behind). A zero token
-(q = k = v = 0, every gate 0) is the identity transition: it deposits nothing and its outputs are dropped."""
+(q = k = v = 0, every gate 0) is the identity transition: it deposits nothing and its outputs are dropped.
+
+Each packed token has one slot, so both directions move every element once: ``place`` scatters the tokens into a
+zeroed layout and its backward gathers their gradients back; ``take`` gathers the tokens' outputs and its backward
+scatters their gradients into zeros. Neither adds into an element twice (autograd's backward of a gather would: an
+index_add, with atomics that are slow in 16 bits)."""
 
 from __future__ import annotations
 
@@ -10,40 +15,64 @@ import torch
 
 from loglinear.tables import device_table, table_cache
 
-__all__ = ["Placement", "placement", "place"]
+__all__ = ["Placement", "placement", "place", "take"]
 
 
 @dataclass(frozen=True)
 class Placement:
-    """Where each slot of the new layout takes its token: slots [S] int64, the packed token (a zero token's names
-    one of its sequence's); held [S] bool, whether the slot holds one; tokens [total] int64, each packed token's
-    slot."""
+    """tokens [total] int64: each packed token's slot in the new layout of ``size`` slots (the other slots hold zero
+    tokens)."""
 
-    slots: torch.Tensor
-    held: torch.Tensor
     tokens: torch.Tensor
+    size: int
 
 
 @table_cache()
 def placement(bounds: tuple[int, ...], fronts: tuple[int, ...], width: int | None, device: torch.device
               ) -> Placement:
     """Sequence n (tokens bounds[n] .. bounds[n + 1] - 1) after fronts[n] zero tokens, and (width: a row length)
-    zero tokens behind it up to width slots, or none (width None). Cached per layout (read-only; normal tensors
+    zero tokens behind it up to width slots, or none (width None). Cached per layout (read-only; a normal tensor
     even when first built under inference mode)."""
-    slots: list[int] = []
-    held: list[bool] = []
+    size = 0
     tokens: list[int] = []
     for a, b, r in zip(bounds, bounds[1:], fronts):
-        back = 0 if width is None else width - r - (b - a)
-        tokens += range(len(slots) + r, len(slots) + r + b - a)
-        slots += [a] * r + list(range(a, b)) + [b - 1] * back
-        held += [False] * r + [True] * (b - a) + [False] * back
+        tokens += range(size + r, size + r + b - a)
+        size += r + (b - a) if width is None else width
     with torch.inference_mode(False):
-        return Placement(device_table(slots, torch.int64, device), device_table(held, torch.bool, device),
-                         device_table(tokens, torch.int64, device))
+        return Placement(device_table(tokens, torch.int64, device), size)
+
+
+class _Place(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tokens: torch.Tensor, size: int) -> torch.Tensor:
+        ctx.save_for_backward(tokens)
+        return x.new_zeros((size, *x.shape[1:])).index_copy_(0, tokens, x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (tokens,) = ctx.saved_tensors
+        return grad.index_select(0, tokens), None, None
+
+
+class _Take(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(tokens)
+        ctx.size = y.shape[0]
+        return y.index_select(0, tokens)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (tokens,) = ctx.saved_tensors
+        return grad.new_zeros((ctx.size, *grad.shape[1:])).index_copy_(0, tokens, grad), None
 
 
 def place(x: torch.Tensor, at: Placement) -> torch.Tensor:
-    """x [tokens, *] in the new layout: [S, *], zero in the slots that hold no token (one gather, one autograd
-    node: the zero tokens' gradients go nowhere)."""
-    return torch.where(at.held.view(-1, *(1,) * (x.dim() - 1)), x.index_select(0, at.slots), 0)
+    """x [tokens, *] in the new layout: [at.size, *], zero in the slots that hold no token (the zero tokens'
+    gradients go nowhere)."""
+    return _Place.apply(x, at.tokens, at.size)
+
+
+def take(y: torch.Tensor, at: Placement) -> torch.Tensor:
+    """The tokens of y [at.size, *] (the new layout): [tokens, *]."""
+    return _Take.apply(y, at.tokens)
