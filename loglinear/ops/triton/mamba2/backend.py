@@ -811,7 +811,7 @@ def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tu
     if seeds is not None:
         chunk_rows, taken, decay = _first_chunk_decays(padded, seeds, C)
         read_rows, terms = _first_reads(padded, seeds, chunk_rows, taken, decay, C, inp.scale)
-        o = o.index_add(0, read_rows, terms.to(o.dtype))
+        o = o.index_add_(0, read_rows, terms.to(o.dtype))  # in place: the kernels' o is not saved for the backward
     if at is not None:
         o = take(o, at)
     o = o.reshape(inp.v.shape).to(inp.v.dtype)
