@@ -20,7 +20,8 @@ results are the same either way: the kernels and their inputs do not change, onl
     streams.hand_over()                # after the last segment: the current stream waits for the whole chain
 
 A segment's readers may be launched after the next segment's producers and chain (hand_over's upto), so that the
-producers run beside the chain instead of behind the readers, which wait for it.
+producers run beside the chain instead of behind the readers, which wait for it. The decode step (decode.py) runs
+two passes this way beside a third, each on a side stream of its own (``lane``).
 """
 
 from __future__ import annotations
