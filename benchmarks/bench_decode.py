@@ -174,7 +174,7 @@ def graph_us(fn, device, iters: int = 20) -> float:
     """GPU microseconds of one call of fn as graphed decoding runs it: fn captured once in a CUDA graph (after
     warm-up calls on a side stream, as loglinear.models.graphs does), each replay after a 256 MB write that evicts L2
     (the states come from HBM, as in a model whose other layers ran in between), timed by CUDA events around the
-    replay: from its first kernel to its last, kernels on a second stream included (the step's launches overlap
+    replay: from its first kernel to its last, kernels on side streams included (the step's launches overlap
     there), no host time. The median over iters. On the CPU: median_us."""
     if device.type != "cuda":
         return median_us(fn, device)
