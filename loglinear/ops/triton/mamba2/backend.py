@@ -7,7 +7,7 @@ Composition (all sequences of a call in one launch per kernel):
      position every incoming level is a chunk level (token level > c), and those below the carry's target are 0
      (LevelScanPlan.first_level: not read, no gradient). A state inside a chunk (or at position 0): the sequence
      is front-padded to its chunk's start with p_n mod C zero tokens (the identity transition, depositing and
-     reading nothing; one gather per input for all sequences, _Flat.front_padded), its in-chunk buckets are
+     reading nothing; one scatter per input for all sequences, _Flat.front_padded), its in-chunk buckets are
      seeded into the chunk level its first chunk's cascade merges them into, and a few torch ops over the first
      chunk put right what the kernels read of them there, and the final state of a sequence that ends in it
      (_Seeds; exact, differentiable, one batch of ops whatever the positions);

@@ -25,7 +25,10 @@ How a variant plugs in (mamba2/ is the worked example: fwd.py, chunk.py, bwd.py 
   * heads.py: ``run_padded`` runs a backend's kernels on heads zero-padded to ``min_head_dim`` (bf16/fp16
     on CUDA: 64).
   * streams.py: ``ChainStreams``, a sequential chain kernel's segments on a side stream and the chunk-parallel
-    kernels that read each finished segment beside it, on the current stream (the Gated DeltaNet scans).
+    kernels that read each finished segment beside it, on the current stream (the Gated DeltaNet scans; the
+    decode step's passes over disjoint levels, on two side streams).
+  * placement.py: ``placement`` / ``place`` / ``take``, packed sequences laid out with zero tokens in front (Mamba-2
+    and GLA from a state inside a chunk) or behind (Gated DeltaNet's padded rows), one scatter each way.
   * common.py: the interpreter switch, kernel-output allocation (``alloc``, NaN-poisoned by ``set_poison``
     in tests), ``next_pow2``, ``group_sum``.
 
