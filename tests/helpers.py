@@ -173,10 +173,11 @@ class _LargeWrites(TorchDispatchMode):
         return out
 
 
-def large_backward_writes(name: str, lengths: list[int], chunk_size: int, state: bool, backend: str) -> int:
-    """How many ops of a backward on ``backend`` write a tensor at least as large as v (the packed sequences of
-    ``lengths``, from a state at position 5 or none): a count that grows with the number of chunks or sequences
-    means a whole-size gradient written per chunk or sequence."""
+def large_writes(name: str, lengths: list[int], chunk_size: int, position: int | None, backend: str
+                 ) -> tuple[int, int]:
+    """How many ops of a forward and of its backward on ``backend`` write a tensor at least as large as v (the
+    packed sequences of ``lengths``, each from a state at ``position`` or none): a backward count that grows with the
+    number of chunks or sequences means a whole-size gradient written per chunk or sequence."""
     variant, T, H, K = get(name), sum(lengths), 2, 4
     gen = torch.Generator().manual_seed(0)
     x = {"q": torch.randn(1, T, 1, K, generator=gen), "k": torch.randn(1, T, 1, K, generator=gen),
@@ -184,14 +185,15 @@ def large_backward_writes(name: str, lengths: list[int], chunk_size: int, state:
     gates = variant.sample_gates(1, T, H, K, generator=gen)
     leaves = [*x.values(), *gates.values()]
     initial = None
-    if state:
-        levels = torch.randn(len(lengths), 4, H, K, K, generator=gen, requires_grad=True)
-        initial, leaves = FenwickState(levels, torch.full((len(lengths),), 5)), leaves + [levels]
+    if position is not None:
+        levels = torch.randn(len(lengths), levels_needed(position), H, K, K, generator=gen, requires_grad=True)
+        initial, leaves = FenwickState(levels, torch.full((len(lengths),), position)), leaves + [levels]
     for t in leaves:
         t.requires_grad_()
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    o, _ = attention(variant, x["q"], x["k"], x["v"], gates, x["level_scales"], initial_state=initial,
-                     cu_seqlens=cu_seqlens, chunk_size=chunk_size, backend=backend)
-    with _LargeWrites(x["v"].numel()) as count:
+    with _LargeWrites(x["v"].numel()) as forward:
+        o, _ = attention(variant, x["q"], x["k"], x["v"], gates, x["level_scales"], initial_state=initial,
+                         cu_seqlens=cu_seqlens, chunk_size=chunk_size, backend=backend)
+    with _LargeWrites(x["v"].numel()) as backward:
         o.sum().backward()
-    return count.count
+    return forward.count, backward.count

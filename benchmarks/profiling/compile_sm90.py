@@ -144,16 +144,17 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
                 FLOOR=LOG_DECAY_FLOOR[torch.float32], HP=1 if per_channel else args.heads_per_program)
     dq_heads = base["HP"] if args.plain else 1  # the log-linear dq kernel runs per head (backend._dq_grads)
     ints = dict(K=args.K, V=args.V)
-    ptrs = dict(g=f32, lam=P, scale="fp32", starts=i32, ends=i32, bos_ptr=i32, eos_ptr=i32, chunk0_ptr=i32)
+    ptrs = dict(g=f32, lam=P, scale="fp32", starts=i32, lows=i32, ends=i32, bos_ptr=i32, eos_ptr=i32, chunk0_ptr=i32)
 
     scan_const = dict(base, BJ=MAX_CHUNK_LEVELS)
     bufs = dict(levels=f32, buckets=P, decays=f32, h0=P, h0_held="*i8", dq=P, dk=P, dv=P, dlam=P, qdq=f32, q_dec=P,
                 d_levels=f32, d_buckets=P, d_deposits=P, d_init=f32, d_gate=f32, totals=f32, final_terms=f32,
                 later=f32, dg=f32, chunks=i32, order=i32, seqs=i32, chunk0=i32, base_ptr=i32)
     bufs.update(scores=P, dq_in=P, dk_in=P, cum=f32)
-    chunk = "q k v g lam {} h0 h0_held buckets decays scores {}starts ends seqs chunks chunk0 scale {}H G K V L J{}"
+    chunk = ("q k v g lam {} h0 h0_held buckets decays scores {}starts lows ends seqs chunks chunk0 scale "
+             "{}H G K V L J{}")
     kernels = [  # (kernel, its arguments, constexprs, state tile of one program: launch_options)
-        (mamba2_chunk.mamba2_deposit_kernel, "k v g buckets totals starts ends seqs chunks chunk0 H G K V",
+        (mamba2_chunk.mamba2_deposit_kernel, "k v g buckets totals starts lows ends seqs chunks chunk0 H G K V",
          dict(base, BK=min(mamba2.DEPOSIT_ROWS, BK), BB=BLOCK_LEVELS), 0),
         (mamba2_fwd.mamba2_fwd_kernel,
          "k v g levels buckets decays totals bos_ptr eos_ptr chunk0_ptr base_ptr H G K V J",
@@ -162,25 +163,25 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
         (mamba2_chunk.mamba2_chunk_bwd_dq_kernel, chunk.format("do", "dq_in ", "dq dlam qdq q_dec ", ""),
          dict(base, BL=32, BJ=MAX_CHUNK_LEVELS, HP=dq_heads), 0),
         (mamba2_chunk.mamba2_level_grad_kernel,
-         "q g lam do decays starts ends chunks order d_buckets scale H G K V L J",
+         "q g lam do decays starts lows ends chunks order d_buckets scale H G K V L J",
          dict(base, BJ=MAX_CHUNK_LEVELS), 0),
         (mamba2_chunk.mamba2_initial_grad_kernel,
-         "q g lam do decays bos_ptr eos_ptr chunk0_ptr base_ptr d_init scale N S J0 H G K V L J", base, 0),
+         "q g lam do decays bos_ptr eos_ptr chunk0_ptr base_ptr lows d_init scale N S J0 H G K V L J", base, 0),
         (mamba2_bwd.mamba2_bwd_scan_kernel, "totals d_levels d_buckets bos_ptr eos_ptr chunk0_ptr base_ptr H K V J",
          dict(scan_const, BKS=mamba2.SCAN_ROWS, BB=BLOCK_LEVELS), mamba2.SCAN_ROWS * BV),
         (mamba2_chunk.mamba2_chunk_bwd_dkv_kernel,
-         "q k v g lam do d_deposits scores dk_in starts ends seqs eos_ptr final_terms scale dk dv d_gate totals "
+         "q k v g lam do d_deposits scores dk_in starts lows ends seqs eos_ptr final_terms scale dk dv d_gate totals "
          "H G K V L", base, 0),
         (mamba2_chunk.mamba2_gate_later_kernel, "totals later base_ptr H K N NC",
          dict(base, R=mamba2.GATE_LATER_BLOCK, BK=BK if per_channel else 16), 0),
-        (mamba2_chunk.mamba2_gate_grad_kernel, "d_gate later g cum dg starts ends H K", base, 0),
+        (mamba2_chunk.mamba2_gate_grad_kernel, "d_gate later g cum dg starts lows ends H K", base, 0),
     ]
     if per_channel:
         kernels += [
-            (intra_channel.channel_cumsum_kernel, "g cum starts ends H K", base, 0),
-            (intra_channel.channel_scores_kernel, "q k cum scores starts ends H G K", base, 0),
-            (intra_channel.channel_dq_kernel, "q k v cum lam do dq_in starts ends scale H G K V L", base, 0),
-            (intra_channel.channel_dk_kernel, "q k v cum lam do dk_in starts ends scale H G K V L", base, 0),
+            (intra_channel.channel_cumsum_kernel, "g cum starts lows ends H K", base, 0),
+            (intra_channel.channel_scores_kernel, "q k cum scores starts lows ends H G K", base, 0),
+            (intra_channel.channel_dq_kernel, "q k v cum lam do dq_in starts lows ends scale H G K V L", base, 0),
+            (intra_channel.channel_dk_kernel, "q k v cum lam do dk_in starts lows ends scale H G K V L", base, 0),
         ]
     out = []
     for fn, names, const, tile in kernels:

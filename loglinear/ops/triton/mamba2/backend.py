@@ -5,12 +5,13 @@ Composition (all sequences of a call in one launch per kernel):
      absolute position p_n (0, or its initial state's position);
   2. the kernels start every sequence at a chunk boundary. A state at one: after the carry past that aligned
      position every incoming level is a chunk level (token level > c), and those below the carry's target are 0
-     (LevelScanPlan.first_level: not read, no gradient). A state inside a chunk (or at position 0): the sequence
-     is front-padded to its chunk's start with p_n mod C zero tokens (the identity transition, depositing and
-     reading nothing; one scatter per input for all sequences, _Flat.front_padded), its in-chunk buckets are
-     seeded into the chunk level its first chunk's cascade merges them into, and a few torch ops over the first
-     chunk put right what the kernels read of them there, and the final state of a sequence that ends in it
-     (_Seeds; exact, differentiable, one batch of ops whatever the positions);
+     (LevelScanPlan.first_level: not read, no gradient). A state inside a chunk (or at position 0): the sequence's
+     kernel chunks start at its first token's chunk start, p_n mod C rows before it (LevelScanPlan.bos); the
+     kernels mask those rows (ChunkTable.lows: they read as zero tokens, the identity transition, depositing and
+     reading nothing, and are not written; no copy of the inputs), its in-chunk buckets are seeded into the chunk
+     level its first chunk's cascade merges them into, and a few torch ops over the first chunk put right what the
+     kernels read of them there, and the final state of a sequence that ends in it (_Seeds; exact,
+     differentiable, one batch of ops whatever the positions);
   3. forward: a chunk-parallel kernel computes every chunk's deposit, a sequential scan merges them
      through the chunk levels (fwd.py: recording each merged level and every chunk's level
      decays; no GEMM, the states cut into K-row blocks), then a chunk-parallel kernel computes the
@@ -46,7 +47,6 @@ the torch ops' rows (the seeded first chunks, the final state's last chunk) floo
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -74,7 +74,6 @@ from loglinear.ops.triton.shared.intra_channel import (
 )
 from loglinear.ops.triton.shared.launch import group_parts, launch_options
 from loglinear.ops.triton.shared.levels import BLOCK_LEVELS
-from loglinear.ops.triton.shared.placement import Placement, place, placement, take
 from loglinear.ops.triton.shared.rules import dot_precision, kernel_chunk_size
 from loglinear.state import FenwickState
 from loglinear.tables import cached_table, device_table, table_cache
@@ -94,9 +93,10 @@ LONG_READS = 5  # level-gradient programs of buckets at this level or higher (2^
 
 @dataclass
 class ChunkTable:
-    """The kernel chunks of all sequences, int32 [NC] each: first token, the sequence's end, the sequence,
-    the absolute chunk index, ``grad_order``: the level-gradient kernel's launch order, and ``last``: each one's last
-    token; ``base`` [N]: each sequence's first row.
+    """The kernel chunks of all sequences, int32 [NC] each: first row, first token of the sequence in it (``lows``:
+    after the first row in a sequence's first chunk when the sequence starts inside it, the rows before masked), the
+    sequence's end, the sequence, the absolute chunk index, ``grad_order``: the level-gradient kernel's launch order,
+    and ``last``: each one's last token; ``base`` [N]: each sequence's first row.
 
     ``grad_order`` puts the chunks whose merged level is LONG_READS or higher first, highest first (the longest
     reader loops start first and do not trail at the end), then the rest in position order, so that programs
@@ -104,6 +104,7 @@ class ChunkTable:
     streamed dO from DRAM again)."""
 
     starts: torch.Tensor
+    lows: torch.Tensor
     ends: torch.Tensor
     seqs: torch.Tensor
     chunks: torch.Tensor
@@ -114,10 +115,12 @@ class ChunkTable:
 
 @dataclass
 class LevelScanPlan:
-    """Where the kernels run: sequence n covers tokens [bos[n], eos[n]) of the flat axis, from the
-    absolute chunk chunk0[n] (bos[n] its start: a sequence whose state is inside a chunk is front-padded)."""
+    """Where the kernels run: sequence n covers tokens [los[n], eos[n]) of the flat axis; its kernel chunks start at
+    bos[n] <= los[n], the start of the absolute chunk chunk0[n] (a sequence whose state is inside a chunk: the rows
+    bos[n] .. los[n] - 1 are masked front padding, bos[n] may be negative)."""
 
     bos: list[int]
+    los: list[int]
     eos: list[int]
     chunk0: list[int]
     chunk_size: int
@@ -137,12 +140,12 @@ class LevelScanPlan:
         return self._cached_tables(device)[1]
 
     def _cached_tables(self, device: torch.device) -> tuple[tuple[torch.Tensor, ...], ChunkTable]:
-        return _tables(tuple(self.bos), tuple(self.eos), tuple(self.chunk0), self.chunk_size, device)
+        return _tables(tuple(self.bos), tuple(self.los), tuple(self.eos), tuple(self.chunk0), self.chunk_size, device)
 
 
 @table_cache()
-def _tables(bos: tuple[int, ...], eos: tuple[int, ...], chunk0: tuple[int, ...], C: int, device: torch.device
-            ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ChunkTable]:
+def _tables(bos: tuple[int, ...], los: tuple[int, ...], eos: tuple[int, ...], chunk0: tuple[int, ...], C: int,
+            device: torch.device) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ChunkTable]:
     """The plan's index tensors on ``device``: (bos, eos, chunk0) int32 [N] and the ChunkTable.
 
     Built on the host and copied once per distinct plan: repeated calls at the same shapes (training, decoding
@@ -158,11 +161,12 @@ def _tables(bos: tuple[int, ...], eos: tuple[int, ...], chunk0: tuple[int, ...],
     grad_order = torch.argsort(torch.where(merged >= LONG_READS, merged, -1), descending=True, stable=True)
     N, NC = len(bos), len(seqs)
     ends = torch.tensor(eos, dtype=torch.long)[seqs]
-    packed = torch.cat([torch.tensor([bos, eos, chunk0], dtype=torch.long).flatten(), starts, ends, seqs, chunks,
+    lows = torch.maximum(starts, torch.tensor(los, dtype=torch.long)[seqs])
+    packed = torch.cat([torch.tensor([bos, eos, chunk0], dtype=torch.long).flatten(), starts, lows, ends, seqs, chunks,
                         grad_order, torch.minimum(starts + C, ends) - 1, base])
     packed = device_table(packed, torch.int32, device)
     ranges, rows = packed[: 3 * N].view(3, N), packed[3 * N :]
-    return (ranges[0], ranges[1], ranges[2]), ChunkTable(*rows[: 6 * NC].view(6, NC), rows[6 * NC :])
+    return (ranges[0], ranges[1], ranges[2]), ChunkTable(*rows[: 7 * NC].view(7, NC), rows[7 * NC :])
 
 
 def _splits(dtype: torch.dtype) -> bool:
@@ -219,7 +223,7 @@ def _gate_grad(d_gate: torch.Tensor, totals: torch.Tensor, g: torch.Tensor, gate
         later, N = alloc(tuple(totals.shape), torch.float32, totals.device), table.base.numel()
         mamba2_gate_later_kernel[(N, H)](totals, later, table.base, H=H, K=K, N=N, NC=NC, R=GATE_LATER_BLOCK,
                                          BK=next_pow2(K), **launch_options(mamba2_gate_later_kernel))
-        mamba2_gate_grad_kernel[(NC * H,)](d_gate, later, g, gate, dg, table.starts, table.ends, H=H, K=K,
+        mamba2_gate_grad_kernel[(NC * H,)](d_gate, later, g, gate, dg, table.starts, table.lows, table.ends, H=H, K=K,
                                          C=plan.chunk_size, BK=next_pow2(K), PER_CHANNEL=plan.per_channel,
                                          **launch_options(mamba2_gate_grad_kernel))
     return dg
@@ -246,8 +250,8 @@ def _merge_levels(k, v, gate, levels, ranges, table: ChunkTable, plan: LevelScan
     if NC and not plan.plain:  # the plain scan forms its deposits and totals itself
         rows = min(DEPOSIT_ROWS, BK)
         mamba2_deposit_kernel[(NC * H, triton.cdiv(k.shape[-1], rows))](
-            k, v, gate, buckets, totals, table.starts, table.ends, table.seqs, table.chunks, ranges[2], BK=rows,
-            BV=BV, BB=BLOCK_LEVELS, HAS_INIT=plan.has_init, **_sizes(plan, k, v),
+            k, v, gate, buckets, totals, table.starts, table.lows, table.ends, table.seqs, table.chunks, ranges[2],
+            BK=rows, BV=BV, BB=BLOCK_LEVELS, HAS_INIT=plan.has_init, **_sizes(plan, k, v),
             **_launch(mamba2_deposit_kernel, plan),
         )
     BKS = _scan_rows(k, plan.plain)  # the plain scan multiplies (its deposits)
@@ -320,7 +324,7 @@ def _forward(q, k, v, gate, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> 
     if NC:
         mamba2_chunk_fwd_kernel[(NC * v.shape[1],)](
             q, k, v, gate, lam, o, *initial, buckets, decays, scores,
-            table.starts, table.ends, table.seqs, table.chunks, ranges[2], plan.scale, L=lam.shape[-1],
+            table.starts, table.lows, table.ends, table.seqs, table.chunks, ranges[2], plan.scale, L=lam.shape[-1],
             J=plan.num_levels, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, BJ=MAX_CHUNK_LEVELS,
             HAS_INIT=plan.has_init, PLAIN=plan.plain, **_sizes(plan, q, v),
             **_launch(mamba2_chunk_fwd_kernel, plan),
@@ -338,8 +342,9 @@ def _read_gate(g, plan: LevelScanPlan, report: Callable[[torch.Tensor], None] | 
         return g
     (tokens, H, K), table = g.shape, plan.chunk_table(g.device)
     cum = alloc((tokens, H, K), torch.float32, g.device)
-    channel_cumsum_kernel[(table.starts.numel(), H)](g, cum, table.starts, table.ends, H=H, K=K, C=plan.chunk_size,
-                                                     BK=next_pow2(K), **launch_options(channel_cumsum_kernel))
+    channel_cumsum_kernel[(table.starts.numel(), H)](g, cum, table.starts, table.lows, table.ends, H=H, K=K,
+                                                     C=plan.chunk_size, BK=next_pow2(K),
+                                                     **launch_options(channel_cumsum_kernel))
     if report is not None:
         report(_gate_peak(g, cum, table, plan))
     return cum
@@ -372,7 +377,7 @@ def _channel_scores(q, k, gate, table: ChunkTable, plan: LevelScanPlan) -> torch
     scores = alloc((tokens, H, C), q.dtype, q.device)
     BK, KB = _key_blocks(K)
     channel_scores_kernel[(NC * (C // SUB_CHUNK), H)](
-        q, k, gate, scores, table.starts, table.ends, H=H, G=q.shape[1], K=K, C=C,
+        q, k, gate, scores, table.starts, table.lows, table.ends, H=H, G=q.shape[1], K=K, C=C,
         S=SUB_CHUNK, BK=BK, KB=KB, PRECISION=dot_precision(q.dtype, FP32_DOT), **launch_options(channel_scores_kernel),
     )
     return scores
@@ -391,9 +396,9 @@ def _channel_intra_grads(q, k, v, cum, lam, d_o, table: ChunkTable, plan: LevelS
     sizes = dict(H=H, G=q.shape[1], K=K, V=v.shape[-1], L=lam.shape[-1], C=C, S=SUB_CHUNK, LOG_C=chunk_bits(C),
                  BK=BK, KB=KB, BV=next_pow2(v.shape[-1]), PRECISION=dot_precision(q.dtype, FP32_DOT), PLAIN=plan.plain)
     grid = (NC * (C // SUB_CHUNK) * (BK // KB), H)
-    channel_dq_kernel[grid](q, k, v, cum, lam, d_o, dq_in, table.starts, table.ends, plan.scale, **sizes,
+    channel_dq_kernel[grid](q, k, v, cum, lam, d_o, dq_in, table.starts, table.lows, table.ends, plan.scale, **sizes,
                             **launch_options(channel_dq_kernel))
-    channel_dk_kernel[grid](q, k, v, cum, lam, d_o, dk_in, table.starts, table.ends, plan.scale, **sizes,
+    channel_dk_kernel[grid](q, k, v, cum, lam, d_o, dk_in, table.starts, table.lows, table.ends, plan.scale, **sizes,
                             **launch_options(channel_dk_kernel))
     return dq_in, dk_in
 
@@ -422,7 +427,8 @@ def _dq_grads(q, k, v, gate, lam, d_o, ranges, buckets, scores, saved: _Saved, p
     if table.starts.numel():
         mamba2_chunk_bwd_dq_kernel[(table.starts.numel() * H // HP,)](
             q, k, v, gate, lam, d_o, *saved.initial, buckets, saved.decays, scores, dq_in,
-            table.starts, table.ends, table.seqs, table.chunks, ranges[2], plan.scale, dq, dlam, qdq, q_dec,
+            table.starts, table.lows, table.ends, table.seqs, table.chunks, ranges[2], plan.scale, dq, dlam, qdq,
+            q_dec,
             HP=HP, BL=next_pow2(L, minimum=32), BJ=MAX_CHUNK_LEVELS, J=plan.num_levels, HAS_INIT=plan.has_init,
             **_chunk_sizes(plan, q, v, lam), **_launch(mamba2_chunk_bwd_dq_kernel, plan),
         )
@@ -444,8 +450,8 @@ def _initial_read_grads(q, readers, gate, lam, d_o, ranges, saved: _Saved, plan:
     S = max(1, min(triton.cdiv(chunks, INITIAL_READERS), INITIAL_GRAD_BYTES // (4 * math.prod(shape))))
     d_init = alloc((S, *shape), torch.float32, q.device)
     mamba2_initial_grad_kernel[(S * math.prod(shape[:3]),)](
-        readers, gate, lam, d_o, saved.decays, *ranges, table.base, d_init, plan.scale, N=N, S=S, J0=j0, J=J,
-        **_chunk_sizes(plan, q, d_o, lam), **_launch(mamba2_initial_grad_kernel, plan),
+        readers, gate, lam, d_o, saved.decays, *ranges, table.base, table.lows, d_init, plan.scale, N=N, S=S, J0=j0,
+        J=J, **_chunk_sizes(plan, q, d_o, lam), **_launch(mamba2_initial_grad_kernel, plan),
     )
     return d_init.sum(0) if S > 1 else d_init[0]
 
@@ -462,8 +468,8 @@ def _deposit_grads(q, readers, gate, lam, d_o, d_levels, ranges, saved: _Saved, 
     d_buckets = alloc((NC, H, q.shape[-1], d_o.shape[-1]), q.dtype, q.device)
     if NC:
         mamba2_level_grad_kernel[(NC * H,)](
-            readers, gate, lam, d_o, saved.decays, table.starts, table.ends, table.chunks, table.grad_order, d_buckets,
-            plan.scale, J=J, BJ=MAX_CHUNK_LEVELS, **chunk, **_launch(mamba2_level_grad_kernel, plan),
+            readers, gate, lam, d_o, saved.decays, table.starts, table.lows, table.ends, table.chunks, table.grad_order,
+            d_buckets, plan.scale, J=J, BJ=MAX_CHUNK_LEVELS, **chunk, **_launch(mamba2_level_grad_kernel, plan),
         )
     BKS = _scan_rows(q, False)
     mamba2_bwd_scan_kernel[(N, H, triton.cdiv(q.shape[-1], BKS))](
@@ -488,7 +494,8 @@ def _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, d_gate, final
     totals = alloc(_gate_shape(plan, NC, H, K), torch.float32, k.device)
     if NC:
         mamba2_chunk_bwd_dkv_kernel[(NC * H // HP,)](
-            q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, table.starts, table.ends, table.seqs, ranges[1],
+            q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, table.starts, table.lows, table.ends, table.seqs,
+            ranges[1],
             final_terms, plan.scale, dk, dv, d_gate, totals, HP=HP, **_chunk_sizes(plan, q, v, lam),
             **_launch(mamba2_chunk_bwd_dkv_kernel, plan),
         )
@@ -552,26 +559,30 @@ def _final_grads(d_final: torch.Tensor | None, final: torch.Tensor, plan: LevelS
 
 
 @table_cache()
-def _last_chunks(bos: tuple[int, ...], eos: tuple[int, ...], C: int, device: torch.device
+def _last_chunks(bos: tuple[int, ...], los: tuple[int, ...], eos: tuple[int, ...], C: int, device: torch.device
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The last chunk of each sequence [a, b) (a aligned): rows [R, C] int64, its tokens (clamped to b - 1),
-    masks [R, c+1, C] fp32, the in-chunk buckets of its last token (fenwick.last_query_masks), and held [R, C]
-    fp32, their sum over the buckets: 1 at the tokens up to the last. Cached per layout (read-only; normal tensors
-    even when first built under inference mode: autograd saves them)."""
+    """The last kernel chunk of each sequence [lo, b) whose chunks start at a <= lo (aligned): rows [R, C] int64, its
+    tokens (clamped to [lo, b - 1]), masks [R, c+1, C] fp32, the in-chunk buckets of its last token
+    (fenwick.last_query_masks) on the rows from lo on, and held [R, C] fp32, their sum over the buckets: 1 at the
+    tokens of the sequence up to the last. Cached per layout (read-only; normal tensors even when first built under
+    inference mode: autograd saves them)."""
     starts = [a + ((b - a - 1) // C) * C for a, b in zip(bos, eos)]
-    rows = [[min(t + s, b - 1) for s in range(C)] for t, b in zip(starts, eos)]
+    rows = [[max(min(t + s, b - 1), lo) for s in range(C)] for t, lo, b in zip(starts, los, eos)]
     with torch.inference_mode(False):
         masks = last_query_masks(tuple(b - 1 - t for t, b in zip(starts, eos)), C, torch.float32, device)
+        if any(lo > t for t, lo in zip(starts, los)):  # a sequence that ends in its first chunk, after masked rows
+            inside = [[t + s >= lo for s in range(C)] for t, lo in zip(starts, los)]
+            masks = masks * device_table(inside, torch.float32, device)[:, None]
         return device_table(rows, torch.int64, device), masks, masks.sum(1)
 
 
-def _last_chunk_levels(k, v, g, bos: list[int], eos: list[int], C: int, H: int) -> torch.Tensor:
-    """In-chunk token levels 0..c of each sequence's state after its token b-1, from the last chunk of [a, b)
-    (a aligned), all sequences in one batch of ops.
+def _last_chunk_levels(k, v, g, plan: LevelScanPlan, H: int) -> torch.Tensor:
+    """In-chunk token levels 0..c of each sequence's state after its token b-1, from the last kernel chunk of the
+    plan's sequences, all sequences in one batch of ops.
 
     level l holds sum_{s: bit_length(s XOR e) = l} exp(G_e - G_s) k_s v_s^T (g: [tokens, H], or [tokens, H, K]:
     exp per key channel; G the cumsum of g floored here; rows past e read as g = 0).   -> [R, c+1, H, K, V] fp32."""
-    rows, masks, held = _last_chunks(tuple(bos), tuple(eos), C, k.device)
+    rows, masks, held = _last_chunks(tuple(plan.bos), tuple(plan.los), tuple(plan.eos), plan.chunk_size, k.device)
     ks = expand_groups(k[rows].float(), H)  # [R, C, H, K]
     gs = floor_log_decay(g[rows].float())
     G = (gs * held.view(*held.shape, *(1,) * (gs.dim() - 2))).cumsum(1)
@@ -602,16 +613,6 @@ class _Flat:
     bounds: list[int]
     positions: list[int]
 
-    def front_padded(self, fronts: list[int]) -> tuple["_Flat", Placement]:
-        """The axis with fronts[n] zero tokens before sequence n, which then starts at positions[n] - fronts[n] (a
-        chunk start when fronts[n] = positions[n] mod C), and where the call's tokens are in it (shared.placement:
-        take gives them back). One scatter per tensor."""
-        at = placement(tuple(self.bounds), tuple(fronts), None, self.q.device)
-        shift = [0, *itertools.accumulate(fronts)]
-        return _Flat(place(self.q, at), place(self.k, at), place(self.v, at), place(self.g, at), place(self.lam, at),
-                     [a + r for a, r in zip(self.bounds, shift)],
-                     [p - r for p, r in zip(self.positions, fronts)]), at
-
 
 def _kernel_dtype(inp: OpInputs) -> torch.dtype:
     """The kernels' operand dtype: q / k / v's when they agree, else fp32."""
@@ -640,9 +641,9 @@ def _flatten(inp: OpInputs) -> _Flat:
 class _Seeds:
     """The sequences whose state holds in-chunk buckets (a position inside a chunk, or 0): rows [R] int64 of the
     call, their positions and ends, and their buckets partial [R, c+1, H, K, V] fp32 after the carry past the
-    position. The kernels start such a sequence at its first chunk's start (front-padded) with the buckets' sum
-    seeded into chunk level m0 = ctz(c0 + 1) of h0 (c0 its first chunk), the level the first chunk's cascade
-    merges them into; so the kernels read them in that chunk at level c + 1 + m0, which _first_reads replaces by
+    position. The kernels start such a sequence at its first chunk's start (the rows before it masked) with the
+    buckets' sum seeded into chunk level m0 = ctz(c0 + 1) of h0 (c0 its first chunk), the level the first chunk's
+    cascade merges them into; so the kernels read them in that chunk at level c + 1 + m0, which _first_reads replaces by
     the levels the buckets are read at (fenwick.incoming_levels), and a sequence that ends in that chunk still holds
     them as level m0, which _first_levels moves to its in-chunk levels."""
 
@@ -652,14 +653,14 @@ class _Seeds:
     partial: torch.Tensor
 
 
-def _chunk_levels(flat: _Flat, positions: list[int], state: FenwickState | None, C: int
+def _chunk_levels(flat: _Flat, state: FenwickState | None, C: int
                   ) -> tuple[int, torch.Tensor, bool, int, _Seeds | None]:
     """J (chunk levels the scans carry), the initial chunk levels h0 [N, J, H, K, V] fp32 at every sequence's
-    kernel start (flat: the front-padded axis; positions: the call's, where the state is), whether any sequence
+    kernel start (the start of the chunk of its first token), whether any sequence
     has a state (otherwise h0 is zeros and the scans skip it), the first level h0 may hold (plan.first_level: the
     carry into a target t > c clears the chunk levels below t - c - 1) and the seeded sequences (_Seeds) or None."""
-    c, N = chunk_bits(C), len(flat.bounds) - 1
-    ends = [p + b - a for a, b, p in zip(flat.bounds, flat.bounds[1:], flat.positions)]
+    c, N, positions = chunk_bits(C), len(flat.bounds) - 1, flat.positions
+    ends = [p + b - a for a, b, p in zip(flat.bounds, flat.bounds[1:], positions)]
     J = max([1] + [max((e - 1) // C, 1).bit_length() for e in ends])
     H, K, V = flat.v.shape[1], flat.q.shape[2], flat.v.shape[2]
     if state is None:
@@ -687,10 +688,11 @@ def _chunk_levels(flat: _Flat, positions: list[int], state: FenwickState | None,
 @table_cache()
 def _first_chunks(starts: tuple[int, ...], ends: tuple[int, ...], fronts: tuple[int, ...], C: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The first chunk of the padded sequences [starts[i], ends[i]) (chunk-aligned starts): rows [R, C] int64
-    (clamped to the sequence), held [R, C] bool (the call's tokens: from fronts[i] on, within the sequence) and
-    their rows in the flattened [R * C], in order. Cached per layout (read-only; normal tensors)."""
-    rows = [[min(a + s, b - 1) for s in range(C)] for a, b in zip(starts, ends)]
+    """The first kernel chunk of the sequences [starts[i] + fronts[i], ends[i]) (starts[i]: a chunk start, the rows
+    before the sequence masked front padding): rows [R, C] int64 (clamped to the sequence), held [R, C] bool (the
+    call's tokens: from fronts[i] on, within the sequence) and their rows in the flattened [R * C], in order. Cached
+    per layout (read-only; normal tensors)."""
+    rows = [[max(min(a + s, b - 1), a + r) for s in range(C)] for a, b, r in zip(starts, ends, fronts)]
     held = [[r <= s < b - a for s in range(C)] for a, b, r in zip(starts, ends, fronts)]
     taken = [i * C + s for i, h in enumerate(held) for s in range(C) if h[s]]
     with torch.inference_mode(False):
@@ -698,12 +700,13 @@ def _first_chunks(starts: tuple[int, ...], ends: tuple[int, ...], fronts: tuple[
                 device_table(taken, torch.int64, device))
 
 
-def _first_chunk_decays(flat: _Flat, seeds: _Seeds, C: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The seeded sequences' first chunks (flat: the padded axis): rows [R, C] and taken (_first_chunks), and
-    exp(G) [R, C, H] (per channel [R, C, H, K]), G the cumsum of the floored gate from the chunk's start (0 at the
-    zero tokens and past the sequence)."""
-    starts = tuple(flat.bounds[n] for n in seeds.rows)
-    ends = tuple(flat.bounds[n + 1] for n in seeds.rows)
+def _first_chunk_decays(flat: _Flat, plan: LevelScanPlan, seeds: _Seeds, C: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The seeded sequences' first kernel chunks (plan.bos: their starts): rows [R, C] and taken (_first_chunks),
+    and exp(G) [R, C, H] (per channel [R, C, H, K]), G the cumsum of the floored gate from the chunk's start (0 at
+    the masked rows before the sequence and past it)."""
+    starts = tuple(plan.bos[n] for n in seeds.rows)
+    ends = tuple(plan.eos[n] for n in seeds.rows)
     fronts = tuple(p % C for p in seeds.positions)
     rows, held, taken = _first_chunks(starts, ends, fronts, C, flat.q.device)
     g = floor_log_decay(flat.g[rows].float())
@@ -715,7 +718,7 @@ def _first_reads(flat: _Flat, seeds: _Seeds, rows: torch.Tensor, taken: torch.Te
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """What the seeded sequences' first chunks read of their buckets, less what the kernels read there (the
     buckets' sum at level c + 1 + m0): scale sum_m (lam_t[incoming(t, m)] - lam_t[c + 1 + m0]) (qt_t partial_m),
-    qt_t = exp(G_t) q_t, for the call's tokens of those chunks -> (their rows in the padded axis [n] int64, the
+    qt_t = exp(G_t) q_t, for the call's tokens of those chunks -> (their rows of the call [n] int64, the
     terms [n, H, V] fp32)."""
     H, c = flat.v.shape[1], chunk_bits(C)
     q = expand_groups(flat.q[rows].float(), H)  # [R, C, H, K]
@@ -750,16 +753,16 @@ def _first_levels(seeds: _Seeds, decay: torch.Tensor, width: int, C: int) -> tup
     return [seeds.rows[i] for i in ending], change
 
 
-def _final_state(flat: _Flat, final: torch.Tensor, C: int, n_in: int,
+def _final_state(flat: _Flat, plan: LevelScanPlan, final: torch.Tensor, n_in: int,
                  first: tuple[list[int], torch.Tensor] | None) -> FenwickState:
-    """Per sequence (flat: the padded axis): the last chunk's in-chunk buckets + the scan's chunk levels (final
-    [N, J, H, K, V]), plus ``first``'s change to the rows it names (_first_levels), with max(levels_needed(end),
+    """Per sequence: the last kernel chunk's in-chunk buckets + the scan's chunk levels (final [N, J, H, K, V]), plus
+    ``first``'s change to the rows it names (_first_levels), with max(levels_needed(end),
     n_in) levels as the torch path (the rest zero, up to the widest), in one batch of ops whatever their number."""
     H = flat.v.shape[1]
     ends = [p + b - a for a, b, p in zip(flat.bounds, flat.bounds[1:], flat.positions)]
     keep = [max(levels_needed(e), n_in) for e in ends]
     width = max(keep)
-    last = _last_chunk_levels(flat.k, flat.v, flat.g, flat.bounds[:-1], flat.bounds[1:], C, H)
+    last = _last_chunk_levels(flat.k, flat.v, flat.g, plan, H)
     levels = _pad_levels(torch.cat([last, final], 1), width, dim=1)
     if first is not None:
         rows, change = first
@@ -801,25 +804,23 @@ def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tu
     if inp.level_scales is None:
         return _run_plain(inp, flat, output_final_state, C)
     state = inp.initial_state
-    fronts = [p % C if state is not None else 0 for p in flat.positions]
-    padded, at = flat.front_padded(fronts) if any(fronts) else (flat, None)
-    J, h0, has_init, first, seeds = _chunk_levels(padded, flat.positions, state, C)
-    plan = LevelScanPlan(padded.bounds[:-1], padded.bounds[1:], [p // C for p in padded.positions], C, J, has_init,
-                         inp.scale, per_channel=_per_channel(inp), first_level=first)
-    gate = _read_gate(padded.g, plan, inp.report_finite)
-    o, final = LevelScanMamba2.apply(padded.q, padded.k, padded.v, padded.g, gate, padded.lam, h0, plan)
+    bounds, positions = flat.bounds, flat.positions  # kernel chunks from the chunk start before each first token
+    J, h0, has_init, first, seeds = _chunk_levels(flat, state, C)
+    plan = LevelScanPlan([a - p % C for a, p in zip(bounds, positions)], bounds[:-1], bounds[1:],
+                         [p // C for p in positions], C, J, has_init, inp.scale, per_channel=_per_channel(inp),
+                         first_level=first)
+    gate = _read_gate(flat.g, plan, inp.report_finite)
+    o, final = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan)
     if seeds is not None:
-        chunk_rows, taken, decay = _first_chunk_decays(padded, seeds, C)
-        read_rows, terms = _first_reads(padded, seeds, chunk_rows, taken, decay, C, inp.scale)
+        chunk_rows, taken, decay = _first_chunk_decays(flat, plan, seeds, C)
+        read_rows, terms = _first_reads(flat, seeds, chunk_rows, taken, decay, C, inp.scale)
         o = o.index_add_(0, read_rows, terms.to(o.dtype))  # in place: the kernels' o is not saved for the backward
-    if at is not None:
-        o = take(o, at)
     o = o.reshape(inp.v.shape).to(inp.v.dtype)
     if not output_final_state:
         return o, None
     n_in = state.num_levels if state is not None else 0
     levels = _first_levels(seeds, decay, final.shape[1] + chunk_bits(C) + 1, C) if seeds is not None else None
-    return o, _final_state(padded, final, C, n_in, levels)
+    return o, _final_state(flat, plan, final, n_in, levels)
 
 
 def _run_plain(inp: OpInputs, flat: _Flat, output_final_state: bool, C: int
@@ -832,8 +833,8 @@ def _run_plain(inp: OpInputs, flat: _Flat, output_final_state: bool, C: int
         h0 = state.levels.float().contiguous()
     else:
         h0 = flat.v.new_zeros((1, 1, H, K, V), dtype=torch.float32).expand(N, 1, H, K, V)
-    plan = LevelScanPlan(flat.bounds[:-1], flat.bounds[1:], [0] * N, C, 1, state is not None, inp.scale, plain=True,
-                         per_channel=_per_channel(inp))
+    plan = LevelScanPlan(flat.bounds[:-1], flat.bounds[:-1], flat.bounds[1:], [0] * N, C, 1, state is not None,
+                         inp.scale, plain=True, per_channel=_per_channel(inp))
     gate = _read_gate(flat.g, plan, inp.report_finite)
     o, final = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan)
     o = o.reshape(inp.v.shape).to(inp.v.dtype)

@@ -1,8 +1,10 @@
 """Chunk-parallel part of log-linear Mamba-2: one program per (kernel chunk, value head).
 
 The chunks of all sequences are listed in one table (backend.ChunkTable): chunk p covers tokens
-[starts[p], starts[p] + C) clipped at its sequence's end ends[p], belongs to sequence seqs[p] and has the
-absolute chunk index chunks[p]; rows past the end read as 0 (g = 0) and are not written. With G the
+[starts[p], starts[p] + C) clipped to [lows[p], ends[p]) (its sequence's first token and end), belongs to sequence
+seqs[p] and has the absolute chunk index chunks[p]; rows outside read as 0 (g = 0: zero tokens, the identity) and
+are not written. A sequence that starts inside a chunk starts its first kernel chunk at that chunk's start: the
+rows before its first token are masked front padding (starts[p] may be before the sequence, or negative). With G the
 chunk-local inclusive cumsum of g and Gl its value at the chunk's end:
 
     deposit (mamba2_deposit_kernel, before the forward scan)   D = K^T (exp(Gl - G) * V)
@@ -105,19 +107,18 @@ from loglinear.ops.triton.shared.levels import (
     block_merged, level_read, level_source, merge_target, nth_level, read_levels, row_decay, sequence_range,
     store_total,
 )
-from loglinear.ops.triton.shared.tiles import level_column, load_tile, store_column, store_tile
+from loglinear.ops.triton.shared.tiles import level_column, load_tile, rows_within, store_column, store_tile
 
 CHUNK_RUNTIME_ARGS = ["H", "G", "L", "J"]
 
 
 @triton.jit
-def chunk_rows(p, starts, ends, C: tl.constexpr):
+def chunk_rows(p, starts, lows, ends, C: tl.constexpr):
     """Kernel chunk p: its first token t0 (int64), r = arange(C), the token indices t = t0 + r and whether each
-    is inside its sequence."""
+    is a token of its sequence, lows[p] <= t < ends[p] (rows before lows[p]: masked front padding)."""
     r = tl.arange(0, C)
     t0 = tl.load(starts + p).to(tl.int64)
-    t = t0 + r
-    return t0, r, t, t < tl.load(ends + p).to(tl.int64)
+    return t0, r, t0 + r, rows_within(r, t0, tl.load(lows + p).to(tl.int64), tl.load(ends + p).to(tl.int64))
 
 
 @triton.jit
@@ -277,7 +278,7 @@ def chunk_gate_grads(d_gate, totals, final_terms, k_dk, t0, r, t, valid, last, p
 
 @triton.jit(do_not_specialize=["H"])
 def mamba2_gate_grad_kernel(
-    d_gate, later, g, cum, dg, starts, ends,
+    d_gate, later, g, cum, dg, starts, lows, ends,
     H, K,
     C: tl.constexpr, BK: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
@@ -290,7 +291,7 @@ def mamba2_gate_grad_kernel(
     the chunk is (every term is <= 0, and rounding keeps the fp32 partial sums monotone): a gate that stays above
     the floor costs no read of it (cum is not read for a scalar gate). Grid (NC * H,) (heads_fastest)."""
     ci, h = heads_fastest(H)
-    t0, r, t, valid = chunk_rows(ci, starts, ends, C)
+    t0, r, t, valid = chunk_rows(ci, starts, lows, ends, C)
     kk = tl.arange(0, BK)
     x = tl.cumsum(load_gate_rows(d_gate, t0, r, t, valid, h, H, K, kk, PER_CHANNEL), 0, reverse=True)
     row = ci * H + h
@@ -327,7 +328,7 @@ def mamba2_gate_later_kernel(totals, later, base_ptr, H, K, N, NC, R: tl.constex
 
 @triton.jit(do_not_specialize=["H", "G"])
 def mamba2_deposit_kernel(
-    k, v, g, buckets, totals, starts, ends, seqs, chunks, chunk0,
+    k, v, g, buckets, totals, starts, lows, ends, seqs, chunks, chunk0,
     H, G, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BB: tl.constexpr, HAS_INIT: tl.constexpr,
     PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
@@ -358,7 +359,7 @@ def mamba2_deposit_kernel(
     offs, mask = kk[:, None] * V + vv[None, :], (kk[:, None] < K) & (vv[None, :] < V)
     running = tl.zeros([BK, BV], dtype=tl.float32)
     for u in range(walk):
-        t0, r, t, valid = chunk_rows(ci + u, starts, ends, C)
+        t0, r, t, valid = chunk_rows(ci + u, starts, lows, ends, C)
         Gc, Gl = gates(g, t, valid, h, H, K, kk, PER_CHANNEL)
         store_total(totals, ci + u, h, H, K, kk, kb == 0, Gl, PER_CHANNEL)
         deposit = chunk_deposit(load_tile(k, t0, r, valid, h // (H // G), G, K, kk),
@@ -404,7 +405,7 @@ def intra_block(qc, kc, vc, doc, acc, scores, lam, t0, r, t, valid, h, H, L, Gc,
 
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
 def mamba2_chunk_fwd_kernel(
-    q, k, v, g, lam, o, h0, h0_held, buckets, decays, scores, starts, ends, seqs, chunks, chunk0, scale,
+    q, k, v, g, lam, o, h0, h0_held, buckets, decays, scores, starts, lows, ends, seqs, chunks, chunk0, scale,
     H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
     HAS_INIT: tl.constexpr, PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
@@ -413,10 +414,10 @@ def mamba2_chunk_fwd_kernel(
     the in-chunk scores P then come in scores [tokens, H, C] (q's dtype) from intra_channel.channel_scores_kernel, else
     scores is not read); lam: [tokens, H, L] (not read when PLAIN); h0: [N, J, H, K, V] (q's dtype),
     h0_held: [N, J] int8, 0 where a level of h0 is all zeros (not read: it adds nothing); buckets: [NC, H, K, V],
-    decays: [NC, H, J] ([NC, H, J, K]) fp32 (the forward scan's); starts, ends, seqs, chunks: [NC] int32 (the
+    decays: [NC, H, J] ([NC, H, J, K]) fp32 (the forward scan's); starts, lows, ends, seqs, chunks: [NC] int32 (the
     chunk table), chunk0: [N].  Grid (NC * H,) (heads_fastest)."""
     ci, h = heads_fastest(H)
-    t0, r, t, valid = chunk_rows(ci, starts, ends, C)
+    t0, r, t, valid = chunk_rows(ci, starts, lows, ends, C)
     n, chunk, c0 = chunk_position(ci, seqs, chunks, chunk0)
     kk, vv, jj = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BJ)
     offs = kk[:, None] * V + vv[None, :]
@@ -463,7 +464,7 @@ def head_tiles(q, k, v, do, g, t0, r, t, valid, h, H, G, K, V, kk, vv, PER_CHANN
 
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
 def mamba2_chunk_bwd_dq_kernel(
-    q, k, v, g, lam, do, h0, h0_held, buckets, decays, scores, dq_in, starts, ends, seqs, chunks, chunk0, scale,
+    q, k, v, g, lam, do, h0, h0_held, buckets, decays, scores, dq_in, starts, lows, ends, seqs, chunks, chunk0, scale,
     dq, dlam, qdq, q_dec,
     H, G, K, V, L, J,
     HP: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
@@ -485,7 +486,7 @@ def mamba2_chunk_bwd_dq_kernel(
     q_dec = Q * exp(G) [tokens, H, K] (q's dtype, per value head), the level gradient's queries (not written for a
     scalar gate). Grid (NC * H / HP,) (heads_fastest over H / HP)."""
     ci, u = heads_fastest(H // HP)
-    t0, r, t, valid = chunk_rows(ci, starts, ends, C)
+    t0, r, t, valid = chunk_rows(ci, starts, lows, ends, C)
     n, chunk, c0 = chunk_position(ci, seqs, chunks, chunk0)
     kk, vv, ll, jj = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BL), tl.arange(0, BJ)
     live, rank, count = read_levels(chunk, c0, n, jj, J, h0_held, HAS_INIT, PLAIN)
@@ -530,7 +531,7 @@ def mamba2_chunk_bwd_dq_kernel(
 
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
 def mamba2_chunk_bwd_dkv_kernel(
-    q, k, v, g, lam, do, d_deposits, scores, dk_in, starts, ends, seqs, eos_ptr, final_terms, scale,
+    q, k, v, g, lam, do, d_deposits, scores, dk_in, starts, lows, ends, seqs, eos_ptr, final_terms, scale,
     dk, dv, d_gate, totals,
     H, G, K, V, L,
     HP: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -551,7 +552,7 @@ def mamba2_chunk_bwd_dkv_kernel(
     ones do; the deposit's is its v.dV; per channel k * dK_h). Out: dk: [tokens, H / HP, K] as the dq
     kernel's dq, dv: [tokens, H, V] (v's dtype). Grid (NC * H / HP,) (heads_fastest over H / HP)."""
     ci, u = heads_fastest(H // HP)
-    t0, r, t, valid = chunk_rows(ci, starts, ends, C)
+    t0, r, t, valid = chunk_rows(ci, starts, lows, ends, C)
     kk, vv = tl.arange(0, BK), tl.arange(0, BV)
     deposits = PLAIN or t0 + C < tl.load(ends + ci)
     n = tl.load(seqs + ci)
@@ -586,18 +587,19 @@ def mamba2_chunk_bwd_dkv_kernel(
 
 
 @triton.jit
-def reader_grads(q, g, lam, do, decays, row0, first, lo, hi, end, h, H, G, K, V, L, J, j, scale, r, kk, vv,
+def reader_grads(q, g, lam, do, decays, row0, first, low, lo, hi, end, h, H, G, K, V, L, J, j, scale, r, kk, vv,
                  C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr):
     """The gradient of one stored level j from its readers d = lo .. hi - 1, the chunks at kernel rows row0 + d
-    (tokens first + d C, clipped at end): sum_d exp(decay_{row0+d, j}) Q_d^T (scale * lambda_d[c+1+j] * exp(G_d)
-    * dO_d), pipelined over d. PER_CHANNEL: q = Q * exp(G) [tokens, H, K] per value head (the dq kernel's q_dec; g
-    is not read) and sum_d diag(exp(decay_{row0+d, j})) q_d^T (scale * lambda * dO_d), the decay [BK] scaling the
-    product's rows. -> [BK, BV] fp32."""
+    (tokens first + d C, clipped to [low, end): the sequence's first token and its end):
+    sum_d exp(decay_{row0+d, j}) Q_d^T (scale * lambda_d[c+1+j] * exp(G_d) * dO_d), pipelined over d. PER_CHANNEL:
+    q = Q * exp(G) [tokens, H, K] per value head (the dq kernel's q_dec; g is not read) and
+    sum_d diag(exp(decay_{row0+d, j})) q_d^T (scale * lambda * dO_d), the decay [BK] scaling the product's rows.
+    -> [BK, BV] fp32."""
     acc = tl.zeros([BK, BV], dtype=tl.float32)
     for d in range(lo, hi):
         t0 = first + d * C
-        valid = t0 + r < end
+        valid = rows_within(r, t0, low, end)
         doc = load_tile(do, t0, r, valid, h, H, V, vv)
         to_now = level_decay(decays, (row0 + d).to(tl.int64), h, H, J, K, j, kk, PLAIN, PER_CHANNEL)
         w = level_column(lam, t0 + r, valid, h, H, L, LOG_C + 1 + j, PLAIN) * scale
@@ -615,7 +617,7 @@ def reader_grads(q, g, lam, do, decays, row0, first, lo, hi, end, h, H, G, K, V,
 
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS)
 def mamba2_level_grad_kernel(
-    q, g, lam, do, decays, starts, ends, chunks, order, d_buckets, scale,
+    q, g, lam, do, decays, starts, lows, ends, chunks, order, d_buckets, scale,
     H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
     PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
@@ -631,8 +633,8 @@ def mamba2_level_grad_kernel(
     end = tl.load(ends + p).to(tl.int64)
     m = merge_target(tl.load(chunks + p).to(tl.int64), tl.arange(0, BJ), BJ, PLAIN)
     readers = tl.minimum(1 << m, tl.cdiv(end - first, C) - 1)
-    acc = reader_grads(q, g, lam, do, decays, p, first, 1, readers + 1, end, h, H, G, K, V, L, J, m, scale, r, kk, vv,
-                       C, LOG_C, BK, BV, PRECISION, PLAIN, PER_CHANNEL)
+    acc = reader_grads(q, g, lam, do, decays, p, first, tl.load(lows + p), 1, readers + 1, end, h, H, G, K, V, L, J, m,
+                       scale, r, kk, vv, C, LOG_C, BK, BV, PRECISION, PLAIN, PER_CHANNEL)
     offs = kk[:, None] * V + vv[None, :]
     tl.store(d_buckets + (p.to(tl.int64) * H + h) * K * V + offs, acc.to(d_buckets.dtype.element_ty),
              mask=(kk[:, None] < K) & (vv[None, :] < V))
@@ -640,7 +642,7 @@ def mamba2_level_grad_kernel(
 
 @triton.jit(do_not_specialize=CHUNK_RUNTIME_ARGS + ["N", "S", "J0"])
 def mamba2_initial_grad_kernel(
-    q, g, lam, do, decays, bos_ptr, eos_ptr, chunk0_ptr, base_ptr, d_init, scale,
+    q, g, lam, do, decays, bos_ptr, eos_ptr, chunk0_ptr, base_ptr, lows, d_init, scale,
     N, S, J0, H, G, K, V, L, J,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
@@ -649,7 +651,8 @@ def mamba2_initial_grad_kernel(
     fp32 out, segment s of the readers of level j of sequence n (the chunks c0 .. ((c0 >> j) + 1) 2^j - 1 of the
     sequence, cut into S equal runs; 0 where a run is empty; a level that the carry past an aligned start cleared
     gets its readers' terms too, which the caller drops). PLAIN: one level, read by the sequence's first chunk.
-    Other arguments as the scans (bos, eos, chunk0, base [N]) and mamba2_level_grad_kernel. Grid
+    Other arguments as the scans (bos, eos, chunk0, base [N]) and mamba2_level_grad_kernel (lows: the chunk
+    table's, which gives the sequence's first token at its first chunk, base). Grid
     (S * N * (J - J0) * H,): program i * H + h (heads_fastest)."""
     pid, h = heads_fastest(H)
     JR = J - J0
@@ -659,7 +662,7 @@ def mamba2_initial_grad_kernel(
     run = tl.cdiv(readers, S)
     lo = tl.minimum(s * run, readers)
     r, kk, vv = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV)
-    acc = reader_grads(q, g, lam, do, decays, base, bos, lo, tl.minimum(lo + run, readers), eos, h, H, G, K, V, L, J,
-                       j, scale, r, kk, vv, C, LOG_C, BK, BV, PRECISION, PLAIN, PER_CHANNEL)
+    acc = reader_grads(q, g, lam, do, decays, base, bos, tl.load(lows + base), lo, tl.minimum(lo + run, readers), eos,
+                       h, H, G, K, V, L, J, j, scale, r, kk, vv, C, LOG_C, BK, BV, PRECISION, PLAIN, PER_CHANNEL)
     offs = kk[:, None] * V + vv[None, :]
     tl.store(d_init + ((pid.to(tl.int64) * H + h) * K * V) + offs, acc, mask=(kk[:, None] < K) & (vv[None, :] < V))

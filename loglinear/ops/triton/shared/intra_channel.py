@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from loglinear.ops.triton.shared.intra import FLOOR, intra_levels, level_weights
-from loglinear.ops.triton.shared.tiles import load_row, load_tile, store_tile
+from loglinear.ops.triton.shared.tiles import load_row, load_tile, rows_within, store_tile
 
 SUB_CHUNK = 16  # rows per sub-chunk: the smallest tl.dot tile
 KEY_BLOCK = 64  # key channels per block (products with N = 32 miscompile in bf16 on Hopper, shared/heads.py)
@@ -72,9 +72,8 @@ def channel_gates(cum, t, valid, head, HEADS, K, kk):
     G = 0; a chunk without tokens, as the scans' look-ahead past a sequence, has Gl = 0)."""
     G = tl.load(cum + (t * HEADS + head)[:, None] * K + kk[None, :], mask=valid[:, None] & (kk[None, :] < K),
                 other=0.0)
-    rows = tl.sum(valid.to(tl.int32), 0)
-    last = tl.min(t, 0) + rows - 1
-    return G, tl.load(cum + (last * HEADS + head) * K + kk, mask=(kk < K) & (kk * 0 + rows > 0), other=0.0)
+    last = tl.max(tl.where(valid, t, -1), 0)  # the valid rows are one run of tokens (>= 0), after any front padding
+    return G, tl.load(cum + (last * HEADS + head) * K + kk, mask=(kk < K) & (kk * 0 + last >= 0), other=0.0)
 
 
 @triton.jit
@@ -86,37 +85,39 @@ def chunk_program(PER_CHUNK: tl.constexpr):
 
 
 @triton.jit
-def sub_chunk(starts, ends, p, i, C: tl.constexpr, S: tl.constexpr):
-    """Sub-chunk i of chunk p: the chunk's first token t0 and its end (int64), r = arange(C) and its rows'
-    validity, rs = i S + arange(S) (the sub-chunk's rows in the chunk) and theirs."""
+def sub_chunk(starts, lows, ends, p, i, C: tl.constexpr, S: tl.constexpr):
+    """Sub-chunk i of chunk p: the chunk's first token t0, its first token of the sequence lo and its end (int64;
+    rows before lo are masked front padding), r = arange(C) and its rows' validity (lo <= t0 + r < end),
+    rs = i S + arange(S) (the sub-chunk's rows in the chunk) and theirs."""
     t0 = tl.load(starts + p).to(tl.int64)
+    lo = tl.load(lows + p).to(tl.int64)
     end = tl.load(ends + p).to(tl.int64)
     r = tl.arange(0, C)
     rs = i * S + tl.arange(0, S)
-    return t0, end, r, t0 + r < end, rs, t0 + rs < end
+    return t0, lo, end, r, rows_within(r, t0, lo, end), rs, rows_within(rs, t0, lo, end)
 
 
 @triton.jit
-def sub_chunk_span(cum, t0, end, i, h, H, K, kk, S: tl.constexpr, DT: tl.constexpr):
+def sub_chunk_span(cum, t0, lo, end, i, h, H, K, kk, S: tl.constexpr, DT: tl.constexpr):
     """(G_n, G_e, short, long) of sub-chunk i on the channels kk: G at its first row n and its last row e with a
     token ([len(kk)] fp32 each, 0 when it has none); short: it has rows and G_n - G_e <= diagonal_span(DT) (DT: the
     products' operand dtype) on every channel, so its diagonal block can go through the products across sub-chunks
     (one exponent of each product then is up to G_n - G_e instead of <= 0); long: it has rows and is not short."""
     first = t0 + i * S
     last = tl.minimum(first + S, end) - 1
-    G_n = load_row(cum, first, end, h, H, K, kk).to(tl.float32)
-    G_e = load_row(cum, last, end, h, H, K, kk).to(tl.float32)
+    G_n = load_row(cum, first, lo, end, h, H, K, kk).to(tl.float32)
+    G_e = load_row(cum, last, lo, end, h, H, K, kk).to(tl.float32)
     span = tl.max(G_n - G_e, 0)
     limit = diagonal_span(DT)
     return G_n, G_e, (first < end) & (span <= limit), (first < end) & (span > limit)
 
 
 @triton.jit(do_not_specialize=["H"])
-def channel_cumsum_kernel(g, cum, starts, ends, H, K, C: tl.constexpr, BK: tl.constexpr):
+def channel_cumsum_kernel(g, cum, starts, lows, ends, H, K, C: tl.constexpr, BK: tl.constexpr):
     """cum = G, the chunk-local inclusive cumsum of max(g, FLOOR) (NaN stays NaN) per channel of g [tokens, H, K],
     fp32 [tokens, H, K] (rows of every kernel chunk). Grid (NC, H)."""
     h = tl.program_id(1)
-    t0, end, r, valid, _, _ = sub_chunk(starts, ends, tl.program_id(0), 0, C, C)
+    t0, _, _, r, valid, _, _ = sub_chunk(starts, lows, ends, tl.program_id(0), 0, C, C)
     kk = tl.arange(0, BK)
     floored = tl.maximum(load_tile(g, t0, r, valid, h, H, K, kk).to(tl.float32), FLOOR,
                          propagate_nan=tl.PropagateNan.ALL)
@@ -149,26 +150,26 @@ def decays_at(Gs, G_a, ra, a, rows, LATER: tl.constexpr):
 
 @triton.jit(do_not_specialize=["H", "G"])
 def channel_scores_kernel(
-    q, k, cum, scores, starts, ends,
+    q, k, cum, scores, starts, lows, ends,
     H, G, K,
     C: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """scores[t, h, s] = P[t, s] for the rows t of sub-chunk i of chunk p (chunk_program) and the keys s of their
     chunk (0 for s > t). q, k: [tokens, G, K]; cum: G [tokens, H, K] fp32; scores: [tokens, H, C] (q's dtype); starts,
-    ends: [NC] int32 (the chunk table). Grid (NC (C // S), H)."""
+    lows, ends: [NC] int32 (the chunk table). Grid (NC (C // S), H)."""
     h = tl.program_id(1)
     p, i = chunk_program(C // S)
     grp = h // (H // G)
     cols, ra = tl.arange(0, C), tl.arange(0, S)
-    t0, end, r, valid, rs, vs = sub_chunk(starts, ends, p, i, C, S)
+    t0, lo, end, r, valid, rs, vs = sub_chunk(starts, lows, ends, p, i, C, S)
     kk = tl.arange(0, BK)
-    _, _, short, long = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S, q.dtype.element_ty)
+    _, _, short, long = sub_chunk_span(cum, t0, lo, end, i, h, H, K, kk, S, q.dtype.element_ty)
     keys = tl.where(short, (i + 1) * S, i * S)  # the keys the products reach: with the diagonal block if short
     p = tl.zeros([S, C], dtype=tl.float32)
     if (keys > 0) & (t0 + i * S < end):  # keys before the sub-chunk (its own if short), through its first row
         for kb in range(0, BK, KB):
             kb_kk = kb + tl.arange(0, KB)
-            G_n = load_row(cum, t0 + i * S, end, h, H, K, kb_kk).to(tl.float32)
+            G_n = load_row(cum, t0 + i * S, lo, end, h, H, K, kb_kk).to(tl.float32)
             q_ref = to_ref(q, cum, t0, rs, vs, G_n, h, H, K, kb_kk, grp, G, True)
             k_ref = to_ref(k, cum, t0, r, valid & (r < keys), G_n, h, H, K, kb_kk, grp, G, False)
             p += tl.dot(q_ref, tl.trans(k_ref), input_precision=PRECISION)
@@ -177,8 +178,8 @@ def channel_scores_kernel(
         Gs = load_tile(cum, t0, rs, vs, h, H, K, kk)
         for a in range(S):
             row = t0 + i * S + a
-            k_a = load_row(k, row, end, grp, G, K, kk).to(tl.float32)
-            decay = decays_at(Gs, load_row(cum, row, end, h, H, K, kk), ra, a, end - t0 - i * S, True)
+            k_a = load_row(k, row, lo, end, grp, G, K, kk).to(tl.float32)
+            decay = decays_at(Gs, load_row(cum, row, lo, end, h, H, K, kk), ra, a, end - t0 - i * S, True)
             p += tl.where(cols[None, :] == i * S + a, tl.sum(qs * decay * k_a[None, :], 1)[:, None], 0.0)
     store_tile(scores, tl.where(cols[None, :] <= rs[:, None], p, 0.0), t0, rs, vs, h, H, C, cols)
 
@@ -197,7 +198,7 @@ def m_block(do, v, lam, t0, q_rows, q_valid, k_rows, k_valid, scale, h, H, V, L,
 
 @triton.jit(do_not_specialize=["H", "G"])
 def channel_dq_kernel(
-    q, k, v, cum, lam, do, dq_in, starts, ends, scale,
+    q, k, v, cum, lam, do, dq_in, starts, lows, ends, scale,
     H, G, K, V, L,
     C: tl.constexpr, S: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr, PLAIN: tl.constexpr,
@@ -210,11 +211,11 @@ def channel_dq_kernel(
     i, kb = u // (BK // KB), (u % (BK // KB)) * KB
     grp = h // (H // G)
     kk, vv, cols, ra = kb + tl.arange(0, KB), tl.arange(0, BV), tl.arange(0, C), tl.arange(0, S)
-    t0, end, r, valid, rs, vs = sub_chunk(starts, ends, p, i, C, S)
+    t0, lo, end, r, valid, rs, vs = sub_chunk(starts, lows, ends, p, i, C, S)
     m = m_block(do, v, lam, t0, rs, vs, r, valid, scale, h, H, V, L, vv, LOG_C, PRECISION, PLAIN)  # [S, C]
     d_q = tl.zeros([S, KB], dtype=tl.float32)
     Gs = load_tile(cum, t0, rs, vs, h, H, K, kk)
-    G_n, _, short, long = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S, k.dtype.element_ty)
+    G_n, _, short, long = sub_chunk_span(cum, t0, lo, end, i, h, H, K, kk, S, k.dtype.element_ty)
     keys = tl.where(short, (i + 1) * S, i * S)  # with the diagonal block if short
     if (keys > 0) & (t0 + i * S < end):  # keys before the sub-chunk (its own if short), through its first row
         k_ref = to_ref(k, cum, t0, r, valid & (r < keys), G_n, h, H, K, kk, grp, G, False)
@@ -224,14 +225,14 @@ def channel_dq_kernel(
         for a in range(S):  # key a of the sub-chunk: its column of M
             row = t0 + i * S + a
             m_col = tl.sum(tl.where(cols[None, :] == i * S + a, m, 0.0), 1)
-            decay = decays_at(Gs, load_row(cum, row, end, h, H, K, kk), ra, a, end - t0 - i * S, True)
-            d_q += m_col[:, None] * decay * load_row(k, row, end, grp, G, K, kk).to(tl.float32)[None, :]
+            decay = decays_at(Gs, load_row(cum, row, lo, end, h, H, K, kk), ra, a, end - t0 - i * S, True)
+            d_q += m_col[:, None] * decay * load_row(k, row, lo, end, grp, G, K, kk).to(tl.float32)[None, :]
     store_tile(dq_in, d_q, t0, rs, vs, h, H, K, kk)
 
 
 @triton.jit(do_not_specialize=["H", "G"])
 def channel_dk_kernel(
-    q, k, v, cum, lam, do, dk_in, starts, ends, scale,
+    q, k, v, cum, lam, do, dk_in, starts, lows, ends, scale,
     H, G, K, V, L,
     C: tl.constexpr, S: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr, PLAIN: tl.constexpr,
@@ -244,11 +245,11 @@ def channel_dk_kernel(
     i, kb = u // (BK // KB), (u % (BK // KB)) * KB
     grp = h // (H // G)
     kk, vv, ra = kb + tl.arange(0, KB), tl.arange(0, BV), tl.arange(0, S)
-    t0, end, r, valid, rs, vs = sub_chunk(starts, ends, p, i, C, S)
+    t0, lo, end, r, valid, rs, vs = sub_chunk(starts, lows, ends, p, i, C, S)
     m = m_block(do, v, lam, t0, r, valid, rs, vs, scale, h, H, V, L, vv, LOG_C, PRECISION, PLAIN)  # [C, S]
     d_k = tl.zeros([S, KB], dtype=tl.float32)
     Gs = load_tile(cum, t0, rs, vs, h, H, K, kk)
-    _, G_e, short, long = sub_chunk_span(cum, t0, end, i, h, H, K, kk, S, q.dtype.element_ty)
+    _, G_e, short, long = sub_chunk_span(cum, t0, lo, end, i, h, H, K, kk, S, q.dtype.element_ty)
     queries = tl.where(short, i * S, (i + 1) * S)  # from the diagonal block on if short
     if t0 + queries < end:  # queries after the sub-chunk (its own if short), through its last row
         q_ref = to_ref(q, cum, t0, r, valid & (r >= queries), G_e, h, H, K, kk, grp, G, True)
@@ -258,6 +259,6 @@ def channel_dk_kernel(
         for a in range(S):  # query a of the sub-chunk: its row of M
             row = t0 + i * S + a
             m_row = tl.sum(tl.where(r[:, None] == i * S + a, m, 0.0), 0)
-            decay = decays_at(Gs, load_row(cum, row, end, h, H, K, kk), ra, a, end - t0 - i * S, False)
-            d_k += m_row[:, None] * decay * load_row(q, row, end, grp, G, K, kk).to(tl.float32)[None, :]
+            decay = decays_at(Gs, load_row(cum, row, lo, end, h, H, K, kk), ra, a, end - t0 - i * S, False)
+            d_k += m_row[:, None] * decay * load_row(q, row, lo, end, grp, G, K, kk).to(tl.float32)[None, :]
     store_tile(dk_in, d_k, t0, rs, vs, h, H, K, kk)

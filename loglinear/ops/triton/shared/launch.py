@@ -15,10 +15,12 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
     initial levels' gradient (calls with a state) is capped at 168 registers (``max_registers``: 212-217 by
     ptxas's choice, two programs per SM; at 168 three, without spills in bf16, and 5.6 KB of spills in fp32
     against 19 KB uncapped): 0.343 -> 0.270 ms at 32K on an H100 (one process per tree, alternating, two rounds).
-    The level gradient compiles to 168 by itself. The deposit kernel, whose programs walk a block of four chunks with
-    two fp32 [128, 64] tiles (255 registers, no spills), takes 4 warps and one stage: on an H100 at 32K, 8 warps gave
-    the same for Mamba-2 and GLA 2% slower, 8 warps and two stages 3% / 7% slower, rows in two programs of 64 1.6%
-    slower (mamba2/backend.py DEPOSIT_ROWS).
+    The level gradient takes the same cap (205 by ptxas's choice since its readers' rows are masked at the
+    sequence's first token too; at 168 no spills in bf16 and 418 instructions per reader against 442 before the
+    mask; fp32 5.5 KB of spills; not timed on a GPU). The deposit kernel, whose programs walk a block of four
+    chunks with two fp32 [128, 64] tiles (255 registers, no spills), takes 4 warps and one stage: on an H100 at
+    32K, 8 warps gave the same for Mamba-2 and GLA 2% slower, 8 warps and two stages 3% / 7% slower, rows in two
+    programs of 64 1.6% slower (mamba2/backend.py DEPOSIT_ROWS).
   * Mamba-2 scans (mamba2/fwd.py, mamba2/bwd.py): one program per (sequence, head, block of state rows);
     4 warps up to a [128, 32] fp32 state tile, 8 above (``wide_warps``). The gate gradient's sums over later
     chunks (mamba2_gate_later_kernel, one program per (sequence, head)): 4 warps, not tuned (0.07 ms at 32K).
@@ -93,7 +95,7 @@ LAUNCH: dict[str, Launch] = {
     "mamba2_fwd_kernel": Launch(4, 2, wide_warps=8),
     "mamba2_chunk_fwd_kernel": Launch(4, 2),
     "mamba2_chunk_bwd_dq_kernel": Launch(4, 2),
-    "mamba2_level_grad_kernel": Launch(4, 3, channel=(8, 1)),
+    "mamba2_level_grad_kernel": Launch(4, 3, channel=(8, 1), max_registers=168),
     "mamba2_initial_grad_kernel": Launch(4, 3, channel=(8, 3), max_registers=168),
     "mamba2_bwd_scan_kernel": Launch(4, 2, wide_warps=8),
     "mamba2_chunk_bwd_dkv_kernel": Launch(4, 2, channel=(4, 1), plain=(4, 1)),

@@ -4,10 +4,11 @@ plain path).
 Every kernel moves a chunk of C consecutive rows of a row-major [rows, HEADS, D] tensor through
 ``load_tile`` / ``store_tile``: the op's layouts ([tokens, H|G, D], a dense batch flattened) and the
 per-head stage tensors ([BH, Tp, D]: HEADS = 1, head = 0, t0 = bh Tp + n C). Rows are addressed from the
-chunk's first row t0 (int64 scalar, may be negative for masked front padding) plus int32 in-chunk offsets
-r * HEADS * D + col (r < C): the 2D offset tensors stay 32-bit (int64 offsets per element cost registers:
-on sm_90 / triton 3.6 this took the Mamba-2 in-chunk backward from 255 registers + 120 B of spills to 243
-registers and the in-chunk forward from 137 to 122, docs/kernels.md). Requires C * HEADS * D < 2^31.
+chunk's first row t0 (int64 scalar; before the sequence's first token, even negative, for masked front padding)
+plus int32 in-chunk offsets r * HEADS * D + col (r < C): the 2D offset tensors stay 32-bit (int64 offsets per
+element cost registers: on sm_90 / triton 3.6 this took the Mamba-2 in-chunk backward from 255 registers + 120 B
+of spills to 243 registers and the in-chunk forward from 137 to 122, docs/kernels.md). Requires
+C * HEADS * D < 2^31.
 Rows without ``valid`` and columns >= D read as 0 and are not written.
 """
 
@@ -15,6 +16,15 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def rows_within(r, t0, lo, end):
+    """Which rows t0 + r of a chunk (r: int32 in-chunk offsets in [0, 2^30), t0: int64 scalar) are tokens
+    lo <= t0 + r < end: the bounds are taken relative to t0 as scalars (clamped to [0, 2^30]), so the rows compare
+    in 32 bits (two int64 compares per row cost more instructions in the readers' loops)."""
+    return (r >= tl.minimum(tl.maximum(lo - t0, 0), 1 << 30).to(tl.int32)) & \
+        (r < tl.minimum(tl.maximum(end - t0, 0), 1 << 30).to(tl.int32))
 
 
 @triton.jit
@@ -38,10 +48,11 @@ def store_tile(ptr, x, t0, r, valid, head, HEADS, D, cols):
 
 
 @triton.jit
-def load_row(ptr, t, end, head, HEADS, D, cols):
-    """x[t, head, cols] of a [rows, HEADS, D] tensor for one row t (int64 scalar) -> [len(cols)] in x's dtype (0 when
-    t >= end and for columns >= D)."""
-    return tl.load(ptr + (t * HEADS + head) * D + cols, mask=(cols < D) & (cols * 0 + t < end), other=0.0)
+def load_row(ptr, t, lo, end, head, HEADS, D, cols):
+    """x[t, head, cols] of a [rows, HEADS, D] tensor for one row t (int64 scalar) -> [len(cols)] in x's dtype (0
+    unless lo <= t < end, and for columns >= D)."""
+    at = cols * 0 + t
+    return tl.load(ptr + (t * HEADS + head) * D + cols, mask=(cols < D) & (at >= lo) & (at < end), other=0.0)
 
 
 @triton.jit
