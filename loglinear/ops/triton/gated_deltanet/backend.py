@@ -254,7 +254,7 @@ def _run_rows(inp: OpInputs, core, output_final_state: bool, use_qk_l2norm: bool
     gather for o."""
     lengths = tuple(b - a for a, b in zip(inp.bounds, inp.bounds[1:]))
     N, T = len(lengths), max(lengths)
-    at = placement(tuple(inp.bounds), (0,) * N, T, inp.q.device)
+    at = placement(tuple(inp.bounds), T, inp.q.device)
 
     def rows(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else place(x[0], at).view(N, T, *x.shape[2:])

@@ -27,8 +27,8 @@ How a variant plugs in (mamba2/ is the worked example: fwd.py, chunk.py, bwd.py 
   * streams.py: ``ChainStreams``, a sequential chain kernel's segments on a side stream and the chunk-parallel
     kernels that read each finished segment beside it, on the current stream (the Gated DeltaNet scans; the
     decode step's passes over disjoint levels, on two side streams).
-  * placement.py: ``placement`` / ``place`` / ``take``, packed sequences laid out with zero tokens in front (Mamba-2
-    and GLA from a state inside a chunk) or behind (Gated DeltaNet's padded rows), one scatter each way.
+  * placement.py: ``placement`` / ``place`` / ``take``, packed sequences laid out as rows with zero tokens behind
+    (Gated DeltaNet's padded rows), one scatter each way.
   * common.py: the interpreter switch, kernel-output allocation (``alloc``, NaN-poisoned by ``set_poison``
     in tests), ``next_pow2``, ``group_sum``.
 

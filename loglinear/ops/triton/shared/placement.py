@@ -1,6 +1,6 @@
-"""Packed sequences laid out again with zero tokens around them, for kernels that need each sequence to start at a
-chunk boundary (zero tokens in front) or all sequences as rows of one length (zero tokens behind). A zero token
-(q = k = v = 0, every gate 0) is the identity transition: it deposits nothing and its outputs are dropped.
+"""Packed sequences laid out again as rows of one length, zero tokens behind each, for kernels that run all
+sequences as rows (Gated DeltaNet's padded rows). A zero token (q = k = v = 0, every gate 0) is the identity
+transition: it deposits nothing and its outputs are dropped.
 
 Each packed token has one slot, so both directions move every element once: ``place`` scatters the tokens into a
 zeroed layout and its backward gathers their gradients back; ``take`` gathers the tokens' outputs and its backward
@@ -28,18 +28,12 @@ class Placement:
 
 
 @table_cache()
-def placement(bounds: tuple[int, ...], fronts: tuple[int, ...], width: int | None, device: torch.device
-              ) -> Placement:
-    """Sequence n (tokens bounds[n] .. bounds[n + 1] - 1) after fronts[n] zero tokens, and (width: a row length)
-    zero tokens behind it up to width slots, or none (width None). Cached per layout (read-only; a normal tensor
-    even when first built under inference mode)."""
-    size = 0
-    tokens: list[int] = []
-    for a, b, r in zip(bounds, bounds[1:], fronts):
-        tokens += range(size + r, size + r + b - a)
-        size += r + (b - a) if width is None else width
+def placement(bounds: tuple[int, ...], width: int, device: torch.device) -> Placement:
+    """Sequence n (tokens bounds[n] .. bounds[n + 1] - 1) as row n of ``width`` slots, zero tokens behind it.
+    Cached per layout (read-only; a normal tensor even when first built under inference mode)."""
+    tokens = [n * width + s for n, (a, b) in enumerate(zip(bounds, bounds[1:])) for s in range(b - a)]
     with torch.inference_mode(False):
-        return Placement(device_table(tokens, torch.int64, device), size)
+        return Placement(device_table(tokens, torch.int64, device), (len(bounds) - 1) * width)
 
 
 class _Place(torch.autograd.Function):
