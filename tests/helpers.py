@@ -160,7 +160,8 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class _LargeWrites(TorchDispatchMode):
-    """Counts the ops whose output has at least `numel` elements, views (which write nothing) aside."""
+    """Counts the ops that make a new tensor of at least `numel` elements: views (which write nothing) and ops into
+    an existing tensor (in place or out=, e.g. a few rows copied into a gradient) aside."""
 
     def __init__(self, numel: int):
         super().__init__()
@@ -168,16 +169,17 @@ class _LargeWrites(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not func.is_view:
+        if not func.is_view and not func._schema.is_mutable:
             self.count += sum(t.numel() >= self.numel for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         return out
 
 
-def large_writes(name: str, lengths: list[int], chunk_size: int, position: int | None, backend: str
-                 ) -> tuple[int, int]:
-    """How many ops of a forward and of its backward on ``backend`` write a tensor at least as large as v (the
-    packed sequences of ``lengths``, each from a state at ``position`` or none): a backward count that grows with the
-    number of chunks or sequences means a whole-size gradient written per chunk or sequence."""
+def large_writes(name: str, lengths: list[int], chunk_size: int, position: int | None, backend: str,
+                 final_state: bool = False) -> tuple[int, int]:
+    """How many ops of a forward and of its backward on ``backend`` write a new tensor at least as large as v (the
+    packed sequences of ``lengths``, each from a state at ``position`` or none; final_state: the final state is
+    returned and its levels are in the loss): a backward count that grows with the number of chunks or sequences
+    means a whole-size gradient written per chunk or sequence."""
     variant, T, H, K = get(name), sum(lengths), 2, 4
     gen = torch.Generator().manual_seed(0)
     x = {"q": torch.randn(1, T, 1, K, generator=gen), "k": torch.randn(1, T, 1, K, generator=gen),
@@ -192,8 +194,9 @@ def large_writes(name: str, lengths: list[int], chunk_size: int, position: int |
         t.requires_grad_()
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     with _LargeWrites(x["v"].numel()) as forward:
-        o, _ = attention(variant, x["q"], x["k"], x["v"], gates, x["level_scales"], initial_state=initial,
-                         cu_seqlens=cu_seqlens, chunk_size=chunk_size, backend=backend)
+        o, final = attention(variant, x["q"], x["k"], x["v"], gates, x["level_scales"], initial_state=initial,
+                             cu_seqlens=cu_seqlens, chunk_size=chunk_size, backend=backend,
+                             output_final_state=final_state)
     with _LargeWrites(x["v"].numel()) as backward:
-        o.sum().backward()
+        (o.sum() + (final.levels.sum() if final_state else 0)).backward()
     return forward.count, backward.count

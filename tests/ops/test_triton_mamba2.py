@@ -528,16 +528,19 @@ def test_kernels_are_the_default_on_cuda(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["mamba2", "gla"])
-def test_states_inside_a_chunk_copy_no_inputs(name, monkeypatch):
+@pytest.mark.parametrize("final_state", [False, True])
+def test_states_inside_a_chunk_copy_no_inputs(name, final_state, monkeypatch):
     """Sequences from states inside a chunk run on the kernels with their first chunk's rows before the sequence
-    masked, not copied into a padded layout: the forward writes as many whole-size tensors as from states at chunk
-    boundaries but one, the first chunk's correction added into o in place (a padded layout writes two per input and
-    one for the outputs' way back); and twice as many sequences of the same length write as many whole-size tensors
-    in the backward (a write per sequence would add 16). The kernels are stubbed: only the torch ops count."""
+    masked, not copied into a padded layout, and the torch ops over their first chunks (and the final states' last
+    chunks) read rows that the kernels' autograd Function gathers and whose gradients it adds in place: forward and
+    backward make as many whole-size tensors as from states at chunk boundaries (a padded layout makes two per input
+    and one for the outputs' way back; rows gathered from an input make its gradient once more at whole size, and
+    their sum). Twice as many sequences of the same length make as many in the backward (a gradient per sequence
+    would add 16). The kernels are stubbed: only the torch ops count."""
     monkeypatch.setattr(InterpretedFunction, "run", lambda self, *args, **kwargs: None)
-    inside = large_writes(name, [256, 256], 16, 5, "triton")[0]
-    aligned = large_writes(name, [256, 256], 16, 16, "triton")[0]
-    assert inside == aligned + 1, (inside, aligned)
-    few = large_writes(name, [8] * 16, 16, 5, "triton")[1]
-    many = large_writes(name, [8] * 32, 16, 5, "triton")[1]
+    inside = large_writes(name, [256, 256], 16, 5, "triton", final_state)
+    aligned = large_writes(name, [256, 256], 16, 16, "triton", final_state)
+    assert inside == aligned, (inside, aligned)
+    few = large_writes(name, [8] * 16, 16, 5, "triton", final_state)[1]
+    many = large_writes(name, [8] * 32, 16, 5, "triton", final_state)[1]
     assert many == few, (few, many)

@@ -503,27 +503,31 @@ def _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, d_gate, final
 
 
 class LevelScanMamba2(torch.autograd.Function):
-    """(q, k, v, g, gate, lam, h0) -> (o, chunk-level final states) on the kernels.
+    """(q, k, v, g, gate, lam, h0, rows) -> (o, chunk-level final states, the inputs at rows) on the kernels.
 
     q, k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] or [tokens, H, K] per channel, unfloored (the kernels
     floor it); gate: what the kernels read of g (_read_gate; no gradient); lam: [tokens, H, L] (plain:
     not read, no gradient);
-    h0: [N, J, H, K, V] fp32 chunk-level initial states (plain: J = 1, the state). Returns o: [tokens, H, V]
-    (rows outside the plan's ranges unwritten) and the final chunk levels [N, J, H, K, V] fp32."""
+    h0: [N, J, H, K, V] fp32 chunk-level initial states (plain: J = 1, the state); rows: [n] int64 unique tokens or
+    None. Returns o: [tokens, H, V] (rows outside the plan's ranges unwritten), the final chunk levels
+    [N, J, H, K, V] fp32 and, with rows, q, k, v, g and lam at those rows (_Rows), whose gradients the backward adds
+    into the kernels' there."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, gate, lam, h0, plan: LevelScanPlan):
+    def forward(ctx, q, k, v, g, gate, lam, h0, plan: LevelScanPlan, rows: torch.Tensor | None):
         ranges = plan.device_tensors(q.device)
         o = alloc(tuple(v.shape), v.dtype, v.device)
         levels = h0.detach().clone(memory_format=torch.contiguous_format)
         ctx.saved = _forward(q, k, v, gate, lam, h0, o, levels, ranges, plan)
-        ctx.plan, ctx.ranges = plan, ranges
+        ctx.plan, ctx.ranges, ctx.rows = plan, ranges, rows
         ctx.set_materialize_grads(False)  # an unused output's gradient comes as None, not as zeros
         ctx.save_for_backward(q, k, v, g, lam, h0, levels)
-        return o, levels
+        if rows is None:
+            return o, levels
+        return o, levels, *(x.index_select(0, rows) for x in (q, k, v, g, lam))
 
     @staticmethod
-    def backward(ctx, d_o, d_final):
+    def backward(ctx, d_o, d_final, *d_rows):
         """Three stages, each freeing its largest input when it returns: the dq kernel (the buckets, whose
         only reader it is), the deposits' gradients dD, the dk / dv kernel (dD)."""
         q, k, v, g, lam, h0, final = ctx.saved_tensors
@@ -540,8 +544,11 @@ class LevelScanMamba2(torch.autograd.Function):
         dk, dv, dg = _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, qdq, final_terms, ranges,
                                 saved.table, plan, g)
         del d_deposits, scores, dk_in, gate
+        for grad, d in zip((dq, dk, dv, dg, dlam), d_rows):
+            if d is not None:  # the rows' own gradients, in place: the rows are unique (one read and write each)
+                grad.index_copy_(0, ctx.rows, grad.index_select(0, ctx.rows) + d.to(grad.dtype))
         d_h0 = d_levels if plan.has_init else None
-        return dq, dk, dv, dg, None, dlam, d_h0, None
+        return dq, dk, dv, dg, None, dlam, d_h0, None, None
 
 
 def _final_grads(d_final: torch.Tensor | None, final: torch.Tensor, plan: LevelScanPlan
@@ -560,34 +567,35 @@ def _final_grads(d_final: torch.Tensor | None, final: torch.Tensor, plan: LevelS
 
 @table_cache()
 def _last_chunks(bos: tuple[int, ...], los: tuple[int, ...], eos: tuple[int, ...], C: int, device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The last kernel chunk of each sequence [lo, b) whose chunks start at a <= lo (aligned): rows [R, C] int64, its
-    tokens (clamped to [lo, b - 1]), masks [R, c+1, C] fp32, the in-chunk buckets of its last token
+                 ) -> tuple[tuple[tuple[int, ...], ...], torch.Tensor, torch.Tensor]:
+    """The last kernel chunk of each sequence [lo, b) whose chunks start at a <= lo (aligned): its tokens [R][C]
+    (host; clamped to [lo, b - 1]), masks [R, c+1, C] fp32, the in-chunk buckets of its last token
     (fenwick.last_query_masks) on the rows from lo on, and held [R, C] fp32, their sum over the buckets: 1 at the
     tokens of the sequence up to the last. Cached per layout (read-only; normal tensors even when first built under
     inference mode: autograd saves them)."""
     starts = [a + ((b - a - 1) // C) * C for a, b in zip(bos, eos)]
-    rows = [[max(min(t + s, b - 1), lo) for s in range(C)] for t, lo, b in zip(starts, los, eos)]
+    rows = tuple(tuple(max(min(t + s, b - 1), lo) for s in range(C)) for t, lo, b in zip(starts, los, eos))
     with torch.inference_mode(False):
         masks = last_query_masks(tuple(b - 1 - t for t, b in zip(starts, eos)), C, torch.float32, device)
         if any(lo > t for t, lo in zip(starts, los)):  # a sequence that ends in its first chunk, after masked rows
             inside = [[t + s >= lo for s in range(C)] for t, lo in zip(starts, los)]
             masks = masks * device_table(inside, torch.float32, device)[:, None]
-        return device_table(rows, torch.int64, device), masks, masks.sum(1)
+        return rows, masks, masks.sum(1)
 
 
-def _last_chunk_levels(k, v, g, plan: LevelScanPlan, H: int) -> torch.Tensor:
-    """In-chunk token levels 0..c of each sequence's state after its token b-1, from the last kernel chunk of the
-    plan's sequences, all sequences in one batch of ops.
+def _last_chunk_levels(rows: "_Rows", at: torch.Tensor, masks: torch.Tensor, held: torch.Tensor, H: int
+                       ) -> torch.Tensor:
+    """In-chunk token levels 0..c of each sequence's state after its token b-1, from the last kernel chunk of each
+    sequence (_last_chunks: masks, held; its tokens as rows' indices at [R, C]), all sequences in one batch of ops.
 
     level l holds sum_{s: bit_length(s XOR e) = l} exp(G_e - G_s) k_s v_s^T (g: [tokens, H], or [tokens, H, K]:
     exp per key channel; G the cumsum of g floored here; rows past e read as g = 0).   -> [R, c+1, H, K, V] fp32."""
-    rows, masks, held = _last_chunks(tuple(plan.bos), tuple(plan.los), tuple(plan.eos), plan.chunk_size, k.device)
-    ks = expand_groups(k[rows].float(), H)  # [R, C, H, K]
-    gs = floor_log_decay(g[rows].float())
+    ks = expand_groups(rows.at(rows.k, at).float(), H)  # [R, C, H, K]
+    gs = floor_log_decay(rows.at(rows.g, at).float())
     G = (gs * held.view(*held.shape, *(1,) * (gs.dim() - 2))).cumsum(1)
     w = torch.exp(G[:, -1:] - G)  # [R, C, H] or [R, C, H, K]
-    return torch.einsum("rls,rshk,rshv->rlhkv", masks, ks * (w if w.dim() == 4 else w[..., None]), v[rows].float())
+    return torch.einsum("rls,rshk,rshv->rlhkv", masks, ks * (w if w.dim() == 4 else w[..., None]),
+                        rows.at(rows.v, at).float())
 
 
 def _pad_levels(x: torch.Tensor, n: int, dim: int = 0) -> torch.Tensor:
@@ -635,6 +643,39 @@ def _flatten(inp: OpInputs) -> _Flat:
         inp.level_scales.reshape(B * T, H, -1).contiguous() if inp.level_scales is not None else g, bounds,
         state.positions.tolist() if state is not None else [0] * (len(bounds) - 1),
     )
+
+
+@dataclass
+class _Rows:
+    """Rows of the call's tokens that the torch ops around the kernels read (the seeded sequences' first kernel
+    chunks, the final states' last chunks): q, k [n, G, K], v [n, H, V], g [n, H(, K)], lam [n, H, L] at the unique
+    tokens of _row_tables. LevelScanMamba2 gathers them as outputs of its own, so their gradients are added into the
+    kernels' at those rows in its backward (gathered from the inputs, autograd would write each input's gradient at
+    whole size once more, then add the two)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    lam: torch.Tensor
+
+    @staticmethod
+    def at(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """x's rows at the indices at [R, C] -> [R, C, *]."""
+        return x.index_select(0, at.flatten()).view(*at.shape, *x.shape[1:])
+
+
+@table_cache()
+def _row_tables(layouts: tuple[tuple[tuple[int, ...], ...], ...], device: torch.device
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The unique tokens of the row layouts (each [R][C] tokens of the call), [n] int64, and each layout as indices
+    into them ([R, C] int64). Cached per layout (read-only; normal tensors)."""
+    tokens = sorted({t for layout in layouts for row in layout for t in row})
+    index = {t: i for i, t in enumerate(tokens)}
+    with torch.inference_mode(False):
+        return (device_table(tokens, torch.int64, device),
+                tuple(device_table([[index[t] for t in row] for row in layout], torch.int64, device)
+                      for layout in layouts))
 
 
 @dataclass
@@ -687,48 +728,50 @@ def _chunk_levels(flat: _Flat, state: FenwickState | None, C: int
 
 @table_cache()
 def _first_chunks(starts: tuple[int, ...], ends: tuple[int, ...], fronts: tuple[int, ...], C: int,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  device: torch.device) -> tuple[tuple[tuple[int, ...], ...], torch.Tensor, torch.Tensor, torch.Tensor]:
     """The first kernel chunk of the sequences [starts[i] + fronts[i], ends[i]) (starts[i]: a chunk start, the rows
-    before the sequence masked front padding): rows [R, C] int64 (clamped to the sequence), held [R, C] bool (the
-    call's tokens: from fronts[i] on, within the sequence) and their rows in the flattened [R * C], in order. Cached
-    per layout (read-only; normal tensors)."""
-    rows = [[max(min(a + s, b - 1), a + r) for s in range(C)] for a, b, r in zip(starts, ends, fronts)]
+    before the sequence masked front padding): its tokens [R][C] (host; clamped to the sequence), held [R, C] bool
+    (the call's tokens: from fronts[i] on, within the sequence), their places in the flattened [R * C] and the
+    tokens there, in order ([n] int64 each). Cached per layout (read-only; normal tensors)."""
+    rows = tuple(tuple(max(min(a + s, b - 1), a + r) for s in range(C)) for a, b, r in zip(starts, ends, fronts))
     held = [[r <= s < b - a for s in range(C)] for a, b, r in zip(starts, ends, fronts)]
     taken = [i * C + s for i, h in enumerate(held) for s in range(C) if h[s]]
     with torch.inference_mode(False):
-        return (device_table(rows, torch.int64, device), device_table(held, torch.bool, device),
-                device_table(taken, torch.int64, device))
+        return (rows, device_table(held, torch.bool, device), device_table(taken, torch.int64, device),
+                device_table([rows[i // C][i % C] for i in taken], torch.int64, device))
 
 
-def _first_chunk_decays(flat: _Flat, plan: LevelScanPlan, seeds: _Seeds, C: int
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The seeded sequences' first kernel chunks (plan.bos: their starts): rows [R, C] and taken (_first_chunks),
-    and exp(G) [R, C, H] (per channel [R, C, H, K]), G the cumsum of the floored gate from the chunk's start (0 at
-    the masked rows before the sequence and past it)."""
-    starts = tuple(plan.bos[n] for n in seeds.rows)
-    ends = tuple(plan.eos[n] for n in seeds.rows)
-    fronts = tuple(p % C for p in seeds.positions)
-    rows, held, taken = _first_chunks(starts, ends, fronts, C, flat.q.device)
-    g = floor_log_decay(flat.g[rows].float())
+def _first_chunk_layout(plan: LevelScanPlan, seeds: _Seeds) -> tuple:
+    """_first_chunks of the seeded sequences (plan.bos: their first kernel chunks' starts)."""
+    C = plan.chunk_size
+    return _first_chunks(tuple(plan.bos[n] for n in seeds.rows), tuple(plan.eos[n] for n in seeds.rows),
+                         tuple(p % C for p in seeds.positions), C, seeds.partial.device)
+
+
+def _first_chunk_decays(rows: "_Rows", at: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """exp(G) [R, C, H] (per channel [R, C, H, K]) of the seeded sequences' first kernel chunks (their tokens as
+    rows' indices at [R, C], held: _first_chunks), G the cumsum of the floored gate from the chunk's start (0 at the
+    masked rows before the sequence and past it)."""
+    g = floor_log_decay(rows.at(rows.g, at).float())
     g = torch.where(held.view(*held.shape, *(1,) * (g.dim() - 2)), g, 0.0)
-    return rows, taken, torch.exp(g.cumsum(1))
+    return torch.exp(g.cumsum(1))
 
 
-def _first_reads(flat: _Flat, seeds: _Seeds, rows: torch.Tensor, taken: torch.Tensor, decay: torch.Tensor, C: int,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _first_reads(rows: "_Rows", at: torch.Tensor, seeds: _Seeds, taken: torch.Tensor, decay: torch.Tensor, C: int,
+                 scale: float) -> torch.Tensor:
     """What the seeded sequences' first chunks read of their buckets, less what the kernels read there (the
     buckets' sum at level c + 1 + m0): scale sum_m (lam_t[incoming(t, m)] - lam_t[c + 1 + m0]) (qt_t partial_m),
-    qt_t = exp(G_t) q_t, for the call's tokens of those chunks -> (their rows of the call [n] int64, the
-    terms [n, H, V] fp32)."""
-    H, c = flat.v.shape[1], chunk_bits(C)
-    q = expand_groups(flat.q[rows].float(), H)  # [R, C, H, K]
+    qt_t = exp(G_t) q_t, for the call's tokens of those chunks (taken: their places in [R * C], _first_chunks)
+    -> [n, H, V] fp32."""
+    H, c = decay.shape[2], chunk_bits(C)
+    q = expand_groups(rows.at(rows.q, at).float(), H)  # [R, C, H, K]
     qt = q * (decay if decay.dim() == 4 else decay[..., None])
-    lam = flat.lam[rows].float().transpose(1, 2)  # [R, H, C, L]
-    at = incoming_levels(tuple(seeds.positions), C, lam.device)[:, None]  # [R, 1, C, c+1]
+    lam = rows.at(rows.lam, at).float().transpose(1, 2)  # [R, H, C, L]
+    levels = incoming_levels(tuple(seeds.positions), C, lam.device)[:, None]  # [R, 1, C, c+1]
     kernel = cached_table(tuple(((c + 1 + ctz(p // C + 1),),) for p in seeds.positions), torch.int64, lam.device)
-    w = level_scales_at(lam, at) - level_scales_at(lam, kernel[:, None].expand(-1, 1, C, 1))
+    w = level_scales_at(lam, levels) - level_scales_at(lam, kernel[:, None].expand(-1, 1, C, 1))
     terms = torch.einsum("bhtm,bthk,bmhkv->bthv", w, qt, seeds.partial) * scale
-    return rows.flatten().index_select(0, taken), terms.flatten(0, 1).index_select(0, taken)
+    return terms.flatten(0, 1).index_select(0, taken)
 
 
 def _first_levels(seeds: _Seeds, decay: torch.Tensor, width: int, C: int) -> tuple[list[int], torch.Tensor] | None:
@@ -753,16 +796,15 @@ def _first_levels(seeds: _Seeds, decay: torch.Tensor, width: int, C: int) -> tup
     return [seeds.rows[i] for i in ending], change
 
 
-def _final_state(flat: _Flat, plan: LevelScanPlan, final: torch.Tensor, n_in: int,
+def _final_state(flat: _Flat, last: torch.Tensor, final: torch.Tensor, n_in: int,
                  first: tuple[list[int], torch.Tensor] | None) -> FenwickState:
-    """Per sequence: the last kernel chunk's in-chunk buckets + the scan's chunk levels (final [N, J, H, K, V]), plus
-    ``first``'s change to the rows it names (_first_levels), with max(levels_needed(end),
-    n_in) levels as the torch path (the rest zero, up to the widest), in one batch of ops whatever their number."""
-    H = flat.v.shape[1]
+    """Per sequence: the last kernel chunk's in-chunk buckets (last [N, c+1, H, K, V], _last_chunk_levels) + the
+    scan's chunk levels (final [N, J, H, K, V]), plus ``first``'s change to the rows it names (_first_levels), with
+    max(levels_needed(end), n_in) levels as the torch path (the rest zero, up to the widest), in one batch of ops
+    whatever their number."""
     ends = [p + b - a for a, b, p in zip(flat.bounds, flat.bounds[1:], flat.positions)]
     keep = [max(levels_needed(e), n_in) for e in ends]
     width = max(keep)
-    last = _last_chunk_levels(flat.k, flat.v, flat.g, plan, H)
     levels = _pad_levels(torch.cat([last, final], 1), width, dim=1)
     if first is not None:
         rows, change = first
@@ -809,18 +851,26 @@ def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tu
     plan = LevelScanPlan([a - p % C for a, p in zip(bounds, positions)], bounds[:-1], bounds[1:],
                          [p // C for p in positions], C, J, has_init, inp.scale, per_channel=_per_channel(inp),
                          first_level=first)
+    first = _first_chunk_layout(plan, seeds) if seeds is not None else None
+    last = _last_chunks(tuple(plan.bos), tuple(plan.los), tuple(plan.eos), C, flat.q.device) \
+        if output_final_state else None
+    layouts = tuple(x[0] for x in (first, last) if x is not None)
+    tokens, at = _row_tables(layouts, flat.q.device) if layouts else (None, ())
     gate = _read_gate(flat.g, plan, inp.report_finite)
-    o, final = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan)
-    if seeds is not None:
-        chunk_rows, taken, decay = _first_chunk_decays(flat, plan, seeds, C)
-        read_rows, terms = _first_reads(flat, seeds, chunk_rows, taken, decay, C, inp.scale)
-        o = o.index_add_(0, read_rows, terms.to(o.dtype))  # in place: the kernels' o is not saved for the backward
+    o, final, *gathered = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan, tokens)
+    rows = _Rows(*gathered) if gathered else None
+    if first is not None:
+        _, held, taken, reads = first
+        decay = _first_chunk_decays(rows, at[0], held)
+        terms = _first_reads(rows, at[0], seeds, taken, decay, C, inp.scale)
+        o = o.index_add_(0, reads, terms.to(o.dtype))  # in place: the kernels' o is not saved for the backward
     o = o.reshape(inp.v.shape).to(inp.v.dtype)
     if not output_final_state:
         return o, None
     n_in = state.num_levels if state is not None else 0
-    levels = _first_levels(seeds, decay, final.shape[1] + chunk_bits(C) + 1, C) if seeds is not None else None
-    return o, _final_state(flat, plan, final, n_in, levels)
+    moved = _first_levels(seeds, decay, final.shape[1] + chunk_bits(C) + 1, C) if seeds is not None else None
+    in_chunk = _last_chunk_levels(rows, at[-1], *last[1:], flat.v.shape[1])
+    return o, _final_state(flat, in_chunk, final, n_in, moved)
 
 
 def _run_plain(inp: OpInputs, flat: _Flat, output_final_state: bool, C: int
@@ -836,7 +886,7 @@ def _run_plain(inp: OpInputs, flat: _Flat, output_final_state: bool, C: int
     plan = LevelScanPlan(flat.bounds[:-1], flat.bounds[:-1], flat.bounds[1:], [0] * N, C, 1, state is not None,
                          inp.scale, plain=True, per_channel=_per_channel(inp))
     gate = _read_gate(flat.g, plan, inp.report_finite)
-    o, final = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan)
+    o, final = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan, None)
     o = o.reshape(inp.v.shape).to(inp.v.dtype)
     if not output_final_state:
         return o, None
