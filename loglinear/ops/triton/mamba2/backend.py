@@ -428,8 +428,7 @@ def _dq_grads(q, k, v, gate, lam, d_o, ranges, buckets, scores, saved: _Saved, p
         mamba2_chunk_bwd_dq_kernel[(table.starts.numel() * H // HP,)](
             q, k, v, gate, lam, d_o, *saved.initial, buckets, saved.decays, scores, dq_in,
             table.starts, table.lows, table.ends, table.seqs, table.chunks, ranges[2], plan.scale, dq, dlam, qdq,
-            q_dec,
-            HP=HP, BL=next_pow2(L, minimum=32), BJ=MAX_CHUNK_LEVELS, J=plan.num_levels, HAS_INIT=plan.has_init,
+            q_dec, HP=HP, BL=next_pow2(L, minimum=32), BJ=MAX_CHUNK_LEVELS, J=plan.num_levels, HAS_INIT=plan.has_init,
             **_chunk_sizes(plan, q, v, lam), **_launch(mamba2_chunk_bwd_dq_kernel, plan),
         )
     del dq_in
@@ -495,8 +494,7 @@ def _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, d_gate, final
     if NC:
         mamba2_chunk_bwd_dkv_kernel[(NC * H // HP,)](
             q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, table.starts, table.lows, table.ends, table.seqs,
-            ranges[1],
-            final_terms, plan.scale, dk, dv, d_gate, totals, HP=HP, **_chunk_sizes(plan, q, v, lam),
+            ranges[1], final_terms, plan.scale, dk, dv, d_gate, totals, HP=HP, **_chunk_sizes(plan, q, v, lam),
             **_launch(mamba2_chunk_bwd_dkv_kernel, plan),
         )
     return _group_grad(dk, k.shape[1], plan, k.dtype), dv, _gate_grad(d_gate, totals, g, gate, table, plan)
@@ -509,7 +507,7 @@ class LevelScanMamba2(torch.autograd.Function):
     floor it); gate: what the kernels read of g (_read_gate; no gradient); lam: [tokens, H, L] (plain:
     not read, no gradient);
     h0: [N, J, H, K, V] fp32 chunk-level initial states (plain: J = 1, the state); rows: [n] int64 unique tokens or
-    None. Returns o: [tokens, H, V] (rows outside the plan's ranges unwritten), the final chunk levels
+    None. Returns o: [tokens, H, V] (rows outside the plan's sequences unwritten), the final chunk levels
     [N, J, H, K, V] fp32 and, with rows, q, k, v, g and lam at those rows (_Rows), whose gradients the backward adds
     into the kernels' there."""
 
@@ -697,9 +695,9 @@ class _Seeds:
 def _chunk_levels(flat: _Flat, state: FenwickState | None, C: int
                   ) -> tuple[int, torch.Tensor, bool, int, _Seeds | None]:
     """J (chunk levels the scans carry), the initial chunk levels h0 [N, J, H, K, V] fp32 at every sequence's
-    kernel start (the start of the chunk of its first token), whether any sequence
-    has a state (otherwise h0 is zeros and the scans skip it), the first level h0 may hold (plan.first_level: the
-    carry into a target t > c clears the chunk levels below t - c - 1) and the seeded sequences (_Seeds) or None."""
+    kernel start (the start of the chunk of its first token), whether any sequence has a state (otherwise h0 is
+    zeros and the scans skip it), the first level h0 may hold (plan.first_level: the carry into a target t > c
+    clears the chunk levels below t - c - 1) and the seeded sequences (_Seeds) or None."""
     c, N, positions = chunk_bits(C), len(flat.bounds) - 1, flat.positions
     ends = [p + b - a for a, b, p in zip(flat.bounds, flat.bounds[1:], positions)]
     J = max([1] + [max((e - 1) // C, 1).bit_length() for e in ends])
