@@ -160,8 +160,10 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class _LargeWrites(TorchDispatchMode):
-    """Counts the ops that make a new tensor of at least `numel` elements: views (which write nothing) and ops into
-    an existing tensor (in place or out=, e.g. a few rows copied into a gradient) aside."""
+    """Counts the ops that write a tensor of at least `numel` elements: views (which write nothing) and indexed
+    writes into an existing tensor (a few rows copied or added in place) aside."""
+
+    ROWS_IN_PLACE = ("index_copy_", "index_add_", "index_put_")
 
     def __init__(self, numel: int):
         super().__init__()
@@ -169,14 +171,14 @@ class _LargeWrites(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not func.is_view and not func._schema.is_mutable:
+        if not func.is_view and func.overloadpacket.__name__ not in self.ROWS_IN_PLACE:
             self.count += sum(t.numel() >= self.numel for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         return out
 
 
 def large_writes(name: str, lengths: list[int], chunk_size: int, position: int | None, backend: str,
                  final_state: bool = False) -> tuple[int, int]:
-    """How many ops of a forward and of its backward on ``backend`` write a new tensor at least as large as v (the
+    """How many ops of a forward and of its backward on ``backend`` write a tensor at least as large as v (the
     packed sequences of ``lengths``, each from a state at ``position`` or none; final_state: the final state is
     returned and its levels are in the loss): a backward count that grows with the number of chunks or sequences
     means a whole-size gradient written per chunk or sequence."""

@@ -533,10 +533,10 @@ def test_states_inside_a_chunk_copy_no_inputs(name, final_state, monkeypatch):
     """Sequences from states inside a chunk run on the kernels with their first chunk's rows before the sequence
     masked, not copied into a padded layout, and the torch ops over their first chunks (and the final states' last
     chunks) read rows that the kernels' autograd Function gathers and whose gradients it adds in place: forward and
-    backward make as many whole-size tensors as from states at chunk boundaries (a padded layout makes two per input
-    and one for the outputs' way back; rows gathered from an input make its gradient once more at whole size, and
-    their sum). Twice as many sequences of the same length make as many in the backward (a gradient per sequence
-    would add 16). The kernels are stubbed: only the torch ops count."""
+    backward write as many whole-size tensors (rows written in place aside) as from states at chunk boundaries (a
+    padded layout makes two per input and one for the outputs' way back; rows gathered from an input make its
+    gradient once more at whole size, and their sum). Twice as many sequences of the same length write as many in the
+    backward (a gradient per sequence would add 16). The kernels are stubbed: only the torch ops count."""
     monkeypatch.setattr(InterpretedFunction, "run", lambda self, *args, **kwargs: None)
     inside = large_writes(name, [256, 256], 16, 5, "triton", final_state)
     aligned = large_writes(name, [256, 256], 16, 16, "triton", final_state)
