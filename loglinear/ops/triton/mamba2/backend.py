@@ -739,7 +739,8 @@ def _first_chunks(starts: tuple[int, ...], ends: tuple[int, ...], fronts: tuple[
                 device_table([rows[i // C][i % C] for i in taken], torch.int64, device))
 
 
-def _first_chunk_layout(plan: LevelScanPlan, seeds: _Seeds) -> tuple:
+def _first_chunk_layout(plan: LevelScanPlan, seeds: _Seeds
+                        ) -> tuple[tuple[tuple[int, ...], ...], torch.Tensor, torch.Tensor, torch.Tensor]:
     """_first_chunks of the seeded sequences (plan.bos: their first kernel chunks' starts)."""
     C = plan.chunk_size
     return _first_chunks(tuple(plan.bos[n] for n in seeds.rows), tuple(plan.eos[n] for n in seeds.rows),
@@ -845,29 +846,30 @@ def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tu
         return _run_plain(inp, flat, output_final_state, C)
     state = inp.initial_state
     bounds, positions = flat.bounds, flat.positions  # kernel chunks from the chunk start before each first token
-    J, h0, has_init, first, seeds = _chunk_levels(flat, state, C)
+    J, h0, has_init, first_level, seeds = _chunk_levels(flat, state, C)
     plan = LevelScanPlan([a - p % C for a, p in zip(bounds, positions)], bounds[:-1], bounds[1:],
                          [p // C for p in positions], C, J, has_init, inp.scale, per_channel=_per_channel(inp),
-                         first_level=first)
+                         first_level=first_level)
     first = _first_chunk_layout(plan, seeds) if seeds is not None else None
     last = _last_chunks(tuple(plan.bos), tuple(plan.los), tuple(plan.eos), C, flat.q.device) \
         if output_final_state else None
     layouts = tuple(x[0] for x in (first, last) if x is not None)
     tokens, at = _row_tables(layouts, flat.q.device) if layouts else (None, ())
+    first_at, last_at = (at[0] if first is not None else None), (at[-1] if last is not None else None)
     gate = _read_gate(flat.g, plan, inp.report_finite)
     o, final, *gathered = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan, tokens)
     rows = _Rows(*gathered) if gathered else None
     if first is not None:
         _, held, taken, reads = first
-        decay = _first_chunk_decays(rows, at[0], held)
-        terms = _first_reads(rows, at[0], seeds, taken, decay, C, inp.scale)
+        decay = _first_chunk_decays(rows, first_at, held)
+        terms = _first_reads(rows, first_at, seeds, taken, decay, C, inp.scale)
         o = o.index_add_(0, reads, terms.to(o.dtype))  # in place: the kernels' o is not saved for the backward
     o = o.reshape(inp.v.shape).to(inp.v.dtype)
     if not output_final_state:
         return o, None
     n_in = state.num_levels if state is not None else 0
     moved = _first_levels(seeds, decay, final.shape[1] + chunk_bits(C) + 1, C) if seeds is not None else None
-    in_chunk = _last_chunk_levels(rows, at[-1], *last[1:], flat.v.shape[1])
+    in_chunk = _last_chunk_levels(rows, last_at, *last[1:], flat.v.shape[1])
     return o, _final_state(flat, in_chunk, final, n_in, moved)
 
 
