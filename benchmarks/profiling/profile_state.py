@@ -2,12 +2,14 @@
 
     python benchmarks/profiling/profile_state.py                       # Mamba-2 and GDN at 32K and 128K
     python benchmarks/profiling/profile_state.py --variants mamba2 --T 8192 131072
+    python benchmarks/profiling/profile_state.py --states boundary inside    # also from a state inside a chunk
 
-The calls are bench_ops.py's `loglinear` and `loglinear_state` rows (paper setting: B = 2, 48 value heads, one
+The calls are bench_ops.py's `loglinear` row and its state rows (paper setting: B = 2, 48 value heads, one
 q/k group, K = 128, V = 64, bf16): the same inputs, once from zeros and once continuing the state left by T
-tokens of the same kind (at position T, the state's gradient taken). Per T and variant, a table of the kernels
-(torch.profiler, CUDA time per call, averaged over --reps calls) side by side, sorted by the difference, and the
-wall time per call. Writes <out>/profile-state-<gpu>.md.
+tokens of the same kind (`loglinear_state`: at position T, a chunk boundary; with --states inside,
+`loglinear_state_inside`: the state after T - 24 tokens, inside a chunk; the state's gradient taken). Per T,
+variant and state row, a table of the kernels (torch.profiler, CUDA time per call, averaged over --reps calls)
+side by side, sorted by the difference, and the wall time per call. Writes <out>/profile-state-<gpu>.md.
 """
 
 from __future__ import annotations
@@ -49,12 +51,14 @@ def kernel_times(step, reps: int) -> tuple[dict[str, float], float]:
     return times, wall
 
 
-def fwd_bwd(variant: str, T: int, with_state: bool):
-    """A forward+backward closure of bench_ops' row (loglinear_state if with_state else loglinear)."""
+STATE_ROWS = {"boundary": "loglinear_state", "inside": "loglinear_state_inside"}
+
+
+def fwd_bwd(variant: str, T: int, impl: str):
+    """A forward+backward closure of bench_ops' row ``impl`` (loglinear or one of STATE_ROWS)."""
     bench = bench_ops.BENCHES[variant]
     p = bench_ops.PAPER
     x = bench.inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], torch.bfloat16, seed=1)
-    impl = "loglinear_state" if with_state else "loglinear"
     run, leaves = bench.build(impl, x, p["H"], p["G"])
     for t in leaves:
         t.requires_grad_(True)
@@ -84,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", nargs="+", default=["mamba2", "gdn"], choices=sorted(bench_ops.BENCHES))
     ap.add_argument("--T", type=int, nargs="+", default=[32768, 131072])
+    ap.add_argument("--states", nargs="+", default=["boundary"], choices=sorted(STATE_ROWS),
+                    help="where the incoming state is: at a chunk boundary, inside a chunk (one table each)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rows", type=int, default=14, help="kernels per table (largest differences first)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
@@ -93,15 +99,18 @@ def main(argv: list[str] | None = None) -> None:
     lines = [f"# Where an incoming state's cost goes ({gpu})", "",
              f"torch {torch.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
              f"`{command}`", "",
-             "One forward+backward of bench_ops.py's `loglinear` row and of its `loglinear_state` row (the same call "
-             "continuing the state left by T tokens, its gradient taken); paper setting, bf16. CUDA time per call "
-             "by kernel (torch.profiler), the largest differences first.", ""]
+             "One forward+backward of bench_ops.py's `loglinear` row and of its state rows (the same call continuing "
+             "the state left by T tokens, a chunk boundary, or by T - 24 tokens, inside a chunk; its gradient "
+             "taken); paper setting, bf16. CUDA time per call by kernel (torch.profiler), the largest differences "
+             "first.", ""]
     for variant in args.variants:
         for T in args.T:
-            res = [kernel_times(fwd_bwd(variant, T, s), args.reps) for s in (False, True)]
-            lines += table(f"{variant}, T = {T}", *res, args.rows)
-            print("\n".join(lines[-args.rows - 6:]), flush=True)
-            torch.cuda.empty_cache()
+            base = kernel_times(fwd_bwd(variant, T, "loglinear"), args.reps)
+            for where in args.states:
+                res = kernel_times(fwd_bwd(variant, T, STATE_ROWS[where]), args.reps)
+                lines += table(f"{variant}, T = {T}, state at {where}", base, res, args.rows)
+                print("\n".join(lines[-args.rows - 6:]), flush=True)
+                torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"profile-state-{gpu}.md").write_text("\n".join(lines))
