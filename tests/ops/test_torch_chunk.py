@@ -102,17 +102,17 @@ def test_carry_past_is_the_fenwick_carry():
 
 
 @pytest.mark.parametrize("position, width, J", [(16, 5, 3), (32, 3, 4), (48, 8, 4), (64, 2, 6), (192, 6, 4)])
-def test_chunk_levels_past_is_the_carried_chunk_levels(position, width, J):
-    """chunk_levels_past (one step, its own backward) = carry_past then the chunk levels c+1 .. c+J, zero-padded,
-    values and the state's gradient; levels wider than the target included."""
+def test_chunk_levels_from_a_boundary_is_the_carried_chunk_levels(position, width, J):
+    """chunk_levels_from at a chunk-aligned position (its own backward) = carry_past then the chunk levels c+1 .. c+J,
+    zero-padded, values and the state's gradient; levels wider than the target included."""
     from loglinear.fenwick import ctz
-    from loglinear.ops.torch_chunk import carry_past, chunk_levels_past
+    from loglinear.ops.torch_chunk import carry_past, chunk_levels_from
 
-    C, c = 8, 3
+    C, c, target = 8, 3, ctz(position) + 1
     levels = torch.randn(2, width, 3, 4, 2, dtype=torch.float64, requires_grad=True)
     carried = carry_past(levels, position)[:, c + 1 :]
     want = torch.nn.functional.pad(carried, (0, 0, 0, 0, 0, 0, 0, J - carried.shape[1]))
-    got = chunk_levels_past(levels, ctz(position) + 1, C, J)
+    got = chunk_levels_from(levels, (target, target), (target - c - 1,) * 2, C, J)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     d_out = torch.randn_like(want)
     (d_want,) = torch.autograd.grad(want, levels, d_out)
@@ -120,12 +120,41 @@ def test_chunk_levels_past_is_the_carried_chunk_levels(position, width, J):
     torch.testing.assert_close(d_got, d_want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("target, width", [(3, 3), (1, 3), (8, 3), (4, 9)])
-def test_chunk_levels_past_rejects_in_chunk_targets_and_wide_states(target, width):
-    from loglinear.ops.torch_chunk import chunk_levels_past
+@pytest.mark.parametrize("width", [2, 6, 9])
+@pytest.mark.parametrize("through, into", [((3, 5, 3, 9, 4), (2, 1, 0, 5, 0)), ((3, 3, 3), (0, 2, 5)),
+                                           ((6, 6), (2, 2)), ((5, 9), (1, 5))])
+def test_chunk_levels_from_rows_of_their_own(width, through, into):
+    """Rows with their own through and into (carries to different targets, in-chunk sums into a chunk level, both)
+    = the formula row by row, written with slices and sums; values and the state's gradient."""
+    from loglinear.ops.torch_chunk import chunk_levels_from
 
-    with pytest.raises(ValueError, match="carry target"):
-        chunk_levels_past(torch.zeros(1, width, 1, 2, 2), target, 8, 4)
+    C, c, J = 8, 3, 6
+    levels = torch.randn(len(through), width, 2, 3, 2, dtype=torch.float64, requires_grad=True)
+    rows = []
+    for n, (t, j0) in enumerate(zip(through, into)):
+        out = torch.zeros(J, 2, 3, 2, dtype=torch.float64)
+        for j in range(J):
+            kept = levels[n, c + 1 + j] if t < c + 1 + j < width else 0.0
+            out[j] = kept + (levels[n, : t + 1].sum(0) if j == j0 else 0.0)
+        rows.append(out)
+    want = torch.stack(rows)
+    got = chunk_levels_from(levels, through, into, C, J)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    d_out = torch.randn_like(want)
+    (d_want,) = torch.autograd.grad(want, levels, d_out)
+    (d_got,) = torch.autograd.grad(got, levels, d_out)
+    torch.testing.assert_close(d_got, d_want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("through, into, width", [((2,), (0,), 3), ((4,), (4,), 3), ((8,), (0,), 3), ((4,), (0,), 9),
+                                                  ((4, 4), (0,), 3)])
+def test_chunk_levels_from_rejects_what_it_would_drop(through, into, width):
+    """In-chunk levels above through (through < c), a chunk level past J, levels past c + 1 + J, a row without its
+    through and into: each a ValueError naming the function."""
+    from loglinear.ops.torch_chunk import chunk_levels_from
+
+    with pytest.raises(ValueError, match="chunk_levels_from takes"):
+        chunk_levels_from(torch.zeros(1, width, 1, 2, 2), through, into, 8, 4)
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))

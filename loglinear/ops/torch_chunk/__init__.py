@@ -2,8 +2,8 @@
 (loglinear.variants: Mamba2Form, GatedDeltaNetForm)."""
 
 from loglinear.ops.torch_chunk.scan import (
-    carry_past, chunk_levels_past, chunk_scan, chunked, final_levels, level_scales_at, pad_time, route_buckets,
+    carry_past, chunk_levels_from, chunk_scan, chunked, final_levels, level_scales_at, pad_time, route_buckets,
 )
 
-__all__ = ["chunk_scan", "carry_past", "chunk_levels_past", "chunked", "final_levels", "level_scales_at", "pad_time",
+__all__ = ["chunk_scan", "carry_past", "chunk_levels_from", "chunked", "final_levels", "level_scales_at", "pad_time",
            "route_buckets"]

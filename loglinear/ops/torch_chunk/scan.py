@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from loglinear.fenwick import chunk_bits, ctz, incoming_levels, intra_chunk_levels, last_query_masks, levels_needed
-from loglinear.tables import cached_table
+from loglinear.tables import cached_table, table_cache
 from loglinear.variants.base import by_chunk
 
 
@@ -63,36 +63,85 @@ def carry_past(levels: torch.Tensor, position: int) -> torch.Tensor:
     return torch.cat([torch.zeros_like(levels[:, :target]), merged, levels[:, target + 1 :]], 1)
 
 
-class _ChunkLevelsPast(torch.autograd.Function):
-    """chunk_levels_past's carry and slice in one step: one read of the state forward, one write of its gradient
-    backward (the general carry_past, slices and pads each copy the whole state, forward and in autograd)."""
+@table_cache()
+def _from_tables(through: tuple[int, ...], into: tuple[int, ...], c: int, L: int, J: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """chunk_levels_from's tables: the rows n J + into[n] of the output's [N J] level axis, [N] int64; the chunk
+    levels not kept in some rows only (lo <= j < through[n] - c, lo the fewest of all rows, among the first A =
+    min(L - c - 1, J)) as rows n J + j of the output and n L + c+1+j of the [N L] state, [n] int64 each (None when
+    there are none); and summed [N, S, 1, 1, 1] bool, l <= through[n] (S = min(max(through) + 1, L) levels; None
+    when every row sums the same levels)."""
+    A, S, lo = max(min(L - c - 1, J), 0), min(max(through) + 1, L), min(through) - c
+    rows = cached_table(tuple(n * J + j for n, j in enumerate(into)), torch.int64, device)
+    cleared = [(n, j) for n, t in enumerate(through) for j in range(lo, min(t - c, A))]
+    if not cleared:
+        out_cleared = state_cleared = None
+    else:
+        out_cleared = cached_table(tuple(n * J + j for n, j in cleared), torch.int64, device)
+        state_cleared = cached_table(tuple(n * L + c + 1 + j for n, j in cleared), torch.int64, device)
+    if len(set(through)) == 1:
+        return rows, out_cleared, state_cleared, None
+    summed = cached_table(tuple(tuple(lev <= t for lev in range(S)) for t in through), torch.bool, device)
+    return rows, out_cleared, state_cleared, summed.view(*summed.shape, 1, 1, 1)
+
+
+class _ChunkLevelsFrom(torch.autograd.Function):
+    """chunk_levels_from in one step each way: the chunk levels copied (those no row keeps left out, those some rows
+    do not keep cleared) and the sums added forward, the gradient written once backward (a carry by masks, slices
+    and pads copies the whole state several times each way)."""
 
     @staticmethod
-    def forward(ctx, levels: torch.Tensor, target: int, c: int, J: int) -> torch.Tensor:
-        j0, above = target - c - 1, levels[:, target + 1 :]
-        out = F.pad(above, (0, 0, 0, 0, 0, 0, j0 + 1, J - j0 - 1 - above.shape[1]))
-        torch.sum(levels[:, : target + 1], 1, out=out[:, j0])
-        ctx.sizes = (min(levels.shape[1], target + 1), above.shape[1], j0)
+    def forward(ctx, levels: torch.Tensor, through: tuple[int, ...], into: tuple[int, ...], c: int, J: int
+                ) -> torch.Tensor:
+        N, L = levels.shape[:2]
+        rows, cleared, _, summed = _from_tables(through, into, c, L, J, levels.device)
+        lo = min(through) - c  # chunk levels below lo are kept in no row
+        kept = levels[:, c + 1 + lo : c + 1 + J]
+        out = F.pad(kept, (0, 0) * (levels.dim() - 2) + (lo, J - lo - kept.shape[1]))  # a new tensor
+        if cleared is not None:
+            out.view(N * J, -1).index_fill_(0, cleared, 0.0)
+        low = levels[:, : min(max(through) + 1, L)]
+        sums = (low if summed is None else torch.where(summed, low, 0.0)).sum(1)
+        out.view(N * J, -1).index_add_(0, rows, sums.view(N, -1))
+        ctx.sizes = (through, into, c, L, J)
         return out
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor) -> tuple:
-        merged, kept, j0 = ctx.sizes
-        into = d_out[:, j0 : j0 + 1].expand(-1, merged, *d_out.shape[2:])
-        return torch.cat([into, d_out[:, j0 + 1 : j0 + 1 + kept]], 1), None, None, None
+        through, into, c, L, J = ctx.sizes
+        rows, _, cleared, summed = _from_tables(through, into, c, L, J, d_out.device)
+        N, rest, lo = d_out.shape[0], d_out.shape[2:], min(through) - c
+        kept = d_out[:, lo : max(min(L - c - 1, J), lo)]
+        front = min(c + 1 + lo, L)
+        d_levels = F.pad(kept, (0, 0) * len(rest) + (front, L - front - kept.shape[1]))
+        if cleared is not None:
+            d_levels.view(N * L, -1).index_fill_(0, cleared, 0.0)
+        d_sums = d_out.reshape(N * J, -1).index_select(0, rows).view(N, 1, *rest)
+        low = d_levels[:, : min(max(through) + 1, L)]
+        low += d_sums if summed is None else torch.where(summed, d_sums, 0.0)
+        return d_levels, None, None, None, None
 
 
-def chunk_levels_past(levels: torch.Tensor, target: int, chunk_size: int, J: int) -> torch.Tensor:
-    """The chunk levels c+1 .. c+J (c = log2 chunk_size) of the state after the carry into level ``target`` > c
-    (carry_past of a chunk-aligned position p, target = ctz(p) + 1; one target for every row): levels
-    [b, L, H, K, V] with L <= c + 1 + J -> [b, J, H, K, V]. The carry clears the levels below the target, the
-    in-chunk ones among them, so chunk level target - c - 1 holds the sum of levels 0..target, the levels above
-    are as they were and those below are 0 (no gradient flows there)."""
-    c = chunk_bits(chunk_size)
-    if not c < target <= c + J or levels.shape[1] > c + 1 + J:
-        raise ValueError(f"chunk_levels_past takes a carry target in (c, c + J] = ({c}, {c + J}] and at most "
-                         f"c + 1 + J = {c + 1 + J} levels, got target {target} and {levels.shape[1]} levels")
-    return _ChunkLevelsPast.apply(levels, target, c, J)
+def chunk_levels_from(levels: torch.Tensor, through: tuple[int, ...], into: tuple[int, ...], chunk_size: int,
+                      J: int) -> torch.Tensor:
+    """The chunk levels c+1 .. c+J (c = log2 chunk_size) of states whose levels 0..through[n] are summed into chunk
+    level into[n], row n of levels [N, L, H, K, V] (L <= c + 1 + J) -> [N, J, H, K, V]:
+
+        out[n, j] = [c+1+j > through[n]] levels[n, c+1+j] + [j == into[n]] sum_{l <= through[n]} levels[n, l]
+
+    Two uses: the carry past a chunk-aligned position p (through = into + c + 1 = ctz(p) + 1, the carry's target:
+    that chunk level then holds levels 0..target and those below it are 0, no gradient flowing there), and a state
+    inside a chunk whose in-chunk buckets are summed into the chunk level a kernel chunk's cascade merges them into
+    (through = c: every chunk level kept). One read of the state forward, one write of its gradient backward."""
+    c, (N, L) = chunk_bits(chunk_size), levels.shape[:2]
+    if len(through) != N or len(into) != N:
+        raise ValueError(f"chunk_levels_from takes one through and one into per row of levels ({N}), got "
+                         f"{len(through)} and {len(into)}")
+    if L > c + 1 + J or any(not c <= t <= c + J for t in through) or any(not 0 <= j < J for j in into):
+        raise ValueError(f"chunk_levels_from takes at most c + 1 + J = {c + 1 + J} levels, through in [c, c + J] = "
+                         f"[{c}, {c + J}] and into in [0, J) = [0, {J}), got {L} levels, through {through} and "
+                         f"into {into}")
+    return _ChunkLevelsFrom.apply(levels, tuple(through), tuple(into), c, J)
 
 
 def level_scales_at(lam: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ from loglinear.fenwick import carry_target, chunk_bits, ctz, incoming_levels, le
 from loglinear.inputs import OpInputs, expand_groups, l2norm, run_segments
 from loglinear.ops.finite import floor_log_decay
 from loglinear.ops.torch_chunk import (
-    carry_past, chunk_levels_past, chunked, final_levels, level_scales_at, pad_time,
+    carry_past, chunk_levels_from, chunked, final_levels, level_scales_at, pad_time,
 )
 from loglinear.ops.triton.gated_deltanet.chunking import Chunking, chunk_cap
 from loglinear.ops.triton.gated_deltanet.local import chunk_local_segments
@@ -137,7 +137,9 @@ def gated_deltanet_core(
     if levels is not None and position > 0 and ch.front == 0:  # aligned: the carry cleared the in-chunk levels
         target = ctz(position) + 1  # chunk levels below target - c - 1 are cleared: never seeded
         J = max(J, levels.shape[1] - c - 1, target - c)
-        h0 = chunk_levels_past(levels, target, C, J).transpose(1, 2).reshape(ch.BH, J, K, v.shape[-1])
+        rows = levels.shape[0]
+        h0 = chunk_levels_from(levels, (target,) * rows, (target - c - 1,) * rows, C, J)
+        h0 = h0.transpose(1, 2).reshape(ch.BH, J, K, v.shape[-1])
         seeds = ((1 << J) - 1) & ~((1 << (target - c - 1)) - 1)
     elif levels is not None:
         levels = carry_past(levels, position) if position > 0 else levels

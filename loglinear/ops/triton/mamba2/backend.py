@@ -9,9 +9,9 @@ Composition (all sequences of a call in one launch per kernel):
      kernel chunks start at its first token's chunk start, p_n mod C rows before it (LevelScanPlan.bos); the
      kernels mask those rows (ChunkTable.lows: they read as zero tokens, the identity transition, depositing and
      reading nothing, and are not written; no copy of the inputs), its in-chunk buckets are seeded into the chunk
-     level its first chunk's cascade merges them into, and a few torch ops over the first chunk put right what the
-     kernels read of them there, and the final state of a sequence that ends in it (_Seeds; exact,
-     differentiable, one batch of ops whatever the positions);
+     level its first chunk's cascade merges them into (torch_chunk.chunk_levels_from, one step for every
+     sequence's h0), and seeds.py puts right what the kernels read of them in that chunk and the final state of a
+     sequence that ends in it (exact, differentiable, one batch of ops each way whatever the positions);
   3. forward: a chunk-parallel kernel computes every chunk's deposit, a sequential scan merges them
      through the chunk levels (fwd.py: recording each merged level and every chunk's level
      decays; no GEMM, the states cut into K-row blocks), then a chunk-parallel kernel computes the
@@ -55,18 +55,17 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from loglinear.fenwick import (
-    carry_into, chunk_bits, ctz, incoming_levels, last_query_masks, levels_needed, trailing_zeros,
-)
+from loglinear.fenwick import chunk_bits, ctz, last_query_masks, levels_needed, trailing_zeros
 from loglinear.inputs import OpInputs, expand_groups, l2norm
 from loglinear.ops.finite import floor_log_decay, log_decay_peak
-from loglinear.ops.torch_chunk import chunk_levels_past, level_scales_at, route_buckets
+from loglinear.ops.torch_chunk import chunk_levels_from
 from loglinear.ops.triton.mamba2.bwd import mamba2_bwd_scan_kernel
 from loglinear.ops.triton.mamba2.chunk import (
     mamba2_chunk_bwd_dkv_kernel, mamba2_chunk_bwd_dq_kernel, mamba2_chunk_fwd_kernel, mamba2_deposit_kernel,
     mamba2_gate_grad_kernel, mamba2_gate_later_kernel, mamba2_initial_grad_kernel, mamba2_level_grad_kernel,
 )
 from loglinear.ops.triton.mamba2.fwd import mamba2_fwd_kernel
+from loglinear.ops.triton.mamba2.seeds import FirstChunks, SeedReads, Seeds, first_chunks, first_levels
 from loglinear.ops.triton.shared.common import MAX_CHUNK_LEVELS, alloc, group_sum, interpreting, next_pow2
 from loglinear.ops.triton.shared.heads import min_head_dim, run_padded
 from loglinear.ops.triton.shared.intra_channel import (
@@ -676,28 +675,13 @@ def _row_tables(layouts: tuple[tuple[tuple[int, ...], ...], ...], device: torch.
                       for layout in layouts))
 
 
-@dataclass
-class _Seeds:
-    """The sequences whose state holds in-chunk buckets (a position inside a chunk, or 0): rows [R] int64 of the
-    call, their positions and ends, and their buckets partial [R, c+1, H, K, V] fp32 after the carry past the
-    position. The kernels start such a sequence at its first chunk's start (the rows before it masked) with the
-    buckets' sum seeded into chunk level m0 = ctz(c0 + 1) of h0 (c0 its first chunk), the level the first chunk's
-    cascade merges them into; so the kernels read them in that chunk at level c + 1 + m0, which _first_reads replaces by
-    the levels the buckets are read at (fenwick.incoming_levels), and a sequence that ends in that chunk still holds
-    them as level m0, which _first_levels moves to its in-chunk levels."""
-
-    rows: list[int]
-    positions: list[int]
-    ends: list[int]
-    partial: torch.Tensor
-
-
 def _chunk_levels(flat: _Flat, state: FenwickState | None, C: int
-                  ) -> tuple[int, torch.Tensor, bool, int, _Seeds | None]:
+                  ) -> tuple[int, torch.Tensor, bool, int, Seeds | None]:
     """J (chunk levels the scans carry), the initial chunk levels h0 [N, J, H, K, V] fp32 at every sequence's
     kernel start (the start of the chunk of its first token), whether any sequence has a state (otherwise h0 is
     zeros and the scans skip it), the first level h0 may hold (plan.first_level: the carry into a target t > c
-    clears the chunk levels below t - c - 1) and the seeded sequences (_Seeds) or None."""
+    clears the chunk levels below t - c - 1) and the seeded sequences (seeds.Seeds: a state inside a chunk or at 0,
+    its in-chunk levels summed into chunk level m0 = ctz(c0 + 1) of h0) or None. One chunk_levels_from for all."""
     c, N, positions = chunk_bits(C), len(flat.bounds) - 1, flat.positions
     ends = [p + b - a for a, b, p in zip(flat.bounds, flat.bounds[1:], positions)]
     J = max([1] + [max((e - 1) // C, 1).bit_length() for e in ends])
@@ -705,100 +689,30 @@ def _chunk_levels(flat: _Flat, state: FenwickState | None, C: int
     if state is None:
         return J, flat.v.new_zeros((J, H, K, V), dtype=torch.float32).expand(N, J, H, K, V), False, 0, None
     levels = state.levels.float()
-    targets = [ctz(p) + 1 if p else 0 for p in positions]  # fenwick.carry_target, on the host
     seeded = [n for n, p in enumerate(positions) if p % C or p == 0]
-    width = max(levels.shape[1], max(targets) + 1, c + 1)
-    J = max([J, width - c - 1] + [ctz(positions[n] // C + 1) + 1 for n in seeded])  # the seeds' level m0 too
-    if not seeded and len(set(targets)) == 1:  # one carry target: h0 straight from the levels, no carried copy
-        return J, chunk_levels_past(levels, targets[0], C, J), True, targets[0] - c - 1, None
-    carried = carry_into(_pad_levels(levels, width, dim=1), cached_table(tuple(targets), torch.int64, levels.device))
-    h0 = _pad_levels(carried[:, c + 1 :], J, dim=1)
+    # a state at a chunk boundary: the carry past it (target ctz(p) + 1 > c) sums levels 0..target into chunk level
+    # target - c - 1; a seeded one: its in-chunk levels 0..c into chunk level m0
+    through = tuple(c if n in seeded else ctz(p) + 1 for n, p in enumerate(positions))
+    into = tuple(ctz(p // C + 1) if n in seeded else t - c - 1 for n, (p, t) in enumerate(zip(positions, through)))
+    J = max([J, levels.shape[1] - c - 1] + [j + 1 for j in into])
+    h0 = chunk_levels_from(levels, through, into, C, J)
     if not seeded:
-        return J, h0.contiguous(), True, min(targets) - c - 1, None
-    m0 = cached_table(tuple(tuple(n in seeded and j == ctz(p // C + 1) for j in range(J))
-                            for n, p in enumerate(positions)), torch.float32, levels.device)
-    h0 = h0 + m0[:, :, None, None, None] * carried[:, : c + 1].sum(1, keepdim=True)  # 0 but in seeded rows
+        return J, h0, True, min(into), None
     rows = cached_table(tuple(seeded), torch.int64, levels.device)
-    seeds = _Seeds(seeded, [positions[n] for n in seeded], [ends[n] for n in seeded],
-                   carried[:, : c + 1].index_select(0, rows))
-    return J, h0.contiguous(), True, 0, seeds
+    in_chunk = _pad_levels(levels[:, : c + 1], c + 1, dim=1).index_select(0, rows)
+    return J, h0, True, 0, Seeds(seeded, [positions[n] for n in seeded], [ends[n] for n in seeded], in_chunk)
 
 
-@table_cache()
-def _first_chunks(starts: tuple[int, ...], ends: tuple[int, ...], fronts: tuple[int, ...], C: int,
-                  device: torch.device) -> tuple[tuple[tuple[int, ...], ...], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The first kernel chunk of the sequences [starts[i] + fronts[i], ends[i]) (starts[i]: a chunk start, the rows
-    before the sequence masked front padding): its tokens [R][C] (host; clamped to the sequence), held [R, C] bool
-    (the call's tokens: from fronts[i] on, within the sequence), their places in the flattened [R * C] and the
-    tokens there, in order ([n] int64 each). Cached per layout (read-only; normal tensors)."""
-    rows = tuple(tuple(max(min(a + s, b - 1), a + r) for s in range(C)) for a, b, r in zip(starts, ends, fronts))
-    held = [[r <= s < b - a for s in range(C)] for a, b, r in zip(starts, ends, fronts)]
-    taken = [i * C + s for i, h in enumerate(held) for s in range(C) if h[s]]
-    with torch.inference_mode(False):
-        return (rows, device_table(held, torch.bool, device), device_table(taken, torch.int64, device),
-                device_table([rows[i // C][i % C] for i in taken], torch.int64, device))
-
-
-def _first_chunk_layout(plan: LevelScanPlan, seeds: _Seeds
-                        ) -> tuple[tuple[tuple[int, ...], ...], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_first_chunks of the seeded sequences (plan.bos: their first kernel chunks' starts)."""
-    C = plan.chunk_size
-    return _first_chunks(tuple(plan.bos[n] for n in seeds.rows), tuple(plan.eos[n] for n in seeds.rows),
-                         tuple(p % C for p in seeds.positions), C, seeds.partial.device)
-
-
-def _first_chunk_decays(rows: "_Rows", at: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-    """exp(G) [R, C, H] (per channel [R, C, H, K]) of the seeded sequences' first kernel chunks (their tokens as
-    rows' indices at [R, C], held: _first_chunks), G the cumsum of the floored gate from the chunk's start (0 at the
-    masked rows before the sequence and past it)."""
-    g = floor_log_decay(rows.at(rows.g, at).float())
-    g = torch.where(held.view(*held.shape, *(1,) * (g.dim() - 2)), g, 0.0)
-    return torch.exp(g.cumsum(1))
-
-
-def _first_reads(rows: "_Rows", at: torch.Tensor, seeds: _Seeds, taken: torch.Tensor, decay: torch.Tensor, C: int,
-                 scale: float) -> torch.Tensor:
-    """What the seeded sequences' first chunks read of their buckets, less what the kernels read there (the
-    buckets' sum at level c + 1 + m0): scale sum_m (lam_t[incoming(t, m)] - lam_t[c + 1 + m0]) (qt_t partial_m),
-    qt_t = exp(G_t) q_t, for the call's tokens of those chunks (taken: their places in [R * C], _first_chunks)
-    -> [n, H, V] fp32."""
-    H, c = decay.shape[2], chunk_bits(C)
-    q = expand_groups(rows.at(rows.q, at).float(), H)  # [R, C, H, K]
-    qt = q * (decay if decay.dim() == 4 else decay[..., None])
-    lam = rows.at(rows.lam, at).float().transpose(1, 2)  # [R, H, C, L]
-    levels = incoming_levels(tuple(seeds.positions), C, lam.device)[:, None]  # [R, 1, C, c+1]
-    kernel = cached_table(tuple(((c + 1 + ctz(p // C + 1),),) for p in seeds.positions), torch.int64, lam.device)
-    w = level_scales_at(lam, levels) - level_scales_at(lam, kernel[:, None].expand(-1, 1, C, 1))
-    terms = torch.einsum("bhtm,bthk,bmhkv->bthv", w, qt, seeds.partial) * scale
-    return terms.flatten(0, 1).index_select(0, taken)
-
-
-def _first_levels(seeds: _Seeds, decay: torch.Tensor, width: int, C: int) -> tuple[list[int], torch.Tensor] | None:
-    """For the seeded sequences that end in their first chunk, what the final levels need besides the kernels':
-    their buckets, which the kernels carried as chunk level m0 (decayed to the last token, exp(G_e)), moved to the
-    in-chunk level the last token e reads them at (max(m, bit_length(e XOR position)), route_buckets) -> (those
-    sequences' rows of the call, the change [R', width, H, K, V]), or None when every seeded sequence goes on."""
-    c = chunk_bits(C)
-    ending = [i for i, (p, e) in enumerate(zip(seeds.positions, seeds.ends)) if e <= (p // C + 1) * C]
-    if not ending:
-        return None
-    pick = cached_table(tuple(ending), torch.int64, decay.device)
-    last = tuple((seeds.ends[i] - 1) % C for i in ending)
-    e = cached_table(tuple((i, t) for i, t in zip(ending, last)), torch.int64, decay.device)
-    at = decay[e[:, 0], e[:, 1]]  # [R', H] or [R', H, K]
-    moved = seeds.partial.index_select(0, pick) * at.view(at.shape[0], 1, at.shape[1], -1, 1)  # rows K scaled
-    positions = [seeds.positions[i] for i in ending]
-    floors = tuple(((seeds.ends[i] - 1) ^ p).bit_length() for i, p in zip(ending, positions))
-    m0 = cached_table(tuple(tuple(j == c + 1 + ctz(p // C + 1) for j in range(width)) for p in positions),
-                      torch.float32, decay.device)
-    change = _pad_levels(route_buckets(moved, floors), width, dim=1) - m0[:, :, None, None, None] * moved.sum(1, True)
-    return [seeds.rows[i] for i in ending], change
+def _first_chunk_layout(plan: LevelScanPlan, seeds: Seeds, L: int) -> FirstChunks:
+    """seeds.first_chunks of the seeded sequences (plan.bos: their first kernel chunks' starts; L lam levels)."""
+    return first_chunks(tuple(plan.bos[n] for n in seeds.rows), tuple(plan.eos[n] for n in seeds.rows),
+                        tuple(seeds.positions), plan.chunk_size, L, seeds.levels.device)
 
 
 def _final_state(flat: _Flat, last: torch.Tensor, final: torch.Tensor, n_in: int,
                  first: tuple[list[int], torch.Tensor] | None) -> FenwickState:
     """Per sequence: the last kernel chunk's in-chunk buckets (last [N, c+1, H, K, V], _last_chunk_levels) + the
-    scan's chunk levels (final [N, J, H, K, V]), plus ``first``'s change to the rows it names (_first_levels), with
+    scan's chunk levels (final [N, J, H, K, V]), plus ``first``'s change to the rows it names (seeds.first_levels), with
     max(levels_needed(end), n_in) levels as the torch path (the rest zero, up to the widest), in one batch of ops
     whatever their number."""
     ends = [p + b - a for a, b, p in zip(flat.bounds, flat.bounds[1:], flat.positions)]
@@ -850,25 +764,25 @@ def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tu
     plan = LevelScanPlan([a - p % C for a, p in zip(bounds, positions)], bounds[:-1], bounds[1:],
                          [p // C for p in positions], C, J, has_init, inp.scale, per_channel=_per_channel(inp),
                          first_level=first_level)
-    first = _first_chunk_layout(plan, seeds) if seeds is not None else None
+    first = _first_chunk_layout(plan, seeds, flat.lam.shape[-1]) if seeds is not None else None
     last = _last_chunks(tuple(plan.bos), tuple(plan.los), tuple(plan.eos), C, flat.q.device) \
         if output_final_state else None
-    layouts = tuple(x[0] for x in (first, last) if x is not None)
+    layouts = ((first.tokens,) if first is not None else ()) + ((last[0],) if last is not None else ())
     tokens, at = _row_tables(layouts, flat.q.device) if layouts else (None, ())
     first_at, last_at = (at[0] if first is not None else None), (at[-1] if last is not None else None)
     gate = _read_gate(flat.g, plan, inp.report_finite)
     o, final, *gathered = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan, tokens)
     rows = _Rows(*gathered) if gathered else None
     if first is not None:
-        _, held, taken, reads = first
-        decay = _first_chunk_decays(rows, first_at, held)
-        terms = _first_reads(rows, first_at, seeds, taken, decay, C, inp.scale)
-        o = o.index_add_(0, reads, terms.to(o.dtype))  # in place: the kernels' o is not saved for the backward
+        terms = SeedReads.apply(rows.at(rows.q, first_at), rows.at(rows.g, first_at), rows.at(rows.lam, first_at),
+                                seeds.levels, first, inp.scale)
+        o = o.index_add_(0, first.reads, terms.to(o.dtype))  # in place: the kernels' o is not saved for the backward
     o = o.reshape(inp.v.shape).to(inp.v.dtype)
     if not output_final_state:
         return o, None
     n_in = state.num_levels if state is not None else 0
-    moved = _first_levels(seeds, decay, final.shape[1] + chunk_bits(C) + 1, C) if seeds is not None else None
+    width = final.shape[1] + chunk_bits(C) + 1
+    moved = first_levels(seeds, rows.at(rows.g, first_at), first, width, C) if seeds is not None else None
     in_chunk = _last_chunk_levels(rows, last_at, *last[1:], flat.v.shape[1])
     return o, _final_state(flat, in_chunk, final, n_in, moved)
 
