@@ -122,7 +122,8 @@ def test_chunk_levels_from_a_boundary_is_the_carried_chunk_levels(position, widt
 
 @pytest.mark.parametrize("width", [2, 6, 9])
 @pytest.mark.parametrize("through, into", [((3, 5, 3, 9, 4), (2, 1, 0, 5, 0)), ((3, 3, 3), (0, 2, 5)),
-                                           ((6, 6), (2, 2)), ((5, 9), (1, 5))])
+                                           ((3, 3), (2, 2)), ((6, 6), (2, 2)),
+                                           ((5, 9), (1, 5))])
 def test_chunk_levels_from_rows_of_their_own(width, through, into):
     """Rows with their own through and into (carries to different targets, in-chunk sums into a chunk level, both)
     = the formula row by row, written with slices and sums; values and the state's gradient."""
