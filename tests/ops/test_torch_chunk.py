@@ -112,7 +112,7 @@ def test_chunk_levels_from_a_boundary_is_the_carried_chunk_levels(position, widt
     levels = torch.randn(2, width, 3, 4, 2, dtype=torch.float64, requires_grad=True)
     carried = carry_past(levels, position)[:, c + 1 :]
     want = torch.nn.functional.pad(carried, (0, 0, 0, 0, 0, 0, 0, J - carried.shape[1]))
-    got = chunk_levels_from(levels, (target, target), (target - c - 1,) * 2, C, J)
+    got, _ = chunk_levels_from(levels, (target, target), (target - c - 1,) * 2, C, J)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     d_out = torch.randn_like(want)
     (d_want,) = torch.autograd.grad(want, levels, d_out)
@@ -122,40 +122,55 @@ def test_chunk_levels_from_a_boundary_is_the_carried_chunk_levels(position, widt
 
 @pytest.mark.parametrize("width", [2, 6, 9])
 @pytest.mark.parametrize("through, into", [((3, 5, 3, 9, 4), (2, 1, 0, 5, 0)), ((3, 3, 3), (0, 2, 5)),
-                                           ((3, 3), (2, 2)), ((6, 6), (2, 2)),
+                                           ((3, 3), (2, 2)), ((6, 6), (2, 2)), ((6, 3), (2, 2)),
                                            ((5, 9), (1, 5))])
 def test_chunk_levels_from_rows_of_their_own(width, through, into):
     """Rows with their own through and into (carries to different targets, in-chunk sums into a chunk level, both)
-    = the formula row by row, written with slices and sums; values and the state's gradient."""
+    = the formula row by row, written with slices and sums, and the in-chunk levels of some rows (zero-padded to
+    c + 1, a row twice); values and the state's gradient through both outputs."""
     from loglinear.ops.torch_chunk import chunk_levels_from
 
     C, c, J = 8, 3, 6
     levels = torch.randn(len(through), width, 2, 3, 2, dtype=torch.float64, requires_grad=True)
-    rows = []
-    for n, (t, j0) in enumerate(zip(through, into)):
-        out = torch.zeros(J, 2, 3, 2, dtype=torch.float64)
-        for j in range(J):
-            kept = levels[n, c + 1 + j] if t < c + 1 + j < width else 0.0
-            out[j] = kept + (levels[n, : t + 1].sum(0) if j == j0 else 0.0)
-        rows.append(out)
-    want = torch.stack(rows)
-    got = chunk_levels_from(levels, through, into, C, J)
+    picked = (len(through) - 1, 0, len(through) - 1)
+
+    def reference() -> tuple[torch.Tensor, torch.Tensor]:
+        rows = []
+        for n, (t, j0) in enumerate(zip(through, into)):
+            out = torch.zeros(J, 2, 3, 2, dtype=torch.float64)
+            for j in range(J):
+                kept = levels[n, c + 1 + j] if t < c + 1 + j < width else 0.0
+                out[j] = kept + (levels[n, : t + 1].sum(0) if j == j0 else 0.0)
+            rows.append(out)
+        in_chunk = torch.nn.functional.pad(levels[list(picked), : c + 1], (0, 0) * 3 + (0, max(0, c + 1 - width)))
+        return torch.stack(rows), in_chunk
+
+    want, want_in = reference()
+    got, got_in = chunk_levels_from(levels, through, into, C, J, in_chunk=picked)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    d_out = torch.randn_like(want)
-    (d_want,) = torch.autograd.grad(want, levels, d_out)
-    (d_got,) = torch.autograd.grad(got, levels, d_out)
+    torch.testing.assert_close(got_in, want_in, rtol=1e-12, atol=1e-12)
+    d_out, d_in = torch.randn_like(want), torch.randn_like(want_in)
+    (d_want,) = torch.autograd.grad((want * d_out).sum() + (want_in * d_in).sum(), levels)
+    (d_got,) = torch.autograd.grad((got * d_out).sum() + (got_in * d_in).sum(), levels)
     torch.testing.assert_close(d_got, d_want, rtol=1e-12, atol=1e-12)
+    for used in (0, 1):  # one output used alone
+        (d_want,) = torch.autograd.grad(reference()[used], levels, (d_out, d_in)[used])
+        got_one = chunk_levels_from(levels, through, into, C, J, in_chunk=picked)[used]
+        (d_got,) = torch.autograd.grad(got_one, levels, (d_out, d_in)[used])
+        torch.testing.assert_close(d_got, d_want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("through, into, width", [((2,), (0,), 3), ((4,), (4,), 3), ((8,), (0,), 3), ((4,), (0,), 9),
                                                   ((4, 4), (0,), 3)])
 def test_chunk_levels_from_rejects_what_it_would_drop(through, into, width):
     """In-chunk levels above through (through < c), a chunk level past J, levels past c + 1 + J, a row without its
-    through and into: each a ValueError naming the function."""
+    through and into, in-chunk levels of a row that is not there: each a ValueError naming the function."""
     from loglinear.ops.torch_chunk import chunk_levels_from
 
     with pytest.raises(ValueError, match="chunk_levels_from takes"):
         chunk_levels_from(torch.zeros(1, width, 1, 2, 2), through, into, 8, 4)
+    with pytest.raises(ValueError, match="chunk_levels_from takes in_chunk rows"):
+        chunk_levels_from(torch.zeros(1, 3, 1, 2, 2), (3,), (0,), 8, 4, in_chunk=(1,))
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))

@@ -87,56 +87,73 @@ def _from_tables(through: tuple[int, ...], into: tuple[int, ...], c: int, L: int
 
 class _ChunkLevelsFrom(torch.autograd.Function):
     """chunk_levels_from in one step each way: the chunk levels copied (those no row keeps left out, those some rows
-    do not keep cleared) and the sums added forward, the gradient written once backward (a carry by masks, slices
-    and pads copies the whole state several times each way)."""
+    do not keep cleared), the sums added and the in-chunk levels of the rows asked for picked forward, the gradient
+    written once backward (a carry by masks, slices and pads copies the whole state several times each way, and
+    each output taking its own slice of the state makes autograd add whole-state gradients)."""
 
     @staticmethod
-    def forward(ctx, levels: torch.Tensor, through: tuple[int, ...], into: tuple[int, ...], c: int, J: int
-                ) -> torch.Tensor:
-        N, L = levels.shape[:2]
+    def forward(ctx, levels: torch.Tensor, through: tuple[int, ...], into: tuple[int, ...], picked: tuple[int, ...],
+                c: int, J: int) -> tuple[torch.Tensor, torch.Tensor]:
+        (N, L), rest = levels.shape[:2], levels.shape[2:]
         rows, cleared, _, summed = _from_tables(through, into, c, L, J, levels.device)
         lo = min(through) - c  # chunk levels below lo are kept in no row
         kept = levels[:, c + 1 + lo : c + 1 + J]
-        out = F.pad(kept, (0, 0) * (levels.dim() - 2) + (lo, J - lo - kept.shape[1]))  # a new tensor
+        out = F.pad(kept, (0, 0) * len(rest) + (lo, J - lo - kept.shape[1]))  # a new tensor
         if cleared is not None:
             out.view(N * J, -1).index_fill_(0, cleared, 0.0)
         low = levels[:, : min(max(through) + 1, L)]
-        sums = (low if summed is None else torch.where(summed, low, 0.0)).sum(1)
-        out.view(N * J, -1).index_add_(0, rows, sums.view(N, -1))
-        ctx.sizes = (through, into, c, L, J)
-        return out
+        if summed is None and len(set(into)) == 1 and into[0] < lo:  # one carry target: its level is still 0
+            torch.sum(low, 1, out=out[:, into[0]])
+        else:
+            sums = (low if summed is None else torch.where(summed, low, 0.0)).sum(1)
+            out.view(N * J, -1).index_add_(0, rows, sums.view(N, -1))
+        ctx.set_materialize_grads(False)
+        ctx.sizes = (through, into, picked, c, L, J)
+        if not picked:
+            return out, levels.new_empty((0, c + 1, *rest))
+        in_chunk = levels[:, : c + 1].index_select(0, cached_table(picked, torch.int64, levels.device))
+        return out, F.pad(in_chunk, (0, 0) * len(rest) + (0, c + 1 - in_chunk.shape[1]))
 
     @staticmethod
-    def backward(ctx, d_out: torch.Tensor) -> tuple:
-        through, into, c, L, J = ctx.sizes
+    def backward(ctx, d_out: torch.Tensor, d_in_chunk: torch.Tensor) -> tuple:
+        through, into, picked, c, L, J = ctx.sizes
+        if d_out is None:  # only the in-chunk levels were used
+            d_out = d_in_chunk.new_zeros((len(through), J, *d_in_chunk.shape[2:]))
         rows, _, cleared, summed = _from_tables(through, into, c, L, J, d_out.device)
         N, rest, lo = d_out.shape[0], d_out.shape[2:], min(through) - c
         if len(set(through)) == len(set(into)) == 1:  # one row layout: levels 0..through get d_out[:, into]
             S = min(through[0] + 1, L)
             summed_grad = d_out[:, into[0] : into[0] + 1].expand(-1, S, *rest)
-            return torch.cat([summed_grad, d_out[:, lo : lo + L - S]], 1), None, None, None, None
-        kept = d_out[:, lo : max(min(L - c - 1, J), lo)]
-        front = min(c + 1 + lo, L)
-        d_levels = F.pad(kept, (0, 0) * len(rest) + (front, L - front - kept.shape[1]))
-        if cleared is not None:
-            d_levels.view(N * L, -1).index_fill_(0, cleared, 0.0)
-        d_sums = d_out.reshape(N * J, -1).index_select(0, rows).view(N, 1, *rest)
-        low = d_levels[:, : min(max(through) + 1, L)]
-        low += d_sums if summed is None else torch.where(summed, d_sums, 0.0)
-        return d_levels, None, None, None, None
+            d_levels = torch.cat([summed_grad, d_out[:, lo : lo + L - S]], 1)
+        else:
+            kept = d_out[:, lo : max(min(L - c - 1, J), lo)]
+            front = min(c + 1 + lo, L)
+            d_levels = F.pad(kept, (0, 0) * len(rest) + (front, L - front - kept.shape[1]))
+            if cleared is not None:
+                d_levels.view(N * L, -1).index_fill_(0, cleared, 0.0)
+            d_sums = d_out.reshape(N * J, -1).index_select(0, rows).view(N, 1, *rest)
+            low = d_levels[:, : min(max(through) + 1, L)]
+            low += d_sums if summed is None else torch.where(summed, d_sums, 0.0)
+        if d_in_chunk is not None and picked:
+            M = min(c + 1, L)
+            at = cached_table(tuple(n * L + m for n in picked for m in range(M)), torch.int64, d_out.device)
+            d_levels.view(N * L, -1).index_add_(0, at, d_in_chunk[:, :M].reshape(len(picked) * M, -1))
+        return d_levels, None, None, None, None, None
 
 
 def chunk_levels_from(levels: torch.Tensor, through: tuple[int, ...], into: tuple[int, ...], chunk_size: int,
-                      J: int) -> torch.Tensor:
+                      J: int, in_chunk: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunk levels c+1 .. c+J (c = log2 chunk_size) of states whose levels 0..through[n] are summed into chunk
     level into[n], row n of levels [N, L, H, K, V] (L <= c + 1 + J) -> [N, J, H, K, V]:
 
         out[n, j] = [c+1+j > through[n]] levels[n, c+1+j] + [j == into[n]] sum_{l <= through[n]} levels[n, l]
 
+    and the in-chunk levels 0..c of the rows ``in_chunk`` as they are, [len(in_chunk), c+1, H, K, V] (zero-padded).
     Two uses: the carry past a chunk-aligned position p (through = into + c + 1 = ctz(p) + 1, the carry's target:
     that chunk level then holds levels 0..target and those below it are 0, no gradient flowing there), and a state
     inside a chunk whose in-chunk buckets are summed into the chunk level a kernel chunk's cascade merges them into
-    (through = c: every chunk level kept). One read of the state forward, one write of its gradient backward."""
+    (through = c: every chunk level kept), those buckets then read on their own (in_chunk). One read of the state
+    forward, one write of its gradient backward."""
     c, (N, L) = chunk_bits(chunk_size), levels.shape[:2]
     if len(through) != N or len(into) != N:
         raise ValueError(f"chunk_levels_from takes one through and one into per row of levels ({N}), got "
@@ -145,7 +162,9 @@ def chunk_levels_from(levels: torch.Tensor, through: tuple[int, ...], into: tupl
         raise ValueError(f"chunk_levels_from takes at most c + 1 + J = {c + 1 + J} levels, through in [c, c + J] = "
                          f"[{c}, {c + J}] and into in [0, J) = [0, {J}), got {L} levels, through {through} and "
                          f"into {into}")
-    return _ChunkLevelsFrom.apply(levels, tuple(through), tuple(into), c, J)
+    if any(not 0 <= n < N for n in in_chunk):
+        raise ValueError(f"chunk_levels_from takes in_chunk rows in [0, {N}), got {in_chunk}")
+    return _ChunkLevelsFrom.apply(levels, tuple(through), tuple(into), tuple(in_chunk), c, J)
 
 
 def level_scales_at(lam: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -138,7 +138,7 @@ def gated_deltanet_core(
         target = ctz(position) + 1  # chunk levels below target - c - 1 are cleared: never seeded
         J = max(J, levels.shape[1] - c - 1, target - c)
         rows = levels.shape[0]
-        h0 = chunk_levels_from(levels, (target,) * rows, (target - c - 1,) * rows, C, J)
+        h0, _ = chunk_levels_from(levels, (target,) * rows, (target - c - 1,) * rows, C, J)
         h0 = h0.transpose(1, 2).reshape(ch.BH, J, K, v.shape[-1])
         seeds = ((1 << J) - 1) & ~((1 << (target - c - 1)) - 1)
     elif levels is not None:

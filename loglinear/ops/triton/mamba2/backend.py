@@ -695,11 +695,9 @@ def _chunk_levels(flat: _Flat, state: FenwickState | None, C: int
     through = tuple(c if n in seeded else ctz(p) + 1 for n, p in enumerate(positions))
     into = tuple(ctz(p // C + 1) if n in seeded else t - c - 1 for n, (p, t) in enumerate(zip(positions, through)))
     J = max([J, levels.shape[1] - c - 1] + [j + 1 for j in into])
-    h0 = chunk_levels_from(levels, through, into, C, J)
+    h0, in_chunk = chunk_levels_from(levels, through, into, C, J, in_chunk=tuple(seeded))
     if not seeded:
         return J, h0, True, min(into), None
-    rows = cached_table(tuple(seeded), torch.int64, levels.device)
-    in_chunk = _pad_levels(levels[:, : c + 1], c + 1, dim=1).index_select(0, rows)
     return J, h0, True, 0, Seeds(seeded, [positions[n] for n in seeded], [ends[n] for n in seeded], in_chunk)
 
 
