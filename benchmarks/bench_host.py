@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from loglinear.cli import check_script_options, refuse  # noqa: E402
 from loglinear.fenwick import levels_needed  # noqa: E402
 from loglinear.ops.api import attention  # noqa: E402
+from loglinear.ops.finite import FiniteCheck  # noqa: E402
 from loglinear.report import markdown_table, pyplot, save_figure, write_results  # noqa: E402
 from loglinear.state import FenwickState  # noqa: E402
 from loglinear.variants import get  # noqa: E402
@@ -56,19 +57,26 @@ class _Count(TorchDispatchMode):
 
 
 class _Launches:
-    """Every Triton launch returns at once while active; ``count`` says how many there were."""
+    """Every Triton launch returns at once while active; ``count`` says how many there were. The kernels' outputs
+    are then unwritten buffers, so the finite-input check, which reads a per-channel gate's peak from one of them
+    (GLA), answers that the inputs are finite, as they are (its ops still run and count); otherwise garbage there
+    would send some calls down the path for non-finite inputs."""
 
     def __enter__(self) -> "_Launches":
-        self.count, self._run = 0, InterpretedFunction.run
+        self.count, self._run, self._answer = 0, InterpretedFunction.run, FiniteCheck.__call__
 
         def run(kernel, *args, **kwargs) -> None:
             self.count += 1
 
-        InterpretedFunction.run = run
+        def answer(check: FiniteCheck) -> bool:
+            self._answer(check)  # the same host work
+            return True
+
+        InterpretedFunction.run, FiniteCheck.__call__ = run, answer
         return self
 
     def __exit__(self, *exc) -> None:
-        InterpretedFunction.run = self._run
+        InterpretedFunction.run, FiniteCheck.__call__ = self._run, self._answer
 
 
 def layouts(N: int, T: int) -> dict[str, tuple[list[int] | None, bool]]:
