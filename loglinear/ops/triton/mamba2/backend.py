@@ -772,15 +772,16 @@ def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tu
     o, final, *gathered = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan, tokens)
     rows = _Rows(*gathered) if gathered else None
     if first is not None:
-        terms = SeedReads.apply(rows.at(rows.q, first_at), rows.at(rows.g, first_at), rows.at(rows.lam, first_at),
-                                seeds.levels, first, inp.scale)
+        first_g = rows.at(rows.g, first_at)
+        terms = SeedReads.apply(rows.at(rows.q, first_at), first_g, rows.at(rows.lam, first_at), seeds.levels, first,
+                                inp.scale)
         o = o.index_add_(0, first.reads, terms.to(o.dtype))  # in place: the kernels' o is not saved for the backward
     o = o.reshape(inp.v.shape).to(inp.v.dtype)
     if not output_final_state:
         return o, None
     n_in = state.num_levels if state is not None else 0
     width = final.shape[1] + chunk_bits(C) + 1
-    moved = first_levels(seeds, rows.at(rows.g, first_at), first, width, C) if seeds is not None else None
+    moved = first_levels(seeds, first_g, first, width, C) if seeds is not None else None
     in_chunk = _last_chunk_levels(rows, last_at, *last[1:], flat.v.shape[1])
     return o, _final_state(flat, in_chunk, final, n_in, moved)
 
