@@ -91,25 +91,26 @@ def _last_chunk(x: torch.Tensor, ch: Chunking, norm: bool = False) -> torch.Tens
 def _incoming_state(
     levels: torch.Tensor, position: int, ch: Chunking, J: int, lc0: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The incoming state at position 0 or a position inside a chunk (carried past ``position``, which clears no
-    chunk level): levels [b, Ls, H, K, V] fp32.  Returns its in-chunk buckets (levels <= c) partial
-    [b, H, c+1, K, V] with the weights [b, H, C, c+1] of the first chunk's reads of them (the scan adds that readout
-    to the first chunk's o) and the chunk-level seeds h0 [b H, J, K, V].  lc0: lambda of the first chunk
-    [b, H, C, L]."""
+    """The incoming state at position 0 or a position inside a chunk (the carry past ``position`` moves in-chunk
+    levels only): levels [b, Ls, H, K, V] fp32 (Ls <= c + 1 + J).  Returns its in-chunk buckets (levels <= c,
+    carried) partial [b, H, c+1, K, V] with the weights [b, H, C, c+1] of the first chunk's reads of them (the scan
+    adds that readout to the first chunk's o) and the chunk-level seeds h0 [b H, J, K, V].  lc0: lambda of the first
+    chunk [b, H, C, L]."""
     b, H, C, N = ch.b, ch.H, ch.C, ch.N
     K, V, c, c0 = levels.shape[-2], levels.shape[-1], chunk_bits(C), position // C
-    levels = torch.nn.functional.pad(levels, (0, 0, 0, 0, 0, 0, 0, max(0, c + 1 + J - levels.shape[1])))
-    partial = levels[:, : c + 1].transpose(1, 2)  # [b, H, c+1, K, V]
-    h0 = levels[:, c + 1 :].transpose(1, 2)  # [b, H, J, K, V]
     weights = level_scales_at(lc0, incoming_levels(position, C, levels.device))  # [b, H, C, c+1]
     if N > 1:
         # The first chunk's cascade moves its transitioned buckets into chunk level m0. Seeding h_m0
-        # with them instead is the same, except that chunk 0 would also read them at level c+1+m0:
-        # take that read off the weights.
+        # with them instead is the same (the carry keeps their sum), except that chunk 0 would also read
+        # them at level c+1+m0: take that read off the weights.
         m0 = ctz(c0 + 1)
         weights = weights - level_scales_at(lc0, torch.full((C, 1), c + 1 + m0, device=levels.device))
-        h0 = torch.cat([h0[:, :, :m0], h0[:, :, m0 : m0 + 1] + partial.sum(2, True), h0[:, :, m0 + 1 :]], 2)
-    return partial, weights, h0.reshape(b * H, J, K, V)
+        h0, in_chunk = chunk_levels_from(levels, (c,) * b, (m0,) * b, C, J, in_chunk=tuple(range(b)))
+    else:
+        padded = torch.nn.functional.pad(levels, (0, 0, 0, 0, 0, 0, 0, c + 1 + J - levels.shape[1]))
+        in_chunk, h0 = padded[:, : c + 1], padded[:, c + 1 :]
+    partial = carry_past(in_chunk, position) if position > 0 else in_chunk  # in-chunk levels only: c+1 of them
+    return partial.transpose(1, 2), weights, h0.transpose(1, 2).reshape(b * H, J, K, V)
 
 
 def gated_deltanet_core(
@@ -142,7 +143,6 @@ def gated_deltanet_core(
         h0 = h0.transpose(1, 2).reshape(ch.BH, J, K, v.shape[-1])
         seeds = ((1 << J) - 1) & ~((1 << (target - c - 1)) - 1)
     elif levels is not None:
-        levels = carry_past(levels, position) if position > 0 else levels
         J = max(J, levels.shape[1] - c - 1)
         n0 = min(T, C - ch.front)  # the first chunk's tokens: only they read the in-chunk buckets
         lc0 = chunked(pad_time(lam[:, :n0], ch.front, C - ch.front - n0), C)[:, :, 0]  # [b, H, C, L]
