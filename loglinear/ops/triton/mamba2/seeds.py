@@ -120,7 +120,7 @@ class SeedReads(torch.autograd.Function):
                 scale: float) -> torch.Tensor:
         H = lam.shape[2]
         qe = expand_groups(q.float(), H)
-        decay = _decays(g.float().clamp_min(FLOOR), chunks.held)
+        decay = _decays(floor_log_decay(g.float()), chunks.held)  # no autograd in here: a clamp
         qt = qe * _per_key(decay)
         w = lam.float() @ chunks.select
         P = torch.einsum("rthk,rmhkv->rthmv", qt, levels)
