@@ -457,7 +457,7 @@ def check_gdn(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]
     """check() for --variant gdn: kernels vs the torch chunk path at the benchmark's shape in each 16-bit dtype
     of dtypes (the kernels' 16-bit products: the chains' transition matrices, the Z gradients), then in fp32
     (outputs, states, all gradients, the initial state's too) at benchmark sizes, unaligned T, GQA + varlen +
-    states; then a long forward."""
+    states; in each dtype from the state at a chunk boundary and inside a chunk; then a long forward."""
     def both(x, state=None, **kw):
         res = {}
         for backend in ("triton", "torch"):
@@ -478,6 +478,13 @@ def check_gdn(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]
         x = gdn_inputs(8192, 2, 48, 1, p["K"], p["V"], dtype, seed=8192)
         _compare_backends(log, f"{dtype} T=8192 B=2 H=48 G=1 K=128 V=64 l2norm", x, log_linear_gated_deltanet,
                           use_qk_l2norm=True)
+    for dtype in dtypes:  # from a state at a chunk boundary (T = 4096), and inside a chunk; two rows
+        for T, short in ((4096, 0), (3000, INSIDE)):
+            x = gdn_inputs(T, 2, 8, 1, p["K"], p["V"], dtype, seed=T)
+            xs, state = continued(x, log_linear_gated_deltanet, short, use_qk_l2norm=True)
+            _compare_backends(log, f"{dtype} T={T} B=2 H=8 G=1 K=128 V=64 l2norm from a state at "
+                              f"T{f' - {short}' if short else ''}", xs, log_linear_gated_deltanet,
+                              initial_state=state, use_qk_l2norm=True)
     cases = [((8192, 2, 48, 1), {}), ((3000, 2, 8, 1), {}), ((4000, 1, 8, 2), {"varlen_state": True})]
     for (T, B, H, G), opts in cases:
         x = gdn_inputs(T, B, H, G, p["K"], p["V"], torch.float32, seed=T)
