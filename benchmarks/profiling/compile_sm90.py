@@ -13,7 +13,7 @@ reader chunks: what each of its iterations issues), per kernel at the op's block
 
 Paper setting by default (K = 128, V = 64, the op's chunk: 64 for Mamba-2 and GLA, Gated DeltaNet's rule).
 Mamba-2 / GLA: the chunk-level scans mamba2/fwd.py, mamba2/bwd.py and the chunk-parallel mamba2/chunk.py (GLA:
-PER_CHANNEL); Gated DeltaNet:
+PER_CHANNEL), with --has-init the seeded first chunks' reads (mamba2/seeds.py); Gated DeltaNet:
 the scan kernels (gated_deltanet/scan.py) and the chunk-local ones (gated_deltanet/local.py).
 Uses the installed triton (compile with the GPU's version, e.g. a triton 3.6 wheel on PYTHONPATH) and its
 bundled ptxas. A kernel whose shared memory exceeds SHARED_LIMIT fails to launch on an H100/H200.
@@ -46,6 +46,7 @@ from loglinear.ops.triton.mamba2 import backend as mamba2  # noqa: E402
 from loglinear.ops.triton.mamba2 import bwd as mamba2_bwd  # noqa: E402
 from loglinear.ops.triton.mamba2 import chunk as mamba2_chunk  # noqa: E402
 from loglinear.ops.triton.mamba2 import fwd as mamba2_fwd  # noqa: E402
+from loglinear.ops.triton.mamba2 import seeds  # noqa: E402
 from loglinear.ops.triton.shared import intra_channel  # noqa: E402
 from loglinear.ops.triton.shared.common import MAX_CHUNK_LEVELS  # noqa: E402
 from loglinear.ops.triton.shared.launch import heads_per_program, launch_options  # noqa: E402
@@ -150,7 +151,8 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     bufs = dict(levels=f32, buckets=P, decays=f32, h0=P, h0_held="*i8", dq=P, dk=P, dv=P, dlam=P, qdq=f32, q_dec=P,
                 d_levels=f32, d_buckets=P, d_deposits=P, d_init=f32, d_gate=f32, totals=f32, final_terms=f32,
                 later=f32, dg=f32, chunks=i32, order=i32, seqs=i32, chunk0=i32, base_ptr=i32)
-    bufs.update(scores=P, dq_in=P, dk_in=P, cum=f32)
+    bufs.update(scores=P, dq_in=P, dk_in=P, cum=f32, o=P, d_o=P, layout="*i64", at="*i64", stride_t="i32",
+                stride_h="i32", stride_v="i32")
     chunk = ("q k v g lam {} h0 h0_held buckets decays scores {}starts lows ends seqs chunks chunk0 scale "
              "{}H G K V L J{}")
     kernels = [  # (kernel, its arguments, constexprs, state tile of one program: launch_options)
@@ -176,6 +178,13 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
          dict(base, R=mamba2.GATE_LATER_BLOCK, BK=BK if per_channel else 16), 0),
         (mamba2_chunk.mamba2_gate_grad_kernel, "d_gate later g cum dg starts lows ends H K", base, 0),
     ]
+    if args.has_init:  # a state inside a chunk: the seeded first chunks' reads (q, g, lam: gathered rows)
+        const = dict(base, BL=16)
+        kernels += [
+            (seeds.seed_reads_kernel, "o q g lam levels layout at scale H G K V L", const, 0),
+            (seeds.seed_reads_bwd_kernel, "d_o q g lam levels layout at scale dq dg dlam d_levels H G K V L "
+             "stride_t stride_h stride_v", const, 0),
+        ]
     if per_channel:
         kernels += [
             (intra_channel.channel_cumsum_kernel, "g cum starts lows ends H K", base, 0),

@@ -61,7 +61,7 @@ from loglinear.ops.finite import floor_log_decay, log_decay_peak
 from loglinear.ops.torch_chunk import chunk_levels_from
 from loglinear.ops.triton.mamba2.bwd import mamba2_bwd_scan_kernel
 from loglinear.ops.triton.mamba2.chunk import (
-    mamba2_chunk_bwd_dkv_kernel, mamba2_chunk_bwd_dq_kernel, mamba2_chunk_fwd_kernel, mamba2_deposit_kernel,
+    FP32_DOT, mamba2_chunk_bwd_dkv_kernel, mamba2_chunk_bwd_dq_kernel, mamba2_chunk_fwd_kernel, mamba2_deposit_kernel,
     mamba2_gate_grad_kernel, mamba2_gate_later_kernel, mamba2_initial_grad_kernel, mamba2_level_grad_kernel,
 )
 from loglinear.ops.triton.mamba2.fwd import mamba2_fwd_kernel
@@ -80,7 +80,6 @@ from loglinear.tables import cached_table, device_table, table_cache
 __all__ = ["supports", "backend", "LevelScanPlan"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FP32_DOT = "ieee"  # fp32 products exact (shared.rules.dot_precision)
 MAX_CHUNK = 64  # the kernels' chunk cap (shared.rules.kernel_chunk_size): tiles fit sm_90's shared memory
 SCAN_ROWS = 16  # K rows per program of a scan whose state tile may be split
 DEPOSIT_ROWS = 128  # K rows per deposit program (its running sum and the deposit: two fp32 tiles; 64 ran slower)
@@ -500,28 +499,31 @@ def _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, d_gate, final
 
 
 class LevelScanMamba2(torch.autograd.Function):
-    """(q, k, v, g, gate, lam, h0, rows) -> (o, chunk-level final states, the inputs at rows) on the kernels.
+    """(q, k, v, g, gate, lam, h0, rows, take) -> (o, chunk-level final states, the inputs ``take`` at rows) on the
+    kernels.
 
     q, k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] or [tokens, H, K] per channel, unfloored (the kernels
     floor it); gate: what the kernels read of g (_read_gate; no gradient); lam: [tokens, H, L] (plain:
     not read, no gradient);
     h0: [N, J, H, K, V] fp32 chunk-level initial states (plain: J = 1, the state); rows: [n] int64 unique tokens or
-    None. Returns o: [tokens, H, V] (rows outside the plan's sequences unwritten), the final chunk levels
-    [N, J, H, K, V] fp32 and, with rows, q, k, v, g and lam at those rows (_Rows), whose gradients the backward adds
-    into the kernels' there."""
+    None; take: the names among "q", "k", "v", "g", "lam" of the inputs to gather there. Returns o: [tokens, H, V]
+    (rows outside the plan's sequences unwritten), the final chunk levels [N, J, H, K, V] fp32 and, with rows, the
+    inputs ``take`` at those rows (_Rows), whose gradients the backward adds into the kernels' there."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, gate, lam, h0, plan: LevelScanPlan, rows: torch.Tensor | None):
+    def forward(ctx, q, k, v, g, gate, lam, h0, plan: LevelScanPlan, rows: torch.Tensor | None,
+                take: tuple[str, ...] = ()):
         ranges = plan.device_tensors(q.device)
         o = alloc(tuple(v.shape), v.dtype, v.device)
         levels = h0.detach().clone(memory_format=torch.contiguous_format)
         ctx.saved = _forward(q, k, v, gate, lam, h0, o, levels, ranges, plan)
-        ctx.plan, ctx.ranges, ctx.rows = plan, ranges, rows
+        ctx.plan, ctx.ranges, ctx.rows, ctx.take = plan, ranges, rows, take
         ctx.set_materialize_grads(False)  # an unused output's gradient comes as None, not as zeros
         ctx.save_for_backward(q, k, v, g, lam, h0, levels)
         if rows is None:
             return o, levels
-        return o, levels, *(x.index_select(0, rows) for x in (q, k, v, g, lam))
+        inputs = dict(q=q, k=k, v=v, g=g, lam=lam)
+        return o, levels, *(inputs[name].index_select(0, rows) for name in take)
 
     @staticmethod
     def backward(ctx, d_o, d_final, *d_rows):
@@ -541,11 +543,13 @@ class LevelScanMamba2(torch.autograd.Function):
         dk, dv, dg = _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, qdq, final_terms, ranges,
                                 saved.table, plan, g)
         del d_deposits, scores, dk_in, gate
-        for grad, d in zip((dq, dk, dv, dg, dlam), d_rows):
+        grads = dict(q=dq, k=dk, v=dv, g=dg, lam=dlam)
+        for name, d in zip(ctx.take, d_rows):
             if d is not None:  # the rows' own gradients, in place: the rows are unique (one read and write each)
+                grad = grads[name]
                 grad.index_copy_(0, ctx.rows, grad.index_select(0, ctx.rows) + d.to(grad.dtype))
         d_h0 = d_levels if plan.has_init else None
-        return dq, dk, dv, dg, None, dlam, d_h0, None, None
+        return dq, dk, dv, dg, None, dlam, d_h0, None, None, None
 
 
 def _final_grads(d_final: torch.Tensor | None, final: torch.Tensor, plan: LevelScanPlan
@@ -646,15 +650,22 @@ def _flatten(inp: OpInputs) -> _Flat:
 class _Rows:
     """Rows of the call's tokens that the torch ops around the kernels read (the seeded sequences' first kernel
     chunks, the final states' last chunks): q, k [n, G, K], v [n, H, V], g [n, H(, K)], lam [n, H, L] at the unique
-    tokens of _row_tables. LevelScanMamba2 gathers them as outputs of its own, so their gradients are added into the
+    tokens of _row_tables, those that something reads (None otherwise: the first chunks read q, g and lam, the last
+    ones k, v and g). LevelScanMamba2 gathers them as outputs of its own, so their gradients are added into the
     kernels' at those rows in its backward (gathered from the inputs, autograd would write each input's gradient at
     whole size once more, then add the two)."""
 
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    g: torch.Tensor
-    lam: torch.Tensor
+    q: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    g: torch.Tensor | None = None
+    lam: torch.Tensor | None = None
+
+    @staticmethod
+    def names(first: bool, last: bool) -> tuple[str, ...]:
+        """The inputs that the first chunks' reads (first) and the last chunks' levels (last) need, in field order."""
+        return tuple(n for n in ("q", "k", "v", "g", "lam") if (first and n in "q g lam".split())
+                     or (last and n in "k v g".split()))
 
     @staticmethod
     def at(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
@@ -701,10 +712,10 @@ def _chunk_levels(flat: _Flat, state: FenwickState | None, C: int
     return J, h0, True, 0, Seeds(seeded, [positions[n] for n in seeded], [ends[n] for n in seeded], in_chunk)
 
 
-def _first_chunk_layout(plan: LevelScanPlan, seeds: Seeds, L: int) -> FirstChunks:
-    """seeds.first_chunks of the seeded sequences (plan.bos: their first kernel chunks' starts; L lam levels)."""
+def _first_chunk_layout(plan: LevelScanPlan, seeds: Seeds) -> FirstChunks:
+    """seeds.first_chunks of the seeded sequences (plan.bos: their first kernel chunks' starts)."""
     return first_chunks(tuple(plan.bos[n] for n in seeds.rows), tuple(plan.eos[n] for n in seeds.rows),
-                        tuple(seeds.positions), plan.chunk_size, L, seeds.levels.device)
+                        tuple(seeds.positions), plan.chunk_size, seeds.levels.device)
 
 
 def _final_state(flat: _Flat, last: torch.Tensor, final: torch.Tensor, n_in: int,
@@ -762,26 +773,25 @@ def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tu
     plan = LevelScanPlan([a - p % C for a, p in zip(bounds, positions)], bounds[:-1], bounds[1:],
                          [p // C for p in positions], C, J, has_init, inp.scale, per_channel=_per_channel(inp),
                          first_level=first_level)
-    first = _first_chunk_layout(plan, seeds, flat.lam.shape[-1]) if seeds is not None else None
+    first = _first_chunk_layout(plan, seeds) if seeds is not None else None
     last = _last_chunks(tuple(plan.bos), tuple(plan.los), tuple(plan.eos), C, flat.q.device) \
         if output_final_state else None
     layouts = ((first.tokens,) if first is not None else ()) + ((last[0],) if last is not None else ())
     tokens, at = _row_tables(layouts, flat.q.device) if layouts else (None, ())
     first_at, last_at = (at[0] if first is not None else None), (at[-1] if last is not None else None)
     gate = _read_gate(flat.g, plan, inp.report_finite)
-    o, final, *gathered = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan, tokens)
-    rows = _Rows(*gathered) if gathered else None
-    if first is not None:
-        first_g = rows.at(rows.g, first_at)
-        terms = SeedReads.apply(rows.at(rows.q, first_at), first_g, rows.at(rows.lam, first_at), seeds.levels, first,
-                                inp.scale)
-        o = o.index_add_(0, first.reads, terms.to(o.dtype))  # in place: the kernels' o is not saved for the backward
+    take = _Rows.names(first is not None, last is not None)
+    o, final, *gathered = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan, tokens,
+                                                take)
+    rows = _Rows(**dict(zip(take, gathered)))
+    if first is not None:  # in place: the kernels' o is not saved for their backward
+        o = SeedReads.apply(o, rows.q, rows.g, rows.lam, seeds.levels, first, first_at, inp.scale)
     o = o.reshape(inp.v.shape).to(inp.v.dtype)
     if not output_final_state:
         return o, None
     n_in = state.num_levels if state is not None else 0
     width = final.shape[1] + chunk_bits(C) + 1
-    moved = first_levels(seeds, first_g, first, width, C) if seeds is not None else None
+    moved = first_levels(seeds, rows.at(rows.g, first_at), first, width, C) if seeds is not None else None
     in_chunk = _last_chunk_levels(rows, last_at, *last[1:], flat.v.shape[1])
     return o, _final_state(flat, in_chunk, final, n_in, moved)
 

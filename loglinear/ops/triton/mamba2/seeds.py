@@ -1,23 +1,31 @@
 """States inside a chunk on the Mamba-2 / GLA kernels: what a seeded sequence's first kernel chunk reads of its
-state's in-chunk buckets, put right in torch, and where those buckets go in a final state.
+state's in-chunk buckets, put right by two small kernels, and where those buckets go in a final state.
 
 A sequence whose state is at a position p inside a chunk (or at 0) runs its kernel chunks from the start of p's
 chunk c0, the rows before p masked (backend.py). Its state's in-chunk levels 0..c are summed into chunk level
 m0 = ctz(c0 + 1) of h0 (torch_chunk.chunk_levels_from), the level chunk c0's cascade merges them into, so the
-kernels carry them on exactly; in chunk c0 itself they read that sum at level c + 1 + m0, where query t should read
-level m of the state at
+kernels carry them on exactly; in chunk c0 itself they read that sum at level c + 1 + m0, where the row t of the
+chunk (token c0 C + t) should read level m of the state at
 
-    read(t, m) = max(m, ctz(p) + 1, bit_length(t XOR p))       (ctz(p) + 1: 0 for p = 0)
+    read(t, m) = max(m, ctz(p) + 1, bit_length(t XOR (p mod C)))       (ctz(p) + 1: 0 for p = 0)
 
-(the carry past p, adding the levels below ctz(p) + 1 into that level, is never formed: level m lands in bucket
-max(m, ctz(p) + 1), read at fenwick.incoming_levels of it). SeedReads adds the difference to o for the call's tokens
-t of those chunks:
+(bit_length((c0 C + t) XOR p): the chunk's bits cancel; the carry past p, adding the levels below ctz(p) + 1 into
+that level, is never formed: level m lands in bucket max(m, ctz(p) + 1), read at fenwick.incoming_levels of it).
+SeedReads adds the difference to o, one program per (seeded sequence, value head), for the rows t of its first
+chunk that are tokens of the call (p mod C <= t < its end):
 
-    o_t += scale sum_m (lam_t[read(t, m)] - lam_t[c + 1 + m0]) (exp(G_t) q_t)^T S_m
+    w_t,m = lam_t[read(t, m)] - lam_t[c + 1 + m0]        (a lam level at or past the call's L reads 0, as in the
+                                                           kernels)
+    o_t += scale sum_m w_t,m (exp(G_t) q_t)^T S_m        (S_m the state's level m, G_t the cumsum of the floored
+                                                           gate from the chunk's start: per key with GLA's gate)
 
-(S_m the state's level m, G_t the cumsum of the floored gate from the chunk's start; a lam level at or past the
-call's L reads 0, as in the kernels). A sequence that ends in chunk c0 still holds the buckets as chunk level m0,
-decayed to its last token e: first_levels moves them to the in-chunk levels e reads them at, read(e, m).
+and its backward, with dT = scale dO and U_m = w_m dT:
+
+    dw_m = rowsum(dT * (qt S_m)),  dS_m = qt^T U_m,  dqt = sum_m U_m S_m^T,  dlam_t[l] = sum_m dw_t,m ([l = read(t, m)]
+    - [l = c + 1 + m0]),  dq = exp(G) dqt,  dg_s = sum_{t >= s} exp(G_t) (dqt_t . q_t) (per key: elementwise),
+
+dg 0 where g <= FLOOR (the floor's gradient). A sequence that ends in chunk c0 still holds the buckets as chunk level
+m0, decayed to its last token e: first_levels moves them to the in-chunk levels e reads them at, read(e, m).
 """
 
 from __future__ import annotations
@@ -25,17 +33,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 from loglinear.fenwick import chunk_bits, ctz
-from loglinear.inputs import expand_groups
 from loglinear.ops.finite import LOG_DECAY_FLOOR, floor_log_decay
 from loglinear.ops.torch_chunk import route_buckets
-from loglinear.ops.triton.shared.common import group_sum
+from loglinear.ops.triton.mamba2.chunk import FP32_DOT
+from loglinear.ops.triton.shared.common import alloc, group_sum, heads_fastest, next_pow2
+from loglinear.ops.triton.shared.intra import FLOOR as GATE_FLOOR, bit_levels
+from loglinear.ops.triton.shared.launch import launch_options
+from loglinear.ops.triton.shared.rules import dot_precision
 from loglinear.tables import cached_table, device_table, table_cache
 
 __all__ = ["Seeds", "FirstChunks", "first_chunks", "SeedReads", "first_levels"]
 
 FLOOR = LOG_DECAY_FLOOR[torch.float32]
+ROW_FIELDS = tl.constexpr(5)  # FirstChunks.layout's columns
 
 
 @dataclass
@@ -52,45 +66,201 @@ class Seeds:
 @dataclass(frozen=True)
 class FirstChunks:
     """The first kernel chunks of the seeded sequences: tokens [R][C] of the call (host; clamped to the sequence),
-    held [R, C] bool (the sequence's tokens), taken [n] int64 (their places in the flattened [R * C]), reads [n]
-    int64 (those tokens) and select [R, C, L, M] fp32: select[r, t, l, m] = [l = read(t, m)] - [l = c + 1 + m0] at
-    the held rows (levels < L only; 0 elsewhere), so that lam_t select_t = the weights of the module docstring."""
+    held [R, C] bool (the sequence's tokens: front <= t < stop) and layout [R, ROW_FIELDS] int64, per chunk the
+    call's token at its first row (negative before the call's first token), front = p mod C, stop, the level
+    ctz(p) + 1 (0 for p = 0) below which no bucket is read, and the kernels' level c + 1 + m0."""
 
     tokens: tuple[tuple[int, ...], ...]
     held: torch.Tensor
-    taken: torch.Tensor
-    reads: torch.Tensor
-    select: torch.Tensor
-
-
-def _select(position: int, front: int, stop: int, C: int, L: int) -> list[list[list[float]]]:
-    """One sequence's select [C][L][M] (FirstChunks): held rows front <= t < stop of the chunk of ``position``."""
-    c, c0 = chunk_bits(C), position // C
-    target, kernel = ctz(position) + 1 if position else 0, c + 1 + ctz(c0 + 1)
-    rows = []
-    for t in range(C):
-        reads = [max(m, target, ((c0 * C + t) ^ position).bit_length()) for m in range(c + 1)]
-        held = front <= t < stop
-        rows.append([[float(held and lev == r < L) - float(held and lev == kernel < L) for r in reads]
-                     for lev in range(L)])
-    return rows
+    layout: torch.Tensor
 
 
 @table_cache()
-def first_chunks(starts: tuple[int, ...], ends: tuple[int, ...], positions: tuple[int, ...], C: int, L: int,
+def first_chunks(starts: tuple[int, ...], ends: tuple[int, ...], positions: tuple[int, ...], C: int,
                  device: torch.device) -> FirstChunks:
     """FirstChunks of the sequences [starts[i] + positions[i] mod C, ends[i]) of the call's tokens (starts[i]: the
-    chunk start before the sequence's first token) continuing states at ``positions``, with L lam levels. Cached per
-    layout (read-only; normal tensors)."""
-    fronts = [p % C for p in positions]
+    chunk start before the sequence's first token) continuing states at ``positions``. Cached per layout
+    (read-only; normal tensors)."""
+    c, fronts = chunk_bits(C), [p % C for p in positions]
     tokens = tuple(tuple(max(min(a + s, b - 1), a + r) for s in range(C)) for a, b, r in zip(starts, ends, fronts))
     held = [[r <= s < b - a for s in range(C)] for a, b, r in zip(starts, ends, fronts)]
-    taken = [i * C + s for i, h in enumerate(held) for s in range(C) if h[s]]
-    select = [_select(p, r, b - a, C, L) for a, b, r, p in zip(starts, ends, fronts, positions)]
+    layout = [(a, r, b - a, ctz(p) + 1 if p else 0, c + 1 + ctz(p // C + 1))
+              for a, b, r, p in zip(starts, ends, fronts, positions)]
     with torch.inference_mode(False):
-        return FirstChunks(tokens, device_table(held, torch.bool, device), device_table(taken, torch.int64, device),
-                           device_table([tokens[i // C][i % C] for i in taken], torch.int64, device),
-                           device_table(select, torch.float32, device))
+        return FirstChunks(tokens, device_table(held, torch.bool, device), device_table(layout, torch.int64, device))
+
+
+@triton.jit
+def seed_rows(layout, at, r, C: tl.constexpr, LOG_C: tl.constexpr):
+    """Seeded chunk r (FirstChunks.layout, at: [R, C] int64 its rows' indices into the gathered rows): (its first
+    row's token (int64), the held rows [C], their indices into the gathered rows [C] int64, bit_length(t XOR front)
+    [C], the floor ctz(p) + 1 of the levels read, the kernels' level c + 1 + m0)."""
+    t = tl.arange(0, C)
+    row = layout + r * ROW_FIELDS
+    front, stop = tl.load(row + 1).to(tl.int32), tl.load(row + 2).to(tl.int32)
+    held = (t >= front) & (t < stop)
+    return (tl.load(row), held, tl.load(at + r * C + t, mask=held, other=0), bit_levels(t ^ front, LOG_C),
+            tl.load(row + 3).to(tl.int32), tl.load(row + 4).to(tl.int32))
+
+
+@triton.jit
+def seed_gates(g, idx, held, h, H, K, kk, PER_CHANNEL: tl.constexpr):
+    """(exp(G) fp32 [C] or per channel [C, BK], the raw gate rows in fp32): G the cumsum of max(g, FLOOR) over the
+    chunk's rows, 0 at the rows not held; g [n, H] or [n, H, K] the gathered rows (unfloored)."""
+    if PER_CHANNEL:
+        ok = held[:, None] & (kk[None, :] < K)
+        raw = tl.load(g + (idx[:, None] * H + h) * K + kk[None, :], mask=ok, other=0.0).to(tl.float32)
+        floored = tl.where(ok, tl.maximum(raw, GATE_FLOOR), 0.0)
+    else:
+        raw = tl.load(g + idx * H + h, mask=held, other=0.0).to(tl.float32)
+        floored = tl.where(held, tl.maximum(raw, GATE_FLOOR), 0.0)
+    return tl.exp(tl.cumsum(floored, 0)), raw
+
+
+@triton.jit
+def seed_weight(lam_rows, ll, lev, target, kernel, m):
+    """(w_t,m = lam_t[read(t, m)] - lam_t[kernel] [C] fp32 from the rows' lam [C, BL] (0 at levels >= L), read(t, m)
+    [C] int32)."""
+    read = tl.maximum(tl.maximum(lev, target), m)
+    picked = tl.sum(tl.where(ll[None, :] == read[:, None], lam_rows, 0.0), 1)
+    return picked - tl.sum(tl.where(ll[None, :] == kernel, lam_rows, 0.0), 1), read
+
+
+@triton.jit
+def seed_inputs(q, g, lam, idx, held, h, H, G, K, L, kk, ll, PER_CHANNEL: tl.constexpr):
+    """What both kernels read at the held rows: q [C, BK] (h's group), exp(G) (seed_gates), the raw gate and lam
+    [C, BL], fp32; qt = exp(G) q."""
+    grp = h // (H // G)
+    qc = tl.load(q + (idx[:, None] * G + grp) * K + kk[None, :], mask=held[:, None] & (kk[None, :] < K),
+                 other=0.0).to(tl.float32)
+    decay, raw = seed_gates(g, idx, held, h, H, K, kk, PER_CHANNEL)
+    lam_rows = tl.load(lam + (idx[:, None] * H + h) * L + ll[None, :], mask=held[:, None] & (ll[None, :] < L),
+                       other=0.0).to(tl.float32)
+    qt = qc * decay if PER_CHANNEL else qc * decay[:, None]
+    return qc, decay, raw, lam_rows, qt
+
+
+@triton.jit
+def level_offsets(r, m, h, H, K, V, kk, vv, M: tl.constexpr):
+    """Offsets [BK, BV] (int64) of level m of seeded chunk r, head h, in levels [R, M, H, K, V]."""
+    return (((r * M + m) * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :]
+
+
+@triton.jit(do_not_specialize=["H", "G", "L"])
+def seed_reads_kernel(
+    o, q, g, lam, levels, layout, at, scale,
+    H, G, K, V, L,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
+    PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
+):
+    """o_t += scale sum_m w_t,m qt_t^T S_m (module docstring) on the held rows of seeded chunk r, head h; o:
+    [tokens, H, V] (read and written in its dtype, the sum in fp32), q [n, G, K], g [n, H(, K)], lam [n, H, L]: the
+    gathered rows; levels [R, M, H, K, V] fp32 (M = LOG_C + 1). Grid (R * H,) (heads_fastest)."""
+    r, h = heads_fastest(H)
+    kk, vv, ll = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BL)
+    t0, held, idx, lev, target, kernel = seed_rows(layout, at, r, C, LOG_C)
+    _, _, _, lam_rows, qt = seed_inputs(q, g, lam, idx, held, h, H, G, K, L, kk, ll, PER_CHANNEL)
+    smask = (kk[:, None] < K) & (vv[None, :] < V)
+    acc = tl.zeros([C, BV], dtype=tl.float32)
+    for m in range(LOG_C + 1):
+        state = tl.load(levels + level_offsets(r, m, h, H, K, V, kk, vv, LOG_C + 1), mask=smask, other=0.0)
+        w, _ = seed_weight(lam_rows, ll, lev, target, kernel, m)
+        acc += w[:, None] * tl.dot(qt, state, input_precision=PRECISION)
+    rows = o + ((t0 + tl.arange(0, C)) * H + h)[:, None] * V + vv[None, :]
+    ok = held[:, None] & (vv[None, :] < V)
+    tl.store(rows, (tl.load(rows, mask=ok, other=0.0).to(tl.float32) + scale * acc).to(o.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["H", "G", "L"])
+def seed_reads_bwd_kernel(
+    d_o, q, g, lam, levels, layout, at, scale,
+    dq, dg, dlam, d_levels,
+    H, G, K, V, L, stride_t, stride_h, stride_v,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
+    PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
+):
+    """seed_reads_kernel's gradients (module docstring) on the held rows of seeded chunk r, head h: dq [n, H, K]
+    (per value head), dg [n, H(, K)], dlam [n, H, L] at the gathered rows (the rows not held are not written);
+    d_levels [R, M, H, K, V] fp32. d_o: [tokens, H, V] with strides stride_t, stride_h, stride_v (o.sum()'s
+    gradient is an expanded scalar: read as it is, not copied). Grid (R * H,) (heads_fastest)."""
+    r, h = heads_fastest(H)
+    kk, vv, ll = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BL)
+    t0, held, idx, lev, target, kernel = seed_rows(layout, at, r, C, LOG_C)
+    qc, decay, raw, lam_rows, qt = seed_inputs(q, g, lam, idx, held, h, H, G, K, L, kk, ll, PER_CHANNEL)
+    ok = held[:, None] & (vv[None, :] < V)
+    rows = d_o + (t0 + tl.arange(0, C))[:, None] * stride_t + h * stride_h + vv[None, :] * stride_v
+    d_t = scale * tl.load(rows, mask=ok, other=0.0).to(tl.float32)
+    smask = (kk[:, None] < K) & (vv[None, :] < V)
+    d_qt = tl.zeros([C, BK], dtype=tl.float32)
+    d_lam = tl.zeros([C, BL], dtype=tl.float32)
+    for m in range(LOG_C + 1):
+        offs = level_offsets(r, m, h, H, K, V, kk, vv, LOG_C + 1)
+        state = tl.load(levels + offs, mask=smask, other=0.0)
+        w, read = seed_weight(lam_rows, ll, lev, target, kernel, m)
+        d_w = tl.sum(d_t * tl.dot(qt, state, input_precision=PRECISION), 1)
+        d_lam += tl.where(ll[None, :] == read[:, None], d_w[:, None], 0.0) - tl.where(ll[None, :] == kernel,
+                                                                                     d_w[:, None], 0.0)
+        u = w[:, None] * d_t
+        d_qt += tl.dot(u, tl.trans(state), input_precision=PRECISION)
+        tl.store(d_levels + offs, tl.dot(tl.trans(qt), u, input_precision=PRECISION), mask=smask)
+    kmask = held[:, None] & (kk[None, :] < K)
+    if PER_CHANNEL:
+        d_q = decay * d_qt
+        d_gate = tl.cumsum(d_q * qc, 0, reverse=True)
+        d_gate = tl.where(raw <= GATE_FLOOR, 0.0, d_gate)
+        tl.store(dg + (idx[:, None] * H + h) * K + kk[None, :], d_gate.to(dg.dtype.element_ty), mask=kmask)
+    else:
+        d_q = decay[:, None] * d_qt
+        d_gate = tl.cumsum(tl.sum(d_q * qc, 1), 0, reverse=True)
+        d_gate = tl.where(raw <= GATE_FLOOR, 0.0, d_gate)
+        tl.store(dg + idx * H + h, d_gate.to(dg.dtype.element_ty), mask=held)
+    tl.store(dq + (idx[:, None] * H + h) * K + kk[None, :], d_q.to(dq.dtype.element_ty), mask=kmask)
+    tl.store(dlam + (idx[:, None] * H + h) * L + ll[None, :], d_lam.to(dlam.dtype.element_ty),
+             mask=held[:, None] & (ll[None, :] < L))
+
+
+class SeedReads(torch.autograd.Function):
+    """(o, q, g, lam, levels, chunks, at, scale) -> o with the seeded first chunks' reads added (module docstring),
+    in place. o: [tokens, H, V] (the kernels' output, not saved by their Function); q [n, G, K], g [n, H] or per
+    channel [n, H, K] (unfloored), lam [n, H, L]: the call's gathered rows (backend._Rows), at: [R, C] int64 the
+    seeded chunks' rows among them (unique on the held rows); levels [R, M, H, K, V] fp32 (Seeds.levels). One kernel
+    each way, whatever R; the gradients of q, g, lam come at the gathered rows (0 at the rows no chunk holds)."""
+
+    @staticmethod
+    def forward(ctx, o: torch.Tensor, q: torch.Tensor, g: torch.Tensor, lam: torch.Tensor, levels: torch.Tensor,
+                chunks: FirstChunks, at: torch.Tensor, scale: float) -> torch.Tensor:
+        levels = levels.contiguous()
+        _launch(seed_reads_kernel, (o, q, g, lam, levels, chunks.layout, at, scale), q, o, lam, g.dim() == 3)
+        ctx.mark_dirty(o)
+        ctx.save_for_backward(q, g, lam, levels, at)
+        ctx.chunks, ctx.scale = chunks, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, d_o: torch.Tensor) -> tuple:
+        q, g, lam, levels, at = ctx.saved_tensors
+        H, G = lam.shape[1], q.shape[1]
+        per_head = torch.zeros((q.shape[0], H, q.shape[2]), dtype=q.dtype if G == H else torch.float32,
+                               device=q.device)
+        dg, dlam, d_levels = torch.zeros_like(g), torch.zeros_like(lam), alloc(tuple(levels.shape), torch.float32,
+                                                                               levels.device)
+        tensors = (d_o, q, g, lam, levels, ctx.chunks.layout, at, ctx.scale, per_head, dg, dlam, d_levels)
+        strides = dict(zip(("stride_t", "stride_h", "stride_v"), d_o.stride()))
+        _launch(seed_reads_bwd_kernel, tensors, q, d_o, lam, g.dim() == 3, **strides)
+        return d_o, group_sum(per_head, G, 1).to(q.dtype), dg, dlam, d_levels, None, None, None
+
+
+def _launch(kernel, tensors: tuple, q: torch.Tensor, o: torch.Tensor, lam: torch.Tensor, per_channel: bool,
+            **extra: int) -> None:
+    """Launch a seeds kernel, one program per (seeded chunk, value head): kernel(*tensors, sizes, **extra), with
+    tensors[6] = at [R, C]; q [n, G, K], lam [n, H, L] the gathered rows, o [tokens, H, V] the output or its
+    gradient."""
+    R, C = tensors[6].shape
+    H, V = o.shape[1], o.shape[2]
+    kernel[(R * H,)](*tensors, H=H, G=q.shape[1], K=q.shape[2], V=V, L=lam.shape[-1], **extra, C=C,
+                     LOG_C=chunk_bits(C), BK=next_pow2(q.shape[2]), BV=next_pow2(V), BL=next_pow2(lam.shape[-1]),
+                     PRECISION=dot_precision(q.dtype, FP32_DOT), PER_CHANNEL=per_channel,
+                     **launch_options(kernel))
 
 
 def _decays(floored: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
@@ -98,55 +268,6 @@ def _decays(floored: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     chunk's start over the held rows (0 at the masked ones)."""
     held = held.view(*held.shape, *(1,) * (floored.dim() - 2))
     return torch.exp(torch.where(held, floored, 0.0).cumsum(1))
-
-
-def _per_key(decay: torch.Tensor) -> torch.Tensor:
-    """A decay [R, C, H] or per channel [R, C, H, K] as a factor of [R, C, H, K] tensors."""
-    return decay if decay.dim() == 4 else decay[..., None]
-
-
-class SeedReads(torch.autograd.Function):
-    """(q, g, lam, levels, chunks, scale) -> the terms the module docstring adds to o, [n, H, V] fp32 at
-    chunks.reads: q [R, C, G, K], g [R, C, H] or per channel [R, C, H, K] (unfloored), lam [R, C, H, L] at
-    chunks.tokens; levels [R, M, H, K, V] fp32 (Seeds.levels). One batch of ops each way, whatever R: with the
-    decayed queries qt = exp(G) q, the weights w = lam select [R, C, H, M] and the reads P_m = qt^T S_m [R, C, H, M, V],
-    terms = scale sum_m w_m P_m; backward, with dT = scale dterms and U_m = w_m dT:
-        dw_m = dT . P_m,  dS_m = sum_t qt_t U_m,t^T,  dqt = sum_m U_m S_m^T,  dlam = dw select^T,
-        dq = group sum of exp(G) dqt,  dg_s = sum_{t >= s} dG_t with dG = exp(G) (dqt . q) (per channel: by key),
-    dg 0 at the masked rows and where g <= FLOOR."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, g: torch.Tensor, lam: torch.Tensor, levels: torch.Tensor, chunks: FirstChunks,
-                scale: float) -> torch.Tensor:
-        H = lam.shape[2]
-        qe = expand_groups(q.float(), H)
-        decay = _decays(floor_log_decay(g.float()), chunks.held)  # no autograd in here: a clamp
-        qt = qe * _per_key(decay)
-        w = lam.float() @ chunks.select
-        P = torch.einsum("rthk,rmhkv->rthmv", qt, levels)
-        terms = torch.einsum("rthm,rthmv->rthv", w, P) * scale
-        ctx.save_for_backward(q, g, lam, levels, qe, decay, qt, w, P)
-        ctx.chunks, ctx.scale = chunks, scale
-        return terms.flatten(0, 1).index_select(0, chunks.taken)
-
-    @staticmethod
-    def backward(ctx, d_terms: torch.Tensor) -> tuple:
-        q, g, lam, levels, qe, decay, qt, w, P = ctx.saved_tensors
-        chunks = ctx.chunks
-        (R, C, H), V = lam.shape[:3], levels.shape[-1]
-        dT = d_terms.new_zeros((R * C, H, V), dtype=torch.float32)
-        dT = dT.index_copy_(0, chunks.taken, d_terms.float()).view(R, C, H, V) * ctx.scale
-        d_w = torch.einsum("rthv,rthmv->rthm", dT, P)
-        U = w[..., None] * dT[:, :, :, None]
-        d_qt = torch.einsum("rthmv,rmhkv->rthk", U, levels)
-        d_levels = torch.einsum("rthk,rthmv->rmhkv", qt, U)
-        d_lam = d_w @ chunks.select.transpose(-1, -2)
-        d_q = group_sum(d_qt * _per_key(decay), q.shape[2], 2)
-        d_decay = d_qt * qe if decay.dim() == 4 else (d_qt * qe).sum(-1)
-        d_g = (d_decay * decay).flip(1).cumsum(1).flip(1)
-        d_g = torch.ops.aten.threshold_backward(d_g, g.float(), FLOOR)
-        d_g = torch.where(chunks.held.view(R, C, *(1,) * (g.dim() - 2)), d_g, 0.0)
-        return d_q.to(q.dtype), d_g.to(g.dtype), d_lam.to(lam.dtype), d_levels, None, None
 
 
 def first_levels(seeds: Seeds, g: torch.Tensor, chunks: FirstChunks, width: int, C: int

@@ -23,7 +23,9 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
     programs of 64 1.6% slower (mamba2/backend.py DEPOSIT_ROWS).
   * Mamba-2 scans (mamba2/fwd.py, mamba2/bwd.py): one program per (sequence, head, block of state rows);
     4 warps up to a [128, 32] fp32 state tile, 8 above (``wide_warps``). The gate gradient's sums over later
-    chunks (mamba2_gate_later_kernel, one program per (sequence, head)): 4 warps, not tuned (0.07 ms at 32K).
+    chunks (mamba2_gate_later_kernel, one program per (sequence, head)): 4 warps, not tuned (0.07 ms at 32K); so
+    are the seeded first chunks' reads (mamba2/seeds.py: one wave of programs per call, the backward's at 8 warps
+    for its five fp32 [64, 128]-sized tiles).
   * The same chunk kernels with a per-channel gate (GLA, C = 64) take 4 warps too, two programs per SM (141-255
     registers; the dq and dk / dv kernels spill 64 / 656 B; at 152 / 528 B they ran 25% / 23% faster than at 8
     warps without spills on the H200 at 32K, and over 10x faster than at 2 warps); the level gradient's readers take
@@ -101,6 +103,9 @@ LAUNCH: dict[str, Launch] = {
     "mamba2_chunk_bwd_dkv_kernel": Launch(4, 2, channel=(4, 1), plain=(4, 1)),
     "mamba2_gate_grad_kernel": Launch(4, 1),
     "mamba2_gate_later_kernel": Launch(4, 3),
+    # a state inside a chunk: the seeded first chunks' reads (mamba2/seeds.py), one program per (sequence, head)
+    "seed_reads_kernel": Launch(4, 1),
+    "seed_reads_bwd_kernel": Launch(8, 1),
     # the in-chunk block with a per-channel gate (GLA)
     "channel_cumsum_kernel": Launch(4, 1),
     "channel_scores_kernel": Launch(4, 1),
