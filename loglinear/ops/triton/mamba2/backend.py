@@ -11,7 +11,8 @@ Composition (all sequences of a call in one launch per kernel):
      reading nothing, and are not written; no copy of the inputs), its in-chunk buckets are seeded into the chunk
      level its first chunk's cascade merges them into (torch_chunk.chunk_levels_from, one step for every
      sequence's h0), and seeds.py puts right what the kernels read of them in that chunk and the final state of a
-     sequence that ends in it (exact, differentiable, one batch of ops each way whatever the positions);
+     sequence that ends in it (exact, differentiable; one kernel each way for the first chunk's reads, whatever
+     the positions);
   3. forward: a chunk-parallel kernel computes every chunk's deposit, a sequential scan merges them
      through the chunk levels (fwd.py: recording each merged level and every chunk's level
      decays; no GEMM, the states cut into K-row blocks), then a chunk-parallel kernel computes the
@@ -648,12 +649,12 @@ def _flatten(inp: OpInputs) -> _Flat:
 
 @dataclass
 class _Rows:
-    """Rows of the call's tokens that the torch ops around the kernels read (the seeded sequences' first kernel
-    chunks, the final states' last chunks): q, k [n, G, K], v [n, H, V], g [n, H(, K)], lam [n, H, L] at the unique
-    tokens of _row_tables, those that something reads (None otherwise: the first chunks read q, g and lam, the last
-    ones k, v and g). LevelScanMamba2 gathers them as outputs of its own, so their gradients are added into the
-    kernels' at those rows in its backward (gathered from the inputs, autograd would write each input's gradient at
-    whole size once more, then add the two)."""
+    """Rows of the call's tokens that the ops around the kernels read (the seeded sequences' first kernel chunks:
+    seeds.SeedReads; the final states' last chunks, in torch): q, k [n, G, K], v [n, H, V], g [n, H(, K)], lam
+    [n, H, L] at the unique tokens of _row_tables, those that something reads (None otherwise: the first chunks read
+    q, g and lam, the last ones k, v and g). LevelScanMamba2 gathers them as outputs of its own, so their gradients
+    are added into the kernels' at those rows in its backward (gathered from the inputs, autograd would write each
+    input's gradient at whole size once more, then add the two)."""
 
     q: torch.Tensor | None = None
     k: torch.Tensor | None = None
