@@ -665,8 +665,8 @@ class _Rows:
     @staticmethod
     def names(first: bool, last: bool) -> tuple[str, ...]:
         """The inputs that the first chunks' reads (first) and the last chunks' levels (last) need, in field order."""
-        return tuple(n for n in ("q", "k", "v", "g", "lam") if (first and n in "q g lam".split())
-                     or (last and n in "k v g".split()))
+        needed = {*(("q", "g", "lam") if first else ()), *(("k", "v", "g") if last else ())}
+        return tuple(n for n in ("q", "k", "v", "g", "lam") if n in needed)
 
     @staticmethod
     def at(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
