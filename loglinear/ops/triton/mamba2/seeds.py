@@ -129,7 +129,8 @@ def seed_weight(lam_rows, ll, lev, target, kernel, m):
 @triton.jit
 def seed_inputs(q, g, lam, idx, held, h, H, G, K, L, kk, ll, PER_CHANNEL: tl.constexpr):
     """What both kernels read at the held rows: q [C, BK] (h's group), exp(G) (seed_gates), the raw gate and lam
-    [C, BL], fp32; qt = exp(G) q."""
+    [C, BL], fp32; qt = exp(G) q in q's dtype (the products' operand dtype, as the chunk kernels': 16-bit operands,
+    fp32 sums)."""
     grp = h // (H // G)
     qc = tl.load(q + (idx[:, None] * G + grp) * K + kk[None, :], mask=held[:, None] & (kk[None, :] < K),
                  other=0.0).to(tl.float32)
@@ -137,7 +138,7 @@ def seed_inputs(q, g, lam, idx, held, h, H, G, K, L, kk, ll, PER_CHANNEL: tl.con
     lam_rows = tl.load(lam + (idx[:, None] * H + h) * L + ll[None, :], mask=held[:, None] & (ll[None, :] < L),
                        other=0.0).to(tl.float32)
     qt = qc * decay if PER_CHANNEL else qc * decay[:, None]
-    return qc, decay, raw, lam_rows, qt
+    return qc, decay, raw, lam_rows, qt.to(q.dtype.element_ty)
 
 
 @triton.jit
@@ -159,12 +160,13 @@ def seed_reads_kernel(
     r, h = heads_fastest(H)
     kk, vv, ll = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BL)
     t0, held, idx, lev, target, kernel = seed_rows(layout, at, r, C, LOG_C)
-    _, _, _, lam_rows, qt = seed_inputs(q, g, lam, idx, held, h, H, G, K, L, kk, ll, PER_CHANNEL)
+    qc, decay, raw, lam_rows, qt = seed_inputs(q, g, lam, idx, held, h, H, G, K, L, kk, ll, PER_CHANNEL)
     smask = (kk[:, None] < K) & (vv[None, :] < V)
     acc = tl.zeros([C, BV], dtype=tl.float32)
     for m in range(LOG_C + 1):
         state = tl.load(levels + level_offsets(r, m, h, H, K, V, kk, vv, LOG_C + 1), mask=smask, other=0.0)
-        w, _ = seed_weight(lam_rows, ll, lev, target, kernel, m)
+        state = state.to(qt.dtype)
+        w, read = seed_weight(lam_rows, ll, lev, target, kernel, m)
         acc += w[:, None] * tl.dot(qt, state, input_precision=PRECISION)
     rows = o + ((t0 + tl.arange(0, C)) * H + h)[:, None] * V + vv[None, :]
     ok = held[:, None] & (vv[None, :] < V)
@@ -195,12 +197,12 @@ def seed_reads_bwd_kernel(
     d_lam = tl.zeros([C, BL], dtype=tl.float32)
     for m in range(LOG_C + 1):
         offs = level_offsets(r, m, h, H, K, V, kk, vv, LOG_C + 1)
-        state = tl.load(levels + offs, mask=smask, other=0.0)
+        state = tl.load(levels + offs, mask=smask, other=0.0).to(qt.dtype)
         w, read = seed_weight(lam_rows, ll, lev, target, kernel, m)
         d_w = tl.sum(d_t * tl.dot(qt, state, input_precision=PRECISION), 1)
         d_lam += tl.where(ll[None, :] == read[:, None], d_w[:, None], 0.0) - tl.where(ll[None, :] == kernel,
                                                                                      d_w[:, None], 0.0)
-        u = w[:, None] * d_t
+        u = (w[:, None] * d_t).to(qt.dtype)
         d_qt += tl.dot(u, tl.trans(state), input_precision=PRECISION)
         tl.store(d_levels + offs, tl.dot(tl.trans(qt), u, input_precision=PRECISION), mask=smask)
     kmask = held[:, None] & (kk[None, :] < K)
