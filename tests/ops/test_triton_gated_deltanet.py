@@ -172,11 +172,12 @@ def test_continuation_from_a_state(positions):
     _compare(x, _state(2, L, 2, 8, 4, positions, torch.float64))
 
 
-@pytest.mark.parametrize("position, T, levels", [(1, 2, 1), (0, 2, 1), (5, 3, 3), (40, 30, 6)])
+@pytest.mark.parametrize("position, T, levels", [(1, 2, 1), (0, 2, 1), (5, 3, 3), (12, 2, 4), (40, 30, 6)])
 def test_final_state_from_a_short_state_keeps_its_width(position, T, levels):
     """A call from a state of few levels returns max(levels_needed(end), the state's levels) levels, as the
     reference and the torch path do, not the chunk levels the kernels carried (compare_with_reference checks
-    the shape)."""
+    the shape). At 12 the call is one chunk whose last token 13 would read the state's buckets 0..2 at levels
+    1..2 but for the carry past 12 (ctz 2), which puts them in level 3: the kernels' path never forms it."""
     x = make_inputs(1, T, 1, 2, K=8, V=4, start=position)
     _compare(x, _state(1, levels, 2, 8, 4, [position], torch.float64))
 

@@ -36,9 +36,7 @@ import torch
 from loglinear.fenwick import carry_target, chunk_bits, ctz, incoming_levels, levels_needed
 from loglinear.inputs import OpInputs, expand_groups, l2norm, run_segments
 from loglinear.ops.finite import floor_log_decay
-from loglinear.ops.torch_chunk import (
-    carry_past, chunk_levels_from, chunked, final_levels, level_scales_at, pad_time,
-)
+from loglinear.ops.torch_chunk import chunk_levels_from, chunked, final_levels, pad_time
 from loglinear.ops.triton.gated_deltanet.chunking import Chunking, chunk_cap
 from loglinear.ops.triton.gated_deltanet.local import chunk_local_segments
 from loglinear.ops.triton.gated_deltanet.scan import fenwick_delta_scan
@@ -47,7 +45,7 @@ from loglinear.ops.triton.shared.heads import min_head_dim, run_padded
 from loglinear.ops.triton.shared.placement import place, placement, take
 from loglinear.ops.triton.shared.rules import dot_dtype, kernel_chunk_size
 from loglinear.state import FenwickState
-from loglinear.tables import table_cache
+from loglinear.tables import device_table, table_cache
 from loglinear.variants.gated_deltanet import GatedDeltaNetForm
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -88,29 +86,42 @@ def _last_chunk(x: torch.Tensor, ch: Chunking, norm: bool = False) -> torch.Tens
     return chunked(expand_groups(pad_time(part, front, ch.C - front - part.shape[1]), ch.H), ch.C)
 
 
+@table_cache()
+def _first_reads(position: int, C: int, L: int, seeded: bool, device: torch.device) -> torch.Tensor:
+    """[C, L, c+1] fp32: lam_t select[t] = the weights of chunk 0's reads of the incoming in-chunk levels m as the
+    state holds them (the carry past ``position`` not formed: it keeps their sum, and level m lands in bucket
+    max(m, ctz(p) + 1), read at fenwick.incoming_levels of it), select[t, l, m] = [l = read(t, m)] -
+    [seeded][l = c + 1 + m0] for levels l < L (the others read 0). seeded: the levels' sum also seeds chunk level
+    m0 = ctz(c0 + 1), which chunk 0 reads at c + 1 + m0 (a call of more than one chunk). Cached (read-only)."""
+    c, target = chunk_bits(C), ctz(position) + 1 if position else 0
+    incoming, kernel = incoming_levels(position, C, "cpu").tolist(), c + 1 + ctz(position // C + 1)
+    select = [[[float(lev == incoming[t][max(m, target)]) - float(seeded and lev == kernel) for m in range(c + 1)]
+               for lev in range(L)] for t in range(C)]
+    with torch.inference_mode(False):
+        return device_table(select, torch.float32, device)
+
+
 def _incoming_state(
     levels: torch.Tensor, position: int, ch: Chunking, J: int, lc0: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The incoming state at position 0 or a position inside a chunk (the carry past ``position`` moves in-chunk
-    levels only): levels [b, Ls, H, K, V] fp32 (Ls <= c + 1 + J).  Returns its in-chunk buckets (levels <= c,
-    carried) partial [b, H, c+1, K, V] with the weights [b, H, C, c+1] of the first chunk's reads of them (the scan
-    adds that readout to the first chunk's o) and the chunk-level seeds h0 [b H, J, K, V].  lc0: lambda of the first
-    chunk [b, H, C, L]."""
+    """The incoming state at position 0 or a position inside a chunk: levels [b, Ls, H, K, V] fp32
+    (Ls <= c + 1 + J).  Returns its in-chunk levels (<= c, as the state holds them) [b, H, c+1, K, V] with the weights
+    [b, H, C, c+1] fp32 of the first chunk's reads of them (_first_reads; the scan adds that readout to the first
+    chunk's o) and the chunk-level seeds h0 [b H, J, K, V].  lc0: lambda of the first chunk [b, H, C, L]."""
     b, H, C, N = ch.b, ch.H, ch.C, ch.N
-    K, V, c, c0 = levels.shape[-2], levels.shape[-1], chunk_bits(C), position // C
-    weights = level_scales_at(lc0, incoming_levels(position, C, levels.device))  # [b, H, C, c+1]
+    K, V, c = levels.shape[-2], levels.shape[-1], chunk_bits(C)
+    select = _first_reads(position, C, lc0.shape[-1], N > 1, levels.device)
+    weights = (lc0.float().unsqueeze(-2) @ select).squeeze(-2)  # [b, H, C, c+1]
     if N > 1:
-        # The first chunk's cascade moves its transitioned buckets into chunk level m0. Seeding h_m0
-        # with them instead is the same (the carry keeps their sum), except that chunk 0 would also read
-        # them at level c+1+m0: take that read off the weights.
-        m0 = ctz(c0 + 1)
-        weights = weights - level_scales_at(lc0, torch.full((C, 1), c + 1 + m0, device=levels.device))
+        # The first chunk's cascade moves its transitioned buckets into chunk level m0. Seeding h_m0 with them
+        # instead is the same (the carry keeps their sum), except that chunk 0 would also read them at level
+        # c+1+m0: the weights take that read off.
+        m0 = ctz(position // C + 1)
         h0, in_chunk = chunk_levels_from(levels, (c,) * b, (m0,) * b, C, J, in_chunk=tuple(range(b)))
     else:
         padded = torch.nn.functional.pad(levels, (0, 0, 0, 0, 0, 0, 0, c + 1 + J - levels.shape[1]))
         in_chunk, h0 = padded[:, : c + 1], padded[:, c + 1 :]
-    partial = carry_past(in_chunk, position) if position > 0 else in_chunk  # in-chunk levels only: c+1 of them
-    return partial.transpose(1, 2), weights, h0.transpose(1, 2).reshape(b * H, J, K, V)
+    return in_chunk.transpose(1, 2), weights, h0.transpose(1, 2).reshape(b * H, J, K, V)
 
 
 def gated_deltanet_core(
