@@ -6,9 +6,10 @@ Composition, per group of rows that start at the same absolute position p0 (spec
      the op's [b, T, G|H, D] tensors with the padding as masks, q/k from group h // (H / G));
   2. chunk_local_segments (local.py):  o_intra (levels 0..c), qt, W~, K~, u, decay per chunk, launched by the
      scan segment by segment (its producers run beside the chain);
-  3. incoming state: carried past p0; its levels <= c are buckets inside the first chunk (read by
-     query t at level max(l, bit_length(t XOR p0)), and folded into the chunk-level state that the
-     first chunk's cascade fills), its levels > c seed the chunk-level states;
+  3. incoming state (torch_chunk.chunk_levels_from): at an aligned p0, carried past it into the chunk levels;
+     otherwise its levels <= c are buckets inside the first chunk, read by query t at level
+     max(l, ctz(p0) + 1, bit_length(t XOR p0)) (the carry past p0 is never formed: _first_reads) and summed into
+     the chunk level that the first chunk's cascade fills; its levels > c seed the chunk-level states;
   4. fenwick_delta_scan (scan.py): every live chunk-level state in one pass, and
      o = scale (o_intra + readouts) written in [b, T, H, V];
   5. the final state splits the last chunk into token-level buckets.
