@@ -546,9 +546,8 @@ class LevelScanMamba2(torch.autograd.Function):
         del d_deposits, scores, dk_in, gate
         grads = dict(q=dq, k=dk, v=dv, g=dg, lam=dlam)
         for name, d in zip(ctx.take, d_rows):
-            if d is not None:  # the rows' own gradients, in place: the rows are unique (one read and write each)
-                grad = grads[name]
-                grad.index_copy_(0, ctx.rows, grad.index_select(0, ctx.rows) + d.to(grad.dtype))
+            if d is not None:  # the rows' own gradients, in place: the rows are unique, so each element takes
+                grads[name].index_add_(0, ctx.rows, d.to(grads[name].dtype))  # one add (deterministic)
         d_h0 = d_levels if plan.has_init else None
         return dq, dk, dv, dg, None, dlam, d_h0, None, None, None
 
