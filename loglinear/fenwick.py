@@ -38,6 +38,8 @@ __all__ = [
     "chunk_writes",
     "chunk_resets_after",
     "carry_target",
+    "carry_level",
+    "bucket_floor",
     "carry",
     "carry_into",
     "held_levels",
@@ -134,6 +136,18 @@ def carry_target(position: torch.Tensor | int) -> torch.Tensor:
     """
     p = torch.as_tensor(position, dtype=torch.int64)
     return torch.where(p > 0, trailing_zeros(torch.clamp(p, min=1)) + 1, torch.zeros_like(p))
+
+
+def carry_level(position: int) -> int:
+    """carry_target of one host-side position (a Python int): ctz(position) + 1, 0 for position 0."""
+    return ctz(position) + 1 if position else 0
+
+
+def bucket_floor(token: int, position: int) -> int:
+    """The lowest level at which ``token`` reads the in-chunk buckets of a state at ``position`` whose carry past
+    the position is not formed: bucket m is read at max(m, bucket_floor), bucket_floor = max(bit_length(token XOR
+    position), carry_level(position)) (the carry would sum the buckets below carry_level into that one)."""
+    return max((token ^ position).bit_length(), carry_level(position))
 
 
 def carry(levels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

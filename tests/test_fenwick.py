@@ -143,6 +143,20 @@ def test_incoming_levels_route_each_bucket_by_the_definition():
                 assert idx[t, m] == max(m, int(fenwick.level(c0 * C + t, position))), (C, position, t, m)
 
 
+def test_bucket_floor_reads_uncarried_buckets_where_the_carry_puts_them():
+    """Bucket m of a state whose carry past its position is not formed is read at max(m, bucket_floor): where the
+    carried state (levels below carry_level summed into it) has the same bucket, read at incoming_levels. Positions
+    at 0 or inside a chunk (carry_level <= c)."""
+    for C, position in ((8, 0), (8, 5), (8, 12), (8, 13), (16, 40), (64, 1000)):
+        target = fenwick.carry_level(position)
+        assert target == int(fenwick.carry_target(position))
+        idx, c0 = fenwick.incoming_levels(position, C, "cpu"), position // C
+        for t in range(C):
+            floor = fenwick.bucket_floor(c0 * C + t, position)
+            for m in range(C.bit_length()):
+                assert max(m, floor) == idx[t, max(m, target)], (C, position, t, m)
+
+
 def test_tables_of_several_rows_stack_the_rows_tables():
     """A tuple of queries (positions) gives one table per row, each the single query's (position's)."""
     es, positions = (0, 5, 15, 5), (0, 37, 1000, 16)

@@ -33,7 +33,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loglinear.fenwick import chunk_bits, ctz, incoming_levels, intra_chunk_levels, last_query_masks, levels_needed
+from loglinear.fenwick import (
+    bucket_floor, chunk_bits, ctz, incoming_levels, intra_chunk_levels, last_query_masks, levels_needed,
+)
 from loglinear.tables import cached_table, table_cache
 from loglinear.variants.base import by_chunk
 
@@ -265,10 +267,9 @@ def final_levels(form, H_levels, partial, position, end, c0, N, C, c) -> torch.T
 
     form: the chunked variant form (its chunk N-1 is the last); H_levels: J chunk-level states [b, H, K, V];
     partial: the incoming in-chunk buckets [b, H, c+1, K, V] when the call is one chunk, else None, carried past
-    the position or not (bucket m goes to level max(m, ctz(position) + 1, bit_length(last XOR position)): the carry
-    sums the buckets below ctz(position) + 1 into that one); position, end: the call's first and end absolute
-    positions; c0: the absolute index of the form's chunk 0; N chunks of C = 2^c tokens.  -> [b, c+1+J, H, K, V]
-    in the form's dtype."""
+    the position or not (bucket m goes to level max(m, fenwick.bucket_floor(last, position))); position, end: the
+    call's first and end absolute positions; c0: the absolute index of the form's chunk 0; N chunks of C = 2^c
+    tokens.  -> [b, c+1+J, H, K, V] in the form's dtype."""
     device = form.qt.device
     last = end - 1
     e = last - (c0 + N - 1) * C  # the last chunk's buckets for query `last`
@@ -277,8 +278,7 @@ def final_levels(form, H_levels, partial, position, end, c0, N, C, c) -> torch.T
         b, H, M, K, V = partial.shape
         flat = partial.permute(0, 1, 3, 2, 4).reshape(b, H, K, M * V)
         moved = form.transition(N - 1, flat).reshape(b, H, K, M, V).permute(0, 3, 1, 2, 4)  # [b, M, H, K, V]
-        floor = max((last ^ position).bit_length(), ctz(position) + 1 if position else 0)
-        buckets = buckets + route_buckets(moved, (floor,))
+        buckets = buckets + route_buckets(moved, (bucket_floor(last, position),))
     if H_levels:
         buckets = torch.cat([buckets, torch.stack(H_levels, dim=1)], dim=1)
     return buckets

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from loglinear.fenwick import carry_target, chunk_bits, ctz, incoming_levels, levels_needed
+from loglinear.fenwick import bucket_floor, carry_target, chunk_bits, chunk_level_to_token_level, ctz, levels_needed
 from loglinear.inputs import OpInputs, expand_groups, l2norm, run_segments
 from loglinear.ops.finite import floor_log_decay
 from loglinear.ops.torch_chunk import chunk_levels_from, chunked, final_levels, pad_time
@@ -90,13 +90,14 @@ def _last_chunk(x: torch.Tensor, ch: Chunking, norm: bool = False) -> torch.Tens
 @table_cache()
 def _first_reads(position: int, C: int, L: int, seeded: bool, device: torch.device) -> torch.Tensor:
     """[C, L, c+1] fp32: lam_t select[t] = the weights of chunk 0's reads of the incoming in-chunk levels m as the
-    state holds them (the carry past ``position`` not formed: it keeps their sum, and level m lands in bucket
-    max(m, ctz(p) + 1), read at fenwick.incoming_levels of it), select[t, l, m] = [l = read(t, m)] -
-    [seeded][l = c + 1 + m0] for levels l < L (the others read 0). seeded: the levels' sum also seeds chunk level
-    m0 = ctz(c0 + 1), which chunk 0 reads at c + 1 + m0 (a call of more than one chunk). Cached (read-only)."""
-    c, target = chunk_bits(C), ctz(position) + 1 if position else 0
-    incoming, kernel = incoming_levels(position, C, "cpu").tolist(), c + 1 + ctz(position // C + 1)
-    select = [[[float(lev == incoming[t][max(m, target)]) - float(seeded and lev == kernel) for m in range(c + 1)]
+    state holds them (the carry past ``position`` not formed: it keeps their sum), select[t, l, m] = [l = read(t, m)]
+    - [seeded][l = c + 1 + m0] for levels l < L (the others read 0), read(t, m) = max(m, fenwick.bucket_floor of
+    token c0 C + t). seeded: the levels' sum also seeds chunk level m0 = ctz(c0 + 1), which chunk 0 reads at
+    c + 1 + m0 (a call of more than one chunk). Cached (read-only)."""
+    c, c0 = chunk_bits(C), position // C
+    floors = [bucket_floor(c0 * C + t, position) for t in range(C)]
+    kernel = chunk_level_to_token_level(ctz(c0 + 1), C)
+    select = [[[float(lev == max(m, floors[t])) - float(seeded and lev == kernel) for m in range(c + 1)]
                for lev in range(L)] for t in range(C)]
     with torch.inference_mode(False):
         return device_table(select, torch.float32, device)

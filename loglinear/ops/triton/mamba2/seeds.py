@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loglinear.fenwick import chunk_bits, ctz
+from loglinear.fenwick import bucket_floor, carry_level, chunk_bits, chunk_level_to_token_level, ctz
 from loglinear.ops.finite import LOG_DECAY_FLOOR, floor_log_decay
 from loglinear.ops.torch_chunk import route_buckets
 from loglinear.ops.triton.mamba2.chunk import FP32_DOT
@@ -81,10 +81,10 @@ def first_chunks(starts: tuple[int, ...], ends: tuple[int, ...], positions: tupl
     """FirstChunks of the sequences [starts[i] + positions[i] mod C, ends[i]) of the call's tokens (starts[i]: the
     chunk start before the sequence's first token) continuing states at ``positions``. Cached per layout
     (read-only; normal tensors)."""
-    c, fronts = chunk_bits(C), [p % C for p in positions]
+    fronts = [p % C for p in positions]
     tokens = tuple(tuple(max(min(a + s, b - 1), a + r) for s in range(C)) for a, b, r in zip(starts, ends, fronts))
     held = [[r <= s < b - a for s in range(C)] for a, b, r in zip(starts, ends, fronts)]
-    layout = [(a, r, b - a, ctz(p) + 1 if p else 0, c + 1 + ctz(p // C + 1))
+    layout = [(a, r, b - a, carry_level(p), chunk_level_to_token_level(ctz(p // C + 1), C))
               for a, b, r, p in zip(starts, ends, fronts, positions)]
     with torch.inference_mode(False):
         return FirstChunks(tokens, device_table(held, torch.bool, device), device_table(layout, torch.int64, device))
@@ -279,7 +279,6 @@ def first_levels(seeds: Seeds, g: torch.Tensor, chunks: FirstChunks, width: int,
     K)] at chunks.tokens), moved to the in-chunk levels e reads them at (read(e, m), route_buckets) -> (those
     sequences' indices among the call's sequences, the change [R', width, H, K, V]), or None when every seeded
     sequence goes on."""
-    c = chunk_bits(C)
     ending = [i for i, (p, e) in enumerate(zip(seeds.positions, seeds.ends)) if e <= (p // C + 1) * C]
     if not ending:
         return None
@@ -289,10 +288,9 @@ def first_levels(seeds: Seeds, g: torch.Tensor, chunks: FirstChunks, width: int,
     at = decay[e[:, 0], e[:, 1]]  # [R', H] or [R', H, K]
     moved = seeds.levels.index_select(0, e[:, 0]) * at.view(at.shape[0], 1, at.shape[1], -1, 1)  # rows K scaled
     positions = [seeds.positions[i] for i in ending]
-    floors = tuple(max(((seeds.ends[i] - 1) ^ p).bit_length(), ctz(p) + 1 if p else 0)
-                   for i, p in zip(ending, positions))
-    m0 = cached_table(tuple(tuple(j == c + 1 + ctz(p // C + 1) for j in range(width)) for p in positions),
-                      torch.float32, device)
+    floors = tuple(bucket_floor(seeds.ends[i] - 1, p) for i, p in zip(ending, positions))
+    kernel = [chunk_level_to_token_level(ctz(p // C + 1), C) for p in positions]
+    m0 = cached_table(tuple(tuple(j == k for j in range(width)) for k in kernel), torch.float32, device)
     routed = route_buckets(moved, floors)
     change = torch.nn.functional.pad(routed, (0, 0, 0, 0, 0, 0, 0, width - routed.shape[1]))
     return [seeds.rows[i] for i in ending], change - m0[:, :, None, None, None] * moved.sum(1, True)
