@@ -113,7 +113,7 @@ def _incoming_state(
     b, H, C, N = ch.b, ch.H, ch.C, ch.N
     K, V, c = levels.shape[-2], levels.shape[-1], chunk_bits(C)
     select = _first_reads(position, C, lc0.shape[-1], N > 1, levels.device)
-    weights = (lc0.float().unsqueeze(-2) @ select).squeeze(-2)  # [b, H, C, c+1]
+    weights = (lc0.float().unsqueeze(-1) * select).sum(-2)  # [b, H, C, c+1]; exact (no TF32 product)
     if N > 1:
         # The first chunk's cascade moves its transitioned buckets into chunk level m0. Seeding h_m0 with them
         # instead is the same (the carry keeps their sum), except that chunk 0 would also read them at level
