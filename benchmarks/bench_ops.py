@@ -241,7 +241,9 @@ def settle(fn: Callable[[], object], calls: int = 12) -> None:
 
 
 def measure(impl: str, T: int, dtype: torch.dtype, warmup: int, rep: int, variant: str = "mamba2") -> dict:
-    """fwd_ms, fwdbwd_ms (medians) and peak_gib of one forward+backward."""
+    """fwd_ms, fwdbwd_ms (medians), peak_gib of one forward+backward and alloc_retries: how often the caching
+    allocator found no free block during the forward+backward timing and released its cache to retry (memory near
+    the card's capacity; each retry synchronizes and costs time that is not the op's)."""
     p, bench = SHAPE, BENCHES[variant]
     x = bench.inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], dtype)
     fn, leaves = bench.build(impl, x, p["H"], p["G"])
@@ -258,13 +260,16 @@ def measure(impl: str, T: int, dtype: torch.dtype, warmup: int, rep: int, varian
         fn().backward(grad)
 
     settle(step)
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     fwdbwd = triton.testing.do_bench(step, warmup=warmup, rep=rep, grad_to_none=leaves, return_mode="median")
     torch.cuda.synchronize()
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2**30
-    return {"impl": impl, "T": T, "fwd_ms": round(fwd, 4), "fwdbwd_ms": round(fwdbwd, 4), "peak_gib": round(peak, 3)}
+    return {"impl": impl, "T": T, "fwd_ms": round(fwd, 4), "fwdbwd_ms": round(fwdbwd, 4), "peak_gib": round(peak, 3),
+            "alloc_retries": retries}
 
 
 def write_section(path: Path, variant: str, lines: list[str]) -> None:
@@ -294,7 +299,7 @@ def write_results(rows: list[dict], meta: dict, out: Path, variant: str = "mamba
             "; ".join(f"rows at {', '.join(f'{t // 1024}K' for t in r['T'])}: {r['date']}, `{r['command']}`"
                       for r in runs))
     lines = [f"# Op benchmark, {name} ({meta['gpu']})", "", f"torch {meta['torch']}, triton {meta['triton']}, {when}",
-             "", meta["setting"], "", meta["notes"], ""]
+             "", meta["setting"], "", f"{meta['notes']} PYTORCH_CUDA_ALLOC_CONF: {meta.get('allocator', 'unset')}.", ""]
     for key, title in (("fwdbwd_ms", "forward+backward, ms (median)"), ("fwd_ms", "forward, ms (median)"),
                        ("peak_gib", "peak memory of one forward+backward, GiB")):
         lines += [f"## {title}", "", "| impl | " + " | ".join(f"{t // 1024}K" for t in Ts) + " |",
@@ -303,6 +308,11 @@ def write_results(rows: list[dict], meta: dict, out: Path, variant: str = "mamba
             vals = [cell.get((i, t), {}).get(key) for t in Ts]
             lines.append(f"| {i} | " + " | ".join("—" if v is None else f"{v:g}" for v in vals) + " |")
         lines.append("")
+    retried = [f"{r['impl']} at {r['T'] // 1024}K: {r['alloc_retries']}" for r in rows if r.get("alloc_retries")]
+    if retried:
+        lines += ["Caching-allocator retries during the forward+backward timing (memory near the card's capacity: "
+                  "the allocator released its cache and retried, which synchronizes; the row's time includes it): "
+                  + "; ".join(retried) + ".", ""]
     ratios = [(a, b) for a, b in ratios if a in impls and b in impls]
     if ratios:
         lines += ["## ratios (forward+backward)", "", "| T | " + " | ".join(f"{a} / {b}" for a, b in ratios) + " |",
@@ -343,7 +353,9 @@ def merge_previous(path: Path, meta: dict, Ts: list[int]) -> list[dict]:
         meta["runs"] = runs
         return []
     old = json.loads(path.read_text())
-    differ = [key for key in ("gpu", "torch", "triton", "setting", "notes") if old.get(key) != meta[key]]
+    old.setdefault("allocator", "unset")  # files from before the allocator was recorded
+    differ = [key for key in ("gpu", "torch", "triton", "setting", "notes", "allocator")
+              if old.get(key) != meta.get(key, "unset")]
     if differ:
         raise ValueError(f"--merge: {path} was measured with another {', '.join(differ)} "
                          f"({'; '.join(str(old.get(key)) for key in differ)})")
@@ -657,7 +669,7 @@ def main(argv: list[str] | None = None) -> None:
                       if "loglinear_packed" in args.impls else "")
                    + (f"Our ops at chunk_size {args.chunk_size}. " if args.chunk_size is not None else "")
                    + "Median of triton.testing.do_bench.",
-        "notes": notes,
+        "notes": notes, "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "unset",
     }
     result = out_dir / f"{args.name or 'ops-' + args.variant}-{gpu}"
     try:

@@ -59,6 +59,19 @@ def test_results_table_has_the_ratios(bench, tmp_path):
     assert "| T | loglinear / fla_gla | loglinear_plain / fla_gla | loglinear / loglinear_plain |" in md
     assert "| 2K | 0.75 | 0.50 | 1.50 |" in md
     assert (tmp_path / "ops-gla-cpu.json").exists() and (tmp_path / "ops-gla-cpu.png").exists()
+    assert "Caching-allocator retries" not in md and "PYTORCH_CUDA_ALLOC_CONF: unset." in md
+
+
+def test_results_name_the_rows_timed_through_allocator_retries(bench, tmp_path):
+    rows = [{"impl": "loglinear", "T": 8192, "fwd_ms": 1.0, "fwdbwd_ms": 3.0, "peak_gib": 1.0, "alloc_retries": 0},
+            {"impl": "loglinear_state", "T": 131072, "fwd_ms": 1.0, "fwdbwd_ms": 3.0, "peak_gib": 70.0,
+             "alloc_retries": 21}]
+    meta = {"gpu": "cpu", "torch": torch.__version__, "triton": "-", "date": "-", "command": "python bench_ops.py",
+            "setting": "-", "notes": "-", "allocator": "unset"}
+    bench.write_results(rows, meta, tmp_path / "ops-gdn-cpu", "gdn")
+    md = (tmp_path / "ops-gdn-cpu.md").read_text()
+    assert "retried, which synchronizes; the row's time includes it): loglinear_state at 128K: 21." in md
+    assert "loglinear at 8K" not in md
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -103,5 +116,7 @@ def test_merge_keeps_the_other_runs_rows_and_names_each_run(bench, tmp_path):
     assert [(r["date"], r["T"]) for r in third["runs"]] == [("d2", [2048, 4096]), ("d3", [8192])]
     with pytest.raises(ValueError, match="another triton"):
         bench.merge_previous(path.with_suffix(".json"), dict(third, triton="3.6.0"), [8192])
+    with pytest.raises(ValueError, match="another allocator"):
+        bench.merge_previous(path.with_suffix(".json"), dict(third, allocator="expandable_segments:True"), [8192])
     fresh = dict(third)
     assert bench.merge_previous(tmp_path / "none.json", fresh, [8192]) == [] and len(fresh["runs"]) == 1
