@@ -442,19 +442,38 @@ def check_plain(log: Callable[[str], None], variant: str, dtypes: list[torch.dty
                           cu_seqlens=torch.tensor([0, 1000, 2500, 4000], device="cuda"), **kw)
 
 
+def check_packed_states(log: Callable[[str], None], variant: str, dtype: torch.dtype) -> None:
+    """Kernels vs the torch chunk path in float64 (same rounded inputs): four packed sequences (one of a single
+    token) continuing the states at positions 100, 37, 7 (inside chunks) and 0 that the op leaves, G = 2 < H = 8."""
+    p, bench = PAPER, BENCHES[variant]
+    pre = bench.inputs(144, 1, 8, 2, p["K"], p["V"], dtype, seed=12)
+    with torch.no_grad():
+        _, st = bench.op(**pre, output_final_state=True, cu_seqlens=torch.tensor([0, 100, 137, 144], device="cuda"))
+    state = FenwickState(torch.cat([st.levels, torch.zeros_like(st.levels[:1])]), torch.tensor([100, 37, 7, 0]))
+    T = 2900
+    x = bench.inputs(T, 1, 8, 2, p["K"], p["V"], dtype, seed=13)
+    lam = x["level_scales"]
+    x["level_scales"] = torch.cat([lam] + [lam[..., -1:]] * (levels_needed(T + 100) - lam.shape[-1]), -1)
+    cu = torch.tensor([0, 1000, 1001, 2500, T], device="cuda")
+    _compare_backends(log, f"{variant} {dtype} packed T={T} (1000 + 1 + 1499 + 400) H=8 G=2 K=128 V=64 from states "
+                      "at 100 / 37 / 7 / 0", x, bench.op, exact=True, initial_state=state, cu_seqlens=cu)
+
+
 def check(log: Callable[[str], None], variant: str, long_T: int, dtypes: list[torch.dtype]) -> None:
     """Kernels vs the torch chunk path (fp32 compute) at benchmark sizes on the same inputs (outputs,
-    states and all gradients), then a long forward (stability: finite, and vs the torch path). Mamba-2 and GLA
+    states and all gradients; from states at a chunk boundary and inside one; packed sequences from states,
+    check_packed_states), then a long forward (stability: finite, and vs the torch path). Mamba-2 and GLA
     (the same kernels, a scalar or a per-channel gate)."""
     p, bench = PAPER, BENCHES[variant]
     for dtype in dtypes:
-        for T, B, H in ((8192, 2, 48), (3000, 1, 8)):
+        for T, B, H in ((8192, 2, 48), (3000, 2, 8)):
             x = bench.inputs(T, B, H, p["G"], p["K"], p["V"], dtype, seed=T)
             _compare_backends(log, f"{variant} {dtype} T={T} B={B} H={H} G=1 K=128 V=64", x, bench.op)
             for short in (0, INSIDE) if T == 3000 else (0,):  # a state at a chunk boundary, and inside a chunk
                 xs, state = continued(x, bench.op, short)
                 _compare_backends(log, f"{variant} {dtype} T={T} B={B} H={H} G=1 K=128 V=64 from a state at "
                                   f"T{f' - {short}' if short else ''}", xs, bench.op, initial_state=state)
+        check_packed_states(log, variant, dtype)
     x = bench.inputs(long_T, 1, 2, 1, 64, 64, torch.float32, seed=1)
     x["g"] = -(0.001 + 0.2 * torch.rand_like(x["g"]))
     o_ref, s_ref, _, _ = _run_backend("torch", x, None, bench.op, chunk_size=512)
