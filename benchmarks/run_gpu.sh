@@ -132,10 +132,13 @@ case $PART in
       sdpa_flash --T 131072 65536 32768 16384 --sdpa-max-T 32768 --profile-T 32768 --out "$R" "${EXTRA[@]}"
     ;;
   state)  # the cost of an incoming state (a context-parallel rank's call) against the same call without one
-    step 140 state-mamba2 python benchmarks/bench_ops.py --impls loglinear loglinear_state loglinear_state_inside \
-      --T 131072 32768 8192 --name ops-mamba2-state --out "$R"
-    step 170 state-gdn python benchmarks/bench_ops.py --variant gdn --impls loglinear loglinear_state \
-      loglinear_state_inside --T 131072 32768 8192 --name ops-gdn-state --out "$R"
+    # expandable segments: at 128K a Gated DeltaNet call with a state comes near an 80 GB card's capacity, where the
+    # default allocator's retries would be timed too
+    step 140 state-mamba2 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/bench_ops.py \
+      --impls loglinear loglinear_state loglinear_state_inside --T 131072 32768 8192 --name ops-mamba2-state --out "$R"
+    step 170 state-gdn env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/bench_ops.py \
+      --variant gdn --impls loglinear loglinear_state loglinear_state_inside --T 131072 32768 8192 \
+      --name ops-gdn-state --out "$R"
     step 120 profile-state python benchmarks/profiling/profile_state.py --out "$R"
     ;;
   packed)  # packed sequences (cu_seqlens) against the same tokens as rows
