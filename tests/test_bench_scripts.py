@@ -123,8 +123,10 @@ def test_ncu_refusals_are_one_line_and_status_2(tmp_path, monkeypatch, capsys, a
 @pytest.mark.parametrize("argv, message", [
     (["mamba2", "--chunk", "48"], "--chunk must be a power of two from 16 to 64, got 48"),
     (["gdn", "--chunk", "32"], "--chunk applies to mamba2 and gla; gdn compiles at its own chunk rule"),
+    (["gla", "--decode", "--plain"], "--has-init, --plain, --chunk and --l2norm apply to the training kernels; "
+     "--decode builds every path of the decode step"),
 ])
-def test_sm90_compile_refuses_a_chunk_it_would_not_compile(argv, message):
+def test_sm90_compile_refuses_what_it_would_not_build(argv, message):
     """In a subprocess: compile_sm90.py turns the interpreter off when imported."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "profiling" / "compile_sm90.py"
     run = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True)
@@ -135,9 +137,13 @@ def test_sm90_compile_refuses_a_chunk_it_would_not_compile(argv, message):
     (["mamba2", "--has-init", "--chunk", "16"], 12),
     (["gla", "--has-init", "--chunk", "16"], 16),
     (["gdn"], 10),
+    (["gla", "--decode"], 8),
+    (["gdn", "--decode"], 14),
 ])
 def test_sm90_compile_builds_every_kernel(argv, kernels):
-    """Every kernel of a variant compiles for sm_90 with the installed triton (fp16, K = V = 32; a state's build):
+    """Every kernel of a variant compiles for sm_90 with the installed triton (fp16, K = V = 32; a state's build;
+    --decode: the decode step's launches on each of its paths, one line each; GLA's and Gated DeltaNet's between
+    them set each flag of the decode kernels both ways where the step does, Mamba-2's are GLA's with a scalar gate):
     the compiler checks what the interpreter, which runs the kernels' Python, does not (a loop-carried value that
     changes type, a tile whose shared memory the target lacks), so a kernel the CPU tests pass may still not build."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "profiling" / "compile_sm90.py"

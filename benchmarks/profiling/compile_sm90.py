@@ -10,24 +10,34 @@ reader chunks: what each of its iterations issues), per kernel at the op's block
     python benchmarks/profiling/compile_sm90.py gdn --l2norm       # the chunk-local kernels normalising q/k rows
     python benchmarks/profiling/compile_sm90.py mamba2 --sass /tmp/sass   # and each kernel's SASS listing
     python benchmarks/profiling/compile_sm90.py mamba2 --chunk 32         # at chunk_size 32
+    python benchmarks/profiling/compile_sm90.py gla --decode       # the decode step's kernels, each of its paths
+    python benchmarks/profiling/compile_sm90.py gdn --decode --batch 1 --key-window 32
 
 Paper setting by default (K = 128, V = 64, the op's chunk: 64 for Mamba-2 and GLA, Gated DeltaNet's rule).
 Mamba-2 / GLA: the chunk-level scans mamba2/fwd.py, mamba2/bwd.py and the chunk-parallel mamba2/chunk.py (GLA:
 PER_CHANNEL), with --has-init the seeded first chunks' reads (mamba2/seeds.py); Gated DeltaNet:
 the scan kernels (gated_deltanet/scan.py) and the chunk-local ones (gated_deltanet/local.py).
-Uses the installed triton (compile with the GPU's version, e.g. a triton 3.6 wheel on PYTHONPATH) and its
-bundled ptxas. A kernel whose shared memory exceeds SHARED_LIMIT fails to launch on an H100/H200.
+--decode: instead, the decode step's kernels (decode.py) as fused_decode_step launches them, recorded from a call on
+meta tensors (its tiles, flags and launch options, nothing recomputed here), q / k / v in --dtype, the gates fp32, on
+each path: one-token op calls (out of place, fp32 levels), CUDA-graph decoding (in place, lazy levels in fp32 and in
+bf16; Gated DeltaNet with its key window: the query kernel, level 0's and the kept levels' passes, the turn) and the
+plain step (one level), for --batch sequences of --heads heads at --context tokens.
+Uses the installed triton (compile with the GPU's version, e.g. a triton 3.6 wheel on PYTHONPATH) and the bundled
+ptxas its compiler runs for sm_90. A kernel whose shared memory exceeds SHARED_LIMIT fails to launch on an H100/H200.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: loglinear
@@ -35,10 +45,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
 
-from loglinear.cli import refuse  # noqa: E402
+from loglinear.cli import check_script_options, refuse  # noqa: E402
+from loglinear.fenwick import levels_needed  # noqa: E402
+from loglinear.ops.decode import KEY_WINDOW, MAX_KEY_WINDOW, KeyWindow, key_window_size_ok  # noqa: E402
 from loglinear.ops.finite import LOG_DECAY_FLOOR  # noqa: E402
+from loglinear.ops.triton import decode  # noqa: E402
 from loglinear.ops.triton.gated_deltanet import local, scan  # noqa: E402
 from loglinear.ops.triton.gated_deltanet import chunking  # noqa: E402
 from loglinear.ops.triton.gated_deltanet.chunking import Chunking  # noqa: E402
@@ -68,13 +83,14 @@ def aligned(fn, signature: dict, ints: dict) -> dict:
 
 
 def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, ints: dict | None = None,
-           maxnreg: int | None = None) -> str:
+           maxnreg: int | None = None, sass_name: str | None = None) -> str:
     """One line: shared memory, then ptxas's registers / stack / spills for the compiled kernel.
-    ints: the runtime integer arguments' values (for the JIT's divisibility specialisation)."""
+    ints: the runtime integer arguments' values (for the JIT's divisibility specialisation); sass_name: the SASS
+    listing's file name (--sass; default the kernel's name)."""
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned(fn, signature, ints or {}))
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg})
-    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    ptxas = get_ptxas(90).path  # the ptxas the compiler used for sm_90 (a newer one than bin/ptxas in some versions)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(kernel.asm["ptx"])
     out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
@@ -83,7 +99,7 @@ def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: in
             if "stack frame" in line or "Used" in line]
     over = "  OVER THE SHARED LIMIT" if kernel.metadata.shared > SHARED_LIMIT else ""
     return (f"{fn.__name__:28s} warps={num_warps} shared={kernel.metadata.shared:6d}  " + "; ".join(info)
-            + f"; {sass_summary(fn.__name__, kernel.asm['cubin'])}" + over)
+            + f"; {sass_summary(sass_name or fn.__name__, kernel.asm['cubin'])}" + over)
 
 
 def sass_summary(name: str, cubin: bytes) -> str:
@@ -275,6 +291,112 @@ def gdn_reports(args: argparse.Namespace) -> list[str]:
     return gdn_scan_reports(K, V, C, dtype, P, prec, args.plain) + local_reports
 
 
+class KernelRecorder:
+    """Stands in for a kernel of decode.py: ``kernel[grid](*args, **kwargs)`` appends (kernel, args, kwargs) to
+    ``launches`` instead of launching it."""
+
+    def __init__(self, fn: JITFunction, launches: list[tuple[JITFunction, tuple, dict]]) -> None:
+        self.fn, self.launches, self.__name__ = fn, launches, fn.__name__  # launch_options looks kernels up by name
+
+    def __getitem__(self, grid: tuple) -> Callable[..., None]:
+        return lambda *args, **kwargs: self.launches.append((self.fn, args, kwargs))
+
+
+def recorded_launches(step: Callable[[], object]) -> list[tuple[JITFunction, tuple, dict]]:
+    """The launches of decode.py's kernels that step() makes, recorded instead of run, in launch order: (kernel, its
+    positional arguments, its keywords: constexprs and launch options)."""
+    launches: list[tuple[JITFunction, tuple, dict]] = []
+    kernels = {n: x for n, x in vars(decode).items() if isinstance(x, JITFunction) and n.endswith("_kernel")}
+    with contextlib.ExitStack() as stack:
+        for name, fn in kernels.items():
+            stack.enter_context(mock.patch.object(decode, name, KernelRecorder(fn, launches)))
+        step()
+    return launches
+
+
+def launch_build(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dict]:
+    """A recorded launch's build, specialised as the JIT specialises that call: its signature (tensors pointers to
+    their dtype, floats fp32, ints i32, i64 past that range, and an int equal to 1 a constant), constexprs, runtime
+    ints (for aligned) and launch options (num_warps, num_stages, maxnreg)."""
+    names = fn.arg_names[:len(args)]
+    types = {n: mangle_type(x, specialize=True) for n, x in zip(names, args)}
+    const = {n: x for n, x in kwargs.items() if n in fn.arg_names}
+    const.update({n: x for n, x in zip(names, args) if types[n] == "constexpr"})
+    sig = {n: "constexpr" if n in const else types[n] for n in fn.arg_names}
+    ints = {n: x for n, x in zip(names, args) if type(x) is int}
+    return sig, const, ints, {n: x for n, x in kwargs.items() if n not in fn.arg_names}
+
+
+def decode_paths(args: argparse.Namespace) -> dict[str, Callable[[], object]]:
+    """Each path of the decode step (label -> a call of fused_decode_step on meta tensors) for --batch sequences N
+    of --heads heads H at --context tokens: q, k [N, G, K] and v [N, H, V] in --dtype (G = 1 for Mamba-2, else H, as
+    in the models), the gates, lambda [N, H, L], log-scales and window fp32 (the models' dtypes); Gated DeltaNet
+    with q / k normalised in the kernels, as its models run."""
+    N, H, K, V, x = args.batch, args.heads, args.K, args.V, DTYPES[args.dtype]
+    G, L, gdn = 1 if args.variant == "mamba2" else H, levels_needed(args.context + 1), args.variant == "gdn"
+    channels = (K,) if args.variant == "gla" else ()  # GLA: a decay per key channel
+    meta = dict(device="meta")
+    q, k, v = (torch.empty(N, G, K, dtype=x, **meta), torch.empty(N, G, K, dtype=x, **meta),
+               torch.empty(N, H, V, dtype=x, **meta))
+    g, lam, positions = (torch.empty(N, H, *channels, **meta), torch.empty(N, H, L, **meta),
+                         torch.empty(N, dtype=torch.int64, **meta))
+    beta = torch.empty(N, H, **meta) if gdn else None
+
+    def step(dtype: torch.dtype, in_place: bool, lazy: bool, fenwick: bool = True) -> Callable[[], object]:
+        levels = torch.empty(N, L if fenwick else 1, H, K, V, dtype=dtype, **meta)
+        log_scales = torch.empty(N, L, H, *channels, **meta) if lazy else None
+        window = KeyWindow.zeros(N, args.key_window, G, H, K, torch.float32, "meta") if lazy and gdn else None
+        return lambda: decode.fused_decode_step(q, k, v, g, beta, lam, levels, positions, 1.0, fenwick=fenwick,
+                                                l2norm_qk=gdn, out=levels if in_place else None,
+                                                log_scales=log_scales, window=window)
+
+    return {
+        "log-linear, out of place, fp32 levels (one-token op calls)": step(torch.float32, False, False),
+        "log-linear, in place, lazy fp32 levels (CUDA-graph decoding)": step(torch.float32, True, True),
+        "log-linear, in place, lazy bf16 levels (CUDA-graph decoding's level_dtype)": step(torch.bfloat16, True, True),
+        "plain, out of place": step(torch.float32, False, False, fenwick=False),
+        "plain, in place (CUDA-graph decoding)": step(torch.float32, True, False, fenwick=False),
+    }
+
+
+def decode_reports(args: argparse.Namespace) -> list[str]:
+    """Each decode path's label, then a report line per kernel launch in launch order, with the launch's tile
+    constexprs (ints but BK) and the flags that are on; a build that an earlier path launched is not compiled again.
+    --sass: build i's listing is <i>_<kernel>.sass."""
+    print(f"triton {triton.__version__}, {args.variant} decode step, {args.dtype} q/k/v, K={args.K}, V={args.V}, "
+          f"{args.batch} sequences x {args.heads} heads, {levels_needed(args.context + 1)} levels (context "
+          f"{args.context})" + f", key window {args.key_window}" * (args.variant == "gdn"))
+    out, built = [], {}
+    for label, step in decode_paths(args).items():
+        out.append(label + ":")
+        for fn, call_args, kwargs in recorded_launches(step):
+            sig, const, ints, options = build = launch_build(fn, call_args, kwargs)
+            key = repr((fn.__name__, build))
+            if key not in built:
+                tiles = [f"{n}={x}" for n, x in const.items() if type(x) is int and n in kwargs and n != "BK"]
+                flags = [n for n, x in const.items() if x is True]
+                line = report(fn, sig, const, ints=ints, sass_name=f"{len(built)}_{fn.__name__}", **options)
+                built[key] = line + f"  ({' '.join(tiles)}; {' '.join(flags)})"
+            out.append("  " + built[key])
+    return out
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse (one line, status 2) options the script would not honour or could not build."""
+    if args.decode and (args.has_init or args.plain or args.chunk is not None or args.l2norm):
+        refuse("compile_sm90.py", "--has-init, --plain, --chunk and --l2norm apply to the training kernels; "
+               "--decode builds every path of the decode step")
+    check_script_options("compile_sm90.py", {"--batch": (args.batch, 1), "--heads": (args.heads, 1),
+                                             "--context": (args.context, 0)})
+    if not key_window_size_ok(args.key_window):
+        refuse("compile_sm90.py",
+               f"--key-window must be a power of two from 2 to {MAX_KEY_WINDOW}, got {args.key_window}")
+    if args.chunk is not None and args.variant == "gdn":
+        refuse("compile_sm90.py", "--chunk applies to mamba2 and gla; gdn compiles at its own chunk rule")
+    if args.chunk is not None and (args.chunk & (args.chunk - 1) or not 16 <= args.chunk <= mamba2.MAX_CHUNK):
+        refuse("compile_sm90.py", f"--chunk must be a power of two from 16 to {mamba2.MAX_CHUNK}, got {args.chunk}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("variant", choices=["mamba2", "gla", "gdn"])
@@ -290,16 +412,20 @@ def main() -> None:
                     help="mamba2, gla: the kernels' chunk (the op's chunk_size, 16 to 64; default 64)")
     ap.add_argument("--l2norm", action="store_true", help="gdn: the chunk-local kernels with NORM (use_qk_l2norm)")
     ap.add_argument("--sass", type=Path, default=None, help="write each kernel's SASS listing into this folder")
+    ap.add_argument("--decode", action="store_true",
+                    help="the decode step's kernels (decode.py) on each of its paths instead of the training ones")
+    ap.add_argument("--batch", type=int, default=16, help="--decode: sequences decoding together")
+    ap.add_argument("--heads", type=int, default=48, help="--decode: value heads (48: paper setting)")
+    ap.add_argument("--context", type=int, default=1 << 16, help="--decode: tokens before the step (its levels)")
+    ap.add_argument("--key-window", type=int, default=KEY_WINDOW, help="--decode, gdn: tokens of the key window")
     args = ap.parse_args()
-    if args.chunk is not None and args.variant == "gdn":
-        refuse("compile_sm90.py", "--chunk applies to mamba2 and gla; gdn compiles at its own chunk rule")
-    if args.chunk is not None and (args.chunk & (args.chunk - 1) or not 16 <= args.chunk <= mamba2.MAX_CHUNK):
-        refuse("compile_sm90.py", f"--chunk must be a power of two from 16 to {mamba2.MAX_CHUNK}, got {args.chunk}")
+    check_args(args)
     if args.sass is not None:
         global SASS_DIR
         SASS_DIR = args.sass
         SASS_DIR.mkdir(parents=True, exist_ok=True)
-    for line in (gdn_reports if args.variant == "gdn" else mamba2_reports)(args):
+    reports = decode_reports if args.decode else gdn_reports if args.variant == "gdn" else mamba2_reports
+    for line in reports(args):
         print(line)
 
 
