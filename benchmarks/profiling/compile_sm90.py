@@ -167,8 +167,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     bufs = dict(levels=f32, buckets=P, decays=f32, h0=P, h0_held="*i8", dq=P, dk=P, dv=P, dlam=P, qdq=f32, q_dec=P,
                 d_levels=f32, d_buckets=P, d_deposits=P, d_init=f32, d_gate=f32, totals=f32, final_terms=f32,
                 later=f32, dg=f32, chunks=i32, order=i32, seqs=i32, chunk0=i32, base_ptr=i32)
-    bufs.update(scores=P, dq_in=P, dk_in=P, cum=f32, o=P, d_o=P, layout="*i64", at="*i64", stride_t="i32",
-                stride_h="i32", stride_v="i32")
+    bufs.update(scores=P, dq_in=P, dk_in=P, cum=f32, o=P, d_o=P, layout="*i64")
     chunk = ("q k v g lam {} h0 h0_held buckets decays scores {}starts lows ends seqs chunks chunk0 scale "
              "{}H G K V L J{}")
     kernels = [  # (kernel, its arguments, constexprs, state tile of one program: launch_options)
@@ -194,12 +193,11 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
          dict(base, R=mamba2.GATE_LATER_BLOCK, BK=BK if per_channel else 16), 0),
         (mamba2_chunk.mamba2_gate_grad_kernel, "d_gate later g cum dg starts lows ends H K", base, 0),
     ]
-    if args.has_init:  # a state inside a chunk: the seeded first chunks' reads (q, g, lam: gathered rows)
+    if args.has_init:  # a state inside a chunk: the seeded first chunks' reads (dq per head, as the dq kernel's)
         const = dict(base, BL=16)
         kernels += [
-            (seeds.seed_reads_kernel, "o q g lam levels layout at scale H G K V L", const, 0),
-            (seeds.seed_reads_bwd_kernel, "d_o q g lam levels layout at scale dq dg dlam d_levels H G K V L "
-             "stride_t stride_h stride_v", const, 0),
+            (seeds.seed_reads_kernel, "o q g lam levels layout scale H G K V L", const, 0),
+            (seeds.seed_reads_bwd_kernel, "d_o q g lam levels layout scale dq qdq dlam d_levels H G K V L", const, 0),
         ]
     if per_channel:
         kernels += [

@@ -66,7 +66,8 @@ from loglinear.ops.triton.mamba2.chunk import (
     mamba2_gate_grad_kernel, mamba2_gate_later_kernel, mamba2_initial_grad_kernel, mamba2_level_grad_kernel,
 )
 from loglinear.ops.triton.mamba2.fwd import mamba2_fwd_kernel
-from loglinear.ops.triton.mamba2.seeds import FirstChunks, SeedReads, Seeds, first_chunks, first_levels
+from loglinear.ops.triton.mamba2.seeds import (FirstChunks, Seeds, add_seed_reads, first_chunks, first_levels,
+                                              seed_read_grads)
 from loglinear.ops.triton.shared.common import MAX_CHUNK_LEVELS, alloc, group_sum, interpreting, next_pow2
 from loglinear.ops.triton.shared.heads import min_head_dim, run_padded
 from loglinear.ops.triton.shared.intra_channel import (
@@ -411,7 +412,8 @@ def _chunk_sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor, lam: tor
 
 def _dq_grads(q, k, v, gate, lam, d_o, ranges, buckets, scores, saved: _Saved, plan: LevelScanPlan) -> tuple:
     """mamba2_chunk_bwd_dq_kernel, the only backward reader of the buckets (per channel after
-    _channel_intra_grads, whose dQ it completes). -> dq [tokens, G, K] (q's dtype), dlam [tokens, H, L] (lam's
+    _channel_intra_grads, whose dQ it completes). -> dq's parts [tokens, G * S, K] (group_parts: per value head
+    with levels or a per-channel gate; _group_grad sums them), dlam [tokens, H, L] (lam's
     dtype; None when plain), q.dq [tokens, H] fp32 (per value head; [tokens, H, K] per channel), the in-chunk
     dK for the dk / dv kernel (per channel; else gate) and the level gradient's queries: per channel
     Q * exp(G) [tokens, H, K] (q's dtype, per value head), else q."""
@@ -431,7 +433,6 @@ def _dq_grads(q, k, v, gate, lam, d_o, ranges, buckets, scores, saved: _Saved, p
             **_chunk_sizes(plan, q, v, lam), **_launch(mamba2_chunk_bwd_dq_kernel, plan),
         )
     del dq_in
-    dq = _group_grad(dq, q.shape[1], plan, q.dtype)
     if plan.plain:
         return dq, None, qdq, dk_in, q_dec
     return dq, dlam, qdq, dk_in, q_dec
@@ -500,27 +501,33 @@ def _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, d_gate, final
 
 
 class LevelScanMamba2(torch.autograd.Function):
-    """(q, k, v, g, gate, lam, h0, rows, take) -> (o, chunk-level final states, the inputs ``take`` at rows) on the
-    kernels.
+    """(q, k, v, g, gate, lam, h0, plan, rows, take, seeds, first) -> (o, chunk-level final states, the inputs
+    ``take`` at rows) on the kernels.
 
     q, k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] or [tokens, H, K] per channel, unfloored (the kernels
     floor it); gate: what the kernels read of g (_read_gate; no gradient); lam: [tokens, H, L] (plain:
     not read, no gradient);
     h0: [N, J, H, K, V] fp32 chunk-level initial states (plain: J = 1, the state); rows: [n] int64 unique tokens or
-    None; take: the names among "q", "k", "v", "g", "lam" of the inputs to gather there. Returns o: [tokens, H, V]
-    (rows outside the plan's sequences unwritten), the final chunk levels [N, J, H, K, V] fp32 and, with rows, the
-    inputs ``take`` at those rows (_Rows), whose gradients the backward adds into the kernels' there."""
+    None; take: the names among "q", "k", "v", "g", "lam" of the inputs to gather there; seeds: the seeded sequences'
+    in-chunk levels [R, c+1, H, K, V] fp32 (Seeds.levels) whose reads in their first chunks ``first`` the kernels'
+    o takes (seeds.add_seed_reads; its gradients seeds.seed_read_grads, added into the kernels'), or None. Returns
+    o: [tokens, H, V] (rows outside the plan's sequences unwritten), the final chunk levels [N, J, H, K, V] fp32 and,
+    with rows, the inputs ``take`` at those rows (_Rows), whose gradients the backward adds into the kernels'
+    there."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, gate, lam, h0, plan: LevelScanPlan, rows: torch.Tensor | None,
-                take: tuple[str, ...] = ()):
+                take: tuple[str, ...] = (), seeds: torch.Tensor | None = None, first: FirstChunks | None = None):
         ranges = plan.device_tensors(q.device)
         o = alloc(tuple(v.shape), v.dtype, v.device)
         levels = h0.detach().clone(memory_format=torch.contiguous_format)
         ctx.saved = _forward(q, k, v, gate, lam, h0, o, levels, ranges, plan)
-        ctx.plan, ctx.ranges, ctx.rows, ctx.take = plan, ranges, rows, take
+        if seeds is not None:
+            seeds = seeds.contiguous()
+            add_seed_reads(o, q, g, lam, seeds, first, plan.scale)
+        ctx.plan, ctx.ranges, ctx.rows, ctx.take, ctx.first = plan, ranges, rows, take, first
         ctx.set_materialize_grads(False)  # an unused output's gradient comes as None, not as zeros
-        ctx.save_for_backward(q, k, v, g, lam, h0, levels)
+        ctx.save_for_backward(q, k, v, g, lam, h0, levels, seeds)
         if rows is None:
             return o, levels
         inputs = dict(q=q, k=k, v=v, g=g, lam=lam)
@@ -529,8 +536,9 @@ class LevelScanMamba2(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_o, d_final, *d_rows):
         """Three stages, each freeing its largest input when it returns: the dq kernel (the buckets, whose
-        only reader it is), the deposits' gradients dD, the dk / dv kernel (dD)."""
-        q, k, v, g, lam, h0, final = ctx.saved_tensors
+        only reader it is) and the seeded first chunks' reads, the deposits' gradients dD, the dk / dv kernel
+        (dD)."""
+        q, k, v, g, lam, h0, final, seeds = ctx.saved_tensors
         plan, saved, ranges = ctx.plan, ctx.saved, ctx.ranges
         d_o = torch.zeros_like(v) if d_o is None else d_o.to(v.dtype).contiguous()
         gate = saved.gate
@@ -538,6 +546,9 @@ class LevelScanMamba2(torch.autograd.Function):
         scores = saved.take_scores(q, k, gate, plan)
         dq, dlam, qdq, dk_in, readers = _dq_grads(q, k, v, gate, lam, d_o, ranges, buckets, scores, saved, plan)
         del buckets
+        d_seeds = None if seeds is None else seed_read_grads(d_o, q, g, lam, seeds, ctx.first, plan.scale, dq, qdq,
+                                                             dlam)
+        dq = _group_grad(dq, q.shape[1], plan, q.dtype)
         d_levels, final_terms = _final_grads(d_final, final, plan)
         d_deposits = _deposit_grads(q, readers, gate, lam, d_o, d_levels, ranges, saved, plan)
         del readers
@@ -549,7 +560,7 @@ class LevelScanMamba2(torch.autograd.Function):
             if d is not None:  # the rows' own gradients, in place: the rows are unique, so each element takes
                 grads[name].index_add_(0, ctx.rows, d.to(grads[name].dtype))  # one add (deterministic)
         d_h0 = d_levels if plan.has_init else None
-        return dq, dk, dv, dg, None, dlam, d_h0, None, None, None
+        return dq, dk, dv, dg, None, dlam, d_h0, None, None, None, d_seeds, None
 
 
 def _final_grads(d_final: torch.Tensor | None, final: torch.Tensor, plan: LevelScanPlan
@@ -648,24 +659,17 @@ def _flatten(inp: OpInputs) -> _Flat:
 
 @dataclass
 class _Rows:
-    """Rows of the call's tokens that the ops around the kernels read (the seeded sequences' first kernel chunks:
-    seeds.SeedReads; the final states' last chunks, in torch): q, k [n, G, K], v [n, H, V], g [n, H(, K)], lam
-    [n, H, L] at the unique tokens of _row_tables, those that something reads (None otherwise: the first chunks read
-    q, g and lam, the last ones k, v and g). LevelScanMamba2 gathers them as outputs of its own, so their gradients
-    are added into the kernels' at those rows in its backward (gathered from the inputs, autograd would write each
-    input's gradient at whole size once more, then add the two)."""
+    """Rows of the call's tokens that a final state's torch ops read (the last kernel chunks' k, v, g; the seeded
+    first chunks' g, seeds.first_levels): k [n, G, K], v [n, H, V], g [n, H(, K)] at the unique tokens of
+    _row_tables. LevelScanMamba2 gathers them as outputs of its own, so their gradients are added into the kernels'
+    at those rows in its backward (gathered from the inputs, autograd would write each input's gradient at whole
+    size once more, then add the two)."""
 
-    q: torch.Tensor | None = None
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-    g: torch.Tensor | None = None
-    lam: torch.Tensor | None = None
+    NAMES = ("k", "v", "g")  # LevelScanMamba2's ``take``
 
-    @staticmethod
-    def names(first: bool, last: bool) -> tuple[str, ...]:
-        """The inputs that the first chunks' reads (first) and the last chunks' levels (last) need, in field order."""
-        needed = {*(("q", "g", "lam") if first else ()), *(("k", "v", "g") if last else ())}
-        return tuple(n for n in ("q", "k", "v", "g", "lam") if n in needed)
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
 
     @staticmethod
     def at(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
@@ -774,25 +778,24 @@ def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tu
                          [p // C for p in positions], C, J, has_init, inp.scale, per_channel=_per_channel(inp),
                          first_level=first_level)
     first = _first_chunk_layout(plan, seeds) if seeds is not None else None
-    last = _last_chunks(tuple(plan.bos), tuple(plan.los), tuple(plan.eos), C, flat.q.device) \
-        if output_final_state else None
-    layouts = ((first.tokens,) if first is not None else ()) + ((last[0],) if last is not None else ())
-    tokens, at = _row_tables(layouts, flat.q.device) if layouts else (None, ())
-    first_at, last_at = (at[0] if first is not None else None), (at[-1] if last is not None else None)
     gate = _read_gate(flat.g, plan, inp.report_finite)
-    take = _Rows.names(first is not None, last is not None)
-    o, final, *gathered = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan, tokens,
-                                                take)
-    rows = _Rows(**dict(zip(take, gathered)))
-    if first is not None:  # in place: the kernels' o is not saved for their backward
-        o = SeedReads.apply(o, rows.q, rows.g, rows.lam, seeds.levels, first, first_at, inp.scale)
-    o = o.reshape(inp.v.shape).to(inp.v.dtype)
+    seed_levels = seeds.levels if seeds is not None else None
     if not output_final_state:
-        return o, None
+        o, _ = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan, None, (), seed_levels,
+                                     first)
+        return o.reshape(inp.v.shape).to(inp.v.dtype), None
+    last = _last_chunks(tuple(plan.bos), tuple(plan.los), tuple(plan.eos), C, flat.q.device)
+    layouts = ((first.tokens,) if first is not None else ()) + (last[0],)
+    tokens, at = _row_tables(layouts, flat.q.device)
+    take = _Rows.NAMES
+    o, final, *gathered = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan, tokens,
+                                                take, seed_levels, first)
+    rows = _Rows(**dict(zip(take, gathered)))
+    o = o.reshape(inp.v.shape).to(inp.v.dtype)
     n_in = state.num_levels if state is not None else 0
     width = final.shape[1] + chunk_bits(C) + 1
-    moved = first_levels(seeds, rows.at(rows.g, first_at), first, width, C) if seeds is not None else None
-    in_chunk = _last_chunk_levels(rows, last_at, *last[1:], flat.v.shape[1])
+    moved = first_levels(seeds, rows.at(rows.g, at[0]), first, width, C) if seeds is not None else None
+    in_chunk = _last_chunk_levels(rows, at[-1], *last[1:], flat.v.shape[1])
     return o, _final_state(flat, in_chunk, final, n_in, moved)
 
 

@@ -11,21 +11,24 @@ chunk (token c0 C + t) should read level m of the state at
 
 (bit_length((c0 C + t) XOR p): the chunk's bits cancel; the carry past p, adding the levels below ctz(p) + 1 into
 that level, is never formed: level m lands in bucket max(m, ctz(p) + 1), read at fenwick.incoming_levels of it).
-SeedReads adds the difference to o, one program per (seeded sequence, value head), for the rows t of its first
-chunk that are tokens of the call (p mod C <= t < its end):
+add_seed_reads adds the difference to the kernels' o, one program per (seeded sequence, value head), for the rows t
+of its first chunk that are tokens of the call (p mod C <= t < its end), reading q, g and lam at those tokens:
 
     w_t,m = lam_t[read(t, m)] - lam_t[c + 1 + m0]        (a lam level at or past the call's L reads 0, as in the
                                                            kernels)
     o_t += scale sum_m w_t,m (exp(G_t) q_t)^T S_m        (S_m the state's level m, G_t the cumsum of the floored
                                                            gate from the chunk's start: per key with GLA's gate)
 
-and its backward, with dT = scale dO and U_m = w_m dT:
+and seed_read_grads its gradients, with dT = scale dO and U_m = w_m dT:
 
     dw_m = rowsum(dT * (qt S_m)),  dS_m = qt^T U_m,  dqt = sum_m U_m S_m^T,  dlam_t[l] = sum_m dw_t,m ([l = read(t, m)]
-    - [l = c + 1 + m0]),  dq = exp(G) dqt,  dg_s = sum_{t >= s} exp(G_t) (dqt_t . q_t) (per key: elementwise),
+    - [l = c + 1 + m0]),  dq = exp(G) dqt,  dG_t = dq_t . q_t (per key: elementwise),
 
-dg 0 where g <= FLOOR (the floor's gradient). A sequence that ends in chunk c0 still holds the buckets as chunk level
-m0, decayed to its last token e: first_levels moves them to the in-chunk levels e reads them at, read(e, m).
+added in place to the kernels' per-head dq, dlam and q.dq (the gate's term dG_t, whose reverse cumsum over the
+sequence, 0 where g <= FLOOR, the kernels' gate gradient forms: the seeded chunk is its sequence's first), so that
+the reads cost no buffer, gather or add of their own. Both run inside the kernels' autograd Function
+(backend.LevelScanMamba2). A sequence that ends in chunk c0 still holds the buckets as chunk level m0, decayed to its
+last token e: first_levels moves them to the in-chunk levels e reads them at, read(e, m).
 """
 
 from __future__ import annotations
@@ -40,13 +43,13 @@ from loglinear.fenwick import bucket_floor, carry_level, chunk_bits, chunk_level
 from loglinear.ops.finite import LOG_DECAY_FLOOR, floor_log_decay
 from loglinear.ops.torch_chunk import route_buckets
 from loglinear.ops.triton.mamba2.chunk import FP32_DOT
-from loglinear.ops.triton.shared.common import alloc, group_sum, heads_fastest, next_pow2
+from loglinear.ops.triton.shared.common import alloc, heads_fastest, next_pow2
 from loglinear.ops.triton.shared.intra import FLOOR as GATE_FLOOR, bit_levels
 from loglinear.ops.triton.shared.launch import launch_options
 from loglinear.ops.triton.shared.rules import dot_precision
 from loglinear.tables import cached_table, device_table, table_cache
 
-__all__ = ["Seeds", "FirstChunks", "first_chunks", "SeedReads", "first_levels"]
+__all__ = ["Seeds", "FirstChunks", "first_chunks", "add_seed_reads", "seed_read_grads", "first_levels"]
 
 FLOOR = LOG_DECAY_FLOOR[torch.float32]
 ROW_FIELDS = tl.constexpr(5)  # FirstChunks.layout's columns
@@ -91,22 +94,22 @@ def first_chunks(starts: tuple[int, ...], ends: tuple[int, ...], positions: tupl
 
 
 @triton.jit
-def seed_rows(layout, at, r, C: tl.constexpr, LOG_C: tl.constexpr):
-    """Seeded chunk r (FirstChunks.layout, at: [R, C] int64 its rows' indices into the gathered rows): (its first
-    row's token (int64), the held rows [C], their indices into the gathered rows [C] int64, bit_length(t XOR front)
-    [C], the floor ctz(p) + 1 of the levels read, the kernels' level c + 1 + m0)."""
+def seed_rows(layout, r, C: tl.constexpr, LOG_C: tl.constexpr):
+    """Seeded chunk r (FirstChunks.layout): (its rows' tokens [C] int64 (first row's token + t; negative before the
+    call's first token), the held rows [C], bit_length(t XOR front) [C], the floor ctz(p) + 1 of the levels read, the
+    kernels' level c + 1 + m0)."""
     t = tl.arange(0, C)
     row = layout + r * ROW_FIELDS
     front, stop = tl.load(row + 1).to(tl.int32), tl.load(row + 2).to(tl.int32)
     held = (t >= front) & (t < stop)
-    return (tl.load(row), held, tl.load(at + r * C + t, mask=held, other=0), bit_levels(t ^ front, LOG_C),
-            tl.load(row + 3).to(tl.int32), tl.load(row + 4).to(tl.int32))
+    return (tl.load(row) + t, held, bit_levels(t ^ front, LOG_C), tl.load(row + 3).to(tl.int32),
+            tl.load(row + 4).to(tl.int32))
 
 
 @triton.jit
 def seed_gates(g, idx, held, h, H, K, kk, PER_CHANNEL: tl.constexpr):
-    """(exp(G) fp32 [C] or per channel [C, BK], the raw gate rows in fp32): G the cumsum of max(g, FLOOR) over the
-    chunk's rows, 0 at the rows not held; g [n, H] or [n, H, K] the gathered rows (unfloored)."""
+    """exp(G) fp32 [C] (per channel [C, BK]): G the cumsum of max(g, FLOOR) over the chunk's rows, 0 at the rows not
+    held; g [tokens, H] or [tokens, H, K] (unfloored), idx the rows' tokens."""
     if PER_CHANNEL:
         ok = held[:, None] & (kk[None, :] < K)
         raw = tl.load(g + (idx[:, None] * H + h) * K + kk[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -114,7 +117,7 @@ def seed_gates(g, idx, held, h, H, K, kk, PER_CHANNEL: tl.constexpr):
     else:
         raw = tl.load(g + idx * H + h, mask=held, other=0.0).to(tl.float32)
         floored = tl.where(held, tl.maximum(raw, GATE_FLOOR), 0.0)
-    return tl.exp(tl.cumsum(floored, 0)), raw
+    return tl.exp(tl.cumsum(floored, 0))
 
 
 @triton.jit
@@ -128,17 +131,17 @@ def seed_weight(lam_rows, ll, lev, target, kernel, m):
 
 @triton.jit
 def seed_inputs(q, g, lam, idx, held, h, H, G, K, L, kk, ll, PER_CHANNEL: tl.constexpr):
-    """What both kernels read at the held rows: q [C, BK] (h's group), exp(G) (seed_gates), the raw gate and lam
+    """What both kernels read at the held rows (tokens idx): q [C, BK] (h's group), exp(G) (seed_gates) and lam
     [C, BL], fp32; qt = exp(G) q in q's dtype (the products' operand dtype, as the chunk kernels': 16-bit operands,
     fp32 sums)."""
     grp = h // (H // G)
     qc = tl.load(q + (idx[:, None] * G + grp) * K + kk[None, :], mask=held[:, None] & (kk[None, :] < K),
                  other=0.0).to(tl.float32)
-    decay, raw = seed_gates(g, idx, held, h, H, K, kk, PER_CHANNEL)
+    decay = seed_gates(g, idx, held, h, H, K, kk, PER_CHANNEL)
     lam_rows = tl.load(lam + (idx[:, None] * H + h) * L + ll[None, :], mask=held[:, None] & (ll[None, :] < L),
                        other=0.0).to(tl.float32)
     qt = qc * decay if PER_CHANNEL else qc * decay[:, None]
-    return qc, decay, raw, lam_rows, qt.to(q.dtype.element_ty)
+    return qc, decay, lam_rows, qt.to(q.dtype.element_ty)
 
 
 @triton.jit
@@ -147,20 +150,26 @@ def level_offsets(r, m, h, H, K, V, kk, vv, M: tl.constexpr):
     return (((r * M + m) * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :]
 
 
+@triton.jit
+def add_rows(ptrs, x, mask):
+    """*ptrs += x where mask (the sum in fp32, stored in the pointers' dtype); each element has one writer."""
+    tl.store(ptrs, (tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + x).to(ptrs.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["H", "G", "L"])
 def seed_reads_kernel(
-    o, q, g, lam, levels, layout, at, scale,
+    o, q, g, lam, levels, layout, scale,
     H, G, K, V, L,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
     PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """o_t += scale sum_m w_t,m qt_t^T S_m (module docstring) on the held rows of seeded chunk r, head h; o:
-    [tokens, H, V] (read and written in its dtype, the sum in fp32), q [n, G, K], g [n, H(, K)], lam [n, H, L]: the
-    gathered rows; levels [R, M, H, K, V] fp32 (M = LOG_C + 1). Grid (R * H,) (heads_fastest)."""
+    [tokens, H, V] (read and written in its dtype, the sum in fp32), q [tokens, G, K], g [tokens, H(, K)], lam
+    [tokens, H, L]: the call's; levels [R, M, H, K, V] fp32 (M = LOG_C + 1). Grid (R * H,) (heads_fastest)."""
     r, h = heads_fastest(H)
     kk, vv, ll = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BL)
-    t0, held, idx, lev, target, kernel = seed_rows(layout, at, r, C, LOG_C)
-    qc, decay, raw, lam_rows, qt = seed_inputs(q, g, lam, idx, held, h, H, G, K, L, kk, ll, PER_CHANNEL)
+    idx, held, lev, target, kernel = seed_rows(layout, r, C, LOG_C)
+    qc, decay, lam_rows, qt = seed_inputs(q, g, lam, idx, held, h, H, G, K, L, kk, ll, PER_CHANNEL)
     smask = (kk[:, None] < K) & (vv[None, :] < V)
     acc = tl.zeros([C, BV], dtype=tl.float32)
     for m in range(LOG_C + 1):
@@ -168,30 +177,26 @@ def seed_reads_kernel(
         state = state.to(qt.dtype)
         w, read = seed_weight(lam_rows, ll, lev, target, kernel, m)
         acc += w[:, None] * tl.dot(qt, state, input_precision=PRECISION)
-    rows = o + ((t0 + tl.arange(0, C)) * H + h)[:, None] * V + vv[None, :]
-    ok = held[:, None] & (vv[None, :] < V)
-    tl.store(rows, (tl.load(rows, mask=ok, other=0.0).to(tl.float32) + scale * acc).to(o.dtype.element_ty), mask=ok)
+    add_rows(o + (idx * H + h)[:, None] * V + vv[None, :], scale * acc, held[:, None] & (vv[None, :] < V))
 
 
 @triton.jit(do_not_specialize=["H", "G", "L"])
 def seed_reads_bwd_kernel(
-    d_o, q, g, lam, levels, layout, at, scale,
-    dq, dg, dlam, d_levels,
-    H, G, K, V, L, stride_t, stride_h, stride_v,
+    d_o, q, g, lam, levels, layout, scale,
+    dq, qdq, dlam, d_levels,
+    H, G, K, V, L,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
     PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
-    """seed_reads_kernel's gradients (module docstring) on the held rows of seeded chunk r, head h: dq [n, H, K]
-    (per value head), dg [n, H(, K)], dlam [n, H, L] at the gathered rows (the rows not held are not written);
-    d_levels [R, M, H, K, V] fp32. d_o: [tokens, H, V] with strides stride_t, stride_h, stride_v (o.sum()'s
-    gradient is an expanded scalar: read as it is, not copied). Grid (R * H,) (heads_fastest)."""
+    """seed_reads_kernel's gradients (module docstring) on the held rows of seeded chunk r, head h, added in place:
+    dq [tokens, H, K] (per value head, q's dtype), the gate's term q.dq [tokens, H(, K)] fp32 and dlam [tokens, H, L];
+    written: d_levels [R, M, H, K, V] fp32. d_o: [tokens, H, V] contiguous. Grid (R * H,) (heads_fastest)."""
     r, h = heads_fastest(H)
     kk, vv, ll = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BL)
-    t0, held, idx, lev, target, kernel = seed_rows(layout, at, r, C, LOG_C)
-    qc, decay, raw, lam_rows, qt = seed_inputs(q, g, lam, idx, held, h, H, G, K, L, kk, ll, PER_CHANNEL)
+    idx, held, lev, target, kernel = seed_rows(layout, r, C, LOG_C)
+    qc, decay, lam_rows, qt = seed_inputs(q, g, lam, idx, held, h, H, G, K, L, kk, ll, PER_CHANNEL)
     ok = held[:, None] & (vv[None, :] < V)
-    rows = d_o + (t0 + tl.arange(0, C))[:, None] * stride_t + h * stride_h + vv[None, :] * stride_v
-    d_t = scale * tl.load(rows, mask=ok, other=0.0).to(tl.float32)
+    d_t = scale * tl.load(d_o + (idx * H + h)[:, None] * V + vv[None, :], mask=ok, other=0.0).to(tl.float32)
     smask = (kk[:, None] < K) & (vv[None, :] < V)
     d_qt = tl.zeros([C, BK], dtype=tl.float32)
     d_lam = tl.zeros([C, BL], dtype=tl.float32)
@@ -208,59 +213,43 @@ def seed_reads_bwd_kernel(
     kmask = held[:, None] & (kk[None, :] < K)
     if PER_CHANNEL:
         d_q = decay * d_qt
-        d_gate = tl.cumsum(d_q * qc, 0, reverse=True)
-        d_gate = tl.where(raw <= GATE_FLOOR, 0.0, d_gate)
-        tl.store(dg + (idx[:, None] * H + h) * K + kk[None, :], d_gate.to(dg.dtype.element_ty), mask=kmask)
+        add_rows(qdq + (idx[:, None] * H + h) * K + kk[None, :], d_q * qc, kmask)
     else:
         d_q = decay[:, None] * d_qt
-        d_gate = tl.cumsum(tl.sum(d_q * qc, 1), 0, reverse=True)
-        d_gate = tl.where(raw <= GATE_FLOOR, 0.0, d_gate)
-        tl.store(dg + idx * H + h, d_gate.to(dg.dtype.element_ty), mask=held)
-    tl.store(dq + (idx[:, None] * H + h) * K + kk[None, :], d_q.to(dq.dtype.element_ty), mask=kmask)
-    tl.store(dlam + (idx[:, None] * H + h) * L + ll[None, :], d_lam.to(dlam.dtype.element_ty),
-             mask=held[:, None] & (ll[None, :] < L))
+        add_rows(qdq + idx * H + h, tl.sum(d_q * qc, 1), held)
+    add_rows(dq + (idx[:, None] * H + h) * K + kk[None, :], d_q, kmask)
+    add_rows(dlam + (idx[:, None] * H + h) * L + ll[None, :], d_lam, held[:, None] & (ll[None, :] < L))
 
 
-class SeedReads(torch.autograd.Function):
-    """(o, q, g, lam, levels, chunks, at, scale) -> o with the seeded first chunks' reads added (module docstring),
-    in place. o: [tokens, H, V] (the kernels' output, not saved by their Function); q [n, G, K], g [n, H] or per
-    channel [n, H, K] (unfloored), lam [n, H, L]: the call's gathered rows (backend._Rows), at: [R, C] int64 the
-    seeded chunks' rows among them (unique on the held rows); levels [R, M, H, K, V] fp32 (Seeds.levels). One kernel
-    each way, whatever R; the gradients of q, g, lam come at the gathered rows (0 at the rows no chunk holds)."""
+def add_seed_reads(o: torch.Tensor, q: torch.Tensor, g: torch.Tensor, lam: torch.Tensor, levels: torch.Tensor,
+                   chunks: FirstChunks, scale: float) -> None:
+    """o += the seeded first chunks' reads (module docstring), in place, one kernel whatever the number of seeded
+    sequences R. o: [tokens, H, V] (the kernels' output); q [tokens, G, K], g [tokens, H] or per channel
+    [tokens, H, K] (unfloored), lam [tokens, H, L]: the call's; levels [R, c+1, H, K, V] fp32 contiguous
+    (Seeds.levels)."""
+    _launch(seed_reads_kernel, (o, q, g, lam, levels, chunks.layout, scale), q, o, lam, g.dim() == 3, chunks)
 
-    @staticmethod
-    def forward(ctx, o: torch.Tensor, q: torch.Tensor, g: torch.Tensor, lam: torch.Tensor, levels: torch.Tensor,
-                chunks: FirstChunks, at: torch.Tensor, scale: float) -> torch.Tensor:
-        levels = levels.contiguous()
-        _launch(seed_reads_kernel, (o, q, g, lam, levels, chunks.layout, at, scale), q, o, lam, g.dim() == 3)
-        ctx.mark_dirty(o)
-        ctx.save_for_backward(q, g, lam, levels, at)
-        ctx.chunks, ctx.scale = chunks, scale
-        return o
 
-    @staticmethod
-    def backward(ctx, d_o: torch.Tensor) -> tuple:
-        q, g, lam, levels, at = ctx.saved_tensors
-        H, G = lam.shape[1], q.shape[1]
-        per_head = torch.zeros((q.shape[0], H, q.shape[2]), dtype=q.dtype if G == H else torch.float32,
-                               device=q.device)
-        dg, dlam, d_levels = torch.zeros_like(g), torch.zeros_like(lam), alloc(tuple(levels.shape), torch.float32,
-                                                                               levels.device)
-        tensors = (d_o, q, g, lam, levels, ctx.chunks.layout, at, ctx.scale, per_head, dg, dlam, d_levels)
-        strides = dict(zip(("stride_t", "stride_h", "stride_v"), d_o.stride()))
-        _launch(seed_reads_bwd_kernel, tensors, q, d_o, lam, g.dim() == 3, **strides)
-        return d_o, group_sum(per_head, G, 1).to(q.dtype), dg, dlam, d_levels, None, None, None
+def seed_read_grads(d_o: torch.Tensor, q: torch.Tensor, g: torch.Tensor, lam: torch.Tensor, levels: torch.Tensor,
+                    chunks: FirstChunks, scale: float, dq: torch.Tensor, qdq: torch.Tensor,
+                    dlam: torch.Tensor) -> torch.Tensor:
+    """add_seed_reads' gradients from d_o [tokens, H, V] (contiguous): added in place to the kernels' per-head dq
+    [tokens, H, K] (q's dtype), q.dq [tokens, H(, K)] fp32 (the gate's term) and dlam [tokens, H, L] at the held
+    rows; returns the levels' gradient [R, c+1, H, K, V] fp32. Inputs as add_seed_reads'."""
+    d_levels = alloc(tuple(levels.shape), torch.float32, levels.device)
+    tensors = (d_o, q, g, lam, levels, chunks.layout, scale, dq, qdq, dlam, d_levels)
+    _launch(seed_reads_bwd_kernel, tensors, q, d_o, lam, g.dim() == 3, chunks)
+    return d_levels
 
 
 def _launch(kernel, tensors: tuple, q: torch.Tensor, o: torch.Tensor, lam: torch.Tensor, per_channel: bool,
-            **extra: int) -> None:
-    """Launch a seeds kernel, one program per (seeded chunk, value head): kernel(*tensors, sizes, **extra), with
-    tensors[6] = at [R, C]; q [n, G, K], lam [n, H, L] the gathered rows, o [tokens, H, V] the output or its
-    gradient."""
-    R, C = tensors[6].shape
+            chunks: FirstChunks) -> None:
+    """Launch a seeds kernel, one program per (seeded chunk, value head): kernel(*tensors, sizes); q [tokens, G, K],
+    lam [tokens, H, L], o [tokens, H, V] the output or its gradient."""
+    R, C = chunks.held.shape
     H, V = o.shape[1], o.shape[2]
-    kernel[(R * H,)](*tensors, H=H, G=q.shape[1], K=q.shape[2], V=V, L=lam.shape[-1], **extra, C=C,
-                     LOG_C=chunk_bits(C), BK=next_pow2(q.shape[2]), BV=next_pow2(V), BL=next_pow2(lam.shape[-1]),
+    kernel[(R * H,)](*tensors, H=H, G=q.shape[1], K=q.shape[2], V=V, L=lam.shape[-1], C=C, LOG_C=chunk_bits(C),
+                     BK=next_pow2(q.shape[2]), BV=next_pow2(V), BL=next_pow2(lam.shape[-1]),
                      PRECISION=dot_precision(q.dtype, FP32_DOT), PER_CHANNEL=per_channel,
                      **launch_options(kernel))
 
