@@ -1,7 +1,7 @@
 """Where an incoming state's cost goes: CUDA time per kernel of one forward+backward with and without a state.
 
     python benchmarks/profiling/profile_state.py                       # Mamba-2 and GDN at 32K and 128K
-    python benchmarks/profiling/profile_state.py --variants mamba2 --T 8192 131072
+    python benchmarks/profiling/profile_state.py --variants mamba2 --T 8192 131072 --name profile-state-mamba2
     python benchmarks/profiling/profile_state.py --states boundary inside    # also from a state inside a chunk
 
 The calls are bench_ops.py's `loglinear` row and its state rows (paper setting: B = 2, 48 value heads, one
@@ -9,7 +9,8 @@ q/k group, K = 128, V = 64, bf16): the same inputs, once from zeros and once con
 tokens of the same kind (`loglinear_state`: at position T, a chunk boundary; with --states inside,
 `loglinear_state_inside`: the state after T - 24 tokens, inside a chunk; the state's gradient taken). Per T,
 variant and state row, a table of the kernels (torch.profiler, CUDA time per call, averaged over --reps calls)
-side by side, sorted by the difference, and the wall time per call. Writes <out>/profile-state-<gpu>.md.
+side by side, sorted by the difference, and the wall time per call. Writes <out>/<name>-<gpu>.md (--name, default
+profile-state: a run of other variants or lengths under another name keeps that file).
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rows", type=int, default=14, help="kernels per table (largest differences first)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
+    ap.add_argument("--name", default="profile-state",
+                    help="result file stem: <name>-<gpu>.md (another name keeps the default run's file)")
     args = ap.parse_args(argv)
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
     command = "python " + " ".join(["benchmarks/profiling/profile_state.py"] + (argv or sys.argv[1:]))
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
                 torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"profile-state-{gpu}.md").write_text("\n".join(lines))
+    (out / f"{args.name}-{gpu}.md").write_text("\n".join(lines))
 
 
 if __name__ == "__main__":
