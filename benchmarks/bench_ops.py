@@ -84,16 +84,19 @@ def make_inputs(T: int, B: int, H: int, G: int, K: int, V: int, dtype: torch.dty
     }
 
 
+def widened(x: dict, end: int) -> dict:
+    """x with lambda [B, T, H, L] widened to the levels of positions up to ``end`` (its top level repeated)."""
+    lam = x["level_scales"]
+    return {**x, "level_scales": torch.cat([lam] + [lam[..., -1:]] * (levels_needed(end) - lam.shape[-1]), -1)}
+
+
 def continued(x: dict, op: Callable, short: int = 0, **kw) -> tuple[dict, FenwickState]:
     """x as the continuation of T - short tokens of its own kind: the state the op leaves after x's first T - short
     tokens (positions T - short, a leaf that takes a gradient) and lambda widened to the levels of positions up to 2T
     (its top level repeated)."""
     with torch.no_grad():
         _, state = op(**{n: t[:, : t.shape[1] - short] for n, t in x.items()}, output_final_state=True, **kw)
-        lam = x["level_scales"]
-        extra = levels_needed(2 * lam.shape[1]) - lam.shape[-1]
-        x = {**x, "level_scales": torch.cat([lam] + [lam[..., -1:]] * extra, -1)}
-    return x, FenwickState(state.levels, state.positions)
+    return widened(x, 2 * x["q"].shape[1]), FenwickState(state.levels, state.positions)
 
 
 def lift_fla_guard() -> None:
@@ -451,9 +454,7 @@ def check_packed_states(log: Callable[[str], None], variant: str, dtype: torch.d
         _, st = bench.op(**pre, output_final_state=True, cu_seqlens=torch.tensor([0, 100, 137, 144], device="cuda"))
     state = FenwickState(torch.cat([st.levels, torch.zeros_like(st.levels[:1])]), torch.tensor([100, 37, 7, 0]))
     T = 2900
-    x = bench.inputs(T, 1, 8, 2, p["K"], p["V"], dtype, seed=13)
-    lam = x["level_scales"]
-    x["level_scales"] = torch.cat([lam] + [lam[..., -1:]] * (levels_needed(T + 100) - lam.shape[-1]), -1)
+    x = widened(bench.inputs(T, 1, 8, 2, p["K"], p["V"], dtype, seed=13), T + 100)
     cu = torch.tensor([0, 1000, 1001, 2500, T], device="cuda")
     _compare_backends(log, f"{variant} {dtype} packed T={T} (1000 + 1 + 1499 + 400) H=8 G=2 K=128 V=64 from states "
                       "at 100 / 37 / 7 / 0", x, bench.op, exact=True, initial_state=state, cu_seqlens=cu)

@@ -501,23 +501,22 @@ def _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, d_gate, final
 
 
 class LevelScanMamba2(torch.autograd.Function):
-    """(q, k, v, g, gate, lam, h0, plan, rows, take, seeds, first) -> (o, chunk-level final states, the inputs
-    ``take`` at rows) on the kernels.
+    """(q, k, v, g, gate, lam, h0, plan, rows, seeds, first) -> (o, chunk-level final states, and with rows k, v, g
+    there) on the kernels.
 
     q, k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] or [tokens, H, K] per channel, unfloored (the kernels
     floor it); gate: what the kernels read of g (_read_gate; no gradient); lam: [tokens, H, L] (plain:
     not read, no gradient);
-    h0: [N, J, H, K, V] fp32 chunk-level initial states (plain: J = 1, the state); rows: [n] int64 unique tokens or
-    None; take: the names among "q", "k", "v", "g", "lam" of the inputs to gather there; seeds: the seeded sequences'
-    in-chunk levels [R, c+1, H, K, V] fp32 (Seeds.levels) whose reads in their first chunks ``first`` the kernels'
-    o takes (seeds.add_seed_reads; its gradients seeds.seed_read_grads, added into the kernels'), or None. Returns
-    o: [tokens, H, V] (rows outside the plan's sequences unwritten), the final chunk levels [N, J, H, K, V] fp32 and,
-    with rows, the inputs ``take`` at those rows (_Rows), whose gradients the backward adds into the kernels'
-    there."""
+    h0: [N, J, H, K, V] fp32 chunk-level initial states (plain: J = 1, the state); rows: [n] int64 unique tokens
+    whose k, v, g a final state's torch ops read (_Rows), or None; seeds: the seeded sequences' in-chunk levels
+    [R, c+1, H, K, V] fp32 (Seeds.levels) whose reads in their first chunks ``first`` the kernels' o takes
+    (seeds.add_seed_reads; its gradients seeds.seed_read_grads, added into the kernels'), or None. Returns o:
+    [tokens, H, V] (rows outside the plan's sequences unwritten), the final chunk levels [N, J, H, K, V] fp32 and,
+    with rows, k, v and g at those rows (_Rows.NAMES), whose gradients the backward adds into the kernels' there."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, gate, lam, h0, plan: LevelScanPlan, rows: torch.Tensor | None,
-                take: tuple[str, ...] = (), seeds: torch.Tensor | None = None, first: FirstChunks | None = None):
+                seeds: torch.Tensor | None = None, first: FirstChunks | None = None):
         ranges = plan.device_tensors(q.device)
         o = alloc(tuple(v.shape), v.dtype, v.device)
         levels = h0.detach().clone(memory_format=torch.contiguous_format)
@@ -525,13 +524,12 @@ class LevelScanMamba2(torch.autograd.Function):
         if seeds is not None:
             seeds = seeds.contiguous()
             add_seed_reads(o, q, g, lam, seeds, first, plan.scale)
-        ctx.plan, ctx.ranges, ctx.rows, ctx.take, ctx.first = plan, ranges, rows, take, first
+        ctx.plan, ctx.ranges, ctx.rows, ctx.first = plan, ranges, rows, first
         ctx.set_materialize_grads(False)  # an unused output's gradient comes as None, not as zeros
         ctx.save_for_backward(q, k, v, g, lam, h0, levels, seeds)
         if rows is None:
             return o, levels
-        inputs = dict(q=q, k=k, v=v, g=g, lam=lam)
-        return o, levels, *(inputs[name].index_select(0, rows) for name in take)
+        return o, levels, *(x.index_select(0, rows) for x in (k, v, g))  # _Rows.NAMES
 
     @staticmethod
     def backward(ctx, d_o, d_final, *d_rows):
@@ -555,12 +553,12 @@ class LevelScanMamba2(torch.autograd.Function):
         dk, dv, dg = _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, qdq, final_terms, ranges,
                                 saved.table, plan, g)
         del d_deposits, scores, dk_in, gate
-        grads = dict(q=dq, k=dk, v=dv, g=dg, lam=dlam)
-        for name, d in zip(ctx.take, d_rows):
+        grads = dict(k=dk, v=dv, g=dg)
+        for name, d in zip(_Rows.NAMES, d_rows):
             if d is not None:  # the rows' own gradients, in place: the rows are unique, so each element takes
                 grads[name].index_add_(0, ctx.rows, d.to(grads[name].dtype))  # one add (deterministic)
         d_h0 = d_levels if plan.has_init else None
-        return dq, dk, dv, dg, None, dlam, d_h0, None, None, None, d_seeds, None
+        return dq, dk, dv, dg, None, dlam, d_h0, None, None, d_seeds, None
 
 
 def _final_grads(d_final: torch.Tensor | None, final: torch.Tensor, plan: LevelScanPlan
@@ -665,7 +663,7 @@ class _Rows:
     at those rows in its backward (gathered from the inputs, autograd would write each input's gradient at whole
     size once more, then add the two)."""
 
-    NAMES = ("k", "v", "g")  # LevelScanMamba2's ``take``
+    NAMES = ("k", "v", "g")  # what LevelScanMamba2 gathers, in its outputs' order
 
     k: torch.Tensor
     v: torch.Tensor
@@ -779,19 +777,16 @@ def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tu
                          first_level=first_level)
     first = _first_chunk_layout(plan, seeds) if seeds is not None else None
     gate = _read_gate(flat.g, plan, inp.report_finite)
-    seed_levels = seeds.levels if seeds is not None else None
-    if not output_final_state:
-        o, _ = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan, None, (), seed_levels,
-                                     first)
-        return o.reshape(inp.v.shape).to(inp.v.dtype), None
-    last = _last_chunks(tuple(plan.bos), tuple(plan.los), tuple(plan.eos), C, flat.q.device)
-    layouts = ((first.tokens,) if first is not None else ()) + (last[0],)
-    tokens, at = _row_tables(layouts, flat.q.device)
-    take = _Rows.NAMES
+    tokens, at, last = None, (), None
+    if output_final_state:  # the rows a final state's torch ops read: the last chunks', and the seeded first ones'
+        last = _last_chunks(tuple(plan.bos), tuple(plan.los), tuple(plan.eos), C, flat.q.device)
+        tokens, at = _row_tables(((first.tokens,) if first is not None else ()) + (last[0],), flat.q.device)
     o, final, *gathered = LevelScanMamba2.apply(flat.q, flat.k, flat.v, flat.g, gate, flat.lam, h0, plan, tokens,
-                                                take, seed_levels, first)
-    rows = _Rows(**dict(zip(take, gathered)))
+                                                seeds.levels if seeds is not None else None, first)
     o = o.reshape(inp.v.shape).to(inp.v.dtype)
+    if not output_final_state:
+        return o, None
+    rows = _Rows(*gathered)
     n_in = state.num_levels if state is not None else 0
     width = final.shape[1] + chunk_bits(C) + 1
     moved = first_levels(seeds, rows.at(rows.g, at[0]), first, width, C) if seeds is not None else None
