@@ -274,7 +274,7 @@ def gdn_local_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, norm: 
         args = local.kernel_meta(kernel, dict(meta, n0=0, NS=meta["N"], HP=HP))
         sig = dict(sig, **{n: runtime.get(n, "constexpr") for n in args})
         const = {n: x for n, x in args.items() if n not in runtime}
-        out.append(report(kernel, sig, const, **launch_options(kernel, heads=HP)))
+        out.append(report(kernel, sig, const, **launch_options(kernel)))
     return out
 
 

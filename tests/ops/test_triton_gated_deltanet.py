@@ -327,39 +327,39 @@ def test_chunk_local_kernels_match_torch_form(K, V, dtype, rtol, norm, plain):
     (20, 1, 6, 3, True, True),
 ])
 def test_key_backward_sums_a_groups_heads(K, G, H, heads, norm, plain, monkeypatch):
-    """The key backward with ``heads`` value heads per program: dq / dk summed over them, dg / dbeta per head; its
-    launch config is asked for that many heads (the one-head launch is only for one)."""
+    """The key backward with ``heads`` value heads per program: dq / dk summed over them, dg / dbeta per head; it
+    runs at the group key block when a program sums heads (the one-head block is only for one)."""
     from loglinear.ops.triton.gated_deltanet import local
     from loglinear.ops.triton.shared import launch
 
     monkeypatch.setattr(launch, "heads_per_program", lambda rows, H, G, per_head=False: heads)
-    asked = []
+    ran = []
+    meta_of = local.kernel_meta
 
-    def options(kernel, **kw):
-        asked.append((kernel.__name__, kw.get("heads")))
-        return launch.launch_options(kernel, **kw)
+    def kernel_meta(kernel, meta):
+        out = meta_of(kernel, meta)
+        ran.append((kernel.__name__, meta["HP"], out.get("BK")))
+        return out
 
-    monkeypatch.setattr(local, "launch_options", options)
+    monkeypatch.setattr(local, "kernel_meta", kernel_meta)
     _check_chunk_local(K, 12, torch.float32, RTOL, norm, plain, G=G, H=H)
-    assert ("_chunk_local_bwd_k_kernel", heads) in asked
+    assert ("_chunk_local_bwd_k_kernel", heads, local.KEY_BLOCK["_chunk_local_bwd_k_kernel"]) in ran
 
 
-def test_key_backward_launch_follows_heads_per_program(monkeypatch):
-    """On a GPU the key backward takes its one-head launch when a program has one head (G = H), the group launch
-    otherwise; a kernel without a one-head launch keeps its own at one head."""
+def test_key_backward_block_follows_heads_per_program():
+    """The key backward takes the group key block when a program sums a group's heads and the whole key (up to
+    ONE_HEAD_KEY_BLOCK) with one head per program; the other chunk-local kernels ignore the heads per program."""
     from loglinear.ops.triton.gated_deltanet import local
-    from loglinear.ops.triton.shared import launch
 
-    monkeypatch.setattr(launch, "interpreting", lambda: False)
-    config = launch.LAUNCH["_chunk_local_bwd_k_kernel"]
-    one = {"num_warps": config.one_head[0], "num_stages": config.one_head[1]}
-    group = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    assert one != group
-    assert launch.launch_options(local._chunk_local_bwd_k_kernel, heads=1) == one
-    assert launch.launch_options(local._chunk_local_bwd_k_kernel, heads=48) == group
-    inverse = launch.LAUNCH["_chunk_inverse_kernel"]
-    assert launch.launch_options(local._chunk_inverse_kernel, heads=1) == {"num_warps": inverse.num_warps,
-                                                                           "num_stages": inverse.num_stages}
+    group = local.KEY_BLOCK["_chunk_local_bwd_k_kernel"]
+    assert group < local.ONE_HEAD_KEY_BLOCK
+    meta = dict(K=128, BK_MAX=128, N=4, HP=48)
+    assert local.kernel_meta(local._chunk_local_bwd_k_kernel, meta)["BK"] == group
+    assert local.kernel_meta(local._chunk_local_bwd_k_kernel, dict(meta, HP=1))["BK"] == local.ONE_HEAD_KEY_BLOCK
+    assert local.kernel_meta(local._chunk_local_bwd_k_kernel, dict(meta, HP=1, K=64))["BK"] == 64
+    inverse = local.KEY_BLOCK["_chunk_inverse_kernel"]
+    for hp in (1, 48):
+        assert local.kernel_meta(local._chunk_inverse_kernel, dict(meta, HP=hp))["BK"] == inverse
 
 
 def _check_chunk_local(K, V, dtype, rtol, norm, plain, G, H):

@@ -457,16 +457,21 @@ def _meta(ch: Chunking, K: int, V: int, G: int, L: int | None, dt: torch.dtype, 
 # per kernel: the widest key block (sm_90, triton 3.6, benchmarks/profiling/compile_sm90.py; warps and stages:
 # shared/launch.py). Whole 128-column key blocks halve the inverse's Gram products (16-bit operands only); the
 # forward and the [C, C] backward take 64 (at 128 the forward spills 256 B at 4 warps; the [C, C] backward at 4
-# warps ran 4.0 ms at 64 against 4.4 at 128 on the H200 at 32K); the key backward 128 at 8 warps (plain GDN at 32K on
-# the H200: 15.6 ms forward + backward against 15.9 at 32 with 4 warps and 16.5 at 64 with 8; fp32's 64 spills 800 B)
-# (benchmarks/profiling/tune_gdn_local.py times other choices on a GPU).
+# warps ran 4.0 ms at 64 against 4.4 at 128 on the H200 at 32K); the key backward 32 when a program sums a group's
+# heads (at 4 warps, against 128 at 8: plain Gated DeltaNet 15.11 ms forward + backward at 32K against 15.42 on the
+# H200, 17.54 against 17.76 on an H100) and the whole key, ONE_HEAD_KEY_BLOCK, with one head per program (G = H,
+# the training models' K = 64: 6.24-6.28 ms plain against 6.30-6.49 at 32) (benchmarks/profiling/tune_gdn_local.py
+# times other choices on a GPU).
 KEY_BLOCK = {"_chunk_inverse_kernel": 128, "_chunk_local_kernel": 64, "_chunk_local_bwd_cc_kernel": 64,
-             "_chunk_local_bwd_k_kernel": 128}
+             "_chunk_local_bwd_k_kernel": 32}
+ONE_HEAD_KEY_BLOCK = 128
 
 
 def kernel_meta(kernel, meta: dict) -> dict:
-    """The entries of _meta that kernel takes, and its key block BK (NK blocks)."""
-    BK = min(KEY_BLOCK[kernel.__name__], meta["BK_MAX"], next_pow2(meta["K"]))
+    """The entries of _meta that kernel takes, and its key block BK (NK blocks): KEY_BLOCK's, or for the key
+    backward with one head per program (meta's HP = 1) ONE_HEAD_KEY_BLOCK; at most BK_MAX and the key's width."""
+    one_head = kernel is _chunk_local_bwd_k_kernel and meta["HP"] == 1
+    BK = min(ONE_HEAD_KEY_BLOCK if one_head else KEY_BLOCK[kernel.__name__], meta["BK_MAX"], next_pow2(meta["K"]))
     return {n: x for n, x in dict(meta, BK=BK, NK=triton.cdiv(meta["K"], BK)).items() if n in kernel.arg_names}
 
 
@@ -476,7 +481,7 @@ def _launch(kernel, ch: Chunking, meta: dict, *tensors: torch.Tensor, chunks: tu
     HP (_chunk_program)."""
     i0, i1 = chunks or (0, ch.N)
     kernel[((i1 - i0) * ch.BH // HP,)](*tensors, **kernel_meta(kernel, dict(meta, n0=i0, NS=i1 - i0, HP=HP)),
-                                       **launch_options(kernel, heads=HP))
+                                       **launch_options(kernel))
 
 
 class ChunkLocal(torch.autograd.Function):

@@ -36,11 +36,12 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
   * Gated DeltaNet chunk-local kernels (gated_deltanet/local.py): at 4 warps the inverse (166 registers),
     the forward and the [C, C] backward (255 registers each) run 3, 2 and 2 programs per SM, which hide each
     other's products. The [C, C] backward spills 8 B at 4 warps and none at 8 (one program per SM), yet runs
-    4.0 ms per forward + backward at 32K at 4 warps against 7.2 at 8 on the H200. The key backward, summing a
-    group's heads, takes 8 warps at key block 128 (plain Gated DeltaNet at 32K: 15.55 ms per forward + backward
-    against 16.30 at 4 warps; 4 warps at key block 32 measured faster, docs/kernels.md's levers), but 4 with one
-    head per program (``one_head``; G = H, as in the training models: the op at 12 heads of K = 64, 4 x 16K
-    tokens, 6.24-6.32 ms plain and 9.33-9.41 log-linear against 6.66-6.68 and 9.81 at 8 warps).
+    4.0 ms per forward + backward at 32K at 4 warps against 7.2 at 8 on the H200. The key backward takes 4
+    warps, with a group's heads per program (which hold the heads' sums of dQ and dK) at key block 32
+    (gated_deltanet/local.py: plain Gated DeltaNet at 32K 15.11 ms per forward + backward on the H200 against 15.42
+    at 8 warps and key block 128, and 16.30 at 4 warps and 128), with one head per program (G = H, as in the
+    training models: the op at 12 heads of K = 64, 4 x 16K tokens) at the whole key: 6.24-6.32 ms plain and
+    9.33-9.41 log-linear against 6.66-6.68 and 9.81 at 8 warps.
   * Gated DeltaNet scan kernels (gated_deltanet/scan.py): 8 warps for the sequential chains' [K, BV] states (at 4
     they spill 1.3-1.8 KB); on the plain schedule (``plain``: the state in registers, two products per chunk) 4
     warps and three stages: plain Gated DeltaNet 16.73 -> 16.30 ms per forward + backward at 32K, 66.2 -> 64.6 at
@@ -79,15 +80,14 @@ class Launch:
     """A kernel's GPU launch config: num_warps, num_stages, (scans over state tiles) the warps for a state tile
     of more than WIDE_STATE_TILE elements, (chunk kernels with a PER_CHANNEL switch) (num_warps, num_stages)
     with a per-channel gate, (kernels with a plain build: the delta-rule chains, Mamba-2's dk / dv kernel) on the
-    plain path and (a group-summing kernel) with one head per program (None: the same as the general build's), and
-    the general build's register cap per thread (ptxas's maxnreg; None: ptxas's own choice)."""
+    plain path (None: the same as the general build's), and the general build's register cap per thread (ptxas's
+    maxnreg; None: ptxas's own choice)."""
 
     num_warps: int
     num_stages: int
     wide_warps: int | None = None
     channel: tuple[int, int] | None = None
     plain: tuple[int, int] | None = None
-    one_head: tuple[int, int] | None = None
     max_registers: int | None = None
 
 
@@ -115,7 +115,7 @@ LAUNCH: dict[str, Launch] = {
     "_chunk_inverse_kernel": Launch(4, 2),
     "_chunk_local_kernel": Launch(4, 2),
     "_chunk_local_bwd_cc_kernel": Launch(4, 1),
-    "_chunk_local_bwd_k_kernel": Launch(8, 2, one_head=(4, 2)),
+    "_chunk_local_bwd_k_kernel": Launch(4, 2),
     # Gated DeltaNet, Fenwick delta scan
     "_scan_fwd_kernel": Launch(8, 2, plain=(4, 3)),
     "_scan_readout_kernel": Launch(8, 2),
@@ -131,18 +131,16 @@ LAUNCH: dict[str, Launch] = {
 }
 
 
-def launch_options(kernel, state_tile: int = 0, per_channel: bool = False, plain: bool = False,
-                   heads: int = 0) -> dict[str, int]:
+def launch_options(kernel, state_tile: int = 0, per_channel: bool = False, plain: bool = False) -> dict[str, int]:
     """num_warps / num_stages (and maxnreg: a general build's max_registers) for launching ``kernel`` (a @triton.jit
     function, looked up in LAUNCH by name); state_tile: the elements of the state tile one program holds (kernels
     with wide_warps); per_channel: the kernel runs with a per-channel gate (kernels with a ``channel`` config);
-    plain: the kernel's build for the plain path (kernels with a ``plain`` config); heads: the value heads one
-    program of a group-summing kernel sums (kernels with a ``one_head`` config). The fixed INTERPRETER config under
-    TRITON_INTERPRET=1."""
+    plain: the kernel's build for the plain path (kernels with a ``plain`` config). The fixed INTERPRETER config
+    under TRITON_INTERPRET=1."""
     config = LAUNCH[kernel.__name__]
     if interpreting():
         return dict(INTERPRETER)
-    special = config.channel if per_channel else config.plain if plain else config.one_head if heads == 1 else None
+    special = config.channel if per_channel else config.plain if plain else None
     if special is not None:
         return {"num_warps": special[0], "num_stages": special[1]}
     warps = config.num_warps
