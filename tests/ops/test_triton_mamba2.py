@@ -204,9 +204,9 @@ def test_dkv_launch_follows_the_path(plain, monkeypatch, no_torch_path):
         assert config.plain != (config.num_warps, config.num_stages)
     asked = []
 
-    def options(kernel, state_tile=0, per_channel=False, plain=False, heads=0):
+    def options(kernel, state_tile=0, per_channel=False, plain=False):
         asked.append((kernel.__name__, plain))
-        return launch.launch_options(kernel, state_tile, per_channel, plain, heads)
+        return launch.launch_options(kernel, state_tile, per_channel, plain)
 
     monkeypatch.setattr(M, "launch_options", options)
     x = mamba2_args(make_inputs(1, 40, 1, 2, 16, 8))
