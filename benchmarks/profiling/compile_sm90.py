@@ -55,6 +55,7 @@ from loglinear.ops.decode import KEY_WINDOW, MAX_KEY_WINDOW, KeyWindow, key_wind
 from loglinear.ops.finite import LOG_DECAY_FLOOR  # noqa: E402
 from loglinear.ops.triton import decode  # noqa: E402
 from loglinear.ops.triton.gated_deltanet import local, scan  # noqa: E402
+from loglinear.ops.triton.gated_deltanet import backend as gdn_backend  # noqa: E402
 from loglinear.ops.triton.gated_deltanet import chunking  # noqa: E402
 from loglinear.ops.triton.gated_deltanet.chunking import Chunking  # noqa: E402
 from loglinear.ops.triton.mamba2 import backend as mamba2  # noqa: E402
@@ -73,21 +74,36 @@ SHARED_LIMIT = 232448
 SASS_DIR: Path | None = None  # --sass: where each kernel's SASS listing goes
 
 
+def unspecialised(fn) -> set[str]:
+    """The arguments the JIT does not specialise on their values (the kernel's do_not_specialize)."""
+    return {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
+
+
 def aligned(fn, signature: dict, ints: dict) -> dict:
     """The JIT's specialisation on a launch: pointers (torch allocations) and specialised ints that are
     multiples of 16 carry tt.divisibility = 16 (without it loads are not vectorised: a pointer per element)."""
-    keep = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
+    keep = unspecialised(fn)
     div16 = [n for n, ty in signature.items() if ty.startswith("*")
              or (n in ints and n not in keep and ints[n] % 16 == 0)]
     return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
 
 
+def constant_ones(fn, signature: dict, constexprs: dict, ints: dict) -> tuple[dict, dict]:
+    """The JIT's other specialisation: a runtime int equal to 1 becomes a constant (unless unspecialised), as at the
+    paper setting's one q/k group. Returns the signature and constexprs with those ints as constants."""
+    ones = {n: 1 for n, x in ints.items() if x == 1 and n in signature and n not in unspecialised(fn)
+            and signature[n] in ("i32", "i64")}
+    return {**signature, **dict.fromkeys(ones, "constexpr")}, {**constexprs, **ones}
+
+
 def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, ints: dict | None = None,
            maxnreg: int | None = None, sass_name: str | None = None) -> str:
     """One line: shared memory, then ptxas's registers / stack / spills for the compiled kernel.
-    ints: the runtime integer arguments' values (for the JIT's divisibility specialisation); sass_name: the SASS
-    listing's file name (--sass; default the kernel's name)."""
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned(fn, signature, ints or {}))
+    ints: the runtime integer arguments' values (for the JIT's specialisations: divisibility by 16, constants of
+    1); sass_name: the SASS listing's file name (--sass; default the kernel's name)."""
+    ints = ints or {}
+    signature, constexprs = constant_ones(fn, signature, constexprs, ints)
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned(fn, signature, ints))
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg})
     ptxas = get_ptxas(90).path  # the ptxas the compiler used for sm_90 (a newer one than bin/ptxas in some versions)
@@ -160,7 +176,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
                 PER_CHANNEL=per_channel, S=intra_channel.SUB_CHUNK, KB=min(intra_channel.KEY_BLOCK, BK),
                 FLOOR=LOG_DECAY_FLOOR[torch.float32], HP=1 if per_channel else args.heads_per_program)
     dq_heads = base["HP"] if args.plain else 1  # the log-linear dq kernel runs per head (backend._dq_grads)
-    ints = dict(K=args.K, V=args.V)
+    ints = dict(K=args.K, V=args.V, H=48, G=1)  # the paper setting's heads and q/k groups
     ptrs = dict(g=f32, lam=P, scale="fp32", starts=i32, lows=i32, ends=i32, bos_ptr=i32, eos_ptr=i32, chunk0_ptr=i32)
 
     scan_const = dict(base, BJ=MAX_CHUNK_LEVELS)
@@ -215,6 +231,17 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def scan_ints(C: int, plain: bool, T: int = 8192, H: int = 48) -> dict[str, int]:
+    """The scan kernels' runtime ints in the first chain segment of a B = 2 call of T tokens from position 0 (the
+    JIT specialises them: the plain schedule's one level J = 1 is a constant)."""
+    N = T // C
+    J = 1 if plain else max(N - 1, 1).bit_length()
+    merge = gdn_backend._plain_targets(N) if plain else gdn_backend._merge_targets(0, N)
+    sched = scan.schedule(merge, J, 0, torch.device("cpu"))
+    i1 = scan._segments(N, sched, True)[0][1]
+    return dict(N=N, J=J, Tp=N * C, S=sched.slots, SD=sched.at[i1] + sched.count(i1), T=T, front=0, H=H, i0=0, i1=i1)
+
+
 def gdn_scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: str, plain: bool) -> list[str]:
     """The five Gated DeltaNet scan kernels (the forward with and without snapshots) at the op's block choices;
     plain: the chains' build for the plain schedule (ONE)."""
@@ -222,30 +249,32 @@ def gdn_scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: s
     BK, BV, NV = scan._blocks(K, V, dtype)
     const = dict(K=K, V=V, C=C, BK=BK, BV=BV, PREC=prec)
     rows = dict(T="i32", front="i32", H="i32", scale="fp32")
+    ints = scan_ints(C, plain)
     out = []
     sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", states=f32,
                snap=P, o_intra=f32, o=P, N="i32", J="i32", Tp="i32", S="i32", **rows, i0="i32", i1="i32",
                **{n: "constexpr" for n in [*const, "SNAP", "TM", "ONE"]})
     fits = scan.square_fits(BK, dtype)
     for snap in (True, False):
-        out.append(report(scan._scan_fwd_kernel, sig, dict(const, SNAP=snap, TM=fits, ONE=plain),
+        out.append(report(scan._scan_fwd_kernel, sig, dict(const, SNAP=snap, TM=fits, ONE=plain), ints=ints,
                           **launch_options(scan._scan_fwd_kernel, plain=plain)) + f"  (SNAP={snap})")
     sig = dict(qt=P, lam=f32, live="*i32", snap_at="*i32", snap=P, o_intra=f32, o=P, J="i32", Tp="i32", S="i32",
                **rows, i0="i32", **{n: "constexpr" for n in [*const, "NV"]})
-    out.append(report(scan._scan_readout_kernel, sig, dict(const, NV=NV), **launch_options(scan._scan_readout_kernel)))
+    out.append(report(scan._scan_readout_kernel, sig, dict(const, NV=NV), ints=ints,
+                      **launch_options(scan._scan_readout_kernel)))
     sig = dict(qt=P, wt=P, kt=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", do=P,
                dstates=f32, dsnap=P, do_intra=f32, N="i32", J="i32", Tp="i32", S="i32", **rows, i0="i32", i1="i32",
                **{n: "constexpr" for n in [*const, "TM", "ONE"]})
-    out.append(report(scan._scan_dh_kernel, sig, dict(const, TM=fits, ONE=plain),
+    out.append(report(scan._scan_dh_kernel, sig, dict(const, TM=fits, ONE=plain), ints=ints,
                       **launch_options(scan._scan_dh_kernel, plain=plain)))
     sig = dict(wt=P, kt=P, u=P, merge="*i32", live="*i32", snap_at="*i32", lev="*i32", snap=P, dsnap=P, dwt=P,
                dkt=P, du=P, dd=f32, N="i32", Tp="i32", S="i32", SD="i32", i0="i32",
                **{n: "constexpr" for n in [*const, "NV", "TZ"]})
-    out.append(report(scan._scan_grads_kernel, sig, dict(const, NV=NV, TZ=fits),
+    out.append(report(scan._scan_grads_kernel, sig, dict(const, NV=NV, TZ=fits), ints=ints,
                       **launch_options(scan._scan_grads_kernel)))
     sig = dict(qt=P, lam=f32, snap_at="*i32", lev="*i32", snap=P, do_intra=f32, dqt=P, dlam=f32, J="i32", Tp="i32",
                S="i32", i0="i32", **{n: "constexpr" for n in [*const, "NV"]})
-    out.append(report(scan._scan_readout_bwd_kernel, sig, dict(const, NV=NV),
+    out.append(report(scan._scan_readout_bwd_kernel, sig, dict(const, NV=NV), ints=ints,
                       **launch_options(scan._scan_readout_bwd_kernel)))
     return out
 
@@ -274,7 +303,8 @@ def gdn_local_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, norm: 
         args = local.kernel_meta(kernel, dict(meta, n0=0, NS=meta["N"], HP=HP))
         sig = dict(sig, **{n: runtime.get(n, "constexpr") for n in args})
         const = {n: x for n, x in args.items() if n not in runtime}
-        out.append(report(kernel, sig, const, **launch_options(kernel)))
+        ints = {n: x for n, x in args.items() if runtime.get(n) == "i32"}
+        out.append(report(kernel, sig, const, ints=ints, **launch_options(kernel)))
     return out
 
 
