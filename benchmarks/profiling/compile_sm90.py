@@ -343,13 +343,12 @@ def recorded_launches(step: Callable[[], object]) -> list[tuple[JITFunction, tup
 
 
 def launch_build(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dict]:
-    """A recorded launch's build, specialised as the JIT specialises that call: its signature (tensors pointers to
-    their dtype, floats fp32, ints i32, i64 past that range, and an int equal to 1 a constant), constexprs, runtime
-    ints (for aligned) and launch options (num_warps, num_stages, maxnreg)."""
+    """A recorded launch's build: its signature (tensors pointers to their dtype, floats fp32, ints i32, i64 past
+    that range), constexprs, runtime ints (report specialises them as the JIT does: aligned, constant_ones) and launch
+    options (num_warps, num_stages, maxnreg)."""
     names = fn.arg_names[:len(args)]
-    types = {n: mangle_type(x, specialize=True) for n, x in zip(names, args)}
+    types = {n: mangle_type(x, specialize=False) for n, x in zip(names, args)}
     const = {n: x for n, x in kwargs.items() if n in fn.arg_names}
-    const.update({n: x for n, x in zip(names, args) if types[n] == "constexpr"})
     sig = {n: "constexpr" if n in const else types[n] for n in fn.arg_names}
     ints = {n: x for n, x in zip(names, args) if type(x) is int}
     return sig, const, ints, {n: x for n, x in kwargs.items() if n not in fn.arg_names}
