@@ -167,7 +167,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     prec = dot_precision(dtype, mamba2.FP32_DOT)
     per_channel = args.variant == "gla"
     BK, BV = triton.next_power_of_2(args.K), triton.next_power_of_2(args.V)
-    C = args.chunk or mamba2.MAX_CHUNK
+    C = args.chunk or mamba2.chunk_cap(dtype, args.K)
     fwd_rows = BK if args.plain and dtype != torch.float32 else mamba2.SCAN_ROWS  # _scan_rows(k, plan.plain)
     print(f"triton {triton.__version__}, {args.variant}, {args.dtype}, K={args.K}, V={args.V}, C={C}, "
           f"plain={args.plain}, "
@@ -210,7 +210,8 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
         (mamba2_chunk.mamba2_gate_grad_kernel, "d_gate later g cum dg starts lows ends H K", base, 0),
     ]
     if args.has_init:  # a state inside a chunk: the seeded first chunks' reads (dq per head, as the dq kernel's)
-        const = dict(base, BL=16)
+        BK = seeds.key_block(dtype, args.K)
+        const = dict(base, BL=16, BK=BK, NKB=triton.cdiv(args.K, BK), BM=triton.next_power_of_2(C.bit_length()))
         kernels += [
             (seeds.seed_reads_kernel, "o q g lam levels layout scale H G K V L", const, 0),
             (seeds.seed_reads_bwd_kernel, "d_o q g lam levels layout scale dq qdq dlam d_levels H G K V L", const, 0),

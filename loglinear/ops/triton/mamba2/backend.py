@@ -763,9 +763,16 @@ def backend(inp: OpInputs, output_final_state: bool, chunk_size: int,
     return run_padded(inp, minimum, lambda x: _run_kernels(x, output_final_state, chunk_size))
 
 
+def chunk_cap(dtype: torch.dtype, K: int) -> int:
+    """The kernels' largest chunk for operands of ``dtype`` and K key columns: MAX_CHUNK, but 32 for fp32 operands with
+    K > 128 (their tf32x3 products stage the operands' split parts in shared memory: at 64 the dk / dv kernel would
+    take 314 KB; benchmarks/profiling/compile_sm90.py)."""
+    return 32 if dtype == torch.float32 and K > 128 else MAX_CHUNK
+
+
 def _run_kernels(inp: OpInputs, output_final_state: bool, chunk_size: int) -> tuple[torch.Tensor, FenwickState | None]:
     """backend on the kernels: (o [B, T, H, V] in v's dtype, final state or None)."""
-    C = kernel_chunk_size(chunk_size, MAX_CHUNK)
+    C = kernel_chunk_size(chunk_size, chunk_cap(_kernel_dtype(inp), inp.q.shape[-1]))
     flat = _flatten(inp)
     if inp.level_scales is None:
         return _run_plain(inp, flat, output_final_state, C)

@@ -110,7 +110,7 @@ from loglinear.ops.triton.shared.levels import (
 from loglinear.ops.triton.shared.tiles import level_column, load_tile, rows_within, store_column, store_tile
 
 CHUNK_RUNTIME_ARGS = ["H", "G", "L", "J"]
-FP32_DOT = "ieee"  # the products of fp32 calls: exact (shared.rules.dot_precision)
+FP32_DOT = "tf32x3"  # the products of fp32 calls (shared.rules.dot_precision)
 
 
 @triton.jit

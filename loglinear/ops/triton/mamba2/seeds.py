@@ -53,6 +53,15 @@ __all__ = ["Seeds", "FirstChunks", "first_chunks", "add_seed_reads", "seed_read_
 
 FLOOR = LOG_DECAY_FLOOR[torch.float32]
 ROW_FIELDS = tl.constexpr(5)  # FirstChunks.layout's columns
+# key columns per product of fp32 operands: their tf32x3 products stage both operands' split parts in shared memory,
+# which at the whole key of 128 takes 262 KB in the backward at C = 64 (sm_90 has 227 KB; compile_sm90.py)
+FP32_KEY_BLOCK = 64
+
+
+def key_block(dtype: torch.dtype, K: int) -> int:
+    """The seeds kernels' key block BK: the whole key (padded to a power of two), at most FP32_KEY_BLOCK for fp32
+    operands."""
+    return min(next_pow2(K), FP32_KEY_BLOCK) if dtype == torch.float32 else next_pow2(K)
 
 
 @dataclass
@@ -121,19 +130,23 @@ def seed_gates(g, idx, held, h, H, K, kk, PER_CHANNEL: tl.constexpr):
 
 
 @triton.jit
+def seed_read(lev, target, m):
+    """read(t, m) [C] int32: the level row t reads the state's in-chunk level m at."""
+    return tl.maximum(tl.maximum(lev, target), m)
+
+
+@triton.jit
 def seed_weight(lam_rows, ll, lev, target, kernel, m):
-    """(w_t,m = lam_t[read(t, m)] - lam_t[kernel] [C] fp32 from the rows' lam [C, BL] (0 at levels >= L), read(t, m)
-    [C] int32)."""
-    read = tl.maximum(tl.maximum(lev, target), m)
-    picked = tl.sum(tl.where(ll[None, :] == read[:, None], lam_rows, 0.0), 1)
-    return picked - tl.sum(tl.where(ll[None, :] == kernel, lam_rows, 0.0), 1), read
+    """w_t,m = lam_t[read(t, m)] - lam_t[kernel] [C] fp32 from the rows' lam [C, BL] (0 at levels >= L)."""
+    picked = tl.sum(tl.where(ll[None, :] == seed_read(lev, target, m)[:, None], lam_rows, 0.0), 1)
+    return picked - tl.sum(tl.where(ll[None, :] == kernel, lam_rows, 0.0), 1)
 
 
 @triton.jit
 def seed_inputs(q, g, lam, idx, held, h, H, G, K, L, kk, ll, PER_CHANNEL: tl.constexpr):
-    """What both kernels read at the held rows (tokens idx): q [C, BK] (h's group), exp(G) (seed_gates) and lam
-    [C, BL], fp32; qt = exp(G) q in q's dtype (the products' operand dtype, as the chunk kernels': 16-bit operands,
-    fp32 sums)."""
+    """What both kernels read at the held rows (tokens idx) for the key columns kk [BK]: q [C, BK] (h's group),
+    exp(G) (seed_gates) and lam [C, BL], fp32; qt = exp(G) q in q's dtype (the products' operand dtype, as the chunk
+    kernels': 16-bit operands, fp32 sums)."""
     grp = h // (H // G)
     qc = tl.load(q + (idx[:, None] * G + grp) * K + kk[None, :], mask=held[:, None] & (kk[None, :] < K),
                  other=0.0).to(tl.float32)
@@ -160,23 +173,25 @@ def add_rows(ptrs, x, mask):
 def seed_reads_kernel(
     o, q, g, lam, levels, layout, scale,
     H, G, K, V, L,
-    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
     PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """o_t += scale sum_m w_t,m qt_t^T S_m (module docstring) on the held rows of seeded chunk r, head h; o:
     [tokens, H, V] (read and written in its dtype, the sum in fp32), q [tokens, G, K], g [tokens, H(, K)], lam
-    [tokens, H, L]: the call's; levels [R, M, H, K, V] fp32 (M = LOG_C + 1). Grid (R * H,) (heads_fastest)."""
+    [tokens, H, L]: the call's; levels [R, M, H, K, V] fp32 (M = LOG_C + 1). The key in NKB blocks of BK columns
+    (key_block; unrolled). Grid (R * H,) (heads_fastest)."""
     r, h = heads_fastest(H)
-    kk, vv, ll = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BL)
+    vv, ll = tl.arange(0, BV), tl.arange(0, BL)
     idx, held, lev, target, kernel = seed_rows(layout, r, C, LOG_C)
-    qc, decay, lam_rows, qt = seed_inputs(q, g, lam, idx, held, h, H, G, K, L, kk, ll, PER_CHANNEL)
-    smask = (kk[:, None] < K) & (vv[None, :] < V)
     acc = tl.zeros([C, BV], dtype=tl.float32)
-    for m in range(LOG_C + 1):
-        state = tl.load(levels + level_offsets(r, m, h, H, K, V, kk, vv, LOG_C + 1), mask=smask, other=0.0)
-        state = state.to(qt.dtype)
-        w, read = seed_weight(lam_rows, ll, lev, target, kernel, m)
-        acc += w[:, None] * tl.dot(qt, state, input_precision=PRECISION)
+    for kb in tl.static_range(NKB):
+        kk = kb * BK + tl.arange(0, BK)
+        qc, decay, lam_rows, qt = seed_inputs(q, g, lam, idx, held, h, H, G, K, L, kk, ll, PER_CHANNEL)
+        smask = (kk[:, None] < K) & (vv[None, :] < V)
+        for m in range(LOG_C + 1):
+            state = tl.load(levels + level_offsets(r, m, h, H, K, V, kk, vv, LOG_C + 1), mask=smask, other=0.0)
+            w = seed_weight(lam_rows, ll, lev, target, kernel, m)
+            acc += w[:, None] * tl.dot(qt, state.to(qt.dtype), input_precision=PRECISION)
     add_rows(o + (idx * H + h)[:, None] * V + vv[None, :], scale * acc, held[:, None] & (vv[None, :] < V))
 
 
@@ -185,39 +200,50 @@ def seed_reads_bwd_kernel(
     d_o, q, g, lam, levels, layout, scale,
     dq, qdq, dlam, d_levels,
     H, G, K, V, L,
-    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
-    PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
+    BM: tl.constexpr, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """seed_reads_kernel's gradients (module docstring) on the held rows of seeded chunk r, head h, added in place:
     dq [tokens, H, K] (per value head, q's dtype), the gate's term q.dq [tokens, H(, K)] fp32 and dlam [tokens, H, L];
-    written: d_levels [R, M, H, K, V] fp32. d_o: [tokens, H, V] contiguous. Grid (R * H,) (heads_fastest)."""
+    written: d_levels [R, M, H, K, V] fp32. d_o: [tokens, H, V] contiguous. The key in NKB blocks of BK columns, each
+    block's dq, q.dq and d_levels from its own products; dw_m [C, BM] summed over the blocks before dlam is formed.
+    Grid (R * H,) (heads_fastest)."""
     r, h = heads_fastest(H)
-    kk, vv, ll = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BL)
+    vv, ll, mm = tl.arange(0, BV), tl.arange(0, BL), tl.arange(0, BM)
     idx, held, lev, target, kernel = seed_rows(layout, r, C, LOG_C)
-    qc, decay, lam_rows, qt = seed_inputs(q, g, lam, idx, held, h, H, G, K, L, kk, ll, PER_CHANNEL)
     ok = held[:, None] & (vv[None, :] < V)
     d_t = scale * tl.load(d_o + (idx * H + h)[:, None] * V + vv[None, :], mask=ok, other=0.0).to(tl.float32)
-    smask = (kk[:, None] < K) & (vv[None, :] < V)
-    d_qt = tl.zeros([C, BK], dtype=tl.float32)
+    d_w = tl.zeros([C, BM], dtype=tl.float32)
+    gate_term = tl.zeros([C], dtype=tl.float32)  # q.dq of a scalar gate, summed over the key blocks
+    for kb in tl.static_range(NKB):
+        kk = kb * BK + tl.arange(0, BK)
+        qc, decay, lam_rows, qt = seed_inputs(q, g, lam, idx, held, h, H, G, K, L, kk, ll, PER_CHANNEL)
+        smask = (kk[:, None] < K) & (vv[None, :] < V)
+        d_qt = tl.zeros([C, BK], dtype=tl.float32)
+        for m in range(LOG_C + 1):
+            offs = level_offsets(r, m, h, H, K, V, kk, vv, LOG_C + 1)
+            state = tl.load(levels + offs, mask=smask, other=0.0).to(qt.dtype)
+            w = seed_weight(lam_rows, ll, lev, target, kernel, m)
+            part = tl.sum(d_t * tl.dot(qt, state, input_precision=PRECISION), 1)
+            d_w += tl.where(mm[None, :] == m, part[:, None], 0.0)
+            u = (w[:, None] * d_t).to(qt.dtype)
+            d_qt += tl.dot(u, tl.trans(state), input_precision=PRECISION)
+            tl.store(d_levels + offs, tl.dot(tl.trans(qt), u, input_precision=PRECISION), mask=smask)
+        kmask = held[:, None] & (kk[None, :] < K)
+        if PER_CHANNEL:
+            d_q = decay * d_qt
+            add_rows(qdq + (idx[:, None] * H + h) * K + kk[None, :], d_q * qc, kmask)
+        else:
+            d_q = decay[:, None] * d_qt
+            gate_term += tl.sum(d_q * qc, 1)
+        add_rows(dq + (idx[:, None] * H + h) * K + kk[None, :], d_q, kmask)
+    if not PER_CHANNEL:
+        add_rows(qdq + idx * H + h, gate_term, held)
     d_lam = tl.zeros([C, BL], dtype=tl.float32)
     for m in range(LOG_C + 1):
-        offs = level_offsets(r, m, h, H, K, V, kk, vv, LOG_C + 1)
-        state = tl.load(levels + offs, mask=smask, other=0.0).to(qt.dtype)
-        w, read = seed_weight(lam_rows, ll, lev, target, kernel, m)
-        d_w = tl.sum(d_t * tl.dot(qt, state, input_precision=PRECISION), 1)
-        d_lam += tl.where(ll[None, :] == read[:, None], d_w[:, None], 0.0) - tl.where(ll[None, :] == kernel,
-                                                                                     d_w[:, None], 0.0)
-        u = (w[:, None] * d_t).to(qt.dtype)
-        d_qt += tl.dot(u, tl.trans(state), input_precision=PRECISION)
-        tl.store(d_levels + offs, tl.dot(tl.trans(qt), u, input_precision=PRECISION), mask=smask)
-    kmask = held[:, None] & (kk[None, :] < K)
-    if PER_CHANNEL:
-        d_q = decay * d_qt
-        add_rows(qdq + (idx[:, None] * H + h) * K + kk[None, :], d_q * qc, kmask)
-    else:
-        d_q = decay[:, None] * d_qt
-        add_rows(qdq + idx * H + h, tl.sum(d_q * qc, 1), held)
-    add_rows(dq + (idx[:, None] * H + h) * K + kk[None, :], d_q, kmask)
+        d_wm = tl.sum(tl.where(mm[None, :] == m, d_w, 0.0), 1)[:, None]
+        d_lam += tl.where(ll[None, :] == seed_read(lev, target, m)[:, None], d_wm, 0.0) - tl.where(
+            ll[None, :] == kernel, d_wm, 0.0)
     add_rows(dlam + (idx[:, None] * H + h) * L + ll[None, :], d_lam, held[:, None] & (ll[None, :] < L))
 
 
@@ -248,8 +274,10 @@ def _launch(kernel, tensors: tuple, q: torch.Tensor, o: torch.Tensor, lam: torch
     lam [tokens, H, L], o [tokens, H, V] the output or its gradient."""
     R, C = chunks.held.shape
     H, V = o.shape[1], o.shape[2]
-    kernel[(R * H,)](*tensors, H=H, G=q.shape[1], K=q.shape[2], V=V, L=lam.shape[-1], C=C, LOG_C=chunk_bits(C),
-                     BK=next_pow2(q.shape[2]), BV=next_pow2(V), BL=next_pow2(lam.shape[-1]),
+    K, BK = q.shape[2], key_block(q.dtype, q.shape[2])
+    sizes = dict(BM=next_pow2(chunk_bits(C) + 1)) if kernel is seed_reads_bwd_kernel else {}
+    kernel[(R * H,)](*tensors, H=H, G=q.shape[1], K=K, V=V, L=lam.shape[-1], C=C, LOG_C=chunk_bits(C),
+                     BK=BK, NKB=triton.cdiv(K, BK), BV=next_pow2(V), BL=next_pow2(lam.shape[-1]), **sizes,
                      PRECISION=dot_precision(q.dtype, FP32_DOT), PER_CHANNEL=per_channel,
                      **launch_options(kernel))
 

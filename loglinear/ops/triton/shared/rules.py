@@ -3,8 +3,9 @@ folder states its own numbers (mamba2/backend.py, gated_deltanet/chunking.py) an
 
   * ``dot_precision(dtype, fp32)``: the input_precision of every tl.dot. "tf32" for bf16 / fp16 operands (their
     products accumulate in fp32 anyway; the value only matters for fp32 operands), the variant's ``fp32`` choice
-    for fp32 operands (Mamba-2: "ieee", exact fp32 products; Gated DeltaNet: "tf32x3", fp32-level error on tensor
-    cores, which its chained [C, C] products need and which compiles in seconds where "ieee" takes minutes).
+    for fp32 operands ("tf32x3" for both variants: three TF32 tensor-core products of the operands' split parts,
+    fp32-level error, which Gated DeltaNet's chained [C, C] products need; "ieee", exact products on CUDA cores,
+    compiles for minutes and ran Mamba-2 16x slower, docs/kernels.md).
   * ``kernel_chunk_size(chunk_size, cap)``: >= 16 (tl.dot tiles) and <= the variant's cap, the largest chunk
     whose tiles fit sm_90's shared memory (checked by compiling for sm_90 with triton 3.6). The op's result does
     not depend on the kernel chunk.
