@@ -4,7 +4,8 @@ Rows: loglinear (our kernels), loglinear_plain (our plain op, level_scales=None:
 loglinear_state (our kernels continuing an incoming state at position T, as a context-parallel rank does: the
 state from T tokens of the same kind, its gradient taken too), loglinear_state_inside (the same from a state at
 T - 24, inside a chunk: a split that is not a multiple of the chunk, a chunked prefill; only when named),
-loglinear_packed (the same tokens as 8 packed sequences per row, cu_seqlens; only when named),
+loglinear_packed (the same tokens as 8 packed sequences per row, cu_seqlens; only when named), loglinear_fp32 (our
+kernels on the same inputs in fp32: what an fp32 call costs against the bf16 one; only when named),
 loglinear_torch (our torch chunk path, only when named), fla_log_linear, fla_mamba2 / fla_gdn, sdpa_flash.
 
     python benchmarks/bench_ops.py                       # paper setting, all impls, T = 2K..128K
@@ -14,6 +15,7 @@ loglinear_torch (our torch chunk path, only when named), fla_log_linear, fla_mam
     python benchmarks/bench_ops.py --impls loglinear loglinear_state loglinear_state_inside --name ops-mamba2-state
     python benchmarks/bench_ops.py --variant gdn --impls loglinear loglinear_packed --name ops-gdn-packed
     python benchmarks/bench_ops.py --T 4096 2048 --merge   # re-measure two T, keep the file's other rows
+    python benchmarks/bench_ops.py --impls loglinear loglinear_fp32 --T 32768 8192 --name ops-mamba2-fp32
     python benchmarks/bench_ops.py --impls loglinear --chunk-size 32 --name ops-mamba2-c32   # another chunk size
 
 Paper setting: B = 2, 48 value heads, one q/k group, K = 128, V = 64, bf16. Forward and forward+backward
@@ -56,11 +58,13 @@ from loglinear.cli import check_script_options, refuse  # noqa: E402
 from loglinear.fenwick import levels_needed  # noqa: E402
 from loglinear.report import pyplot  # noqa: E402
 
-OURS = ("loglinear", "loglinear_plain", "loglinear_state", "loglinear_state_inside", "loglinear_packed")
+OURS = ("loglinear", "loglinear_plain", "loglinear_state", "loglinear_state_inside", "loglinear_packed",
+        "loglinear_fp32")
 IMPLS = (*OURS, "loglinear_torch", "fla_log_linear", "fla_mamba2", "sdpa_flash")
 IMPLS_GDN = (*OURS, "loglinear_torch", "fla_gdn", "sdpa_flash")
 IMPLS_GLA = (*OURS, "fla_gla", "sdpa_flash")
-NAMED_ONLY = ("loglinear_torch", "loglinear_state_inside", "loglinear_packed")  # run only when --impls names them
+# run only when --impls names them
+NAMED_ONLY = ("loglinear_torch", "loglinear_state_inside", "loglinear_packed", "loglinear_fp32")
 PACKED = 8  # loglinear_packed: sequences per row
 INSIDE = 24  # loglinear_state_inside: the state's position T - INSIDE, inside a 64-token chunk
 OUR_BACKENDS = {**{impl: "triton" for impl in OURS}, "loglinear_torch": "torch"}  # -> backend=
@@ -113,9 +117,12 @@ def ours(impl: str, op: Callable, x: dict, names: tuple[str, ...], **kw) -> Buil
     """Our op on x's tensors ``names`` and level_scales (None for loglinear_plain) on the impl's backend;
     loglinear_state continues the state the op leaves after x (``continued``), whose levels are a leaf too;
     loglinear_state_inside the state after x's first T - INSIDE tokens; loglinear_packed runs x's rows as PACKED
-    sequences each, packed into one row (cu_seqlens). kw: the op's options, with OURS_KW's."""
+    sequences each, packed into one row (cu_seqlens); loglinear_fp32 runs x in fp32. kw: the op's options, with
+    OURS_KW's."""
     kw = {**kw, **OURS_KW}
     x, state = (x, None)
+    if impl == "loglinear_fp32":
+        x = {n: t.float() for n, t in x.items()}
     if impl in ("loglinear_state", "loglinear_state_inside"):
         x, state = continued(x, op, INSIDE if impl == "loglinear_state_inside" else 0, **kw)
     if impl == "loglinear_packed":
@@ -296,7 +303,8 @@ def write_results(rows: list[dict], meta: dict, out: Path, variant: str = "mamba
     name, linear = bench.title, bench.linear
     ratios = [("loglinear", linear), ("loglinear_plain", linear), ("loglinear", "loglinear_plain"),
               ("loglinear_state", "loglinear"), ("loglinear_state_inside", "loglinear"),
-              ("loglinear_packed", "loglinear"), ("loglinear", "fla_log_linear"), ("loglinear", "sdpa_flash")]
+              ("loglinear_packed", "loglinear"), ("loglinear_fp32", "loglinear"), ("loglinear", "fla_log_linear"),
+              ("loglinear", "sdpa_flash")]
     runs = meta.get("runs", [])
     when = (f"{meta['date']}; `{meta['command']}`" if len(runs) < 2 else
             "; ".join(f"rows at {', '.join(f'{t // 1024}K' for t in r['T'])}: {r['date']}, `{r['command']}`"
@@ -687,6 +695,8 @@ def main(argv: list[str] | None = None) -> None:
                       "chunk). " if "loglinear_state_inside" in args.impls else "")
                    + (f"loglinear_packed: the same tokens as {PACKED} sequences per row, packed (cu_seqlens). "
                       if "loglinear_packed" in args.impls else "")
+                   + ("loglinear_fp32: the same inputs in fp32 (q, k, v, lambda). "
+                      if "loglinear_fp32" in args.impls else "")
                    + (f"Our ops at chunk_size {args.chunk_size}. " if args.chunk_size is not None else "")
                    + "Median of triton.testing.do_bench.",
         "notes": notes, "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "unset",

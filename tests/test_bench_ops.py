@@ -30,6 +30,9 @@ def test_our_rows_run_forward_and_backward(bench, variant):
         assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves[impl]), impl
     for impl in ("loglinear_state", "loglinear_state_inside"):  # the state's levels take a gradient too
         assert len(leaves[impl]) == len(leaves["loglinear"]) + 1, impl
+    x = ops.inputs(40, 2, 2, 1, 16, 16, torch.bfloat16, seed=3, device="cpu")
+    for impl, dtype in (("loglinear", torch.bfloat16), ("loglinear_fp32", torch.float32)):
+        assert ops.build(impl, x, 2, 1)[1][0].dtype == dtype, impl  # q: the row's operand dtype
 
 
 def test_chunk_size_reaches_every_call_of_ours(bench, monkeypatch):
@@ -45,7 +48,7 @@ def test_chunk_size_reaches_every_call_of_ours(bench, monkeypatch):
     for impl in bench.OURS:
         fn, _ = bench.ours(impl, op, x, ("q", "k", "v", "g"))
         fn()
-    assert calls == [32] * len(calls) and len(calls) == 7
+    assert calls == [32] * len(calls) and len(calls) == 8
 
 
 def test_results_table_has_the_ratios(bench, tmp_path):
