@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten
 from triton.runtime.interpreter import InterpretedFunction
 
 from helpers import assert_close, compare_with_reference, large_writes, make_inputs, mamba2_args
-from loglinear import FenwickState, log_linear_mamba2
+from loglinear import FenwickState, log_linear_gla, log_linear_mamba2
 from loglinear import reference as R
 from loglinear.fenwick import ctz
 from loglinear.ops.api import attention
@@ -353,6 +353,31 @@ def test_chunk_sizes_agree():
     outs = [log_linear_mamba2(**x, chunk_size=c)[0].double() for c in (8, 32, 64)]
     for o in outs[1:]:
         assert_close(o, outs[0], FP32_TOL, "chunk sizes")
+
+
+@pytest.mark.parametrize("dtype, K, chunk", [(torch.float32, 136, 32), (torch.float32, 128, 64),
+                                             (torch.float16, 136, 64)])
+@pytest.mark.parametrize("variant", ["mamba2", "gla"])
+def test_kernel_chunk_by_operand_dtype_and_key(monkeypatch, variant, dtype, K, chunk):
+    """The kernels' chunk: 32 for fp32 operands with K > 128 (their tf32x3 products stage the operands' split parts
+    in shared memory: at 64 the dk / dv kernel would not fit sm_90's), else the op's 64."""
+    seen, rule = [], M.kernel_chunk_size
+
+    class Chosen(Exception):
+        pass
+
+    def record(chunk_size, cap):  # the chunk the kernels would run, then stop before them
+        seen.append(rule(chunk_size, cap))
+        raise Chosen
+
+    monkeypatch.setattr(M, "kernel_chunk_size", record)
+    x = mamba2_args(make_inputs(1, 20, 1, 2, K, 16, dtype=dtype))
+    if variant == "gla":
+        x["g"] = x["g"][..., None].expand(*x["g"].shape, K).contiguous()
+    op = log_linear_mamba2 if variant == "mamba2" else log_linear_gla
+    with pytest.raises(Chosen):
+        op(**x)
+    assert seen == [chunk]
 
 
 def test_gradients_are_deterministic():
