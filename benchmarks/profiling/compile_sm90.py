@@ -210,8 +210,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
         (mamba2_chunk.mamba2_gate_grad_kernel, "d_gate later g cum dg starts lows ends H K", base, 0),
     ]
     if args.has_init:  # a state inside a chunk: the seeded first chunks' reads (dq per head, as the dq kernel's)
-        BK = seeds.key_block(dtype, args.K)
-        const = dict(base, BL=16, BK=BK, NKB=triton.cdiv(args.K, BK), BM=triton.next_power_of_2(C.bit_length()))
+        const = dict(base, BL=16, **seeds.kernel_sizes(dtype, args.K, C))
         kernels += [
             (seeds.seed_reads_kernel, "o q g lam levels layout scale H G K V L", const, 0),
             (seeds.seed_reads_bwd_kernel, "d_o q g lam levels layout scale dq qdq dlam d_levels H G K V L", const, 0),

@@ -64,6 +64,13 @@ def key_block(dtype: torch.dtype, K: int) -> int:
     return min(next_pow2(K), FP32_KEY_BLOCK) if dtype == torch.float32 else next_pow2(K)
 
 
+def kernel_sizes(dtype: torch.dtype, K: int, C: int) -> dict[str, int]:
+    """The seeds kernels' block sizes for operands of ``dtype``, K key columns and chunk C: the key block BK
+    (key_block), its NKB blocks and BM, the backward's columns of per-level sums (>= the c + 1 in-chunk levels)."""
+    BK = key_block(dtype, K)
+    return dict(BK=BK, NKB=triton.cdiv(K, BK), BM=next_pow2(chunk_bits(C) + 1))
+
+
 @dataclass
 class Seeds:
     """The seeded sequences of a call: their indices among the call's sequences, positions and ends (absolute), and
@@ -274,10 +281,9 @@ def _launch(kernel, tensors: tuple, q: torch.Tensor, o: torch.Tensor, lam: torch
     lam [tokens, H, L], o [tokens, H, V] the output or its gradient."""
     R, C = chunks.held.shape
     H, V = o.shape[1], o.shape[2]
-    K, BK = q.shape[2], key_block(q.dtype, q.shape[2])
-    sizes = dict(BM=next_pow2(chunk_bits(C) + 1)) if kernel is seed_reads_bwd_kernel else {}
-    kernel[(R * H,)](*tensors, H=H, G=q.shape[1], K=K, V=V, L=lam.shape[-1], C=C, LOG_C=chunk_bits(C),
-                     BK=BK, NKB=triton.cdiv(K, BK), BV=next_pow2(V), BL=next_pow2(lam.shape[-1]), **sizes,
+    sizes = {n: x for n, x in kernel_sizes(q.dtype, q.shape[2], C).items() if n in kernel.arg_names}
+    kernel[(R * H,)](*tensors, H=H, G=q.shape[1], K=q.shape[2], V=V, L=lam.shape[-1], C=C, LOG_C=chunk_bits(C),
+                     BV=next_pow2(V), BL=next_pow2(lam.shape[-1]), **sizes,
                      PRECISION=dot_precision(q.dtype, FP32_DOT), PER_CHANNEL=per_channel,
                      **launch_options(kernel))
 
