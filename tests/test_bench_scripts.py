@@ -154,25 +154,27 @@ def test_sm90_compile_builds_every_kernel(argv, kernels):
     assert len(built) == kernels and not any("OVER THE SHARED LIMIT" in line for line in built), run.stdout
 
 
-@pytest.mark.parametrize("variant, plain", [("mamba2", False), ("mamba2", True), ("gla", False), ("gla", True)])
-def test_mamba2_tuner_tries_each_candidate_on_its_path(variant, plain, monkeypatch):
+@pytest.mark.parametrize("variant, plain, fp32", [("mamba2", False, False), ("mamba2", True, False),
+                                                 ("gla", False, False), ("gla", True, False), ("mamba2", False, True)])
+def test_mamba2_tuner_tries_each_candidate_on_its_path(variant, plain, fp32, monkeypatch):
     """Every candidate of tune_mamba2.py, set into LAUNCH, is what launch_options gives the kernel as the backend
-    asks for it on that path (the per-channel gate's in-chunk kernels without flags), and differs from the op's own."""
+    asks for it on that path and operand dtype (the per-channel gate's in-chunk kernels without flags), and differs
+    from the op's own."""
     from types import SimpleNamespace
 
     from loglinear.ops.triton.shared import launch
 
     tune = load_benchmark("profiling/tune_mamba2")
     monkeypatch.setattr(launch, "interpreting", lambda: False)
-    cands = tune.candidates(variant, plain)
+    cands = tune.candidates(variant, plain, fp32)
     assert len({c[0] for c in cands}) == len(tune.KERNELS) + 4 * (variant == "gla") - 2 * plain
     assert len(set(cands)) == len(cands)
     capped = {c[0] for c in cands if c[4] is not None}
-    general = set(tune.CHANNEL_KERNELS) if variant == "gla" else set() if plain else set(tune.KERNELS)
-    assert capped == general  # caps only on a general build (launch_options' rule)
+    general = set(tune.CHANNEL_KERNELS) if variant == "gla" else set() if plain or fp32 else set(tune.KERNELS)
+    assert capped == general  # caps only on a general 16-bit build (launch_options' rule)
     for name, field, warps, stages, registers in cands:
         kernel, config = SimpleNamespace(__name__=name), launch.LAUNCH[name]
-        flags = {} if name in tune.CHANNEL_KERNELS else {"per_channel": variant == "gla", "plain": plain}
+        flags = {} if name in tune.CHANNEL_KERNELS else {"per_channel": variant == "gla", "plain": plain, "fp32": fp32}
         own = launch.launch_options(kernel, **flags)
         monkeypatch.setitem(launch.LAUNCH, name, tune.with_config(config, field, warps, stages, registers))
         want = {"num_warps": warps, "num_stages": stages, **({"maxnreg": registers} if registers else {})}
@@ -200,7 +202,7 @@ def test_mamba2_tuner_puts_the_op_choices_back(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tune.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tune.torch.cuda, "get_device_name", lambda: "NVIDIA Test GPU")
-    monkeypatch.setattr(tune, "build_step", lambda variant, plain, T: (lambda: (x * 2).sum().backward(), [x]))
+    monkeypatch.setattr(tune, "build_step", lambda variant, plain, T, dtype: (lambda: (x * 2).sum().backward(), [x]))
     monkeypatch.setattr(tune, "measure", measure)
     tune.main(["--T", "64", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "tune-mamba2-Test-GPU.json").read_text())["rows"]

@@ -227,7 +227,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
         const = {n: c for n, c in const.items() if n in fn.arg_names}
         sig = signature(names, P, **{n: t for n, t in {**bufs, **ptrs}.items() if n in names.split()})
         out.append(report(fn, {**sig, **dict.fromkeys(const, "constexpr")}, const, ints=ints,
-                          **launch_options(fn, tile, per_channel, args.plain)))
+                          **launch_options(fn, tile, per_channel, args.plain, dtype == torch.float32)))
     return out
 
 
@@ -239,7 +239,8 @@ def scan_ints(C: int, plain: bool, T: int = 8192, H: int = 48) -> dict[str, int]
     merge = gdn_backend._plain_targets(N) if plain else gdn_backend._merge_targets(0, N)
     sched = scan.schedule(merge, J, 0, torch.device("cpu"))
     i1 = scan._segments(N, sched, True)[0][1]
-    return dict(N=N, J=J, Tp=N * C, S=sched.slots, SD=sched.at[i1] + sched.count(i1), T=T, front=0, H=H, i0=0, i1=i1)
+    return dict(N=N, J=J, Tp=N * C, S=sched.slots, SD=sched.at[i1] + sched.count(i1), T=T, front=0, H=H, i0=0, i1=i1,
+                first=0)
 
 
 def gdn_scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: str, plain: bool) -> list[str]:
@@ -252,14 +253,14 @@ def gdn_scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: s
     ints = scan_ints(C, plain)
     out = []
     sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", states=f32,
-               snap=P, o_intra=f32, o=P, N="i32", J="i32", Tp="i32", S="i32", **rows, i0="i32", i1="i32",
-               **{n: "constexpr" for n in [*const, "SNAP", "TM", "ONE"]})
+               snap=P, o_intra=f32, o=P, N="i32", J="i32", Tp="i32", S="i32", first="i32", **rows, i0="i32",
+               i1="i32", **{n: "constexpr" for n in [*const, "SNAP", "TM", "ONE"]})
     fits = scan.square_fits(BK, dtype)
     for snap in (True, False):
         out.append(report(scan._scan_fwd_kernel, sig, dict(const, SNAP=snap, TM=fits, ONE=plain), ints=ints,
                           **launch_options(scan._scan_fwd_kernel, plain=plain)) + f"  (SNAP={snap})")
     sig = dict(qt=P, lam=f32, live="*i32", snap_at="*i32", snap=P, o_intra=f32, o=P, J="i32", Tp="i32", S="i32",
-               **rows, i0="i32", **{n: "constexpr" for n in [*const, "NV"]})
+               first="i32", **rows, i0="i32", **{n: "constexpr" for n in [*const, "NV"]})
     out.append(report(scan._scan_readout_kernel, sig, dict(const, NV=NV), ints=ints,
                       **launch_options(scan._scan_readout_kernel)))
     sig = dict(qt=P, wt=P, kt=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", do=P,

@@ -4,11 +4,13 @@ registers per thread (ptxas's maxnreg: three programs of 4 warps per SM at 168).
 
     python benchmarks/profiling/tune_mamba2.py --T 32768 --out benchmarks/results --budget 240
     python benchmarks/profiling/tune_mamba2.py --variant gla --plain
+    python benchmarks/profiling/tune_mamba2.py --dtype float32 --T 8192      # the fp32 build's launches
 
-Paper setting (bf16, B = 2, H = 48, one q/k group, K = 128, V = 64; bench_ops.py's rows `loglinear` /
+Paper setting (bf16 unless --dtype, B = 2, H = 48, one q/k group, K = 128, V = 64; bench_ops.py's rows `loglinear` /
 `loglinear_plain`). The op's own choices (LAUNCH in loglinear/ops/triton/shared/launch.py, the entry the path takes:
-the general one, ``channel`` with a per-channel gate, ``plain`` on the plain path) run first; then each candidate
-changes one kernel's (warps, stages) on that path, or (the general build) its register cap. Per candidate the
+the general one, ``channel`` with a per-channel gate, ``plain`` on the plain path, ``fp32`` for fp32 operands on the
+general one) run first; then each candidate changes one kernel's (warps, stages) on that path, or (the general 16-bit
+build) its register cap. Per candidate the
 forward + backward is timed (do_bench median), then the op's choices again right after it, so each row holds its own
 baseline from the same minute; beside them the kernel's CUDA time (torch.profiler) and the largest relative
 difference of the gradients from the op's choices (the same math: only the accumulation order may differ). Writes
@@ -49,12 +51,12 @@ CONFIGS = ((4, 1), (4, 2), (4, 3), (8, 1), (8, 2))  # (warps, stages) tried for 
 REGISTER_CAPS = (168, None)
 
 
-def path_field(kernel: str, per_channel: bool, plain: bool) -> str | None:
+def path_field(kernel: str, per_channel: bool, plain: bool, fp32: bool = False) -> str | None:
     """The field of kernel's Launch entry that a call on this path takes when it is set (launch.launch_options'
     order; the in-chunk kernels of a per-channel gate have one build: None, the general fields)."""
     if kernel in CHANNEL_KERNELS:
         return None
-    return "channel" if per_channel else "plain" if plain else None
+    return "channel" if per_channel else "plain" if plain else "fp32" if fp32 else None
 
 
 def with_config(config: launch.Launch, field: str | None, warps: int, stages: int,
@@ -72,26 +74,29 @@ def taken(config: launch.Launch, field: str | None) -> tuple[int, int]:
     return special if special is not None else (config.num_warps, config.num_stages)
 
 
-def candidates(variant: str, plain: bool) -> list[tuple[str, str | None, int, int, int | None]]:
+def candidates(variant: str, plain: bool, fp32: bool = False) -> list[tuple[str, str | None, int, int, int | None]]:
     """(kernel, its path field, warps, stages, register cap) to try: every kernel the path runs (with a per-channel
     gate the in-chunk ones too; the plain path has no deposit kernel and no level gradient) at each of CONFIGS but
-    its own (keeping its cap), and on the general build at each of REGISTER_CAPS but its own."""
+    its own (keeping its cap), and on the general build at each of REGISTER_CAPS but its own. fp32: the ``fp32``
+    field, which takes no cap (while unset, the op runs the general build with its cap: then its own (warps,
+    stages) without the cap is a candidate too)."""
     names = [n for n in KERNELS + (CHANNEL_KERNELS if variant == "gla" else ())
              if not (plain and n in PLAIN_SKIPS)]
     out = []
     for n in names:
-        config, field = launch.LAUNCH[n], path_field(n, variant == "gla", plain)
+        config, field = launch.LAUNCH[n], path_field(n, variant == "gla", plain, fp32)
         own, cap = taken(config, field), config.max_registers if field is None else None
         if field is None:
             out += [(n, field, *own, c) for c in REGISTER_CAPS if c != cap]
-        out += [(n, field, w, s, cap) for w, s in CONFIGS if (w, s) != own]
+        capped_fallback = field == "fp32" and config.fp32 is None and config.max_registers is not None
+        out += [(n, field, w, s, cap) for w, s in CONFIGS if (w, s) != own or capped_fallback]
     return out
 
 
-def build_step(variant: str, plain: bool, T: int):
-    """The forward + backward closure of bench_ops' row at T (paper setting, bf16) and its gradient leaves."""
+def build_step(variant: str, plain: bool, T: int, dtype: torch.dtype = torch.bfloat16):
+    """The forward + backward closure of bench_ops' row at T (paper setting, in dtype) and its gradient leaves."""
     bench, p = bench_ops.BENCHES[variant], bench_ops.PAPER
-    x = bench.inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], torch.bfloat16)
+    x = bench.inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], dtype)
     run, leaves = bench.build("loglinear_plain" if plain else "loglinear", x, p["H"], p["G"])
     for t in leaves:
         t.requires_grad_(True)
@@ -146,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variant", choices=["mamba2", "gla"], default="mamba2")
     ap.add_argument("--plain", action="store_true", help="the plain path (level_scales=None)")
     ap.add_argument("--T", type=int, default=32768)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="the operands' dtype (float32: the fp32 build's launches)")
     ap.add_argument("--budget", type=float, default=240, help="seconds: no candidate starts after this")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     args = ap.parse_args(argv)
@@ -155,15 +162,17 @@ def main(argv: list[str] | None = None) -> None:
     t0, out = time.monotonic(), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
-    name = f"tune-{args.variant}{'-plain' * args.plain}-{gpu}"
-    meta = {"title": ("plain " if args.plain else "log-linear ") + bench_ops.BENCHES[args.variant].title.split()[-1],
+    fp32 = args.dtype == "float32"
+    name = f"tune-{args.variant}{'-plain' * args.plain}{'-fp32' * fp32}-{gpu}"
+    meta = {"title": ("plain " if args.plain else "log-linear ") + bench_ops.BENCHES[args.variant].title.split()[-1]
+            + " fp32" * fp32,
             "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "T": args.T,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": "python " + " ".join(["benchmarks/profiling/tune_mamba2.py"] + (argv or sys.argv[1:]))}
-    step, leaves = build_step(args.variant, args.plain, args.T)
+    step, leaves = build_step(args.variant, args.plain, args.T, getattr(torch, args.dtype))
     base_ms, _, ref = measure(step, leaves, "")
     rows = [row("(op's choices)", ("", "", None), ms=round(base_ms, 4))]
-    for kernel, field, *cfg in candidates(args.variant, args.plain):
+    for kernel, field, *cfg in candidates(args.variant, args.plain, fp32):
         if time.monotonic() - t0 > args.budget:
             rows.append(row(kernel, cfg, error="budget"))
             continue

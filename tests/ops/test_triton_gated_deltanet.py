@@ -405,17 +405,30 @@ def _scan_torch(qt, wt, kt, u, decay, lam, h0, merge):
     return torch.cat(outs, 1), torch.stack(h, 1)
 
 
+class _Launches:
+    """A kernel whose launches (grids) are recorded in ``seen``: kernel[grid](...) as the kernel's."""
+
+    def __init__(self, kernel, seen: list):
+        self.kernel, self.seen, self.__name__ = kernel, seen, kernel.__name__
+
+    def __getitem__(self, grid):
+        self.seen.append(grid)
+        return self.kernel[grid]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seeded, segment, K, one, dtype", [
     (True, 256, 20, False, torch.float32), (False, 256, 20, False, torch.float32),
-    (True, 4, 136, False, torch.float32),
+    (True, 4, 136, False, torch.float32), (True, 2, 20, False, torch.float32),  # three segments: the ring wraps
     (True, 4, 20, True, torch.float32), (False, 4, 136, True, torch.float32),  # the plain schedule, two segments
     (False, 4, 20, True, torch.float16), (True, 4, 20, True, torch.float16),
+    (True, 4, 20, False, torch.float16),  # 16-bit operands: without gradients the chain reads out itself
 ])
 def test_scan_kernel_and_its_backward(seeded, segment, K, one, dtype, monkeypatch):
     """Initial states in every level (all live at chunk 0), or none (only the levels the cascade filled);
-    o = scale (o_intra + readouts) written for the real tokens of the op's layout, by the readout kernel
-    (gradients: snapshots) and by the chain itself (none); the backward in one segment of chunks or two.
+    o = scale (o_intra + readouts) written for the real tokens of the op's layout, by the readout kernel from
+    snapshots (gradients, and fp32 operands without on the log-linear schedule: a ring of two segments' buffers)
+    and by the chain itself (otherwise without gradients); the backward in one segment of chunks or more.
     K = 20: the chains' one [BK, BK] transition matrix per chunk and the grads kernel's Z = sum_j h_j dg_j^T;
     K = 136 (BK = 256): their two products per level and the grads kernel's four. one: the plain schedule, one
     level that every chunk cascades into (the chains' ONE build: the state in registers, two products per chunk),
@@ -442,9 +455,13 @@ def test_scan_kernel_and_its_backward(seeded, segment, K, one, dtype, monkeypatc
     ro = (scale * (args[7] + inter)).view(b, H, N * C, V).transpose(1, 2)[:, ch.front : ch.front + ch.T]
     assert_close(o.double(), ro, rtol, "o")
     assert_close(hN.double(), rh, rtol, "hN")
-    with torch.no_grad():
-        o_chain, hN_chain = fenwick_delta_scan(*stage, h0, args[7].float(), merge, ch, scale, torch.float32)
-    assert_close(o_chain.double(), ro, rtol, "o (the chain's readout)")
+    readouts = []
+    monkeypatch.setattr(scan_module, "_scan_readout_kernel", _Launches(scan_module._scan_readout_kernel, readouts))
+    with torch.no_grad():  # inputs that need no gradient (autograd's needs_input_grad ignores no_grad)
+        free = [None if a is None else a.detach() for a in (*stage, h0, args[7].float())]
+        o_chain, hN_chain = fenwick_delta_scan(*free, merge, ch, scale, torch.float32)
+    assert len(readouts) == (-(-N // segment) if dtype == torch.float32 and not one else 0)
+    assert_close(o_chain.double(), ro, rtol, "o (no gradients)")
     assert_close(hN_chain.double(), rh, rtol, "hN (no gradients)")
     do, dh = torch.randn_like(ro), torch.randn_like(rh)
     inputs = args if seeded else args[:6] + args[7:]

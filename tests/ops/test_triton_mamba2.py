@@ -190,8 +190,9 @@ def test_register_cap_on_the_general_build_only(monkeypatch):
 
 @pytest.mark.parametrize("plain", [False, True])
 def test_dkv_launch_follows_the_path(plain, monkeypatch, no_torch_path):
-    """On a GPU the dk / dv kernel takes its plain-path launch on the plain path only, and the per-channel one with
-    a per-channel gate (launch_options' choice); the backend asks for the plan's path."""
+    """On a GPU the dk / dv kernel takes its plain-path launch on the plain path only, the per-channel one with
+    a per-channel gate, and its fp32 one for fp32 operands on the general path only (launch_options' choice); the
+    backend asks for the plan's path and its operands' dtype."""
     from loglinear.ops.triton.shared import launch
 
     config = launch.LAUNCH["mamba2_chunk_bwd_dkv_kernel"]
@@ -201,20 +202,23 @@ def test_dkv_launch_follows_the_path(plain, monkeypatch, no_torch_path):
         assert launch.launch_options(kernel) == dict(zip(keys, (config.num_warps, config.num_stages)))
         assert launch.launch_options(kernel, plain=True) == dict(zip(keys, config.plain))
         assert launch.launch_options(kernel, per_channel=True, plain=plain) == dict(zip(keys, config.channel))
-        assert config.plain != (config.num_warps, config.num_stages)
+        assert launch.launch_options(kernel, fp32=True) == dict(zip(keys, config.fp32))
+        assert launch.launch_options(kernel, plain=True, fp32=True) == dict(zip(keys, config.plain))
+        assert config.plain != (config.num_warps, config.num_stages) != config.fp32
     asked = []
 
-    def options(kernel, state_tile=0, per_channel=False, plain=False):
-        asked.append((kernel.__name__, plain))
-        return launch.launch_options(kernel, state_tile, per_channel, plain)
+    def options(kernel, state_tile=0, per_channel=False, plain=False, fp32=False):
+        asked.append((kernel.__name__, plain, fp32))
+        return launch.launch_options(kernel, state_tile, per_channel, plain, fp32)
 
     monkeypatch.setattr(M, "launch_options", options)
     x = mamba2_args(make_inputs(1, 40, 1, 2, 16, 8))
-    if plain:
-        _compare_plain(x)
-    else:
-        _compare(x)
-    assert ("mamba2_chunk_bwd_dkv_kernel", plain) in asked
+    for dtype, tol in ((torch.float32, FP32_TOL), (torch.float16, 5e-3)):
+        if plain:
+            _compare_plain(x, dtype=dtype, tol=tol)
+        else:
+            _compare(x, dtype=dtype, tol=tol)
+        assert ("mamba2_chunk_bwd_dkv_kernel", plain, dtype == torch.float32) in asked
 
 
 def test_kernel_modules_are_importable_by_path():

@@ -32,7 +32,8 @@ steps vanish. The kernels:
                         (L2-resident: the snapshots stream past it).
                         With gradients it stores every live incoming state (operand dtype) and leaves the
                         readouts to _scan_readout_kernel (chunk-parallel, reads the snapshots); without,
-                        it reads out in the chain.
+                        it reads out in the chain, but for fp32 operands (reads_apart: their snapshots
+                        then live in a ring of two segments' buffers).
   _scan_dh_kernel       the backward's sequential chain, reverse: dh_j = d dg_j - Wm^T dg_j + qt^T Y_j
                         (Wm^T = wt^T kt once per chunk, then 2 GEMMs per live level, 1 of them on the chain;
                         wider keys: 3, wt^T (kt dg_j)), stores every live dh (operand dtype).
@@ -49,13 +50,14 @@ one level there is nothing to share Wm's formation with (launch.py: this build's
 The chunk-parallel kernels walk the chunk's live levels from the live-level list with the next level's
 tiles loaded a step ahead; all V in one program: no partial sums, deterministic, no atomics.
 
-Both chains run in segments of SEGMENT chunks (PLAIN_SEGMENT: the plain schedule with gradients) on a side stream
+Both chains run in segments of SEGMENT chunks (PLAIN_SEGMENT: the plain schedule with snapshots) on a side stream
 (shared/streams.py): while a chain walks segment s, the chunk-parallel kernels of segment s - 1 (forward: the
 readouts; backward: the grads and readout backward) run on the SMs that the chain's one program per head leaves
 idle, and in the forward the producers of the chain's inputs for segment s + 1 too (``produce``: the chunk-local
 stage, local.chunk_local_segments; with or without gradients: without, the chain reads out itself and only the
-producers run beside it). The backward's dh snapshots exist for two segments at a time (the one the chain writes,
-the one the grads kernel reads).
+producers run beside it, but for fp32 operands on the log-linear schedule, reads_apart). The backward's dh snapshots
+exist for two segments at a time (the one the chain writes, the one the grads kernel reads), and so do a forward's
+without gradients.
 """
 
 from __future__ import annotations
@@ -123,19 +125,19 @@ def _transition(h, w, k, u, d, PREC: tl.constexpr):
 @triton.jit
 def _scan_fwd_kernel(
     qt, wt, kt, u, decay, lam, merge, lev, snap_at, states, snap, o_intra, o,
-    N, J, Tp, S, T, front, H, scale, i0, i1,
+    N, J, Tp, S, first, T, front, H, scale, i0, i1,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr, SNAP: tl.constexpr, TM: tl.constexpr, ONE: tl.constexpr,
 ):
     """Chunks i0 .. i1-1 of the forward chain.
     qt, wt, kt: [BH, Tp, K]; u: [BH, Tp, V]; decay: [BH, N]; lam: [BH, Tp, J]; merge: [N], snap_at: [N + 1]
     int32 (cascade target, first snapshot slot); lev: the live levels of chunk i at lev[snap_at[i] : snap_at[i + 1]]
-    (ascending; one entry past the end); states: [BH, J, K, V] fp32,
-    updated in place (the states entering chunk i0; at the end the ones leaving chunk i1 - 1: after the last
-    segment the final states of the live levels); snap: [BH, S, K, V]
-    (SNAP: the live states entering each chunk, in level order); o_intra: [BH, Tp, V] fp32, the chunk-local
-    outputs; o: [b, T, H, V] (Chunking's tokens) = scale (o_intra + the readouts), written here without
-    SNAP; with SNAP the readouts leave the sequential chain (_scan_readout_kernel reads the snapshots).
+    (ascending; one entry past the end); states: [BH, J, K, V] fp32, updated in place (the states entering chunk
+    i0; at the end the ones leaving chunk i1 - 1: after the last segment the final states of the live levels);
+    snap: [BH, S, K, V] (SNAP: the live states entering each chunk, in level order, chunk i's from slot
+    snap_at[i] - first); o_intra: [BH, Tp, V] fp32, the chunk-local outputs; o: [b, T, H, V] (Chunking's tokens)
+    = scale (o_intra + the readouts), written here without SNAP; with SNAP the readouts leave the sequential chain
+    (_scan_readout_kernel reads the snapshots).
 
     TM (square_fits: Wm_i fits 32 KB of registers: BK <= 128 for bf16/fp16 operands, <= 64 for fp32): the chunk's
     transition through one matrix, formed (with ku_i) from the chunk's inputs only, off the states' chain,
@@ -168,7 +170,7 @@ def _scan_fwd_kernel(
         m = tl.load(merge + i)
         start = tl.load(snap_at + i)
         count = tl.load(snap_at + i + 1) - start
-        keep = snap + (bh * S + start) * KV
+        keep = snap + (bh * S + start - first) * KV
         if not SNAP:
             acc = load_tile(o_intra, row0, rc, rc < C, 0, 1, V, rv)
         if TM and not ONE:  # from the chunk's inputs only: w_i, k_i, u_i are dead after these two
@@ -224,11 +226,12 @@ def _scan_fwd_kernel(
 @triton.jit
 def _scan_readout_kernel(
     qt, lam, live, snap_at, snap, o_intra, o,
-    J, Tp, S, T, front, H, scale, i0,
+    J, Tp, S, first, T, front, H, scale, i0,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """The readouts of chunk i = i0 + program_id(0) of head bh (all in parallel) from the forward's snapshots:
+    """The readouts of chunk i = i0 + program_id(0) of head bh (all in parallel) from the forward's snapshots
+    (snap: [BH, S, K, V] from slot ``first``, as _scan_fwd_kernel writes them):
     o = scale (o_intra + sum_j lam[:, j] (qt_i h_j)) over the live levels, written for the real tokens of
     o: [b, T, H, V].  Shapes as _scan_fwd_kernel; V in NV blocks of BV."""
     i = tl.program_id(0) + i0
@@ -237,7 +240,7 @@ def _scan_readout_kernel(
     KV = K * V
     q_i = load_tile(qt, row0, rc, rc < C, 0, 1, K, rk)
     alive = tl.load(live + i)
-    hsrc = snap + (bh * S + tl.load(snap_at + i)) * KV
+    hsrc = snap + (bh * S + tl.load(snap_at + i) - first) * KV
     tok0, _, valid, head = chunk_tokens(i, bh, T, front, H, C)
     for iv in range(NV):
         rv = iv * BV + tl.arange(0, BV)
@@ -537,10 +540,10 @@ SEGMENT = 64
 PLAIN_SEGMENT = 128
 
 
-def _segments(N: int, sched: Schedule, grads: bool) -> list[tuple[int, int]]:
+def _segments(N: int, sched: Schedule, snapshots: bool) -> list[tuple[int, int]]:
     """The chains' segments (i0, i1) of N chunks, in order: PLAIN_SEGMENT chunks on the plain schedule with
-    gradients, else SEGMENT."""
-    n = PLAIN_SEGMENT if sched.one and grads else SEGMENT
+    snapshots (its dh chain's, or a forward's that reads out apart), else SEGMENT."""
+    n = PLAIN_SEGMENT if sched.one and snapshots else SEGMENT
     return [(i0, min(i0 + n, N)) for i0 in range(0, N, n)]
 
 
@@ -624,6 +627,34 @@ def _add_first_chunk(o: torch.Tensor, x: torch.Tensor, ch: Chunking) -> None:
     o[:, :first] = (o[:, :first].float() + rows).to(o.dtype)
 
 
+def reads_apart(operand: torch.dtype, sched: Schedule) -> bool:
+    """Does a forward without gradients read out apart from its chain (snapshots and _scan_readout_kernel, as with
+    gradients) instead of in it? For fp32 operands on the log-linear schedule: their chain that reads out itself
+    spills 1.7 KB per thread (sm_90, triton 3.6; 0.6 KB when it snapshots), and took 145.9 ms at 32K against 93.8
+    for the training forward (an H100, the paper setting); 16-bit ones read out in the chain (10.7 against 11.8 ms),
+    and so does the plain schedule's chain (its state in registers, one readout product per chunk)."""
+    return operand == torch.float32 and not sched.one
+
+
+def _snapshots(segments: list[tuple[int, int]], sched: Schedule, keep: bool, apart: bool, shape: tuple[int, int, int],
+               dtype: torch.dtype, device: torch.device):
+    """The forward's snapshot buffers: (what it saves for the backward or None, snapshots(n) -> (segment n's buffer
+    [BH, S, K, V], the slot ``first`` that its slot 0 holds: chunk i's snapshots from slot snap_at[i] - first)).
+    keep (gradients): one [BH, slots, K, V] buffer for every segment (first = 0); apart without gradients: a ring
+    of two buffers of the longest segment's slots, segment n's in buffer n % 2 from its first slot; else one
+    unused element. shape: (BH, K, V)."""
+    BH, K, V = shape
+    if keep:
+        whole = alloc((BH, sched.slots, K, V), dtype, device)
+        return whole, lambda n: (whole, 0)
+    if apart:
+        S = max(sched.at[i1] - sched.at[i0] for i0, i1 in segments)
+        ring = [alloc((BH, max(S, 1), K, V), dtype, device) for _ in range(2)]
+        return None, lambda n: (ring[n % 2], sched.at[segments[n][0]])
+    unused = alloc((1, 1, 1, 1), dtype, device)
+    return None, lambda n: (unused, 0)
+
+
 class FenwickDeltaScan(torch.autograd.Function):
     """(o, final states) = scan(qt, wt, kt, u, decay, lam, h0, o_intra, w0, p0, sched, ch, scale, dtype, final,
     produce); see the module docstring.
@@ -646,45 +677,50 @@ class FenwickDeltaScan(torch.autograd.Function):
         V, N, J = u.shape[-1], decay.shape[1], lam.shape[-1]
         BK, BV, NV = _blocks(K, V, qt.dtype)
         keep = ctx.needs_input_grad[:8] != (False,) * 8
+        apart = keep or reads_apart(qt.dtype, sched)
         states = h0.clone() if h0 is not None else alloc((BH, J, K, V), torch.float32, qt.device)
-        snap = alloc((BH, sched.slots, K, V) if keep else (1,), qt.dtype, qt.device)
         o = alloc((ch.b, ch.T, ch.H, V), dtype, qt.device)
         prec = dot_precision(qt.dtype, FP32_DOT)
+        segments = _segments(N, sched, apart)
+        snap, snapshots = _snapshots(segments, sched, keep, apart, (BH, K, V), qt.dtype, qt.device)
 
-        def chain(i0: int, i1: int) -> None:
+        def chain(n: int) -> None:
+            buf, first = snapshots(n)
             _scan_fwd_kernel[(NV, BH)](
-                qt, wt, kt, u, decay, lam, sched.merge, sched.lev, sched.snap_at, states, snap, o_intra, o,
-                N, J, Tp, sched.slots, ch.T, ch.front, ch.H, scale, i0, i1,
-                K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, SNAP=keep, TM=square_fits(BK, qt.dtype),
+                qt, wt, kt, u, decay, lam, sched.merge, sched.lev, sched.snap_at, states, buf, o_intra, o,
+                N, J, Tp, buf.shape[1], first, ch.T, ch.front, ch.H, scale, *segments[n],
+                K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, SNAP=apart, TM=square_fits(BK, qt.dtype),
                 ONE=sched.one, **launch_options(_scan_fwd_kernel, plain=sched.one),
             )
 
         produce = produce or (lambda i0, i1: None)
-        # the producers of segment s + 1 and (with gradients) the readouts of segment s - 1 beside the chain's
-        # segment s; without gradients the chain reads out itself
+        # the producers of segment s + 1 and the readouts of segment s - 1 (apart) beside the chain's segment s;
+        # otherwise the chain reads out itself. A segment's producers wait for the readouts launched before them,
+        # and its chain for its producers: a chain never overwrites a ring snapshot buffer that is still being read.
         streams = ChainStreams(qt.device)
-        segments = _segments(N, sched, keep)
 
         def start(n: int) -> None:
             produce(*segments[n])
             streams.feed()
             with streams.chain():
-                chain(*segments[n])
+                chain(n)
 
         start(0)
         for n, (i0, i1) in enumerate(segments):
             if n + 1 < len(segments):
                 start(n + 1)
-            if keep:
+            if apart:
                 streams.hand_over(upto=n)
+                buf, first = snapshots(n)
                 _scan_readout_kernel[(i1 - i0, BH)](
-                    qt, lam, sched.live, sched.snap_at, snap, o_intra, o, J, Tp, sched.slots, ch.T, ch.front, ch.H,
-                    scale, i0, K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec, **launch_options(_scan_readout_kernel),
+                    qt, lam, sched.live, sched.snap_at, buf, o_intra, o, J, Tp, buf.shape[1], first, ch.T, ch.front,
+                    ch.H, scale, i0, K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec,
+                    **launch_options(_scan_readout_kernel),
                 )
         streams.hand_over()
         if w0 is not None:
             _add_first_chunk(o, scale * _first_readout(w0, qt, p0, ch.C), ch)
-        ctx.save_for_backward(qt, wt, kt, u, decay, lam, snap if keep else None, w0, p0)
+        ctx.save_for_backward(qt, wt, kt, u, decay, lam, snap, w0, p0)
         ctx.sched, ctx.ch, ctx.scale = sched, ch, scale
         return o, torch.where(sched.mask[N, :, None, None], states, 0.0) if final else None
 

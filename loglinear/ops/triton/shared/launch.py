@@ -21,6 +21,12 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
     chunks with two fp32 [128, 64] tiles (255 registers, no spills), takes 4 warps and one stage: on an H100 at
     32K, 8 warps gave the same for Mamba-2 and GLA 2% slower, 8 warps and two stages 3% / 7% slower, rows in two
     programs of 64 1.6% slower (mamba2/backend.py DEPOSIT_ROWS).
+  * The same chunk kernels with fp32 operands (``fp32``; tf32x3 products, whose split operands double a pipeline
+    stage's shared memory): the chunk forward, dq and dk / dv kernels at one stage, the level gradient at 8 warps,
+    one stage and no cap (under the cap it spills 5.5 KB in fp32). Timed one kernel at a time at 8K on an H100
+    (benchmarks/results/tune-mamba2-fp32-H100-80GB-HBM3.md: fp32 forward + backward 19.2 ms at the 16-bit
+    launches; level gradient 16.7, dk / dv 17.8, dq 18.2, chunk forward 19.1, gradients equal to the bit), together
+    14.2 ms. The per-channel and plain builds keep their configs in fp32.
   * Mamba-2 scans (mamba2/fwd.py, mamba2/bwd.py): one program per (sequence, head, block of state rows);
     4 warps up to a [128, 32] fp32 state tile, 8 above (``wide_warps``). The gate gradient's sums over later
     chunks (mamba2_gate_later_kernel, one program per (sequence, head)): 4 warps, not tuned (0.07 ms at 32K); so
@@ -80,8 +86,9 @@ class Launch:
     """A kernel's GPU launch config: num_warps, num_stages, (scans over state tiles) the warps for a state tile
     of more than WIDE_STATE_TILE elements, (chunk kernels with a PER_CHANNEL switch) (num_warps, num_stages)
     with a per-channel gate, (kernels with a plain build: the delta-rule chains, Mamba-2's dk / dv kernel) on the
-    plain path (None: the same as the general build's), and the general build's register cap per thread (ptxas's
-    maxnreg; None: ptxas's own choice)."""
+    plain path (None: the same as the general build's), the general build's register cap per thread (ptxas's
+    maxnreg; None: ptxas's own choice), and (num_warps, num_stages) of the general build for fp32 operands, without
+    a register cap (None: the 16-bit build's config)."""
 
     num_warps: int
     num_stages: int
@@ -89,18 +96,19 @@ class Launch:
     channel: tuple[int, int] | None = None
     plain: tuple[int, int] | None = None
     max_registers: int | None = None
+    fp32: tuple[int, int] | None = None
 
 
 LAUNCH: dict[str, Launch] = {
     # Mamba-2
     "mamba2_deposit_kernel": Launch(4, 1),
     "mamba2_fwd_kernel": Launch(4, 2, wide_warps=8),
-    "mamba2_chunk_fwd_kernel": Launch(4, 2),
-    "mamba2_chunk_bwd_dq_kernel": Launch(4, 2),
-    "mamba2_level_grad_kernel": Launch(4, 3, channel=(8, 1), max_registers=168),
+    "mamba2_chunk_fwd_kernel": Launch(4, 2, fp32=(4, 1)),
+    "mamba2_chunk_bwd_dq_kernel": Launch(4, 2, fp32=(4, 1)),
+    "mamba2_level_grad_kernel": Launch(4, 3, channel=(8, 1), max_registers=168, fp32=(8, 1)),
     "mamba2_initial_grad_kernel": Launch(4, 3, channel=(8, 3), max_registers=168),
     "mamba2_bwd_scan_kernel": Launch(4, 2, wide_warps=8),
-    "mamba2_chunk_bwd_dkv_kernel": Launch(4, 2, channel=(4, 1), plain=(4, 1)),
+    "mamba2_chunk_bwd_dkv_kernel": Launch(4, 2, channel=(4, 1), plain=(4, 1), fp32=(4, 1)),
     "mamba2_gate_grad_kernel": Launch(4, 1),
     "mamba2_gate_later_kernel": Launch(4, 3),
     # a state inside a chunk: the seeded first chunks' reads (mamba2/seeds.py), one program per (sequence, head)
@@ -131,16 +139,17 @@ LAUNCH: dict[str, Launch] = {
 }
 
 
-def launch_options(kernel, state_tile: int = 0, per_channel: bool = False, plain: bool = False) -> dict[str, int]:
+def launch_options(kernel, state_tile: int = 0, per_channel: bool = False, plain: bool = False,
+                   fp32: bool = False) -> dict[str, int]:
     """num_warps / num_stages (and maxnreg: a general build's max_registers) for launching ``kernel`` (a @triton.jit
     function, looked up in LAUNCH by name); state_tile: the elements of the state tile one program holds (kernels
     with wide_warps); per_channel: the kernel runs with a per-channel gate (kernels with a ``channel`` config);
-    plain: the kernel's build for the plain path (kernels with a ``plain`` config). The fixed INTERPRETER config
-    under TRITON_INTERPRET=1."""
+    plain: the kernel's build for the plain path (kernels with a ``plain`` config); fp32: its operands are fp32
+    (kernels with an ``fp32`` config, on the general build). The fixed INTERPRETER config under TRITON_INTERPRET=1."""
     config = LAUNCH[kernel.__name__]
     if interpreting():
         return dict(INTERPRETER)
-    special = config.channel if per_channel else config.plain if plain else None
+    special = config.channel if per_channel else config.plain if plain else config.fp32 if fp32 else None
     if special is not None:
         return {"num_warps": special[0], "num_stages": special[1]}
     warps = config.num_warps
