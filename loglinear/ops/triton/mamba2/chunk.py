@@ -380,7 +380,7 @@ def intra_block(qc, kc, vc, doc, acc, scores, lam, t0, r, t, valid, h, H, L, Gc,
     in-chunk dQ = (dA * Gamma * Lambda) K or dK = (dA * Gamma * Lambda)^T Q (accumulated in the product: a kernel
     summing heads holds no second [C, BK] tile). Without DQ / DK, dA * P is 0 and acc comes back as it is.
     Recomputed in each kernel instead of passed (two C x C x K/V GEMMs), so each fits 4 warps (at K = 128, V = 64 in
-    bf16 with a scalar gate the dk / dv kernel spills 224 B summing 48 heads per program; shared/launch.py has the
+    bf16 with a scalar gate the dk / dv kernel spills 232 B summing 48 heads per program; shared/launch.py has the
     per-channel numbers).
     PER_CHANNEL: P is read from scores [tokens, H, C] (intra_channel.channel_scores_kernel's), dA is formed with DQ
     only (for dlambda's in-chunk columns) and acc comes back as it is (the intra_channel kernels give the in-chunk

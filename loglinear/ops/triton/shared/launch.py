@@ -6,7 +6,7 @@ CPU tensors). On the GPU the table's values were tuned on an H200 (sm_90, triton
 benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_local.py and tune_mamba2.py):
 
   * Mamba-2 chunk kernels (mamba2/chunk.py): at bf16, K = 128, V = 64 every one fits 4 warps (the dq and dk / dv
-    kernels at 255 registers, two programs per SM, spilling 16 / 224 B, the latter summing 48 heads); those with a
+    kernels at 255 registers, two programs per SM, spilling 20 / 232 B, the latter summing 48 heads); those with a
     loop over levels or readers pipeline its loads (num_stages > 1: the next bucket / reader chunk is in flight
     during the current one's GEMM), and so does the dk / dv kernel's loop over a group's heads, but only on the
     log-linear path (224 B of spills and 107 KB of shared memory against 200 B and 57 KB at one stage; measured on an
@@ -31,15 +31,15 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
     4 warps up to a [128, 32] fp32 state tile, 8 above (``wide_warps``). The gate gradient's sums over later
     chunks (mamba2_gate_later_kernel, one program per (sequence, head)): 4 warps, not tuned (0.07 ms at 32K); so
     are the seeded first chunks' reads (mamba2/seeds.py: one wave of programs per call; the backward at 8 warps,
-    255 registers without spills at bf16, K = 128, V = 64: compile_sm90.py mamba2 --has-init).
-  * The same chunk kernels with a per-channel gate (GLA, C = 64) take 4 warps too, two programs per SM (141-255
-    registers; the dq and dk / dv kernels spill 64 / 656 B; at 152 / 528 B they ran 25% / 23% faster than at 8
+    252 registers without spills at bf16, K = 128, V = 64: compile_sm90.py mamba2 --has-init).
+  * The same chunk kernels with a per-channel gate (GLA, C = 64) take 4 warps too, two programs per SM (248-255
+    registers; the dq and dk / dv kernels spill 48 / 636 B; at 152 / 528 B they ran 25% / 23% faster than at 8
     warps without spills on the H200 at 32K, and over 10x faster than at 2 warps); the level gradient's readers take
     8 warps and one stage (``channel``: 114 registers; 1.75 ms per forward + backward at 32K, 2.13 with three stages).
-    The in-chunk kernels (shared/intra_channel.py) take 4 warps (83-142 registers, no spills, several programs per
+    The in-chunk kernels (shared/intra_channel.py) take 4 warps (80-142 registers, no spills, several programs per
     SM) but the dQ kernel 2 (149 registers; 3.6 ms at 32K against 4.6 at 4 warps, where 2 warps made the scores
     and dK kernels slower).
-  * Gated DeltaNet chunk-local kernels (gated_deltanet/local.py): at 4 warps the inverse (166 registers),
+  * Gated DeltaNet chunk-local kernels (gated_deltanet/local.py): at 4 warps the inverse (167 registers),
     the forward and the [C, C] backward (255 registers each) run 3, 2 and 2 programs per SM, which hide each
     other's products. The [C, C] backward spills 8 B at 4 warps and none at 8 (one program per SM), yet runs
     4.0 ms per forward + backward at 32K at 4 warps against 7.2 at 8 on the H200. The key backward takes 4
