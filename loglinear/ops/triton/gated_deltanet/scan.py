@@ -62,7 +62,7 @@ without gradients.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -637,7 +637,8 @@ def reads_apart(operand: torch.dtype, sched: Schedule) -> bool:
 
 
 def _snapshots(segments: list[tuple[int, int]], sched: Schedule, keep: bool, apart: bool, shape: tuple[int, int, int],
-               dtype: torch.dtype, device: torch.device):
+               dtype: torch.dtype, device: torch.device
+               ) -> tuple[torch.Tensor | None, Callable[[int], tuple[torch.Tensor, int]]]:
     """The forward's snapshot buffers: (what it saves for the backward or None, snapshots(n) -> (segment n's buffer
     [BH, S, K, V], the slot ``first`` that its slot 0 holds: chunk i's snapshots from slot snap_at[i] - first)).
     keep (gradients): one [BH, slots, K, V] buffer for every segment (first = 0); apart without gradients: a ring
