@@ -15,8 +15,11 @@
 #                                             #   (calls with an incoming state, and where their cost goes)
 #   bash benchmarks/run_gpu.sh packed         # ~3 min: ops-{gdn,mamba2}-packed-<gpu>.* (the same tokens as packed
 #                                             #   sequences, cu_seqlens)
+#   bash benchmarks/run_gpu.sh fp32           # ~6 min: ops-{mamba2,gla,gdn}-fp32-<gpu>.* (fp32 calls against the
+#                                             #   same inputs in bf16)
 #   bash benchmarks/run_gpu.sh tune-mamba2    # ~5 min: tune-mamba2-<gpu>.* (the Mamba-2 chunk kernels' launch
-#                                             #   choices, one kernel at a time; `tune-mamba2 --variant gla --plain`)
+#                                             #   choices, one kernel at a time; `tune-mamba2 --variant gla --plain`,
+#                                             #   `tune-mamba2 --dtype float32 --T 8192`: the fp32 builds')
 #   bash benchmarks/run_gpu.sh train          # ~3 min: train-<gpu>.* (12 x d768 training steps, five models)
 #   bash benchmarks/run_gpu.sh convert-fla    # ~6 min: convert-fla-<gpu>.* (fla checkpoints vs our conversions)
 #   bash benchmarks/run_gpu.sh decode         # ~5 min: decode-<gpu>.* (per-token latency and cache memory)
@@ -44,7 +47,7 @@
 # /tmp/triton-cache (TRITON_CACHE_DIR; the cache records absolute paths, so the folder is fixed) before the part,
 # and the cache is packed back into it after the part. Unchanged kernels then load instead of compiling.
 set -u
-PART=${1:?usage: run_gpu.sh checks|bench-mamba2|bench-gdn|profile-gdn|bench-gla|state|packed|tune-mamba2|train|convert-fla|decode|mqar|lm|cp-profile|multigpu [extra options]}
+PART=${1:?usage: run_gpu.sh checks|bench-mamba2|bench-gdn|profile-gdn|bench-gla|state|packed|fp32|tune-mamba2|train|convert-fla|decode|mqar|lm|cp-profile|multigpu [extra options]}
 shift
 EXTRA=("$@")
 R=${RESULTS:-/tmp/gpu-results}
@@ -147,6 +150,12 @@ case $PART in
     step 60 packed-mamba2 python benchmarks/bench_ops.py --impls loglinear loglinear_packed --T 32768 8192 \
       --name ops-mamba2-packed --out "$R"
     ;;
+  fp32)  # the loglinear_fp32 row (fp32 calls, tf32x3 products) beside bf16 on the same inputs, every variant
+    for variant in mamba2 gla gdn; do
+      step 200 fp32-$variant python benchmarks/bench_ops.py --variant $variant --impls loglinear loglinear_fp32 \
+        --T 32768 8192 --name ops-$variant-fp32 --out "$R"
+    done
+    ;;
   tune-mamba2)  # a row per candidate, each with its own baseline: a cut keeps what ran
     step 330 tune-mamba2 python benchmarks/profiling/tune_mamba2.py --T 32768 --budget 270 --out "$R" "${EXTRA[@]}"
     ;;
@@ -182,7 +191,7 @@ case $PART in
       --long-seq-lens 131072 262144 524288 1048576 --budget 470 --out "$R" "${EXTRA[@]}"
     ;;
   *)
-    echo "unknown part $PART (checks|bench-mamba2|bench-gdn|profile-gdn|bench-gla|state|packed|tune-mamba2|train|convert-fla|decode|mqar|lm|cp-profile|multigpu)" >&2
+    echo "unknown part $PART (checks|bench-mamba2|bench-gdn|profile-gdn|bench-gla|state|packed|fp32|tune-mamba2|train|convert-fla|decode|mqar|lm|cp-profile|multigpu)" >&2
     exit 2
     ;;
 esac
