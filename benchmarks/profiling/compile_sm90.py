@@ -251,6 +251,7 @@ def gdn_scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: s
     const = dict(K=K, V=V, C=C, BK=BK, BV=BV, PREC=prec)
     rows = dict(T="i32", front="i32", H="i32", scale="fp32")
     ints = scan_ints(C, plain)
+    fp32 = dtype == torch.float32
     out = []
     sig = dict(qt=P, wt=P, kt=P, u=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", states=f32,
                snap=P, o_intra=f32, o=P, N="i32", J="i32", Tp="i32", S="i32", first="i32", **rows, i0="i32",
@@ -258,25 +259,25 @@ def gdn_scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: s
     fits = scan.square_fits(BK, dtype)
     for snap in (True, False):
         out.append(report(scan._scan_fwd_kernel, sig, dict(const, SNAP=snap, TM=fits, ONE=plain), ints=ints,
-                          **launch_options(scan._scan_fwd_kernel, plain=plain)) + f"  (SNAP={snap})")
+                          **launch_options(scan._scan_fwd_kernel, plain=plain, fp32=fp32)) + f"  (SNAP={snap})")
     sig = dict(qt=P, lam=f32, live="*i32", snap_at="*i32", snap=P, o_intra=f32, o=P, J="i32", Tp="i32", S="i32",
                first="i32", **rows, i0="i32", **{n: "constexpr" for n in [*const, "NV"]})
     out.append(report(scan._scan_readout_kernel, sig, dict(const, NV=NV), ints=ints,
-                      **launch_options(scan._scan_readout_kernel)))
+                      **launch_options(scan._scan_readout_kernel, fp32=fp32)))
     sig = dict(qt=P, wt=P, kt=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", do=P,
                dstates=f32, dsnap=P, do_intra=f32, N="i32", J="i32", Tp="i32", S="i32", **rows, i0="i32", i1="i32",
                **{n: "constexpr" for n in [*const, "TM", "ONE"]})
     out.append(report(scan._scan_dh_kernel, sig, dict(const, TM=fits, ONE=plain), ints=ints,
-                      **launch_options(scan._scan_dh_kernel, plain=plain)))
+                      **launch_options(scan._scan_dh_kernel, plain=plain, fp32=fp32)))
     sig = dict(wt=P, kt=P, u=P, merge="*i32", live="*i32", snap_at="*i32", lev="*i32", snap=P, dsnap=P, dwt=P,
                dkt=P, du=P, dd=f32, N="i32", Tp="i32", S="i32", SD="i32", i0="i32",
                **{n: "constexpr" for n in [*const, "NV", "TZ"]})
     out.append(report(scan._scan_grads_kernel, sig, dict(const, NV=NV, TZ=fits), ints=ints,
-                      **launch_options(scan._scan_grads_kernel)))
+                      **launch_options(scan._scan_grads_kernel, fp32=fp32)))
     sig = dict(qt=P, lam=f32, snap_at="*i32", lev="*i32", snap=P, do_intra=f32, dqt=P, dlam=f32, J="i32", Tp="i32",
                S="i32", i0="i32", **{n: "constexpr" for n in [*const, "NV"]})
     out.append(report(scan._scan_readout_bwd_kernel, sig, dict(const, NV=NV), ints=ints,
-                      **launch_options(scan._scan_readout_bwd_kernel)))
+                      **launch_options(scan._scan_readout_bwd_kernel, fp32=fp32)))
     return out
 
 
@@ -305,7 +306,7 @@ def gdn_local_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, norm: 
         sig = dict(sig, **{n: runtime.get(n, "constexpr") for n in args})
         const = {n: x for n, x in args.items() if n not in runtime}
         ints = {n: x for n, x in args.items() if runtime.get(n) == "i32"}
-        out.append(report(kernel, sig, const, ints=ints, **launch_options(kernel)))
+        out.append(report(kernel, sig, const, ints=ints, **launch_options(kernel, fp32=meta["fp32"])))
     return out
 
 

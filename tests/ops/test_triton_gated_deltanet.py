@@ -290,6 +290,29 @@ def test_low_precision_inputs(dtype):
     assert_close(st.levels.double(), rst.levels, 2e-2, "state")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_launches_follow_the_operand_dtype(dtype, monkeypatch):
+    """Every chunk-local and scan launch of a call with gradients asks for the fp32 builds' launch exactly when the
+    operands are fp32, so that the kernels with an ``fp32`` config (launch.LAUNCH) take it then and only then."""
+    from loglinear.ops.triton.gated_deltanet import local
+    from loglinear.ops.triton.shared import launch
+
+    asked = []
+    for module in (local, scan_module):
+        def options(kernel, *args, fp32=False, of=module.launch_options, **kwargs):
+            asked.append((kernel.__name__, fp32))
+            return of(kernel, *args, fp32=fp32, **kwargs)
+
+        monkeypatch.setattr(module, "launch_options", options)
+    x = {n: t.to(dtype).requires_grad_() for n, t in make_inputs(1, 40, 1, 2, K=16, V=16).items()}
+    o, _ = _triton(x)
+    o.float().sum().backward()
+    assert {fp32 for _, fp32 in asked} == {dtype == torch.float32}
+    with_fp32 = {name for name, config in launch.LAUNCH.items() if config.fp32 is not None}
+    gdn_kernels = {name for name in with_fp32 if name.startswith(("_chunk_", "_scan_"))}
+    assert gdn_kernels and gdn_kernels <= {name for name, _ in asked}
+
+
 def test_deterministic_gradients():
     x = {n: t.float().requires_grad_() for n, t in make_inputs(1, 50, 1, 2, K=16, V=16).items()}
     do = torch.randn(1, 50, 2, 16)

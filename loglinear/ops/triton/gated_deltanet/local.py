@@ -444,13 +444,13 @@ def _meta(ch: Chunking, K: int, V: int, G: int, L: int | None, dt: torch.dtype, 
     """Runtime sizes and constexprs of the chunk-local kernels: V in blocks of <= 64 columns; K in blocks of
     kernel_meta's choice, at most BK_MAX (64 for fp32 operands: wider fp32 tiles spill KBs); norm: q/k rows
     normalised in the kernels (NORM, with l2norm's eps); L None: a plain call (PLAIN: lambda = 1, no lambda read,
-    no dlambda written)."""
+    no dlambda written); fp32: the launches' (launch_options), not a kernel argument."""
     BV = min(64, next_pow2(V))
     return dict(
         T=ch.T, front=ch.front, Tp=ch.Tp, N=ch.N, H=ch.H, NG=G, L=L or 1, eps=L2NORM_EPS, PLAIN=L is None,
         K=K, V=V, C=ch.C, LOG_C=chunk_bits(ch.C), BV=BV, NV=triton.cdiv(V, BV),
         PREC=dot_precision(dt, FP32_DOT),
-        NORM=norm, BK_MAX=64 if dt == torch.float32 else 128,
+        NORM=norm, BK_MAX=64 if dt == torch.float32 else 128, fp32=dt == torch.float32,
     )
 
 
@@ -481,7 +481,7 @@ def _launch(kernel, ch: Chunking, meta: dict, *tensors: torch.Tensor, chunks: tu
     HP (_chunk_program)."""
     i0, i1 = chunks or (0, ch.N)
     kernel[((i1 - i0) * ch.BH // HP,)](*tensors, **kernel_meta(kernel, dict(meta, n0=i0, NS=i1 - i0, HP=HP)),
-                                       **launch_options(kernel))
+                                       **launch_options(kernel, fp32=meta["fp32"]))
 
 
 class ChunkLocal(torch.autograd.Function):

@@ -122,14 +122,14 @@ LAUNCH: dict[str, Launch] = {
     # Gated DeltaNet, chunk-local stage
     "_chunk_inverse_kernel": Launch(4, 2),
     "_chunk_local_kernel": Launch(4, 2),
-    "_chunk_local_bwd_cc_kernel": Launch(4, 1),
+    "_chunk_local_bwd_cc_kernel": Launch(4, 1, fp32=(4, 2)),
     "_chunk_local_bwd_k_kernel": Launch(4, 2),
     # Gated DeltaNet, Fenwick delta scan
     "_scan_fwd_kernel": Launch(8, 2, plain=(4, 3)),
-    "_scan_readout_kernel": Launch(8, 2),
-    "_scan_dh_kernel": Launch(8, 2, plain=(4, 3)),
+    "_scan_readout_kernel": Launch(8, 2, fp32=(4, 2)),
+    "_scan_dh_kernel": Launch(8, 2, plain=(4, 3), fp32=(8, 1)),
     "_scan_grads_kernel": Launch(4, 2),
-    "_scan_readout_bwd_kernel": Launch(4, 2),
+    "_scan_readout_bwd_kernel": Launch(4, 2, fp32=(4, 1)),
     # the fused decode step: its levels, then the readout sum and the lazy levels' log-scales; the key window's
     # projected queries before them and its turn beside them
     "_decode_level_kernel": Launch(2, 3, wide_warps=4),
