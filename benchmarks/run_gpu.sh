@@ -20,6 +20,9 @@
 #   bash benchmarks/run_gpu.sh tune-mamba2    # ~5 min: tune-mamba2-<gpu>.* (the Mamba-2 chunk kernels' launch
 #                                             #   choices, one kernel at a time; `tune-mamba2 --variant gla --plain`,
 #                                             #   `tune-mamba2 --dtype float32 --T 8192`: the fp32 builds')
+#   bash benchmarks/run_gpu.sh tune-gdn       # ~3 min: tune-gdn-local-<gpu>.* (the GDN chunk-local kernels' launches
+#                                             #   and key blocks; `tune-gdn --dtype float32 --T 8192`: the fp32
+#                                             #   builds' launches, scan kernels included: tune-gdn-fp32-<gpu>.*)
 #   bash benchmarks/run_gpu.sh train          # ~3 min: train-<gpu>.* (12 x d768 training steps, five models)
 #   bash benchmarks/run_gpu.sh convert-fla    # ~6 min: convert-fla-<gpu>.* (fla checkpoints vs our conversions)
 #   bash benchmarks/run_gpu.sh decode         # ~5 min: decode-<gpu>.* (per-token latency and cache memory)
@@ -47,7 +50,7 @@
 # /tmp/triton-cache (TRITON_CACHE_DIR; the cache records absolute paths, so the folder is fixed) before the part,
 # and the cache is packed back into it after the part. Unchanged kernels then load instead of compiling.
 set -u
-PART=${1:?usage: run_gpu.sh checks|bench-mamba2|bench-gdn|profile-gdn|bench-gla|state|packed|fp32|tune-mamba2|train|convert-fla|decode|mqar|lm|cp-profile|multigpu [extra options]}
+PART=${1:?usage: run_gpu.sh checks|bench-mamba2|bench-gdn|profile-gdn|bench-gla|state|packed|fp32|tune-mamba2|tune-gdn|train|convert-fla|decode|mqar|lm|cp-profile|multigpu [extra options]}
 shift
 EXTRA=("$@")
 R=${RESULTS:-/tmp/gpu-results}
@@ -159,6 +162,9 @@ case $PART in
   tune-mamba2)  # a row per candidate, each with its own baseline: a cut keeps what ran
     step 330 tune-mamba2 python benchmarks/profiling/tune_mamba2.py --T 32768 --budget 270 --out "$R" "${EXTRA[@]}"
     ;;
+  tune-gdn)  # written after every candidate: a cut keeps what ran
+    step 240 tune-gdn python benchmarks/profiling/tune_gdn_local.py --T 32768 --budget 150 --out "$R" "${EXTRA[@]}"
+    ;;
   train)
     step 200 train python benchmarks/bench_train.py --archs transformer mamba2 ll_mamba2 gated_deltanet \
       ll_gated_deltanet --out "$R" "${EXTRA[@]}"
@@ -191,7 +197,7 @@ case $PART in
       --long-seq-lens 131072 262144 524288 1048576 --budget 470 --out "$R" "${EXTRA[@]}"
     ;;
   *)
-    echo "unknown part $PART (checks|bench-mamba2|bench-gdn|profile-gdn|bench-gla|state|packed|fp32|tune-mamba2|train|convert-fla|decode|mqar|lm|cp-profile|multigpu)" >&2
+    echo "unknown part $PART (checks|bench-mamba2|bench-gdn|profile-gdn|bench-gla|state|packed|fp32|tune-mamba2|tune-gdn|train|convert-fla|decode|mqar|lm|cp-profile|multigpu)" >&2
     exit 2
     ;;
 esac

@@ -2,8 +2,8 @@
 cannot work are refused (one line, exit status 2) before anything is measured or written (bench_ops.py's:
 tests/test_bench_ops.py); bench_torch_path.py and bench_host.py at a tiny size write their result files;
 profiling/ncu_kernels.py summarises an ncu details page; profiling/compile_sm90.py refuses a chunk it would not
-compile and builds every kernel; profiling/tune_mamba2.py tries each candidate on the path it names and puts the op's
-choices back; profiling/ab_trees.py alternates the two trees' benchmark runs."""
+compile and builds every kernel; profiling/tune_mamba2.py and tune_gdn_local.py try each candidate on the path it
+names and put the op's choices back; profiling/ab_trees.py alternates the two trees' benchmark runs."""
 
 import json
 import subprocess
@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
     ("bench_host", ["--repeats", "0"], "--repeats must be >= 1, got 0"),
     ("profiling/tune_mamba2", ["--T", "0"], "--T must be >= 1, got 0"),
     ("profiling/tune_mamba2", ["--budget", "-5"], "--budget must be >= 0, got -5"),
+    ("profiling/tune_gdn_local", ["--T", "0"], "--T must be >= 1, got 0"),
+    ("profiling/tune_gdn_local", ["--budget", "-5"], "--budget must be >= 0, got -5"),
     ("profiling/ab_trees", ["--base", "/nonexistent", "--rounds", "0"], "--rounds must be >= 1, got 0"),
     ("profiling/ab_trees", ["--base", "/nonexistent", "--T", "4096", "0"], "--T must be >= 1, got 4096 0"),
     ("profiling/ab_trees", ["--base", "/nonexistent"], "--base must be a checkout of the repository"),
@@ -217,6 +219,55 @@ def test_mamba2_tuner_puts_the_op_choices_back(tmp_path, monkeypatch):
     tune.main(["--T", "64", "--budget", "0", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "tune-mamba2-Test-GPU.json").read_text())["rows"]
     assert all(r["error"] == "budget" for r in rows[1:])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gdn_tuner_times_each_candidate_at_its_launch(dtype, tmp_path, monkeypatch):
+    """tune_gdn_local.py's loop, its profiled steps stubbed on the CPU: each candidate is what launch_options (and
+    the chunk-local key block) give its kernel for operands of that dtype while its step runs, and differs from the
+    op's own; a row per candidate (an error and the budget's cut as rows), the files written, LAUNCH and KEY_BLOCK
+    as they were."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from loglinear.ops.triton.gated_deltanet import local
+    from loglinear.ops.triton.shared import launch
+
+    tune = load_benchmark("profiling/tune_gdn_local")
+    fp32, operands = dtype == "float32", getattr(torch, dtype)
+    table, blocks, seen = dict(launch.LAUNCH), dict(local.KEY_BLOCK), []
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+
+    def kernel_times(T, dtype=torch.bfloat16):
+        assert dtype == operands
+        changed = [n for n in table if launch.LAUNCH[n] != table[n]]
+        if changed:
+            kernel = SimpleNamespace(__name__=changed[0])
+            options = launch.launch_options(kernel, fp32=fp32)
+            seen.append((changed[0], options["num_warps"], local.KEY_BLOCK.get(changed[0]), options["num_stages"]))
+        if seen and seen[-1][0] == "_scan_grads_kernel":
+            raise RuntimeError("out of resources: shared memory")
+        return [(1.5, 1, n) for n in table], 3.0, [torch.ones(4)]
+
+    monkeypatch.setattr(tune.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tune.torch.cuda, "get_device_name", lambda: "NVIDIA Test GPU")
+    monkeypatch.setattr(tune, "kernel_times", kernel_times)
+    tune.main(["--T", "64", "--dtype", dtype, "--out", str(tmp_path)])
+    name = f"tune-gdn-{'fp32' if fp32 else 'local'}-Test-GPU"
+    rows = json.loads((tmp_path / f"{name}.json").read_text())["rows"]
+    assert launch.LAUNCH == table and local.KEY_BLOCK == blocks
+    cands = tune.candidates(fp32)
+    assert cands and len(rows) == len(tune.FP32_CANDIDATES if fp32 else tune.CANDIDATES) + len(cands)
+    for (kernel, (warps, block, stages)), got in zip(cands, seen):
+        assert got == (kernel, warps, block if block else blocks.get(kernel), stages)
+        assert (warps, block, stages) != tune.op_choice(kernel, fp32)
+    errors = {r["kernel"]: r["error"] for r in rows if "error" in r}
+    assert errors == ({"_scan_grads_kernel": "RuntimeError: out of resources: shared memory"} if fp32 else {})
+    assert "| `_chunk_local_kernel` |" in (tmp_path / f"{name}.md").read_text()
+    tune.main(["--T", "64", "--dtype", dtype, "--budget", "0", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / f"{name}.json").read_text())["rows"]
+    assert sum(r.get("error") == "budget" for r in rows) == len(cands)
 
 
 def _fake_checkout(path: Path) -> Path:

@@ -35,16 +35,16 @@ from loglinear.ops.triton.gated_deltanet import scan as gated_deltanet_scan  # n
 from loglinear.ops.triton.shared.streams import ChainStreams  # noqa: E402
 
 
-def kernel_times(T: int, plain: bool = False, steps: int = 2, fla: bool = False
+def kernel_times(T: int, plain: bool = False, steps: int = 2, fla: bool = False, dtype: torch.dtype = torch.bfloat16
                  ) -> tuple[list[tuple[float, int, str]], float, list]:
-    """One forward+backward at the paper setting (bf16, use_qk_l2norm; plain: level_scales=None; fla: fla's
-    chunk_gated_delta_rule), after a warm-up step: [(ms per step, calls per step, kernel name)], largest first, the
-    wall ms per step (unprofiled), and the gradients of the leaves (ours: q, k, v, g, beta and level_scales unless
-    plain)."""
+    """One forward+backward at the paper setting (use_qk_l2norm; q, k, v, level_scales and the upstream gradient
+    in dtype; plain: level_scales=None; fla: fla's chunk_gated_delta_rule), after a warm-up step: [(ms per step,
+    calls per step, kernel name)], largest first, the wall ms per step (unprofiled), and the gradients of the
+    leaves (ours: q, k, v, g, beta and level_scales unless plain)."""
     p = PAPER
-    x = gdn_inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], torch.bfloat16)
+    x = gdn_inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], dtype)
     gen = torch.Generator(device="cuda").manual_seed(2)  # the same upstream gradient on every call
-    grad = torch.randn(p["B"], T, p["H"], p["V"], device="cuda", dtype=torch.bfloat16, generator=gen)
+    grad = torch.randn(p["B"], T, p["H"], p["V"], device="cuda", dtype=dtype, generator=gen)
     if fla:
         fn, leaves = build_gdn("fla_gdn", x, p["H"], p["G"])
     else:
