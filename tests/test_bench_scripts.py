@@ -2,8 +2,8 @@
 cannot work are refused (one line, exit status 2) before anything is measured or written (bench_ops.py's:
 tests/test_bench_ops.py); bench_torch_path.py and bench_host.py at a tiny size write their result files;
 profiling/ncu_kernels.py summarises an ncu details page; profiling/compile_sm90.py refuses a chunk it would not
-compile and builds every kernel; profiling/tune_mamba2.py and tune_gdn_local.py try each candidate on the path it
-names and put the op's choices back; profiling/ab_trees.py alternates the two trees' benchmark runs."""
+compile and builds every kernel; profiling/tune_mamba2.py and tune_gdn_local.py try each candidate on its path
+and put the op's choices back; profiling/ab_trees.py alternates the two trees' benchmark runs."""
 
 import json
 import subprocess

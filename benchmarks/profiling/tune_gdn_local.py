@@ -89,7 +89,8 @@ def set_choice(name: str, cfg: tuple[int, int | None, int], fp32: bool) -> None:
     if fp32:
         launch.LAUNCH[name] = dataclasses.replace(launch.LAUNCH[name], fp32=(warps, stages))
     else:
-        launch.LAUNCH[name], local.KEY_BLOCK[name] = launch.Launch(warps, stages), block
+        launch.LAUNCH[name] = dataclasses.replace(launch.LAUNCH[name], num_warps=warps, num_stages=stages)
+        local.KEY_BLOCK[name] = block
 
 
 def timings(rows: list[tuple[float, int, str]], name: str, diff: float) -> dict:
