@@ -54,6 +54,10 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
     128K against the Wm form at 8 warps (chains 1.61 + 1.76 -> 1.46 + 1.49 ms at 32K; 2 warps spill and run 9x
     slower, one stage 3% slower); the chunk-parallel grads kernel takes 4 (254 registers, no spills: 3.1 ms per forward
     + backward at 32K against 4.5 at 8 warps), the readout backward 4, two programs per SM without spills.
+  * Their fp32 builds (``fp32``): the readout at 4 warps, the dh chain and the readout backward at one stage, the
+    [C, C] local backward at two (benchmarks/results/tune-gdn-fp32-H100-80GB-HBM3.md, one kernel at a time at 8K
+    on an H100; together 58.9 ms per fp32 forward + backward against 65.1 at the 16-bit launches, gradients equal
+    to the bit). The fp32 builds spill at every launch tried; the gain is occupancy.
   * Gradients of q and k with G < H (Mamba-2's dk / dv kernel, and its dq kernel on the plain path; a scalar gate):
     one program loops over ``heads_per_program`` heads of one q/k group and sums their dk / dq in registers, so the
     per-head gradients ([tokens, H, K], written and summed again in torch: 0.21 ms each at 32K) never reach memory;
