@@ -232,7 +232,9 @@ def kernel_times(configs: dict, contexts: list[int], batches: list[int], device,
                 lam = torch.rand(batch, H, L, device=device)
 
                 log_scales = torch.zeros(batch, L, H, *g.shape[2:], device=device)
-                window = KeyWindow.zeros(batch, key_window, G, H, K, torch.float32, device) if gdn else None
+                # start 0: the window's block in token form at every position, as in decoding past the first turn
+                start = torch.zeros(batch, dtype=torch.int64, device=device)
+                window = KeyWindow.empty_at(start, key_window, G, H, K, V, torch.float32) if gdn else None
 
                 def step_us(levels: torch.Tensor, pos: torch.Tensor, fenwick: bool, lazy: bool = True) -> float:
                     pos = pos.to(device)  # on the device, as in graphed decoding: no copy in the timed call
@@ -294,7 +296,7 @@ def check_kernel(device) -> dict:
         states = [torch.randn(N, L, H, K, V, device=device, generator=gen) * held for _ in range(2)]
         states[1] = states[0].clone()
         scales = [torch.zeros(N, L, H, *((K,) if variant is GLA else ()), device=device) for _ in range(2)]
-        windows = [KeyWindow.zeros(N, 4, G, H, K, torch.float32, device) if variant.delta_rule else None
+        windows = [KeyWindow.empty_at(pos, 4, G, H, K, V, torch.float32) if variant.delta_rule else None
                    for _ in range(2)]
         err = {"o_rel_err": 0.0, "state_rel_err": 0.0}
         for step in range(6):  # the delta rule's window of 4 turns at 4, 8, 1024 and 2044

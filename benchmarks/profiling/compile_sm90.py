@@ -374,7 +374,7 @@ def decode_paths(args: argparse.Namespace) -> dict[str, Callable[[], object]]:
     def step(dtype: torch.dtype, in_place: bool, lazy: bool, fenwick: bool = True) -> Callable[[], object]:
         levels = torch.empty(N, L if fenwick else 1, H, K, V, dtype=dtype, **meta)
         log_scales = torch.empty(N, L, H, *channels, **meta) if lazy else None
-        window = KeyWindow.zeros(N, args.key_window, G, H, K, torch.float32, "meta") if lazy and gdn else None
+        window = KeyWindow.empty_at(positions, args.key_window, G, H, K, V, torch.float32) if lazy and gdn else None
         return lambda: decode.fused_decode_step(q, k, v, g, beta, lam, levels, positions, 1.0, fenwick=fenwick,
                                                 l2norm_qk=gdn, out=levels if in_place else None,
                                                 log_scales=log_scales, window=window)

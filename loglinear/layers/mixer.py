@@ -92,7 +92,8 @@ class StaticState:
     log_scales: [N, L, H] ([N, L, H, K] for a per-channel gate), float32 (float64 with float64 levels), for a
                 log-linear layer with lazy levels (``Variant.lazy_levels``: Mamba-2, GLA, Gated DeltaNet), else None
     window:     the delta rule's KeyWindow of the last W tokens beside lazy levels (Gated DeltaNet; FenwickCache's
-                key_window, default KEY_WINDOW), else None
+                key_window, default KEY_WINDOW; past the first turn after a load they stand for levels 0..log2 W),
+                else None
     conv:       [N, W-1, C]
     """
 
@@ -102,14 +103,14 @@ class StaticState:
     conv: torch.Tensor
 
     def load(self, state: MixerState) -> None:
-        """Copy ``state`` in: its levels zero-padded to L, log-scales 0, an empty window."""
+        """Copy ``state`` in: its levels zero-padded to L, log-scales 0, an empty window starting at its positions."""
         levels = state.levels
         self.levels[:, : levels.shape[1]].copy_(levels)
         self.levels[:, levels.shape[1] :].zero_()
         if self.log_scales is not None:
             self.log_scales.zero_()
         if self.window is not None:
-            self.window.zero_()
+            self.window.load_at(state.positions)
         self.conv.copy_(state.conv)
 
     def level_states(self, positions: torch.Tensor) -> torch.Tensor:
@@ -242,7 +243,8 @@ class FenwickMixer(nn.Module):
             channels = (K,) if self.variant.gates[0].per_channel else ()
             log_scales = levels.new_zeros(N, L, H, *channels, dtype=compute)
             if self.variant.delta_rule:
-                window = KeyWindow.zeros(N, key_window or KEY_WINDOW, self.key_groups, H, K, compute, levels.device)
+                window = KeyWindow.empty_at(state.positions.to(levels.device), key_window or KEY_WINDOW,
+                                            self.key_groups, H, K, levels.shape[4], compute)
         elif dtype != levels.dtype:
             what = "a plain layer" if self.level_scales is None else f"{self.variant.title}'s layer"
             raise ValueError(f"level_dtype={level_dtype} needs lazy levels (Variant.lazy_levels): {what} rewrites "

@@ -20,8 +20,9 @@ level l >= 1 the carry empties keeps its tile and takes log-scale -inf (state 0)
 the carry's target (their log-scales reset to 0), so it reads the held levels once and writes two. CUDA-graph
 decoding keeps its buffers this way.
 
-Lazy levels of the delta rule (GDN: A_t = exp(g_t) (I - beta_t k_t k_t^T)) add a ``KeyWindow``: the keys and betas
-of the last W tokens (token i in slot i % W). Level l's state is exp(log_scales[:, l]) R T_l, T_l its stored tile
+Lazy levels of the delta rule (GDN: A_t = exp(g_t) (I - beta_t k_t k_t^T)) add a ``KeyWindow``: the keys, betas,
+values and log-decays of the last W tokens (token i in slot i % W). Level l's state is exp(log_scales[:, l]) R T_l, T_l
+its stored tile
 and R = (I - beta_{p-1} k_{p-1} k_{p-1}^T) ... (I - beta_{w+1} k_{w+1} k_{w+1}^T) the projections of the tokens
 after the one whose step last wrote it, w. A level is rewritten when it is level 0, the carry's target, or when
 p is a multiple of W (the window's turn: every held level is brought up to date), so p - 1 - w < W and
@@ -33,6 +34,15 @@ projections to the query instead of the tile, q' = R^T A_p^T q: the step reads t
 as for a decay-only transition, with W K-vectors per level in the query's path. A merged level's tile takes its
 projections before the carry sums it. Zero betas are identities: a window of zeros beside exact levels (log-scales
 0) is a valid lazy state at any position.
+
+Token form. Levels 0..log2 W of the state after p tokens hold the tokens of one block, b = ((p - 1) >> log2 W)
+<< log2 W .. p - 1 (``block_start``; level(p - 1, i) <= log2 W exactly there). Once a block begins at or after the
+window's ``start`` (the position of the last exact load; ``token_form``), those levels have no tiles: the window
+holds the block's tokens, the step reads them out from there (token i's share lambda[level(p, i)] exp(g_{i+1} + ..
++ g_p) beta_i (k_i . x_i) v_i, x_i the query projected through i + 1 .. p) and writes no tile between turns, and the
+turn at b + W sums the whole block into the carry's target, token by token, beside the merged tiles above log2 W
+(each written by the previous turn). Between the load and the first turn after it, the levels 0..log2 W keep the tiles
+they were loaded with and change as above.
 
 The plain recurrence (use_log_linear=False models) is the same step on one level without the carry and
 with lambda = 1. The GDN update is rank-1: O(K V) per level, never a K x K matrix.
@@ -49,15 +59,15 @@ from dataclasses import dataclass
 
 import torch
 
-from loglinear.fenwick import carry, carry_target, held_levels, levels_needed
+from loglinear.fenwick import bit_length, carry, carry_target, held_levels, levels_needed
 from loglinear.inputs import OpInputs, check_bools, check_decode_inputs, expand_groups, l2norm, needs_grad
 from loglinear.ops.backends import backend_for, select_backend
 from loglinear.state import FenwickState
 from loglinear.variants import Variant, get
 
-__all__ = ["KEY_WINDOW", "MAX_KEY_WINDOW", "KeyWindow", "decode_step", "decode_step_torch", "decayed_only",
-           "emptied_levels", "fused_decode_applies", "key_window_size_ok", "lazy_level_states", "op_decode_step",
-           "window_written"]
+__all__ = ["KEY_WINDOW", "MAX_KEY_WINDOW", "KeyWindow", "block_start", "decode_step", "decode_step_torch",
+           "decayed_only", "emptied_levels", "fused_decode_applies", "key_window_size_ok", "lazy_level_states",
+           "op_decode_step", "token_form", "window_written"]
 
 
 KEY_WINDOW = 16  # tokens of the delta rule's window in CUDA-graph decoding's buffers (loglinear.layers.mixer)
@@ -72,33 +82,55 @@ def key_window_size_ok(size: object) -> bool:
 
 @dataclass
 class KeyWindow:
-    """The delta rule's factors of the last W tokens of N sequences, beside lazy levels (module docstring).
+    """The delta rule's last W tokens of N sequences beside lazy levels, and where they stand for levels
+    0..log2 W (the token form; module docstring).
 
-    keys:  [N, W, G, K], as the step uses them (normalised with l2norm_qk), in the step's compute dtype
-    betas: [N, W, H], the same dtype
+    keys:   [N, W, G, K], as the step uses them (normalised with l2norm_qk), in the step's compute dtype
+    betas:  [N, W, H], values: [N, W, H, V], gates: [N, W, H] (the log-decays g), the same dtype
+    start:  [N] int64, the position at which the levels were last loaded exact: a block of W tokens that begins at
+            or after it is in token form
     Token i sits in slot i % W; each step writes its own. W is a power of two in [2, MAX_KEY_WINDOW].
     """
 
     keys: torch.Tensor
     betas: torch.Tensor
+    values: torch.Tensor
+    gates: torch.Tensor
+    start: torch.Tensor
 
     @property
     def size(self) -> int:
         return self.keys.shape[1]
 
     @classmethod
-    def zeros(cls, N: int, size: int, G: int, H: int, K: int, dtype: torch.dtype,
-              device: torch.device | str) -> "KeyWindow":
-        """An empty window (zero betas: identities), valid beside exact levels at any position."""
-        return cls(torch.zeros(N, size, G, K, dtype=dtype, device=device),
-                   torch.zeros(N, size, H, dtype=dtype, device=device))
+    def empty_at(cls, positions: torch.Tensor, size: int, G: int, H: int, K: int, V: int,
+                 dtype: torch.dtype) -> "KeyWindow":
+        """A window of zeros (zero betas: identities) beside exact levels after ``positions`` [N] tokens (start =
+        positions), on the positions' device."""
+        N, device = positions.shape[0], positions.device
+        zeros = lambda *shape: torch.zeros(N, size, *shape, dtype=dtype, device=device)  # noqa: E731
+        return cls(zeros(G, K), zeros(H), zeros(H, V), zeros(H), positions.to(torch.int64).clone())
 
-    def zero_(self) -> None:
-        self.keys.zero_()
-        self.betas.zero_()
+    def load_at(self, positions: torch.Tensor) -> None:
+        """Empty the window beside exact levels after ``positions`` [N] tokens."""
+        for x in (self.keys, self.betas, self.values, self.gates):
+            x.zero_()
+        self.start.copy_(positions)
 
     def nbytes(self) -> int:
-        return sum(x.numel() * x.element_size() for x in (self.keys, self.betas))
+        return sum(x.numel() * x.element_size() for x in (self.keys, self.betas, self.values, self.gates, self.start))
+
+
+def block_start(positions: torch.Tensor, size: int) -> torch.Tensor:
+    """The first position of the block of ``size`` tokens that levels 0..log2 size of the state after
+    ``positions`` tokens hold, ((p - 1) >> log2 size) << log2 size (-size for p = 0)."""
+    bits = size.bit_length() - 1
+    return ((positions - 1) >> bits) << bits
+
+
+def token_form(positions: torch.Tensor, window: KeyWindow) -> torch.Tensor:
+    """Whether levels 0..log2 W of the state after ``positions`` [N] tokens are in token form -> [N] bool."""
+    return block_start(positions, window.size) >= window.start.to(positions.device)
 
 
 def _compute_dtype(levels_dtype: torch.dtype) -> torch.dtype:
@@ -113,7 +145,10 @@ def lazy_level_states(levels: torch.Tensor, log_scales: torch.Tensor, window: Ke
     (positions: [N], each sequence's tokens so far)  -> [N, L, H, K, V] in the promoted dtype (a new tensor)."""
     scales = torch.exp(log_scales)
     states = levels * (scales[..., None] if log_scales.dim() == 4 else scales[..., None, None])
-    return states if window is None else _project_levels(states, window, positions.to(levels.device))
+    if window is None:
+        return states
+    positions = positions.to(levels.device)
+    return _block_levels(_project_levels(states, window, positions), window, positions)
 
 
 def decayed_only(positions: torch.Tensor, num_levels: int) -> torch.Tensor:
@@ -157,6 +192,35 @@ def _project_levels(S: torch.Tensor, window: KeyWindow, positions: torch.Tensor)
     return S
 
 
+def _block_levels(S: torch.Tensor, window: KeyWindow, positions: torch.Tensor) -> torch.Tensor:
+    """Levels 0..log2 W of S [N, L, H, K, V] where they are in token form: the window's tokens
+    b = block_start(p) .. p - 1, token t deposited into level bit_length((p - 1) xor t) after the transitions of the
+    tokens before it, exp(g_t) (I - beta_t k_t k_t^T) on every level (module docstring)."""
+    N, L, H, K, V = S.shape
+    size, dtype = window.size, S.dtype
+    low = min(L, size.bit_length())
+    tokens = token_form(positions, window)
+    first = block_start(positions, size)
+    keys = expand_groups(window.keys.to(dtype), H)  # [N, W, H, K]
+    rows, lev = torch.arange(N, device=S.device), torch.arange(low, device=S.device)
+    block = S.new_zeros(N, low, H, K, V)
+    for age in range(size - 1, -1, -1):
+        t = positions - 1 - age
+        active = (tokens & (t >= first)).to(dtype)  # [N]
+        slot = t % size
+        k, beta = keys[rows, slot], window.betas[rows, slot].to(dtype)  # [N, H, K], [N, H]
+        v, g = window.values[rows, slot].to(dtype), window.gates[rows, slot].to(dtype)  # [N, H, V], [N, H]
+        kS = torch.einsum("nhk,nlhkv->nlhv", k, block)
+        moved = torch.exp(g)[:, None, :, None, None] * (block - (beta[:, None, :, None, None] * k[:, None, :, :, None])
+                                                       * kS[:, :, :, None, :])
+        block = block + active[:, None, None, None, None] * (moved - block)
+        into = (lev[None, :] == bit_length((positions - 1) ^ t)[:, None]).to(dtype) * active[:, None]  # [N, low]
+        deposit = beta[..., None, None] * k[..., None] * v[:, :, None, :]  # [N, H, K, V]
+        block = block + into[:, :, None, None, None] * deposit[:, None]
+    held = tokens[:, None, None, None, None]
+    return torch.cat([torch.where(held, block, S[:, :low]), S[:, low:]], dim=1)
+
+
 def decode_step_torch(
     variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: dict[str, torch.Tensor],
     level_scales: torch.Tensor | None, levels: torch.Tensor, positions: torch.Tensor, scale: float,
@@ -183,16 +247,20 @@ def decode_step_torch(
     o = (scale * readout.sum(1)).to(v.dtype)
     if log_scales is not None:  # held levels keep their tiles: decayed ones add g, emptied ones take -inf
         kept, emptied = decayed_only(positions, levels.shape[1]), emptied_levels(positions, levels.shape[1])
+        unchanged = kept | emptied
         if window is not None:  # the window's turn rewrites the held levels; the token takes its slot
             rows, slot = torch.arange(len(positions), device=positions.device), positions % window.size
             kept = kept & ~((slot == 0) & (positions > 0))[:, None]
-            window.keys[rows, slot] = group_keys.to(window.keys.dtype)
-            window.betas[rows, slot] = gates["beta"].to(window.betas.dtype)
+            low = torch.arange(levels.shape[1], device=positions.device) < window.size.bit_length()
+            unchanged = kept | emptied | (token_form(positions + 1, window)[:, None] & low[None, :])
+            for x, new in ((window.keys, group_keys), (window.betas, gates["beta"]), (window.values, v),
+                           (window.gates, gates["g"])):
+                x[rows, slot] = new.to(x.dtype)
         g = gates[variant.gates[0].name][:, None]  # [N, 1, H] or [N, 1, H, K]
         per_scale = (*kept.shape, *(1,) * (log_scales.dim() - 2))
         reset = torch.where(emptied.view(per_scale), float("-inf"), 0.0)
         log_scales.copy_(torch.where(kept.view(per_scale), log_scales + g, reset))
-        S = torch.where((kept | emptied).view(*kept.shape, 1, 1, 1), stored, S)
+        S = torch.where(unchanged.view(*kept.shape, 1, 1, 1), stored, S)
     return (o, S.to(levels.dtype)) if out is None else (o, out.copy_(S))
 
 
@@ -255,12 +323,15 @@ def _check_window(variant: Variant, q: torch.Tensor, levels: torch.Tensor, log_s
     if not variant.delta_rule or log_scales is None:
         raise ValueError(f"window: only the delta rule's lazy levels (with log_scales) take a KeyWindow; "
                          f"{variant.title} {'has none' if not variant.delta_rule else 'got log_scales=None'}")
-    (N, G, K), H, size = q.shape, levels.shape[2], window.size
+    (N, G, K), (H, V), size = q.shape, levels.shape[2::2], window.size
     dtype = _compute_dtype(levels.dtype)
-    for name, x, shape in (("keys", window.keys, (N, size, G, K)), ("betas", window.betas, (N, size, H))):
-        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != dtype or x.device != levels.device:
+    for name, shape, want in (("keys", (N, size, G, K), dtype), ("betas", (N, size, H), dtype),
+                              ("values", (N, size, H, V), dtype), ("gates", (N, size, H), dtype),
+                              ("start", (N,), torch.int64)):
+        x = getattr(window, name)
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != want or x.device != levels.device:
             got = f"{list(x.shape)} {x.dtype} {x.device}" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"window.{name} must be {list(shape)}, {dtype}, on {levels.device}; got {got}")
+            raise ValueError(f"window.{name} must be {list(shape)}, {want}, on {levels.device}; got {got}")
     if not key_window_size_ok(size):
         raise ValueError(f"window size W must be a power of two in [2, {MAX_KEY_WINDOW}], got {size}")
 

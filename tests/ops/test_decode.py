@@ -2,6 +2,8 @@
 float64 recurrent reference: both variants, GQA, rows at different positions (across carries), the plain
 single-state recurrence, and the public ops' T == 1 dispatch."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -296,9 +298,11 @@ def test_lazy_levels_over_consecutive_steps(impl, variant, dtype, tiling):
 def test_lazy_delta_rule_over_consecutive_steps(monkeypatch, impl, rows, dtype, size):
     """The delta rule's lazy levels (log_scales and a KeyWindow of ``size`` tokens, in place) against the step that
     rewrites every level, over consecutive steps across carries and the window's turns, from exact states at three
-    positions (a window of zeros, log-scales 0), GQA, l2norm. Between turns the step writes only level 0 and the
-    carry's target: every other held level keeps its tile bit for bit (log-scale + g, or -inf when emptied); at a
-    turn it rewrites the held levels (log-scale 0). The token's key (normalised) and beta take slot p mod size.
+    positions (a window of zeros starting there, log-scales 0), GQA, l2norm. Until the first turn the step writes
+    only level 0 and the carry's target between turns; from it on the window's block is in token form and no level
+    0..log2 size is written. Every other held level keeps its tile bit for bit (log-scale + g, or -inf when emptied);
+    at a turn the step rewrites the held levels (log-scale 0). The token's key (normalised), beta, value and gate take
+    slot p mod size.
     bfloat16 levels (float32 compute): the same within bf16 rounding. The fused step's kept levels in row blocks of
     ``rows`` (K = 20: a partial last block), its turn in blocks of max(rows, 16) rows (two, the last partial, at
     rows = 4) over value columns padded to 16."""
@@ -312,9 +316,9 @@ def test_lazy_delta_rule_over_consecutive_steps(monkeypatch, impl, rows, dtype, 
     levels = exact.to(dtype)
     exact = levels.double()  # the reference starts where the rounded levels do
     compute = torch.float64 if dtype == torch.float64 else torch.float32
-    log_scales, window = torch.zeros(N, L, H, dtype=compute), D.KeyWindow.zeros(N, size, G, H, K, compute, "cpu")
+    log_scales, window = torch.zeros(N, L, H, dtype=compute), D.KeyWindow.empty_at(pos, size, G, H, K, V, compute)
     tol = 1e-12 if dtype == torch.float64 else 2e-2
-    turns = 0
+    turns = blocks = 0
     for i in range(steps):
         q, k = torch.randn(N, G, K, dtype=torch.float64, generator=gen), torch.randn(N, G, K, dtype=torch.float64,
                                                                                      generator=gen)
@@ -333,6 +337,9 @@ def test_lazy_delta_rule_over_consecutive_steps(monkeypatch, impl, rows, dtype, 
         turn = ((pos % size == 0) & (pos > 0))[:, None].expand(N, L)
         turns += int(turn[:, 0].sum())
         kept, emptied = D.decayed_only(pos, L), D.emptied_levels(pos, L)
+        block = D.token_form(pos + 1, window)[:, None] & (torch.arange(L) < size.bit_length())[None, :]
+        blocks += int(block[:, 0].sum())
+        assert torch.equal(levels[block], before[block]), "a level in token form was written"
         assert torch.equal(levels[kept & ~turn], before[kept & ~turn]), "a lazily decayed level was rewritten"
         assert torch.equal(levels[emptied], before[emptied]), "a level the carry empties was rewritten"
         g = gates["g"][:, None].to(compute).expand_as(ls_before)
@@ -342,8 +349,11 @@ def test_lazy_delta_rule_over_consecutive_steps(monkeypatch, impl, rows, dtype, 
         slot = pos % size
         assert_close(window.keys[torch.arange(N), slot].double(), k / k.norm(dim=-1, keepdim=True), 1e-6, "window key")
         assert torch.equal(window.betas[torch.arange(N), slot], gates["beta"].to(compute)), "window beta"
+        assert torch.equal(window.values[torch.arange(N), slot], v.to(compute)), "window value"
+        assert torch.equal(window.gates[torch.arange(N), slot], gates["g"].to(compute)), "window gate"
         pos = pos + 1
-    assert turns >= 3
+    assert turns >= 3 and torch.equal(window.start, torch.tensor([0, 6, 29]))
+    assert 0 < blocks < steps * N, "the steps should cover the token form and the tiles before the first turn"
 
 
 def _held_mask(positions: torch.Tensor, L: int) -> torch.Tensor:
@@ -356,7 +366,7 @@ def test_lazy_levels_reject_what_they_cannot_serve():
     levels, pos = torch.zeros(2, 3, 2, 4, 3, dtype=torch.float64), torch.tensor([1, 2])
     args = (tok["q"], tok["k"], tok["v"])
     ls = torch.zeros(2, 3, 2, dtype=torch.float64)
-    window = D.KeyWindow.zeros(2, 4, 1, 2, 4, torch.float64, "cpu")
+    window = D.KeyWindow.empty_at(pos, 4, 1, 2, 4, 3, torch.float64)
     with pytest.raises(ValueError, match="Gated DeltaNet's lazy levels need their KeyWindow"):
         D.decode_step(GATED_DELTANET, *args, _gates(tok, True), tok["level_scales"], levels, pos, 1.0, out=levels,
                       log_scales=ls)
@@ -371,11 +381,14 @@ def test_lazy_levels_reject_what_they_cannot_serve():
                       log_scales=ls, window=(window.keys, window.betas))
     with pytest.raises(ValueError, match=r"window.betas must be \[2, 4, 2\], torch.float64"):
         D.decode_step(GATED_DELTANET, *args, _gates(tok, True), tok["level_scales"], levels, pos, 1.0, out=levels,
-                      log_scales=ls, window=D.KeyWindow(window.keys, window.betas.float()))
+                      log_scales=ls, window=dataclasses.replace(window, betas=window.betas.float()))
+    with pytest.raises(ValueError, match=r"window.start must be \[2\], torch.int64"):
+        D.decode_step(GATED_DELTANET, *args, _gates(tok, True), tok["level_scales"], levels, pos, 1.0, out=levels,
+                      log_scales=ls, window=dataclasses.replace(window, start=pos.int()))
     for size in (3, 64):
         with pytest.raises(ValueError, match=rf"power of two in \[2, 32\], got {size}"):
             D.decode_step(GATED_DELTANET, *args, _gates(tok, True), tok["level_scales"], levels, pos, 1.0, out=levels,
-                          log_scales=ls, window=D.KeyWindow.zeros(2, size, 1, 2, 4, torch.float64, "cpu"))
+                          log_scales=ls, window=D.KeyWindow.empty_at(pos, size, 1, 2, 4, 3, torch.float64))
     with pytest.raises(ValueError, match="in-place"):
         D.decode_step(MAMBA2, *args, {"g": tok["g"]}, tok["level_scales"], levels, pos, 1.0, log_scales=ls)
     with pytest.raises(ValueError, match=r"log_scales must be \[2, 3, 2, 4\]"):

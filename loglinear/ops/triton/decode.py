@@ -33,19 +33,23 @@ above the carry's target) keeps T_l and s_l <- s_l + g; a level l >= 1 the carry
 s_l <- -inf (S_l = 0; the level is not held, so no step reads T_l before it is written again as a carry's target).
 The step writes T only for level 0 and the carry's target (their s restart at 0): two tiles per token. The s
 updates run in the finish kernel, after every program of the level kernel has read the old ones.
-WINDOW (LAZY with the delta rule: Gated DeltaNet) adds the key window of the last 2^WS_BITS tokens (keys [N, W, G, K],
-betas [N, W, H]): level l's state is exp(s_l) R T_l, R the projections (I - beta_i k_i k_i^T) of the window's tokens
-after w_l, the step that last wrote it (``_written``; loglinear.ops.decode has the math). A level the token only
-decays (``_kept``) is read out as (R^T A_p^T q)^T exp(s_l + g) T_l, with no write; the merged levels take their R
-before the carry sums them (``_project_tile``, Horner-wise: each token once), and at the window's turn (p a multiple
-of W) every held level above the carry takes R and the token's transition in WY form and is rewritten
-(``_turn_level``). Such a step runs five launches: _decode_query_kernel writes the token's key and beta into slot
-p mod W and forms the projected queries R^T A_p^T q once per (sequence, head), or at a turn the window's WY factor;
-the level kernel reads out the kept levels (KEPT) in row blocks, as a decay-only step does, since their readout
-needs no k^T S; the level kernel again, in whole columns, steps level 0 with the carry; _decode_turn_kernel, whose
-programs return at once between turns, rewrites the levels above the carry at a turn, in two passes over row
-blocks; the finish kernel sums the readouts. Level 0's pass and the turn each run on a side stream (ChainStreams;
-one stream on CPU) beside the kept pass: the three touch disjoint levels, and the finish kernel waits for all three.
+WINDOW (LAZY with the delta rule: Gated DeltaNet) adds the window of the last 2^WS_BITS tokens (keys [N, W, G, K],
+betas, gates [N, W, H], values [N, W, H, V], the start [N]): level l's state is exp(s_l) R T_l, R the projections (I -
+beta_i k_i k_i^T) of the window's tokens after w_l, the step that last wrote it (``_written``; loglinear.ops.decode has
+the math). A level the token only decays (``_kept``) is read out as (R^T A_p^T q)^T exp(s_l + g) T_l, with no write; the
+merged levels take their R before the carry sums them (``_project_tile``, Horner-wise: each token once), and at the
+window's turn (p a multiple of W) every held level above the carry takes R and the token's transition in WY form and is
+rewritten (``_turn_level``). In token form (``_tokens``: the block of levels 0..log2 W begins at or after the window's
+start) those levels have no tiles: the window's tokens are read out by the query kernel's walk, and the turn folds them
+into the carry's target (``_block_state``); before the first turn after the start they are tiles as above. Such a step
+runs five launches: _decode_query_kernel forms the projected queries R^T A_p^T q once per (sequence, head), in token
+form with the block's readout (level 0's partial readout), or at a turn the window's WY factor; the level kernel reads
+out the kept levels (KEPT) in row blocks, as a decay-only step does, since their readout needs no k^T S; the level
+kernel again, in whole columns, steps level 0 with the carry (in token form only the carry, at the turns);
+_decode_turn_kernel, whose programs return at once between turns, rewrites the levels above the carry at a turn, in two
+passes over row blocks; the finish kernel sums the readouts and writes the token into slot p mod W, after every reader
+of the slot's old token. Level 0's pass and the turn each run on a side stream (ChainStreams; one stream on CPU) beside
+the kept pass: the three touch disjoint levels, and the finish kernel waits for all three.
 FENWICK=False is the plain recurrence (no carry, lambda = 1) of use_log_linear=False models: one level, whole
 [K, BV] tiles, and (DIRECT) its programs write o themselves, with no finish kernel.
 q, k are read from group h // (H // G); L2NORM normalises them in the kernel (x / sqrt(|x|^2 + 1e-6)).
@@ -139,6 +143,13 @@ def _written(p, l, WS_BITS):
 
 
 @triton.jit
+def _tokens(p, e, WS_BITS):
+    """Whether levels 0..log2 W of the state after p tokens are in token form: their block starts at or after the
+    window's start e (loglinear.ops.decode.token_form)."""
+    return _window_start(p, WS_BITS) >= e
+
+
+@triton.jit
 def _slot(i, WS_BITS):
     """Token i's slot in a key window of 2^WS_BITS tokens, i mod 2^WS_BITS (0 at the window's turns)."""
     return i & ((1 << WS_BITS) - 1)
@@ -180,19 +191,25 @@ def _project_tile(S, first, last, wk_ptr, wb_ptr, n, h, H, G, grp, K, WS_BITS, r
 
 
 @triton.jit
-def _decode_query_kernel(q_ptr, k_ptr, beta_ptr, wk_ptr, wb_ptr, pos_ptr, xq_ptr, wy_ptr, H, G, K, WS_BITS,
-                         BK: tl.constexpr, WP: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr):
-    """One program per (sequence n, head h), before the level kernel. It first writes the token's beta and (the
-    group's first head) its key into slot p mod W of the window, which then holds the tokens p - W + 1 .. p for the
-    launches after it (no program of this step reads the token p - W that the slot held).
+def _decode_query_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, lam_ptr, wk_ptr, wb_ptr, wv_ptr, wg_ptr, ws_ptr, pos_ptr,
+                         xq_ptr, wy_ptr, part_ptr, H, G, K, V, L, KB, WS_BITS, lam_sn, lam_sh, BK: tl.constexpr,
+                         WP: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr):
+    """One program per (sequence n, head h), before the level kernel.
     Between the window's turns it forms the projected queries that the levels the token only decays read out with,
     xq[n, h, m] = R_m^T A_p^T q ([N, H, WS_BITS + 1, K]): A_p = I - beta k k^T the token's projection, R_m the
     product of the window's tokens w_m + 1 .. p - 1, w_m = _window_start(p, m) (``_written`` of the levels l with
     min(l - 1, WS_BITS) = m). One walk over the window, newest token first: x <- (I - beta_i k_i k_i^T) x for
     i = p - 1, p - 2, .., stored as xq[m] on reaching w_m + 1, so that x^T T_l = q^T A_p R_m T_l. A level program
     reads its row instead of walking the window itself (once per value block).
+    In token form (``_tokens``) the same walk reads out the block's tokens b = w_WS_BITS .. p - 1 from the window:
+    token i deposited beta_i k_i v_i^T and took the transitions of i + 1 .. p since, so its share of the readout is
+    lambda[level(p, i)] exp(g_{i+1} + .. + g_p) beta_i (k_i . x) v_i with x the query projected through i + 1 .. p,
+    the x the walk holds on reaching i (k_i . x is the projection's own product). With the token's own share
+    lambda_0 beta (k . q) v it is level 0's partial readout (row block 0).
     At a turn it forms the window's WY factor instead (``_wy_factor``, wy [N, H, W, W]), with which the turn
-    kernel rewrites the held levels."""
+    kernel rewrites the held levels, stores the token's key (normalised) as xq[n, h, 0] for the turn kernel, and in
+    token form adds the token's own share. The window does not hold the token
+    yet: the finish kernel writes it, after every reader of the slot's old token."""
     n = (tl.program_id(0) // H).to(tl.int64)
     h = tl.program_id(0) % H
     p = tl.load(pos_ptr + n)
@@ -201,26 +218,58 @@ def _decode_query_kernel(q_ptr, k_ptr, beta_ptr, wk_ptr, wb_ptr, pos_ptr, xq_ptr
     mk = rk < K
     k = _head_vector(k_ptr, (n * G + grp) * K, rk, mk, K, BK, L2NORM, ACC)
     beta = tl.load(beta_ptr + n * H + h).to(ACC)
-    slot = _slot(p, WS_BITS)
-    tl.store(wb_ptr + ((n << WS_BITS) + slot) * H + h, beta)
-    if h % (H // G) == 0:
-        tl.store(wk_ptr + (((n << WS_BITS) + slot) * G + grp) * K + rk, k, mask=mk)
-    if p == 0:  # no level is held before the first token
-        return
-    if slot == 0:  # the turn: every held level above the carry is rewritten with the window's WY factor
-        _wy_factor(k, beta, wk_ptr, wb_ptr, wy_ptr, n, p, h, H, G, grp, K, WS_BITS, rk, mk, WP, ACC)
-        return
     q = _head_vector(q_ptr, (n * G + grp) * K, rk, mk, K, BK, L2NORM, ACC)
-    x = q - beta * k * tl.sum(k * q, 0)
-    i = p - 1  # the next token to apply
-    k_next, beta_next = _window_factor(wk_ptr, wb_ptr, n, i, h, H, G, grp, K, WS_BITS, rk, mk, ACC)
-    for m in range(0, WS_BITS + 1):
-        for _ in range(0, i - _window_start(p, m)):
-            k, beta = k_next, beta_next  # the next token's factors load during this one's (every slot is in bounds)
-            k_next, beta_next = _window_factor(wk_ptr, wb_ptr, n, i - 1, h, H, G, grp, K, WS_BITS, rk, mk, ACC)
-            x = x - beta * k * tl.sum(k * x, 0)
-            i -= 1
-        tl.store(xq_ptr + ((n * H + h) * (WS_BITS + 1) + m) * K + rk, x, mask=mk)
+    tokens = _tokens(p + 1, tl.load(ws_ptr + n), WS_BITS)
+    kq = tl.sum(k * q, 0)
+    rows = tl.arange(0, WP)
+    shares = tl.zeros((WP,), dtype=ACC)  # the window tokens' readout shares by slot, before lambda
+    if (p > 0) & (_slot(p, WS_BITS) == 0):  # the turn: every held level above the carry is rewritten
+        _wy_factor(k, beta, wk_ptr, wb_ptr, wy_ptr, n, p, h, H, G, grp, K, WS_BITS, rk, mk, WP, ACC)
+        tl.store(xq_ptr + (n * H + h) * (WS_BITS + 1) * K + rk, k, mask=mk)  # the turn's last key, as used
+    elif p > 0:
+        x = q - beta * k * kq
+        i = p - 1  # the next token to apply
+        decay = tl.load(g_ptr + n * H + h).to(ACC)  # g_{i+1} + .. + g_p
+        k_next, beta_next = _window_factor(wk_ptr, wb_ptr, n, i, h, H, G, grp, K, WS_BITS, rk, mk, ACC)
+        for m in range(0, WS_BITS + 1):
+            for _ in range(0, i - _window_start(p, m)):
+                k_i, beta_i = k_next, beta_next  # the next token's factors load during this one's
+                k_next, beta_next = _window_factor(wk_ptr, wb_ptr, n, i - 1, h, H, G, grp, K, WS_BITS, rk, mk, ACC)
+                kx = tl.sum(k_i * x, 0)
+                shares = tl.where(rows == _slot(i, WS_BITS), tl.exp(decay) * beta_i * kx, shares)
+                decay += tl.load(wg_ptr + ((n << WS_BITS) + _slot(i, WS_BITS)) * H + h).to(ACC)
+                x = x - beta_i * k_i * kx
+                i -= 1
+            tl.store(xq_ptr + ((n * H + h) * (WS_BITS + 1) + m) * K + rk, x, mask=mk)
+        # the block's first token, i = w_WS_BITS: its factors are the last ones loaded
+        shares = tl.where(rows == _slot(i, WS_BITS), tl.exp(decay) * beta_next * tl.sum(k_next * x, 0), shares)
+    if tokens:
+        _block_readout(shares, beta * kq, p, v_ptr, wv_ptr, lam_ptr, part_ptr, n, h, H, V, L, KB, WS_BITS, lam_sn,
+                       lam_sh, rows, WP, BV, ACC)
+
+
+@triton.jit
+def _block_readout(shares, own, p, v_ptr, wv_ptr, lam_ptr, part_ptr, n, h, H, V, L, KB, WS_BITS, lam_sn, lam_sh,
+                   rows, WP: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr):
+    """Level 0's partial readout in token form: sum over the window's slots s of lambda[level(p, i_s)] shares[s]
+    v_{i_s} (the block's tokens i_s = b + s before p, b its first position) plus the token's own lambda_0 own v,
+    stored in value blocks of BV into row block 0 of level 0 in partial [N, H, L, KB, V]."""
+    before = rows < _slot(p, WS_BITS)  # the block's tokens before p (none at a turn)
+    d = (p & ((1 << WS_BITS) - 1)) ^ rows  # p xor i_s, below W
+    level = tl.zeros((WP,), dtype=tl.int32)
+    for bit in range(0, WS_BITS):
+        level += (d >= (1 << bit)).to(tl.int32)  # bit_length(d)
+    lam = lam_ptr + n * lam_sn + h * lam_sh
+    weights = tl.where(before, shares * tl.load(lam + level, mask=before, other=0.0).to(ACC), 0.0)
+    own = own * tl.load(lam).to(ACC)
+    slots = (n << WS_BITS) + rows
+    for v0 in range(0, V, BV):
+        rv = v0 + tl.arange(0, BV)
+        mv = rv < V
+        vw = tl.load(wv_ptr + (slots * H + h)[:, None] * V + rv[None, :], mask=before[:, None] & mv[None, :],
+                     other=0.0).to(ACC)
+        r = tl.sum(weights[:, None] * vw, 0) + own * tl.load(v_ptr + (n * H + h) * V + rv, mask=mv, other=0.0).to(ACC)
+        tl.store(part_ptr + (n * H + h) * L * KB * V + rv, r, mask=mv)
 
 
 @triton.jit
@@ -255,8 +304,8 @@ def _wy_factor(k, beta, wk_ptr, wb_ptr, wy_ptr, n, p, h, H, G, grp, K, WS_BITS, 
 
 
 @triton.jit
-def _turn_level(s_ptr, ls_ptr, wk_ptr, wy_ptr, q_ptr, lam_ptr, part_ptr, decay, n, l, h, p, vb, H, G, grp, K, V, L,
-                KB, WS_BITS, lam_sn, lam_sh, BK: tl.constexpr, RB: tl.constexpr, BV: tl.constexpr, WP: tl.constexpr,
+def _turn_level(s_ptr, ls_ptr, wk_ptr, wy_ptr, q_ptr, xq_ptr, lam_ptr, part_ptr, decay, n, l, h, p, vb, H, G, grp, K, V,
+                L, KB, WS_BITS, lam_sn, lam_sh, BK: tl.constexpr, RB: tl.constexpr, BV: tl.constexpr, WP: tl.constexpr,
                 L2NORM: tl.constexpr, ACC: tl.constexpr):
     """At the window's turn, held level l above the carry (its state exp(s_l) R T_l, R the tokens p - W + 1 .. p - 1:
     the step at p - W, the previous turn, last wrote it; the levels l <= log2 W merge at a turn) takes them and the
@@ -267,17 +316,19 @@ def _turn_level(s_ptr, ls_ptr, wk_ptr, wy_ptr, q_ptr, lam_ptr, part_ptr, decay, 
     each a reduction across the program's warps."""
     rows = tl.arange(0, WP)
     keys = _window_rows(wk_ptr, n, p, rows, G, grp, K, WS_BITS)
+    own_key = xq_ptr + (n * H + h) * (WS_BITS + 1) * K  # the query kernel's copy of the token's key
     rv = vb * BV + tl.arange(0, BV)
     Y = tl.zeros((WP, BV), dtype=ACC)
     for b in range(0, tl.cdiv(K, RB)):
-        _, _, S, kb = _turn_block(s_ptr, ls_ptr, keys, n, l, h, H, K, V, L, WS_BITS, b, rows, rv, RB, ACC)
+        _, _, S, kb = _turn_block(s_ptr, ls_ptr, keys, own_key, n, l, h, H, K, V, L, WS_BITS, b, rows, rv, RB, ACC)
         Y += tl.dot(kb, S, input_precision="ieee")
     wy, inside = _wy_tile(wy_ptr, n, h, H, WS_BITS, rows)
     T = tl.load(wy, mask=inside, other=0.0)
     Y = tl.dot(T, Y, input_precision="ieee")
     r = tl.zeros((BV,), dtype=ACC)
     for b in range(0, tl.cdiv(K, RB)):
-        rk, tile, S, kb = _turn_block(s_ptr, ls_ptr, keys, n, l, h, H, K, V, L, WS_BITS, b, rows, rv, RB, ACC)
+        rk, tile, S, kb = _turn_block(s_ptr, ls_ptr, keys, own_key, n, l, h, H, K, V, L, WS_BITS, b, rows, rv, RB,
+                                      ACC)
         S = decay * (S - tl.dot(tl.trans(kb), Y, input_precision="ieee"))
         _store_level(s_ptr, S, n, l, h, H, K, V, L, rk, rv, tile, True)
         r += tl.sum(_head_vector(q_ptr, (n * G + grp) * K, rk, rk < K, K, BK, L2NORM, ACC)[:, None] * S, 0)
@@ -286,14 +337,18 @@ def _turn_level(s_ptr, ls_ptr, wk_ptr, wy_ptr, q_ptr, lam_ptr, part_ptr, decay, 
 
 
 @triton.jit
-def _turn_block(s_ptr, ls_ptr, keys, n, l, h, H, K, V, L, WS_BITS, b, rows, rv, RB: tl.constexpr, ACC: tl.constexpr):
+def _turn_block(s_ptr, ls_ptr, keys, own_key, n, l, h, H, K, V, L, WS_BITS, b, rows, rv, RB: tl.constexpr,
+                ACC: tl.constexpr):
     """Row block b of the turn: its rows rk [RB] and [RB, BV] mask, level l's lazy state over them and the value
-    columns rv, and the window's keys over them [WP, RB] (rows past the window's W tokens 0)."""
+    columns rv, and the keys of the window's tokens p - W + 1 .. p over them [WP, RB] (the last the token's own, at
+    own_key, which the window does not hold yet; rows past W 0)."""
     rk = b * RB + tl.arange(0, RB)
     tile = (rk < K)[:, None] & (rv < V)[None, :]
     S = _load_level(s_ptr, ls_ptr, n, l, h, H, K, V, L, rk, rv, rk < K, tile, True, True, False, ACC, True)
-    kb = tl.load(keys[:, None] + rk[None, :], mask=(rows < (1 << WS_BITS))[:, None] & (rk < K)[None, :], other=0.0)
-    return rk, tile, S, kb
+    W = 1 << WS_BITS
+    kb = tl.load(keys[:, None] + rk[None, :], mask=(rows < W - 1)[:, None] & (rk < K)[None, :], other=0.0).to(ACC)
+    own = tl.load(own_key + rk, mask=rk < K, other=0.0)
+    return rk, tile, S, tl.where((rows == W - 1)[:, None], own[None, :], kb)
 
 
 @triton.jit
@@ -308,34 +363,40 @@ def _readout(part_ptr, o_ptr, q, S, w, scale, n, l, h, kb, H, V, L, KB, rv, mv, 
 
 
 @triton.jit
-def _carry(k, decay, beta, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr, part_ptr, o_ptr, q, p, scale,
-           n, h, kb, H, G, grp, K, V, L, KB, WS_BITS, lam_sn, lam_sh, rk, rv, mk, mv, tile,
+def _carry(k, decay, beta, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr, wv_ptr, wg_ptr, part_ptr, o_ptr, q, p,
+           tokens, scale, n, h, kb, H, G, grp, K, V, L, KB, WS_BITS, lam_sn, lam_sh, rk, rv, mk, mv, tile,
            BKR: tl.constexpr, BV: tl.constexpr, HAS_BETA: tl.constexpr,
            PER_CHANNEL: tl.constexpr, IN_PLACE: tl.constexpr, LAZY: tl.constexpr, WINDOW: tl.constexpr,
            DIRECT: tl.constexpr, ACC: tl.constexpr, NARROW: tl.constexpr):
     """The carry of the token at position p > 0 (run by level 0's programs, before they rewrite level 0): the sum
     of levels 0..ctz(p) (all held; WINDOW: each after its pending projections R_j, the tokens w_j + 1 .. p - 1,
     summed Horner-wise from the highest level down so that each of the window's tokens projects the running sum
-    once: up to W - 1 projections, not one run per merged level), emptied (lazy: by their log-scale, set in the
-    finish kernel), goes into level c = ctz(p) + 1, which then takes the token's transition and its readout."""
+    once: up to W - 1 projections, not one run per merged level; in token form ``_block_state``), emptied (lazy: by
+    their log-scale, set in the finish kernel), goes into level c = ctz(p) + 1, which then takes the token's
+    transition and its readout."""
     # levels 0..c-1 merge; counted over 64 levels whatever L (with 16 the carry ran 1.3-2.7x slower on the H200)
     _, _, merge, _ = _level_roles(p, tl.arange(0, 64))
     c = tl.sum((merge & (tl.arange(0, 64) < L)).to(tl.int32), 0)
     acc = tl.zeros((BKR, BV), dtype=ACC)
     held = tl.full((), 1, tl.int1)  # every merged level is held
-    for i in range(0, c):
-        j = i
-        if WINDOW:  # Horner from the highest merged level down: each pending token projects the sum once
-            j = c - 1 - i
-        S = _load_level(s_in_ptr, ls_ptr, n, j, h, H, K, V, L, rk, rv, mk, tile, held, LAZY, PER_CHANNEL, ACC,
-                        NARROW)
-        acc += S
-        if WINDOW:  # sum_j R_j S_j, R_j = tokens w_j + 1 .. p - 1: acc <- tokens w_j + 1 .. w_{j-1} of (acc + S_j)
-            acc = _project_tile(acc, _written(p, j, WS_BITS) + 1, _written(p, j - 1, WS_BITS), wk_ptr, wb_ptr, n, h,
-                                H, G, grp, K, WS_BITS, rk, mk, ACC)
-        if not LAZY:
-            if j > 0:
-                _store_level(s_out_ptr, tl.zeros((BKR, BV), dtype=ACC), n, j, h, H, K, V, L, rk, rv, tile, NARROW)
+    if tokens:
+        acc = _block_state(acc, c, s_in_ptr, ls_ptr, wk_ptr, wb_ptr, wv_ptr, wg_ptr, n, h, p, H, G, grp, K, V, L,
+                           WS_BITS, rk, rv, mk, mv, tile, ACC, NARROW)
+    else:
+        for i in range(0, c):
+            j = i
+            if WINDOW:  # Horner from the highest merged level down: each pending token projects the sum once
+                j = c - 1 - i
+            S = _load_level(s_in_ptr, ls_ptr, n, j, h, H, K, V, L, rk, rv, mk, tile, held, LAZY, PER_CHANNEL, ACC,
+                            NARROW)
+            acc += S
+            if WINDOW:  # sum_j R_j S_j, R_j = tokens w_j + 1 .. p - 1: acc <- tokens w_j + 1 .. w_{j-1} of acc + S_j
+                acc = _project_tile(acc, _written(p, j, WS_BITS) + 1, _written(p, j - 1, WS_BITS), wk_ptr, wb_ptr, n,
+                                    h, H, G, grp, K, WS_BITS, rk, mk, ACC)
+            if not LAZY:
+                if j > 0:
+                    _store_level(s_out_ptr, tl.zeros((BKR, BV), dtype=ACC), n, j, h, H, K, V, L, rk, rv, tile,
+                                 NARROW)
     if c < L:  # in place the target is not held before the token: its stored tile is not read
         S = _load_level(s_in_ptr, ls_ptr, n, c, h, H, K, V, L, rk, rv, mk, tile, not IN_PLACE, LAZY,
                         PER_CHANNEL, ACC, NARROW)
@@ -343,6 +404,29 @@ def _carry(k, decay, beta, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr,
         _store_level(s_out_ptr, S, n, c, h, H, K, V, L, rk, rv, tile, NARROW)
         w = tl.load(lam_ptr + n * lam_sn + h * lam_sh + c).to(ACC)
         _readout(part_ptr, o_ptr, q, S, w, scale, n, c, h, kb, H, V, L, KB, rv, mv, DIRECT)
+
+
+@triton.jit
+def _block_state(acc, c, s_ptr, ls_ptr, wk_ptr, wb_ptr, wv_ptr, wg_ptr, n, h, p, H, G, grp, K, V, L, WS_BITS, rk, rv,
+                 mk, mv, tile, ACC: tl.constexpr, NARROW: tl.constexpr):
+    """The carry's sum at the window's turn p in token form, as of token p - 1: the merged levels above log2 W, last
+    written by the previous turn's step p - W (each stored tile is its state then; its log-scale holds the decays
+    since, which the tokens apply here), and the block's tokens b = p - W .. p - 1 from the window, oldest first:
+    S <- exp(g_i) (I - beta_i k_i k_i^T) S + beta_i k_i v_i^T for i > b, on S_b = sum of the tiles + beta_b k_b v_b^T.
+    acc: [BK, BV] zeros."""
+    held = tl.full((), 1, tl.int1)
+    for j in range(WS_BITS + 1, c):
+        acc += _load_level(s_ptr, ls_ptr, n, j, h, H, K, V, L, rk, rv, mk, tile, held, False, False, ACC, NARROW)
+    b = p - (1 << WS_BITS)
+    for i in range(b, p):
+        k_i, beta_i = _window_factor(wk_ptr, wb_ptr, n, i, h, H, G, grp, K, WS_BITS, rk, mk, ACC)
+        slot = (n << WS_BITS) + _slot(i, WS_BITS)
+        v_i = tl.load(wv_ptr + (slot * H + h) * V + rv, mask=mv, other=0.0).to(ACC)
+        if i > b:
+            g_i = tl.load(wg_ptr + slot * H + h).to(ACC)
+            acc = tl.exp(g_i) * (acc - beta_i * k_i[:, None] * tl.sum(k_i[:, None] * acc, 0)[None, :])
+        acc += (beta_i * k_i)[:, None] * v_i[None, :]
+    return acc
 
 
 @triton.jit
@@ -357,19 +441,20 @@ def _head_vector(x_ptr, base, rk, mk, K, BK: tl.constexpr, L2NORM: tl.constexpr,
 
 
 @triton.jit
-def _kept(p, l, WS_BITS):
+def _kept(p, l, WS_BITS, tokens):
     """Whether level l (taking a step of its own, in place, beside a key window of 2^WS_BITS tokens) keeps its tile:
-    l >= 1 and p not at the window's turn."""
-    return (l > 0) & ((_slot(p, WS_BITS) + 0 * l) != 0)  # in l's shape (as _level_roles' started)
+    l >= 1, p not at the window's turn, and a tile: above log2 W where the block is in token form (``tokens``)."""
+    kept = (l > 0) & ((_slot(p, WS_BITS) + 0 * l) != 0)  # in l's shape (as _level_roles' started)
+    return kept & ((l > WS_BITS) | ((tokens + 0 * l) == 0))
 
 
 @triton.jit
-def _runs(p, l, L, WS_BITS, FENWICK: tl.constexpr, IN_PLACE: tl.constexpr, WINDOW: tl.constexpr,
+def _runs(p, l, L, WS_BITS, tokens, FENWICK: tl.constexpr, IN_PLACE: tl.constexpr, WINDOW: tl.constexpr,
           KEPT: tl.constexpr):
     """Whether level l (a scalar or a vector of levels) takes a step of its own: not the carry's merged levels or
     its target (level 0's step runs the carry), and in place not a level held neither before nor after. WINDOW:
-    of those, the kept levels (KEPT) or level 0 (the levels above the carry at the window's turn are the turn
-    kernel's)."""
+    of those, the kept levels (KEPT; ``tokens``: the block before the token in token form) or level 0 (the levels
+    above the carry at the window's turn are the turn kernel's)."""
     held_in, _, merge, into = _level_roles(p, l)
     runs = l < L
     if FENWICK:
@@ -378,7 +463,7 @@ def _runs(p, l, L, WS_BITS, FENWICK: tl.constexpr, IN_PLACE: tl.constexpr, WINDO
             runs = runs & ((l == 0) | held_in)
     if WINDOW:
         if KEPT:
-            runs = runs & _kept(p, l, WS_BITS)
+            runs = runs & _kept(p, l, WS_BITS, tokens)
         else:
             runs = runs & (l == 0)
     return runs
@@ -386,23 +471,32 @@ def _runs(p, l, L, WS_BITS, FENWICK: tl.constexpr, IN_PLACE: tl.constexpr, WINDO
 
 @triton.jit
 def _decode_level_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr, xq_ptr, pos_ptr,
-    part_ptr, o_ptr, scale, H, G, K, V, L, KB, WS_BITS, lam_sn, lam_sh,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr, wv_ptr, wg_ptr, ws_ptr,
+    xq_ptr, pos_ptr, part_ptr, o_ptr, scale, H, G, K, V, L, KB, WS_BITS, lam_sn, lam_sh,
     BK: tl.constexpr, BKR: tl.constexpr, BV: tl.constexpr, LG: tl.constexpr, FENWICK: tl.constexpr,
     HAS_BETA: tl.constexpr, PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr, IN_PLACE: tl.constexpr,
     LAZY: tl.constexpr, WINDOW: tl.constexpr, KEPT: tl.constexpr, DIRECT: tl.constexpr, ACC: tl.constexpr,
 ):
     """Program (n * H + h, vb * (K / BKR) + kb, j): levels j * LG .. j * LG + LG - 1, their tiles of rows kb * BKR..
     and value columns vb * BV.. of sequence n, head h (the module docstring). KB: the row blocks of the partial
-    readouts. WINDOW: KEPT selects the levels the token only decays (their readouts), else level 0 with the carry."""
+    readouts. WINDOW: KEPT selects the levels the token only decays (their readouts), else level 0 with the carry;
+    in token form (the window's ``_tokens``) level 0 has no tile and the carry runs at the window's turns only."""
     n = (tl.program_id(0) // H).to(tl.int64)
     h = tl.program_id(0) % H
     vb = tl.program_id(1) // tl.cdiv(K, BKR)
     kb = tl.program_id(1) % tl.cdiv(K, BKR)
     l0 = tl.program_id(2) * LG
     p = tl.load(pos_ptr + n)  # int64
-    if tl.sum(_runs(p, l0 + tl.arange(0, LG), L, WS_BITS, FENWICK, IN_PLACE, WINDOW, KEPT).to(tl.int32), 0) == 0:
+    tokens, tokens_after = False, False
+    if WINDOW:
+        e = tl.load(ws_ptr + n)
+        tokens, tokens_after = _tokens(p, e, WS_BITS), _tokens(p + 1, e, WS_BITS)
+    if tl.sum(_runs(p, l0 + tl.arange(0, LG), L, WS_BITS, tokens, FENWICK, IN_PLACE, WINDOW, KEPT).to(tl.int32),
+              0) == 0:
         return
+    if WINDOW and not KEPT:  # token form: nothing between turns
+        if tokens_after & ((p == 0) | (tokens & (_slot(p, WS_BITS) != 0))):
+            return
     grp = h // (H // G)
     rk = kb * BKR + tl.arange(0, BKR)
     rv = vb * BV + tl.arange(0, BV)
@@ -422,12 +516,15 @@ def _decode_level_kernel(
     NARROW: tl.constexpr = FENWICK and (KEPT or not HAS_BETA)  # row blocks: int32 offsets in a level (_tile_ptr)
     if FENWICK and not KEPT:
         if (l0 == 0) & (p > 0):  # the carry, before level 0 is rewritten: levels 0..ctz(p) move into ctz(p) + 1
-            _carry(k, decay, beta, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr, part_ptr, o_ptr, q, p,
-                   scale, n, h, kb, H, G, grp, K, V, L, KB, WS_BITS, lam_sn, lam_sh, rk, rv, mk, mv, tile,
-                   BKR, BV, HAS_BETA, PER_CHANNEL, IN_PLACE, LAZY, WINDOW, DIRECT, ACC, NARROW)
+            _carry(k, decay, beta, lam_ptr, s_in_ptr, s_out_ptr, ls_ptr, wk_ptr, wb_ptr, wv_ptr, wg_ptr, part_ptr,
+                   o_ptr, q, p, tokens, scale, n, h, kb, H, G, grp, K, V, L, KB, WS_BITS, lam_sn, lam_sh, rk, rv, mk,
+                   mv, tile, BKR, BV, HAS_BETA, PER_CHANNEL, IN_PLACE, LAZY, WINDOW, DIRECT, ACC, NARROW)
     for i in tl.static_range(LG):
         l = l0 + i
-        if _runs(p, l, L, WS_BITS, FENWICK, IN_PLACE, WINDOW, KEPT):
+        runs = _runs(p, l, L, WS_BITS, tokens, FENWICK, IN_PLACE, WINDOW, KEPT)
+        if WINDOW and not KEPT:  # in token form the window holds the token, not level 0
+            runs = runs & (tokens_after == 0)
+        if runs:
             if KEPT:
                 _kept_readout(lam_ptr, s_in_ptr, ls_ptr, xq_ptr, part_ptr, o_ptr, decay, scale, n, l, h, kb, H, K,
                               V, L, KB, WS_BITS, lam_sn, lam_sh, rk, rv, mk, mv, tile, DIRECT, ACC, NARROW)
@@ -438,8 +535,8 @@ def _decode_level_kernel(
 
 
 @triton.jit
-def _decode_turn_kernel(q_ptr, g_ptr, lam_ptr, s_ptr, ls_ptr, wk_ptr, wy_ptr, pos_ptr, part_ptr, H, G, K, V, L, KB,
-                        WS_BITS, lam_sn, lam_sh, BK: tl.constexpr, RB: tl.constexpr, BV: tl.constexpr,
+def _decode_turn_kernel(q_ptr, xq_ptr, g_ptr, lam_ptr, s_ptr, ls_ptr, wk_ptr, wy_ptr, pos_ptr, part_ptr, H, G, K, V, L,
+                        KB, WS_BITS, lam_sn, lam_sh, BK: tl.constexpr, RB: tl.constexpr, BV: tl.constexpr,
                         LT: tl.constexpr, WP: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr):
     """Program (n * H + h, vb, j), beside the level kernel's passes, only at the window's turn (p a multiple of W):
     of the levels j * LT .. j * LT + LT - 1, those held above the carry (every level l >= 1 with a step of its own),
@@ -453,14 +550,14 @@ def _decode_turn_kernel(q_ptr, g_ptr, lam_ptr, s_ptr, ls_ptr, wk_ptr, wy_ptr, po
     l0 = tl.program_id(2) * LT
     p = tl.load(pos_ptr + n)
     rl = l0 + tl.arange(0, LT)
-    upper = _runs(p, rl, L, WS_BITS, True, True, False, False) & (rl > 0)
+    upper = _runs(p, rl, L, WS_BITS, False, True, True, False, False) & (rl > 0)
     if (p == 0) | (_slot(p, WS_BITS) != 0) | (tl.sum(upper.to(tl.int32), 0) == 0):
         return
     decay = tl.exp(tl.load(g_ptr + n * H + h).to(ACC))
     for i in tl.static_range(LT):
         l = l0 + i
-        if _runs(p, l, L, WS_BITS, True, True, False, False) & (l > 0):
-            _turn_level(s_ptr, ls_ptr, wk_ptr, wy_ptr, q_ptr, lam_ptr, part_ptr, decay, n, l, h, p, vb, H, G,
+        if _runs(p, l, L, WS_BITS, False, True, True, False, False) & (l > 0):
+            _turn_level(s_ptr, ls_ptr, wk_ptr, wy_ptr, q_ptr, xq_ptr, lam_ptr, part_ptr, decay, n, l, h, p, vb, H, G,
                         h // (H // G), K, V, L, KB, WS_BITS, lam_sn, lam_sh, BK, RB, BV, WP, L2NORM, ACC)
 
 
@@ -501,22 +598,31 @@ def _kept_readout(lam_ptr, s_ptr, ls_ptr, xq_ptr, part_ptr, o_ptr, decay, scale,
 
 @triton.jit
 def _decode_finish_kernel(
-    part_ptr, o_ptr, g_ptr, ls_ptr, pos_ptr, scale, H, K, V, L, KB, WS_BITS,
+    part_ptr, o_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ls_ptr, wk_ptr, wb_ptr, wv_ptr, wg_ptr, ws_ptr, pos_ptr, scale, H,
+    G, K, V, L, KB, WS_BITS,
     BL: tl.constexpr, LC: tl.constexpr, BKB: tl.constexpr, BVO: tl.constexpr, BK: tl.constexpr,
     FENWICK: tl.constexpr, IN_PLACE: tl.constexpr, LAZY: tl.constexpr, PER_CHANNEL: tl.constexpr,
-    WINDOW: tl.constexpr,
+    WINDOW: tl.constexpr, L2NORM: tl.constexpr,
 ):
     """Program (sequence n * H + head h, value block): o over columns vb * BVO .. = scale * the sum of the partial
     readouts [L, KB, V] over the levels the step wrote (in place: those held after the token), LC levels' [KB, BVO]
     blocks at a time; lazy levels' log-scales after the step (value block 0's program): a level the token only
     decays adds g (restarts at 0 at the window's turn, which rewrote it), a level l >= 1 the carry empties takes
     -inf, level 0 and the carry's target restart at 0 (their tiles were rewritten). Runs after the level kernel,
-    whose programs read the old log-scales."""
+    whose programs read the old log-scales. WINDOW: the token's key, beta, value and gate go into slot p mod W of
+    the window, after every program that read the slot's old token; in token form levels 1..log2 W have no
+    readout."""
     n = (tl.program_id(0) // H).to(tl.int64)
     h = tl.program_id(0) % H
     p = tl.load(pos_ptr + n)
     rv = tl.program_id(1) * BVO + tl.arange(0, BVO)
     o = tl.zeros((BVO,), dtype=part_ptr.dtype.element_ty)
+    tokens, tokens_after = False, False
+    if WINDOW:
+        e = tl.load(ws_ptr + n)
+        tokens, tokens_after = _tokens(p, e, WS_BITS), _tokens(p + 1, e, WS_BITS)
+        _window_token(k_ptr, v_ptr, g_ptr, beta_ptr, wk_ptr, wb_ptr, wv_ptr, wg_ptr, n, h, p, H, G, K, V, WS_BITS, rv,
+                      BK, L2NORM)
     for l0 in range(0, L, LC):
         rr = tl.arange(0, LC * BKB)  # (level, row block) pairs
         rl = l0 + rr // BKB
@@ -529,7 +635,8 @@ def _decode_finish_kernel(
             wrote = ((merge == 0) | (rl == 0)) & (rl < L)
         wrote = wrote & (rr % BKB < KB)
         if WINDOW:  # level 0, the carry's target and the turn's levels: their readouts are in row block 0
-            wrote = wrote & ((rr % BKB == 0) | (_kept(p, rl, WS_BITS) & held_in & held_out))
+            wrote = wrote & ((rr % BKB == 0) | (_kept(p, rl, WS_BITS, tokens) & held_in & held_out))
+            wrote = wrote & ((rl == 0) | (rl > WS_BITS) | ((tokens_after + 0 * rl) == 0))
         part = tl.load(part_ptr + (((n * H + h) * L + rl) * KB + rr % BKB)[:, None] * V + rv[None, :],
                        mask=wrote[:, None] & (rv < V)[None, :], other=0.0)
         o += tl.sum(part, 0)
@@ -537,6 +644,24 @@ def _decode_finish_kernel(
     if LAZY:
         if tl.program_id(1) == 0:
             _log_scales_after(g_ptr, ls_ptr, n, h, p, H, K, L, WS_BITS, BL, BK, PER_CHANNEL, WINDOW)
+
+
+@triton.jit
+def _window_token(k_ptr, v_ptr, g_ptr, beta_ptr, wk_ptr, wb_ptr, wv_ptr, wg_ptr, n, h, p, H, G, K, V, WS_BITS, rv,
+                  BK: tl.constexpr, L2NORM: tl.constexpr):
+    """The token's slot p mod W of the window: its value over the program's columns rv; from value block 0's
+    program its beta and gate, and (the group's first head) its key, normalised as the step uses it."""
+    slot = (n << WS_BITS) + _slot(p, WS_BITS)
+    v = tl.load(v_ptr + (n * H + h) * V + rv, mask=rv < V, other=0.0)
+    tl.store(wv_ptr + (slot * H + h) * V + rv, v.to(wv_ptr.dtype.element_ty), mask=rv < V)
+    if tl.program_id(1) == 0:
+        tl.store(wb_ptr + slot * H + h, tl.load(beta_ptr + n * H + h).to(wb_ptr.dtype.element_ty))
+        tl.store(wg_ptr + slot * H + h, tl.load(g_ptr + n * H + h).to(wg_ptr.dtype.element_ty))
+        grp = h // (H // G)
+        if h % (H // G) == 0:
+            rk = tl.arange(0, BK)
+            k = _head_vector(k_ptr, (n * G + grp) * K, rk, rk < K, K, BK, L2NORM, wk_ptr.dtype.element_ty)
+            tl.store(wk_ptr + (slot * G + grp) * K + rk, k, mask=rk < K)
 
 
 @triton.jit
@@ -561,7 +686,7 @@ def _log_scales_after(g_ptr, ls_ptr, n, h, p, H, K, L, WS_BITS, BL: tl.constexpr
         offs = (n * L + rl) * H + h
         ls = tl.load(ls_ptr + offs, mask=moved, other=0.0)
         if WINDOW:  # the window's turn rewrote every level
-            kept = kept & _kept(p, rl, WS_BITS)
+            kept = kept & _kept(p, rl, WS_BITS, False)  # in token form levels 1..log2 W too (their tiles unread)
         tl.store(ls_ptr + offs, tl.where(kept, ls + g, reset), mask=moved)
 
 
@@ -645,9 +770,10 @@ def fused_decode_step(
     if lazy and (out is not levels or not fenwick or (beta is not None) != (window is not None)
                  or not log_scales.is_contiguous()):
         raise ValueError("log_scales needs a contiguous in-place log-linear step, and a window with the delta rule")
-    if window is not None and not (window.keys.is_contiguous() and window.betas.is_contiguous()):
-        raise ValueError("the window's keys and betas must be contiguous")
-    wk, wb = (window.keys, window.betas) if window is not None else (g, g)
+    parts = (window.keys, window.betas, window.values, window.gates, window.start) if window is not None else (g,) * 5
+    if not all(x.is_contiguous() for x in parts):
+        raise ValueError("the window's tensors must be contiguous")
+    wk, wb, wv, wg, ws = parts
     ws_bits = window.size.bit_length() - 1 if window is not None else 0
     acc = torch.float64 if levels.dtype == torch.float64 else torch.float32
     BK, per_channel = triton.next_power_of_2(K), g.dim() == 3
@@ -661,7 +787,8 @@ def fused_decode_step(
                     num_levels: int) -> None:
         LG = _levels_per_program(BKR * BV * levels.element_size(), BL, delta=delta)
         _decode_level_kernel[(N * H, triton.cdiv(V, BV) * triton.cdiv(K, BKR), triton.cdiv(num_levels, LG))](
-            q, k, v, g, beta_arg, lam, levels, out, log_scales if lazy else g, wk, wb, xq, positions, partial, o,
+            q, k, v, g, beta_arg, lam, levels, out, log_scales if lazy else g, wk, wb, wv, wg, ws, xq, positions,
+            partial, o,
             float(scale), H, G, K, V, L, KB, ws_bits, lam_sn, lam_sh,
             BK=BK, BKR=BKR, BV=BV, LG=LG, FENWICK=fenwick, HAS_BETA=beta is not None, PER_CHANNEL=per_channel,
             L2NORM=l2norm_qk, IN_PLACE=out is levels, LAZY=lazy, WINDOW=window is not None, KEPT=kept,
@@ -683,8 +810,11 @@ def fused_decode_step(
         xq = torch.empty(N, H, ws_bits + 1, K, dtype=acc, device=device)  # the kept levels' projected queries
         wy = torch.empty(N, H, window.size, window.size, dtype=acc, device=device)  # the turn's WY factor
         WP = max(window.size, DOT_MIN)
-        _decode_query_kernel[(N * H,)](q, k, beta_arg, wk, wb, positions, xq, wy, H, G, K, ws_bits, BK=BK, WP=WP,
-                                       L2NORM=l2norm_qk, ACC=acc_tl, **launch_options(_decode_query_kernel))
+        _decode_query_kernel[(N * H,)](
+            q, k, v, g, beta_arg, lam, wk, wb, wv, wg, ws, positions, xq, wy, partial, H, G, K, V, L, KB, ws_bits,
+            lam_sn, lam_sh, BK=BK, WP=WP, BV=min(triton.next_power_of_2(V), FINISH_COLUMNS), L2NORM=l2norm_qk,
+            ACC=acc_tl, **launch_options(_decode_query_kernel),
+        )
         # three passes over disjoint levels side by side: level 0's carry programs (up to W - 1 projections of the
         # merged levels one after another) and the turn (whose programs return at once between turns) each on a side
         # stream, the kept levels' short row-block programs on the current one
@@ -695,7 +825,7 @@ def fused_decode_step(
         BVT, LT = max(BV, DOT_MIN), _levels_per_program(BKR * BV * levels.element_size(), BL, delta=False)
         with turn.chain():
             _decode_turn_kernel[(N * H, triton.cdiv(V, BVT), triton.cdiv(L, LT))](
-                q, g, lam, levels, log_scales, wk, wy, positions, partial, H, G, K, V, L, KB, ws_bits, lam_sn,
+                q, xq, g, lam, levels, log_scales, wk, wy, positions, partial, H, G, K, V, L, KB, ws_bits, lam_sn,
                 lam_sh, BK=BK, RB=max(BKR, DOT_MIN), BV=BVT, LT=LT, WP=WP, L2NORM=l2norm_qk, ACC=acc_tl,
                 **launch_options(_decode_turn_kernel),
             )
@@ -705,9 +835,10 @@ def fused_decode_step(
     if partial is not o:
         BKB, BVO = triton.next_power_of_2(KB), min(triton.next_power_of_2(V), FINISH_COLUMNS)
         _decode_finish_kernel[(N * H, triton.cdiv(V, BVO))](
-            partial, o, g, log_scales if lazy else partial, positions, float(scale), H, K, V, L, KB, ws_bits,
+            partial, o, k, v, g, beta_arg, log_scales if lazy else partial, wk, wb, wv, wg, ws, positions,
+            float(scale), H, G, K, V, L, KB, ws_bits,
             BL=BL, LC=max(1, min(BL, FINISH_TILE // (BKB * BVO))), BKB=BKB, BVO=BVO, BK=BK, FENWICK=fenwick,
-            IN_PLACE=out is levels, LAZY=lazy, PER_CHANNEL=per_channel, WINDOW=window is not None,
+            IN_PLACE=out is levels, LAZY=lazy, PER_CHANNEL=per_channel, WINDOW=window is not None, L2NORM=l2norm_qk,
             **launch_options(_decode_finish_kernel),
         )
     return o, out
