@@ -20,12 +20,11 @@ level l >= 1 the carry empties keeps its tile and takes log-scale -inf (state 0)
 the carry's target (their log-scales reset to 0), so it reads the held levels once and writes two. CUDA-graph
 decoding keeps its buffers this way.
 
-Lazy levels of the delta rule (GDN: A_t = exp(g_t) (I - beta_t k_t k_t^T)) add a ``KeyWindow``: the keys, betas,
-values and log-decays of the last W tokens (token i in slot i % W). Level l's state is exp(log_scales[:, l]) R T_l, T_l
-its stored tile
-and R = (I - beta_{p-1} k_{p-1} k_{p-1}^T) ... (I - beta_{w+1} k_{w+1} k_{w+1}^T) the projections of the tokens
-after the one whose step last wrote it, w. A level is rewritten when it is level 0, the carry's target, or when
-p is a multiple of W (the window's turn: every held level is brought up to date), so p - 1 - w < W and
+Lazy levels of the delta rule (GDN: A_t = exp(g_t) (I - beta_t k_t k_t^T)) add a ``KeyWindow``: the keys, betas, values
+and log-decays of the last W tokens (token i in slot i % W). Level l's state is exp(log_scales[:, l]) R T_l, T_l its
+stored tile and R = (I - beta_{p-1} k_{p-1} k_{p-1}^T) ... (I - beta_{w+1} k_{w+1} k_{w+1}^T) the projections of the
+tokens after the one whose step last wrote it, w. A level is rewritten when it is level 0, the carry's target, or when p
+is a multiple of W (the window's turn: every held level is brought up to date), so p - 1 - w < W and
 
     w = ((p - 1) >> m) << m,   m = min(max(l - 1, 0), log2 W)        (``window_written``)
 
@@ -141,8 +140,9 @@ def _compute_dtype(levels_dtype: torch.dtype) -> torch.dtype:
 def lazy_level_states(levels: torch.Tensor, log_scales: torch.Tensor, window: KeyWindow | None = None,
                       positions: torch.Tensor | None = None) -> torch.Tensor:
     """The states of lazy levels: levels [N, L, H, K, V] times exp(log_scales), [N, L, H] (one per head) or
-    [N, L, H, K] (one per key channel), and with the delta rule's window the pending projections of its tokens
-    (positions: [N], each sequence's tokens so far)  -> [N, L, H, K, V] in the promoted dtype (a new tensor)."""
+    [N, L, H, K] (one per key channel), and with the delta rule's window the pending projections of its tokens and,
+    in token form, levels 0..log2 W from its tokens (positions: [N], each sequence's tokens so far)
+    -> [N, L, H, K, V] in the promoted dtype (a new tensor)."""
     scales = torch.exp(log_scales)
     states = levels * (scales[..., None] if log_scales.dim() == 4 else scales[..., None, None])
     if window is None:

@@ -309,7 +309,7 @@ def test_lazy_delta_rule_over_consecutive_steps(monkeypatch, impl, rows, dtype, 
     if rows is not None:
         monkeypatch.setattr(triton_decode, "ROW_BLOCK", rows)
     gen = torch.Generator().manual_seed(size)
-    N, G, H, K, V, L, steps = 3, 1, 2, 20, 5, 7, 16
+    N, G, H, K, V, L, steps = 3, 1, 2, 20, 5, 7, 12
     pos = torch.tensor([0, 6, 29])
     held = _held_mask(pos, L)[:, :, None, None, None]
     exact = torch.randn(N, L, H, K, V, dtype=torch.float64, generator=gen) * held
