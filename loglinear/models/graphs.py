@@ -11,10 +11,11 @@ A graph replays fixed shapes at fixed addresses, so on its first step the cache'
 (loglinear.layers.mixer.StaticState): levels [N, max_levels, H, K, V] per log-linear layer (one level for a plain one;
 the extra levels are zeros), the conv states [N, W-1, C], and the positions, kept on the GPU for the kernel and on the
 host for the cache. The levels of a log-linear layer are stored lazily beside their accumulated log-decays (and for the
-delta rule of Gated DeltaNet a window of the last tokens, which stand for its lowest levels), so a step rewrites at most
-two levels instead of every level it holds (loglinear.ops.decode). The cache's states are views of the buffers; a lazy
-layer's view multiplies its levels out when something reads them (an ordinary forward, beam reordering). The graph is
-captured once per batch size (two eager warm-up steps compile the kernels first).
+delta rule of Gated DeltaNet a window of the last tokens, which stand for its lowest levels), so a step rewrites about
+two levels (Gated DeltaNet: none between its window's turns) instead of every level it holds (loglinear.ops.decode). The
+cache's states are views of the buffers; a lazy layer's view multiplies its levels out when something reads them (an
+ordinary forward, beam reordering). The graph is captured once per batch size (two eager warm-up steps compile the
+kernels first).
 
 Steps that are not one real token of every sequence (a prompt, a chunk, a padded row), and calls that need
 gradients, run the ordinary forward on the same states; a cache changed from outside (beam reordering, such a
