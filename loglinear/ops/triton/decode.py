@@ -65,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loglinear.ops.triton.shared.intra import bit_levels
 from loglinear.ops.triton.shared.launch import launch_options
 from loglinear.ops.triton.shared.streams import ChainStreams
 from loglinear.variants import Variant
@@ -193,8 +194,9 @@ def _project_tile(S, first, last, wk_ptr, wb_ptr, n, h, H, G, grp, K, WS_BITS, r
 @triton.jit
 def _decode_query_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, lam_ptr, wk_ptr, wb_ptr, wv_ptr, wg_ptr, ws_ptr, pos_ptr,
                          xq_ptr, wy_ptr, part_ptr, H, G, K, V, L, KB, WS_BITS, lam_sn, lam_sh, BK: tl.constexpr,
-                         WP: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr):
-    """One program per (sequence n, head h), before the level kernel.
+                         WP: tl.constexpr, WP_BITS: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+                         ACC: tl.constexpr):
+    """One program per (sequence n, head h), before the level kernel (WP = 2^WP_BITS >= W rows for the window).
     Between the window's turns it forms the projected queries that the levels the token only decays read out with,
     xq[n, h, m] = R_m^T A_p^T q ([N, H, WS_BITS + 1, K]): A_p = I - beta k k^T the token's projection, R_m the
     product of the window's tokens w_m + 1 .. p - 1, w_m = _window_start(p, m) (``_written`` of the levels l with
@@ -229,36 +231,33 @@ def _decode_query_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, lam_ptr, wk_ptr, 
     elif p > 0:
         x = q - beta * k * kq
         i = p - 1  # the next token to apply
-        decay = tl.load(g_ptr + n * H + h).to(ACC)  # g_{i+1} + .. + g_p
+        log_decay = tl.load(g_ptr + n * H + h).to(ACC)  # g_{i+1} + .. + g_p
         k_next, beta_next = _window_factor(wk_ptr, wb_ptr, n, i, h, H, G, grp, K, WS_BITS, rk, mk, ACC)
         for m in range(0, WS_BITS + 1):
             for _ in range(0, i - _window_start(p, m)):
                 k_i, beta_i = k_next, beta_next  # the next token's factors load during this one's
                 k_next, beta_next = _window_factor(wk_ptr, wb_ptr, n, i - 1, h, H, G, grp, K, WS_BITS, rk, mk, ACC)
                 kx = tl.sum(k_i * x, 0)
-                shares = tl.where(rows == _slot(i, WS_BITS), tl.exp(decay) * beta_i * kx, shares)
-                decay += tl.load(wg_ptr + ((n << WS_BITS) + _slot(i, WS_BITS)) * H + h).to(ACC)
+                shares = tl.where(rows == _slot(i, WS_BITS), tl.exp(log_decay) * beta_i * kx, shares)
+                log_decay += tl.load(wg_ptr + ((n << WS_BITS) + _slot(i, WS_BITS)) * H + h).to(ACC)
                 x = x - beta_i * k_i * kx
                 i -= 1
             tl.store(xq_ptr + ((n * H + h) * (WS_BITS + 1) + m) * K + rk, x, mask=mk)
         # the block's first token, i = w_WS_BITS: its factors are the last ones loaded
-        shares = tl.where(rows == _slot(i, WS_BITS), tl.exp(decay) * beta_next * tl.sum(k_next * x, 0), shares)
+        shares = tl.where(rows == _slot(i, WS_BITS), tl.exp(log_decay) * beta_next * tl.sum(k_next * x, 0), shares)
     if tokens:
         _block_readout(shares, beta * kq, p, v_ptr, wv_ptr, lam_ptr, part_ptr, n, h, H, V, L, KB, WS_BITS, lam_sn,
-                       lam_sh, rows, WP, BV, ACC)
+                       lam_sh, rows, WP, WP_BITS, BV, ACC)
 
 
 @triton.jit
 def _block_readout(shares, own, p, v_ptr, wv_ptr, lam_ptr, part_ptr, n, h, H, V, L, KB, WS_BITS, lam_sn, lam_sh,
-                   rows, WP: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr):
+                   rows, WP: tl.constexpr, WP_BITS: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr):
     """Level 0's partial readout in token form: sum over the window's slots s of lambda[level(p, i_s)] shares[s]
     v_{i_s} (the block's tokens i_s = b + s before p, b its first position) plus the token's own lambda_0 own v,
     stored in value blocks of BV into row block 0 of level 0 in partial [N, H, L, KB, V]."""
     before = rows < _slot(p, WS_BITS)  # the block's tokens before p (none at a turn)
-    d = (p & ((1 << WS_BITS) - 1)) ^ rows  # p xor i_s, below W
-    level = tl.zeros((WP,), dtype=tl.int32)
-    for bit in range(0, WS_BITS):
-        level += (d >= (1 << bit)).to(tl.int32)  # bit_length(d)
+    level = bit_levels((_slot(p, WS_BITS) ^ rows).to(tl.int32), WP_BITS)  # level(p, i_s): p xor i_s is below W
     lam = lam_ptr + n * lam_sn + h * lam_sh
     weights = tl.where(before, shares * tl.load(lam + level, mask=before, other=0.0).to(ACC), 0.0)
     own = own * tl.load(lam).to(ACC)
@@ -423,8 +422,7 @@ def _block_state(acc, c, s_ptr, ls_ptr, wk_ptr, wb_ptr, wv_ptr, wg_ptr, n, h, p,
         slot = (n << WS_BITS) + _slot(i, WS_BITS)
         v_i = tl.load(wv_ptr + (slot * H + h) * V + rv, mask=mv, other=0.0).to(ACC)
         if i > b:
-            g_i = tl.load(wg_ptr + slot * H + h).to(ACC)
-            acc = tl.exp(g_i) * (acc - beta_i * k_i[:, None] * tl.sum(k_i[:, None] * acc, 0)[None, :])
+            acc = _transition(acc, k_i, tl.exp(tl.load(wg_ptr + slot * H + h).to(ACC)), beta_i, True)
         acc += (beta_i * k_i)[:, None] * v_i[None, :]
     return acc
 
@@ -812,8 +810,9 @@ def fused_decode_step(
         WP = max(window.size, DOT_MIN)
         _decode_query_kernel[(N * H,)](
             q, k, v, g, beta_arg, lam, wk, wb, wv, wg, ws, positions, xq, wy, partial, H, G, K, V, L, KB, ws_bits,
-            lam_sn, lam_sh, BK=BK, WP=WP, BV=min(triton.next_power_of_2(V), FINISH_COLUMNS), L2NORM=l2norm_qk,
-            ACC=acc_tl, **launch_options(_decode_query_kernel),
+            lam_sn, lam_sh, BK=BK, WP=WP, WP_BITS=WP.bit_length() - 1,
+            BV=min(triton.next_power_of_2(V), FINISH_COLUMNS), L2NORM=l2norm_qk, ACC=acc_tl,
+            **launch_options(_decode_query_kernel),
         )
         # three passes over disjoint levels side by side: level 0's carry programs (up to W - 1 projections of the
         # merged levels one after another) and the turn (whose programs return at once between turns) each on a side
