@@ -62,7 +62,7 @@ from loglinear.fenwick import bit_length, carry, carry_target, held_levels, leve
 from loglinear.inputs import OpInputs, check_bools, check_decode_inputs, expand_groups, l2norm, needs_grad
 from loglinear.ops.backends import backend_for, select_backend
 from loglinear.state import FenwickState
-from loglinear.variants import Variant, get
+from loglinear.variants import GATED_DELTANET, Variant, get
 
 __all__ = ["KEY_WINDOW", "MAX_KEY_WINDOW", "KeyWindow", "block_start", "decode_step", "decode_step_torch",
            "decayed_only", "emptied_levels", "fused_decode_applies", "key_window_size_ok", "lazy_level_states",
@@ -195,7 +195,8 @@ def _project_levels(S: torch.Tensor, window: KeyWindow, positions: torch.Tensor)
 def _block_levels(S: torch.Tensor, window: KeyWindow, positions: torch.Tensor) -> torch.Tensor:
     """Levels 0..log2 W of S [N, L, H, K, V] where they are in token form: the window's tokens
     b = block_start(p) .. p - 1, token t deposited into level bit_length((p - 1) xor t) after the transitions of the
-    tokens before it, exp(g_t) (I - beta_t k_t k_t^T) on every level (module docstring)."""
+    tokens before it, exp(g_t) (I - beta_t k_t k_t^T) on every level (the window is the delta rule's: Gated
+    DeltaNet's transition and deposit; module docstring)."""
     N, L, H, K, V = S.shape
     size, dtype = window.size, S.dtype
     low = min(L, size.bit_length())
@@ -208,14 +209,12 @@ def _block_levels(S: torch.Tensor, window: KeyWindow, positions: torch.Tensor) -
         t = positions - 1 - age
         active = (tokens & (t >= first)).to(dtype)  # [N]
         slot = t % size
-        k, beta = keys[rows, slot], window.betas[rows, slot].to(dtype)  # [N, H, K], [N, H]
-        v, g = window.values[rows, slot].to(dtype), window.gates[rows, slot].to(dtype)  # [N, H, V], [N, H]
-        kS = torch.einsum("nhk,nlhkv->nlhv", k, block)
-        moved = torch.exp(g)[:, None, :, None, None] * (block - (beta[:, None, :, None, None] * k[:, None, :, :, None])
-                                                       * kS[:, :, :, None, :])
+        k, v = keys[rows, slot], window.values[rows, slot].to(dtype)  # [N, H, K], [N, H, V]
+        gates = {"g": window.gates[rows, slot].to(dtype), "beta": window.betas[rows, slot].to(dtype)}  # [N, H]
+        moved = GATED_DELTANET.transition(block, k, gates)
         block = block + active[:, None, None, None, None] * (moved - block)
         into = (lev[None, :] == bit_length((positions - 1) ^ t)[:, None]).to(dtype) * active[:, None]  # [N, low]
-        deposit = beta[..., None, None] * k[..., None] * v[:, :, None, :]  # [N, H, K, V]
+        deposit = GATED_DELTANET.deposit_key(k, gates)[..., None] * v[:, :, None, :]  # [N, H, K, V]
         block = block + into[:, :, None, None, None] * deposit[:, None]
     held = tokens[:, None, None, None, None]
     return torch.cat([torch.where(held, block, S[:, :low]), S[:, low:]], dim=1)

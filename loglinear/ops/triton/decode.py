@@ -151,6 +151,14 @@ def _tokens(p, e, WS_BITS):
 
 
 @triton.jit
+def _token_forms(ws_ptr, n, p, WS_BITS):
+    """Whether levels 0..log2 W of sequence n are in token form before the token at p and after it (``_tokens``,
+    the window's start read from ws [N])."""
+    e = tl.load(ws_ptr + n)
+    return _tokens(p, e, WS_BITS), _tokens(p + 1, e, WS_BITS)
+
+
+@triton.jit
 def _slot(i, WS_BITS):
     """Token i's slot in a key window of 2^WS_BITS tokens, i mod 2^WS_BITS (0 at the window's turns)."""
     return i & ((1 << WS_BITS) - 1)
@@ -487,8 +495,7 @@ def _decode_level_kernel(
     p = tl.load(pos_ptr + n)  # int64
     tokens, tokens_after = False, False
     if WINDOW:
-        e = tl.load(ws_ptr + n)
-        tokens, tokens_after = _tokens(p, e, WS_BITS), _tokens(p + 1, e, WS_BITS)
+        tokens, tokens_after = _token_forms(ws_ptr, n, p, WS_BITS)
     if tl.sum(_runs(p, l0 + tl.arange(0, LG), L, WS_BITS, tokens, FENWICK, IN_PLACE, WINDOW, KEPT).to(tl.int32),
               0) == 0:
         return
@@ -617,8 +624,7 @@ def _decode_finish_kernel(
     o = tl.zeros((BVO,), dtype=part_ptr.dtype.element_ty)
     tokens, tokens_after = False, False
     if WINDOW:
-        e = tl.load(ws_ptr + n)
-        tokens, tokens_after = _tokens(p, e, WS_BITS), _tokens(p + 1, e, WS_BITS)
+        tokens, tokens_after = _token_forms(ws_ptr, n, p, WS_BITS)
         _window_token(k_ptr, v_ptr, g_ptr, beta_ptr, wk_ptr, wb_ptr, wv_ptr, wg_ptr, n, h, p, H, G, K, V, WS_BITS, rv,
                       BK, L2NORM)
     for l0 in range(0, L, LC):
