@@ -19,6 +19,10 @@ and with the eos token and min_new_tokens), and a check of graphed decoding agai
 
     python benchmarks/bench_decode.py --out benchmarks/results            # device
     python benchmarks/bench_decode.py --tiny --out /tmp/bench             # CPU smoke run
+    python benchmarks/bench_decode.py --kernel-only --contexts 65536 --kernel-variants gdn --out /tmp/k   # the step
+
+--kernel-only times the fused step alone (no models, generate() or device checks; no plot): what
+benchmarks/profiling/ab_trees.py --bench decode runs in each tree.
 
 Writes decode-<gpu>.{json,md,png} (e.g. decode-H200; decode-cpu on the CPU) with the command, versions and date.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import statistics
@@ -52,6 +57,7 @@ from loglinear.report import pyplot
 MODELS = ("ll_mamba2", "mamba2", "ll_gdn", "gdn", "llama_sdpa",
           "ll_mamba2_graph", "mamba2_graph", "ll_gdn_graph", "gdn_graph")
 GRAPH = "_graph"  # the same model decoding through FenwickCache(cuda_graph=True): each step one CUDA graph replay
+KERNEL_VARIANTS = ("mamba2", "gla", "gdn")  # the fused step's rows: Mamba-2, GLA (its shape, a decay per key channel)
 
 
 def model_configs(tiny: bool) -> dict[str, dict]:
@@ -201,7 +207,7 @@ def graph_us(fn, device, iters: int = 20) -> float:
 
 
 def kernel_times(configs: dict, contexts: list[int], batches: list[int], device, key_window: int,
-                 draws: int = 8) -> list[dict]:
+                 variants: tuple[str, ...] = KERNEL_VARIANTS, draws: int = 8) -> list[dict]:
     """The fused step of one layer alone (the GPU time of its graph replay, graph_us), in place as CUDA-graph
     decoding runs it: log-linear (a buffer of L = levels_needed(T + 1) lazy levels, their log-scales beside them,
     and for Gated DeltaNet a key window of ``key_window`` tokens) vs plain (one level). The log-linear step touches
@@ -209,7 +215,8 @@ def kernel_times(configs: dict, contexts: list[int], batches: list[int], device,
     mean over ``draws`` draws: a context of about T) and at p = T (a power of two: every level is touched, and Gated
     DeltaNet's window turns, the worst case). Gated DeltaNet's window step also over ``key_window`` consecutive
     tokens from a turn (its mean: what a token costs, the rewrite at each turn shared out), and its step that
-    rewrites every held level (no lazy levels) at the drawn positions."""
+    rewrites every held level (no lazy levels) at the drawn positions. A row per (variant of ``variants``, batch,
+    context)."""
     from loglinear.ops.decode import KeyWindow
     from loglinear.ops.triton.decode import fused_decode_step
 
@@ -219,7 +226,8 @@ def kernel_times(configs: dict, contexts: list[int], batches: list[int], device,
     shapes = {"mamba2": (*mamba2, "scalar"), "gla": (*mamba2, "channel"),  # GLA: a decay per key channel
               "gdn": (configs["gdn"]["num_heads"], configs["gdn"]["num_heads"], configs["gdn"]["head_dim"],
                       int(configs["gdn"]["head_dim"] * configs["gdn"]["expand_v"]), "delta")}
-    for variant, (G, H, K, V, transition) in shapes.items():
+    for variant in variants:
+        G, H, K, V, transition = shapes[variant]
         gdn = transition == "delta"
         for batch in batches:
             for context in contexts:
@@ -436,16 +444,25 @@ def guarded(fn, *args):
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
+def triton_version() -> str:
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
 def run(args, save) -> dict:
-    """Timings, then the kernel alone, then the device checks; ``save(results)`` after each phase."""
+    """Timings, then the kernel alone, then the device checks (--kernel-only: the kernel alone); ``save(results)``
+    after each phase."""
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     configs = model_configs(args.tiny)
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-               "torch": torch.__version__, "configs": configs, "steps": args.steps, "key_window": args.key_window,
+               "torch": torch.__version__, "triton": triton_version(), "configs": configs, "steps": args.steps,
+               "key_window": args.key_window,
                "rows": []}
     free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else 8 << 30
-    for name in args.models:
+    for name in [] if args.kernel_only else args.models:
         model = build(name, configs, device, dtype)
         for batch in args.batches:
             for context in args.contexts:
@@ -474,11 +491,12 @@ def run(args, save) -> dict:
         del model
         save(results)
     if device.type == "cuda" or args.tiny and os.environ.get("TRITON_INTERPRET") == "1":
-        kernel = guarded(kernel_times, configs, args.contexts, args.batches, device, args.key_window)
+        kernel = guarded(kernel_times, configs, args.contexts, args.batches, device, args.key_window,
+                         tuple(args.kernel_variants))
         results["kernel" if isinstance(kernel, list) else "kernel_failed"] = kernel
         print(kernel, flush=True)
         save(results)
-    if device.type == "cuda":
+    if device.type == "cuda" and not args.kernel_only:
         results["generate"] = guarded(generate_times, configs, device)
         save(results)
         results["kernel_check"] = guarded(check_kernel, device)
@@ -496,7 +514,7 @@ def summary(results: dict) -> list[str]:
     rows = [r for r in results["rows"] if "ms_per_token" in r]
     lines = []
     by = {(r["model"], r["batch"], r["context"]): r for r in results["rows"]}
-    contexts = sorted({r["context"] for r in results["rows"]})
+    contexts = sorted({r["context"] for r in results["rows"] + results.get("kernel", [])}) or [0]
     ref = 65536 if 65536 in contexts else contexts[len(contexts) // 2]
     for variant, plain in (("ll_mamba2", "mamba2"), ("ll_gdn", "gdn")):
         for batch in sorted({r["batch"] for r in rows}):
@@ -530,8 +548,7 @@ def summary(results: dict) -> list[str]:
                 lines.append(f"- {variant} cache at T={top}, B={batch}: {a['cache_bytes'] / 2**20:.1f} MiB = "
                              f"{100 * a['cache_bytes'] / kv_b:.2f}% of the KV cache ({kv_b / 2**30:.1f} GiB) "
                              f"(target <= 2%)")
-    kernel = results.get("kernel", [])
-    for r in kernel:
+    for r in results.get("kernel", []):
         if r["context"] == ref:
             lines.append(f"- fused kernel {r['variant']} B={r['batch']} T={ref}: "
                          f"log-linear {r['log_linear_us']:.1f} us at positions in [T/2, T) "
@@ -594,9 +611,10 @@ def write_markdown(results: dict, path: str) -> None:
     lines = [f"# Decoding: per-token latency and cache memory vs context "
              f"({results['device']}, torch {results['torch']})", "",
              *([f"{results['date']}; `{results['command']}`", ""] if "command" in results else []),
-             "2-layer models at the paper's width, bf16 weights, fp32 Fenwick states, bf16 KV cache; "
-             f"{results['steps']} greedy steps through the HF model per point (Python included). "
-             "See benchmarks/bench_decode.py.", "", "## Targets", ""] + summary(results)
+             ("2-layer models at the paper's width, bf16 weights, fp32 Fenwick states, bf16 KV cache; "
+              f"{results['steps']} greedy steps through the HF model per point (Python included). "
+              if results["rows"] else "The fused step alone (--kernel-only). ")
+             + "See benchmarks/bench_decode.py.", "", "## Targets", ""] + summary(results)
     for batch in sorted({r["batch"] for r in results["rows"]}):
         lines += ["", f"## Batch {batch}: ms per token", "",
                   "| model | " + " | ".join(f"{t:,}" for t in contexts) + " |",
@@ -692,6 +710,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="tiny models (CPU smoke run)")
+    parser.add_argument("--kernel-only", action="store_true",
+                        help="the fused step's rows alone: no models, generate() or device checks (what "
+                             "benchmarks/profiling/ab_trees.py --bench decode compares)")
+    parser.add_argument("--kernel-variants", nargs="+", default=list(KERNEL_VARIANTS), choices=KERNEL_VARIANTS,
+                        help="the variants of the fused step's rows")
     parser.add_argument("--key-window", type=int, default=KEY_WINDOW,
                         help="tokens of Gated DeltaNet's key window (graphed models and the kernel rows; a power of "
                              f"two from 2 to {MAX_KEY_WINDOW})")
@@ -717,7 +740,8 @@ def main(argv: list[str] | None = None) -> None:
         write_markdown(results, stem + ".md")
 
     results = run(args, save)
-    plot(results, stem + ".png")
+    if results["rows"]:  # the plot is of the models' rows
+        plot(results, stem + ".png")
     print("\n".join(summary(results)))
 
 

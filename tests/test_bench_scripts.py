@@ -3,7 +3,8 @@ cannot work are refused (one line, exit status 2) before anything is measured or
 tests/test_bench_ops.py); bench_torch_path.py and bench_host.py at a tiny size write their result files;
 profiling/ncu_kernels.py summarises an ncu details page; profiling/compile_sm90.py refuses a chunk it would not
 compile and builds every kernel; profiling/tune_mamba2.py and tune_gdn_local.py try each candidate on its path
-and put the op's choices back; profiling/ab_trees.py alternates the two trees' benchmark runs."""
+and put the op's choices back; profiling/ab_trees.py alternates the two trees' benchmark runs (bench_ops.py's, or
+bench_decode.py --kernel-only's: the fused step alone)."""
 
 import json
 import subprocess
@@ -334,3 +335,75 @@ def test_ab_trees_needs_a_gpu(tmp_path, monkeypatch, capsys):
         ab.main(["--base", str(_fake_checkout(tmp_path / "base")), "--out", str(tmp_path / "out")])
     assert exit_.value.code == 2 and "ab_trees.py: needs a CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_ab_trees_compares_the_decode_step(tmp_path, monkeypatch, capsys):
+    """--bench decode: each tree's bench_decode.py --kernel-only for the variant, contexts, batches and key window
+    asked, and a row per (variant, batch, measure) of its kernel rows."""
+    ab = load_benchmark("profiling/ab_trees")
+    base = _fake_checkout(tmp_path / "base")
+    (base / "benchmarks" / "bench_decode.py").write_text("")
+    calls = []
+
+    def run(cmd, cwd=None, env=None, capture_output=False, text=False):
+        if cmd[0] == "git":
+            return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+        tree = Path(cwd)
+        assert cmd[1] == str(tree / "benchmarks" / "bench_decode.py")
+        assert cmd[2:11] == ["--kernel-only", "--kernel-variants", "gdn", "--contexts", "65536", "--batches", "16",
+                             "1", "--key-window"] and cmd[11] == "8"
+        out = Path(cmd[cmd.index("--out") + 1])
+        calls.append(tree)
+        us = {base: 100.0, ROOT: 80.0}[tree]
+        kernel = [{"variant": "gdn", "batch": b, "context": 65536, "log_linear_us": us / b, "plain_us": 20.0,
+                   "window_mean_us": us / 2} for b in (16, 1)]
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "decode-Test-GPU.json").write_text(json.dumps({"device": "NVIDIA Test GPU", "torch": "t",
+                                                               "triton": "tr", "rows": [], "kernel": kernel}))
+        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+
+    monkeypatch.setattr(ab.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ab.subprocess, "run", run)
+    ab.main(["--base", str(base), "--bench", "decode", "--variant", "gdn", "--key-window", "8", "--rounds", "1",
+             "--out", str(tmp_path / "ab")])
+    assert calls == [base, ROOT]
+    md = (tmp_path / "ab" / "ab-decode-gdn-Test-GPU.md").read_text()
+    assert "| step | T | base r1 | this r1 | this / base |" in md
+    assert "| gdn B=16 drawn | 65536 | 6.2500 | 5.0000 | 0.800 |" in md
+    assert "| gdn B=1 per token over a window | 65536 | 50.0000 | 40.0000 | 0.800 |" in md
+    assert "| gdn B=1 plain | 65536 | 20.0000 | 20.0000 | 1.000 |" in md
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bench", "decode", "--impls", "loglinear"], "--impls applies to --bench ops only"),
+    (["--batches", "4"], "--batches applies to --bench decode only"),
+    (["--batches", "4", "--key-window", "8"], "--batches and --key-window apply to --bench decode only"),
+    (["--bench", "decode", "--batches", "0"], "--batches must be >= 1"),
+])
+def test_ab_trees_refuses_options_of_the_other_bench(tmp_path, capsys, argv, message):
+    ab = load_benchmark("profiling/ab_trees")
+    with pytest.raises(SystemExit) as exit_:
+        ab.main(["--base", str(_fake_checkout(tmp_path / "base")), "--out", str(tmp_path / "out"), *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and message in err
+
+
+def test_decode_benchmark_times_the_kernel_alone(tmp_path, monkeypatch):
+    """bench_decode.py --kernel-only: no model built, the fused step's rows for the variants asked, json and md
+    written (no plot: it is of the models' rows)."""
+    bench = load_benchmark("bench_decode")
+    asked = []
+    monkeypatch.setattr(bench, "build", lambda *a: pytest.fail("--kernel-only built a model"))
+    monkeypatch.setattr(bench, "kernel_times", lambda configs, contexts, batches, device, window, variants: (
+        asked.append((contexts, batches, window, variants)) or
+        [{"variant": "gdn", "batch": 2, "context": 64, "levels": 7, "log_linear_us": 5.0, "log_linear_bf16_us": 4.0,
+          "log_linear_worst_us": 9.0, "plain_us": 1.0, "state_bytes": 0}]))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    bench.main(["--kernel-only", "--tiny", "--device", "cpu", "--contexts", "64", "--batches", "2",
+                "--kernel-variants", "gdn", "--key-window", "4", "--out", str(tmp_path)])
+    assert asked == [([64], [2], 4, ("gdn",))]
+    results = json.loads((tmp_path / "decode-cpu.json").read_text())
+    assert results["rows"] == [] and results["kernel"][0]["log_linear_us"] == 5.0 and "triton" in results
+    md = (tmp_path / "decode-cpu.md").read_text()
+    assert "The fused step alone (--kernel-only)" in md and "| gdn | 2 | 64 | 7 | 5.0 | 9.0 | 4.0 | 1.0 |" in md
+    assert not (tmp_path / "decode-cpu.png").exists()
