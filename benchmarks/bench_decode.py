@@ -451,6 +451,11 @@ def triton_version() -> str:
         return "none"
 
 
+def times_kernels(args) -> bool:
+    """Whether the fused step's rows run: on a GPU, or tiny under the Triton interpreter."""
+    return torch.device(args.device).type == "cuda" or args.tiny and os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def run(args, save) -> dict:
     """Timings, then the kernel alone, then the device checks (--kernel-only: the kernel alone); ``save(results)``
     after each phase."""
@@ -490,7 +495,7 @@ def run(args, save) -> dict:
                     torch.cuda.empty_cache()
         del model
         save(results)
-    if device.type == "cuda" or args.tiny and os.environ.get("TRITON_INTERPRET") == "1":
+    if times_kernels(args):
         kernel = guarded(kernel_times, configs, args.contexts, args.batches, device, args.key_window,
                          tuple(args.kernel_variants))
         results["kernel" if isinstance(kernel, list) else "kernel_failed"] = kernel
@@ -726,6 +731,8 @@ def main(argv: list[str] | None = None) -> None:
         refuse("bench_decode.py", f"--key-window must be a power of two, got {args.key_window}")
     if args.key_window > MAX_KEY_WINDOW:
         refuse("bench_decode.py", f"--key-window must be <= {MAX_KEY_WINDOW}, got {args.key_window}")
+    if args.kernel_only and not times_kernels(args):
+        refuse("bench_decode.py", "--kernel-only needs a CUDA device (or --tiny under TRITON_INTERPRET=1)")
     torch.manual_seed(0)
     os.makedirs(args.out, exist_ok=True)
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-") if args.device == "cuda" else "cpu"

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
     ("bench_decode", ["--key-window", "12"], "--key-window must be a power of two, got 12"),
     ("bench_decode", ["--key-window", "64"], "--key-window must be <= 32, got 64"),
     ("bench_decode", ["--device", "gpu0"], "--device must be a torch device such as cpu or cuda:0"),
+    ("bench_decode", ["--kernel-only", "--device", "cpu"], "--kernel-only needs a CUDA device"),
     ("bench_train", ["--steps", "0"], "--steps must be >= 1, got 0"),
     ("bench_train", ["--seq-len", "-1"], "--seq-len must be >= 1, got -1"),
     ("bench_train", ["--device", "gpu0"], "--device must be a torch device such as cpu or cuda:0"),
@@ -379,6 +380,7 @@ def test_ab_trees_compares_the_decode_step(tmp_path, monkeypatch, capsys):
     (["--batches", "4"], "--batches applies to --bench decode only"),
     (["--batches", "4", "--key-window", "8"], "--batches and --key-window apply to --bench decode only"),
     (["--bench", "decode", "--batches", "0"], "--batches must be >= 1"),
+    (["--bench", "decode", "--key-window", "12"], "--key-window must be a power of two from 2 to 32, got 12"),
 ])
 def test_ab_trees_refuses_options_of_the_other_bench(tmp_path, capsys, argv, message):
     ab = load_benchmark("profiling/ab_trees")

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: ben
 
 import bench_ops  # noqa: E402
 from loglinear.cli import check_script_options, refuse  # noqa: E402
-from loglinear.ops.decode import KEY_WINDOW  # noqa: E402
+from loglinear.ops.decode import KEY_WINDOW, MAX_KEY_WINDOW, key_window_size_ok  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PROG = "ab_trees.py"
@@ -161,8 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     args.T = args.T or ([131072, 32768, 8192] if args.bench == "ops" else [65536])
     args.impls, args.batches = args.impls or ["loglinear"], args.batches or [16, 1]
     args.key_window = KEY_WINDOW if args.key_window is None else args.key_window
-    check_script_options(PROG, {"--T": (args.T, 1), "--rounds": (args.rounds, 1), "--batches": (args.batches, 1),
-                                "--key-window": (args.key_window, 2)})
+    check_script_options(PROG, {"--T": (args.T, 1), "--rounds": (args.rounds, 1), "--batches": (args.batches, 1)})
+    if not key_window_size_ok(args.key_window):
+        refuse(PROG, f"--key-window must be a power of two from 2 to {MAX_KEY_WINDOW}, got {args.key_window}")
     base = Path(args.base).resolve()
     script = f"benchmarks/bench_{args.bench}.py"
     if not (base / script).is_file() or not (base / "loglinear").is_dir():
