@@ -50,43 +50,42 @@ DECODE_MEASURES = {  # bench_decode.py's kernel row fields -> the table's names
 
 
 def bench_command(args, tree: Path, out: Path) -> tuple[list[str], str]:
-    """The command that runs --bench in ``tree`` with its results under ``out``, and the glob of its json."""
+    """The command that runs --bench in ``tree`` with its results under ``out``, and its files' prefix."""
     script = tree / "benchmarks" / f"bench_{args.bench}.py"
     Ts = [str(T) for T in args.T]
     if args.bench == "ops":
         return ([sys.executable, str(script), "--variant", args.variant, "--impls", *args.impls, "--T", *Ts,
-                 "--name", "ab", "--out", str(out)], "ab-*.json")
+                 "--name", "ab", "--out", str(out)], "ab-")
     return ([sys.executable, str(script), "--kernel-only", "--kernel-variants", args.variant, "--contexts", *Ts,
              "--batches", *map(str, args.batches), "--key-window", str(args.key_window), "--out", str(out)],
-            "decode-*.json")
+            "decode-")
 
 
 def run_tree(args, tree: Path, out: Path) -> dict:
     """The --bench script of ``tree`` in a process of its own (the tree first on PYTHONPATH, run from the tree), its
     results written under ``out`` (an earlier run's removed first) -> that run's json (gpu, versions, rows)."""
-    cmd, pattern = bench_command(args, tree, out)
-    for old in out.glob(pattern.replace(".json", "")):
+    cmd, prefix = bench_command(args, tree, out)
+    for old in out.glob(f"{prefix}*"):
         old.unlink()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]))
     run = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if run.returncode != 0:
         tail = (run.stderr or run.stdout).strip().splitlines()[-1:] or ["no output"]
         raise RuntimeError(f"{Path(cmd[1]).name} of {tree} exited {run.returncode}: {tail[0]}")
-    (result,) = out.glob(pattern)
-    return measures(args.bench, json.loads(result.read_text()))
+    (result,) = out.glob(f"{prefix}*.json")
+    return measures(args.bench, json.loads(result.read_text()), result.stem.removeprefix(prefix))
 
 
-def measures(bench: str, result: dict) -> dict:
-    """A run's json as {gpu, torch, triton, rows: [{row, T, value}]}: bench_ops.py's forward + backward ms per impl,
-    or bench_decode.py's kernel rows' µs per (variant, batch, measure)."""
+def measures(bench: str, result: dict, gpu: str) -> dict:
+    """A run's json (written as <prefix><gpu>.json) as {gpu, torch, triton, rows: [{row, T, value}]}: bench_ops.py's
+    forward + backward ms per impl, or bench_decode.py's kernel rows' µs per (variant, batch, measure)."""
     if bench == "ops":
         rows = [{"row": r["impl"], "T": r["T"], "value": r["fwdbwd_ms"]} for r in result["rows"]]
-        return {"gpu": result["gpu"], "torch": result["torch"], "triton": result["triton"], "rows": rows}
-    if "kernel" not in result:
+    elif "kernel" in result:
+        rows = [{"row": f"{r['variant']} B={r['batch']} {name}", "T": r["context"], "value": r[field]}
+                for r in result["kernel"] for field, name in DECODE_MEASURES.items() if field in r]
+    else:
         raise RuntimeError(f"bench_decode.py timed no kernel rows: {result.get('kernel_failed', 'none')}")
-    rows = [{"row": f"{r['variant']} B={r['batch']} {name}", "T": r["context"], "value": r[field]}
-            for r in result["kernel"] for field, name in DECODE_MEASURES.items() if field in r]
-    gpu = result["device"].replace("NVIDIA ", "").replace(" ", "-")
     return {"gpu": gpu, "torch": result["torch"], "triton": result["triton"], "rows": rows}
 
 
