@@ -52,7 +52,7 @@ from loglinear.models import (
 )
 from loglinear.models.modeling import CACHE_KEY
 from loglinear.ops.decode import KEY_WINDOW, MAX_KEY_WINDOW
-from loglinear.report import pyplot
+from loglinear.report import machine_name, pyplot
 
 MODELS = ("ll_mamba2", "mamba2", "ll_gdn", "gdn", "llama_sdpa",
           "ll_mamba2_graph", "mamba2_graph", "ll_gdn_graph", "gdn_graph")
@@ -735,7 +735,7 @@ def main(argv: list[str] | None = None) -> None:
         refuse("bench_decode.py", "--kernel-only needs a CUDA device (or --tiny under TRITON_INTERPRET=1)")
     torch.manual_seed(0)
     os.makedirs(args.out, exist_ok=True)
-    gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-") if args.device == "cuda" else "cpu"
+    gpu = machine_name(args.device)
     stem = os.path.join(args.out, f"decode-{gpu}")
     command = "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:]))
     date = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"

@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from loglinear import FenwickState, log_linear_gated_deltanet, log_linear_gla, log_linear_mamba2  # noqa: E402
 from loglinear.cli import check_script_options, refuse  # noqa: E402
 from loglinear.fenwick import levels_needed  # noqa: E402
-from loglinear.report import pyplot  # noqa: E402
+from loglinear.report import machine_name, pyplot  # noqa: E402
 
 OURS = ("loglinear", "loglinear_plain", "loglinear_state", "loglinear_state_inside", "loglinear_packed",
         "loglinear_fp32")
@@ -637,7 +637,7 @@ def main(argv: list[str] | None = None) -> None:
         OURS_KW["chunk_size"] = args.chunk_size
     if not torch.cuda.is_available():
         refuse("bench_ops.py", "needs a CUDA GPU (it times the kernels and fla's on one); none is visible")
-    gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
+    gpu = machine_name()
     out_dir = Path(args.out)
     command = "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:]))
     if args.check:

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from loglinear.cli import check_script_options, refuse  # noqa: E402
 from loglinear.fenwick import levels_needed  # noqa: E402
 from loglinear.ops.api import attention  # noqa: E402
-from loglinear.report import ARCH_LABELS, ARCH_STYLE, markdown_table, pyplot, save_figure, write_results  # noqa: E402
+from loglinear.report import ARCH_LABELS, ARCH_STYLE, machine_name, markdown_table, pyplot, save_figure, write_results  # noqa: E402
 from loglinear.variants import REGISTRY, get  # noqa: E402
 
 
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
                                       f"{args.packed}")
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    name = torch.cuda.get_device_name(device).replace("NVIDIA ", "").replace(" ", "-") if cuda else "cpu"
+    name = machine_name(device)
     meta = {"device": name if cuda else f"cpu, {torch.get_num_threads()} threads, {platform.machine()}",
             "versions": f"torch {torch.__version__}", "heads": args.heads, "head_dim": args.head_dim,
             "repeats": args.repeats, "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",

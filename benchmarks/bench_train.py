@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loglinear.cli import check_script_options  # noqa: E402
-from loglinear.report import ARCH_LABELS, markdown_table, pyplot, save_figure, write_json  # noqa: E402
+from loglinear.report import ARCH_LABELS, machine_name, markdown_table, pyplot, save_figure, write_json  # noqa: E402
 from loglinear.train.factory import ARCHS, build_model  # noqa: E402
 from loglinear.train.loop import bf16_autocast, enable_activation_checkpointing, lm_loss  # noqa: E402
 
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     check_script_options("bench_train.py", {f"--{name.replace('_', '-')}": (getattr(args, name), low)
                                             for name, low in least.items()}, args.device)
     cuda = args.device == "cuda"
-    name = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-") if cuda else "cpu"
+    name = machine_name(args.device)
     import transformers
     import triton
 

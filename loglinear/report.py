@@ -8,11 +8,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from loglinear.variants import REGISTRY
 
-__all__ = ["markdown_table", "smooth", "write_json", "pyplot", "save_figure", "write_results", "ARCH_LABELS",
-           "ARCH_STYLE"]
+__all__ = ["markdown_table", "smooth", "write_json", "pyplot", "save_figure", "write_results", "machine_name",
+           "ARCH_LABELS", "ARCH_STYLE"]
 
 _COLORS = ("tab:blue", "tab:red", "tab:green", "tab:purple", "tab:orange", "tab:brown")
 # "transformer", then per registered variant its plain ("mamba2") and log-linear ("ll_mamba2") architecture;
@@ -41,6 +42,15 @@ def smooth(curve: np.ndarray, window: int) -> np.ndarray:
     num = np.convolve(curve, kernel, mode="same")
     den = np.convolve(np.ones_like(curve), kernel, mode="same")
     return num / den
+
+
+def machine_name(device: str | torch.device = "cuda") -> str:
+    """The machine's name in result file names: the GPU's ("NVIDIA H200" -> "H200", "NVIDIA H100 80GB HBM3" ->
+    "H100-80GB-HBM3") for a CUDA device, "cpu" otherwise."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "cpu"
+    return torch.cuda.get_device_name(device).replace("NVIDIA ", "").replace(" ", "-")
 
 
 def write_json(path: str | Path, obj) -> None:

@@ -205,7 +205,7 @@ def test_mamba2_tuner_puts_the_op_choices_back(tmp_path, monkeypatch):
         return 2.0, 0.5, [torch.ones(8)]
 
     monkeypatch.setattr(tune.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(tune.torch.cuda, "get_device_name", lambda: "NVIDIA Test GPU")
+    monkeypatch.setattr(tune.torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
     monkeypatch.setattr(tune, "build_step", lambda variant, plain, T, dtype: (lambda: (x * 2).sum().backward(), [x]))
     monkeypatch.setattr(tune, "measure", measure)
     tune.main(["--T", "64", "--out", str(tmp_path)])
@@ -253,7 +253,7 @@ def test_gdn_tuner_times_each_candidate_at_its_launch(dtype, tmp_path, monkeypat
         return [(1.5, 1, n) for n in table], 3.0, [torch.ones(4)]
 
     monkeypatch.setattr(tune.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(tune.torch.cuda, "get_device_name", lambda: "NVIDIA Test GPU")
+    monkeypatch.setattr(tune.torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
     monkeypatch.setattr(tune, "kernel_times", kernel_times)
     tune.main(["--T", "64", "--dtype", dtype, "--out", str(tmp_path)])
     name = f"tune-gdn-{'fp32' if fp32 else 'local'}-Test-GPU"

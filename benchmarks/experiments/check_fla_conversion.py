@@ -30,7 +30,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from loglinear.models.convert import convert  # noqa: E402
-from loglinear.report import markdown_table, write_json  # noqa: E402
+from loglinear.report import machine_name, markdown_table, write_json  # noqa: E402
 
 SHAPE = dict(vocab_size=1000, hidden_size=256, num_hidden_layers=2)
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
     import triton
 
-    gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
+    gpu = machine_name()
     command = "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:]))
     meta = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
             "transformers": transformers.__version__, "fla": getattr(fla, "__version__", "?"),

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from loglinear.models.convert import convert  # noqa: E402
-from loglinear.report import markdown_table, pyplot, write_json  # noqa: E402
+from loglinear.report import machine_name, markdown_table, pyplot, write_json  # noqa: E402
 from loglinear.train.loop import TrainConfig, train  # noqa: E402
 
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         "setting": {k: getattr(args, k) for k in ("layers", "d_model", "batch", "seq_len", "steps", "lr", "warmup")},
         "losses": losses,
     }
-    name = device.replace("NVIDIA ", "").replace(" ", "-") if args.device == "cuda" else "cpu"
+    name = machine_name(args.device)
     print(report(results, Path(args.out) / f"continue-{name}"))
 
 

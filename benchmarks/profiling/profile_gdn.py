@@ -33,6 +33,7 @@ from bench_ops import PAPER, build_gdn, gdn_inputs, lift_fla_guard  # noqa: E402
 from loglinear import log_linear_gated_deltanet  # noqa: E402
 from loglinear.ops.triton.gated_deltanet import scan as gated_deltanet_scan  # noqa: E402
 from loglinear.ops.triton.shared.streams import ChainStreams  # noqa: E402
+from loglinear.report import machine_name  # noqa: E402
 
 
 def kernel_times(T: int, plain: bool = False, steps: int = 2, fla: bool = False, dtype: torch.dtype = torch.bfloat16
@@ -99,7 +100,7 @@ def main() -> None:
     ap.add_argument("--fla", action="store_true", help="each T also fla's linear chunk_gated_delta_rule")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     args = ap.parse_args()
-    gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
+    gpu = machine_name()
     what = "plain Gated DeltaNet (one-level schedule)" if args.plain else "log-linear Gated DeltaNet"
     lines = [f"# {what}, CUDA time per kernel ({gpu}, torch {torch.__version__})", "",
              "B=2, H=48, G=1, K=128, V=64, bf16, use_qk_l2norm; `python " + " ".join(sys.argv) + "`", ""]

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: ben
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: loglinear
 
 import bench_ops  # noqa: E402
+from loglinear.report import machine_name  # noqa: E402
 
 
 def kernel_times(step, reps: int) -> tuple[dict[str, float], float]:
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--name", default="profile-state",
                     help="result file stem: <name>-<gpu>.md (another name keeps the default run's file)")
     args = ap.parse_args(argv)
-    gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
+    gpu = machine_name()
     command = "python " + " ".join(["benchmarks/profiling/profile_state.py"] + (argv or sys.argv[1:]))
     lines = [f"# Where an incoming state's cost goes ({gpu})", "",
              f"torch {torch.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "

@@ -35,6 +35,7 @@ from profile_gdn import kernel_times  # noqa: E402
 from loglinear.cli import check_script_options, refuse  # noqa: E402
 from loglinear.ops.triton.gated_deltanet import local  # noqa: E402
 from loglinear.ops.triton.shared import launch  # noqa: E402
+from loglinear.report import machine_name  # noqa: E402
 
 CANDIDATES = {  # (warps, BK, stages) of the 16-bit builds
     "_chunk_local_bwd_k_kernel": [(4, 32, 2), (8, 64, 2), (8, 128, 1), (8, 128, 3)],
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         refuse("tune_gdn_local.py", "needs a CUDA GPU (it times the kernels); none is visible")
     t0, out = time.monotonic(), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
+    gpu = machine_name()
     dtype, fp32 = getattr(torch, args.dtype), args.dtype == "float32"
     name = f"tune-gdn-{'fp32' if fp32 else 'local'}-{gpu}"
     meta = {"title": f"{'fp32' if fp32 else 'Chunk-local'} launch choices, log-linear Gated DeltaNet", "gpu": gpu,

@@ -38,6 +38,7 @@ from profile_state import kernel_times  # noqa: E402
 from tune_gdn_local import rel_diff  # noqa: E402
 from loglinear.cli import check_script_options, refuse  # noqa: E402
 from loglinear.ops.triton.shared import launch  # noqa: E402
+from loglinear.report import machine_name  # noqa: E402
 
 # the chunk kernels, the costliest first (a budget's cut drops the cheap ones); the scans (fwd.py, bwd.py) are left
 # out: their warps follow their state tile (Launch.wide_warps)
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         refuse("tune_mamba2.py", "needs a CUDA GPU (it times the kernels); none is visible")
     t0, out = time.monotonic(), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
+    gpu = machine_name()
     fp32 = args.dtype == "float32"
     name = f"tune-{args.variant}{'-plain' * args.plain}{'-fp32' * fp32}-{gpu}"
     meta = {"title": ("plain " if args.plain else "log-linear ") + bench_ops.BENCHES[args.variant].title.split()[-1]
