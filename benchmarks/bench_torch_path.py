@@ -27,7 +27,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from loglinear.cli import check_script_options, refuse  # noqa: E402
 from loglinear.fenwick import levels_needed  # noqa: E402
 from loglinear.ops.api import attention  # noqa: E402
-from loglinear.report import ARCH_LABELS, ARCH_STYLE, machine_name, markdown_table, pyplot, save_figure, write_results  # noqa: E402
+from loglinear.report import (  # noqa: E402
+    ARCH_LABELS, ARCH_STYLE, machine_name, markdown_table, pyplot, save_figure, write_results,
+)
 from loglinear.variants import REGISTRY, get  # noqa: E402
 
 
