@@ -209,9 +209,12 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
          dict(base, R=mamba2.GATE_LATER_BLOCK, BK=BK if per_channel else 16), 0),
         (mamba2_chunk.mamba2_gate_grad_kernel, "d_gate later g cum dg starts lows ends H K", base, 0),
     ]
-    if args.has_init:  # a state inside a chunk: the seeded first chunks' reads (dq per head, as the dq kernel's)
+    if args.has_init:  # what the chunk kernels read of the initial levels; a state inside a chunk: the seeded first
+        # chunks' reads (dq per head, as the dq kernel's)
         const = dict(base, BL=16, **seeds.kernel_sizes(dtype, args.K, C))
         kernels += [
+            (mamba2_chunk.mamba2_initial_reads_kernel, "levels h0 h0_held J0 J H K V",
+             dict(CONVERT=dtype != torch.float32, BLOCK=mamba2.INITIAL_READS_BLOCK), 0),
             (seeds.seed_reads_kernel, "o q g lam levels layout scale H G K V L", const, 0),
             (seeds.seed_reads_bwd_kernel, "d_o q g lam levels layout scale dq qdq dlam d_levels H G K V L", const, 0),
         ]

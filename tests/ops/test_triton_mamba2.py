@@ -170,6 +170,30 @@ def test_group_heads_by_the_launch_rule(plain, monkeypatch, no_torch_path):
         _compare(x, state=_random_state(2, [32, 32], 6, 16, 8))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_initial_reads_convert_and_flag_levels_in_one_pass(dtype, monkeypatch):
+    """What the chunk kernels read of the initial levels (one kernel over them, blocks of 16 of a level's 70
+    elements, the last partial): the levels from plan.first_level on in q's dtype (fp32: h0 itself), and a flag per
+    level that is 1 where any element is nonzero, NaN included and -0.0 not; a level below plan.first_level is
+    neither flagged nor converted, whatever it holds."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(M, "INITIAL_READS_BLOCK", 16)
+    h0 = torch.zeros(2, 4, 2, 5, 7)
+    h0[0, 0] = 1.0  # below the first level
+    h0[0, 2, -1, -1, -1] = 3.0  # the last element: the last, partial block
+    h0[0, 3, 1, 0, 0] = float("nan")
+    h0[1, 1] = -0.0
+    h0[1, 2] = torch.randn(2, 5, 7)
+    h0[1, 3, 0, 2, 3] = -2.5  # one element in a middle block
+    read, held = M._initial_reads(h0, torch.zeros(1, dtype=dtype), SimpleNamespace(has_init=True, first_level=1))
+    assert held.dtype == torch.int8 and held.tolist() == [[0, 0, 1, 1], [0, 0, 1, 1]]
+    assert read.dtype == dtype and (read is h0) == (dtype == torch.float32)
+    got, want = read[:, 1:].float(), h0[:, 1:]
+    assert torch.equal(got.isnan(), want.isnan())  # within one ulp of q's dtype (the interpreter truncates)
+    assert ((got - want).abs() <= want.abs() * 2**-7).logical_or(want.isnan()).all()
+
+
 def test_register_cap_on_the_general_build_only(monkeypatch):
     """On a GPU a kernel with max_registers launches with ptxas's cap (maxnreg) on its general build; its per-channel
     build (another warp count) and kernels without one get none, and the interpreter's fixed config never does."""

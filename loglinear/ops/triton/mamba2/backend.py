@@ -63,7 +63,8 @@ from loglinear.ops.torch_chunk import chunk_levels_from
 from loglinear.ops.triton.mamba2.bwd import mamba2_bwd_scan_kernel
 from loglinear.ops.triton.mamba2.chunk import (
     FP32_DOT, mamba2_chunk_bwd_dkv_kernel, mamba2_chunk_bwd_dq_kernel, mamba2_chunk_fwd_kernel, mamba2_deposit_kernel,
-    mamba2_gate_grad_kernel, mamba2_gate_later_kernel, mamba2_initial_grad_kernel, mamba2_level_grad_kernel,
+    mamba2_gate_grad_kernel, mamba2_gate_later_kernel, mamba2_initial_grad_kernel, mamba2_initial_reads_kernel,
+    mamba2_level_grad_kernel,
 )
 from loglinear.ops.triton.mamba2.fwd import mamba2_fwd_kernel
 from loglinear.ops.triton.mamba2.seeds import (FirstChunks, Seeds, add_seed_reads, first_chunks, first_levels,
@@ -85,6 +86,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_CHUNK = 64  # the kernels' chunk cap (shared.rules.kernel_chunk_size): tiles fit sm_90's shared memory
 SCAN_ROWS = 16  # K rows per program of a scan whose state tile may be split
 DEPOSIT_ROWS = 128  # K rows per deposit program (its running sum and the deposit: two fp32 tiles; 64 ran slower)
+INITIAL_READS_BLOCK = 4096  # elements of the initial levels one program of mamba2_initial_reads_kernel reads
 INITIAL_READERS = 32  # reader chunks per program of the initial levels' gradient (fewer: more segments)
 INITIAL_GRAD_BYTES = 256 << 20  # at most this much for its segments' partial sums (more readers per program)
 GATE_LATER_BLOCK = 16  # chunks per load of the gate gradient's sums over later chunks (mamba2_gate_later_kernel)
@@ -301,16 +303,20 @@ class _Saved:
 def _initial_reads(h0: torch.Tensor, q: torch.Tensor, plan: LevelScanPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """What the chunk kernels read of the initial states h0 [N, J, H, K, V] fp32: h0 in q's dtype (their readouts
     round every level to it, so the same products) and held [N, J] int8, 0 for an all-zero level, which they skip
-    (a state a call leaves holds only its position's levels). Levels below plan.first_level are 0 by construction:
-    held 0 without a read, and not converted (never read). Without states: h0 and h0 (never read)."""
+    (a state a call leaves holds only its position's levels), both from one read of h0
+    (mamba2_initial_reads_kernel). Levels below plan.first_level are 0 by construction: held 0 without a read, and
+    not converted (never read). Without states: h0 and h0 (never read)."""
     if not plan.has_init:
         return h0, h0
-    j0, live = plan.first_level, h0[:, plan.first_level :]
-    held = F.pad(live.flatten(2).any(2).to(torch.int8), (j0, 0))  # any(x): any(x != 0), NaN included
-    if h0.dtype == q.dtype:
-        return h0, held
-    converted = alloc(tuple(h0.shape), q.dtype, h0.device)
-    converted[:, j0:] = live
+    (N, J, H, K, V), j0 = h0.shape, plan.first_level
+    h0 = h0.contiguous()
+    held = torch.zeros(N, J, dtype=torch.int8, device=h0.device)
+    converted = h0 if h0.dtype == q.dtype else alloc(tuple(h0.shape), q.dtype, h0.device)
+    if J > j0:
+        mamba2_initial_reads_kernel[(N * (J - j0), triton.cdiv(H * K * V, INITIAL_READS_BLOCK))](
+            h0, converted, held, j0, J, H, K, V, CONVERT=converted is not h0, BLOCK=INITIAL_READS_BLOCK,
+            **launch_options(mamba2_initial_reads_kernel),
+        )
     return converted, held
 
 

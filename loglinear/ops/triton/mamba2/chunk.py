@@ -667,3 +667,26 @@ def mamba2_initial_grad_kernel(
                        h, H, G, K, V, L, J, j, scale, r, kk, vv, C, LOG_C, BK, BV, PRECISION, PLAIN, PER_CHANNEL)
     offs = kk[:, None] * V + vv[None, :]
     tl.store(d_init + ((pid.to(tl.int64) * H + h) * K * V) + offs, acc, mask=(kk[:, None] < K) & (vv[None, :] < V))
+
+
+@triton.jit(do_not_specialize=["J0", "J", "H"])
+def mamba2_initial_reads_kernel(levels, h0, h0_held, J0, J, H, K, V, CONVERT: tl.constexpr, BLOCK: tl.constexpr):
+    """What the chunk kernels read of the initial levels, in one pass over them: levels [N, J, H, K, V] fp32 ->
+    h0 (CONVERT: the levels J0 .. J-1 in h0's dtype, the operands'; below J0 not written, never read) and h0_held
+    [N, J] int8 (zeroed by the caller), set to 1 for each level J0 .. J-1 that has an element x != 0 (NaN
+    included), the chunk kernels' flag to read it:
+
+        h0_held[n, j] = any_e (levels[n, j, e] != 0)
+
+    Grid (N * (J - J0), cdiv(H K V, BLOCK)): program (i, b) takes elements b BLOCK .. of level J0 + i % (J - J0) of
+    sequence i // (J - J0); the programs of a level that find a nonzero element all store the same 1."""
+    i, b = tl.program_id(0), tl.program_id(1)
+    level = (i // (J - J0)) * J + J0 + i % (J - J0)
+    E = H * K * V
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < E
+    x = tl.load(levels + level.to(tl.int64) * E + offs, mask=inside, other=0.0)
+    if CONVERT:
+        tl.store(h0 + level.to(tl.int64) * E + offs, x.to(h0.dtype.element_ty), mask=inside)
+    if tl.max((x != 0).to(tl.int32), axis=0) > 0:
+        tl.store(h0_held + level, 1)

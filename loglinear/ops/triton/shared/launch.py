@@ -111,6 +111,7 @@ LAUNCH: dict[str, Launch] = {
     "mamba2_chunk_bwd_dq_kernel": Launch(4, 2, fp32=(4, 1)),
     "mamba2_level_grad_kernel": Launch(4, 3, channel=(8, 1), max_registers=168, fp32=(8, 1)),
     "mamba2_initial_grad_kernel": Launch(4, 3, channel=(8, 3), max_registers=168),
+    "mamba2_initial_reads_kernel": Launch(4, 1),
     "mamba2_bwd_scan_kernel": Launch(4, 2, wide_warps=8),
     "mamba2_chunk_bwd_dkv_kernel": Launch(4, 2, channel=(4, 1), plain=(4, 1), fp32=(4, 1)),
     "mamba2_gate_grad_kernel": Launch(4, 1),
