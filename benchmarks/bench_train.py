@@ -124,13 +124,13 @@ def main(argv: list[str] | None = None) -> None:
     least = {"d_model": 1, "layers": 1, "batch": 1, "seq_len": 1, "vocab_size": 1, "steps": 1, "warmup": 0}
     check_script_options("bench_train.py", {f"--{name.replace('_', '-')}": (getattr(args, name), low)
                                             for name, low in least.items()}, args.device)
-    cuda = args.device == "cuda"
+    cuda = torch.device(args.device).type == "cuda"
     name = machine_name(args.device)
     import transformers
     import triton
 
     results = {
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "device": torch.cuda.get_device_name(args.device) if cuda else "cpu",
         "versions": f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}",
         "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),

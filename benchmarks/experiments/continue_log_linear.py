@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as work:
         losses = run_all(args, Path(work))
-    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    device = torch.cuda.get_device_name(args.device) if torch.device(args.device).type == "cuda" else "cpu"
     results = {
         "device": device, "versions": f"torch {torch.__version__}",
         "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
