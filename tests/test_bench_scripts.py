@@ -143,15 +143,17 @@ def test_sm90_compile_refuses_what_it_would_not_build(argv, message):
     (["gdn"], 10),
     (["gla", "--decode"], 8),
     (["gdn", "--decode"], 14),
+    (["gdn", "--plain", "--K", "256", "--V", "64"], 10),
 ])
 def test_sm90_compile_builds_every_kernel(argv, kernels):
-    """Every kernel of a variant compiles for sm_90 with the installed triton (fp16, K = V = 32; a state's build;
+    """Every kernel of a variant compiles for sm_90 with the installed triton (fp16, K = V = 32 unless argv sets
+    them: plain Gated DeltaNet's chains at K = 256 fit the shared memory only at two pipeline stages; a state's build;
     --decode: the decode step's launches on each of its paths, one line each; GLA's and Gated DeltaNet's between
     them set each flag of the decode kernels both ways where the step does, Mamba-2's are GLA's with a scalar gate):
     the compiler checks what the interpreter, which runs the kernels' Python, does not (a loop-carried value that
     changes type, a tile whose shared memory the target lacks), so a kernel the CPU tests pass may still not build."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "profiling" / "compile_sm90.py"
-    run = subprocess.run([sys.executable, str(script), *argv, "--dtype", "fp16", "--K", "32", "--V", "32"],
+    run = subprocess.run([sys.executable, str(script), "--dtype", "fp16", "--K", "32", "--V", "32", *argv],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     built = [line for line in run.stdout.splitlines() if "SASS instructions" in line]
@@ -409,3 +411,23 @@ def test_decode_benchmark_times_the_kernel_alone(tmp_path, monkeypatch):
     md = (tmp_path / "decode-cpu.md").read_text()
     assert "The fused step alone (--kernel-only)" in md and "| gdn | 2 | 64 | 7 | 5.0 | 9.0 | 4.0 | 1.0 |" in md
     assert not (tmp_path / "decode-cpu.png").exists()
+
+
+def test_decode_benchmark_fails_loudly_when_a_part_raises(tmp_path, monkeypatch):
+    """A part of bench_decode.py that raises (here the fused step's timing) is written into the json and the md's
+    targets as FAILED with its error, and the run exits with status 1 after writing them."""
+    bench = load_benchmark("bench_decode")
+
+    def boom(*args):
+        raise RuntimeError("out of resource: shared memory")
+
+    monkeypatch.setattr(bench, "kernel_times", boom)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--kernel-only", "--tiny", "--device", "cpu", "--contexts", "64", "--batches", "2",
+                    "--kernel-variants", "gdn", "--key-window", "4", "--out", str(tmp_path)])
+    assert stop.value.code == 1
+    results = json.loads((tmp_path / "decode-cpu.json").read_text())
+    assert results["kernel_failed"] == {"error": "RuntimeError: out of resource: shared memory"}
+    md = (tmp_path / "decode-cpu.md").read_text()
+    assert "- kernel_failed: FAILED (RuntimeError: out of resource: shared memory)" in md

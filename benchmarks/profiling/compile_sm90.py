@@ -37,6 +37,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -225,12 +226,21 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
             (intra_channel.channel_dq_kernel, "q k v cum lam do dq_in starts lows ends scale H G K V L", base, 0),
             (intra_channel.channel_dk_kernel, "q k v cum lam do dk_in starts lows ends scale H G K V L", base, 0),
         ]
+    # the chunk and scan kernels take the op's rule (backend._launch: the plan's path, the operands' dtype and
+    # blocks), the others launch_options alone
+    through_op = {mamba2_chunk.mamba2_deposit_kernel, mamba2_fwd.mamba2_fwd_kernel,
+                  mamba2_chunk.mamba2_chunk_fwd_kernel, mamba2_chunk.mamba2_chunk_bwd_dq_kernel,
+                  mamba2_chunk.mamba2_level_grad_kernel, mamba2_chunk.mamba2_initial_grad_kernel,
+                  mamba2_bwd.mamba2_bwd_scan_kernel, mamba2_chunk.mamba2_chunk_bwd_dkv_kernel}
+    plan = SimpleNamespace(per_channel=per_channel, plain=args.plain)
+    keys, values = torch.empty(1, 1, args.K, dtype=dtype, device="meta"), torch.empty(1, 1, args.V, device="meta")
     out = []
     for fn, names, const, tile in kernels:
         const = {n: c for n, c in const.items() if n in fn.arg_names}
         sig = signature(names, P, **{n: t for n, t in {**bufs, **ptrs}.items() if n in names.split()})
-        out.append(report(fn, {**sig, **dict.fromkeys(const, "constexpr")}, const, ints=ints,
-                          **launch_options(fn, tile, per_channel, args.plain, dtype == torch.float32)))
+        options = (mamba2._launch(fn, plan, keys, values, tile) if fn in through_op
+                   else launch_options(fn, tile, per_channel, args.plain, dtype == torch.float32))
+        out.append(report(fn, {**sig, **dict.fromkeys(const, "constexpr")}, const, ints=ints, **options))
     return out
 
 
@@ -261,26 +271,27 @@ def gdn_scan_reports(K: int, V: int, C: int, dtype: torch.dtype, P: str, prec: s
                i1="i32", **{n: "constexpr" for n in [*const, "SNAP", "TM", "ONE"]})
     fits = scan.square_fits(BK, dtype)
     for snap in (True, False):
+        options = launch_options(scan._scan_fwd_kernel, plain=plain, fp32=fp32, block=BK)
         out.append(report(scan._scan_fwd_kernel, sig, dict(const, SNAP=snap, TM=fits, ONE=plain), ints=ints,
-                          **launch_options(scan._scan_fwd_kernel, plain=plain, fp32=fp32)) + f"  (SNAP={snap})")
+                          **options) + f"  (SNAP={snap})")
     sig = dict(qt=P, lam=f32, live="*i32", snap_at="*i32", snap=P, o_intra=f32, o=P, J="i32", Tp="i32", S="i32",
                first="i32", **rows, i0="i32", **{n: "constexpr" for n in [*const, "NV"]})
     out.append(report(scan._scan_readout_kernel, sig, dict(const, NV=NV), ints=ints,
-                      **launch_options(scan._scan_readout_kernel, fp32=fp32)))
+                      **launch_options(scan._scan_readout_kernel, fp32=fp32, block=BK)))
     sig = dict(qt=P, wt=P, kt=P, decay=f32, lam=f32, merge="*i32", lev="*i32", snap_at="*i32", do=P,
                dstates=f32, dsnap=P, do_intra=f32, N="i32", J="i32", Tp="i32", S="i32", **rows, i0="i32", i1="i32",
                **{n: "constexpr" for n in [*const, "TM", "ONE"]})
     out.append(report(scan._scan_dh_kernel, sig, dict(const, TM=fits, ONE=plain), ints=ints,
-                      **launch_options(scan._scan_dh_kernel, plain=plain, fp32=fp32)))
+                      **launch_options(scan._scan_dh_kernel, plain=plain, fp32=fp32, block=BK)))
     sig = dict(wt=P, kt=P, u=P, merge="*i32", live="*i32", snap_at="*i32", lev="*i32", snap=P, dsnap=P, dwt=P,
                dkt=P, du=P, dd=f32, N="i32", Tp="i32", S="i32", SD="i32", i0="i32",
                **{n: "constexpr" for n in [*const, "NV", "TZ"]})
     out.append(report(scan._scan_grads_kernel, sig, dict(const, NV=NV, TZ=fits), ints=ints,
-                      **launch_options(scan._scan_grads_kernel, fp32=fp32)))
+                      **launch_options(scan._scan_grads_kernel, fp32=fp32, block=BK)))
     sig = dict(qt=P, lam=f32, snap_at="*i32", lev="*i32", snap=P, do_intra=f32, dqt=P, dlam=f32, J="i32", Tp="i32",
                S="i32", i0="i32", **{n: "constexpr" for n in [*const, "NV"]})
     out.append(report(scan._scan_readout_bwd_kernel, sig, dict(const, NV=NV), ints=ints,
-                      **launch_options(scan._scan_readout_bwd_kernel, fp32=fp32)))
+                      **launch_options(scan._scan_readout_bwd_kernel, fp32=fp32, block=BK)))
     return out
 
 

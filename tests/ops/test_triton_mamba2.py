@@ -212,6 +212,24 @@ def test_register_cap_on_the_general_build_only(monkeypatch):
         assert "maxnreg" not in launch.launch_options(M.mamba2_chunk_fwd_kernel)
 
 
+def test_wide_blocks_take_at_most_two_stages(monkeypatch):
+    """On a GPU a kernel whose key or value block is wider than 128 takes at most two pipeline stages on any path
+    (plain Gated DeltaNet's chains at three stages of K = 256 tiles need 300 KB of shared memory, an H100 / H200 SM
+    has 227 KB), its warps and register cap kept; blocks up to 128 keep the table's stages."""
+    from loglinear.ops.triton.gated_deltanet import scan
+    from loglinear.ops.triton.shared import launch
+
+    with monkeypatch.context() as gpu:
+        gpu.setattr(launch, "interpreting", lambda: False)
+        chain = scan._scan_fwd_kernel
+        assert launch.launch_options(chain, plain=True, block=128) == {"num_warps": 4, "num_stages": 3}
+        assert launch.launch_options(chain, plain=True, block=256) == {"num_warps": 4, "num_stages": 2}
+        assert launch.launch_options(chain, block=256) == launch.launch_options(chain, block=128)
+        capped = launch.launch_options(M.mamba2_level_grad_kernel, block=256)
+        assert capped == {"num_warps": 4, "num_stages": 2, "maxnreg": 168}
+        assert launch.launch_options(M.mamba2_level_grad_kernel, block=64)["num_stages"] == 3
+
+
 @pytest.mark.parametrize("plain", [False, True])
 def test_dkv_launch_follows_the_path(plain, monkeypatch, no_torch_path):
     """On a GPU the dk / dv kernel takes its plain-path launch on the plain path only, the per-channel one with
@@ -231,9 +249,9 @@ def test_dkv_launch_follows_the_path(plain, monkeypatch, no_torch_path):
         assert config.plain != (config.num_warps, config.num_stages) != config.fp32
     asked = []
 
-    def options(kernel, state_tile=0, per_channel=False, plain=False, fp32=False):
-        asked.append((kernel.__name__, plain, fp32))
-        return launch.launch_options(kernel, state_tile, per_channel, plain, fp32)
+    def options(kernel, state_tile=0, per_channel=False, plain=False, fp32=False, block=0):
+        asked.append((kernel.__name__, plain, fp32, block))
+        return launch.launch_options(kernel, state_tile, per_channel, plain, fp32, block)
 
     monkeypatch.setattr(M, "launch_options", options)
     x = mamba2_args(make_inputs(1, 40, 1, 2, 16, 8))
@@ -242,7 +260,7 @@ def test_dkv_launch_follows_the_path(plain, monkeypatch, no_torch_path):
             _compare_plain(x, dtype=dtype, tol=tol)
         else:
             _compare(x, dtype=dtype, tol=tol)
-        assert ("mamba2_chunk_bwd_dkv_kernel", plain, dtype == torch.float32) in asked
+        assert ("mamba2_chunk_bwd_dkv_kernel", plain, dtype == torch.float32, 16) in asked  # max(K, V) = 16
 
 
 def test_kernel_modules_are_importable_by_path():

@@ -691,7 +691,7 @@ class FenwickDeltaScan(torch.autograd.Function):
                 qt, wt, kt, u, decay, lam, sched.merge, sched.lev, sched.snap_at, states, buf, o_intra, o,
                 N, J, Tp, buf.shape[1], first, ch.T, ch.front, ch.H, scale, *segments[n],
                 K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, SNAP=apart, TM=square_fits(BK, qt.dtype),
-                ONE=sched.one, **launch_options(_scan_fwd_kernel, plain=sched.one, fp32=fp32),
+                ONE=sched.one, **launch_options(_scan_fwd_kernel, plain=sched.one, fp32=fp32, block=BK),
             )
 
         produce = produce or (lambda i0, i1: None)
@@ -716,7 +716,7 @@ class FenwickDeltaScan(torch.autograd.Function):
                 _scan_readout_kernel[(i1 - i0, BH)](
                     qt, lam, sched.live, sched.snap_at, buf, o_intra, o, J, Tp, buf.shape[1], first, ch.T, ch.front,
                     ch.H, scale, i0, K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec,
-                    **launch_options(_scan_readout_kernel, fp32=fp32),
+                    **launch_options(_scan_readout_kernel, fp32=fp32, block=BK),
                 )
         streams.hand_over()
         if w0 is not None:
@@ -759,7 +759,7 @@ class FenwickDeltaScan(torch.autograd.Function):
                     qt, wt, kt, decay, lam, sched.merge, sched.lev, sched.snap_at, do, dstates, dsnap, do_intra,
                     N, J, Tp, dsnap.shape[1], ch.T, ch.front, ch.H, ctx.scale, i0, i1,
                     K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, TM=square_fits(BK, dt),
-                    ONE=sched.one, **launch_options(_scan_dh_kernel, plain=sched.one, fp32=fp32),
+                    ONE=sched.one, **launch_options(_scan_dh_kernel, plain=sched.one, fp32=fp32, block=BK),
                 )
                 # the next segment's buffer before the hand-over: the chain's next launch is then ready as
                 # soon as the segment's readers below are
@@ -768,11 +768,12 @@ class FenwickDeltaScan(torch.autograd.Function):
             _scan_grads_kernel[(i1 - i0, BH)](
                 wt, kt, u, sched.merge, sched.live, sched.snap_at, sched.lev, snap, dsnap, dwt, dkt, du, dd,
                 N, Tp, sched.slots, dsnap.shape[1], i0, K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec,
-                TZ=square_fits(BK, dt), **launch_options(_scan_grads_kernel, fp32=fp32),
+                TZ=square_fits(BK, dt), **launch_options(_scan_grads_kernel, fp32=fp32, block=BK),
             )
             _scan_readout_bwd_kernel[(i1 - i0, BH)](
                 qt, lam, sched.snap_at, sched.lev, snap, do_intra, dqt, dlam, J, Tp, sched.slots, i0,
-                K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec, **launch_options(_scan_readout_bwd_kernel, fp32=fp32),
+                K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec, **launch_options(_scan_readout_bwd_kernel, fp32=fp32,
+                                                                   block=BK),
             )
             dsnap = after
         streams.hand_over()  # dstates: the dh of the initial states

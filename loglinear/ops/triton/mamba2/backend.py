@@ -199,11 +199,14 @@ def _sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor) -> dict:
                 PRECISION=dot_precision(q.dtype, FP32_DOT), PER_CHANNEL=plan.per_channel)
 
 
-def _launch(kernel, plan: LevelScanPlan, operand: torch.dtype, state_tile: int = 0) -> dict[str, int]:
-    """The launch config of a Mamba-2 kernel for this plan and operand dtype (shared.launch.launch_options:
-    per-channel gates take the kernels' ``channel`` config, the plain path their ``plain`` one, fp32 operands their
-    ``fp32`` one)."""
-    return launch_options(kernel, state_tile, plan.per_channel, plan.plain, operand == torch.float32)
+def _launch(kernel, plan: LevelScanPlan, keys: torch.Tensor, values: torch.Tensor,
+            state_tile: int = 0) -> dict[str, int]:
+    """The launch config of a Mamba-2 kernel for this plan, its operands keys [tokens, G, K] (q or k: their dtype)
+    and values [tokens, H, V] (v or dO) (shared.launch.launch_options: per-channel gates take the kernels'
+    ``channel`` config, the plain path their ``plain`` one, fp32 operands their ``fp32`` one; blocks of K or V above
+    128 at most two stages)."""
+    block = max(_blocks(keys, values))
+    return launch_options(kernel, state_tile, plan.per_channel, plan.plain, keys.dtype == torch.float32, block)
 
 
 def _gate_shape(plan: LevelScanPlan, rows: int, H: int, K: int) -> tuple[int, ...]:
@@ -255,14 +258,14 @@ def _merge_levels(k, v, gate, levels, ranges, table: ChunkTable, plan: LevelScan
         mamba2_deposit_kernel[(NC * H, triton.cdiv(k.shape[-1], rows))](
             k, v, gate, buckets, totals, table.starts, table.lows, table.ends, table.seqs, table.chunks, ranges[2],
             BK=rows, BV=BV, BB=BLOCK_LEVELS, HAS_INIT=plan.has_init, **_sizes(plan, k, v),
-            **_launch(mamba2_deposit_kernel, plan, k.dtype),
+            **_launch(mamba2_deposit_kernel, plan, k, v),
         )
     BKS = _scan_rows(k, plan.plain)  # the plain scan multiplies (its deposits)
     mamba2_fwd_kernel[(N, H, triton.cdiv(k.shape[-1], BKS))](
         k, v, gate, levels, buckets, decays, totals, *ranges, table.base, H=H, G=k.shape[1], K=k.shape[-1],
         V=v.shape[-1], J=plan.num_levels, C=plan.chunk_size, BKS=BKS, BV=BV, BJ=MAX_CHUNK_LEVELS, BB=BLOCK_LEVELS,
         HAS_INIT=plan.has_init, PLAIN=plan.plain, PRECISION=dot_precision(k.dtype, FP32_DOT),
-        PER_CHANNEL=plan.per_channel, **_launch(mamba2_fwd_kernel, plan, k.dtype, BKS * BV),
+        PER_CHANNEL=plan.per_channel, **_launch(mamba2_fwd_kernel, plan, k, v, BKS * BV),
     )
     return buckets, decays, totals
 
@@ -334,7 +337,7 @@ def _forward(q, k, v, gate, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> 
             table.starts, table.lows, table.ends, table.seqs, table.chunks, ranges[2], plan.scale, L=lam.shape[-1],
             J=plan.num_levels, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, BJ=MAX_CHUNK_LEVELS,
             HAS_INIT=plan.has_init, PLAIN=plan.plain, **_sizes(plan, q, v),
-            **_launch(mamba2_chunk_fwd_kernel, plan, q.dtype),
+            **_launch(mamba2_chunk_fwd_kernel, plan, q, v),
         )
     return _Saved(table, buckets, decays, totals, gate, scores, initial)
 
@@ -437,7 +440,7 @@ def _dq_grads(q, k, v, gate, lam, d_o, ranges, buckets, scores, saved: _Saved, p
             q, k, v, gate, lam, d_o, *saved.initial, buckets, saved.decays, scores, dq_in,
             table.starts, table.lows, table.ends, table.seqs, table.chunks, ranges[2], plan.scale, dq, dlam, qdq,
             q_dec, HP=HP, BL=next_pow2(L, minimum=32), BJ=MAX_CHUNK_LEVELS, J=plan.num_levels, HAS_INIT=plan.has_init,
-            **_chunk_sizes(plan, q, v, lam), **_launch(mamba2_chunk_bwd_dq_kernel, plan, q.dtype),
+            **_chunk_sizes(plan, q, v, lam), **_launch(mamba2_chunk_bwd_dq_kernel, plan, q, v),
         )
     del dq_in
     if plan.plain:
@@ -457,7 +460,7 @@ def _initial_read_grads(q, readers, gate, lam, d_o, ranges, saved: _Saved, plan:
     d_init = alloc((S, *shape), torch.float32, q.device)
     mamba2_initial_grad_kernel[(S * math.prod(shape[:3]),)](
         readers, gate, lam, d_o, saved.decays, *ranges, table.base, table.lows, d_init, plan.scale, N=N, S=S, J0=j0,
-        J=J, **_chunk_sizes(plan, q, d_o, lam), **_launch(mamba2_initial_grad_kernel, plan, q.dtype),
+        J=J, **_chunk_sizes(plan, q, d_o, lam), **_launch(mamba2_initial_grad_kernel, plan, q, d_o),
     )
     return d_init.sum(0) if S > 1 else d_init[0]
 
@@ -476,14 +479,14 @@ def _deposit_grads(q, readers, gate, lam, d_o, d_levels, ranges, saved: _Saved, 
         mamba2_level_grad_kernel[(NC * H,)](
             readers, gate, lam, d_o, saved.decays, table.starts, table.lows, table.ends, table.chunks, table.grad_order,
             d_buckets, plan.scale, J=J, BJ=MAX_CHUNK_LEVELS, **chunk,
-            **_launch(mamba2_level_grad_kernel, plan, q.dtype),
+            **_launch(mamba2_level_grad_kernel, plan, q, d_o),
         )
     BKS = _scan_rows(q, False)
     mamba2_bwd_scan_kernel[(N, H, triton.cdiv(q.shape[-1], BKS))](
         saved.totals, d_levels, d_buckets, *ranges, table.base, H=H, K=q.shape[-1], V=d_o.shape[-1], J=J,
         C=plan.chunk_size, BKS=BKS, BV=chunk["BV"], BJ=MAX_CHUNK_LEVELS, BB=BLOCK_LEVELS, HAS_INIT=plan.has_init,
         PLAIN=plan.plain, PER_CHANNEL=plan.per_channel,
-        **_launch(mamba2_bwd_scan_kernel, plan, q.dtype, BKS * chunk["BV"]),
+        **_launch(mamba2_bwd_scan_kernel, plan, q, d_o, BKS * chunk["BV"]),
     )
     if plan.has_init and NC:
         d_levels[:, plan.first_level :].add_(_initial_read_grads(q, readers, gate, lam, d_o, ranges, saved, plan))
@@ -504,7 +507,7 @@ def _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, d_gate, final
         mamba2_chunk_bwd_dkv_kernel[(NC * H // HP,)](
             q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, table.starts, table.lows, table.ends, table.seqs,
             ranges[1], final_terms, plan.scale, dk, dv, d_gate, totals, HP=HP, **_chunk_sizes(plan, q, v, lam),
-            **_launch(mamba2_chunk_bwd_dkv_kernel, plan, q.dtype),
+            **_launch(mamba2_chunk_bwd_dkv_kernel, plan, q, v),
         )
     return _group_grad(dk, k.shape[1], plan, k.dtype), dv, _gate_grad(d_gate, totals, g, gate, table, plan)
 

@@ -81,6 +81,11 @@ import torch
 from loglinear.ops.triton.shared.common import alloc, interpreting
 
 INTERPRETER = {"num_warps": 1, "num_stages": 1}
+# A pipeline stage holds one loop iteration's operand tiles, [C, block] each: with a key or value block above
+# WIDE_BLOCK a kernel takes at most WIDE_STAGES stages (the table's stages were tuned at K = 128, V = 64; plain Gated
+# DeltaNet's chains at three stages of K = 256 tiles need 300 KB of shared memory, an H100 / H200 SM has 227 KB)
+WIDE_BLOCK = 128
+WIDE_STAGES = 2
 WIDE_STATE_TILE = 128 * 32  # state-tile elements above which a kernel with wide_warps takes them
 CHUNK_PROGRAMS = 1024  # fewest programs a chunk kernel summing a group's heads is cut into (heads_per_program)
 
@@ -145,24 +150,30 @@ LAUNCH: dict[str, Launch] = {
 
 
 def launch_options(kernel, state_tile: int = 0, per_channel: bool = False, plain: bool = False,
-                   fp32: bool = False) -> dict[str, int]:
+                   fp32: bool = False, block: int = 0) -> dict[str, int]:
     """num_warps / num_stages (and maxnreg: a general build's max_registers) for launching ``kernel`` (a @triton.jit
     function, looked up in LAUNCH by name); state_tile: the elements of the state tile one program holds (kernels
     with wide_warps); per_channel: the kernel runs with a per-channel gate (kernels with a ``channel`` config);
     plain: the kernel's build for the plain path (kernels with a ``plain`` config); fp32: its operands are fp32
-    (kernels with an ``fp32`` config, on the general build). The fixed INTERPRETER config under TRITON_INTERPRET=1."""
+    (kernels with an ``fp32`` config, on the general build); block: the widest key or value block of the tiles its
+    loop loads (above WIDE_BLOCK: at most WIDE_STAGES stages). The fixed INTERPRETER config under
+    TRITON_INTERPRET=1."""
     config = LAUNCH[kernel.__name__]
     if interpreting():
         return dict(INTERPRETER)
     special = config.channel if per_channel else config.plain if plain else config.fp32 if fp32 else None
+    options: dict[str, int]
     if special is not None:
-        return {"num_warps": special[0], "num_stages": special[1]}
-    warps = config.num_warps
-    if config.wide_warps is not None and state_tile > WIDE_STATE_TILE:
-        warps = config.wide_warps
-    options = {"num_warps": warps, "num_stages": config.num_stages}
-    if config.max_registers is not None:
-        options["maxnreg"] = config.max_registers
+        options = {"num_warps": special[0], "num_stages": special[1]}
+    else:
+        warps = config.num_warps
+        if config.wide_warps is not None and state_tile > WIDE_STATE_TILE:
+            warps = config.wide_warps
+        options = {"num_warps": warps, "num_stages": config.num_stages}
+        if config.max_registers is not None:
+            options["maxnreg"] = config.max_registers
+    if block > WIDE_BLOCK:
+        options["num_stages"] = min(options["num_stages"], WIDE_STAGES)
     return options
 
 
