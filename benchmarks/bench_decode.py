@@ -436,6 +436,14 @@ def generate_times(configs: dict, device, prompt: int = 64, short: int = 32, lon
     return rows
 
 
+GUARDED = ("kernel_failed", "generate", "kernel_check", "graph_parity", "model_parity")  # run()'s guarded parts
+
+
+def failed(results: dict, part: str) -> bool:
+    """Did the guarded part (guarded) raise?"""
+    return isinstance(results.get(part), dict) and "error" in results[part]
+
+
 def guarded(fn, *args):
     """fn(*args), or the error it raised (a failing check is reported, the timings still run)."""
     try:
@@ -544,6 +552,7 @@ def summary(results: dict) -> list[str]:
     gen = results.get("generate")
     if isinstance(gen, list):
         lines.append(generate_summary(gen))
+    lines += [f"- {part}: FAILED ({results[part]['error']})" for part in GUARDED if failed(results, part)]
     top = contexts[-1]
     for variant in ("ll_mamba2", "ll_gdn"):
         for batch in sorted({r["batch"] for r in results["rows"]}):
@@ -750,6 +759,8 @@ def main(argv: list[str] | None = None) -> None:
     if results["rows"]:  # the plot is of the models' rows
         plot(results, stem + ".png")
     print("\n".join(summary(results)))
+    if any(failed(results, part) for part in GUARDED):
+        sys.exit(1)  # written down, and not silent: a part that raised fails the run
 
 
 if __name__ == "__main__":
