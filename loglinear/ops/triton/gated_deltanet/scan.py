@@ -772,8 +772,8 @@ class FenwickDeltaScan(torch.autograd.Function):
             )
             _scan_readout_bwd_kernel[(i1 - i0, BH)](
                 qt, lam, sched.snap_at, sched.lev, snap, do_intra, dqt, dlam, J, Tp, sched.slots, i0,
-                K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec, **launch_options(_scan_readout_bwd_kernel, fp32=fp32,
-                                                                   block=BK),
+                K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec,
+                **launch_options(_scan_readout_bwd_kernel, fp32=fp32, block=BK),
             )
             dsnap = after
         streams.hand_over()  # dstates: the dh of the initial states
