@@ -23,7 +23,9 @@ each path: one-token op calls (out of place, fp32 levels), CUDA-graph decoding (
 bf16; Gated DeltaNet with its key window: the query kernel, level 0's and the kept levels' passes, the turn) and the
 plain step (one level), for --batch sequences of --heads heads at --context tokens.
 Uses the installed triton (compile with the GPU's version, e.g. a triton 3.6 wheel on PYTHONPATH) and the bundled
-ptxas its compiler runs for sm_90. A kernel whose shared memory exceeds SHARED_LIMIT fails to launch on an H100/H200.
+ptxas its compiler runs for sm_90. A build whose shared memory exceeds SHARED_LIMIT does not load on an H100/H200: the
+op launches it at one pipeline stage fewer until it fits (shared/launch.py's launch), and so does this report
+("launched at N stages"); one over the limit at one stage ("OVER THE SHARED LIMIT") cannot run.
 """
 
 from __future__ import annotations
@@ -99,14 +101,21 @@ def constant_ones(fn, signature: dict, constexprs: dict, ints: dict) -> tuple[di
 
 def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, ints: dict | None = None,
            maxnreg: int | None = None, sass_name: str | None = None) -> str:
-    """One line: shared memory, then ptxas's registers / stack / spills for the compiled kernel.
+    """One line: warps, stages, shared memory, then ptxas's registers / stack / spills for the compiled kernel (the
+    build at num_stages, or at fewer where that is over the SM's shared memory, as the op launches it).
     ints: the runtime integer arguments' values (for the JIT's specialisations: divisibility by 16, constants of
     1); sass_name: the SASS listing's file name (--sass; default the kernel's name)."""
     ints = ints or {}
     signature, constexprs = constant_ones(fn, signature, constexprs, ints)
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned(fn, signature, ints))
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg})
+    stages, over = num_stages, []
+    while True:
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": num_warps, "num_stages": stages, "maxnreg": maxnreg})
+        if kernel.metadata.shared <= SHARED_LIMIT or stages == 1:
+            break
+        over.append(f"{kernel.metadata.shared} at {stages}")
+        stages -= 1
     ptxas = get_ptxas(90).path  # the ptxas the compiler used for sm_90 (a newer one than bin/ptxas in some versions)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(kernel.asm["ptx"])
@@ -114,9 +123,10 @@ def report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: in
     os.unlink(f.name)
     info = [line.split("info    :")[-1].strip() for line in (out.stdout + out.stderr).splitlines()
             if "stack frame" in line or "Used" in line]
-    over = "  OVER THE SHARED LIMIT" if kernel.metadata.shared > SHARED_LIMIT else ""
-    return (f"{fn.__name__:28s} warps={num_warps} shared={kernel.metadata.shared:6d}  " + "; ".join(info)
-            + f"; {sass_summary(sass_name or fn.__name__, kernel.asm['cubin'])}" + over)
+    fits = "  OVER THE SHARED LIMIT" if kernel.metadata.shared > SHARED_LIMIT else ""
+    stepped = f"  (launched at {stages} stage{'s' * (stages > 1)}: {', '.join(over)} over the limit)" if over else ""
+    return (f"{fn.__name__:28s} warps={num_warps} stages={stages} shared={kernel.metadata.shared:6d}  "
+            + "; ".join(info) + f"; {sass_summary(sass_name or fn.__name__, kernel.asm['cubin'])}" + fits + stepped)
 
 
 def sass_summary(name: str, cubin: bytes) -> str:
@@ -212,7 +222,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     ]
     if args.has_init:  # what the chunk kernels read of the initial levels; a state inside a chunk: the seeded first
         # chunks' reads (dq per head, as the dq kernel's)
-        const = dict(base, BL=16, **seeds.kernel_sizes(dtype, args.K, C))
+        const = dict(base, BL=16, **seeds.kernel_sizes(dtype, args.K, args.V, C))
         kernels += [
             (mamba2_chunk.mamba2_initial_reads_kernel, "levels h0 h0_held J0 J H K V",
              dict(CONVERT=dtype != torch.float32, BLOCK=mamba2.INITIAL_READS_BLOCK), 0),

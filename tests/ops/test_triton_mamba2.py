@@ -230,6 +230,63 @@ def test_wide_blocks_take_at_most_two_stages(monkeypatch):
         assert launch.launch_options(M.mamba2_level_grad_kernel, block=64)["num_stages"] == 3
 
 
+class _Kernel:
+    """A stand-in for a @triton.jit kernel whose builds need more shared memory than an SM has above ``fits``
+    stages (Triton raises OutOfResources when such a build is loaded, before it runs); it records the stages of each
+    attempt and the arguments of the launch that ran."""
+
+    def __init__(self, fits: int, resource: str = "shared memory"):
+        self.fits, self.resource, self.tried, self.ran = fits, resource, [], None
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.tried.append(kwargs["num_stages"])
+            if kwargs["num_stages"] > self.fits:
+                from triton.runtime.errors import OutOfResources
+
+                raise OutOfResources(300000, 232448, self.resource)
+            self.ran = grid, args, kwargs
+        return run
+
+
+@pytest.mark.parametrize("stages, fits", [(3, 1), (3, 2), (2, 2)])
+def test_a_build_over_shared_memory_launches_at_fewer_stages(stages, fits, monkeypatch):
+    """launch() launches a build that does not fit an SM's shared memory again at one stage fewer until it fits, with
+    the grid, arguments and other options unchanged; it raises when one stage does not fit, for other resources, and
+    with STEP_DOWN off (the tuning scripts')."""
+    from triton.runtime.errors import OutOfResources
+
+    from loglinear.ops.triton.shared import launch
+
+    kernel = _Kernel(fits)
+    launch.launch(kernel, (7, 2), "x", 3, BK=256, num_warps=4, num_stages=stages, maxnreg=168)
+    assert kernel.tried == list(range(stages, fits - 1, -1))
+    assert kernel.ran == ((7, 2), ("x", 3), {"BK": 256, "num_warps": 4, "num_stages": fits, "maxnreg": 168})
+    for kernel in (_Kernel(0), _Kernel(1, "registers")):
+        with pytest.raises(OutOfResources):
+            launch.launch(kernel, (1,), num_warps=4, num_stages=3)
+        assert kernel.tried == ([3, 2, 1] if kernel.fits == 0 else [3])
+    monkeypatch.setattr(launch, "STEP_DOWN", False)
+    kernel = _Kernel(1)
+    with pytest.raises(OutOfResources):
+        launch.launch(kernel, (1,), num_warps=4, num_stages=3)
+    assert kernel.tried == [3]
+
+
+def test_every_kernel_launch_goes_through_launch():
+    """No kernel of the package is launched as kernel[grid](...) outside launch(): each launch takes its
+    stage step-down."""
+    import re
+    from pathlib import Path
+
+    import loglinear
+
+    root = Path(loglinear.__file__).parent
+    direct = re.compile(r"^\s*[\w.]+\[[^\]]+\]\(", re.M)
+    found = {str(p.relative_to(root)): direct.findall(p.read_text()) for p in root.rglob("*.py")}
+    assert {p: f for p, f in found.items() if f} == {"ops/triton/shared/launch.py": ["            kernel[grid]("]}
+
+
 @pytest.mark.parametrize("plain", [False, True])
 def test_dkv_launch_follows_the_path(plain, monkeypatch, no_torch_path):
     """On a GPU the dk / dv kernel takes its plain-path launch on the plain path only, the per-channel one with

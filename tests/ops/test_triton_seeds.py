@@ -53,20 +53,21 @@ def _gate_grad(terms, g):
 
 
 @pytest.mark.parametrize("per_channel", [False, True])
-@pytest.mark.parametrize("K, key_block", [(3, None), (5, 2)])
-def test_seed_reads_are_the_formula_and_its_gradients(per_channel, K, key_block, monkeypatch):
+@pytest.mark.parametrize("K, V, fp32_block", [(3, 2, None), (5, 3, 2)])
+def test_seed_reads_are_the_formula_and_its_gradients(per_channel, K, V, fp32_block, monkeypatch):
     """o, and the gradients of q (a group of two heads), g (scalar and per channel, one entry below the floor),
     lambda and the levels under a random cotangent: the kernels against autograd through the formula in float64,
-    the key whole or in blocks of key_block columns (fp32 operands' FP32_KEY_BLOCK; the last block partial).
+    the key and value whole or in blocks of fp32_block columns (fp32 operands' FP32_BLOCK; each last block partial).
     The gradients are added to buffers that already hold values (the kernels' own), and the tokens no seeded chunk
     holds keep theirs."""
     from loglinear.ops.triton.mamba2 import seeds
 
-    if key_block is not None:
-        monkeypatch.setattr(seeds, "FP32_KEY_BLOCK", key_block)
-        assert seeds.key_block(torch.float32, K) == key_block
+    if fp32_block is not None:
+        monkeypatch.setattr(seeds, "FP32_BLOCK", fp32_block)
+        sizes = seeds.kernel_sizes(torch.float32, K, V, C)
+        assert [sizes[n] for n in ("BK", "NKB", "BV", "NVB")] == [2, 3, 2, 2]
     gen = torch.Generator().manual_seed(0)
-    H, G, V = 2, 1, 2
+    H, G = 2, 1
     chunks = first_chunks(STARTS, ENDS, POSITIONS, C, torch.device("cpu"))
     o = torch.randn(TOKENS, H, V, generator=gen)
     q = torch.randn(TOKENS, G, K, generator=gen)

@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 
 from loglinear.ops.triton.shared.intra import bit_levels
-from loglinear.ops.triton.shared.launch import launch_options
+from loglinear.ops.triton.shared.launch import launch, launch_options
 from loglinear.ops.triton.shared.streams import ChainStreams
 from loglinear.variants import Variant
 
@@ -790,7 +790,7 @@ def fused_decode_step(
     def levels_pass(BKR: int, BV: int, delta: bool, kept: bool, KB: int, partial: torch.Tensor,
                     num_levels: int) -> None:
         LG = _levels_per_program(BKR * BV * levels.element_size(), BL, delta=delta)
-        _decode_level_kernel[(N * H, triton.cdiv(V, BV) * triton.cdiv(K, BKR), triton.cdiv(num_levels, LG))](
+        launch(_decode_level_kernel, (N * H, triton.cdiv(V, BV) * triton.cdiv(K, BKR), triton.cdiv(num_levels, LG)),
             q, k, v, g, beta_arg, lam, levels, out, log_scales if lazy else g, wk, wb, wv, wg, ws, xq, positions,
             partial, o,
             float(scale), H, G, K, V, L, KB, ws_bits, lam_sn, lam_sh,
@@ -814,7 +814,7 @@ def fused_decode_step(
         xq = torch.empty(N, H, ws_bits + 1, K, dtype=acc, device=device)  # the kept levels' projected queries
         wy = torch.empty(N, H, window.size, window.size, dtype=acc, device=device)  # the turn's WY factor
         WP = max(window.size, DOT_MIN)
-        _decode_query_kernel[(N * H,)](
+        launch(_decode_query_kernel, (N * H,),
             q, k, v, g, beta_arg, lam, wk, wb, wv, wg, ws, positions, xq, wy, partial, H, G, K, V, L, KB, ws_bits,
             lam_sn, lam_sh, BK=BK, WP=WP, WP_BITS=WP.bit_length() - 1,
             BV=min(triton.next_power_of_2(V), FINISH_COLUMNS), L2NORM=l2norm_qk, ACC=acc_tl,
@@ -829,7 +829,7 @@ def fused_decode_step(
         # groups of levels as the kept pass's: short chains at a turn, few programs returning at once between turns
         BVT, LT = max(BV, DOT_MIN), _levels_per_program(BKR * BV * levels.element_size(), BL, delta=False)
         with turn.chain():
-            _decode_turn_kernel[(N * H, triton.cdiv(V, BVT), triton.cdiv(L, LT))](
+            launch(_decode_turn_kernel, (N * H, triton.cdiv(V, BVT), triton.cdiv(L, LT)),
                 q, xq, g, lam, levels, log_scales, wk, wy, positions, partial, H, G, K, V, L, KB, ws_bits, lam_sn,
                 lam_sh, BK=BK, RB=max(BKR, DOT_MIN), BV=BVT, LT=LT, WP=WP, L2NORM=l2norm_qk, ACC=acc_tl,
                 **launch_options(_decode_turn_kernel),
@@ -839,7 +839,7 @@ def fused_decode_step(
         turn.hand_over()
     if partial is not o:
         BKB, BVO = triton.next_power_of_2(KB), min(triton.next_power_of_2(V), FINISH_COLUMNS)
-        _decode_finish_kernel[(N * H, triton.cdiv(V, BVO))](
+        launch(_decode_finish_kernel, (N * H, triton.cdiv(V, BVO)),
             partial, o, k, v, g, beta_arg, log_scales if lazy else partial, wk, wb, wv, wg, ws, positions,
             float(scale), H, G, K, V, L, KB, ws_bits,
             BL=BL, LC=max(1, min(BL, FINISH_TILE // (BKB * BVO))), BKB=BKB, BVO=BVO, BK=BK, FENWICK=fenwick,

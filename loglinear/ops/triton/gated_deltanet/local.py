@@ -57,7 +57,7 @@ from loglinear.ops.triton.shared.common import alloc, group_sum, next_pow2
 from loglinear.ops.triton.shared.intra import (
     FLOOR, chunk_gates, decay_matrix, intra_levels, level_weights, store_level_sums,
 )
-from loglinear.ops.triton.shared.launch import group_parts, launch_options
+from loglinear.ops.triton.shared.launch import group_parts, launch, launch_options
 from loglinear.ops.triton.shared.rules import dot_dtype, dot_precision
 from loglinear.ops.triton.shared.tiles import load_tile, store_tile
 
@@ -480,8 +480,8 @@ def _launch(kernel, ch: Chunking, meta: dict, *tensors: torch.Tensor, chunks: tu
     """kernel over the chunks i0 .. i1 - 1 (chunks; None: all) of every head row, heads varying fastest in units of
     HP (_chunk_program)."""
     i0, i1 = chunks or (0, ch.N)
-    kernel[((i1 - i0) * ch.BH // HP,)](*tensors, **kernel_meta(kernel, dict(meta, n0=i0, NS=i1 - i0, HP=HP)),
-                                       **launch_options(kernel, fp32=meta["fp32"]))
+    launch(kernel, ((i1 - i0) * ch.BH // HP,), *tensors, **kernel_meta(kernel, dict(meta, n0=i0, NS=i1 - i0, HP=HP)),
+           **launch_options(kernel, fp32=meta["fp32"]))
 
 
 class ChunkLocal(torch.autograd.Function):
@@ -506,12 +506,12 @@ class ChunkLocal(torch.autograd.Function):
         decay = alloc((BH, ch.N), torch.float32, dev)
         meta = _meta(ch, K, V, G, L, dt, norm)
 
-        def launch(i0: int, i1: int) -> None:
+        def fill(i0: int, i1: int) -> None:
             _launch(_chunk_inverse_kernel, ch, meta, k, g, beta, tg, chunks=(i0, i1))
             _launch(_chunk_local_kernel, ch, meta, q, k, v, g, beta, g if lam is None else lam, tg, o, qt, wt, kt, u,
                     qkg, decay, chunks=(i0, i1))
 
-        launches.append(launch)
+        launches.append(fill)
         ctx.save_for_backward(q, k, v, g, beta, lam, tg, qkg, wt, u)  # wt, u: the scan keeps them anyway
         ctx.ch, ctx.dt, ctx.norm = ch, dt, norm
         return o, qt, wt, kt, u, decay
@@ -555,8 +555,8 @@ def chunk_local_segments(
     q, k, v, g, beta, lam, ch: Chunking, dtype: torch.dtype, qk_l2norm: bool = False,
 ) -> tuple[LocalOut, FillChunks]:
     """The chunk-local stage with gradients (see ChunkLocal), its kernels left to the caller: returns the outputs
-    and launch(i0, i1), which fills them for the chunks i0 .. i1 - 1 of every row, on the current stream. The
-    outputs are not filled until launch has covered every chunk (fenwick_delta_scan's produce does it, segment by
+    and fill(i0, i1), which fills them for the chunks i0 .. i1 - 1 of every row, on the current stream. The
+    outputs are not filled until fill has covered every chunk (fenwick_delta_scan's produce does it, segment by
     segment beside the chain).  q, k: [b, T, G, K]; v: [b, T, H, V]; g, beta: [b, T, H]; lam: [b, T, H, L], or None
     for a plain call (lambda = 1) (any float dtypes, contiguous); ch: their chunking; dtype sets the operand dtype
     (dot_dtype); qk_l2norm: the kernels use l2norm(q), l2norm(k) (gradients w.r.t. q, k). Outputs: o_intra

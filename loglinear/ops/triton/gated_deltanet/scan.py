@@ -71,7 +71,7 @@ import triton.language as tl
 
 from loglinear.ops.triton.gated_deltanet.chunking import FP32_DOT, Chunking, FillChunks, chunk_tokens
 from loglinear.ops.triton.shared.common import alloc, next_pow2
-from loglinear.ops.triton.shared.launch import launch_options
+from loglinear.ops.triton.shared.launch import launch, launch_options
 from loglinear.ops.triton.shared.rules import dot_precision
 from loglinear.ops.triton.shared.streams import ChainStreams
 from loglinear.ops.triton.shared.tiles import load_tile, store_tile
@@ -687,7 +687,7 @@ class FenwickDeltaScan(torch.autograd.Function):
 
         def chain(n: int) -> None:
             buf, first = snapshots(n)
-            _scan_fwd_kernel[(NV, BH)](
+            launch(_scan_fwd_kernel, (NV, BH),
                 qt, wt, kt, u, decay, lam, sched.merge, sched.lev, sched.snap_at, states, buf, o_intra, o,
                 N, J, Tp, buf.shape[1], first, ch.T, ch.front, ch.H, scale, *segments[n],
                 K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, SNAP=apart, TM=square_fits(BK, qt.dtype),
@@ -713,7 +713,7 @@ class FenwickDeltaScan(torch.autograd.Function):
             if apart:
                 streams.hand_over(upto=n)
                 buf, first = snapshots(n)
-                _scan_readout_kernel[(i1 - i0, BH)](
+                launch(_scan_readout_kernel, (i1 - i0, BH),
                     qt, lam, sched.live, sched.snap_at, buf, o_intra, o, J, Tp, buf.shape[1], first, ch.T, ch.front,
                     ch.H, scale, i0, K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec,
                     **launch_options(_scan_readout_kernel, fp32=fp32, block=BK),
@@ -755,7 +755,7 @@ class FenwickDeltaScan(torch.autograd.Function):
             dsnap = dh_snapshots(*segments[0])
         for n, (i0, i1) in enumerate(segments):
             with streams.chain():
-                _scan_dh_kernel[(NV, BH)](
+                launch(_scan_dh_kernel, (NV, BH),
                     qt, wt, kt, decay, lam, sched.merge, sched.lev, sched.snap_at, do, dstates, dsnap, do_intra,
                     N, J, Tp, dsnap.shape[1], ch.T, ch.front, ch.H, ctx.scale, i0, i1,
                     K=K, V=V, C=ch.C, BK=BK, BV=BV, PREC=prec, TM=square_fits(BK, dt),
@@ -765,12 +765,12 @@ class FenwickDeltaScan(torch.autograd.Function):
                 # soon as the segment's readers below are
                 after = dh_snapshots(*segments[n + 1]) if n + 1 < len(segments) else None
             streams.hand_over(dsnap)
-            _scan_grads_kernel[(i1 - i0, BH)](
+            launch(_scan_grads_kernel, (i1 - i0, BH),
                 wt, kt, u, sched.merge, sched.live, sched.snap_at, sched.lev, snap, dsnap, dwt, dkt, du, dd,
                 N, Tp, sched.slots, dsnap.shape[1], i0, K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec,
                 TZ=square_fits(BK, dt), **launch_options(_scan_grads_kernel, fp32=fp32, block=BK),
             )
-            _scan_readout_bwd_kernel[(i1 - i0, BH)](
+            launch(_scan_readout_bwd_kernel, (i1 - i0, BH),
                 qt, lam, sched.snap_at, sched.lev, snap, do_intra, dqt, dlam, J, Tp, sched.slots, i0,
                 K=K, V=V, C=ch.C, BK=BK, BV=BV, NV=NV, PREC=prec,
                 **launch_options(_scan_readout_bwd_kernel, fp32=fp32, block=BK),

@@ -74,7 +74,7 @@ from loglinear.ops.triton.shared.heads import min_head_dim, run_padded
 from loglinear.ops.triton.shared.intra_channel import (
     KEY_BLOCK, SUB_CHUNK, channel_cumsum_kernel, channel_dk_kernel, channel_dq_kernel, channel_scores_kernel,
 )
-from loglinear.ops.triton.shared.launch import group_parts, launch_options
+from loglinear.ops.triton.shared.launch import group_parts, launch, launch_options
 from loglinear.ops.triton.shared.levels import BLOCK_LEVELS
 from loglinear.ops.triton.shared.rules import dot_precision, kernel_chunk_size
 from loglinear.state import FenwickState
@@ -227,11 +227,11 @@ def _gate_grad(d_gate: torch.Tensor, totals: torch.Tensor, g: torch.Tensor, gate
     if NC:
         K = d_gate.shape[-1] if plan.per_channel else 1
         later, N = alloc(tuple(totals.shape), torch.float32, totals.device), table.base.numel()
-        mamba2_gate_later_kernel[(N, H)](totals, later, table.base, H=H, K=K, N=N, NC=NC, R=GATE_LATER_BLOCK,
-                                         BK=next_pow2(K), **launch_options(mamba2_gate_later_kernel))
-        mamba2_gate_grad_kernel[(NC * H,)](d_gate, later, g, gate, dg, table.starts, table.lows, table.ends, H=H, K=K,
-                                         C=plan.chunk_size, BK=next_pow2(K), PER_CHANNEL=plan.per_channel,
-                                         **launch_options(mamba2_gate_grad_kernel))
+        launch(mamba2_gate_later_kernel, (N, H), totals, later, table.base, H=H, K=K, N=N, NC=NC, R=GATE_LATER_BLOCK,
+               BK=next_pow2(K), **launch_options(mamba2_gate_later_kernel))
+        launch(mamba2_gate_grad_kernel, (NC * H,), d_gate, later, g, gate, dg, table.starts, table.lows, table.ends,
+               H=H, K=K, C=plan.chunk_size, BK=next_pow2(K), PER_CHANNEL=plan.per_channel,
+               **launch_options(mamba2_gate_grad_kernel))
     return dg
 
 
@@ -255,13 +255,13 @@ def _merge_levels(k, v, gate, levels, ranges, table: ChunkTable, plan: LevelScan
     totals = alloc(_gate_shape(plan, NC, H, k.shape[-1]), torch.float32, k.device)
     if NC and not plan.plain:  # the plain scan forms its deposits and totals itself
         rows = min(DEPOSIT_ROWS, BK)
-        mamba2_deposit_kernel[(NC * H, triton.cdiv(k.shape[-1], rows))](
+        launch(mamba2_deposit_kernel, (NC * H, triton.cdiv(k.shape[-1], rows)),
             k, v, gate, buckets, totals, table.starts, table.lows, table.ends, table.seqs, table.chunks, ranges[2],
             BK=rows, BV=BV, BB=BLOCK_LEVELS, HAS_INIT=plan.has_init, **_sizes(plan, k, v),
             **_launch(mamba2_deposit_kernel, plan, k, v),
         )
     BKS = _scan_rows(k, plan.plain)  # the plain scan multiplies (its deposits)
-    mamba2_fwd_kernel[(N, H, triton.cdiv(k.shape[-1], BKS))](
+    launch(mamba2_fwd_kernel, (N, H, triton.cdiv(k.shape[-1], BKS)),
         k, v, gate, levels, buckets, decays, totals, *ranges, table.base, H=H, G=k.shape[1], K=k.shape[-1],
         V=v.shape[-1], J=plan.num_levels, C=plan.chunk_size, BKS=BKS, BV=BV, BJ=MAX_CHUNK_LEVELS, BB=BLOCK_LEVELS,
         HAS_INIT=plan.has_init, PLAIN=plan.plain, PRECISION=dot_precision(k.dtype, FP32_DOT),
@@ -316,7 +316,7 @@ def _initial_reads(h0: torch.Tensor, q: torch.Tensor, plan: LevelScanPlan) -> tu
     held = torch.zeros(N, J, dtype=torch.int8, device=h0.device)
     converted = h0 if h0.dtype == q.dtype else alloc(tuple(h0.shape), q.dtype, h0.device)
     if J > j0:
-        mamba2_initial_reads_kernel[(N * (J - j0), triton.cdiv(H * K * V, INITIAL_READS_BLOCK))](
+        launch(mamba2_initial_reads_kernel, (N * (J - j0), triton.cdiv(H * K * V, INITIAL_READS_BLOCK)),
             h0, converted, held, j0, J, H, K, V, CONVERT=converted is not h0, BLOCK=INITIAL_READS_BLOCK,
             **launch_options(mamba2_initial_reads_kernel),
         )
@@ -332,7 +332,7 @@ def _forward(q, k, v, gate, lam, h0, o, levels, ranges, plan: LevelScanPlan) -> 
     NC, scores = table.starts.numel(), _channel_scores(q, k, gate, table, plan)
     initial = _initial_reads(h0, q, plan)
     if NC:
-        mamba2_chunk_fwd_kernel[(NC * v.shape[1],)](
+        launch(mamba2_chunk_fwd_kernel, (NC * v.shape[1],),
             q, k, v, gate, lam, o, *initial, buckets, decays, scores,
             table.starts, table.lows, table.ends, table.seqs, table.chunks, ranges[2], plan.scale, L=lam.shape[-1],
             J=plan.num_levels, LOG_C=chunk_bits(plan.chunk_size), BK=BK, BV=BV, BJ=MAX_CHUNK_LEVELS,
@@ -352,9 +352,8 @@ def _read_gate(g, plan: LevelScanPlan, report: Callable[[torch.Tensor], None] | 
         return g
     (tokens, H, K), table = g.shape, plan.chunk_table(g.device)
     cum = alloc((tokens, H, K), torch.float32, g.device)
-    channel_cumsum_kernel[(table.starts.numel(), H)](g, cum, table.starts, table.lows, table.ends, H=H, K=K,
-                                                     C=plan.chunk_size, BK=next_pow2(K),
-                                                     **launch_options(channel_cumsum_kernel))
+    launch(channel_cumsum_kernel, (table.starts.numel(), H), g, cum, table.starts, table.lows, table.ends, H=H, K=K,
+           C=plan.chunk_size, BK=next_pow2(K), **launch_options(channel_cumsum_kernel))
     if report is not None:
         report(_gate_peak(g, cum, table, plan))
     return cum
@@ -386,7 +385,7 @@ def _channel_scores(q, k, gate, table: ChunkTable, plan: LevelScanPlan) -> torch
     (tokens, H, K), C = gate.shape, plan.chunk_size
     scores = alloc((tokens, H, C), q.dtype, q.device)
     BK, KB = _key_blocks(K)
-    channel_scores_kernel[(NC * (C // SUB_CHUNK), H)](
+    launch(channel_scores_kernel, (NC * (C // SUB_CHUNK), H),
         q, k, gate, scores, table.starts, table.lows, table.ends, H=H, G=q.shape[1], K=K, C=C,
         S=SUB_CHUNK, BK=BK, KB=KB, PRECISION=dot_precision(q.dtype, FP32_DOT), **launch_options(channel_scores_kernel),
     )
@@ -406,10 +405,10 @@ def _channel_intra_grads(q, k, v, cum, lam, d_o, table: ChunkTable, plan: LevelS
     sizes = dict(H=H, G=q.shape[1], K=K, V=v.shape[-1], L=lam.shape[-1], C=C, S=SUB_CHUNK, LOG_C=chunk_bits(C),
                  BK=BK, KB=KB, BV=next_pow2(v.shape[-1]), PRECISION=dot_precision(q.dtype, FP32_DOT), PLAIN=plan.plain)
     grid = (NC * (C // SUB_CHUNK) * (BK // KB), H)
-    channel_dq_kernel[grid](q, k, v, cum, lam, d_o, dq_in, table.starts, table.lows, table.ends, plan.scale, **sizes,
-                            **launch_options(channel_dq_kernel))
-    channel_dk_kernel[grid](q, k, v, cum, lam, d_o, dk_in, table.starts, table.lows, table.ends, plan.scale, **sizes,
-                            **launch_options(channel_dk_kernel))
+    launch(channel_dq_kernel, grid, q, k, v, cum, lam, d_o, dq_in, table.starts, table.lows, table.ends, plan.scale,
+           **sizes, **launch_options(channel_dq_kernel))
+    launch(channel_dk_kernel, grid, q, k, v, cum, lam, d_o, dk_in, table.starts, table.lows, table.ends, plan.scale,
+           **sizes, **launch_options(channel_dk_kernel))
     return dq_in, dk_in
 
 
@@ -436,7 +435,7 @@ def _dq_grads(q, k, v, gate, lam, d_o, ranges, buckets, scores, saved: _Saved, p
     q_dec = alloc((tokens, H, K), q.dtype, q.device) if plan.per_channel else q  # a scalar gate: never written
     dq_in, dk_in = _channel_intra_grads(q, k, v, gate, lam, d_o, table, plan)
     if table.starts.numel():
-        mamba2_chunk_bwd_dq_kernel[(table.starts.numel() * H // HP,)](
+        launch(mamba2_chunk_bwd_dq_kernel, (table.starts.numel() * H // HP,),
             q, k, v, gate, lam, d_o, *saved.initial, buckets, saved.decays, scores, dq_in,
             table.starts, table.lows, table.ends, table.seqs, table.chunks, ranges[2], plan.scale, dq, dlam, qdq,
             q_dec, HP=HP, BL=next_pow2(L, minimum=32), BJ=MAX_CHUNK_LEVELS, J=plan.num_levels, HAS_INIT=plan.has_init,
@@ -458,7 +457,7 @@ def _initial_read_grads(q, readers, gate, lam, d_o, ranges, saved: _Saved, plan:
     shape = (N, J - j0, H, q.shape[-1], d_o.shape[-1])
     S = max(1, min(triton.cdiv(chunks, INITIAL_READERS), INITIAL_GRAD_BYTES // (4 * math.prod(shape))))
     d_init = alloc((S, *shape), torch.float32, q.device)
-    mamba2_initial_grad_kernel[(S * math.prod(shape[:3]),)](
+    launch(mamba2_initial_grad_kernel, (S * math.prod(shape[:3]),),
         readers, gate, lam, d_o, saved.decays, *ranges, table.base, table.lows, d_init, plan.scale, N=N, S=S, J0=j0,
         J=J, **_chunk_sizes(plan, q, d_o, lam), **_launch(mamba2_initial_grad_kernel, plan, q, d_o),
     )
@@ -476,13 +475,13 @@ def _deposit_grads(q, readers, gate, lam, d_o, d_levels, ranges, saved: _Saved, 
     NC, chunk = table.starts.numel(), _chunk_sizes(plan, q, d_o, lam)
     d_buckets = alloc((NC, H, q.shape[-1], d_o.shape[-1]), q.dtype, q.device)
     if NC:
-        mamba2_level_grad_kernel[(NC * H,)](
+        launch(mamba2_level_grad_kernel, (NC * H,),
             readers, gate, lam, d_o, saved.decays, table.starts, table.lows, table.ends, table.chunks, table.grad_order,
             d_buckets, plan.scale, J=J, BJ=MAX_CHUNK_LEVELS, **chunk,
             **_launch(mamba2_level_grad_kernel, plan, q, d_o),
         )
     BKS = _scan_rows(q, False)
-    mamba2_bwd_scan_kernel[(N, H, triton.cdiv(q.shape[-1], BKS))](
+    launch(mamba2_bwd_scan_kernel, (N, H, triton.cdiv(q.shape[-1], BKS)),
         saved.totals, d_levels, d_buckets, *ranges, table.base, H=H, K=q.shape[-1], V=d_o.shape[-1], J=J,
         C=plan.chunk_size, BKS=BKS, BV=chunk["BV"], BJ=MAX_CHUNK_LEVELS, BB=BLOCK_LEVELS, HAS_INIT=plan.has_init,
         PLAIN=plan.plain, PER_CHANNEL=plan.per_channel,
@@ -504,7 +503,7 @@ def _dkv_grads(q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, d_gate, final
     dv = alloc(tuple(v.shape), v.dtype, v.device)
     totals = alloc(_gate_shape(plan, NC, H, K), torch.float32, k.device)
     if NC:
-        mamba2_chunk_bwd_dkv_kernel[(NC * H // HP,)](
+        launch(mamba2_chunk_bwd_dkv_kernel, (NC * H // HP,),
             q, k, v, gate, lam, d_o, d_deposits, scores, dk_in, table.starts, table.lows, table.ends, table.seqs,
             ranges[1], final_terms, plan.scale, dk, dv, d_gate, totals, HP=HP, **_chunk_sizes(plan, q, v, lam),
             **_launch(mamba2_chunk_bwd_dkv_kernel, plan, q, v),

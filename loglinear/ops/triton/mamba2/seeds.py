@@ -45,7 +45,7 @@ from loglinear.ops.torch_chunk import route_buckets
 from loglinear.ops.triton.mamba2.chunk import FP32_DOT
 from loglinear.ops.triton.shared.common import alloc, heads_fastest, next_pow2
 from loglinear.ops.triton.shared.intra import FLOOR as GATE_FLOOR, bit_levels
-from loglinear.ops.triton.shared.launch import launch_options
+from loglinear.ops.triton.shared.launch import launch, launch_options
 from loglinear.ops.triton.shared.rules import dot_precision
 from loglinear.tables import cached_table, device_table, table_cache
 
@@ -53,22 +53,24 @@ __all__ = ["Seeds", "FirstChunks", "first_chunks", "add_seed_reads", "seed_read_
 
 FLOOR = LOG_DECAY_FLOOR[torch.float32]
 ROW_FIELDS = tl.constexpr(5)  # FirstChunks.layout's columns
-# key columns per product of fp32 operands: their tf32x3 products stage both operands' split parts in shared memory,
-# which at the whole key of 128 takes 262 KB in the backward at C = 64 (sm_90 has 227 KB; compile_sm90.py)
-FP32_KEY_BLOCK = 64
+# key and value columns per product of fp32 operands: their tf32x3 products stage both operands' split parts in
+# shared memory, which over the whole key and value of 128 takes 262 KB in the backward at C = 64 (sm_90 has 227 KB;
+# compile_sm90.py)
+FP32_BLOCK = 64
 
 
-def key_block(dtype: torch.dtype, K: int) -> int:
-    """The seeds kernels' key block BK: the whole key (padded to a power of two), at most FP32_KEY_BLOCK for fp32
-    operands."""
-    return min(next_pow2(K), FP32_KEY_BLOCK) if dtype == torch.float32 else next_pow2(K)
+def block(dtype: torch.dtype, width: int) -> int:
+    """The seeds kernels' key or value block over ``width`` columns: the whole width (padded to a power of two), at
+    most FP32_BLOCK for fp32 operands."""
+    return min(next_pow2(width), FP32_BLOCK) if dtype == torch.float32 else next_pow2(width)
 
 
-def kernel_sizes(dtype: torch.dtype, K: int, C: int) -> dict[str, int]:
-    """The seeds kernels' block sizes for operands of ``dtype``, K key columns and chunk C: the key block BK
-    (key_block), its NKB blocks and BM, the backward's columns of per-level sums (>= the c + 1 in-chunk levels)."""
-    BK = key_block(dtype, K)
-    return dict(BK=BK, NKB=triton.cdiv(K, BK), BM=next_pow2(chunk_bits(C) + 1))
+def kernel_sizes(dtype: torch.dtype, K: int, V: int, C: int) -> dict[str, int]:
+    """The seeds kernels' block sizes for operands of ``dtype``, K key and V value columns and chunk C: the key block
+    BK and value block BV (block), their numbers NKB and NVB, and BM, the backward's columns of per-level sums (>= the
+    c + 1 in-chunk levels)."""
+    BK, BV = block(dtype, K), block(dtype, V)
+    return dict(BK=BK, NKB=triton.cdiv(K, BK), BV=BV, NVB=triton.cdiv(V, BV), BM=next_pow2(chunk_bits(C) + 1))
 
 
 @dataclass
@@ -180,26 +182,28 @@ def add_rows(ptrs, x, mask):
 def seed_reads_kernel(
     o, q, g, lam, levels, layout, scale,
     H, G, K, V, L,
-    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
-    PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr, BV: tl.constexpr, NVB: tl.constexpr,
+    BL: tl.constexpr, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """o_t += scale sum_m w_t,m qt_t^T S_m (module docstring) on the held rows of seeded chunk r, head h; o:
     [tokens, H, V] (read and written in its dtype, the sum in fp32), q [tokens, G, K], g [tokens, H(, K)], lam
-    [tokens, H, L]: the call's; levels [R, M, H, K, V] fp32 (M = LOG_C + 1). The key in NKB blocks of BK columns
-    (key_block; unrolled). Grid (R * H,) (heads_fastest)."""
+    [tokens, H, L]: the call's; levels [R, M, H, K, V] fp32 (M = LOG_C + 1). The value in NVB blocks of BV columns,
+    the key in NKB blocks of BK (block; unrolled). Grid (R * H,) (heads_fastest)."""
     r, h = heads_fastest(H)
-    vv, ll = tl.arange(0, BV), tl.arange(0, BL)
+    ll = tl.arange(0, BL)
     idx, held, lev, target, kernel = seed_rows(layout, r, C, LOG_C)
-    acc = tl.zeros([C, BV], dtype=tl.float32)
-    for kb in tl.static_range(NKB):
-        kk = kb * BK + tl.arange(0, BK)
-        qc, decay, lam_rows, qt = seed_inputs(q, g, lam, idx, held, h, H, G, K, L, kk, ll, PER_CHANNEL)
-        smask = (kk[:, None] < K) & (vv[None, :] < V)
-        for m in range(LOG_C + 1):
-            state = tl.load(levels + level_offsets(r, m, h, H, K, V, kk, vv, LOG_C + 1), mask=smask, other=0.0)
-            w = seed_weight(lam_rows, ll, lev, target, kernel, m)
-            acc += w[:, None] * tl.dot(qt, state.to(qt.dtype), input_precision=PRECISION)
-    add_rows(o + (idx * H + h)[:, None] * V + vv[None, :], scale * acc, held[:, None] & (vv[None, :] < V))
+    for vb in tl.static_range(NVB):
+        vv = vb * BV + tl.arange(0, BV)
+        acc = tl.zeros([C, BV], dtype=tl.float32)
+        for kb in tl.static_range(NKB):
+            kk = kb * BK + tl.arange(0, BK)
+            qc, decay, lam_rows, qt = seed_inputs(q, g, lam, idx, held, h, H, G, K, L, kk, ll, PER_CHANNEL)
+            smask = (kk[:, None] < K) & (vv[None, :] < V)
+            for m in range(LOG_C + 1):
+                state = tl.load(levels + level_offsets(r, m, h, H, K, V, kk, vv, LOG_C + 1), mask=smask, other=0.0)
+                w = seed_weight(lam_rows, ll, lev, target, kernel, m)
+                acc += w[:, None] * tl.dot(qt, state.to(qt.dtype), input_precision=PRECISION)
+        add_rows(o + (idx * H + h)[:, None] * V + vv[None, :], scale * acc, held[:, None] & (vv[None, :] < V))
 
 
 @triton.jit(do_not_specialize=["H", "G", "L"])
@@ -207,35 +211,37 @@ def seed_reads_bwd_kernel(
     d_o, q, g, lam, levels, layout, scale,
     dq, qdq, dlam, d_levels,
     H, G, K, V, L,
-    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
-    BM: tl.constexpr, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr, BV: tl.constexpr, NVB: tl.constexpr,
+    BL: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """seed_reads_kernel's gradients (module docstring) on the held rows of seeded chunk r, head h, added in place:
     dq [tokens, H, K] (per value head, q's dtype), the gate's term q.dq [tokens, H(, K)] fp32 and dlam [tokens, H, L];
     written: d_levels [R, M, H, K, V] fp32. d_o: [tokens, H, V] contiguous. The key in NKB blocks of BK columns, each
-    block's dq, q.dq and d_levels from its own products; dw_m [C, BM] summed over the blocks before dlam is formed.
-    Grid (R * H,) (heads_fastest)."""
+    block's dq, q.dq and d_levels from its own products, summed over the value's NVB blocks of BV columns (block;
+    unrolled); dw_m [C, BM] summed over both before dlam is formed. Grid (R * H,) (heads_fastest)."""
     r, h = heads_fastest(H)
-    vv, ll, mm = tl.arange(0, BV), tl.arange(0, BL), tl.arange(0, BM)
+    ll, mm = tl.arange(0, BL), tl.arange(0, BM)
     idx, held, lev, target, kernel = seed_rows(layout, r, C, LOG_C)
-    ok = held[:, None] & (vv[None, :] < V)
-    d_t = scale * tl.load(d_o + (idx * H + h)[:, None] * V + vv[None, :], mask=ok, other=0.0).to(tl.float32)
     d_w = tl.zeros([C, BM], dtype=tl.float32)
     gate_term = tl.zeros([C], dtype=tl.float32)  # q.dq of a scalar gate, summed over the key blocks
     for kb in tl.static_range(NKB):
         kk = kb * BK + tl.arange(0, BK)
         qc, decay, lam_rows, qt = seed_inputs(q, g, lam, idx, held, h, H, G, K, L, kk, ll, PER_CHANNEL)
-        smask = (kk[:, None] < K) & (vv[None, :] < V)
         d_qt = tl.zeros([C, BK], dtype=tl.float32)
-        for m in range(LOG_C + 1):
-            offs = level_offsets(r, m, h, H, K, V, kk, vv, LOG_C + 1)
-            state = tl.load(levels + offs, mask=smask, other=0.0).to(qt.dtype)
-            w = seed_weight(lam_rows, ll, lev, target, kernel, m)
-            part = tl.sum(d_t * tl.dot(qt, state, input_precision=PRECISION), 1)
-            d_w += tl.where(mm[None, :] == m, part[:, None], 0.0)
-            u = (w[:, None] * d_t).to(qt.dtype)
-            d_qt += tl.dot(u, tl.trans(state), input_precision=PRECISION)
-            tl.store(d_levels + offs, tl.dot(tl.trans(qt), u, input_precision=PRECISION), mask=smask)
+        for vb in tl.static_range(NVB):
+            vv = vb * BV + tl.arange(0, BV)
+            ok = held[:, None] & (vv[None, :] < V)
+            d_t = scale * tl.load(d_o + (idx * H + h)[:, None] * V + vv[None, :], mask=ok, other=0.0).to(tl.float32)
+            smask = (kk[:, None] < K) & (vv[None, :] < V)
+            for m in range(LOG_C + 1):
+                offs = level_offsets(r, m, h, H, K, V, kk, vv, LOG_C + 1)
+                state = tl.load(levels + offs, mask=smask, other=0.0).to(qt.dtype)
+                w = seed_weight(lam_rows, ll, lev, target, kernel, m)
+                part = tl.sum(d_t * tl.dot(qt, state, input_precision=PRECISION), 1)
+                d_w += tl.where(mm[None, :] == m, part[:, None], 0.0)
+                u = (w[:, None] * d_t).to(qt.dtype)
+                d_qt += tl.dot(u, tl.trans(state), input_precision=PRECISION)
+                tl.store(d_levels + offs, tl.dot(tl.trans(qt), u, input_precision=PRECISION), mask=smask)
         kmask = held[:, None] & (kk[None, :] < K)
         if PER_CHANNEL:
             d_q = decay * d_qt
@@ -281,11 +287,10 @@ def _launch(kernel, tensors: tuple, q: torch.Tensor, o: torch.Tensor, lam: torch
     lam [tokens, H, L], o [tokens, H, V] the output or its gradient."""
     R, C = chunks.held.shape
     H, V = o.shape[1], o.shape[2]
-    sizes = {n: x for n, x in kernel_sizes(q.dtype, q.shape[2], C).items() if n in kernel.arg_names}
-    kernel[(R * H,)](*tensors, H=H, G=q.shape[1], K=q.shape[2], V=V, L=lam.shape[-1], C=C, LOG_C=chunk_bits(C),
-                     BV=next_pow2(V), BL=next_pow2(lam.shape[-1]), **sizes,
-                     PRECISION=dot_precision(q.dtype, FP32_DOT), PER_CHANNEL=per_channel,
-                     **launch_options(kernel))
+    sizes = {n: x for n, x in kernel_sizes(q.dtype, q.shape[2], V, C).items() if n in kernel.arg_names}
+    launch(kernel, (R * H,), *tensors, H=H, G=q.shape[1], K=q.shape[2], V=V, L=lam.shape[-1], C=C, LOG_C=chunk_bits(C),
+           BL=next_pow2(lam.shape[-1]), **sizes, PRECISION=dot_precision(q.dtype, FP32_DOT), PER_CHANNEL=per_channel,
+           **launch_options(kernel))
 
 
 def _decays(floored: torch.Tensor, held: torch.Tensor) -> torch.Tensor:

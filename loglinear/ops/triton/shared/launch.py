@@ -77,6 +77,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from loglinear.ops.triton.shared.common import alloc, interpreting
 
@@ -87,6 +88,9 @@ INTERPRETER = {"num_warps": 1, "num_stages": 1}
 WIDE_BLOCK = 128
 WIDE_STAGES = 2
 WIDE_STATE_TILE = 128 * 32  # state-tile elements above which a kernel with wide_warps takes them
+# launch(): a build over the SM's shared memory is launched again at one stage fewer (off in the tuning scripts, which
+# report a candidate that does not fit instead of timing another build under its name)
+STEP_DOWN = True
 CHUNK_PROGRAMS = 1024  # fewest programs a chunk kernel summing a group's heads is cut into (heads_per_program)
 
 
@@ -175,6 +179,23 @@ def launch_options(kernel, state_tile: int = 0, per_channel: bool = False, plain
     if block > WIDE_BLOCK:
         options["num_stages"] = min(options["num_stages"], WIDE_STAGES)
     return options
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs), kwargs holding its launch_options. A build whose pipeline stages need more shared
+    memory than the device's SM has (Triton's OutOfResources, raised when the compiled kernel is loaded, before
+    anything runs) is launched again at one stage fewer, down to one: the table's stages were tuned at the paper's
+    widths, and a wider key or value (Mamba-2's dk / dv at K = 256, V = 128; GLA's fp32 dq at K = V = 128) must
+    still run. compile_sm90.py reports the stages each build launches at."""
+    while True:
+        try:
+            kernel[grid](*args, **kwargs)
+            return
+        except OutOfResources as error:
+            stages = kwargs.get("num_stages", 1)
+            if not STEP_DOWN or stages <= 1 or error.name != "shared memory":
+                raise
+            kwargs = {**kwargs, "num_stages": stages - 1}
 
 
 def heads_per_program(rows: int, heads: int, groups: int, per_head: bool = False) -> int:
