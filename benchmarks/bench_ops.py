@@ -401,8 +401,9 @@ def _run_backend(backend: str, x: dict, cot: tuple | None, op: Callable = log_li
 
 def _compare_backends(log: Callable[[str], None], label: str, x: dict, op: Callable = log_linear_mamba2,
                       exact: bool = False, **kw) -> None:
-    """Log op's triton-vs-torch relative errors on inputs x: o, final state, every gradient (same cotangents);
-    exact: the torch path in float64 on the same (rounded) inputs, else in its fp32 compute."""
+    """Log op's triton-vs-torch relative errors on inputs x: o without gradients (o_nograd: the forward that keeps
+    no snapshots), then o, final state, every gradient (same cotangents); exact: the torch path in float64 on the
+    same (rounded) inputs, else in its fp32 compute."""
     o, st = op(**x, output_final_state=True, **kw)
     cot = (torch.randn_like(o, dtype=torch.float32), torch.randn_like(st.levels))
     o1, s1, g1, t1 = _run_backend("triton", x, cot, op, **kw)
@@ -412,7 +413,7 @@ def _compare_backends(log: Callable[[str], None], label: str, x: dict, op: Calla
         if kw.get("initial_state") is not None:
             kw = {**kw, "initial_state": kw["initial_state"].to(torch.float64)}
     o2, s2, g2, t2 = _run_backend("torch", x, cot, op, **kw)
-    errs = {"o": rel(o1, o2), "state": rel(s1, s2), **{f"d{n}": rel(g1[n], g2[n]) for n in g1}}
+    errs = {"o_nograd": rel(o, o2), "o": rel(o1, o2), "state": rel(s1, s2), **{f"d{n}": rel(g1[n], g2[n]) for n in g1}}
     log(f"{label}: rel err vs torch chunk path{' (float64)' if exact else ''} "
         + " ".join(f"{k}={v:.2e}" for k, v in errs.items()) + f"  [triton {t1:.2f}s, torch {t2:.2f}s]")
 
@@ -429,6 +430,26 @@ def check_small_heads(log: Callable[[str], None], variant: str, dtypes: list[tor
         for K, V in SMALL_HEADS[variant]:
             x = inputs(256, 64, 1, 1, K, V, dtype, seed=K + V)
             _compare_backends(log, f"small heads {variant} {dtype} T=256 B=64 H=1 K={K} V={V}", x, op, **kw)
+
+
+# (K, V) past the paper's: Mamba-2's dk / dv kernel over an SM's shared memory at two stages (launched at one), values
+# in slices (64 x 512; fla's GLA head, 256 x 512; fp32 GLA's dq kernel at one stage), Gated DeltaNet's wide-key chains
+WIDE_HEADS = {"mamba2": ((256, 128), (64, 512)), "gla": ((256, 512), (128, 128)), "gdn": ((256, 512), (192, 384))}
+
+
+def check_wide_heads(log: Callable[[str], None], variant: str, dtypes: list[torch.dtype]) -> None:
+    """Kernels vs the torch chunk path at wide heads (WIDE_HEADS; T = 3000, B = 2, H = 4, G = 2): log-linear from a
+    state inside a chunk, then plain; o (with and without gradients), state, all gradients."""
+    bench = BENCHES[variant]
+    for dtype in dtypes:
+        for K, V in WIDE_HEADS[variant]:
+            shape = f"{variant} {dtype} T=3000 B=2 H=4 G=2 K={K} V={V}"
+            x = bench.inputs(3000, 2, 4, 2, K, V, dtype, seed=K + V)
+            xs, state = continued(x, bench.op, INSIDE, **bench.op_kw)
+            _compare_backends(log, f"wide heads {shape} from a state at T - {INSIDE}", xs, bench.op,
+                              initial_state=state, **bench.op_kw)
+            x.pop("level_scales")
+            _compare_backends(log, f"wide heads plain {shape}", x, bench.op, level_scales=None, **bench.op_kw)
 
 
 def check_plain(log: Callable[[str], None], variant: str, dtypes: list[torch.dtype]) -> None:
@@ -660,6 +681,7 @@ def main(argv: list[str] | None = None) -> None:
                 check_gdn(log, args.long_T, dtypes)
             else:
                 check(log, args.variant, args.long_T, dtypes)
+            check_wide_heads(log, args.variant, dtypes)  # last: new shapes compile first (a time limit keeps the rest)
         except Exception as e:  # keep the log and go on to the timings
             log(f"check failed: {type(e).__name__}: {e}")
         finally:

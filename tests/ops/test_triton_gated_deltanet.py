@@ -245,6 +245,17 @@ def test_plain_segments_with_and_without_gradients(monkeypatch):
     assert launched == [(0, 2), (2, 4), (4, 6), (6, 7)]
 
 
+def test_wide_keys_read_out_apart_without_gradients():
+    """A forward without gradients reads out in its chain only for 16-bit keys up to 128 on the log-linear schedule
+    (that chain at key block 256 made illegal memory accesses on an H100), and on the plain schedule."""
+    cpu = torch.device("cpu")
+    ll = scan_module.schedule(gdn._merge_targets(0, 8), 4, 0, cpu)
+    plain = scan_module.schedule(gdn._plain_targets(8), 1, 0, cpu)
+    assert [scan_module.reads_apart(torch.bfloat16, ll, BK) for BK in (64, 128, 256)] == [False, False, True]
+    assert scan_module.reads_apart(torch.float32, ll, 64) and not scan_module.reads_apart(torch.float16, ll, 128)
+    assert not any(scan_module.reads_apart(dtype, plain, 256) for dtype in (torch.bfloat16, torch.float32))
+
+
 def test_varlen_with_states():
     lengths, positions = [7, 30, 1], [0, 19, 64]
     x = make_inputs(1, sum(lengths), 1, 2, K=8, V=4, start=64)

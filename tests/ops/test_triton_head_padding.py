@@ -117,6 +117,38 @@ def test_wide_heads_run_unpadded(padded_kernels):
     assert padded_kernels == []
 
 
+@pytest.mark.parametrize("variant, B, T, G, H, K, V, positions, cu", [
+    ("gla", 2, 21, 1, 2, 8, 100, [5, 32], None),  # K padded to 64: two slices of 50, each padded to 64
+    ("mamba2", 2, 21, 1, 2, 8, 150, [5, 32], None),  # three slices of 50
+    ("mamba2", 1, 40, 2, 4, 8, 70, [17, 0, 21], [0, 3, 20, 40]),  # two slices of 35, G < H, packed sequences
+])
+def test_wide_values_run_in_slices(padded_kernels, monkeypatch, variant, B, T, G, H, K, V, positions, cu):
+    """Mamba-2 / GLA values wider than the state tile the kernels take (VALUE_SLICE, here 64 x 64 elements) run in
+    equal slices, each padded where narrower than min_head_dim: o, the final state (joined along V) and every
+    gradient (summed over the slices for q, k, g, lambda) against the float64 reference."""
+    from loglinear.ops.triton.mamba2 import backend
+
+    monkeypatch.setattr(backend, "VALUE_SLICE", {4: (64 * 64, 512), 2: (64 * 64, 512)})
+    widths = []
+    kernels = backend._run_kernels
+    monkeypatch.setattr(backend, "_run_kernels", lambda inp, *a: widths.append(inp.v.shape[-1]) or kernels(inp, *a))
+    start = max(positions)
+    x = gla_inputs(B, T, G, H, K, V, start=start) if variant == "gla" else make_inputs(B, T, G, H, K, V, start=start)
+    state = _state(positions, H, K, V)
+    _compare(VARIANTS[variant], x, state, torch.tensor(cu) if cu else None)
+    n = -(-V // 64)
+    assert widths == [64] * n and padded_kernels == [(64, 64)] * n  # each slice padded to 64
+
+
+def test_value_slices_rule():
+    """The widest value slice: a state tile of 128 x 256 elements for 16-bit operands, 128 x 128 for fp32, over K
+    padded to a power of two, and at most 256 value columns (fp32: 128)."""
+    from loglinear.ops.triton.mamba2.backend import value_slice
+
+    assert [value_slice(torch.bfloat16, K) for K in (64, 128, 130, 256)] == [256, 256, 128, 128]
+    assert [value_slice(torch.float32, K) for K in (32, 64, 128, 256)] == [128, 128, 128, 64]
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_bad_inputs_still_name_the_argument(variant):
     """Validation runs before the padding: the error names the caller's argument and its shape."""

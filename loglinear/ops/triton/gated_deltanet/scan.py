@@ -32,8 +32,8 @@ steps vanish. The kernels:
                         (L2-resident: the snapshots stream past it).
                         With gradients it stores every live incoming state (operand dtype) and leaves the
                         readouts to _scan_readout_kernel (chunk-parallel, reads the snapshots); without,
-                        it reads out in the chain, but for fp32 operands (reads_apart: their snapshots
-                        then live in a ring of two segments' buffers).
+                        it reads out in the chain, but for fp32 operands and 16-bit keys wider than 128
+                        (reads_apart: their snapshots then live in a ring of two segments' buffers).
   _scan_dh_kernel       the backward's sequential chain, reverse: dh_j = d dg_j - Wm^T dg_j + qt^T Y_j
                         (Wm^T = wt^T kt once per chunk, then 2 GEMMs per live level, 1 of them on the chain;
                         wider keys: 3, wt^T (kt dg_j)), stores every live dh (operand dtype).
@@ -55,9 +55,9 @@ Both chains run in segments of SEGMENT chunks (PLAIN_SEGMENT: the plain schedule
 readouts; backward: the grads and readout backward) run on the SMs that the chain's one program per head leaves
 idle, and in the forward the producers of the chain's inputs for segment s + 1 too (``produce``: the chunk-local
 stage, local.chunk_local_segments; with or without gradients: without, the chain reads out itself and only the
-producers run beside it, but for fp32 operands on the log-linear schedule, reads_apart). The backward's dh snapshots
-exist for two segments at a time (the one the chain writes, the one the grads kernel reads), and so do a forward's
-without gradients.
+producers run beside it, but for fp32 operands and wide keys on the log-linear schedule, reads_apart). The
+backward's dh snapshots exist for two segments at a time (the one the chain writes, the one the grads kernel reads),
+and so do a forward's without gradients.
 """
 
 from __future__ import annotations
@@ -627,13 +627,17 @@ def _add_first_chunk(o: torch.Tensor, x: torch.Tensor, ch: Chunking) -> None:
     o[:, :first] = (o[:, :first].float() + rows).to(o.dtype)
 
 
-def reads_apart(operand: torch.dtype, sched: Schedule) -> bool:
+def reads_apart(operand: torch.dtype, sched: Schedule, BK: int) -> bool:
     """Does a forward without gradients read out apart from its chain (snapshots and _scan_readout_kernel, as with
-    gradients) instead of in it? For fp32 operands on the log-linear schedule: their chain that reads out itself
-    spills 1.7 KB per thread (sm_90, triton 3.6; 0.6 KB when it snapshots), and took 145.9 ms at 32K against 93.8
-    for the training forward (an H100, the paper setting); 16-bit ones read out in the chain (10.7 against 11.8 ms),
-    and so does the plain schedule's chain (its state in registers, one readout product per chunk)."""
-    return operand == torch.float32 and not sched.one
+    gradients) instead of in it? On the log-linear schedule, for fp32 operands and for key blocks BK whose Wm does
+    not fit registers (square_fits: 16-bit keys wider than 128). fp32: their chain that reads out itself spills 1.7
+    KB per thread (sm_90, triton 3.6; 0.6 KB when it snapshots), and took 145.9 ms at 32K against 93.8 for the
+    training forward (an H100, the paper setting). BK = 256: the chain that reads out itself and transitions with
+    two products made illegal memory accesses on an H100 (triton 3.6; K = 192 and 256 at any V, from the second
+    chunk on; it passes the interpreter's tests), the one that snapshots runs right. 16-bit ones up to K = 128 read
+    out in the chain (10.7 against 11.8 ms), and so does the plain schedule's chain (its state in registers, one
+    readout product per chunk)."""
+    return not sched.one and (operand == torch.float32 or not square_fits(BK, operand))
 
 
 def _snapshots(segments: list[tuple[int, int]], sched: Schedule, keep: bool, apart: bool, shape: tuple[int, int, int],
@@ -678,7 +682,7 @@ class FenwickDeltaScan(torch.autograd.Function):
         V, N, J = u.shape[-1], decay.shape[1], lam.shape[-1]
         BK, BV, NV = _blocks(K, V, qt.dtype)
         keep = ctx.needs_input_grad[:8] != (False,) * 8
-        apart = keep or reads_apart(qt.dtype, sched)
+        apart = keep or reads_apart(qt.dtype, sched, BK)
         states = h0.clone() if h0 is not None else alloc((BH, J, K, V), torch.float32, qt.device)
         o = alloc((ch.b, ch.T, ch.H, V), dtype, qt.device)
         prec, fp32 = dot_precision(qt.dtype, FP32_DOT), qt.dtype == torch.float32

@@ -70,7 +70,7 @@ from loglinear.ops.triton.mamba2.fwd import mamba2_fwd_kernel
 from loglinear.ops.triton.mamba2.seeds import (FirstChunks, Seeds, add_seed_reads, first_chunks, first_levels,
                                               seed_read_grads)
 from loglinear.ops.triton.shared.common import MAX_CHUNK_LEVELS, alloc, group_sum, interpreting, next_pow2
-from loglinear.ops.triton.shared.heads import min_head_dim, run_padded
+from loglinear.ops.triton.shared.heads import min_head_dim, run_padded, run_value_slices
 from loglinear.ops.triton.shared.intra_channel import (
     KEY_BLOCK, SUB_CHUNK, channel_cumsum_kernel, channel_dk_kernel, channel_dq_kernel, channel_scores_kernel,
 )
@@ -84,6 +84,13 @@ __all__ = ["supports", "backend", "LevelScanPlan"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_CHUNK = 64  # the kernels' chunk cap (shared.rules.kernel_chunk_size): tiles fit sm_90's shared memory
+MAX_K = 256  # wider keys run on the torch chunk path (supports)
+# by operand size, the most elements of a [K, V] state tile (K padded to a power of two) and the most value columns
+# the chunk kernels take in one call: 16-bit operands up to K = 256, V = 128 or K = 128, V = 256 (the plain dk / dv
+# kernel's [C, V] sums at V = 512 fail ptxas's register allocation), fp32 (tf32x3: split operands, twice the shared
+# memory) up to K = V = 128 or K = 256, V = 64 (GLA's plain dq kernel at K = 64, V = 256: 256 KB); wider values run
+# in slices (value_slice; sm_90 compiles: benchmarks/profiling/compile_sm90.py)
+VALUE_SLICE = {2: (128 * 256, 256), 4: (128 * 128, 128)}
 SCAN_ROWS = 16  # K rows per program of a scan whose state tile may be split
 DEPOSIT_ROWS = 128  # K rows per deposit program (its running sum and the deposit: two fp32 tiles; 64 ran slower)
 INITIAL_READS_BLOCK = 4096  # elements of the initial levels one program of mamba2_initial_reads_kernel reads
@@ -757,21 +764,34 @@ def _per_channel(inp: OpInputs) -> bool:
 
 
 def supports(inp: OpInputs) -> bool:
-    """Do the kernels take this call? bf16/fp16/fp32 q and v, on CUDA (CPU tensors under the interpreter).
-    The dispatcher (loglinear.ops.backends) sends the others (float64, CPU without TRITON_INTERPRET) to torch."""
+    """Do the kernels take this call? bf16/fp16/fp32 q and v, K <= MAX_K, on CUDA (CPU tensors under the
+    interpreter). The dispatcher (loglinear.ops.backends) sends the others (float64, K > 256, CPU without
+    TRITON_INTERPRET) to torch."""
     dtypes = inp.q.dtype in SUPPORTED_DTYPES and inp.v.dtype in SUPPORTED_DTYPES
-    return dtypes and (inp.q.device.type == "cuda" or interpreting())
+    return dtypes and inp.q.shape[-1] <= MAX_K and (inp.q.device.type == "cuda" or interpreting())
 
 
 def backend(inp: OpInputs, output_final_state: bool, chunk_size: int,
             use_qk_l2norm: bool = False) -> tuple[torch.Tensor, FenwickState | None]:
     """Backend "triton" of Mamba-2 and GLA (see loglinear.ops.backends) on inputs it supports, their log-decay
-    gate as the module docstring says; heads narrower than min_head_dim run zero-padded. use_qk_l2norm: q and k
-    are normalised here (in fp32, back to their dtype; the kernels read them as given)."""
+    gate as the module docstring says; values wider than value_slice run in slices, heads narrower than
+    min_head_dim zero-padded. use_qk_l2norm: q and k are normalised here (in fp32, back to their dtype; the kernels
+    read them as given)."""
     if use_qk_l2norm:
         inp = replace(inp, q=l2norm(inp.q.float()).to(inp.q.dtype), k=l2norm(inp.k.float()).to(inp.k.dtype))
-    minimum = min_head_dim(_kernel_dtype(inp), inp.q.device)
-    return run_padded(inp, minimum, lambda x: _run_kernels(x, output_final_state, chunk_size))
+    dtype = _kernel_dtype(inp)
+    minimum = min_head_dim(dtype, inp.q.device)
+    width = value_slice(dtype, max(inp.q.shape[-1], minimum))
+    return run_value_slices(inp, width, lambda part: run_padded(
+        part, minimum, lambda x: _run_kernels(x, output_final_state, chunk_size)))
+
+
+def value_slice(dtype: torch.dtype, K: int) -> int:
+    """The widest value slice the kernels run at with operands of ``dtype`` and K key columns: VALUE_SLICE's state-tile
+    elements over K padded to a power of two, at most its value columns (wider values run in slices:
+    run_value_slices)."""
+    elements, widest = VALUE_SLICE[dtype.itemsize]
+    return min(elements // next_pow2(K), widest)
 
 
 def chunk_cap(dtype: torch.dtype, K: int) -> int:

@@ -1,4 +1,5 @@
-"""Head padding: the kernels run narrow heads zero-padded up to the width they compute correctly at."""
+"""Head shapes the kernels run at: narrow heads zero-padded up to the width they compute correctly at (run_padded),
+wide values in slices whose state tiles fit an SM (run_value_slices)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,27 @@ def run_padded(inp: OpInputs, minimum: int, kernels: Kernels) -> tuple[torch.Ten
     if state is not None:
         state = FenwickState(state.levels[..., :K, :V].contiguous(), state.positions)
     return o[..., :V].contiguous(), state
+
+
+def run_value_slices(inp: OpInputs, width: int, kernels: Kernels) -> tuple[torch.Tensor, FenwickState | None]:
+    """kernels(inp) -> (o [B, T, H, V], final state or None) on the value columns in ceil(V / width) slices of equal
+    width (within one column), o and the final state's levels [N, L, H, K, V] joined again along V.
+
+    Exact for every variant: a value column of o and of the state depends on q, k, the gates, lambda and that column
+    of v and of the initial state alone (each variant's transition acts on the key side of the state: a decay, a
+    per-key decay, (I - beta k k^T)); the gradients of the inputs every slice reads sum over the slices through
+    autograd. Each slice runs the key-side work (q k^T, the gates' sums) again."""
+    V = inp.v.shape[-1]
+    if V <= width:
+        return kernels(inp)
+    state, n = inp.initial_state, -(-V // width)
+    outs, finals = [], []
+    for i in range(n):
+        part = slice(i * V // n, (i + 1) * V // n)
+        init = None if state is None else FenwickState(state.levels[..., part].contiguous(), state.positions)
+        o, final = kernels(dataclasses.replace(inp, v=inp.v[..., part].contiguous(), initial_state=init))
+        outs.append(o)
+        finals.append(final)
+    if finals[0] is None:
+        return torch.cat(outs, -1), None
+    return torch.cat(outs, -1), FenwickState(torch.cat([f.levels for f in finals], -1), finals[0].positions)
