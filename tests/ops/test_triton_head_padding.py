@@ -149,6 +149,20 @@ def test_value_slices_rule():
     assert [value_slice(torch.float32, K) for K in (32, 64, 128, 256)] == [128, 128, 128, 64]
 
 
+def test_keys_past_256_run_on_the_torch_path():
+    """The Mamba-2 / GLA kernels take keys up to MAX_K = 256 (the dispatcher sends wider ones to the torch path)."""
+    from loglinear.inputs import check_inputs
+    from loglinear.ops.triton.mamba2 import backend
+    from loglinear.variants import MAMBA2
+
+    def call(K):
+        x = make_inputs(1, 4, 1, 1, K, 8)
+        return check_inputs(MAMBA2, x["q"].float(), x["k"].float(), x["v"].float(), {"g": x["g"].float()},
+                            x["level_scales"].float(), None, None, None)
+
+    assert backend.supports(call(256)) and not backend.supports(call(257))
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_bad_inputs_still_name_the_argument(variant):
     """Validation runs before the padding: the error names the caller's argument and its shape."""

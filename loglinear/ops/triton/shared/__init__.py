@@ -18,8 +18,9 @@ How a variant plugs in (mamba2/ is the worked example: fwd.py, chunk.py, bwd.py 
     ``store_level_sums`` their gradient's per-level row sums, and the Mamba-2 in-chunk block and its
     gradients; intra_channel.py the in-chunk scores and products with a per-channel decay (GLA), in stable
     sub-chunks.
-  * launch.py: ``launch_options(kernel)``, num_warps / num_stages of every launch from one per-kernel table,
-    with one fixed config under TRITON_INTERPRET=1.
+  * launch.py: ``launch(kernel, grid, *args, **launch_options(kernel))``, every kernel launch: num_warps /
+    num_stages from one per-kernel table (one fixed config under TRITON_INTERPRET=1), a build over an SM's shared
+    memory launched at fewer stages.
   * rules.py: the per-variant numeric rules: ``dot_precision`` (tl.dot input_precision), ``dot_dtype``,
     ``kernel_chunk_size``.
   * heads.py: ``run_padded`` runs a backend's kernels on heads zero-padded to ``min_head_dim`` (bf16/fp16

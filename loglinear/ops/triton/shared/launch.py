@@ -1,5 +1,6 @@
 """The one launch-config rule: num_warps / num_stages (and a register cap where set) of every kernel launch, from
-one per-kernel table.
+one per-kernel table (launch_options), and the one way to launch (launch: a build over an SM's shared memory at
+fewer stages).
 
 Under TRITON_INTERPRET=1 every kernel gets one fixed config (no device queries, no autotune benchmarking on
 CPU tensors). On the GPU the table's values were tuned on an H200 (sm_90, triton 3.6; compile with
