@@ -144,12 +144,14 @@ def test_sm90_compile_refuses_what_it_would_not_build(argv, message):
     (["gla", "--decode"], 8),
     (["gdn", "--decode"], 14),
     (["gdn", "--plain", "--K", "256", "--V", "64"], 10),
+    (["gla", "--has-init", "--K", "256", "--V", "128", "--heads-per-program", "1"], 17),
 ])
 def test_sm90_compile_builds_every_kernel(argv, kernels):
     """Every kernel of a variant compiles for sm_90 with the installed triton (fp16, K = V = 32 unless argv sets
     them: plain Gated DeltaNet's chains at K = 256 fit the shared memory only at two pipeline stages; a state's build;
     --decode: the decode step's launches on each of its paths, one line each; GLA's and Gated DeltaNet's between
-    them set each flag of the decode kernels both ways where the step does, Mamba-2's are GLA's with a scalar gate):
+    them set each flag of the decode kernels both ways where the step does, Mamba-2's are GLA's with a scalar gate;
+    GLA with states at K = 256 and its widest value slice, value_slice's 128):
     the compiler checks what the interpreter, which runs the kernels' Python, does not (a loop-carried value that
     changes type, a tile whose shared memory the target lacks), so a kernel the CPU tests pass may still not build."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "profiling" / "compile_sm90.py"
