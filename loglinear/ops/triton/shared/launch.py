@@ -182,12 +182,28 @@ def launch_options(kernel, state_tile: int = 0, per_channel: bool = False, plain
     return options
 
 
+def _build(kernel, args: tuple, kwargs: dict) -> tuple:
+    """What picks a kernel's compiled build, as far as its shared memory goes: the kernel, its keyword arguments
+    (constexprs and launch options) but num_stages, and the dtypes of its tensors."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    options = tuple(sorted((k, v) for k, v in kwargs.items() if k != "num_stages" and not isinstance(v, torch.Tensor)))
+    return kernel, options, tuple(t.dtype for t in tensors)
+
+
+_STAGES: dict[tuple, int] = {}  # launch(): the stages a build stepped down to (_build), so later calls start there
+
+
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs), kwargs holding its launch_options. A build whose pipeline stages need more shared
     memory than the device's SM has (Triton's OutOfResources, raised when the compiled kernel is loaded, before
     anything runs) is launched again at one stage fewer, down to one: the table's stages were tuned at the paper's
     widths, and a wider key or value (Mamba-2's dk / dv at K = 256, V = 128; GLA's fp32 dq at K = V = 128) must
-    still run. compile_sm90.py reports the stages each build launches at."""
+    still run. The stages it ran at are kept per build (Triton raises again at every launch of a build that does not
+    fit), and later launches of that build start there. compile_sm90.py reports the stages each build launches at."""
+    if _STAGES and STEP_DOWN:  # (no key is formed until some build has stepped down)
+        stages = _STAGES.get(_build(kernel, args, kwargs))
+        if stages is not None:
+            kwargs = {**kwargs, "num_stages": min(kwargs.get("num_stages", 1), stages)}
     while True:
         try:
             kernel[grid](*args, **kwargs)
@@ -197,6 +213,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
             if not STEP_DOWN or stages <= 1 or error.name != "shared memory":
                 raise
             kwargs = {**kwargs, "num_stages": stages - 1}
+            _STAGES[_build(kernel, args, kwargs)] = stages - 1
 
 
 def heads_per_program(rows: int, heads: int, groups: int, per_head: bool = False) -> int:
