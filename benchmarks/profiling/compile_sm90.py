@@ -179,7 +179,8 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     per_channel = args.variant == "gla"
     BK, BV = triton.next_power_of_2(args.K), triton.next_power_of_2(args.V)
     C = args.chunk or mamba2.chunk_cap(dtype, args.K)
-    fwd_rows = BK if args.plain and dtype != torch.float32 else mamba2.SCAN_ROWS  # _scan_rows(k, plan.plain)
+    # the plain forward scan at the paper setting's 96 programs forms its deposits (backend._plain_forms_deposits)
+    fwd_rows = BK if args.plain and dtype != torch.float32 else mamba2.SCAN_ROWS  # _scan_rows(k, forms)
     print(f"triton {triton.__version__}, {args.variant}, {args.dtype}, K={args.K}, V={args.V}, C={C}, "
           f"plain={args.plain}, "
           f"has_init={args.has_init}, {prec}")
@@ -199,10 +200,10 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
              "{}H G K V L J{}")
     kernels = [  # (kernel, its arguments, constexprs, state tile of one program: launch_options)
         (mamba2_chunk.mamba2_deposit_kernel, "k v g buckets totals starts lows ends seqs chunks chunk0 H G K V",
-         dict(base, BK=min(mamba2.DEPOSIT_ROWS, BK), BB=BLOCK_LEVELS), 0),
+         dict(base, BK=min(mamba2.DEPOSIT_ROWS, BK), BB=0 if args.plain else BLOCK_LEVELS), 0),
         (mamba2_fwd.mamba2_fwd_kernel,
          "k v g levels buckets decays totals bos_ptr eos_ptr chunk0_ptr base_ptr H G K V J",
-         dict(scan_const, BKS=fwd_rows, BB=BLOCK_LEVELS), fwd_rows * BV),
+         dict(scan_const, BKS=fwd_rows, BB=BLOCK_LEVELS, FORMS=args.plain), fwd_rows * BV),
         (mamba2_chunk.mamba2_chunk_fwd_kernel, chunk.format("o", "", "", ""), dict(base, BJ=MAX_CHUNK_LEVELS), 0),
         (mamba2_chunk.mamba2_chunk_bwd_dq_kernel, chunk.format("do", "dq_in ", "dq dlam qdq q_dec ", ""),
          dict(base, BL=32, BJ=MAX_CHUNK_LEVELS, HP=dq_heads), 0),

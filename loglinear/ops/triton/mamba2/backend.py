@@ -92,6 +92,9 @@ MAX_K = 256  # wider keys run on the torch chunk path (supports)
 # in slices (value_slice; sm_90 compiles: benchmarks/profiling/compile_sm90.py)
 VALUE_SLICE = {2: (128 * 256, 256), 4: (128 * 128, 128)}
 SCAN_ROWS = 16  # K rows per program of a scan whose state tile may be split
+# the plain forward scan forms its deposits itself when that gives it at least this many programs (16-bit: one per
+# sequence and head); with fewer the deposit kernel forms them and the scan runs in SCAN_ROWS blocks
+PLAIN_SCAN_PROGRAMS = 64
 DEPOSIT_ROWS = 128  # K rows per deposit program (its running sum and the deposit: two fp32 tiles; 64 ran slower)
 INITIAL_READS_BLOCK = 4096  # elements of the initial levels one program of mamba2_initial_reads_kernel reads
 INITIAL_READERS = 32  # reader chunks per program of the initial levels' gradient (fewer: more segments)
@@ -200,6 +203,12 @@ def _scan_rows(q: torch.Tensor, multiplies: bool) -> int:
     return BK if multiplies and not _splits(q.dtype) else min(SCAN_ROWS, BK)
 
 
+def _plain_forms_deposits(k: torch.Tensor, N: int, H: int) -> bool:
+    """Does the plain forward scan form its deposits (fwd.py FORMS)? When its grid, N sequences x H heads x its
+    blocks of rows (_scan_rows of a scan that multiplies), has at least PLAIN_SCAN_PROGRAMS programs."""
+    return N * H * triton.cdiv(k.shape[-1], _scan_rows(k, True)) >= PLAIN_SCAN_PROGRAMS
+
+
 def _sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor) -> dict:
     """Runtime sizes and constexprs of the chunk kernels (those reading levels also take J = plan.num_levels)."""
     return dict(H=v.shape[1], G=q.shape[1], K=q.shape[-1], V=v.shape[-1], C=plan.chunk_size,
@@ -260,18 +269,19 @@ def _merge_levels(k, v, gate, levels, ranges, table: ChunkTable, plan: LevelScan
     J = plan.num_levels if not plan.plain else 0  # plain: no decays
     decays = alloc((NC, H, J, k.shape[-1]) if plan.per_channel else (NC, H, J), torch.float32, k.device)
     totals = alloc(_gate_shape(plan, NC, H, k.shape[-1]), torch.float32, k.device)
-    if NC and not plan.plain:  # the plain scan forms its deposits and totals itself
+    forms = plan.plain and _plain_forms_deposits(k, N, H)  # the plain scan forms its deposits and totals itself
+    if NC and not forms:
         rows = min(DEPOSIT_ROWS, BK)
         launch(mamba2_deposit_kernel, (NC * H, triton.cdiv(k.shape[-1], rows)),
             k, v, gate, buckets, totals, table.starts, table.lows, table.ends, table.seqs, table.chunks, ranges[2],
-            BK=rows, BV=BV, BB=BLOCK_LEVELS, HAS_INIT=plan.has_init, **_sizes(plan, k, v),
-            **_launch(mamba2_deposit_kernel, plan, k, v),
+            BK=rows, BV=BV, BB=0 if plan.plain else BLOCK_LEVELS, HAS_INIT=plan.has_init, PLAIN=plan.plain,
+            **_sizes(plan, k, v), **_launch(mamba2_deposit_kernel, plan, k, v),
         )
-    BKS = _scan_rows(k, plan.plain)  # the plain scan multiplies (its deposits)
+    BKS = _scan_rows(k, forms)  # a scan that forms the deposits multiplies
     launch(mamba2_fwd_kernel, (N, H, triton.cdiv(k.shape[-1], BKS)),
         k, v, gate, levels, buckets, decays, totals, *ranges, table.base, H=H, G=k.shape[1], K=k.shape[-1],
         V=v.shape[-1], J=plan.num_levels, C=plan.chunk_size, BKS=BKS, BV=BV, BJ=MAX_CHUNK_LEVELS, BB=BLOCK_LEVELS,
-        HAS_INIT=plan.has_init, PLAIN=plan.plain, PRECISION=dot_precision(k.dtype, FP32_DOT),
+        HAS_INIT=plan.has_init, PLAIN=plan.plain, FORMS=forms, PRECISION=dot_precision(k.dtype, FP32_DOT),
         PER_CHANNEL=plan.per_channel, **_launch(mamba2_fwd_kernel, plan, k, v, BKS * BV),
     )
     return buckets, decays, totals

@@ -332,11 +332,12 @@ def mamba2_deposit_kernel(
     k, v, g, buckets, totals, starts, lows, ends, seqs, chunks, chunk0,
     H, G, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BB: tl.constexpr, HAS_INIT: tl.constexpr,
-    PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    PRECISION: tl.constexpr, PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """What the forward scan merges, in buckets [NC, H, K, V], and every chunk's gate total for the scans
     (levels.store_total). Kernel chunk p holds D_p (chunk_deposit; nothing for a sequence's last chunk, which deposits
-    nothing), except in the blocks of 2^BB chunks whose merges below level BB this kernel does (levels.block_merged):
+    nothing, except PLAIN: into the final state), except in the blocks of 2^BB chunks whose merges below level BB this
+    kernel does (levels.block_merged; BB = 0: none, every chunk its own deposit, as the plain scan takes them):
     there the block's first chunk walks the block with the running sum A <- exp(Gl) A + D (A = the decayed sum of the
     block's deposits so far) and chunk p of the block (u = p - its first chunk) holds
 
@@ -344,8 +345,8 @@ def mamba2_deposit_kernel(
                                                                    block's sum, which the scan merges with levels >= 2)
 
     (one running sum serves blocks of up to four chunks: levels.block_merged takes BB <= 2). The forward scan merges
-    the slots and overwrites them with the merged levels. Not used by plain calls: their forward scan forms the
-    deposits and totals itself.
+    the slots and overwrites them with the merged levels. Plain calls use it when their scan does not form the
+    deposits itself (fwd.py).
     k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] (G [tokens, H, K] fp32 with PER_CHANNEL, gates()); buckets:
     [NC, H, K, V]; totals: [NC, H] ([NC, H, K]) fp32; seqs, chunks: [NC], chunk0: [N] (the chunk table).
     Grid (NC * H, cdiv(K, BK)): program (p * H + h, b) does rows b BK .. b BK + BK - 1 of the states (heads_fastest;
@@ -366,7 +367,7 @@ def mamba2_deposit_kernel(
         deposit = chunk_deposit(load_tile(k, t0, r, valid, h // (H // G), G, K, kk),
                                 load_tile(v, t0, r, valid, h, H, V, vv), Gc, Gl, PRECISION, PER_CHANNEL)
         running = row_decay(Gl, PER_CHANNEL) * running + deposit
-        if t0 + C < end:
+        if PLAIN or t0 + C < end:
             tl.store(buckets + ((ci + u) * H + h) * K * V + offs,
                      tl.where(u % 2 == 1, running, deposit).to(buckets.dtype.element_ty), mask=mask)
 

@@ -24,9 +24,11 @@ scan's fp32 buffer except as the final states.
 
 PLAIN (plain Mamba-2 / SSD, lambda = 1): one chunk level, the running state S, kept in registers; every chunk,
 the last one too, merges S <- exp(Gl) S + D_i, and buckets[i] = S is what chunk i + 1 reads (no decays: a
-bucket is read right after it is stored). The deposits are formed in the scan (one [BKS, C] x [C, BV] product
-per chunk, a chunk ahead: off the chain), so a plain call has no deposit kernel and no deposit buffer traffic; it
-records the gate totals for the backward scan itself.
+bucket is read right after it is stored). With FORMS the deposits are formed in the scan (one [BKS, C] x [C, BV]
+product per chunk, a chunk ahead: off the chain), so the call has no deposit kernel and no deposit buffer traffic,
+and the scan records the gate totals for the backward scan itself; but in 16-bit the tiles stay whole (one program
+per sequence and head), so with few of them the deposit kernel forms the deposits (every chunk's, the last one's
+too) and the scan reads them as the log-linear one does, in blocks of rows (backend._plain_forms_deposits).
 """
 
 from __future__ import annotations
@@ -54,18 +56,34 @@ def deposit_rows(k, v, g, t0, r, eos, grp, h, G, H, K, V, kk, vv, C: tl.constexp
 
 
 @triton.jit
+def plain_inputs(k, v, g, buckets, totals, i, bos, eos, base, grp, h, G, H, K, V, offs, lmask, r, kk, vv,
+                 C: tl.constexpr, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr, FORMS: tl.constexpr):
+    """PLAIN: chunk i's deposit (rows kk: [BKS, BV] fp32) and gate total, formed from k, v, g (FORMS: deposit_rows)
+    or read from the deposit kernel's slot i of buckets and totals (levels.chunk_inputs); 0 past the sequence."""
+    if FORMS:
+        deposit, Gl = deposit_rows(k, v, g, bos + i * C, r, eos, grp, h, G, H, K, V, kk, vv, C, PRECISION, PER_CHANNEL)
+    else:
+        deposit, Gl = chunk_inputs(buckets, totals, ((base + i) * H + h) * K * V, base + i, bos + i * C, r, bos, eos,
+                                   h, H, offs, lmask, kk, K, True, True, PER_CHANNEL)
+    return deposit, Gl
+
+
+@triton.jit
 def plain_chain(k, v, g, ptrs, lmask, buckets, totals, bos, eos, base, grp, h, G, H, K, V, kb, offs, r, kk, vv,
-                C: tl.constexpr, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr):
+                C: tl.constexpr, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr, FORMS: tl.constexpr):
     """PLAIN: S <- exp(Gl) S + D_i for every chunk i, in registers from the initial state at ptrs (zeros without
-    one), the deposits formed here (the next chunk's during the current one's update); buckets[i] = S (what chunk
-    i + 1 reads) and the gate totals for the backward scan; the final S back to ptrs."""
+    one), the deposits formed here or read (plain_inputs; the next chunk's during the current one's update);
+    buckets[i] = S (what chunk i + 1 reads; over its deposit), with FORMS the gate totals for the backward scan (else
+    the deposit kernel's); the final S back to ptrs."""
     state = tl.load(ptrs, mask=lmask, other=0.0)
-    deposit, Gl = deposit_rows(k, v, g, bos, r, eos, grp, h, G, H, K, V, kk, vv, C, PRECISION, PER_CHANNEL)
+    deposit, Gl = plain_inputs(k, v, g, buckets, totals, 0, bos, eos, base, grp, h, G, H, K, V, offs, lmask, r, kk, vv,
+                               C, PRECISION, PER_CHANNEL, FORMS)
     for i in range(tl.cdiv(eos - bos, C)):
-        next_deposit, next_Gl = deposit_rows(k, v, g, bos + (i + 1) * C, r, eos, grp, h, G, H, K, V, kk, vv,
-                                             C, PRECISION, PER_CHANNEL)
+        next_deposit, next_Gl = plain_inputs(k, v, g, buckets, totals, i + 1, bos, eos, base, grp, h, G, H, K, V, offs,
+                                             lmask, r, kk, vv, C, PRECISION, PER_CHANNEL, FORMS)
         state = row_decay(Gl, PER_CHANNEL) * state + deposit
-        store_total(totals, base + i, h, H, K, kk, kb == 0, Gl, PER_CHANNEL)
+        if FORMS:
+            store_total(totals, base + i, h, H, K, kk, kb == 0, Gl, PER_CHANNEL)
         tl.store(buckets + ((base + i) * H + h) * K * V + offs, state.to(buckets.dtype.element_ty), mask=lmask)
         deposit, Gl = next_deposit, next_Gl
     tl.store(ptrs, state, mask=lmask)
@@ -111,15 +129,15 @@ def mamba2_fwd_kernel(
     k, v, g, levels, buckets, decays, totals, bos_ptr, eos_ptr, chunk0_ptr, base_ptr,
     H, G, K, V, J,
     C: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr, BB: tl.constexpr, HAS_INIT: tl.constexpr,
-    PLAIN: tl.constexpr, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    PLAIN: tl.constexpr, FORMS: tl.constexpr, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     """g: [tokens, H] (G [tokens, H, K] fp32 with PER_CHANNEL, chunk.gates()); levels: [N, J, H, K, V] fp32,
-    initial chunk-level states in, final ones out; buckets: [NC, H, K, V] (q's dtype), the deposits in (PLAIN:
-    formed here from k: [tokens, G, K] and v: [tokens, H, V]), the merged levels out (every chunk but each
-    sequence's last);
+    initial chunk-level states in, final ones out; buckets: [NC, H, K, V] (q's dtype), the deposits in (PLAIN with
+    FORMS: formed here from k: [tokens, G, K] and v: [tokens, H, V]), the merged levels out (every chunk but each
+    sequence's last; PLAIN: every chunk);
     decays: [NC, H, J] ([NC, H, J, K]) fp32 out, per kernel chunk (backend.ChunkTable; not when PLAIN);
     totals: [NC, H] ([NC, H, K]) fp32, the chunks' gate totals (levels.store_total): in (the deposit kernel's), or
-    out when PLAIN;
+    out when PLAIN with FORMS;
     bos/eos/chunk0/base: [N] (base = the sequence's first kernel chunk).  Grid (N, H, cdiv(K, BKS)): row blocks
     are independent."""
     n, h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -129,7 +147,7 @@ def mamba2_fwd_kernel(
     ptrs, stride, offs, lmask = level_tile(levels, n, h, H, J, K, V, kk, vv)
     if PLAIN:
         plain_chain(k, v, g, ptrs, lmask, buckets, totals, bos, eos, base, h // (H // G), h, G, H, K, V, kb, offs, r,
-                    kk, vv, C, PRECISION, PER_CHANNEL)
+                    kk, vv, C, PRECISION, PER_CHANNEL, FORMS)
     else:
         fenwick_chain(totals, ptrs, stride, lmask, buckets, decays, bos, eos, c0, base, h, H, K, V, J, kb, offs, r, jj,
                       kk, C, BJ, BKS, BB, HAS_INIT, PER_CHANNEL)
