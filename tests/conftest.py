@@ -42,25 +42,3 @@ def no_torch_path(monkeypatch):
         raise AssertionError("the triton backend fell back to the torch path")
 
     monkeypatch.setattr(api, "torch_chunk_backend", fail)
-
-
-@pytest.fixture(params=[True, False], ids=["scan_forms_deposits", "deposit_kernel"])
-def plain_route(request, monkeypatch):
-    """Both routes of a plain Mamba-2 / GLA call's deposits (backend._plain_forms_deposits): formed in the forward
-    scan, or by the deposit kernel and read by the scan; checks after the test that the route ran (the deposit kernel
-    launched or not)."""
-    from loglinear.ops.triton.mamba2 import backend as M
-
-    forms = request.param
-    monkeypatch.setattr(M, "PLAIN_SCAN_PROGRAMS", 1 if forms else 1 << 30)
-    launched = []
-    real = M.launch
-
-    def recording(kernel, *args, **kwargs):
-        launched.append(kernel)
-        return real(kernel, *args, **kwargs)
-
-    monkeypatch.setattr(M, "launch", recording)
-    yield forms
-    assert M.mamba2_fwd_kernel in launched
-    assert (M.mamba2_deposit_kernel in launched) != forms

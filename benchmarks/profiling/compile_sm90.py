@@ -179,8 +179,6 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     per_channel = args.variant == "gla"
     BK, BV = triton.next_power_of_2(args.K), triton.next_power_of_2(args.V)
     C = args.chunk or mamba2.chunk_cap(dtype, args.K)
-    # the plain forward scan at the paper setting's 96 programs forms its deposits (backend._plain_forms_deposits)
-    fwd_rows = BK if args.plain and dtype != torch.float32 else mamba2.SCAN_ROWS  # _scan_rows(k, forms)
     print(f"triton {triton.__version__}, {args.variant}, {args.dtype}, K={args.K}, V={args.V}, C={C}, "
           f"plain={args.plain}, "
           f"has_init={args.has_init}, {prec}")
@@ -198,44 +196,43 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     bufs.update(scores=P, dq_in=P, dk_in=P, cum=f32, o=P, d_o=P, layout="*i64")
     chunk = ("q k v g lam {} h0 h0_held buckets decays scores {}starts lows ends seqs chunks chunk0 scale "
              "{}H G K V L J{}")
-    kernels = [  # (kernel, its arguments, constexprs, state tile of one program: launch_options)
+    kernels = [  # (kernel, its arguments, constexprs)
         (mamba2_chunk.mamba2_deposit_kernel, "k v g buckets totals starts lows ends seqs chunks chunk0 H G K V",
-         dict(base, BK=min(mamba2.DEPOSIT_ROWS, BK), BB=0 if args.plain else BLOCK_LEVELS), 0),
-        (mamba2_fwd.mamba2_fwd_kernel,
-         "k v g levels buckets decays totals bos_ptr eos_ptr chunk0_ptr base_ptr H G K V J",
-         dict(scan_const, BKS=fwd_rows, BB=BLOCK_LEVELS, FORMS=args.plain), fwd_rows * BV),
-        (mamba2_chunk.mamba2_chunk_fwd_kernel, chunk.format("o", "", "", ""), dict(base, BJ=MAX_CHUNK_LEVELS), 0),
+         dict(base, BK=min(mamba2.DEPOSIT_ROWS, BK), BB=0 if args.plain else BLOCK_LEVELS)),
+        (mamba2_fwd.mamba2_fwd_kernel, "levels buckets decays totals bos_ptr eos_ptr chunk0_ptr base_ptr H K V J",
+         dict(scan_const, BKS=mamba2.SCAN_ROWS, BB=BLOCK_LEVELS)),
+        (mamba2_chunk.mamba2_chunk_fwd_kernel, chunk.format("o", "", "", ""), dict(base, BJ=MAX_CHUNK_LEVELS)),
         (mamba2_chunk.mamba2_chunk_bwd_dq_kernel, chunk.format("do", "dq_in ", "dq dlam qdq q_dec ", ""),
-         dict(base, BL=32, BJ=MAX_CHUNK_LEVELS, HP=dq_heads), 0),
+         dict(base, BL=32, BJ=MAX_CHUNK_LEVELS, HP=dq_heads)),
         (mamba2_chunk.mamba2_level_grad_kernel,
          "q g lam do decays starts lows ends chunks order d_buckets scale H G K V L J",
-         dict(base, BJ=MAX_CHUNK_LEVELS), 0),
+         dict(base, BJ=MAX_CHUNK_LEVELS)),
         (mamba2_chunk.mamba2_initial_grad_kernel,
-         "q g lam do decays bos_ptr eos_ptr chunk0_ptr base_ptr lows d_init scale N S J0 H G K V L J", base, 0),
+         "q g lam do decays bos_ptr eos_ptr chunk0_ptr base_ptr lows d_init scale N S J0 H G K V L J", base),
         (mamba2_bwd.mamba2_bwd_scan_kernel, "totals d_levels d_buckets bos_ptr eos_ptr chunk0_ptr base_ptr H K V J",
-         dict(scan_const, BKS=mamba2.SCAN_ROWS, BB=BLOCK_LEVELS), mamba2.SCAN_ROWS * BV),
+         dict(scan_const, BKS=mamba2.SCAN_ROWS, BB=BLOCK_LEVELS)),
         (mamba2_chunk.mamba2_chunk_bwd_dkv_kernel,
          "q k v g lam do d_deposits scores dk_in starts lows ends seqs eos_ptr final_terms scale dk dv d_gate totals "
-         "H G K V L", base, 0),
+         "H G K V L", base),
         (mamba2_chunk.mamba2_gate_later_kernel, "totals later base_ptr H K N NC",
-         dict(base, R=mamba2.GATE_LATER_BLOCK, BK=BK if per_channel else 16), 0),
-        (mamba2_chunk.mamba2_gate_grad_kernel, "d_gate later g cum dg starts lows ends H K", base, 0),
+         dict(base, R=mamba2.GATE_LATER_BLOCK, BK=BK if per_channel else 16)),
+        (mamba2_chunk.mamba2_gate_grad_kernel, "d_gate later g cum dg starts lows ends H K", base),
     ]
     if args.has_init:  # what the chunk kernels read of the initial levels; a state inside a chunk: the seeded first
         # chunks' reads (dq per head, as the dq kernel's)
         const = dict(base, BL=16, **seeds.kernel_sizes(dtype, args.K, args.V, C))
         kernels += [
             (mamba2_chunk.mamba2_initial_reads_kernel, "levels h0 h0_held J0 J H K V",
-             dict(CONVERT=dtype != torch.float32, BLOCK=mamba2.INITIAL_READS_BLOCK), 0),
-            (seeds.seed_reads_kernel, "o q g lam levels layout scale H G K V L", const, 0),
-            (seeds.seed_reads_bwd_kernel, "d_o q g lam levels layout scale dq qdq dlam d_levels H G K V L", const, 0),
+             dict(CONVERT=dtype != torch.float32, BLOCK=mamba2.INITIAL_READS_BLOCK)),
+            (seeds.seed_reads_kernel, "o q g lam levels layout scale H G K V L", const),
+            (seeds.seed_reads_bwd_kernel, "d_o q g lam levels layout scale dq qdq dlam d_levels H G K V L", const),
         ]
     if per_channel:
         kernels += [
-            (intra_channel.channel_cumsum_kernel, "g cum starts lows ends H K", base, 0),
-            (intra_channel.channel_scores_kernel, "q k cum scores starts lows ends H G K", base, 0),
-            (intra_channel.channel_dq_kernel, "q k v cum lam do dq_in starts lows ends scale H G K V L", base, 0),
-            (intra_channel.channel_dk_kernel, "q k v cum lam do dk_in starts lows ends scale H G K V L", base, 0),
+            (intra_channel.channel_cumsum_kernel, "g cum starts lows ends H K", base),
+            (intra_channel.channel_scores_kernel, "q k cum scores starts lows ends H G K", base),
+            (intra_channel.channel_dq_kernel, "q k v cum lam do dq_in starts lows ends scale H G K V L", base),
+            (intra_channel.channel_dk_kernel, "q k v cum lam do dk_in starts lows ends scale H G K V L", base),
         ]
     # the chunk and scan kernels take the op's rule (backend._launch: the plan's path, the operands' dtype and
     # blocks), the others launch_options alone
@@ -246,11 +243,11 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
     plan = SimpleNamespace(per_channel=per_channel, plain=args.plain)
     keys, values = torch.empty(1, 1, args.K, dtype=dtype, device="meta"), torch.empty(1, 1, args.V, device="meta")
     out = []
-    for fn, names, const, tile in kernels:
+    for fn, names, const in kernels:
         const = {n: c for n, c in const.items() if n in fn.arg_names}
         sig = signature(names, P, **{n: t for n, t in {**bufs, **ptrs}.items() if n in names.split()})
-        options = (mamba2._launch(fn, plan, keys, values, tile) if fn in through_op
-                   else launch_options(fn, tile, per_channel, args.plain, dtype == torch.float32))
+        options = (mamba2._launch(fn, plan, keys, values) if fn in through_op
+                   else launch_options(fn, 0, per_channel, args.plain, dtype == torch.float32))
         out.append(report(fn, {**sig, **dict.fromkeys(const, "constexpr")}, const, ints=ints, **options))
     return out
 

@@ -40,12 +40,11 @@ from loglinear.cli import check_script_options, refuse  # noqa: E402
 from loglinear.ops.triton.shared import launch  # noqa: E402
 from loglinear.report import machine_name  # noqa: E402
 
-# the chunk kernels, the costliest first (a budget's cut drops the cheap ones); the scans (fwd.py, bwd.py) are left
-# out: their warps follow their state tile (Launch.wide_warps)
+# the chunk kernels, the costliest first (a budget's cut drops the cheap ones); the scans (fwd.py, bwd.py: no GEMM,
+# blocks of 16 state rows) are left out
 KERNELS = ("mamba2_chunk_bwd_dq_kernel", "mamba2_chunk_bwd_dkv_kernel", "mamba2_level_grad_kernel",
            "mamba2_chunk_fwd_kernel", "mamba2_deposit_kernel", "mamba2_gate_later_kernel", "mamba2_gate_grad_kernel")
 CHANNEL_KERNELS = ("channel_cumsum_kernel", "channel_scores_kernel", "channel_dq_kernel", "channel_dk_kernel")
-PLAIN_SKIPS = ("mamba2_deposit_kernel", "mamba2_level_grad_kernel")  # not run on the plain path
 CONFIGS = ((4, 1), (4, 2), (4, 3), (8, 1), (8, 2))  # (warps, stages) tried for each kernel, less the op's own
 # register caps tried on a general build at its own (warps, stages), less its own (None: ptxas's choice); 168 runs
 # three programs of 4 warps per SM (65536 registers / 384 threads, in ptxas's steps of 8)
@@ -77,19 +76,17 @@ def taken(config: launch.Launch, field: str | None) -> tuple[int, int]:
 
 def candidates(variant: str, plain: bool, fp32: bool = False) -> list[tuple[str, str | None, int, int, int | None]]:
     """(kernel, its path field, warps, stages, register cap) to try: every kernel the path runs (with a per-channel
-    gate the in-chunk ones too; the plain path has no deposit kernel and no level gradient) at each of CONFIGS but
-    its own (keeping its cap), and on the general build at each of REGISTER_CAPS but its own. fp32: the ``fp32``
-    field, which takes no cap (while unset, the op runs the general build with its cap: then its own (warps,
-    stages) without the cap is a candidate too)."""
-    names = [n for n in KERNELS + (CHANNEL_KERNELS if variant == "gla" else ())
-             if not (plain and n in PLAIN_SKIPS)]
+    gate the in-chunk ones too) at each of CONFIGS but its own (keeping its cap), and on the general build at each of
+    REGISTER_CAPS but its own. The ``fp32`` and ``plain`` fields take no cap (while one is unset, the op runs the
+    general build with its cap there: then its own (warps, stages) without the cap is a candidate too)."""
+    names = KERNELS + (CHANNEL_KERNELS if variant == "gla" else ())
     out = []
     for n in names:
         config, field = launch.LAUNCH[n], path_field(n, variant == "gla", plain, fp32)
         own, cap = taken(config, field), config.max_registers if field is None else None
         if field is None:
             out += [(n, field, *own, c) for c in REGISTER_CAPS if c != cap]
-        capped_fallback = field == "fp32" and config.fp32 is None and config.max_registers is not None
+        capped_fallback = field in ("fp32", "plain") and getattr(config, field) is None and bool(config.max_registers)
         out += [(n, field, w, s, cap) for w, s in CONFIGS if (w, s) != own or capped_fallback]
     return out
 

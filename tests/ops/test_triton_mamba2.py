@@ -90,41 +90,20 @@ def _compare_plain(x, *, state=None, cu_seqlens=None, dtype=torch.float32, tol=F
         (2, 50, 1, 2, 40, 24, 13),  # a state at an unaligned position; K, V split over programs
     ],
 )
-def test_plain_kernels_match_reference(no_torch_path, plain_route, B, T, G, H, K, V, start):
+def test_plain_kernels_match_reference(no_torch_path, B, T, G, H, K, V, start):
     """Plain Mamba-2 (level_scales None) on the one-level kernels: never the levels, never the torch path."""
     plain = torch.randn(B, 1, H, K, V, dtype=torch.float64)
     state = FenwickState(plain, torch.full((B,), start)) if start else None
     _compare_plain(mamba2_args(make_inputs(B, T, G, H, K, V)), state=state)
 
 
-def test_plain_whole_state_tiles(monkeypatch, plain_route):
-    """The plain scans as the GPU runs them at 16 bits: whole [K, V] state tiles where the forward forms the
-    deposits (it multiplies), blocks of rows where it reads them."""
-    monkeypatch.setattr(M, "_splits", lambda dtype: False)
-    plain = torch.randn(1, 1, 2, 40, 24, dtype=torch.float64)
-    _compare_plain(mamba2_args(make_inputs(1, 45, 1, 2, 40, 24)), state=FenwickState(plain, torch.tensor([21])))
-
-
-def test_plain_varlen_with_states(no_torch_path, plain_route):
+def test_plain_varlen_with_states(monkeypatch, no_torch_path):
+    """Packed sequences from states at any position; the deposit kernel's rows in programs of 16 (K = 40: three, the
+    last partly masked), every chunk's deposit (each sequence's last one goes into its final state)."""
+    monkeypatch.setattr(M, "DEPOSIT_ROWS", 16)
     cu = torch.tensor([0, 3, 40, 70])
-    state = FenwickState(torch.randn(3, 1, 2, 16, 16, dtype=torch.float64), torch.tensor([17, 0, 48]))
-    _compare_plain(mamba2_args(make_inputs(1, 70, 1, 2, 16, 16)), cu_seqlens=cu, state=state)
-
-
-def test_plain_scan_forms_deposits_with_enough_programs(monkeypatch):
-    """The rule: the plain forward scan forms its deposits when its grid has PLAIN_SCAN_PROGRAMS programs or more
-    (16-bit on the GPU: one per sequence and head; fp32: a program per SCAN_ROWS rows)."""
-    monkeypatch.setattr(M, "_splits", lambda dtype: dtype == torch.float32)
-    bf16, fp32 = torch.empty(1, 1, 128, dtype=torch.bfloat16), torch.empty(1, 1, 128)
-    assert M._plain_forms_deposits(bf16, 2, 48) and not M._plain_forms_deposits(bf16, 2, 4)
-    assert M._plain_forms_deposits(fp32, 2, 4) and not M._plain_forms_deposits(fp32, 1, 1)
-
-
-def test_whole_state_tiles(monkeypatch):
-    """The tiling the GPU uses for bf16/fp16 (one program per head, no K/V split) on K, V > 16."""
-    monkeypatch.setattr(M, "_splits", lambda dtype: False)
-    x = mamba2_args(make_inputs(1, 45, 1, 2, 40, 24, start=21))
-    _compare(x, state=_random_state(1, [21], 2, 40, 24))
+    state = FenwickState(torch.randn(3, 1, 2, 40, 24, dtype=torch.float64), torch.tensor([17, 0, 48]))
+    _compare_plain(mamba2_args(make_inputs(1, 70, 1, 2, 40, 24)), cu_seqlens=cu, state=state)
 
 
 def test_split_state_rows_with_state(no_torch_path):

@@ -91,10 +91,7 @@ MAX_K = 256  # wider keys run on the torch chunk path (supports)
 # memory) up to K = V = 128 or K = 256, V = 64 (GLA's plain dq kernel at K = 64, V = 256: 256 KB); wider values run
 # in slices (value_slice; sm_90 compiles: benchmarks/profiling/compile_sm90.py)
 VALUE_SLICE = {2: (128 * 256, 256), 4: (128 * 128, 128)}
-SCAN_ROWS = 16  # K rows per program of a scan whose state tile may be split
-# the plain forward scan forms its deposits itself when that gives it at least this many programs (16-bit: one per
-# sequence and head); with fewer the deposit kernel forms them and the scan runs in SCAN_ROWS blocks
-PLAIN_SCAN_PROGRAMS = 64
+SCAN_ROWS = 16  # K rows per program of the scans
 DEPOSIT_ROWS = 128  # K rows per deposit program (its running sum and the deposit: two fp32 tiles; 64 ran slower)
 INITIAL_READS_BLOCK = 4096  # elements of the initial levels one program of mamba2_initial_reads_kernel reads
 INITIAL_READERS = 32  # reader chunks per program of the initial levels' gradient (fewer: more segments)
@@ -181,32 +178,15 @@ def _tables(bos: tuple[int, ...], los: tuple[int, ...], eos: tuple[int, ...], ch
     return (ranges[0], ranges[1], ranges[2]), ChunkTable(*rows[: 7 * NC].view(7, NC), rows[7 * NC :])
 
 
-def _splits(dtype: torch.dtype) -> bool:
-    """May a scan that multiplies state tiles split them over programs?
-
-    fp32 (and everything under the interpreter) splits; bf16/fp16 on the GPU keep whole tiles: with
-    split [128, 32] tiles, bf16 forwards on triton 3.6 / H200 gave wrong outputs and an illegal memory
-    access (docs/kernels.md), which the whole-tile kernels did not."""
-    return dtype == torch.float32 or interpreting()
-
-
 def _blocks(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
     """The whole blocks of K and V (BK, BV)."""
     return next_pow2(q.shape[-1]), next_pow2(v.shape[-1])
 
 
-def _scan_rows(q: torch.Tensor, multiplies: bool) -> int:
-    """A scan's block of K rows: SCAN_ROWS (a chain that multiplies no tiles: many small programs over
-    contiguous rows of the [K, V] states), or all of K for one that multiplies tiles (the plain forward scan's
-    deposits) where they must stay whole (_splits)."""
-    BK = next_pow2(q.shape[-1])
-    return BK if multiplies and not _splits(q.dtype) else min(SCAN_ROWS, BK)
-
-
-def _plain_forms_deposits(k: torch.Tensor, N: int, H: int) -> bool:
-    """Does the plain forward scan form its deposits (fwd.py FORMS)? When its grid, N sequences x H heads x its
-    blocks of rows (_scan_rows of a scan that multiplies), has at least PLAIN_SCAN_PROGRAMS programs."""
-    return N * H * triton.cdiv(k.shape[-1], _scan_rows(k, True)) >= PLAIN_SCAN_PROGRAMS
+def _scan_rows(q: torch.Tensor) -> int:
+    """A scan's block of K rows: SCAN_ROWS (no scan multiplies tiles: many small programs over contiguous rows of the
+    [K, V] states)."""
+    return min(SCAN_ROWS, next_pow2(q.shape[-1]))
 
 
 def _sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor) -> dict:
@@ -215,14 +195,13 @@ def _sizes(plan: LevelScanPlan, q: torch.Tensor, v: torch.Tensor) -> dict:
                 PRECISION=dot_precision(q.dtype, FP32_DOT), PER_CHANNEL=plan.per_channel)
 
 
-def _launch(kernel, plan: LevelScanPlan, keys: torch.Tensor, values: torch.Tensor,
-            state_tile: int = 0) -> dict[str, int]:
+def _launch(kernel, plan: LevelScanPlan, keys: torch.Tensor, values: torch.Tensor) -> dict[str, int]:
     """The launch config of a Mamba-2 kernel for this plan, its operands keys [tokens, G, K] (q or k: their dtype)
     and values [tokens, H, V] (v or dO) (shared.launch.launch_options: per-channel gates take the kernels'
     ``channel`` config, the plain path their ``plain`` one, fp32 operands their ``fp32`` one; blocks of K or V above
     128 at most two stages)."""
     block = max(_blocks(keys, values))
-    return launch_options(kernel, state_tile, plan.per_channel, plan.plain, keys.dtype == torch.float32, block)
+    return launch_options(kernel, 0, plan.per_channel, plan.plain, keys.dtype == torch.float32, block)
 
 
 def _gate_shape(plan: LevelScanPlan, rows: int, H: int, K: int) -> tuple[int, ...]:
@@ -258,8 +237,8 @@ def _group_grad(x: torch.Tensor, groups: int, plan: LevelScanPlan, dtype: torch.
 
 
 def _merge_levels(k, v, gate, levels, ranges, table: ChunkTable, plan: LevelScanPlan) -> tuple[torch.Tensor, ...]:
-    """The chunks' deposits (merged inside blocks of 2^BLOCK_LEVELS chunks: levels.block_merged), then the
-    chunk-level scan merging them (levels [N, J, H, K, V] fp32: the initial
+    """The chunks' deposits (merged inside blocks of 2^BLOCK_LEVELS chunks: levels.block_merged; plain: every
+    chunk's own), then the chunk-level scan merging them (levels [N, J, H, K, V] fp32: the initial
     states in, the final ones out; gate: what the kernels read of g, _read_gate). -> buckets [NC, H, K, V]
     (k's dtype), decays [NC, H, J] ([NC, H, J, K] per channel) fp32, the chunks' gate totals [NC, H] ([NC, H, K])
     fp32 (levels.store_total: the scans read them instead of the gate)."""
@@ -269,20 +248,18 @@ def _merge_levels(k, v, gate, levels, ranges, table: ChunkTable, plan: LevelScan
     J = plan.num_levels if not plan.plain else 0  # plain: no decays
     decays = alloc((NC, H, J, k.shape[-1]) if plan.per_channel else (NC, H, J), torch.float32, k.device)
     totals = alloc(_gate_shape(plan, NC, H, k.shape[-1]), torch.float32, k.device)
-    forms = plan.plain and _plain_forms_deposits(k, N, H)  # the plain scan forms its deposits and totals itself
-    if NC and not forms:
+    if NC:
         rows = min(DEPOSIT_ROWS, BK)
         launch(mamba2_deposit_kernel, (NC * H, triton.cdiv(k.shape[-1], rows)),
             k, v, gate, buckets, totals, table.starts, table.lows, table.ends, table.seqs, table.chunks, ranges[2],
             BK=rows, BV=BV, BB=0 if plan.plain else BLOCK_LEVELS, HAS_INIT=plan.has_init, PLAIN=plan.plain,
             **_sizes(plan, k, v), **_launch(mamba2_deposit_kernel, plan, k, v),
         )
-    BKS = _scan_rows(k, forms)  # a scan that forms the deposits multiplies
+    BKS = _scan_rows(k)
     launch(mamba2_fwd_kernel, (N, H, triton.cdiv(k.shape[-1], BKS)),
-        k, v, gate, levels, buckets, decays, totals, *ranges, table.base, H=H, G=k.shape[1], K=k.shape[-1],
-        V=v.shape[-1], J=plan.num_levels, C=plan.chunk_size, BKS=BKS, BV=BV, BJ=MAX_CHUNK_LEVELS, BB=BLOCK_LEVELS,
-        HAS_INIT=plan.has_init, PLAIN=plan.plain, FORMS=forms, PRECISION=dot_precision(k.dtype, FP32_DOT),
-        PER_CHANNEL=plan.per_channel, **_launch(mamba2_fwd_kernel, plan, k, v, BKS * BV),
+        levels, buckets, decays, totals, *ranges, table.base, H=H, K=k.shape[-1], V=v.shape[-1], J=plan.num_levels,
+        C=plan.chunk_size, BKS=BKS, BV=BV, BJ=MAX_CHUNK_LEVELS, BB=BLOCK_LEVELS, HAS_INIT=plan.has_init,
+        PLAIN=plan.plain, PER_CHANNEL=plan.per_channel, **_launch(mamba2_fwd_kernel, plan, k, v),
     )
     return buckets, decays, totals
 
@@ -497,12 +474,12 @@ def _deposit_grads(q, readers, gate, lam, d_o, d_levels, ranges, saved: _Saved, 
             d_buckets, plan.scale, J=J, BJ=MAX_CHUNK_LEVELS, **chunk,
             **_launch(mamba2_level_grad_kernel, plan, q, d_o),
         )
-    BKS = _scan_rows(q, False)
+    BKS = _scan_rows(q)
     launch(mamba2_bwd_scan_kernel, (N, H, triton.cdiv(q.shape[-1], BKS)),
         saved.totals, d_levels, d_buckets, *ranges, table.base, H=H, K=q.shape[-1], V=d_o.shape[-1], J=J,
         C=plan.chunk_size, BKS=BKS, BV=chunk["BV"], BJ=MAX_CHUNK_LEVELS, BB=BLOCK_LEVELS, HAS_INIT=plan.has_init,
         PLAIN=plan.plain, PER_CHANNEL=plan.per_channel,
-        **_launch(mamba2_bwd_scan_kernel, plan, q, d_o, BKS * chunk["BV"]),
+        **_launch(mamba2_bwd_scan_kernel, plan, q, d_o),
     )
     if plan.has_init and NC:
         d_levels[:, plan.first_level :].add_(_initial_read_grads(q, readers, gate, lam, d_o, ranges, saved, plan))

@@ -345,8 +345,7 @@ def mamba2_deposit_kernel(
                                                                    block's sum, which the scan merges with levels >= 2)
 
     (one running sum serves blocks of up to four chunks: levels.block_merged takes BB <= 2). The forward scan merges
-    the slots and overwrites them with the merged levels. Plain calls use it when their scan does not form the
-    deposits itself (fwd.py).
+    the slots and overwrites them with the merged levels (PLAIN: its running state).
     k: [tokens, G, K]; v: [tokens, H, V]; g: [tokens, H] (G [tokens, H, K] fp32 with PER_CHANNEL, gates()); buckets:
     [NC, H, K, V]; totals: [NC, H] ([NC, H, K]) fp32; seqs, chunks: [NC], chunk0: [N] (the chunk table).
     Grid (NC * H, cdiv(K, BK)): program (p * H + h, b) does rows b BK .. b BK + BK - 1 of the states (heads_fastest;

@@ -24,11 +24,10 @@ scan's fp32 buffer except as the final states.
 
 PLAIN (plain Mamba-2 / SSD, lambda = 1): one chunk level, the running state S, kept in registers; every chunk,
 the last one too, merges S <- exp(Gl) S + D_i, and buckets[i] = S is what chunk i + 1 reads (no decays: a
-bucket is read right after it is stored). With FORMS the deposits are formed in the scan (one [BKS, C] x [C, BV]
-product per chunk, a chunk ahead: off the chain), so the call has no deposit kernel and no deposit buffer traffic,
-and the scan records the gate totals for the backward scan itself; but in 16-bit the tiles stay whole (one program
-per sequence and head), so with few of them the deposit kernel forms the deposits (every chunk's, the last one's
-too) and the scan reads them as the log-linear one does, in blocks of rows (backend._plain_forms_deposits).
+bucket is read right after it is stored). Its deposits come from the deposit kernel too (every chunk's, no merged
+blocks), so its chain has no GEMM either and runs in blocks of rows. Forming them in the scan instead (a [K, C] x
+[C, V] product per chunk) needs whole 16-bit state tiles (split ones hit a triton 3.6 miscompile), one program per
+sequence and head: slower at every shape timed, and 2.4x at fla's GLA head shape (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -36,56 +35,28 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loglinear.ops.triton.mamba2.chunk import chunk_deposit, gates
 from loglinear.ops.triton.shared.levels import (
     add_decay, chunk_inputs, clear_decays, flush_levels, level_tile, merge_levels, merge_target, merges_tiles,
-    no_decays, row_decay, sequence_range, store_decays, store_total,
+    no_decays, row_decay, sequence_range, store_decays,
 )
-from loglinear.ops.triton.shared.tiles import load_tile
 
 
 @triton.jit
-def deposit_rows(k, v, g, t0, r, eos, grp, h, G, H, K, V, kk, vv, C: tl.constexpr, PRECISION: tl.constexpr,
-                 PER_CHANNEL: tl.constexpr):
-    """Rows kk of the chunk at t0's deposit D (chunk.chunk_deposit) -> [BKS, BV] fp32, and its gate total Gl
-    (scalar, or [BKS] with PER_CHANNEL; rows past eos read as 0)."""
-    valid = t0 + r < eos
-    Gc, Gl = gates(g, t0 + r, valid, h, H, K, kk, PER_CHANNEL)
-    kc, vc = load_tile(k, t0, r, valid, grp, G, K, kk), load_tile(v, t0, r, valid, h, H, V, vv)
-    return chunk_deposit(kc, vc, Gc, Gl, PRECISION, PER_CHANNEL), Gl
-
-
-@triton.jit
-def plain_inputs(k, v, g, buckets, totals, i, bos, eos, base, grp, h, G, H, K, V, offs, lmask, r, kk, vv,
-                 C: tl.constexpr, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr, FORMS: tl.constexpr):
-    """PLAIN: chunk i's deposit (rows kk: [BKS, BV] fp32) and gate total, formed from k, v, g (FORMS: deposit_rows)
-    or read from the deposit kernel's slot i of buckets and totals (levels.chunk_inputs); 0 past the sequence."""
-    if FORMS:
-        deposit, Gl = deposit_rows(k, v, g, bos + i * C, r, eos, grp, h, G, H, K, V, kk, vv, C, PRECISION, PER_CHANNEL)
-    else:
-        deposit, Gl = chunk_inputs(buckets, totals, ((base + i) * H + h) * K * V, base + i, bos + i * C, r, bos, eos,
-                                   h, H, offs, lmask, kk, K, True, True, PER_CHANNEL)
-    return deposit, Gl
-
-
-@triton.jit
-def plain_chain(k, v, g, ptrs, lmask, buckets, totals, bos, eos, base, grp, h, G, H, K, V, kb, offs, r, kk, vv,
-                C: tl.constexpr, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr, FORMS: tl.constexpr):
+def plain_chain(buckets, totals, ptrs, lmask, bos, eos, base, h, H, K, V, offs, r, kk, C: tl.constexpr,
+                PER_CHANNEL: tl.constexpr):
     """PLAIN: S <- exp(Gl) S + D_i for every chunk i, in registers from the initial state at ptrs (zeros without
-    one), the deposits formed here or read (plain_inputs; the next chunk's during the current one's update);
-    buckets[i] = S (what chunk i + 1 reads; over its deposit), with FORMS the gate totals for the backward scan (else
-    the deposit kernel's); the final S back to ptrs."""
+    one), the deposits and gate totals read a chunk ahead (levels.chunk_inputs); buckets[i] = S over its deposit
+    (what chunk i + 1 reads); the final S back to ptrs."""
     state = tl.load(ptrs, mask=lmask, other=0.0)
-    deposit, Gl = plain_inputs(k, v, g, buckets, totals, 0, bos, eos, base, grp, h, G, H, K, V, offs, lmask, r, kk, vv,
-                               C, PRECISION, PER_CHANNEL, FORMS)
+    slot = (base * H + h) * K * V
+    deposit, Gl = chunk_inputs(buckets, totals, slot, base, bos, r, bos, eos, h, H, offs, lmask, kk, K, True, True,
+                               PER_CHANNEL)
     for i in range(tl.cdiv(eos - bos, C)):
-        next_deposit, next_Gl = plain_inputs(k, v, g, buckets, totals, i + 1, bos, eos, base, grp, h, G, H, K, V, offs,
-                                             lmask, r, kk, vv, C, PRECISION, PER_CHANNEL, FORMS)
+        next_deposit, next_Gl = chunk_inputs(buckets, totals, slot + H * K * V, base + i + 1, bos + (i + 1) * C, r,
+                                             bos, eos, h, H, offs, lmask, kk, K, True, True, PER_CHANNEL)
         state = row_decay(Gl, PER_CHANNEL) * state + deposit
-        if FORMS:
-            store_total(totals, base + i, h, H, K, kk, kb == 0, Gl, PER_CHANNEL)
-        tl.store(buckets + ((base + i) * H + h) * K * V + offs, state.to(buckets.dtype.element_ty), mask=lmask)
-        deposit, Gl = next_deposit, next_Gl
+        tl.store(buckets + slot + offs, state.to(buckets.dtype.element_ty), mask=lmask)
+        deposit, Gl, slot = next_deposit, next_Gl, slot + H * K * V
     tl.store(ptrs, state, mask=lmask)
 
 
@@ -124,20 +95,18 @@ def fenwick_chain(totals, ptrs, stride, lmask, buckets, decays, bos, eos, c0, ba
     flush_levels(ptrs, stride, lmask, decay, jj, J, chunk, c0, HAS_INIT, PER_CHANNEL)
 
 
-@triton.jit(do_not_specialize=["H", "G", "J"])
+@triton.jit(do_not_specialize=["H", "J"])
 def mamba2_fwd_kernel(
-    k, v, g, levels, buckets, decays, totals, bos_ptr, eos_ptr, chunk0_ptr, base_ptr,
-    H, G, K, V, J,
+    levels, buckets, decays, totals, bos_ptr, eos_ptr, chunk0_ptr, base_ptr,
+    H, K, V, J,
     C: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr, BB: tl.constexpr, HAS_INIT: tl.constexpr,
-    PLAIN: tl.constexpr, FORMS: tl.constexpr, PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    PLAIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
-    """g: [tokens, H] (G [tokens, H, K] fp32 with PER_CHANNEL, chunk.gates()); levels: [N, J, H, K, V] fp32,
-    initial chunk-level states in, final ones out; buckets: [NC, H, K, V] (q's dtype), the deposits in (PLAIN with
-    FORMS: formed here from k: [tokens, G, K] and v: [tokens, H, V]), the merged levels out (every chunk but each
-    sequence's last; PLAIN: every chunk);
+    """levels: [N, J, H, K, V] fp32, initial chunk-level states in, final ones out; buckets: [NC, H, K, V] (q's
+    dtype), the deposits in (the deposit kernel's), the merged levels out (every chunk but each sequence's last;
+    PLAIN: every chunk's state after it);
     decays: [NC, H, J] ([NC, H, J, K]) fp32 out, per kernel chunk (backend.ChunkTable; not when PLAIN);
-    totals: [NC, H] ([NC, H, K]) fp32, the chunks' gate totals (levels.store_total): in (the deposit kernel's), or
-    out when PLAIN with FORMS;
+    totals: [NC, H] ([NC, H, K]) fp32 in, the chunks' gate totals (the deposit kernel's, levels.store_total);
     bos/eos/chunk0/base: [N] (base = the sequence's first kernel chunk).  Grid (N, H, cdiv(K, BKS)): row blocks
     are independent."""
     n, h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -146,8 +115,7 @@ def mamba2_fwd_kernel(
     kk, vv, jj = kb * BKS + tl.arange(0, BKS), tl.arange(0, BV), tl.arange(0, BJ)
     ptrs, stride, offs, lmask = level_tile(levels, n, h, H, J, K, V, kk, vv)
     if PLAIN:
-        plain_chain(k, v, g, ptrs, lmask, buckets, totals, bos, eos, base, h // (H // G), h, G, H, K, V, kb, offs, r,
-                    kk, vv, C, PRECISION, PER_CHANNEL, FORMS)
+        plain_chain(buckets, totals, ptrs, lmask, bos, eos, base, h, H, K, V, offs, r, kk, C, PER_CHANNEL)
     else:
         fenwick_chain(totals, ptrs, stride, lmask, buckets, decays, bos, eos, c0, base, h, H, K, V, J, kb, offs, r, jj,
                       kk, C, BJ, BKS, BB, HAS_INIT, PER_CHANNEL)

@@ -28,8 +28,8 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
     (benchmarks/results/tune-mamba2-fp32-H100-80GB-HBM3.md: fp32 forward + backward 19.2 ms at the 16-bit
     launches; level gradient 16.7, dk / dv 17.8, dq 18.2, chunk forward 19.1, gradients equal to the bit), together
     14.2 ms. The per-channel and plain builds keep their configs in fp32.
-  * Mamba-2 scans (mamba2/fwd.py, mamba2/bwd.py): one program per (sequence, head, block of state rows);
-    4 warps up to a [128, 32] fp32 state tile, 8 above (``wide_warps``). The gate gradient's sums over later
+  * Mamba-2 scans (mamba2/fwd.py, mamba2/bwd.py): one program per (sequence, head, block of 16 state rows), 4
+    warps. The gate gradient's sums over later
     chunks (mamba2_gate_later_kernel, one program per (sequence, head)): 4 warps, not tuned (0.07 ms at 32K); so
     are the seeded first chunks' reads (mamba2/seeds.py: one wave of programs per call; the backward at 8 warps,
     252 registers without spills at bf16, K = 128, V = 64: compile_sm90.py mamba2 --has-init).
@@ -116,13 +116,13 @@ class Launch:
 LAUNCH: dict[str, Launch] = {
     # Mamba-2
     "mamba2_deposit_kernel": Launch(4, 1),
-    "mamba2_fwd_kernel": Launch(4, 2, wide_warps=8),
+    "mamba2_fwd_kernel": Launch(4, 2),
     "mamba2_chunk_fwd_kernel": Launch(4, 2, fp32=(4, 1)),
     "mamba2_chunk_bwd_dq_kernel": Launch(4, 2, fp32=(4, 1)),
     "mamba2_level_grad_kernel": Launch(4, 3, channel=(8, 1), max_registers=168, fp32=(8, 1)),
     "mamba2_initial_grad_kernel": Launch(4, 3, channel=(8, 3), max_registers=168),
     "mamba2_initial_reads_kernel": Launch(4, 1),
-    "mamba2_bwd_scan_kernel": Launch(4, 2, wide_warps=8),
+    "mamba2_bwd_scan_kernel": Launch(4, 2),
     "mamba2_chunk_bwd_dkv_kernel": Launch(4, 2, channel=(4, 1), plain=(4, 1), fp32=(4, 1)),
     "mamba2_gate_grad_kernel": Launch(4, 1),
     "mamba2_gate_later_kernel": Launch(4, 3),
