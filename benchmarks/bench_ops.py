@@ -311,6 +311,8 @@ def write_results(rows: list[dict], meta: dict, out: Path, variant: str = "mamba
                       for r in runs))
     lines = [f"# Op benchmark, {name} ({meta['gpu']})", "", f"torch {meta['torch']}, triton {meta['triton']}, {when}",
              "", meta["setting"], "", f"{meta['notes']} PYTORCH_CUDA_ALLOC_CONF: {meta.get('allocator', 'unset')}.", ""]
+    if meta.get("missing"):
+        lines += ["Not measured: " + "; ".join(meta["missing"]) + ".", ""]
     for key, title in (("fwdbwd_ms", "forward+backward, ms (median)"), ("fwd_ms", "forward, ms (median)"),
                        ("peak_gib", "peak memory of one forward+backward, GiB")):
         lines += [f"## {title}", "", "| impl | " + " | ".join(f"{t // 1024}K" for t in Ts) + " |",
@@ -348,8 +350,10 @@ def write_results(rows: list[dict], meta: dict, out: Path, variant: str = "mamba
         ax.set_ylabel("ms")
         ax.set_title(key.replace("_ms", "").replace("fwdbwd", "forward+backward").replace("fwd", "forward"))
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"{name} ops, B=2 H=48 K=128 V=64 bf16, {meta['gpu']}")
+        if ax.get_legend_handles_labels()[0]:  # (a file written before any row has none)
+            ax.legend()
+    fig.suptitle(f"{name} ops, B={SHAPE['B']} H={SHAPE['H']} G={SHAPE['G']} K={SHAPE['K']} V={SHAPE['V']} bf16, "
+                 f"{meta['gpu']}")
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)
 
@@ -728,21 +732,28 @@ def main(argv: list[str] | None = None) -> None:
         kept = merge_previous(result.with_suffix(".json"), meta, args.T) if args.merge else []
     except ValueError as e:
         refuse("bench_ops.py", str(e))
-    rows = []
-    for T in args.T:
-        for impl in args.impls:
-            if impl == "sdpa_flash" and T > args.sdpa_max_T:
-                continue
-            try:
-                row = measure(impl, T, torch.bfloat16, args.warmup, args.rep, args.variant)
-            except Exception as e:  # an impl that cannot run a size (OOM, its own limits) gets no row
-                print(f"{impl} T={T}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
-                torch.cuda.empty_cache()
-                continue
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            # after every row: a crash or a time limit later keeps what was measured
-            write_results(kept + rows, meta, result, args.variant)
+    rows, failed = [], {}
+    planned = [(impl, T) for T in args.T for impl in args.impls if not (impl == "sdpa_flash" and T > args.sdpa_max_T)]
+
+    def missing() -> list[str]:
+        """This run's rows without a measurement, and why."""
+        done = {(r["impl"], r["T"]) for r in rows}
+        return [f"{impl} at {T // 1024}K ({failed.get((impl, T), 'the run ended before it was timed')})"
+                for impl, T in planned if (impl, T) not in done]
+
+    for impl, T in planned:
+        # before every row: a crash or a time limit keeps what was measured and names what was not
+        write_results(kept + rows, {**meta, "missing": missing()}, result, args.variant)
+        try:
+            row = measure(impl, T, torch.bfloat16, args.warmup, args.rep, args.variant)
+        except Exception as e:  # an impl that cannot run a size (OOM, its own limits) gets no row
+            failed[impl, T] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            print(f"{impl} T={T}: {failed[impl, T]}", flush=True)
+            torch.cuda.empty_cache()
+            continue
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    write_results(kept + rows, {**meta, "missing": missing()}, result, args.variant)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@
 #   bash benchmarks/run_gpu.sh profile-gdn    # ~4 min: profile-gdn-<gpu>.md and profile-gdn-plain-<gpu>.md
 #                                             #   (beside fla's kernels)
 #   bash benchmarks/run_gpu.sh bench-gla      # ~7 min: ops-gla-<gpu>.* (16K-128K, against fla's chunk_gla), the profile at 32K
+#   bash benchmarks/run_gpu.sh bench-gla-wide # < 10 min: ops-gla-wide-<gpu>.* (fla's GLA head shape: 4 heads, K = 256,
+#                                             #   V = 512, at 32K; fla's chunk_gla compiles and autotunes there for
+#                                             #   over 5 min on a fresh machine)
 #   bash benchmarks/run_gpu.sh state          # ~4 min: ops-{mamba2,gdn}-state-<gpu>.* and profile-state-<gpu>.md
 #                                             #   (calls with an incoming state, and where their cost goes)
 #   bash benchmarks/run_gpu.sh packed         # ~3 min: ops-{gdn,mamba2}-packed-<gpu>.* (the same tokens as packed
@@ -50,7 +53,7 @@
 # /tmp/triton-cache (TRITON_CACHE_DIR; the cache records absolute paths, so the folder is fixed) before the part,
 # and the cache is packed back into it after the part. Unchanged kernels then load instead of compiling.
 set -u
-PART=${1:?usage: run_gpu.sh checks|bench-mamba2|bench-gdn|profile-gdn|bench-gla|state|packed|fp32|tune-mamba2|tune-gdn|train|convert-fla|decode|mqar|lm|cp-profile|multigpu [extra options]}
+PART=${1:?usage: run_gpu.sh checks|bench-mamba2|bench-gdn|profile-gdn|bench-gla|bench-gla-wide|state|packed|fp32|tune-mamba2|tune-gdn|train|convert-fla|decode|mqar|lm|cp-profile|multigpu [extra options]}
 shift
 EXTRA=("$@")
 R=${RESULTS:-/tmp/gpu-results}
@@ -137,6 +140,10 @@ case $PART in
     step 480 bench-gla python benchmarks/bench_ops.py --variant gla --impls loglinear loglinear_plain fla_gla \
       sdpa_flash --T 131072 65536 32768 16384 --sdpa-max-T 32768 --profile-T 32768 --out "$R" "${EXTRA[@]}"
     ;;
+  bench-gla-wide)  # ours first: fla's compile and autotuning at this shape take most of the part
+    step 570 bench-gla-wide python benchmarks/bench_ops.py --variant gla --impls loglinear loglinear_plain fla_gla \
+      --shape 2 4 4 256 512 --T 32768 --name ops-gla-wide --out "$R" "${EXTRA[@]}"
+    ;;
   state)  # the cost of an incoming state (a context-parallel rank's call) against the same call without one
     # expandable segments: at 128K a Gated DeltaNet call with a state comes near an 80 GB card's capacity, where the
     # default allocator's retries would be timed too
@@ -197,7 +204,7 @@ case $PART in
       --long-seq-lens 131072 262144 524288 1048576 --budget 470 --out "$R" "${EXTRA[@]}"
     ;;
   *)
-    echo "unknown part $PART (checks|bench-mamba2|bench-gdn|profile-gdn|bench-gla|state|packed|fp32|tune-mamba2|tune-gdn|train|convert-fla|decode|mqar|lm|cp-profile|multigpu)" >&2
+    echo "unknown part $PART (checks|bench-mamba2|bench-gdn|profile-gdn|bench-gla|bench-gla-wide|state|packed|fp32|tune-mamba2|tune-gdn|train|convert-fla|decode|mqar|lm|cp-profile|multigpu)" >&2
     exit 2
     ;;
 esac

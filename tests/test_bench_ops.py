@@ -123,3 +123,33 @@ def test_merge_keeps_the_other_runs_rows_and_names_each_run(bench, tmp_path):
         bench.merge_previous(path.with_suffix(".json"), dict(third, allocator="expandable_segments:True"), [8192])
     fresh = dict(third)
     assert bench.merge_previous(tmp_path / "none.json", fresh, [8192]) == [] and len(fresh["runs"]) == 1
+
+
+def test_results_name_the_rows_not_measured(bench, tmp_path, monkeypatch):
+    """main() on stubbed timings: a row whose impl raises is named with its error, and a run cut before a row (a
+    time limit: the file is written before every row) leaves a file that names the rows it did not reach; a whole
+    run names none."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "machine_name", lambda: "cpu")
+    monkeypatch.setattr(bench, "lift_fla_guard", lambda: None)
+    cut = {"at": ("fla_gla", 2048)}
+
+    def measure(impl, T, dtype, warmup, rep, variant):
+        if (impl, T) == ("fla_gla", 4096):
+            raise RuntimeError("CUDA out of memory\ndetails")
+        if (impl, T) == cut["at"]:
+            raise KeyboardInterrupt  # the run ends here
+        return {"impl": impl, "T": T, "fwd_ms": 1.0, "fwdbwd_ms": 3.0, "peak_gib": 1.0}
+
+    monkeypatch.setattr(bench, "measure", measure)
+    argv = ["--variant", "gla", "--impls", "loglinear", "fla_gla", "--T", "4096", "2048", "--out", str(tmp_path)]
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(argv)
+    md = (tmp_path / "ops-gla-cpu.md").read_text()
+    assert ("Not measured: fla_gla at 4K (RuntimeError: CUDA out of memory); fla_gla at 2K (the run ended before "
+            "it was timed).") in md
+    assert "| loglinear | 3 | 3 |" in md
+    cut["at"] = None
+    bench.main(argv)
+    md = (tmp_path / "ops-gla-cpu.md").read_text()
+    assert "Not measured: fla_gla at 4K (RuntimeError: CUDA out of memory)." in md and "| fla_gla | 3 | — |" in md
