@@ -29,10 +29,10 @@ benchmarks/profiling/compile_sm90.py, time with benchmarks/profiling/tune_gdn_lo
     launches; level gradient 16.7, dk / dv 17.8, dq 18.2, chunk forward 19.1, gradients equal to the bit), together
     14.2 ms. The per-channel and plain builds keep their configs in fp32.
   * Mamba-2 scans (mamba2/fwd.py, mamba2/bwd.py): one program per (sequence, head, block of 16 state rows), 4
-    warps. The gate gradient's sums over later
-    chunks (mamba2_gate_later_kernel, one program per (sequence, head)): 4 warps, not tuned (0.07 ms at 32K); so
-    are the seeded first chunks' reads (mamba2/seeds.py: one wave of programs per call; the backward at 8 warps,
-    252 registers without spills at bf16, K = 128, V = 64: compile_sm90.py mamba2 --has-init).
+    warps. The gate gradient's sums over later chunks (mamba2_gate_later_kernel, one program per (sequence,
+    head)): 4 warps, not tuned (0.07 ms at 32K); so are the seeded first chunks' reads (mamba2/seeds.py: one wave
+    of programs per call; the backward at 8 warps, 252 registers without spills at bf16, K = 128, V = 64:
+    compile_sm90.py mamba2 --has-init).
   * The same chunk kernels with a per-channel gate (GLA, C = 64) take 4 warps too, two programs per SM (248-255
     registers; the dq and dk / dv kernels spill 48 / 636 B; at 152 / 528 B they ran 25% / 23% faster than at 8
     warps without spills on the H200 at 32K, and over 10x faster than at 2 warps); the level gradient's readers take
