@@ -27,7 +27,7 @@ the last one too, merges S <- exp(Gl) S + D_i, and buckets[i] = S is what chunk 
 bucket is read right after it is stored). Its deposits come from the deposit kernel too (every chunk's, no merged
 blocks), so its chain has no GEMM either and runs in blocks of rows. Forming them in the scan instead (a [K, C] x
 [C, V] product per chunk) needs whole 16-bit state tiles (split ones hit a triton 3.6 miscompile), one program per
-sequence and head: slower at every shape timed, and 2.4x at fla's GLA head shape (docs/kernels.md).
+sequence and head: slower or the same at every shape timed, 2.4x at fla's GLA head shape (docs/kernels.md).
 """
 
 from __future__ import annotations
