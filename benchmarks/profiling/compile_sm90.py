@@ -247,7 +247,7 @@ def mamba2_reports(args: argparse.Namespace) -> list[str]:
         const = {n: c for n, c in const.items() if n in fn.arg_names}
         sig = signature(names, P, **{n: t for n, t in {**bufs, **ptrs}.items() if n in names.split()})
         options = (mamba2._launch(fn, plan, keys, values) if fn in through_op
-                   else launch_options(fn, 0, per_channel, args.plain, dtype == torch.float32))
+                   else launch_options(fn, per_channel=per_channel, plain=args.plain, fp32=dtype == torch.float32))
         out.append(report(fn, {**sig, **dict.fromkeys(const, "constexpr")}, const, ints=ints, **options))
     return out
 

@@ -201,7 +201,8 @@ def _launch(kernel, plan: LevelScanPlan, keys: torch.Tensor, values: torch.Tenso
     ``channel`` config, the plain path their ``plain`` one, fp32 operands their ``fp32`` one; blocks of K or V above
     128 at most two stages)."""
     block = max(_blocks(keys, values))
-    return launch_options(kernel, 0, plan.per_channel, plan.plain, keys.dtype == torch.float32, block)
+    return launch_options(kernel, per_channel=plan.per_channel, plain=plan.plain, fp32=keys.dtype == torch.float32,
+                          block=block)
 
 
 def _gate_shape(plan: LevelScanPlan, rows: int, H: int, K: int) -> tuple[int, ...]:
