@@ -4,9 +4,9 @@
 # `multigpu --parts fsdp cp_exact cp_long`).
 #
 #   bash benchmarks/run_gpu.sh checks         # Triton kernels vs the torch path (bf16, fp32), every variant, one
-#                                             #   section each, under 7-8 min each on a fresh machine (Triton
-#                                             #   compiles: `checks mamba2` 6 min on an H100, `checks gla` over 5);
-#                                             #   `checks mamba2`, `checks gdn`, `checks gla`: one variant's section
+#                                             #   section each within its step's limit (7-8 min; Triton compiles on
+#                                             #   a fresh machine: `checks mamba2` took 6 min on an H100, `checks
+#                                             #   gla` more than 5); `checks mamba2|gdn|gla`: one variant's section
 #   bash benchmarks/run_gpu.sh bench-mamba2   # ~6 min: ops-mamba2-<gpu>.* and the profile at 32K
 #   bash benchmarks/run_gpu.sh bench-gdn      # ~8-9 min: ops-gdn-<gpu>.* (8K-128K, then 2K-4K merged in)
 #   bash benchmarks/run_gpu.sh profile-gdn    # ~4 min: profile-gdn-<gpu>.md and profile-gdn-plain-<gpu>.md
