@@ -586,12 +586,12 @@ def check_gdn(log: Callable[[str], None], long_T: int, dtypes: list[torch.dtype]
 
 
 def profile(T: int, variant: str, impls: list[str], log: Callable[[str], None]) -> None:
-    """Where our forward+backward spends its time: CUDA time per kernel (torch.profiler), paper setting, for each
-    of our impls among ``impls``."""
+    """Where our forward+backward spends its time: CUDA time per kernel (torch.profiler), at the benchmark's shape
+    (the paper setting unless --shape), for each of our impls among ``impls``."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    p, bench = PAPER, BENCHES[variant]
+    p, bench = SHAPE, BENCHES[variant]
     x = bench.inputs(T, p["B"], p["H"], p["G"], p["K"], p["V"], torch.bfloat16)
     for impl in (i for i in impls if i in OUR_BACKENDS):
         fn, leaves = bench.build(impl, x, p["H"], p["G"])
@@ -611,7 +611,8 @@ def profile(T: int, variant: str, impls: list[str], log: Callable[[str], None]) 
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
-        log(f"profile {impl} T={T}, 3 x forward+backward, CUDA time by kernel:")
+        log(f"profile {impl} T={T} {' '.join(f'{n}={p[n]}' for n in 'BHGKV')}, 3 x forward+backward, "
+            f"CUDA time by kernel:")
         log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=60))
 
 
@@ -635,7 +636,8 @@ def main(argv: list[str] | None = None) -> None:
                     "for --impls loglinear loglinear_state)")
     ap.add_argument("--merge", action="store_true", help="keep the result file's rows at the T this run does not "
                     "measure (same GPU, versions and setting; the file names each run)")
-    ap.add_argument("--profile-T", type=int, default=0, help="profile our kernels at this T (0: no)")
+    ap.add_argument("--profile-T", type=int, default=0, help="profile our kernels at this T (0: no), at --shape, "
+                    "into profile-<result file stem>-<gpu>.log")
     ap.add_argument("--shape", type=int, nargs=5, metavar=("B", "H", "G", "K", "V"), default=None,
                     help="override the paper setting (B=2, H=48, G=1, K=128, V=64); sdpa_flash uses H x V")
     ap.add_argument("--chunk-size", type=int, default=None,
@@ -699,7 +701,8 @@ def main(argv: list[str] | None = None) -> None:
 
         profile(args.profile_T, args.variant, args.impls, log_line)
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / f"profile-ops-{args.variant}-{gpu}.log").write_text(f"# {command}\n" + "\n".join(log_lines) + "\n")
+        profile_log = out_dir / f"profile-{args.name or 'ops-' + args.variant}-{gpu}.log"
+        profile_log.write_text(f"# {command}\n" + "\n".join(log_lines) + "\n")
     if args.no_bench:
         return
     lifted = False

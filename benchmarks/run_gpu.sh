@@ -12,9 +12,10 @@
 #   bash benchmarks/run_gpu.sh profile-gdn    # ~4 min: profile-gdn-<gpu>.md and profile-gdn-plain-<gpu>.md
 #                                             #   (beside fla's kernels)
 #   bash benchmarks/run_gpu.sh bench-gla      # ~7 min: ops-gla-<gpu>.* (16K-128K, against fla's chunk_gla), the profile at 32K
-#   bash benchmarks/run_gpu.sh bench-gla-wide # < 10 min: ops-gla-wide-<gpu>.* (fla's GLA head shape: 4 heads, K = 256,
-#                                             #   V = 512, at 32K; fla's chunk_gla compiles and autotunes there for
-#                                             #   over 5 min on a fresh machine)
+#   bash benchmarks/run_gpu.sh bench-gla-wide # < 10 min (8 on an H100): ops-gla-wide-<gpu>.* and the profile,
+#                                             #   profile-ops-gla-wide-<gpu>.log (fla's GLA head shape: 4 heads,
+#                                             #   K = 256, V = 512, at 32K; fla's chunk_gla compiles and autotunes
+#                                             #   there for over 5 min on a fresh machine)
 #   bash benchmarks/run_gpu.sh state          # ~4 min: ops-{mamba2,gdn}-state-<gpu>.* and profile-state-<gpu>.md
 #                                             #   (calls with an incoming state, and where their cost goes)
 #   bash benchmarks/run_gpu.sh packed         # ~3 min: ops-{gdn,mamba2}-packed-<gpu>.* (the same tokens as packed
@@ -143,7 +144,7 @@ case $PART in
     ;;
   bench-gla-wide)  # ours first: fla's compile and autotuning at this shape take most of the part
     step 570 bench-gla-wide python benchmarks/bench_ops.py --variant gla --impls loglinear loglinear_plain fla_gla \
-      --shape 2 4 4 256 512 --T 32768 --name ops-gla-wide --out "$R" "${EXTRA[@]}"
+      --shape 2 4 4 256 512 --T 32768 --profile-T 32768 --name ops-gla-wide --out "$R" "${EXTRA[@]}"
     ;;
   state)  # the cost of an incoming state (a context-parallel rank's call) against the same call without one
     # expandable segments: at 128K a Gated DeltaNet call with a state comes near an 80 GB card's capacity, where the
