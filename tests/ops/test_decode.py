@@ -290,11 +290,11 @@ def test_lazy_levels_over_consecutive_steps(impl, variant, dtype, tiling):
         assert not log_scales[rewritten].any(), "a rewritten level's log-scale did not restart at 0"
 
 
-@pytest.mark.parametrize("impl,rows,dtype", [
-    ("torch", None, torch.float64), ("torch", None, torch.bfloat16), ("triton", 32, torch.float64),
-    ("triton", 32, torch.bfloat16), ("triton", 4, torch.float64),
-], ids=["torch-float64", "torch-bfloat16", "triton-rows32-float64", "triton-rows32-bfloat16", "triton-rows4-float64"])
-@pytest.mark.parametrize("size", [2, 8])
+@pytest.mark.parametrize("impl,rows,dtype,size", [
+    *[(*case, size) for size in (2, 8) for case in (("torch", None, torch.float64), ("torch", None, torch.bfloat16),
+                                                    ("triton", 32, torch.float64), ("triton", 32, torch.bfloat16))],
+    ("triton", 4, torch.float64, 2),  # partial row blocks (the window's turns at size 8: the cases above)
+], ids=lambda x: str(x).removeprefix("torch."))
 def test_lazy_delta_rule_over_consecutive_steps(monkeypatch, impl, rows, dtype, size):
     """The delta rule's lazy levels (log_scales and a KeyWindow of ``size`` tokens, in place) against the step that
     rewrites every level, over consecutive steps across carries and the window's turns, from exact states at three
