@@ -666,6 +666,7 @@ def main(argv: list[str] | None = None) -> None:
         refuse("bench_ops.py", "needs a CUDA GPU (it times the kernels and fla's on one); none is visible")
     gpu = machine_name()
     out_dir = Path(args.out)
+    stem = args.name or f"ops-{args.variant}"  # the result files' name, and the profile's
     command = "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:]))
     if args.check:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -701,8 +702,7 @@ def main(argv: list[str] | None = None) -> None:
 
         profile(args.profile_T, args.variant, args.impls, log_line)
         out_dir.mkdir(parents=True, exist_ok=True)
-        profile_log = out_dir / f"profile-{args.name or 'ops-' + args.variant}-{gpu}.log"
-        profile_log.write_text(f"# {command}\n" + "\n".join(log_lines) + "\n")
+        (out_dir / f"profile-{stem}-{gpu}.log").write_text(f"# {command}\n" + "\n".join(log_lines) + "\n")
     if args.no_bench:
         return
     lifted = False
@@ -730,7 +730,7 @@ def main(argv: list[str] | None = None) -> None:
                    + "Median of triton.testing.do_bench.",
         "notes": notes, "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "unset",
     }
-    result = out_dir / f"{args.name or 'ops-' + args.variant}-{gpu}"
+    result = out_dir / f"{stem}-{gpu}"
     try:
         kept = merge_previous(result.with_suffix(".json"), meta, args.T) if args.merge else []
     except ValueError as e:
